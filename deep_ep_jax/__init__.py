@@ -1,0 +1,37 @@
+"""deep_ep_jax: DeepEP's expert-parallel dispatch and combine for JAX.
+
+    from deep_ep_jax import Buffer, dispatch, combine
+
+All operations run per rank inside `jax.shard_map` over the buffer's axis.
+"""
+
+from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.config import Config
+from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
+from deep_ep_jax.low_latency import (
+    low_latency_combine,
+    low_latency_combine_recv,
+    low_latency_combine_send,
+    low_latency_dispatch,
+    low_latency_dispatch_recv,
+    low_latency_dispatch_send,
+)
+from deep_ep_jax.normal import combine, dispatch, get_dispatch_layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Buffer",
+    "Config",
+    "DispatchHandle",
+    "LowLatencyHandle",
+    "combine",
+    "dispatch",
+    "get_dispatch_layout",
+    "low_latency_combine",
+    "low_latency_combine_recv",
+    "low_latency_combine_send",
+    "low_latency_dispatch",
+    "low_latency_dispatch_recv",
+    "low_latency_dispatch_send",
+]

@@ -1,0 +1,300 @@
+"""The reference backend: the contract of DESIGN.md section 1 in pure JAX.
+
+It is the oracle for the CUDA kernels and the XLA baseline in benchmarks, so
+it is written the way plain XLA runs fastest: fixed-capacity
+`lax.all_to_all` exchanges (one slot per (destination rank, token)) with
+gathers on both sides, no scatters of rows, no sorting. Every function runs
+per rank inside `shard_map` (see `deep_ep_jax.backends` for the interface).
+
+Summation order is part of the contract, so sums over ranks (combine) and
+over top-k slots (low-latency combine) are written as explicit left-to-right
+float32 loops starting from 0.0, which the CUDA kernels reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # channels per FP8 scale
+
+
+# --------------------------------------------------------------------------
+# Layout
+
+
+def get_dispatch_layout(topk_idx, *, num_experts, buffer):
+    num_ranks = buffer.num_ranks
+    experts_per_rank = num_experts // num_ranks
+    valid = topk_idx >= 0
+    rank_of = jnp.where(valid, topk_idx // experts_per_rank, -1)
+    is_token_in_rank = (rank_of[:, :, None] == jnp.arange(num_ranks, dtype=jnp.int32)).any(axis=1)
+    num_tokens_per_rank = is_token_in_rank.sum(axis=0, dtype=jnp.int32)
+    expert_or_sink = jnp.where(valid, topk_idx, num_experts).reshape(-1)
+    num_tokens_per_expert = jnp.bincount(expert_or_sink, length=num_experts + 1)[:num_experts]
+    return num_tokens_per_rank, num_tokens_per_expert.astype(jnp.int32), is_token_in_rank
+
+
+def _send_order(is_token_in_rank):
+    """Position of each token among those sent to a rank, and the inverse:
+    order[r, j] = index of the j-th token sent to rank r (0 where unused)."""
+    num_tokens, num_ranks = is_token_in_rank.shape
+    pos_in_dest = jnp.cumsum(is_token_in_rank, axis=0, dtype=jnp.int32) - 1
+    dest = jnp.where(is_token_in_rank, jnp.arange(num_ranks, dtype=jnp.int32)[None, :], num_ranks)
+    tokens = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], dest.shape)
+    order = jnp.zeros((num_ranks, num_tokens), jnp.int32).at[dest, pos_in_dest].set(tokens, mode="drop")
+    return pos_in_dest, order
+
+
+def _recv_slots(rank_prefix_matrix, rank, num_rows, num_tokens):
+    """For each output row: its slot in the all_to_all result [R * T] (rows
+    from source s are the first counts[s] slots of block s), its source rank,
+    and whether it is valid."""
+    ends = rank_prefix_matrix[:, rank]  # inclusive prefix over source ranks
+    starts = ends - jnp.diff(ends, prepend=0)
+    rows = jnp.arange(num_rows, dtype=jnp.int32)
+    src_rank = jnp.searchsorted(ends, rows, side="right").astype(jnp.int32)
+    valid = rows < ends[-1]
+    src_rank = jnp.where(valid, src_rank, 0)
+    slot = src_rank * num_tokens + rows - starts[src_rank]
+    return jnp.where(valid, slot, 0), jnp.where(valid, src_rank, -1), valid
+
+
+def _exchange(tree, axis_name):
+    """all_to_all of [R, ...] blocks: block r goes to rank r."""
+    return jax.tree.map(lambda a: lax.all_to_all(a, axis_name, 0, 0), tree)
+
+
+def _as_bits(a):
+    # float8 all_to_all is not supported on every platform; move the bytes.
+    return lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 and a.dtype != jnp.uint8 else a
+
+
+def _from_bits(a, dtype):
+    return lax.bitcast_convert_type(a, dtype) if a.dtype != dtype else a
+
+
+def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
+    """Send rows along a layout: slot [r, j] carries token order[r, j]."""
+    num_ranks = buffer.num_ranks
+    num_tokens = handle.is_token_in_rank.shape[0]
+    num_rows = handle.recv_src_idx.shape[0]
+    rank = lax.axis_index(buffer.axis_name)
+    payload = {"xs": tuple(_as_bits(x)[order] for x in xs)}
+    if topk_idx is not None:
+        experts_per_rank = handle.num_recv_tokens_per_expert.shape[0]
+        local = topk_idx[None, :, :] - (jnp.arange(num_ranks, dtype=jnp.int32) * experts_per_rank)[:, None, None]
+        on_rank = (topk_idx[None] >= 0) & (local >= 0) & (local < experts_per_rank)
+        local = jnp.where(on_rank, local, -1)  # [R, T, K]
+        payload["idx"] = jnp.take_along_axis(local, order[:, :, None], axis=1)
+    if topk_weights is not None:
+        payload["w"] = topk_weights[order]
+    received = _exchange(payload, buffer.axis_name)
+    slot, _, valid = _recv_slots(handle.rank_prefix_matrix, rank, num_rows, num_tokens)
+    flat = lambda a: a.reshape((num_ranks * num_tokens,) + a.shape[2:])[slot]
+    recv_xs = tuple(_from_bits(flat(r), x.dtype) for r, x in zip(received["xs"], xs))
+    recv_idx = recv_w = None
+    if topk_idx is not None:
+        recv_idx = jnp.where(valid[:, None], flat(received["idx"]), -1)
+    if topk_weights is not None:
+        recv_w = jnp.where(valid[:, None], flat(received["w"]), 0.0)
+        if recv_idx is not None:
+            recv_w = jnp.where(recv_idx >= 0, recv_w, 0.0)
+    return recv_xs, recv_idx, recv_w
+
+
+def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
+    axis, num_ranks = buffer.axis_name, buffer.num_ranks
+    num_tokens = topk_idx.shape[0]
+    rank = lax.axis_index(axis)
+    num_tokens_per_rank, _, is_token_in_rank = get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+
+    counts = lax.all_gather(num_tokens_per_rank, axis)  # [source, destination]
+    rank_prefix_matrix = jnp.cumsum(counts, axis=0, dtype=jnp.int32)
+    pos_in_dest, order = _send_order(is_token_in_rank)
+    first_row = rank_prefix_matrix[rank] - counts[rank]  # my first row at each destination
+    send_pos = first_row[None, :] + pos_in_dest
+    send_pos = jnp.where(is_token_in_rank & (send_pos < num_worst_tokens), send_pos, -1)
+
+    total = rank_prefix_matrix[-1, rank]
+    num_recv = jnp.minimum(total, num_worst_tokens)
+    _, src_rank, valid = _recv_slots(rank_prefix_matrix, rank, num_worst_tokens, num_tokens)
+    experts_per_rank = num_experts // num_ranks
+    # recv_src_idx and num_recv_tokens_per_expert are filled after the exchange.
+    handle = DispatchHandle(
+        is_token_in_rank=is_token_in_rank,
+        num_tokens_per_rank=num_tokens_per_rank,
+        rank_prefix_matrix=rank_prefix_matrix,
+        send_pos=send_pos,
+        recv_src_idx=jnp.zeros((num_worst_tokens,), jnp.int32),
+        recv_src_rank=src_rank,
+        num_recv_tokens=num_recv.astype(jnp.int32),
+        num_recv_tokens_per_expert=jnp.zeros((experts_per_rank,), jnp.int32),
+        num_dropped_tokens=(total - num_recv).astype(jnp.int32),
+    )
+    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)  # travels with the rows
+    recv_xs, recv_idx, recv_w = _move_rows(xs + (token_ids,), topk_idx, topk_weights, handle, order, buffer)
+    recv_xs, recv_src_idx = recv_xs[:-1], recv_xs[-1]
+    sink = jnp.where(recv_idx >= 0, recv_idx, experts_per_rank).reshape(-1)
+    per_expert = jnp.bincount(sink, length=experts_per_rank + 1)[:experts_per_rank].astype(jnp.int32)
+    handle = dataclasses.replace(
+        handle, recv_src_idx=jnp.where(valid, recv_src_idx, -1), num_recv_tokens_per_expert=per_expert
+    )
+    return recv_xs, recv_idx, recv_w, handle
+
+
+def cached_dispatch(xs, topk_weights, handle, *, buffer):
+    _, order = _send_order(handle.is_token_in_rank)
+    recv_xs, _, recv_w = _move_rows(xs, None, topk_weights, handle, order, buffer)
+    return recv_xs, recv_w
+
+
+def combine(x, topk_weights, handle, *, buffer):
+    axis, num_ranks = buffer.axis_name, buffer.num_ranks
+    num_tokens = handle.is_token_in_rank.shape[0]
+    num_rows = x.shape[0]
+    rank = lax.axis_index(axis)
+    # Receiver side: slot [s, j] returns my row for the j-th token of rank s.
+    ends = handle.rank_prefix_matrix[:, rank]
+    starts = ends - jnp.diff(ends, prepend=0)
+    rows = starts[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    rows = jnp.clip(rows, 0, num_rows - 1)  # slots past a source's count are never read
+    payload = {"x": x[rows]}
+    if topk_weights is not None:
+        payload["w"] = topk_weights[rows]
+    back = _exchange(payload, axis)  # [r, j]: rank r's row for my j-th token sent to r
+    # Sender side: sum the ranks' rows for each token, in rank order.
+    pos_in_dest = jnp.cumsum(handle.is_token_in_rank, axis=0, dtype=jnp.int32) - 1
+    valid = handle.send_pos >= 0
+    gather_pos = jnp.where(valid, pos_in_dest, 0)
+
+    def reduce(blocks, out_dtype):
+        acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
+        for r in range(num_ranks):
+            part = blocks[r][gather_pos[:, r]].astype(jnp.float32)
+            mask = valid[:, r].reshape((num_tokens,) + (1,) * (part.ndim - 1))
+            acc = acc + jnp.where(mask, part, 0.0)
+        return acc.astype(out_dtype)
+
+    out = reduce(back["x"], x.dtype)
+    out_w = reduce(back["w"], jnp.float32) if topk_weights is not None else None
+    return out, out_w
+
+
+# --------------------------------------------------------------------------
+# Low-latency mode
+
+
+def quantize_fp8(x, round_scale=False):
+    """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128])."""
+    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
+    scale = amax / FP8_MAX
+    if round_scale:
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    q = jnp.clip(blocks * (1.0 / scale)[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_fp8(q, scales):
+    blocks = q.astype(jnp.float32).reshape(q.shape[:-1] + (q.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    return (blocks * scales[..., None]).reshape(q.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _DispatchPending:
+    recv_xs: tuple  # [R(source), M, H] (+ scales)
+    recv_idx: jax.Array  # [R(source), M, K] local expert ids or -1
+    num_experts: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _CombinePending:
+    back: jax.Array  # [R(expert rank), M, K, H]: expert outputs for my (token, k)
+    topk_idx: jax.Array
+    topk_weights: jax.Array
+    num_experts: int = dataclasses.field(metadata=dict(static=True))
+
+
+def low_latency_dispatch_send(x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer):
+    num_ranks, max_tokens = buffer.num_ranks, num_max_dispatch_tokens_per_rank
+    num_tokens = x.shape[0]
+    experts_per_rank = num_experts // num_ranks
+    pad = max_tokens - num_tokens
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    topk_idx = jnp.pad(topk_idx, ((0, pad), (0, 0)), constant_values=-1)
+    xs = quantize_fp8(x, round_scale) if use_fp8 else (x,)
+    # One slot per (destination rank, token): the token's row once, with its
+    # local expert ids on that rank (-1 for experts elsewhere).
+    local = topk_idx[None] - (jnp.arange(num_ranks, dtype=jnp.int32) * experts_per_rank)[:, None, None]
+    on_rank = (topk_idx[None] >= 0) & (local >= 0) & (local < experts_per_rank)
+    payload = {
+        "xs": tuple(jnp.broadcast_to(_as_bits(a)[None], (num_ranks,) + a.shape) for a in xs),
+        "idx": jnp.where(on_rank, local, -1),
+    }
+    received = _exchange(payload, buffer.axis_name)
+    recv_xs = tuple(_from_bits(r, a.dtype) for r, a in zip(received["xs"], xs))
+    return _DispatchPending(recv_xs, received["idx"], num_experts)
+
+
+def low_latency_dispatch_recv(pending, *, buffer):
+    num_ranks, max_tokens, topk = pending.recv_idx.shape
+    experts_per_rank = pending.num_experts // num_ranks
+    capacity = num_ranks * max_tokens
+    # Slot n = (source rank, token, k); rows of expert e are its matching
+    # slots in n order, i.e. by source rank, then token, then k.
+    idx = pending.recv_idx.reshape(-1)
+    match = idx[None, :] == jnp.arange(experts_per_rank, dtype=jnp.int32)[:, None]  # [E/R, R*M*K]
+    pos = jnp.cumsum(match, axis=1, dtype=jnp.int32) - 1
+    recv_count = jnp.minimum(match.sum(axis=1, dtype=jnp.int32), capacity)
+    expert_of = jnp.where(idx >= 0, idx, experts_per_rank)
+    pos_of = jnp.take_along_axis(pos, jnp.clip(idx, 0, experts_per_rank - 1)[None], axis=0)[0]
+    slots = jnp.arange(idx.shape[0], dtype=jnp.int32)
+    table = jnp.full((experts_per_rank, capacity), -1, jnp.int32).at[expert_of, pos_of].set(slots, mode="drop")
+    valid = table >= 0
+    row = jnp.where(valid, table // topk, 0)  # row of [R * M]
+    recv_xs = tuple(r.reshape((capacity,) + r.shape[2:])[row] for r in pending.recv_xs)
+    handle = LowLatencyHandle(
+        recv_count=recv_count,
+        recv_src_rank=jnp.where(valid, table // (max_tokens * topk), -1),
+        recv_src_token=jnp.where(valid, (table // topk) % max_tokens, -1),
+        recv_src_topk=jnp.where(valid, table % topk, -1),
+    )
+    return recv_xs, recv_count, handle
+
+
+def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
+    num_ranks = buffer.num_ranks
+    experts_per_rank, capacity, hidden = x.shape
+    max_tokens = capacity // num_ranks
+    num_tokens, topk = topk_idx.shape
+    # Return each expert output to slot (source rank, token, k) of its source.
+    valid = handle.recv_src_rank >= 0
+    slot = (handle.recv_src_rank * max_tokens + handle.recv_src_token) * topk + handle.recv_src_topk
+    slot = jnp.where(valid, slot, num_ranks * max_tokens * topk)
+    packed = jnp.arange(experts_per_rank * capacity, dtype=jnp.int32).reshape(experts_per_rank, capacity)
+    inverse = jnp.zeros((num_ranks * max_tokens * topk,), jnp.int32).at[slot].set(packed, mode="drop")
+    back = x.reshape(experts_per_rank * capacity, hidden)[inverse].reshape(num_ranks, max_tokens, topk, hidden)
+    back = _exchange(back, buffer.axis_name)
+    return _CombinePending(back, topk_idx, topk_weights, experts_per_rank * num_ranks)
+
+
+def low_latency_combine_recv(pending, *, buffer):
+    num_tokens, topk = pending.topk_idx.shape
+    experts_per_rank = pending.num_experts // buffer.num_ranks
+    owner = jnp.where(pending.topk_idx >= 0, pending.topk_idx // experts_per_rank, 0)
+    tokens = jnp.arange(num_tokens)
+    acc = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
+    for k in range(topk):
+        y = pending.back[owner[:, k], tokens, k].astype(jnp.float32)
+        term = pending.topk_weights[:, k : k + 1] * y
+        acc = acc + jnp.where(pending.topk_idx[:, k : k + 1] >= 0, term, 0.0)
+    return acc.astype(jnp.bfloat16)

@@ -1,0 +1,175 @@
+"""Buffer: the communication state of one expert-parallel mesh axis.
+
+Created eagerly, outside `jit`. With the CUDA backend it owns device memory
+(plain cudaMalloc, not XLA's) on every device of the axis, registered under an
+integer id that the custom calls carry as an attribute. With the xla backend
+it holds only the axis description.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from deep_ep_jax.config import Config
+
+BACKENDS = ("auto", "cuda", "xla")
+
+
+def _is_gpu(device) -> bool:
+    return device.platform in ("gpu", "cuda")
+
+
+def _cuda_unavailable_reason(devices) -> str | None:
+    if not all(_is_gpu(d) for d in devices):
+        platforms = sorted({d.platform for d in devices})
+        return f"the mesh's devices are {platforms}, not CUDA GPUs"
+    from deep_ep_jax import _native
+
+    return _native.unavailable_reason()
+
+
+def _backend_module(name: str):
+    if name == "xla":
+        from deep_ep_jax.backends import reference
+
+        return reference
+    from deep_ep_jax.backends import cuda
+
+    return cuda
+
+
+class Buffer:
+    """Communication buffer for dispatch/combine over `mesh` axis `axis_name`.
+
+    Args:
+      mesh: a `jax.sharding.Mesh`.
+      axis_name: the expert-parallel axis (R ranks; rank r owns experts
+        [r*E/R, (r+1)*E/R)).
+      backend: "cuda" (the kernels), "xla" (the pure-JAX reference backend,
+        any platform) or "auto" (cuda on GPUs when the extension is built).
+      num_nvl_bytes: bytes of the normal-mode region per device (CUDA);
+        default from the size hint for `hidden`.
+      num_rdma_bytes: bytes of the low-latency region per device (CUDA);
+        default from the size hint when `low_latency_mode`.
+      low_latency_mode: also allocate the low-latency region.
+      num_max_dispatch_tokens_per_rank, hidden, num_experts: the shapes the
+        buffer is sized for; calls are checked against them when given.
+      config: kernel launch configuration (`deep_ep_jax.Config`).
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(
+        self,
+        mesh,
+        axis_name,
+        *,
+        backend="auto",
+        num_nvl_bytes=None,
+        num_rdma_bytes=None,
+        low_latency_mode=False,
+        num_max_dispatch_tokens_per_rank=None,
+        hidden=None,
+        num_experts=None,
+        config=None,
+    ):
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"Buffer: axis_name {axis_name!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"Buffer: backend must be one of {BACKENDS}, got {backend!r}")
+        for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            ("hidden", hidden),
+            ("num_experts", num_experts),
+            ("num_nvl_bytes", num_nvl_bytes),
+            ("num_rdma_bytes", num_rdma_bytes),
+        ):
+            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+                raise ValueError(f"Buffer: {name} must be a positive int or None, got {value!r}")
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.num_ranks = int(mesh.shape[axis_name])
+        if num_experts is not None and num_experts % self.num_ranks:
+            raise ValueError(
+                f"Buffer: num_experts ({num_experts}) must be divisible by the size of axis "
+                f"{axis_name!r} ({self.num_ranks})"
+            )
+        if low_latency_mode and num_max_dispatch_tokens_per_rank is None:
+            raise ValueError("Buffer: low_latency_mode=True needs num_max_dispatch_tokens_per_rank")
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        self.hidden = hidden
+        self.num_experts = num_experts
+        self.config = config if config is not None else Config()
+        self.buffer_id = None
+        self.num_nvl_bytes = self.num_rdma_bytes = 0
+
+        devices = list(mesh.devices.flat)
+        reason = _cuda_unavailable_reason(devices)
+        if backend == "cuda" and reason:
+            raise RuntimeError(f"Buffer(backend='cuda') is not available: {reason}")
+        self.backend = "cuda" if backend == "cuda" or (backend == "auto" and not reason) else "xla"
+        self._ops = _backend_module(self.backend)
+        self._destroyed = False
+        if self.backend == "cuda":
+            self._allocate(num_nvl_bytes, num_rdma_bytes)
+
+    def _groups(self):
+        """Local CUDA ordinals of each EP group (one group per index of the
+        other mesh axes), in rank order."""
+        axis = self.mesh.axis_names.index(self.axis_name)
+        grid = np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)
+        return [[d.local_hardware_id for d in row if d.process_index == jax.process_index()] for row in grid]
+
+    def _allocate(self, num_nvl_bytes, num_rdma_bytes):
+        ops = self._ops
+        self.num_nvl_bytes = num_nvl_bytes or ops.normal_region_bytes(
+            self.num_ranks, self.hidden, None, self.config
+        )
+        if self.low_latency_mode:
+            self.num_rdma_bytes = num_rdma_bytes or ops.low_latency_region_bytes(
+                self.num_ranks, self.num_experts, self.hidden, self.num_max_dispatch_tokens_per_rank
+            )
+        groups = self._groups()
+        if any(len(g) != self.num_ranks for g in groups):
+            raise NotImplementedError(
+                "Buffer(backend='cuda') with devices of other processes on the axis needs the "
+                "multi-process runtime, which is not built yet"
+            )
+        self.buffer_id = ops.create_buffer(groups, self.num_nvl_bytes, self.num_rdma_bytes)
+
+    # Lifecycle ------------------------------------------------------------
+
+    def destroy(self):
+        """Frees the device memory. Calls that use the buffer afterwards fail."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self.buffer_id is not None:
+            self._ops.destroy_buffer(self.buffer_id)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.destroy()
+
+    def check_alive(self, fn_name):
+        if self._destroyed:
+            raise RuntimeError(f"{fn_name}: the Buffer was destroyed; create a new one")
+
+    @property
+    def ops(self):
+        """The backend module (`deep_ep_jax.backends.reference` or `.cuda`)."""
+        return self._ops
+
+    def __repr__(self):
+        return (
+            f"Buffer(axis={self.axis_name!r}, num_ranks={self.num_ranks}, backend={self.backend!r}, "
+            f"low_latency_mode={self.low_latency_mode}, id={self.buffer_id})"
+        )

@@ -1,0 +1,52 @@
+"""One place for tunables: kernel launch shapes, timeouts and checks.
+
+Defaults are tuned on 2x H200 (NVLink NV18); `benchmarks/tune_normal.py`
+sweeps them. Environment variables override the defaults so a user can change
+them without touching code:
+
+  DEEP_EP_JAX_NUM_SMS        SMs the normal-mode kernels use (default 24)
+  DEEP_EP_JAX_TIMEOUT_S      seconds a device-side wait spins before failing
+  DEEP_EP_JAX_CHECKS         1: raise on bad data (expert ids out of range,
+                             num_worst_tokens overflow) instead of masking
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    return os.environ.get(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch configuration of the CUDA kernels (ignored by the xla backend,
+    except `checks`)."""
+
+    num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
+    # Rows a sender moves per step of a channel (normal mode).
+    chunk_tokens: int = 8
+    timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("DEEP_EP_JAX_TIMEOUT_S", 20.0))
+    checks: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_CHECKS", False))
+
+    def __post_init__(self):
+        if not (1 <= self.num_sms <= 132):
+            raise ValueError(f"Config.num_sms must be in [1, 132], got {self.num_sms}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"Config.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if not (0 < self.timeout_s <= 3600):
+            raise ValueError(f"Config.timeout_s must be in (0, 3600], got {self.timeout_s}")
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)

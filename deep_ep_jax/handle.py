@@ -1,0 +1,44 @@
+"""The layouts that dispatch hands to combine (and to the gradients).
+
+Both backends produce the same handle, so combine, the cached dispatch of
+combine's backward, and the custom_vjp rules are shared. All fields are device
+arrays; shapes are static (T tokens, R ranks, N = num_worst_tokens rows,
+E experts, K top-k, M = num_max_dispatch_tokens_per_rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchHandle:
+    """Normal-mode layout, as seen by one rank."""
+
+    is_token_in_rank: jax.Array  # bool [T, R]: token t is sent to rank r
+    num_tokens_per_rank: jax.Array  # int32 [R]: tokens this rank sends to each rank
+    rank_prefix_matrix: jax.Array  # int32 [R, R]: [s, r] = rows rank r receives from ranks <= s (inclusive, as DeepEP)
+    send_pos: jax.Array  # int32 [T, R]: row of token t in rank r's output; -1 if not sent/dropped
+    recv_src_idx: jax.Array  # int32 [N]: source token of each received row; -1 for padding
+    recv_src_rank: jax.Array  # int32 [N]: source rank of each received row; -1 for padding
+    num_recv_tokens: jax.Array  # int32 []: valid rows, [0, num_recv_tokens)
+    num_recv_tokens_per_expert: jax.Array  # int32 [E/R]: valid rows holding each local expert
+    num_dropped_tokens: jax.Array  # int32 []: rows beyond num_worst_tokens, dropped (0 unless overflow)
+
+    @property
+    def num_worst_tokens(self) -> int:
+        return self.recv_src_idx.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LowLatencyHandle:
+    """Low-latency layout of one rank's received rows, [E/R, R*M] per field."""
+
+    recv_count: jax.Array  # int32 [E/R]: valid rows of each local expert
+    recv_src_rank: jax.Array  # int32 [E/R, R*M]: source rank of each row, -1 for padding
+    recv_src_token: jax.Array  # int32 [E/R, R*M]: source token index, -1 for padding
+    recv_src_topk: jax.Array  # int32 [E/R, R*M]: which top-k slot of the source token, -1 for padding

@@ -1,0 +1,125 @@
+"""Low-latency mode (decode): static shapes, one row per (token, expert).
+
+Each operation comes whole and as a send half and a receive half, so XLA can
+schedule other work (attention, shared experts) between them while the rows
+are in flight (DeepEP's `return_recv_hook`). Not differentiable: decode only.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from deep_ep_jax import validation as v
+from deep_ep_jax.handle import LowLatencyHandle
+
+
+def _check_mode(buffer, fn):
+    v.check_buffer(buffer, fn)
+    if not buffer.low_latency_mode:
+        raise ValueError(f"{fn}: the buffer was made without low_latency_mode=True")
+
+
+def low_latency_dispatch_send(
+    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
+):
+    """Send half of `low_latency_dispatch`; returns a pending value for
+    `low_latency_dispatch_recv`."""
+    fn = "low_latency_dispatch"
+    _check_mode(buffer, fn)
+    v.check_num_experts(num_experts, buffer, fn)
+    _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
+    v.check_topk(topk_idx, None, num_tokens, num_experts, fn)
+    max_tokens = num_max_dispatch_tokens_per_rank
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+        raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
+    if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:
+        raise ValueError(
+            f"{fn}: num_max_dispatch_tokens_per_rank={max_tokens} exceeds the buffer's "
+            f"{buffer.num_max_dispatch_tokens_per_rank}"
+        )
+    if num_tokens > max_tokens:
+        raise ValueError(f"{fn}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
+    if use_fp8 and hidden % v.FP8_BLOCK:
+        raise ValueError(f"{fn}: use_fp8 needs hidden to be a multiple of {v.FP8_BLOCK}, got {hidden}")
+    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    return buffer.ops.low_latency_dispatch_send(
+        x,
+        topk_idx,
+        num_experts=num_experts,
+        num_max_dispatch_tokens_per_rank=int(max_tokens),
+        use_fp8=bool(use_fp8),
+        round_scale=bool(round_scale),
+        buffer=buffer,
+    )
+
+
+def low_latency_dispatch_recv(pending, *, buffer):
+    """Receive half: returns (recv_x, recv_count, handle)."""
+    _check_mode(buffer, "low_latency_dispatch_recv")
+    recv_xs, recv_count, handle = buffer.ops.low_latency_dispatch_recv(pending, buffer=buffer)
+    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, handle
+
+
+def low_latency_dispatch(
+    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
+):
+    """Per rank: x bf16 [T, H] (T <= M), topk_idx int32 [T, K].
+
+    Returns (recv_x, recv_count, handle): recv_x bf16 [E/R, R*M, H], or with
+    use_fp8 an FP8 pair (float8_e4m3fn [E/R, R*M, H], float32 scales
+    [E/R, R*M, H // 128]); the first recv_count[e] rows of local expert e are
+    valid, ordered by source rank then source token.
+    """
+    pending = low_latency_dispatch_send(
+        x,
+        topk_idx,
+        buffer=buffer,
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+        num_experts=num_experts,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+    )
+    return low_latency_dispatch_recv(pending, buffer=buffer)
+
+
+def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
+    """Send half of `low_latency_combine`; returns a pending value for
+    `low_latency_combine_recv`."""
+    fn = "low_latency_combine"
+    _check_mode(buffer, fn)
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
+    rows = tuple(handle.recv_src_rank.shape)
+    shape, dtype = tuple(getattr(x, "shape", ())), jnp.dtype(getattr(x, "dtype", None))
+    if dtype != jnp.bfloat16:
+        raise TypeError(f"{fn}: x must be bfloat16, got {dtype}")
+    if len(shape) != 3 or shape[:2] != rows:
+        raise ValueError(f"{fn}: x must be [{rows[0]}, {rows[1]}, hidden] (the dispatch's rows), got {shape}")
+    if buffer.hidden is not None and shape[2] != buffer.hidden:
+        raise ValueError(f"{fn}: x has hidden {shape[2]} but the buffer was made for hidden {buffer.hidden}")
+    num_experts = rows[0] * buffer.num_ranks
+    num_tokens = getattr(topk_idx, "shape", (None,))[0]
+    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
+    if topk_weights is None:
+        raise TypeError(f"{fn}: topk_weights is required")
+    max_tokens = rows[1] // buffer.num_ranks
+    if num_tokens > max_tokens:
+        raise ValueError(f"{fn}: topk_idx has {num_tokens} tokens, more than the dispatch's maximum {max_tokens}")
+    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    return buffer.ops.low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer)
+
+
+def low_latency_combine_recv(pending, *, buffer):
+    """Receive half: returns bf16 [T, H]."""
+    _check_mode(buffer, "low_latency_combine_recv")
+    return buffer.ops.low_latency_combine_recv(pending, buffer=buffer)
+
+
+def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
+    """Per rank: x bf16 [E/R, R*M, H] expert outputs in the dispatch's rows.
+    Returns bf16 [T, H]: out[t] = sum over k of topk_weights[t, k] * the
+    output of expert topk_idx[t, k] for token t, reduced in float32 in k
+    order (k with topk_idx -1 skipped)."""
+    pending = low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer)
+    return low_latency_combine_recv(pending, buffer=buffer)

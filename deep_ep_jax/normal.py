@@ -1,0 +1,151 @@
+"""Normal mode (training, prefill): layout, dispatch, combine, and gradients.
+
+The wrapper owns shapes, validation and gradients; the backend only moves
+data. Gradients follow DESIGN.md: the backward of dispatch is a combine of
+the gradients, the backward of combine is a dispatch along the handle's
+layout (no count exchange). Both are shared by every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deep_ep_jax import validation as v
+from deep_ep_jax.handle import DispatchHandle
+
+
+def _row_dtypes(buffer):
+    # The kernels move bf16 rows; the reference also takes float32 (CPU models).
+    return (jnp.bfloat16,) if buffer.backend == "cuda" else (jnp.bfloat16, jnp.float32)
+
+
+def get_dispatch_layout(topk_idx, *, num_experts, buffer):
+    """Per rank: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32
+    [E], is_token_in_rank bool [T, R]) for `topk_idx` int32 [T, K]."""
+    fn = "get_dispatch_layout"
+    v.check_buffer(buffer, fn)
+    v.check_num_experts(num_experts, buffer, fn)
+    v.check_topk(topk_idx, None, getattr(topk_idx, "shape", (None,))[0], num_experts, fn)
+    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    return buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+
+
+def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens=None):
+    """Sends each token once to every rank owning one of its experts.
+
+    Per rank, inside `shard_map` over `buffer.axis_name`:
+      x: bf16 [T, H], or an FP8 pair (float8_e4m3fn [T, H], float32 [T, H // 128]).
+      topk_idx: int32 [T, K] global expert ids, -1 for none.
+      topk_weights: float32 [T, K].
+      num_worst_tokens: rows N of the outputs (default T * R, the worst case).
+
+    Returns (recv_x [N, H] (or FP8 pair), recv_topk_idx int32 [N, K] local ids,
+    recv_topk_weights float32 [N, K], handle). Rows [0, handle.num_recv_tokens)
+    are valid, ordered by source rank then source token; if more rows arrive
+    than N, the last ones are dropped and counted in handle.num_dropped_tokens.
+    """
+    fn = "dispatch"
+    v.check_buffer(buffer, fn)
+    v.check_num_experts(num_experts, buffer, fn)
+    xs, num_tokens, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer))
+    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
+    worst = num_tokens * buffer.num_ranks
+    if num_worst_tokens is None:
+        num_worst_tokens = worst
+    elif not isinstance(num_worst_tokens, (int, np.integer)) or not 1 <= num_worst_tokens <= worst:
+        raise ValueError(
+            f"{fn}: num_worst_tokens must be an int in [1, tokens * ranks = {worst}] (None means {worst}), "
+            f"got {num_worst_tokens!r}"
+        )
+    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    recv_xs, recv_idx, recv_w, handle = _dispatch(xs, topk_weights, topk_idx, num_experts, int(num_worst_tokens), buffer)
+    if buffer.config.checks:
+        v.runtime_check(
+            handle.num_dropped_tokens > 0,
+            f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped",
+        )
+    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
+
+
+def combine(x, handle, topk_weights=None, *, buffer):
+    """Inverse of dispatch: out[t] = sum over the ranks that received token t
+    of their row for it, in float32 in rank order, as x's dtype [T, H].
+
+    x: bf16 [N, H] (rows as dispatch returned them; weight expert outputs
+    before combining). With topk_weights float32 [N, K], also returns their
+    sum back at [T, K].
+    """
+    fn = "combine"
+    v.check_buffer(buffer, fn)
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch returned, got {type(handle).__name__}")
+    (x,), num_rows, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer), allow_fp8=False)
+    if num_rows != handle.num_worst_tokens:
+        raise ValueError(f"{fn}: x must have the handle's {handle.num_worst_tokens} rows, got {num_rows}")
+    if topk_weights is not None:
+        shape, dtype = tuple(topk_weights.shape), jnp.dtype(topk_weights.dtype)
+        if dtype != jnp.float32 or len(shape) != 2 or shape[0] != num_rows:
+            raise TypeError(f"{fn}: topk_weights must be float32 [{num_rows}, topk], got {dtype} {shape}")
+    out, out_w = _combine(x, topk_weights, handle, buffer)
+    return out if topk_weights is None else (out, out_w)
+
+
+# Gradients -----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dispatch(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer):
+    return buffer.ops.dispatch(
+        xs, topk_idx, topk_weights, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
+    )
+
+
+def _dispatch_fwd(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer):
+    out = _dispatch(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer)
+    _, recv_idx, _, handle = out
+    return out, (handle, recv_idx, xs[0].shape)
+
+
+def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
+    handle, recv_idx, x_shape = residuals
+    g_recv_xs, _, g_recv_w, _ = cotangents
+    # Weights of experts on other ranks arrive as constant zeros.
+    g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
+    if len(g_recv_xs) == 1:
+        g_x, g_w = buffer.ops.combine(g_recv_xs[0], g_recv_w, handle, buffer=buffer)
+        g_xs = (g_x,)
+    else:  # FP8 rows carry no gradient; the weights still do.
+        rows = jnp.zeros((num_worst_tokens, x_shape[1]), jnp.bfloat16)
+        _, g_w = buffer.ops.combine(rows, g_recv_w, handle, buffer=buffer)
+        g_xs = tuple(jnp.zeros_like(g) for g in g_recv_xs)
+    return g_xs, g_w, None
+
+
+_dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _combine(x, topk_weights, handle, buffer):
+    return buffer.ops.combine(x, topk_weights, handle, buffer=buffer)
+
+
+def _combine_fwd(x, topk_weights, handle, buffer):
+    return _combine(x, topk_weights, handle, buffer), handle
+
+
+def _combine_bwd(buffer, handle, cotangents):
+    g_out, g_out_w = cotangents
+    (g_x,), g_w = buffer.ops.cached_dispatch((g_out,), g_out_w, handle, buffer=buffer)
+    # Padding rows did not contribute to the output.
+    valid = handle.recv_src_idx >= 0
+    g_x = jnp.where(valid[:, None], g_x, jnp.zeros((), g_x.dtype))
+    if g_w is not None:
+        g_w = jnp.where(valid[:, None], g_w, 0.0)
+    return g_x, g_w, jax.tree.map(lambda _: None, handle)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)

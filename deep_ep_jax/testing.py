@@ -1,0 +1,75 @@
+"""Helpers for tests and benchmarks: routing generators and per-rank runs.
+
+Routing kinds (global arrays [R * T, K], rank r holds rows [r*T, (r+1)*T)):
+  "random"        K distinct random experts per token
+  "one_expert"    every token to expert 0 only (the other slots -1)
+  "rank_empty"    no token picks an expert of the last rank
+  "minus_one"     random, with about a third of the slots -1 (some tokens all -1)
+  "out_of_range"  random, with some ids >= E or < -1 (the API treats them as -1)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+ROUTING_KINDS = ("random", "one_expert", "rank_empty", "minus_one", "out_of_range")
+
+
+def make_routing(seed, num_tokens, num_experts, topk, num_ranks, kind="random"):
+    """Returns (topk_idx int32 [num_tokens, topk], topk_weights float32) as numpy."""
+    rng = np.random.default_rng(seed)
+    pool = num_experts
+    if kind == "rank_empty":
+        if num_ranks < 2:
+            raise ValueError("rank_empty routing needs at least 2 ranks")
+        pool = num_experts - num_experts // num_ranks  # experts of ranks 0..R-2
+    if topk > pool:
+        raise ValueError(f"topk {topk} > usable experts {pool}")
+    scores = rng.random((num_tokens, pool))
+    idx = np.argsort(scores, axis=1)[:, :topk].astype(np.int32)
+    if kind == "one_expert":
+        idx[:] = -1
+        idx[:, 0] = 0
+    elif kind == "minus_one":
+        idx[rng.random(idx.shape) < 0.33] = -1
+        idx[:: max(1, num_tokens // 4)] = -1
+    elif kind == "out_of_range":
+        bad = rng.random(idx.shape) < 0.2
+        idx[bad] = rng.choice(np.array([num_experts, num_experts + 7, -2, -100], np.int32), size=int(bad.sum()))
+    elif kind not in ("random", "rank_empty"):
+        raise ValueError(f"unknown routing kind {kind!r}; one of {ROUTING_KINDS}")
+    weights = rng.random(idx.shape).astype(np.float32) + 0.1
+    return idx, weights
+
+
+def random_rows(seed, shape, dtype=jnp.bfloat16):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
+
+
+def ep_mesh(num_ranks, axis_name="ep", platform=None):
+    devices = jax.devices(platform) if platform else jax.devices()
+    if len(devices) < num_ranks:
+        raise ValueError(f"need {num_ranks} devices, have {len(devices)}")
+    return Mesh(np.array(devices[:num_ranks]), (axis_name,))
+
+
+def per_rank(fn, mesh, axis_name, *, jit=True):
+    """Runs fn(*args) per rank under shard_map: every argument is split along
+    its leading axis; every output comes back stacked, [R, ...] (so scalars
+    and handles work too)."""
+
+    def body(*args):
+        out = fn(*args)
+        return jax.tree.map(lambda a: None if a is None else jnp.expand_dims(a, 0), out)
+
+    def run(*args):
+        in_specs = jax.tree.map(lambda _: P(axis_name), args)
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(axis_name), check_vma=False)
+        return mapped(*args)
+
+    return jax.jit(run) if jit else run

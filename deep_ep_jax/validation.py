@@ -1,0 +1,124 @@
+"""Trace-time argument checks shared by the public functions.
+
+Every error names the function, the argument, what was expected and what was
+given, so a user can fix the call without reading our code.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_BLOCK = 128
+
+
+def check_buffer(buffer, fn):
+    from deep_ep_jax.buffer import Buffer
+
+    if not isinstance(buffer, Buffer):
+        raise TypeError(f"{fn}: buffer must be a deep_ep_jax.Buffer, got {type(buffer).__name__}")
+    buffer.check_alive(fn)
+    try:
+        size = jax.lax.axis_size(buffer.axis_name)
+    except NameError:
+        raise ValueError(
+            f"{fn}: must be called inside jax.shard_map over the buffer's axis {buffer.axis_name!r} "
+            f"(the axis is not bound here)"
+        ) from None
+    if size != buffer.num_ranks:
+        raise ValueError(
+            f"{fn}: axis {buffer.axis_name!r} has size {size} here but the buffer was made for "
+            f"{buffer.num_ranks} ranks (a buffer of another mesh?)"
+        )
+
+
+def check_num_experts(num_experts, buffer, fn):
+    if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
+        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % buffer.num_ranks:
+        raise ValueError(
+            f"{fn}: num_experts ({num_experts}) must be divisible by the size of axis "
+            f"{buffer.axis_name!r} ({buffer.num_ranks})"
+        )
+    if buffer.num_experts is not None and num_experts != buffer.num_experts:
+        raise ValueError(f"{fn}: num_experts is {num_experts} but the buffer was made for {buffer.num_experts}")
+
+
+def _shape_dtype(a, fn, name):
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+    return tuple(a.shape), jnp.dtype(a.dtype)
+
+
+def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
+    """x is [T, H] in an allowed dtype, or an FP8 pair (data, scales).
+    Returns (rows as a tuple, T, H)."""
+    if isinstance(x, (tuple, list)):
+        if not allow_fp8:
+            raise TypeError(f"{fn}: x must be one array here, not a pair")
+        if len(x) != 2:
+            raise ValueError(f"{fn}: an FP8 x must be a pair (data, scales), got {len(x)} arrays")
+        (shape, dtype), (sshape, sdtype) = _shape_dtype(x[0], fn, "x[0]"), _shape_dtype(x[1], fn, "x[1]")
+        if dtype != FP8_DTYPE:
+            raise TypeError(f"{fn}: FP8 data x[0] must be float8_e4m3fn, got {dtype}")
+        if len(shape) != 2:
+            raise ValueError(f"{fn}: FP8 data x[0] must be [tokens, hidden], got shape {shape}")
+        if shape[1] % FP8_BLOCK:
+            raise ValueError(f"{fn}: FP8 hidden must be a multiple of {FP8_BLOCK}, got {shape[1]}")
+        want = (shape[0], shape[1] // FP8_BLOCK)
+        if sdtype != jnp.float32 or sshape != want:
+            raise TypeError(f"{fn}: FP8 scales x[1] must be float32 {want}, got {sdtype} {sshape}")
+        xs = tuple(x)
+    else:
+        shape, dtype = _shape_dtype(x, fn, "x")
+        if dtype not in [jnp.dtype(a) for a in allowed]:
+            names = ", ".join(jnp.dtype(a).name for a in allowed)
+            raise TypeError(f"{fn}: x must be {names}{' or an FP8 pair' if allow_fp8 else ''}, got {dtype}")
+        if len(shape) != 2:
+            raise ValueError(f"{fn}: x must be [tokens, hidden], got shape {shape}")
+        xs = (x,)
+    num_tokens, hidden = shape
+    if buffer.hidden is not None and hidden != buffer.hidden:
+        raise ValueError(f"{fn}: x has hidden {hidden} but the buffer was made for hidden {buffer.hidden}")
+    return xs, num_tokens, hidden
+
+
+def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
+    """Returns K. topk_weights may be None."""
+    shape, dtype = _shape_dtype(topk_idx, fn, "topk_idx")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
+    if len(shape) != 2 or shape[0] != num_tokens:
+        raise ValueError(f"{fn}: topk_idx must be [{num_tokens}, topk], got shape {shape}")
+    topk = shape[1]
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"{fn}: topk must be in [1, num_experts={num_experts}], got {topk}")
+    if topk_weights is not None:
+        wshape, wdtype = _shape_dtype(topk_weights, fn, "topk_weights")
+        if wdtype != jnp.float32:
+            raise TypeError(f"{fn}: topk_weights must be float32, got {wdtype}")
+        if wshape != shape:
+            raise ValueError(f"{fn}: topk_weights must have topk_idx's shape {shape}, got {wshape}")
+    return topk
+
+
+def sanitize_topk_idx(topk_idx, num_experts, checks, fn):
+    """Expert ids outside [0, num_experts) become -1 (never an out-of-bounds
+    write); with checks on, they raise at run time instead."""
+    topk_idx = topk_idx.astype(jnp.int32)
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    if checks:
+        runtime_check(bad.any(), f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")
+    return jnp.where(bad, -1, topk_idx)
+
+
+def runtime_check(failed, message):
+    """Raises `message` on the host when `failed` (a traced bool) is true."""
+
+    def _raise(flag):
+        if bool(flag):
+            raise ValueError(message)
+
+    jax.debug.callback(_raise, failed)

@@ -1,0 +1,210 @@
+"""The reference backend against the contract (tests/oracle.py), on CPU."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import deep_ep_jax as dej
+import oracle
+from deep_ep_jax import testing as dt
+
+H = 256
+
+
+def _run_dispatch(num_ranks, num_tokens, num_experts, topk, kind, seed=0, num_worst_tokens=None, fp8=False):
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    y = dt.random_rows(seed + 2, (num_ranks * (num_worst_tokens or num_ranks * num_tokens), H))
+    if fp8:
+        x = dej.backends.reference.quantize_fp8(x)
+
+    def step(x, idx, w, y):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(
+            x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+        )
+        layout = dej.get_dispatch_layout(idx, num_experts=num_experts, buffer=buffer)
+        out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
+        return recv_x, recv_idx, recv_w, handle, layout, out, out_w
+
+    outs = dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), y)
+    return (x, idx, w, y), outs
+
+
+def _shards(a, num_ranks):
+    a = np.asarray(a.astype(jnp.float32) if a.dtype in (jnp.bfloat16, jnp.float8_e4m3fn) else a)
+    return a.reshape((num_ranks, -1) + a.shape[1:])
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.parametrize("kind", dt.ROUTING_KINDS)
+def test_dispatch_combine_contract(num_ranks, kind):
+    num_tokens, num_experts, topk = 12, 4 * num_ranks, 3
+    (x, idx, w, y), (recv_x, recv_idx, recv_w, handle, layout, out, out_w) = _run_dispatch(
+        num_ranks, num_tokens, num_experts, topk, kind
+    )
+    xs, idxs, ws = _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks)
+    expected = oracle.dispatch(xs, idxs, ws, num_experts, num_ranks * num_tokens)
+    for r in range(num_ranks):
+        rows = expected[r]
+        n = len(rows["x"])
+        assert int(handle.num_recv_tokens[r]) == n == rows["total"]
+        assert int(handle.num_dropped_tokens[r]) == 0
+        np.testing.assert_array_equal(np.asarray(recv_x[r, :n], np.float32), np.reshape(rows["x"], (n, H)))
+        np.testing.assert_array_equal(recv_idx[r, :n], np.reshape(rows["idx"], (n, topk)))
+        np.testing.assert_array_equal(recv_w[r, :n], np.reshape(rows["w"], (n, topk)))
+        np.testing.assert_array_equal(handle.recv_src_idx[r, :n], rows["src"])
+        np.testing.assert_array_equal(handle.recv_src_rank[r, :n], rows["rank"])
+        # Padding rows.
+        assert (recv_idx[r, n:] == -1).all() and (recv_w[r, n:] == 0).all()
+        assert (handle.recv_src_idx[r, n:] == -1).all() and (handle.recv_src_rank[r, n:] == -1).all()
+        local_counts = [(np.reshape(rows["idx"], (n, topk)) == e).any(1).sum() for e in range(num_experts // num_ranks)]
+        np.testing.assert_array_equal(handle.num_recv_tokens_per_expert[r], local_counts)
+        # Layout.
+        per_rank, per_expert, in_rank = oracle.layout(idxs[r], num_experts, num_ranks)
+        np.testing.assert_array_equal(layout[0][r], per_rank)
+        np.testing.assert_array_equal(layout[1][r], per_expert)
+        np.testing.assert_array_equal(layout[2][r], in_rank)
+        np.testing.assert_array_equal(handle.is_token_in_rank[r], in_rank)
+    # Combine: rank order float32 sums, bit for bit after the bf16 cast.
+    ys = _shards(y, num_ranks)
+    want = oracle.combine(ys, expected, num_tokens)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
+    # Combining the received weights gives the original weights of valid slots back.
+    valid_w = np.where((idxs >= 0) & (idxs < num_experts), ws, 0)
+    np.testing.assert_allclose(np.asarray(out_w).reshape(valid_w.shape), valid_w, rtol=0, atol=0)
+
+
+def test_single_token():
+    (x, idx, w, y), (recv_x, recv_idx, _, handle, _, out, _) = _run_dispatch(2, 1, 4, 2, "random")
+    assert handle.recv_src_idx.shape == (2, 2)
+    total = int(np.asarray(handle.num_recv_tokens).sum())
+    assert 2 <= total <= 4
+
+
+def test_num_worst_tokens_overflow_is_visible():
+    num_ranks, num_tokens, num_experts = 4, 16, 8
+    worst = 10  # fewer rows than most ranks receive
+    (x, idx, w, y), (recv_x, recv_idx, recv_w, handle, _, out, _) = _run_dispatch(
+        num_ranks, num_tokens, num_experts, 2, "random", num_worst_tokens=worst
+    )
+    expected = oracle.dispatch(_shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks), num_experts, worst)
+    assert recv_x.shape == (num_ranks, worst, H)
+    for r in range(num_ranks):
+        total = expected[r]["total"]
+        assert int(handle.num_recv_tokens[r]) == min(total, worst)
+        assert int(handle.num_dropped_tokens[r]) == max(total - worst, 0)
+        n = len(expected[r]["x"])
+        np.testing.assert_array_equal(np.asarray(recv_x[r, :n], np.float32), np.reshape(expected[r]["x"], (n, H)))
+    assert int(np.asarray(handle.num_dropped_tokens).sum()) > 0
+    # Dropped rows contribute nothing to combine; kept ones do.
+    want = oracle.combine(_shards(y, num_ranks), expected, num_tokens)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
+
+
+def test_fp8_pair_roundtrip():
+    num_ranks = 4
+    (x, idx, w, _), (recv_x, recv_idx, _, handle, _, _, _) = _run_dispatch(num_ranks, 8, 8, 2, "random", fp8=True)
+    data, scales = recv_x
+    assert data.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
+    assert data.shape == (num_ranks, num_ranks * 8, H) and scales.shape == (num_ranks, num_ranks * 8, H // 128)
+    xd, xs = _shards(x[0], num_ranks), _shards(x[1], num_ranks)
+    for r in range(num_ranks):
+        n = int(handle.num_recv_tokens[r])
+        src, rank = np.asarray(handle.recv_src_idx[r, :n]), np.asarray(handle.recv_src_rank[r, :n])
+        np.testing.assert_array_equal(np.asarray(data[r, :n].astype(jnp.float32)), xd[rank, src])
+        np.testing.assert_array_equal(scales[r, :n], xs[rank, src])
+
+
+def test_two_dimensional_mesh():
+    """EP on one axis of a (data, ep) mesh: each data row is its own EP group."""
+    devices = np.array(jax.devices("cpu")[:8]).reshape(2, 4)
+    mesh = Mesh(devices, ("data", "ep"))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    num_tokens, num_experts = 6, 8
+    idx, w = dt.make_routing(3, 8 * num_tokens, num_experts, 2, 4)
+    x = dt.random_rows(4, (8 * num_tokens, H))
+
+    def step(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        return dej.combine(recv_x, handle, buffer=buffer), handle.num_recv_tokens[None]
+
+    spec = P(("data", "ep"))
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, spec), check_vma=False))
+    out, num_recv = f(x, jnp.asarray(idx), jnp.asarray(w))
+    # combine(dispatch(x)) = x times the number of ranks each token went to.
+    in_rank = np.stack([oracle.layout(i, num_experts, 4)[2] for i in idx.reshape(8, num_tokens, 2)])
+    want = np.asarray(x, np.float32).reshape(8, num_tokens, H) * in_rank.sum(-1)[..., None]
+    np.testing.assert_array_equal(np.asarray(out, np.float32).reshape(want.shape), want)
+    # Each group of 4 exchanged only among itself.
+    for group in range(2):
+        sent = in_rank[group * 4 : (group + 1) * 4].sum()
+        assert int(np.asarray(num_recv)[group * 4 : (group + 1) * 4].sum()) == sent
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
+def test_low_latency_contract(use_fp8, kind):
+    num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
+    idx, w = dt.make_routing(5, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = dt.random_rows(6, (num_ranks * num_tokens, H))
+    epr = num_experts // num_ranks
+    y = dt.random_rows(7, (num_ranks * epr, num_ranks * max_tokens, H))
+
+    def step(x, idx, w, y):
+        recv_x, count, handle = dej.low_latency_dispatch(
+            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts, use_fp8=use_fp8
+        )
+        out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
+        return recv_x, count, handle, out
+
+    recv_x, count, handle, out = dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), y)
+    xs, idxs, ws = _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks)
+    expected = oracle.low_latency_dispatch(xs, idxs, num_experts, max_tokens)
+    if use_fp8:
+        data, scales = recv_x
+        rows = np.asarray(dej.backends.reference.dequantize_fp8(data, scales))
+    else:
+        rows = np.asarray(recv_x, np.float32)
+    for r in range(num_ranks):
+        for e in range(epr):
+            slots = expected[r][e]
+            n = len(slots)
+            assert int(count[r, e]) == n
+            src = np.array([s for s, _, _ in slots], np.int32)
+            tok = np.array([t for _, t, _ in slots], np.int32)
+            np.testing.assert_array_equal(handle.recv_src_rank[r, e, :n], src)
+            np.testing.assert_array_equal(handle.recv_src_token[r, e, :n], tok)
+            np.testing.assert_array_equal(handle.recv_src_topk[r, e, :n], [k for _, _, k in slots])
+            assert (handle.recv_src_rank[r, e, n:] == -1).all()
+            if n:
+                want = xs[src, tok]
+                if use_fp8:  # within FP8 rounding: 2^-3 relative of each block's max
+                    amax = np.abs(want.reshape(n, -1, 128)).max(-1, keepdims=True)
+                    err = np.abs(rows[r, e, :n].reshape(n, -1, 128) - want.reshape(n, -1, 128))
+                    assert (err <= amax / 16 + 1e-6).all()
+                else:
+                    np.testing.assert_array_equal(rows[r, e, :n], want)
+    # Combine: sum over k, in order, of weight * the expert's row for the token.
+    ys = np.asarray(y, np.float32).reshape(num_ranks, epr, num_ranks * max_tokens, H)
+    want = np.zeros((num_ranks, num_tokens, H), np.float32)
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            acc = np.zeros(H, np.float32)
+            for k in range(topk):
+                g = idxs[s, t, k]
+                if g < 0:
+                    continue
+                r, e = divmod(g, epr)
+                p = expected[r][e].index((s, t, k))
+                acc = acc + np.float32(ws[s, t, k]) * ys[r, e, p]
+            want[s, t] = acc
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32).reshape(want.shape), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32),
+        rtol=1e-2, atol=1e-2,
+    )

@@ -42,7 +42,9 @@ def low_latency_dispatch_send(
         raise ValueError(f"{fn}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
     if use_fp8 and hidden % v.FP8_BLOCK:
         raise ValueError(f"{fn}: use_fp8 needs hidden to be a multiple of {v.FP8_BLOCK}, got {hidden}")
-    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
+    if buffer.config.checks:
+        v.raise_if_any(buffer, [(bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")])
     return buffer.ops.low_latency_dispatch_send(
         x,
         topk_idx,
@@ -106,7 +108,7 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     max_tokens = rows[1] // buffer.num_ranks
     if num_tokens > max_tokens:
         raise ValueError(f"{fn}: topk_idx has {num_tokens} tokens, more than the dispatch's maximum {max_tokens}")
-    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
     return buffer.ops.low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer)
 
 

@@ -30,8 +30,11 @@ def get_dispatch_layout(topk_idx, *, num_experts, buffer):
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     v.check_topk(topk_idx, None, getattr(topk_idx, "shape", (None,))[0], num_experts, fn)
-    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
-    return buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+    topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
+    layout = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+    if buffer.config.checks:
+        v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts))])
+    return layout
 
 
 def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens=None):
@@ -61,13 +64,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens
             f"{fn}: num_worst_tokens must be an int in [1, tokens * ranks = {worst}] (None means {worst}), "
             f"got {num_worst_tokens!r}"
         )
-    topk_idx = v.sanitize_topk_idx(topk_idx, num_experts, buffer.config.checks, fn)
+    topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     recv_xs, recv_idx, recv_w, handle = _dispatch(xs, topk_weights, topk_idx, num_experts, int(num_worst_tokens), buffer)
     if buffer.config.checks:
-        v.runtime_check(
-            handle.num_dropped_tokens > 0,
-            f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped",
-        )
+        overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
+        v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)])
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
 
 
@@ -92,6 +93,10 @@ def combine(x, handle, topk_weights=None, *, buffer):
             raise TypeError(f"{fn}: topk_weights must be float32 [{num_rows}, topk], got {dtype} {shape}")
     out, out_w = _combine(x, topk_weights, handle, buffer)
     return out if topk_weights is None else (out, out_w)
+
+
+def _bad_ids_message(fn, num_experts):
+    return f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})"
 
 
 # Gradients -----------------------------------------------------------------

@@ -104,21 +104,27 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
     return topk
 
 
-def sanitize_topk_idx(topk_idx, num_experts, checks, fn):
-    """Expert ids outside [0, num_experts) become -1 (never an out-of-bounds
-    write); with checks on, they raise at run time instead."""
+def sanitize_topk_idx(topk_idx, num_experts):
+    """Expert ids outside [0, num_experts) become -1, so they can never cause
+    an out-of-bounds write. Returns (clean ids, whether any were bad)."""
     topk_idx = topk_idx.astype(jnp.int32)
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if checks:
-        runtime_check(bad.any(), f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")
-    return jnp.where(bad, -1, topk_idx)
+    return jnp.where(bad, -1, topk_idx), bad.any()
 
 
-def runtime_check(failed, message):
-    """Raises `message` on the host when `failed` (a traced bool) is true."""
+def raise_if_any(buffer, failures):
+    """Check mode: raise on the host when any rank saw a failure.
 
-    def _raise(flag):
-        if bool(flag):
-            raise ValueError(message)
+    failures: [(traced bool, message)]. The flags are summed over the axis so
+    that every rank raises at the same point, after its last collective, and
+    no rank is left waiting for a peer that stopped.
+    """
+    flags = jax.lax.psum(jnp.stack([f.astype(jnp.int32) for f, _ in failures]), buffer.axis_name)
+    messages = [m for _, m in failures]
 
-    jax.debug.callback(_raise, failed)
+    def _raise(flags):
+        bad = [m for m, f in zip(messages, flags) if f]
+        if bad:
+            raise ValueError("; ".join(bad))
+
+    jax.debug.callback(_raise, flags)

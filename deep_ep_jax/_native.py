@@ -1,0 +1,108 @@
+"""Access to the CUDA extension `deep_ep_jax._C`, loaded lazily.
+
+Importing this module does not import the extension; nothing here fails on a
+machine without CUDA: `unavailable_reason()` says why the CUDA backend cannot
+run, or None when it can.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import threading
+
+BUILD_HINT = (
+    'build it with a CUDA toolkit (nvcc) visible: `pip install -e ".[test]"` '
+    "(or offline: `pip install --no-build-isolation --no-deps -e .`, or `python setup.py build_ext --inplace`)"
+)
+
+_register_lock = threading.Lock()
+_registered = False
+
+
+@functools.cache
+def _load():
+    """(module, None) or (None, why it could not be imported)."""
+    try:
+        return importlib.import_module("deep_ep_jax._C"), None
+    except ImportError as e:
+        return None, f"the extension deep_ep_jax._C is not built ({e}); {BUILD_HINT}"
+
+
+def extension():
+    """The `deep_ep_jax._C` module; raises ImportError saying how to build it."""
+    module, reason = _load()
+    if module is None:
+        raise ImportError(reason)
+    return module
+
+
+def _arch_matches(compiled: list[str], compute_capability: str) -> bool:
+    """Whether code compiled for `compiled` (e.g. ["sm_90", "compute_90"])
+    runs on a GPU of compute capability "9.0": the same SASS (plain or "a"
+    variant), or PTX of an older or equal architecture."""
+    major, minor = compute_capability.split(".")[:2]
+    target = int(major) * 10 + int(minor)
+    for arch in compiled:
+        kind, _, number = arch.partition("_")
+        number = number.rstrip("af")
+        if not number.isdigit():
+            continue
+        if kind == "sm" and int(number) == target:
+            return True
+        if kind == "compute" and int(number) <= target:
+            return True
+    return False
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the CUDA backend cannot run here, or None if it can."""
+    module, reason = _load()
+    if module is None:
+        return reason
+    import jax
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        return f"no CUDA devices are visible to JAX (devices: {sorted({d.platform for d in jax.devices()})})"
+    compiled = module.cuda_archs()
+    for device in gpus:
+        capability = getattr(device, "compute_capability", None)
+        if capability and not _arch_matches(compiled, capability):
+            return (
+                f"deep_ep_jax._C was compiled for {compiled}, which does not run on {device.device_kind} "
+                f"(compute capability {capability}); rebuild with DEEP_EP_JAX_CUDA_ARCHS="
+                f"{capability.replace('.', '')}"
+            )
+    return None
+
+
+def register_ffi_targets() -> None:
+    """Registers every FFI handler of the extension with XLA for CUDA, once."""
+    global _registered
+    if _registered:
+        return
+    import jax
+
+    with _register_lock:
+        if _registered:
+            return
+        for name, capsule in extension().ffi_targets().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _registered = True
+
+
+def build_summary() -> str:
+    """One line: what was built, for CI logs."""
+    module, reason = _load()
+    if module is None:
+        return f"deep_ep_jax._C: not built ({reason})"
+    targets = sorted(module.ffi_targets())
+    return (
+        f"deep_ep_jax._C: built for {','.join(module.cuda_archs())} with CUDA "
+        f"{module.device_info()['cuda_version_compiled']}, {len(targets)} FFI targets ({', '.join(targets)})"
+    )

@@ -1,0 +1,167 @@
+"""Environment report: `python -m deep_ep_jax.info`.
+
+Versions, devices, GPU peer access and NVLink topology, whether the CUDA
+extension is built (and for which architectures), the NVSHMEM library, the
+backend Buffer(backend="auto") would choose, and the buffer sizes the
+standard cases need. Works on a CPU-only machine without the extension.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.metadata
+import inspect
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+# DeepEP's standard cases (DESIGN.md section 3).
+NORMAL_CASE = dict(num_tokens=4096, hidden=7168, num_experts=256, num_topk=8)
+LOW_LATENCY_CASE = dict(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=288, num_topk=8)
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _section(title):
+    print(f"\n== {title}")
+
+
+def find_nvshmem():
+    """(version, path of libnvshmem_host.so) from the nvidia-nvshmem-cu13 wheel, or None."""
+    try:
+        nvidia = importlib.import_module("nvidia")
+    except ImportError:
+        return None
+    for root in getattr(nvidia, "__path__", []):
+        libs = sorted(glob.glob(os.path.join(root, "nvshmem", "lib", "libnvshmem_host.so*")))
+        if libs:
+            return _version("nvidia-nvshmem-cu13"), libs[-1]
+    return None
+
+
+def _call_size_hint(fn, case, num_ranks):
+    """Calls a size-hint function, passing the parameters it names from the case."""
+    from deep_ep_jax.config import Config
+
+    known = dict(case, num_ranks=num_ranks, config=Config(), num_max_tokens=case.get("num_tokens"))
+    kwargs = {}
+    for name, param in inspect.signature(fn).parameters.items():
+        if name in known and known[name] is not None:
+            kwargs[name] = known[name]
+        elif param.default is inspect.Parameter.empty:
+            raise TypeError(f"{fn.__name__} needs {name!r}, which the report does not know")
+    return int(fn(**kwargs))
+
+
+def _size_hint(module_name, fn_name, case, num_ranks):
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        return f"unknown ({module_name}.{fn_name} not available: {e})"
+    try:
+        num_bytes = _call_size_hint(fn, case, num_ranks)
+    except Exception as e:  # a report: show the problem, go on
+        return f"unknown ({type(e).__name__}: {e})"
+    return f"{num_bytes / 2**20:.1f} MiB per GPU ({num_bytes} bytes)"
+
+
+def main():
+    import jax
+
+    from deep_ep_jax import _native
+
+    _section("versions")
+    print(f"python {platform.python_version()} ({sys.executable})")
+    for dist in ("deep_ep_jax", "jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "numpy"):
+        print(f"{dist}: {_version(dist)}")
+
+    _section("JAX devices")
+    try:
+        devices = jax.devices()
+    except RuntimeError as e:
+        devices = []
+        print(f"none: {e}")
+    for d in devices:
+        extra = f", compute capability {d.compute_capability}" if hasattr(d, "compute_capability") else ""
+        print(f"{d.id}: {d.platform} {d.device_kind} (process {d.process_index}{extra})")
+    gpus = [d for d in devices if d.platform in ("gpu", "cuda")]
+
+    _section("CUDA extension")
+    print(_native.build_summary())
+    try:
+        module = _native.extension()
+    except ImportError:
+        module = None
+
+    if module is not None:
+        info = module.device_info()
+        print(f"CUDA compiled: {info['cuda_version_compiled']}, driver supports: {info['driver_cuda_version']}")
+        if info["error"]:
+            print(f"CUDA runtime: {info['error']}")
+        for dev in info["devices"]:
+            print(
+                f"GPU {dev['ordinal']}: {dev['name']}, sm_{dev['compute_capability'].replace('.', '')}, "
+                f"{dev['sm_count']} SMs, {dev['total_memory_bytes'] / 2**30:.1f} GiB, PCI {dev['pci_bus_id']}"
+            )
+        if len(info["devices"]) > 1:
+            print("peer access (row can access column; P2P performance rank, lower is faster; A: native atomics):")
+            n = len(info["devices"])
+            print("      " + "".join(f"GPU{j:<6}" for j in range(n)))
+            for i in range(n):
+                cells = []
+                for j in range(n):
+                    if i == j:
+                        cells.append("X")
+                    elif info["can_access_peer"][i][j]:
+                        atomics = "A" if info["p2p_native_atomics"][i][j] else ""
+                        cells.append(f"yes/{info['p2p_performance_rank'][i][j]}{atomics}")
+                    else:
+                        cells.append("no")
+                print(f"GPU{i:<3}" + "".join(f"{c:<9}" for c in cells))
+
+    if shutil.which("nvidia-smi"):
+        _section("nvidia-smi topo -m")
+        try:
+            result = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30)
+            print((result.stdout or result.stderr).rstrip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"failed: {e}")
+
+    _section("NVSHMEM")
+    found = find_nvshmem()
+    print(f"nvidia-nvshmem-cu13 {found[0]}: {found[1]}" if found else "not found (pip install nvidia-nvshmem-cu13)")
+
+    _section("backend")
+    reason = _native.unavailable_reason()
+    if reason is None:
+        print('Buffer(backend="auto") -> "cuda"')
+    else:
+        print(f'Buffer(backend="auto") -> "xla" ({reason})')
+
+    _section("buffer sizes for the standard cases")
+    for num_ranks in (2, 8):
+        case = ", ".join(f"{k}={v}" for k, v in NORMAL_CASE.items())
+        hint = _size_hint("deep_ep_jax.backends.cuda_normal", "normal_region_bytes", NORMAL_CASE, num_ranks)
+        print(f"normal ({case}, R={num_ranks}): {hint}")
+    for num_ranks in (2, 8):
+        case = ", ".join(f"{k}={v}" for k, v in LOW_LATENCY_CASE.items())
+        hint = _size_hint(
+            "deep_ep_jax.backends.cuda_low_latency", "low_latency_region_bytes", LOW_LATENCY_CASE, num_ranks
+        )
+        print(f"low latency ({case}, R={num_ranks}): {hint}")
+    print(
+        "XLA preallocates 75% of GPU memory; if a Buffer does not fit, set XLA_PYTHON_CLIENT_MEM_FRACTION "
+        "(e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax."
+    )
+
+
+if __name__ == "__main__":
+    main()

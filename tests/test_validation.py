@@ -1,0 +1,215 @@
+"""Bad input fails at trace time with a clear error naming the argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import deep_ep_jax as dej
+from deep_ep_jax import testing as dt
+
+R, T, H, E, K = 4, 8, 256, 8, 2
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return dt.ep_mesh(R, platform="cpu")
+
+
+@pytest.fixture(scope="module")
+def buffer(mesh):
+    return dej.Buffer(mesh, "ep", backend="xla")
+
+
+def _inputs(dtype=jnp.bfloat16):
+    idx, w = dt.make_routing(0, R * T, E, K, R)
+    return dt.random_rows(1, (R * T, H), dtype), jnp.asarray(idx), jnp.asarray(w)
+
+
+def _trace(mesh, fn, *args):
+    """Traces fn per rank (shapes only, nothing runs)."""
+    return dt.per_rank(fn, mesh, "ep").lower(*args)
+
+
+def _dispatch(buffer, **kw):
+    return lambda x, idx, w: dej.dispatch(x, idx, w, num_experts=kw.pop("num_experts", E), buffer=buffer, **kw)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda x, i, w: (x.astype(jnp.float16), i, w), TypeError, "x must be bfloat16"),
+        (lambda x, i, w: (x.reshape(R * T, 2, H // 2), i, w), ValueError, r"x must be \[tokens, hidden\]"),
+        (lambda x, i, w: (x, i.astype(jnp.float32), w), TypeError, "topk_idx must be int32"),
+        (lambda x, i, w: (x, i[:, :1], w), ValueError, "topk_weights must have topk_idx's shape"),
+        (lambda x, i, w: (x, i, w.astype(jnp.bfloat16)), TypeError, "topk_weights must be float32"),
+        (lambda x, i, w: (x, i[: R * T // 2], w[: R * T // 2]), ValueError, r"topk_idx must be \[8, topk\]"),
+    ],
+)
+def test_dispatch_bad_arrays(mesh, buffer, make, error, match):
+    with pytest.raises(error, match=match):
+        _trace(mesh, _dispatch(buffer), *make(*_inputs()))
+
+
+def test_dtype_message_lists_what_is_allowed(mesh):
+    # The xla backend also takes float32 rows (the kernels: bf16 only).
+    x, idx, w = _inputs(jnp.int32)
+    with pytest.raises(TypeError, match="x must be bfloat16, float32 or an FP8 pair, got int32"):
+        _trace(mesh, _dispatch(dej.Buffer(mesh, "ep", backend="xla")), x, idx, w)
+
+
+def test_num_experts_not_divisible(mesh, buffer):
+    with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by the size of axis 'ep' \(4\)"):
+        _trace(mesh, _dispatch(buffer, num_experts=6), *_inputs())
+    with pytest.raises(ValueError, match="must be divisible"):
+        dej.Buffer(mesh, "ep", backend="xla", num_experts=6)
+
+
+def test_topk_larger_than_experts(mesh, buffer):
+    x, _, _ = _inputs()
+    idx = jnp.zeros((R * T, 9), jnp.int32)
+    with pytest.raises(ValueError, match=r"topk must be in \[1, num_experts=8\], got 9"):
+        _trace(mesh, _dispatch(buffer), x, idx, idx.astype(jnp.float32))
+
+
+def test_hidden_mismatch(mesh):
+    buffer = dej.Buffer(mesh, "ep", backend="xla", hidden=512)
+    with pytest.raises(ValueError, match="x has hidden 256 but the buffer was made for hidden 512"):
+        _trace(mesh, _dispatch(buffer), *_inputs())
+
+
+@pytest.mark.parametrize("n", [0, -1, R * T + 1, 2.5])
+def test_num_worst_tokens_out_of_range(mesh, buffer, n):
+    with pytest.raises(ValueError, match="num_worst_tokens must be an int in"):
+        _trace(mesh, _dispatch(buffer, num_worst_tokens=n), *_inputs())
+
+
+def test_fp8_pair_bad_scales(mesh, buffer):
+    x, idx, w = _inputs()
+    data = x.astype(jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"FP8 scales x\[1\] must be float32 \(8, 2\)"):
+        _trace(mesh, _dispatch(buffer), (data, jnp.ones((R * T, 3), jnp.float32)), idx, w)
+    with pytest.raises(TypeError, match=r"FP8 data x\[0\] must be float8_e4m3fn"):
+        _trace(mesh, _dispatch(buffer), (x, jnp.ones((R * T, 2), jnp.float32)), idx, w)
+
+
+def test_fp8_hidden_alignment(mesh, buffer):
+    _, idx, w = _inputs()
+    data = jnp.zeros((R * T, 200), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="FP8 hidden must be a multiple of 128, got 200"):
+        _trace(mesh, _dispatch(buffer), (data, jnp.ones((R * T, 1), jnp.float32)), idx, w)
+
+
+def test_axis_not_in_mesh(mesh):
+    with pytest.raises(ValueError, match=r"axis_name 'expert' is not an axis of the mesh \('ep',\)"):
+        dej.Buffer(mesh, "expert")
+
+
+def test_outside_shard_map(buffer):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match="must be called inside jax.shard_map over the buffer's axis 'ep'"):
+        dej.dispatch(x[:T], idx[:T], w[:T], num_experts=E, buffer=buffer)
+
+
+def test_buffer_of_another_mesh(buffer):
+    small = dt.ep_mesh(2, platform="cpu")
+    with pytest.raises(ValueError, match="axis 'ep' has size 2 here but the buffer was made for 4 ranks"):
+        _trace(small, _dispatch(buffer), *[a[: 2 * T] for a in _inputs()])
+
+
+def test_bad_backend_and_buffer_args(mesh):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dej.Buffer(mesh, "ep", backend="tpu")
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
+        dej.Buffer(list(jax.devices("cpu")), "ep")
+    with pytest.raises(ValueError, match="hidden must be a positive int"):
+        dej.Buffer(mesh, "ep", hidden=-3)
+    with pytest.raises(ValueError, match="low_latency_mode=True needs num_max_dispatch_tokens_per_rank"):
+        dej.Buffer(mesh, "ep", low_latency_mode=True)
+
+
+def test_cuda_backend_unavailable_says_why(mesh):
+    with pytest.raises(RuntimeError, match=r"Buffer\(backend='cuda'\) is not available: the mesh's devices are \['cpu'\]"):
+        dej.Buffer(mesh, "ep", backend="cuda")
+    assert dej.Buffer(mesh, "ep").backend == "xla"  # auto falls back on CPU
+
+
+def test_use_after_destroy(mesh):
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    with buffer:
+        pass
+    with pytest.raises(RuntimeError, match="the Buffer was destroyed"):
+        _trace(mesh, _dispatch(buffer), *_inputs())
+
+
+def test_combine_bad_arguments(mesh, buffer):
+    x, idx, w = _inputs()
+
+    def rows_mismatch(x, idx, w):
+        recv_x, _, _, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x[:-1], handle, buffer=buffer)
+
+    with pytest.raises(ValueError, match="x must have the handle's 32 rows, got 31"):
+        _trace(mesh, rows_mismatch, x, idx, w)
+
+    def not_a_handle(x, idx, w):
+        return dej.combine(x, {"send_pos": idx}, buffer=buffer)
+
+    with pytest.raises(TypeError, match="handle must be the DispatchHandle"):
+        _trace(mesh, not_a_handle, x, idx, w)
+
+    def weights_dtype(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x, handle, recv_w.astype(jnp.bfloat16), buffer=buffer)
+
+    with pytest.raises(TypeError, match=r"topk_weights must be float32 \[32, topk\]"):
+        _trace(mesh, weights_dtype, x, idx, w)
+
+
+def test_low_latency_bad_arguments(mesh):
+    M = 4
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=M)
+    normal = dej.Buffer(mesh, "ep", backend="xla")
+    x, idx, _ = _inputs()
+
+    def call(buffer, m=M):
+        return lambda x, idx: dej.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=m, num_experts=E)
+
+    with pytest.raises(ValueError, match="x has 8 tokens, more than num_max_dispatch_tokens_per_rank=4"):
+        _trace(mesh, call(ll), x, idx)
+    with pytest.raises(ValueError, match="the buffer was made without low_latency_mode=True"):
+        _trace(mesh, call(normal), x[: R * M], idx[: R * M])
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank=8 exceeds the buffer's 4"):
+        _trace(mesh, call(ll, 8), x, idx)
+    with pytest.raises(ValueError, match="use_fp8 needs hidden to be a multiple of 128, got 100"):
+        _trace(mesh, call(ll), x[: R * M, :100], idx[: R * M])
+
+    def bad_combine(x, idx, w):
+        recv, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E)
+        return dej.low_latency_combine(recv[0], idx, w, handle, buffer=ll)  # FP8 data, not bf16
+
+    with pytest.raises(TypeError, match="x must be bfloat16, got float8_e4m3fn"):
+        _trace(mesh, bad_combine, x[: R * M], idx[: R * M], _inputs()[2][: R * M])
+
+
+def test_checks_mode_raises_on_bad_data(mesh):
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True))
+    x, idx, w = _inputs()
+    f = dt.per_rank(_dispatch(buffer), mesh, "ep")
+    jax.block_until_ready(f(x, idx, w))  # good data passes
+    with pytest.raises(Exception, match=r"topk_idx holds expert ids outside \[-1, 8\)"):
+        jax.block_until_ready(f(x, idx.at[3, 1].set(E + 5), w))
+    g = dt.per_rank(_dispatch(buffer, num_worst_tokens=4), mesh, "ep")
+    with pytest.raises(Exception, match="more rows arrived than num_worst_tokens=4"):
+        jax.block_until_ready(g(x, idx, w))
+
+
+def test_out_of_range_ids_are_ignored_without_checks(mesh, buffer):
+    x, idx, w = _inputs()
+    bad = idx.at[:, 0].set(jnp.where(jnp.arange(R * T) % 2 == 0, E + 3, -7))
+    clean = idx.at[:, 0].set(-1)
+    f = dt.per_rank(_dispatch(buffer), mesh, "ep")
+    got, want = f(x, bad, w), f(x, clean, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

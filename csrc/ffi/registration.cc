@@ -1,0 +1,12 @@
+#include "ffi/registration.h"
+
+namespace deep_ep_jax {
+
+// A function-local static, so registrars in other files' static initialisers
+// can use it whatever the initialisation order.
+std::map<std::string, FfiHandler*>& FfiTargets() {
+  static std::map<std::string, FfiHandler*> targets;
+  return targets;
+}
+
+}  // namespace deep_ep_jax

@@ -1,0 +1,124 @@
+// The pybind11 module deep_ep_jax._C: FFI handler capsules, the buffer
+// registry, and what the info report needs to know about the build and GPUs.
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "ffi/registration.h"
+#include "runtime/registry.h"
+
+#ifndef DEEP_EP_JAX_CUDA_ARCHS
+#define DEEP_EP_JAX_CUDA_ARCHS ""
+#endif
+
+namespace py = pybind11;
+
+namespace deep_ep_jax {
+namespace {
+
+py::dict FfiTargetCapsules() {
+  py::dict targets;
+  for (const auto& [name, handler] : FfiTargets()) {
+    targets[py::str(name)] = py::capsule(reinterpret_cast<void*>(handler));
+  }
+  return targets;
+}
+
+std::vector<std::string> CudaArchs() {
+  std::vector<std::string> archs;
+  std::string all = DEEP_EP_JAX_CUDA_ARCHS;
+  size_t start = 0;
+  while (start < all.size()) {
+    size_t end = all.find(',', start);
+    if (end == std::string::npos) end = all.size();
+    if (end > start) archs.push_back(all.substr(start, end - start));
+    start = end + 1;
+  }
+  return archs;
+}
+
+std::string VersionString(int version) {
+  return std::to_string(version / 1000) + "." + std::to_string(version % 1000 / 10);
+}
+
+// Never throws: on a machine without a driver or GPU it reports the error.
+py::dict DeviceInfo() {
+  py::dict info;
+  info["cuda_version_compiled"] = VersionString(CUDART_VERSION);
+  int driver = 0;
+  info["driver_cuda_version"] =
+      cudaDriverGetVersion(&driver) == cudaSuccess && driver > 0 ? py::str(VersionString(driver)) : py::str("none");
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    info["error"] = std::string(cudaGetErrorString(err));
+    count = 0;
+  } else {
+    info["error"] = py::none();
+  }
+  py::list devices;
+  for (int d = 0; d < count; ++d) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    char pci[32] = {};
+    cudaDeviceGetPCIBusId(pci, sizeof(pci), d);
+    py::dict dev;
+    dev["ordinal"] = d;
+    dev["name"] = std::string(prop.name);
+    dev["compute_capability"] = std::to_string(prop.major) + "." + std::to_string(prop.minor);
+    dev["sm_count"] = prop.multiProcessorCount;
+    dev["total_memory_bytes"] = prop.totalGlobalMem;
+    dev["pci_bus_id"] = std::string(pci);
+    devices.append(dev);
+  }
+  info["devices"] = devices;
+  // [i][j]: can device i access device j's memory; P2P performance rank
+  // (lower is faster; NVLink ranks above PCIe); native atomics over the link.
+  py::list can_access, performance_rank, native_atomics;
+  for (int i = 0; i < count; ++i) {
+    py::list access_row, rank_row, atomic_row;
+    for (int j = 0; j < count; ++j) {
+      int access = i == j, rank = 0, atomics = i == j;
+      if (i != j) {
+        cudaDeviceCanAccessPeer(&access, i, j);
+        cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, i, j);
+        cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, i, j);
+        cudaGetLastError();
+      }
+      access_row.append(bool(access));
+      rank_row.append(rank);
+      atomic_row.append(bool(atomics));
+    }
+    can_access.append(access_row);
+    performance_rank.append(rank_row);
+    native_atomics.append(atomic_row);
+  }
+  info["can_access_peer"] = can_access;
+  info["p2p_performance_rank"] = performance_rank;
+  info["p2p_native_atomics"] = native_atomics;
+  return info;
+}
+
+}  // namespace
+}  // namespace deep_ep_jax
+
+PYBIND11_MODULE(_C, m) {
+  using namespace deep_ep_jax;
+  m.doc() = "deep_ep_jax CUDA extension: XLA FFI handlers and the communication buffer registry";
+  m.def("ffi_targets", &FfiTargetCapsules, "dict: FFI target name -> PyCapsule of its handler");
+  m.def("create_buffer", &CreateBuffer, py::arg("groups"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Allocates the buffer on every device of each group (device ordinals, rank = position); returns its id");
+  m.def("destroy_buffer", &DestroyBuffer, py::arg("buffer_id"), py::call_guard<py::gil_scoped_release>(),
+        "Synchronises the buffer's devices and frees its memory; an unknown id raises ValueError");
+  m.def("num_live_buffers", &NumLiveBuffers);
+  m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
+  m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");
+}

@@ -1,0 +1,217 @@
+// Buffer registry for one process driving all GPUs of its EP groups: plain
+// cudaMalloc on each device, peer access between the devices of a group, and
+// raw peer pointers (valid everywhere thanks to unified virtual addressing).
+#include "runtime/registry.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <sstream>
+#include <stdexcept>
+#include <utility>
+
+namespace deep_ep_jax {
+namespace {
+
+// Handlers look states up concurrently (one host thread per GPU), so lookups
+// take a shared lock; create/destroy take it exclusively. std::map nodes are
+// stable, so returned DeviceState pointers stay valid until DestroyBuffer.
+std::shared_mutex registry_mutex;
+std::map<std::pair<int64_t, int>, DeviceState> device_states;  // (buffer id, device)
+std::map<int64_t, std::vector<int>> buffer_devices;            // buffer id -> its devices
+int64_t next_buffer_id = 1;
+
+void Check(cudaError_t err, const std::string& what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it so that later, unrelated calls do not report it
+    throw std::runtime_error("deep_ep_jax: " + what + " failed: " + cudaGetErrorString(err));
+  }
+}
+
+// Sets the current device for a scope and restores the caller's afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    Check(cudaGetDevice(&previous_), "cudaGetDevice");
+    Check(cudaSetDevice(device), "cudaSetDevice(" + std::to_string(device) + ")");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+// Each non-empty region holds at least its control block.
+size_t RegionBytes(size_t requested) {
+  return requested == 0 ? 0 : std::max(requested, kControlBytes);
+}
+
+char* AllocateZeroed(int device, size_t num_bytes, const char* mode) {
+  if (num_bytes == 0) return nullptr;
+  void* ptr = nullptr;
+  cudaError_t err = cudaMalloc(&ptr, num_bytes);
+  if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    std::ostringstream msg;
+    msg << "deep_ep_jax: out of GPU memory allocating the " << mode << " buffer on device "
+        << device << ": requested " << num_bytes << " bytes (" << (num_bytes >> 20)
+        << " MiB), free " << free_bytes << " bytes (" << (free_bytes >> 20) << " MiB) of "
+        << (total_bytes >> 20) << " MiB. XLA preallocates 75% of GPU memory by default: set "
+        << "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false "
+        << "before importing jax, or ask for a smaller buffer.";
+    throw std::runtime_error(msg.str());
+  }
+  Check(err, "cudaMalloc of " + std::to_string(num_bytes) + " bytes on device " + std::to_string(device));
+  err = cudaMemset(ptr, 0, num_bytes);
+  if (err != cudaSuccess) cudaFree(ptr);
+  Check(err, "cudaMemset on device " + std::to_string(device));
+  return static_cast<char*>(ptr);
+}
+
+void EnablePeerAccess(int device, int peer) {
+  int can_access = 0;
+  Check(cudaDeviceCanAccessPeer(&can_access, device, peer), "cudaDeviceCanAccessPeer");
+  if (!can_access) {
+    throw std::runtime_error("deep_ep_jax: device " + std::to_string(device) +
+                             " cannot access device " + std::to_string(peer) +
+                             " (no CUDA peer access between them, e.g. no NVLink/PCIe P2P); "
+                             "the devices of one EP group must all reach each other");
+  }
+  DeviceGuard guard(device);
+  cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+  if (err == cudaErrorPeerAccessAlreadyEnabled) {
+    cudaGetLastError();
+    return;
+  }
+  Check(err, "cudaDeviceEnablePeerAccess(" + std::to_string(device) + " -> " + std::to_string(peer) + ")");
+}
+
+// Synchronises each device, then frees its regions. Best effort: used both by
+// DestroyBuffer and to roll back a failed CreateBuffer.
+void FreeStates(const std::vector<DeviceState>& states) {
+  for (const DeviceState& s : states) {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(s.device_ordinal);
+    cudaDeviceSynchronize();
+    if (s.normal.local) cudaFree(s.normal.local);
+    if (s.low_latency.local) cudaFree(s.low_latency.local);
+    cudaSetDevice(previous);
+  }
+}
+
+void ValidateGroups(const std::vector<std::vector<int>>& groups) {
+  int device_count = 0;
+  Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
+  if (groups.empty()) throw std::invalid_argument("deep_ep_jax: CreateBuffer needs at least one group");
+  std::set<int> seen;
+  for (const auto& group : groups) {
+    if (group.empty() || group.size() > size_t(kMaxRanks)) {
+      throw std::invalid_argument("deep_ep_jax: an EP group must have 1.." + std::to_string(kMaxRanks) +
+                                  " devices, got " + std::to_string(group.size()));
+    }
+    for (int device : group) {
+      if (device < 0 || device >= device_count) {
+        throw std::invalid_argument("deep_ep_jax: device " + std::to_string(device) + " does not exist (" +
+                                    std::to_string(device_count) + " CUDA devices visible)");
+      }
+      if (!seen.insert(device).second) {
+        throw std::invalid_argument("deep_ep_jax: device " + std::to_string(device) +
+                                    " appears twice in the buffer's groups");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
+                     size_t low_latency_bytes) {
+  ValidateGroups(groups);
+  const size_t normal_region = RegionBytes(normal_bytes);
+  const size_t low_latency_region = RegionBytes(low_latency_bytes);
+
+  // Allocate and map outside the registry lock: this is slow, and handlers of
+  // other buffers must keep running.
+  std::vector<DeviceState> states;
+  try {
+    for (const auto& group : groups) {
+      const size_t first = states.size();
+      for (size_t rank = 0; rank < group.size(); ++rank) {
+        states.emplace_back();  // in the list first, so a rollback frees what it got
+        DeviceState& s = states.back();
+        s.device_ordinal = group[rank];
+        s.rank = int(rank);
+        s.num_ranks = int(group.size());
+        DeviceGuard guard(s.device_ordinal);
+        s.normal.num_bytes = normal_region;
+        s.normal.local = AllocateZeroed(s.device_ordinal, normal_region, "normal-mode");
+        s.low_latency.num_bytes = low_latency_region;
+        s.low_latency.local = AllocateZeroed(s.device_ordinal, low_latency_region, "low-latency");
+      }
+      for (int device : group) {
+        for (int peer : group) {
+          if (peer != device) EnablePeerAccess(device, peer);
+        }
+      }
+      for (size_t i = first; i < states.size(); ++i) {
+        for (size_t rank = 0; rank < group.size(); ++rank) {
+          states[i].normal.peers[rank] = states[first + rank].normal.local;
+          states[i].low_latency.peers[rank] = states[first + rank].low_latency.local;
+        }
+      }
+    }
+  } catch (...) {
+    FreeStates(states);
+    throw;
+  }
+
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  const int64_t id = next_buffer_id++;
+  std::vector<int>& devices = buffer_devices[id];
+  for (DeviceState& s : states) {
+    s.buffer_id = id;
+    devices.push_back(s.device_ordinal);
+    device_states[{id, s.device_ordinal}] = s;
+  }
+  return id;
+}
+
+void DestroyBuffer(int64_t buffer_id) {
+  std::vector<DeviceState> states;
+  {
+    std::unique_lock<std::shared_mutex> lock(registry_mutex);
+    auto it = buffer_devices.find(buffer_id);
+    if (it == buffer_devices.end()) {
+      throw std::invalid_argument("deep_ep_jax: buffer " + std::to_string(buffer_id) +
+                                  " does not exist (never created, or already destroyed)");
+    }
+    for (int device : it->second) {
+      auto state = device_states.find({buffer_id, device});
+      states.push_back(state->second);
+      device_states.erase(state);
+    }
+    buffer_devices.erase(it);
+  }
+  // Outside the lock: a device synchronisation can take a while.
+  FreeStates(states);
+}
+
+const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = device_states.find({buffer_id, device_ordinal});
+  return it == device_states.end() ? nullptr : &it->second;
+}
+
+int NumLiveBuffers() {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  return int(buffer_devices.size());
+}
+
+}  // namespace deep_ep_jax

@@ -1,0 +1,64 @@
+# The one list of native sources and compile flags of deep_ep_jax._C.
+#
+# Plain assignments only: this file is both Starlark (a Bazel BUILD load()s it)
+# and Python (setup.py exec()s it). Paths are relative to the repository root.
+# Everything is compiled by nvcc: .cu files as CUDA, .cc files as host C++
+# (nvcc hands them to the host compiler with CXX_FLAGS), so both see the same
+# CUDA headers. setup.py skips, with a note, a listed file that does not exist.
+
+# Device code and kernel launchers.
+CUDA_SOURCES = [
+    "csrc/kernels/layout.cu",
+    "csrc/kernels/intranode.cu",
+    "csrc/kernels/low_latency.cu",
+]
+
+# Host code: runtime, XLA FFI handlers, the pybind11 module.
+CXX_SOURCES = [
+    "csrc/runtime/registry.cc",
+    "csrc/ffi/registration.cc",
+    "csrc/ffi/layout.cc",
+    "csrc/ffi/intranode.cc",
+    "csrc/ffi/low_latency.cc",
+    "csrc/module.cc",
+]
+
+# Headers every source may include; a change to one rebuilds everything.
+HEADER_GLOBS = [
+    "csrc/**/*.h",
+    "csrc/**/*.cuh",
+]
+
+INCLUDE_DIRS = ["csrc"]
+
+# Default GPU architectures (compute capability without the dot); the
+# environment variable DEEP_EP_JAX_CUDA_ARCHS overrides it, e.g. "90;100".
+CUDA_ARCHS = ["90"]
+
+# Flags for .cu files (the -gencode flags are added from CUDA_ARCHS).
+NVCC_FLAGS = [
+    "-std=c++17",
+    "-O3",
+    "--expt-relaxed-constexpr",
+    "-lineinfo",
+    "-Xcompiler=-fPIC",
+    "-Xcompiler=-fvisibility=hidden",
+]
+
+# Host compiler flags for .cc files (passed through nvcc with -Xcompiler).
+CXX_FLAGS = [
+    "-std=c++17",
+    "-O2",
+    "-fPIC",
+    "-fvisibility=hidden",
+    "-Wall",
+    "-Wno-unused-function",
+]
+
+# Link: static CUDA runtime (no libcudart.so needed at run time; only the
+# driver), and keep the static libraries' symbols private to the module.
+LINK_FLAGS = [
+    "-shared",
+    "--cudart=static",
+    "-Xlinker=--exclude-libs,ALL",
+]

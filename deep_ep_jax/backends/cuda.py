@@ -1,0 +1,78 @@
+"""The CUDA backend: the per-rank operations as XLA FFI custom calls.
+
+Same interface as `deep_ep_jax.backends.reference` (see
+`deep_ep_jax.backends`). The layout and the buffer lifecycle live here; normal
+mode comes from `cuda_normal`, low-latency mode from `cuda_low_latency`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deep_ep_jax import _native
+
+
+def _not_built(what):
+    def missing(*args, **kwargs):
+        raise NotImplementedError(f"deep_ep_jax CUDA backend: {what} is not built yet")
+
+    return missing
+
+
+try:
+    from deep_ep_jax.backends.cuda_normal import cached_dispatch, combine, dispatch, normal_region_bytes
+except ModuleNotFoundError as e:
+    if e.name != "deep_ep_jax.backends.cuda_normal":
+        raise
+    dispatch = cached_dispatch = combine = normal_region_bytes = _not_built("normal mode (backends/cuda_normal.py)")
+
+try:
+    from deep_ep_jax.backends.cuda_low_latency import (
+        low_latency_combine_recv,
+        low_latency_combine_send,
+        low_latency_dispatch_recv,
+        low_latency_dispatch_send,
+        low_latency_region_bytes,
+    )
+except ModuleNotFoundError as e:
+    if e.name != "deep_ep_jax.backends.cuda_low_latency":
+        raise
+    _missing = _not_built("low-latency mode (backends/cuda_low_latency.py)")
+    low_latency_dispatch_send = low_latency_dispatch_recv = _missing
+    low_latency_combine_send = low_latency_combine_recv = low_latency_region_bytes = _missing
+
+
+# Buffer lifecycle -----------------------------------------------------------
+
+
+def create_buffer(groups, normal_bytes, low_latency_bytes) -> int:
+    """Allocates both regions on every device of each group (local device
+    ordinals, in rank order) and returns the buffer id the custom calls carry."""
+    groups = [[int(device) for device in group] for group in groups]
+    return _native.extension().create_buffer(groups, int(normal_bytes), int(low_latency_bytes))
+
+
+def destroy_buffer(buffer_id) -> None:
+    _native.extension().destroy_buffer(int(buffer_id))
+
+
+# Layout ---------------------------------------------------------------------
+
+
+def get_dispatch_layout(topk_idx, *, num_experts, buffer):
+    """(num_tokens_per_rank i32 [R], num_tokens_per_expert i32 [E],
+    is_token_in_rank bool [T, R]); ids outside [0, E) count as -1."""
+    _native.register_ffi_targets()
+    num_tokens = topk_idx.shape[0]
+    num_ranks = buffer.num_ranks
+    out_types = (
+        jax.ShapeDtypeStruct((num_ranks,), jnp.int32),
+        jax.ShapeDtypeStruct((num_experts,), jnp.int32),
+        jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),
+    )
+    call = jax.ffi.ffi_call("deep_ep_jax_get_dispatch_layout", out_types, vmap_method="sequential")
+    return tuple(
+        call(jnp.asarray(topk_idx, jnp.int32), num_experts=np.int64(num_experts), num_ranks=np.int64(num_ranks))
+    )

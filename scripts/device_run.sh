@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The whole GPU run in one command, from the repository root of the GPU machine
+# (python3 with jax + CUDA plugin, pybind11 and nvcc there; no network):
+#
+#   scripts/device_run.sh [extra pytest args] [--bench "benchmarks/x.py args"]...
+#
+# Builds the extension in place (incremental), prints the environment report,
+# runs the GPU tests, then each benchmark. Benchmarks run even if tests fail;
+# the exit status is the first failure's. With $OUT set, the log is also
+# written to $OUT/device_run.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python3}"
+
+if [[ -n "${OUT:-}" ]]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/device_run.log") 2>&1
+fi
+
+pytest_args=()
+benches=()
+while (($#)); do
+  case "$1" in
+    --bench) benches+=("$2"); shift 2 ;;
+    *) pytest_args+=("$1"); shift ;;
+  esac
+done
+
+status=0
+timings=()
+stage() {  # stage NAME COMMAND...: runs it, records its time and status
+  local name=$1 start=$SECONDS rc
+  shift
+  echo "=== $name: $*"
+  "$@"
+  rc=$?
+  timings+=("$(printf '%-40s %5d s  rc=%d' "$name" $((SECONDS - start)) "$rc")")
+  echo "=== $name: rc=$rc in $((SECONDS - start)) s"
+  if ((rc != 0 && status == 0)); then status=$rc; fi
+  return $rc
+}
+
+stage build "$PYTHON" setup.py -q build_ext --inplace || { printf '%s\n' "${timings[@]}"; exit "$status"; }
+stage info "$PYTHON" -m deep_ep_jax.info
+stage tests "$PYTHON" -m pytest -m gpu tests -x -q "${pytest_args[@]}"
+for bench in "${benches[@]}"; do
+  # shellcheck disable=SC2086  # the benchmark string is a command line
+  stage "bench ${bench%% *}" "$PYTHON" $bench
+done
+
+echo "=== timings"
+printf '%s\n' "${timings[@]}"
+exit "$status"

@@ -1,0 +1,181 @@
+"""Builds deep_ep_jax, with its CUDA extension deep_ep_jax._C when nvcc is found.
+
+Metadata lives in pyproject.toml; the native sources and flags in
+csrc/sources.bzl (shared with Bazel). Every source is compiled by nvcc, in
+parallel, into one shared module linked against the static CUDA runtime.
+
+  pip install -e ".[test]"                      # here: isolated build, fetches jax for the FFI headers
+  pip install --no-build-isolation --no-deps -e .  # offline, with jax and pybind11 already installed
+  python setup.py build_ext --inplace           # offline, incremental, no install
+
+Environment:
+  CUDA_HOME                  CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH)
+  DEEP_EP_JAX_CUDA_ARCHS     architectures, e.g. "90", "90;100", "90a", "90+PTX" (default: sources.bzl)
+  DEEP_EP_JAX_NO_CUDA=1      install the pure-Python package even when nvcc is present
+  MAX_JOBS                   parallel compile jobs (default: number of CPUs)
+"""
+
+import concurrent.futures
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def load_sources():
+    scope = {}
+    with open(os.path.join(ROOT, "csrc", "sources.bzl")) as f:
+        exec(f.read(), scope)
+    return scope
+
+
+SOURCES = load_sources()
+
+
+def find_nvcc():
+    candidates = []
+    if os.environ.get("CUDA_HOME"):
+        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
+    candidates.append("/usr/local/cuda/bin/nvcc")
+    candidates.append(shutil.which("nvcc"))
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def cuda_archs():
+    """["90", "90a", "90+PTX", ...] from DEEP_EP_JAX_CUDA_ARCHS or sources.bzl."""
+    env = os.environ.get("DEEP_EP_JAX_CUDA_ARCHS")
+    if not env:
+        return list(SOURCES["CUDA_ARCHS"])
+    return [a.strip().replace(".", "") for a in env.replace(",", ";").split(";") if a.strip()]
+
+
+def gencode_flags(archs):
+    flags, names = [], []
+    for arch in archs:
+        ptx = arch.endswith("+PTX")
+        arch = arch[: -len("+PTX")] if ptx else arch
+        flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+        names.append(f"sm_{arch}")
+        if ptx:  # also embed PTX so newer GPUs can JIT-compile it
+            flags.append(f"-gencode=arch=compute_{arch},code=compute_{arch}")
+            names.append(f"compute_{arch}")
+    return flags, names
+
+
+def include_flags():
+    import jax  # a build requirement: its jaxlib ships the XLA FFI headers
+    import pybind11
+
+    python_include = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(python_include, "Python.h")):
+        raise RuntimeError(f"Python.h not found in {python_include}: install the Python development headers")
+    ours = [f"-I{os.path.join(ROOT, d)}" for d in SOURCES["INCLUDE_DIRS"]]
+    # Third-party headers as system headers: their warnings are not ours.
+    theirs = [f"-isystem={d}" for d in (jax.ffi.include_dir(), pybind11.get_include(), python_include)]
+    return ours + theirs
+
+
+def read_text(path):
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def existing(paths):
+    found = []
+    for path in paths:
+        if os.path.exists(os.path.join(ROOT, path)):
+            found.append(path)
+        else:
+            print(f"deep_ep_jax: skipping {path} (not written yet)")
+    return found
+
+
+class NvccBuildExt(build_ext):
+    """Compiles the sources of sources.bzl with nvcc, in parallel and incrementally
+    (a source is recompiled when it, any csrc header, or its command changed)."""
+
+    def build_extension(self, ext):
+        start = time.time()
+        nvcc = find_nvcc()
+        archs = cuda_archs()
+        gencode, arch_names = gencode_flags(archs)
+        common = include_flags()
+        # NVSHMEM (a later issue) goes here: its include dir in `common`, -rdc=true in
+        # cuda_flags, a device-link step, and libnvshmem_device.a + -lnvshmem_host
+        # (with an rpath to the nvidia-nvshmem-cu13 wheel) in the link command.
+        common.append(f'-DDEEP_EP_JAX_CUDA_ARCHS="{",".join(arch_names)}"')
+        cuda_flags = list(SOURCES["NVCC_FLAGS"]) + gencode + common
+        # nvcc hands .cc files to the host compiler; -std must be given to nvcc itself.
+        cxx_flags = [f if f.startswith("-std=") else f"-Xcompiler={f}" for f in SOURCES["CXX_FLAGS"]] + common
+
+        jobs = []
+        obj_dir = os.path.join(self.build_temp, "deep_ep_jax_C")
+        for src in existing(SOURCES["CUDA_SOURCES"]):
+            jobs.append((src, cuda_flags))
+        for src in existing(SOURCES["CXX_SOURCES"]):
+            jobs.append((src, cxx_flags))
+        headers_mtime = max(
+            [os.path.getmtime(h) for pattern in SOURCES["HEADER_GLOBS"]
+             for h in glob.glob(os.path.join(ROOT, pattern), recursive=True)] + [0.0])
+
+        def compile_one(job):
+            src, flags = job
+            obj = os.path.join(obj_dir, src.replace("/", "_") + ".o")
+            cmd = [nvcc, "-c", os.path.join(ROOT, src), "-o", obj] + flags
+            stamp = obj + ".cmd"
+            if (os.path.exists(obj) and read_text(stamp) == " ".join(cmd)
+                    and os.path.getmtime(obj) >= max(os.path.getmtime(os.path.join(ROOT, src)), headers_mtime)):
+                return obj, False
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"nvcc failed on {src}:\n{' '.join(cmd)}\n{result.stdout}{result.stderr}")
+            if (result.stdout + result.stderr).strip():  # warnings
+                print(f"deep_ep_jax: {src}:\n{result.stdout}{result.stderr}")
+            with open(stamp, "w") as f:
+                f.write(" ".join(cmd))
+            return obj, True
+
+        os.makedirs(obj_dir, exist_ok=True)
+        max_jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_jobs)) as pool:
+            results = list(pool.map(compile_one, jobs))
+        objects = [obj for obj, _ in results]
+        num_compiled = sum(changed for _, changed in results)
+
+        out = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        if num_compiled or not os.path.exists(out) or os.path.getmtime(out) < max(map(os.path.getmtime, objects)):
+            cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + objects + ["-o", out]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise RuntimeError(f"nvcc link failed:\n{' '.join(cmd)}\n{result.stdout}{result.stderr}")
+        print(f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} "
+              f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s)")
+
+
+def extensions():
+    if os.environ.get("DEEP_EP_JAX_NO_CUDA") == "1":
+        print("deep_ep_jax: DEEP_EP_JAX_NO_CUDA=1, installing the pure-Python package (xla backend only)")
+        return []
+    if find_nvcc() is None:
+        print("deep_ep_jax: nvcc not found (set CUDA_HOME), installing the pure-Python package (xla backend only)")
+        return []
+    # The sources are listed for setuptools' checks; NvccBuildExt compiles them.
+    sources = [s for s in SOURCES["CUDA_SOURCES"] + SOURCES["CXX_SOURCES"] if os.path.exists(os.path.join(ROOT, s))]
+    return [Extension("deep_ep_jax._C", sources=sources)]
+
+
+setup(ext_modules=extensions(), cmdclass={"build_ext": NvccBuildExt})

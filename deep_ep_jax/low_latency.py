@@ -71,7 +71,9 @@ def low_latency_dispatch(
     Returns (recv_x, recv_count, handle): recv_x bf16 [E/R, R*M, H], or with
     use_fp8 an FP8 pair (float8_e4m3fn [E/R, R*M, H], float32 scales
     [E/R, R*M, H // 128]); the first recv_count[e] rows of local expert e are
-    valid, ordered by source rank then source token.
+    valid, ordered by source rank then source token. A local expert can
+    receive at most R*M rows; more (only possible when a token lists the same
+    expert twice) are dropped, and combining such a dispatch is undefined.
     """
     pending = low_latency_dispatch_send(
         x,

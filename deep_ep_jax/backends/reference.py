@@ -17,6 +17,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
@@ -195,9 +196,10 @@ def quantize_fp8(x, round_scale=False):
     """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128])."""
     blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
-    scale = amax / FP8_MAX
-    if round_scale:
-        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    scale = amax * np.float32(1.0 / FP8_MAX)  # what XLA makes of amax / 448 anyway
+    if round_scale:  # the power of two at or above scale, exactly (exp2(ceil(log2)) is not)
+        mantissa, exponent = jnp.frexp(scale)
+        scale = jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent))
     q = jnp.clip(blocks * (1.0 / scale)[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     return q.reshape(x.shape), scale
 

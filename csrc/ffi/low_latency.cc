@@ -1,0 +1,314 @@
+// XLA FFI handlers of low-latency mode: dispatch and combine, each a send half
+// and a receive half. The send half returns a token (int32 [1], the operation's
+// sequence number) that the receive half takes, so XLA orders them and may
+// schedule other work in between. Decode, validate, launch; no host sync.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi/registration.h"
+#include "kernels/low_latency.h"
+#include "runtime/registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace deep_ep_jax {
+namespace {
+
+using low_latency::DispatchLayout;
+using low_latency::Peers;
+
+std::string Str(int64_t v) { return std::to_string(v); }
+
+ffi::Error Invalid(const char* fn, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(fn) + ": " + what);
+}
+
+// This device's view of the buffer's low-latency region.
+ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t timeout_ns, Peers* peers) {
+  const DeviceState* state = FindDeviceState(buffer_id, device);
+  if (state == nullptr) {
+    return Invalid(fn, "buffer " + Str(buffer_id) + " does not exist on device " + Str(device) +
+                           " (destroyed, or made for other devices)");
+  }
+  if (state->low_latency.local == nullptr) {
+    return Invalid(fn, "the buffer has no low-latency region; create it with low_latency_mode=True");
+  }
+  for (int r = 0; r < state->num_ranks; ++r) peers->regions[r] = state->low_latency.peers[r];
+  peers->rank = state->rank;
+  peers->num_ranks = state->num_ranks;
+  peers->half_bytes = low_latency::HalfBytes(state->low_latency.num_bytes);
+  peers->timeout_ns = uint64_t(timeout_ns);
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckFits(const char* fn, size_t needed, const Peers& peers) {
+  if (needed > peers.half_bytes) {
+    return Invalid(fn, "the low-latency region is too small for these shapes: each half needs " + Str(needed) +
+                           " bytes, has " + Str(peers.half_bytes) +
+                           "; size the Buffer with cuda_low_latency.low_latency_region_bytes(...)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Launched(const char* fn, cudaError_t err) {
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": launch failed: " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+bool IsShape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
+  if (dims.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (dims[i++] != w) return false;
+  }
+  return true;
+}
+
+// Checks shared by both halves of dispatch: shapes the kernels can handle.
+ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_topk, int64_t hidden,
+                               int64_t num_experts, int64_t max_tokens, int num_ranks, bool fp8) {
+  if (num_experts < 1 || num_experts % num_ranks != 0 || num_experts > low_latency::kMaxExperts) {
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be a multiple of num_ranks (" + Str(num_ranks) +
+                           ") and <= " + Str(low_latency::kMaxExperts));
+  }
+  if (hidden < low_latency::kFp8Block || hidden % low_latency::kFp8Block != 0) {
+    return Invalid(fn, "hidden (" + Str(hidden) + ") must be a positive multiple of 128");
+  }
+  if (num_topk < 1 || num_topk > low_latency::kMaxTopk) {
+    return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "]");
+  }
+  if (num_tokens > max_tokens || max_tokens < 1 || max_tokens * num_topk > INT32_MAX / 2) {
+    return Invalid(fn, "tokens (" + Str(num_tokens) + ") must be <= num_max_dispatch_tokens_per_rank (" +
+                           Str(max_tokens) + ")");
+  }
+  if (low_latency::SharedBytesNeeded(int(num_experts), int(hidden), fp8) > low_latency::kMaxSharedBytes) {
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") and hidden (" + Str(hidden) +
+                           ") need more shared memory than the kernels use");
+  }
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+
+ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id, int64_t num_experts,
+                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_dispatch_send";
+  low_latency::DispatchSendArgs args{};
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+  const auto x_dims = x.dimensions();
+  const auto idx_dims = topk_idx.dimensions();
+  if (x.element_type() != ffi::BF16 || x_dims.size() != 2) return Invalid(fn, "x must be bf16 [T, H]");
+  if (idx_dims.size() != 2 || idx_dims[0] != x_dims[0]) return Invalid(fn, "topk_idx must be int32 [T, K]");
+  if (!IsShape(token->dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
+  const int64_t num_tokens = x_dims[0], hidden = x_dims[1], num_topk = idx_dims[1];
+  const int num_ranks = args.peers.num_ranks;
+  if (auto err = CheckDispatchShapes(fn, num_tokens, num_topk, hidden, num_experts, max_tokens, num_ranks, use_fp8);
+      err.failure()) {
+    return err;
+  }
+  args.layout =
+      low_latency::MakeDispatchLayout(num_ranks, num_experts / num_ranks, max_tokens, num_topk, hidden, use_fp8);
+  if (auto err = CheckFits(fn, args.layout.bytes, args.peers); err.failure()) return err;
+
+  args.x = x.untyped_data();
+  args.topk_idx = topk_idx.typed_data();
+  args.token = token->typed_data();
+  args.num_tokens = int(num_tokens);
+  args.num_topk = int(num_topk);
+  args.hidden = int(hidden);
+  args.num_experts = int(num_experts);
+  args.max_tokens = int(max_tokens);
+  args.fp8 = use_fp8;
+  args.round_scale = round_scale;
+  return Launched(fn, low_latency::LaunchDispatchSend(args, device, stream));
+}
+
+ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
+                        ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> recv_src_token,
+                        ffi::ResultBuffer<ffi::S32> recv_src_topk, int64_t buffer_id, int64_t num_topk,
+                        int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_dispatch_recv";
+  low_latency::DispatchRecvArgs args{};
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+  const int num_ranks = args.peers.num_ranks;
+  const auto dims = recv_x->dimensions();
+  const bool fp8 = recv_x->element_type() == ffi::F8E4M3FN;
+  if ((!fp8 && recv_x->element_type() != ffi::BF16) || dims.size() != 3 || dims[1] % num_ranks != 0) {
+    return Invalid(fn, "recv_x must be float8_e4m3fn or bf16 [E/R, R*M, H]");
+  }
+  const int64_t num_local = dims[0], rows = dims[1], hidden = dims[2], max_tokens = rows / num_ranks;
+  if (!IsShape(token.dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
+  if (fp8 && !IsShape(recv_scales->dimensions(), {num_local, rows, hidden / low_latency::kFp8Block})) {
+    return Invalid(fn, "recv_scales must be float32 [E/R, R*M, H/128]");
+  }
+  if (!IsShape(recv_count->dimensions(), {num_local}) || !IsShape(recv_src_rank->dimensions(), {num_local, rows}) ||
+      !IsShape(recv_src_token->dimensions(), {num_local, rows}) ||
+      !IsShape(recv_src_topk->dimensions(), {num_local, rows})) {
+    return Invalid(fn, "recv_count must be int32 [E/R] and the handle arrays int32 [E/R, R*M]");
+  }
+  if (auto err = CheckDispatchShapes(fn, 0, num_topk, hidden, num_local * num_ranks, max_tokens, num_ranks, fp8);
+      err.failure()) {
+    return err;
+  }
+  args.layout = low_latency::MakeDispatchLayout(num_ranks, num_local, max_tokens, num_topk, hidden, fp8);
+  if (auto err = CheckFits(fn, args.layout.bytes, args.peers); err.failure()) return err;
+
+  args.token = token.typed_data();
+  args.recv_x = recv_x->untyped_data();
+  args.recv_scales = fp8 ? recv_scales->typed_data() : nullptr;
+  args.recv_count = recv_count->typed_data();
+  args.recv_src_rank = recv_src_rank->typed_data();
+  args.recv_src_token = recv_src_token->typed_data();
+  args.recv_src_topk = recv_src_topk->typed_data();
+  args.num_local_experts = int(num_local);
+  args.max_tokens = int(max_tokens);
+  args.num_topk = int(num_topk);
+  args.hidden = int(hidden);
+  args.fp8 = fp8;
+  return Launched(fn, low_latency::LaunchDispatchRecv(args, device, stream));
+}
+
+ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+                       ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
+                       ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id,
+                       int64_t num_topk, int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_combine_send";
+  low_latency::CombineSendArgs args{};
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+  const int num_ranks = args.peers.num_ranks;
+  const auto dims = x.dimensions();
+  if (x.element_type() != ffi::BF16 || dims.size() != 3 || dims[1] % num_ranks != 0) {
+    return Invalid(fn, "x must be bf16 [E/R, R*M, H]");
+  }
+  const int64_t num_local = dims[0], rows = dims[1], hidden = dims[2], max_tokens = rows / num_ranks;
+  if (!IsShape(recv_count.dimensions(), {num_local}) || !IsShape(recv_src_rank.dimensions(), {num_local, rows}) ||
+      !IsShape(recv_src_token.dimensions(), {num_local, rows}) || !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
+    return Invalid(fn, "the handle must hold recv_count int32 [E/R] and int32 [E/R, R*M] arrays matching x");
+  }
+  if (!IsShape(token->dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
+  if (hidden < 8 || hidden % 8 != 0) return Invalid(fn, "hidden (" + Str(hidden) + ") must be a multiple of 8");
+  if (num_topk < 1 || num_topk > low_latency::kMaxTopk || num_local > low_latency::kMaxExperts) {
+    return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) +
+                           "] and E/R (" + Str(num_local) + ") <= " + Str(low_latency::kMaxExperts));
+  }
+  if (auto err = CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args.peers); err.failure()) {
+    return err;
+  }
+
+  args.x = x.untyped_data();
+  args.recv_count = recv_count.typed_data();
+  args.recv_src_rank = recv_src_rank.typed_data();
+  args.recv_src_token = recv_src_token.typed_data();
+  args.recv_src_topk = recv_src_topk.typed_data();
+  args.token = token->typed_data();
+  args.num_local_experts = int(num_local);
+  args.max_tokens = int(max_tokens);
+  args.num_topk = int(num_topk);
+  args.hidden = int(hidden);
+  return Launched(fn, low_latency::LaunchCombineSend(args, device, stream));
+}
+
+ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
+                       int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_combine_recv";
+  low_latency::CombineRecvArgs args{};
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+  const auto idx_dims = topk_idx.dimensions();
+  const auto out_dims = out->dimensions();
+  if (idx_dims.size() != 2 || !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
+    return Invalid(fn, "topk_idx and topk_weights must be [T, K]");
+  }
+  if (out->element_type() != ffi::BF16 || out_dims.size() != 2 || out_dims[0] != idx_dims[0] || out_dims[1] % 8 != 0) {
+    return Invalid(fn, "the output must be bf16 [T, H] with H a multiple of 8");
+  }
+  if (!IsShape(token.dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
+  const int64_t num_tokens = idx_dims[0], num_topk = idx_dims[1], hidden = out_dims[1];
+  if (num_topk < 1 || num_topk > low_latency::kMaxTopk) {
+    return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "]");
+  }
+  if (auto err = CheckFits(fn, low_latency::CombineBytes(num_tokens, num_topk, hidden), args.peers); err.failure()) {
+    return err;
+  }
+
+  args.token = token.typed_data();
+  args.topk_idx = topk_idx.typed_data();
+  args.topk_weights = topk_weights.typed_data();
+  args.out = out->untyped_data();
+  args.num_tokens = int(num_tokens);
+  args.num_topk = int(num_topk);
+  args.hidden = int(hidden);
+  return Launched(fn, low_latency::LaunchCombineRecv(args, device, stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // token
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<bool>("use_fp8")
+                                  .Attr<bool>("round_scale")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, DispatchRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // token
+                                  .Ret<ffi::AnyBuffer>()           // recv_x
+                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_scales ([1] unused when bf16)
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_count
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_rank
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_token
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_topk
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_topk")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, CombineSend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()           // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_count
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_token
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_topk
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // token
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_topk")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, CombineRecv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // token
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
+                                  .Ret<ffi::AnyBuffer>()           // out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send", LowLatencyDispatchSendHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv", LowLatencyDispatchRecvHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler);
+
+}  // namespace deep_ep_jax

@@ -1,0 +1,599 @@
+// Low-latency (decode) dispatch and combine over NVLink, as four kernels:
+//
+//   dispatch send: each block takes tokens; it quantises a token's row once
+//     (FP8 + per-128-channel scales, in shared memory) and puts one copy per
+//     (token, k) into the owning rank's half, at a slot fixed by counting
+//     (prefix counts, no atomics on slots), so the packing is deterministic.
+//   dispatch recv: waits for every source's "ready" flag, packs the rows into
+//     recv_x [L, R*M, H] ordered by (source rank, token, k) and writes the
+//     handle; then hands the half back to its sources ("freed").
+//   combine send: puts every received row's expert output back into its
+//     source's half at row (token * K + k).
+//   combine recv: waits for every rank's "ready" flag and sums, per token,
+//     weight_k * row_k over k in order in float32 (no FMA), as the reference.
+//
+// The sequence number lives in the control block and is advanced by the send
+// kernels themselves (the recv kernels get it through the token), so CUDA-graph
+// replays and back-to-back calls need no host work and no clean-up launch.
+// Each kernel detects its last block with a counter; only that block signals
+// peers, after every block's puts are visible system-wide.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/common.cuh"
+#include "kernels/low_latency.h"
+
+namespace deep_ep_jax {
+namespace low_latency {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kScanScratch = 33;  // ints of shared memory block_exclusive_scan needs
+constexpr float kFp8Max = 448.0f;
+
+enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3, kNumKernels = 4 };
+
+// The first bytes of the region. Flags hold "operation number + 1", so the
+// zeroed start state means "nothing yet" and no flag is ever reset.
+struct Control {
+  int seq;  // number of the next operation (dispatch or combine) on this buffer
+  int pad0[31];
+  int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
+  int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here
+  int pad1[32 - 2 * kMaxRanks];
+  int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
+};
+static_assert(sizeof(Control) <= kControlBytes, "control block too large");
+
+constexpr size_t kReadyOffset = offsetof(Control, ready);
+constexpr size_t kFreedOffset = offsetof(Control, freed);
+__host__ __device__ inline size_t ReadyFlag(int half, int source) {
+  return kReadyOffset + sizeof(int) * (half * kMaxRanks + source);
+}
+__host__ __device__ inline size_t FreedFlag(int half, int destination) {
+  return kFreedOffset + sizeof(int) * (half * kMaxRanks + destination);
+}
+
+// Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
+// one being `index`; loads a batch before storing it, to keep several
+// transfers in flight per thread.
+__device__ __forceinline__ void copy16(void* dst, const void* src, size_t num_bytes, int index, int count) {
+  constexpr int kBatch = 8;
+  uint4* d = static_cast<uint4*>(dst);
+  const uint4* s = static_cast<const uint4*>(src);
+  const int n = int(num_bytes / 16);
+  for (int base = index; base < n; base += kBatch * count) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (base + b * count < n) v[b] = s[base + b * count];
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      if (base + b * count < n) d[base + b * count] = v[b];
+    }
+  }
+}
+
+// How this rank reaches the others. Over NVLink every rank's region is mapped
+// here, so a put is a store through a peer pointer; a transport for ranks
+// beyond NVLink (NVSHMEM) provides the same five operations.
+struct Transport {
+  Peers p;
+
+  __device__ char* local() const { return p.regions[p.rank]; }
+  __device__ Control* control() const { return reinterpret_cast<Control*>(local()); }
+  // Copies local bytes to `offset` of rank's region (a cooperative group of threads).
+  __device__ void put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count) const {
+    copy16(p.regions[rank] + offset, src, num_bytes, index, count);
+  }
+  __device__ void put_int(int rank, size_t offset, int value) const {
+    *reinterpret_cast<int*>(p.regions[rank] + offset) = value;
+  }
+  // After it, this thread's puts are visible to every rank.
+  __device__ void fence() const { __threadfence_system(); }
+  // Release store of a flag in rank's control block.
+  __device__ void signal(int rank, size_t offset, int value) const {
+    st_release_sys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
+  }
+  // Waits until a flag of this rank's control block has reached `target`
+  // (wrap-around safe, as wait_at_least otherwise: times out loudly).
+  __device__ void wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
+    const int* flag = reinterpret_cast<const int*>(local() + offset);
+    if (reached(ld_acquire_sys(flag), target)) return;
+    const uint64_t start = global_timer_ns();
+    while (!reached(ld_acquire_sys(flag), target)) {
+      if (global_timer_ns() - start > p.timeout_ns) {
+        printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
+               "value %d, expected %d\n",
+               mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, ld_acquire_sys(flag), target);
+        __trap();
+      }
+    }
+  }
+  // Sequence numbers wrap around after 2^32 operations; compare differences.
+  __device__ static bool reached(int value, int target) { return int(unsigned(value) - unsigned(target)) >= 0; }
+};
+
+__device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
+  return kControlBytes + size_t(half) * p.half_bytes;
+}
+
+// In-place exclusive prefix sum of data[0, n) by the whole block; data[n - 1]
+// ends up as the sum of the first n - 1 entries (callers pass one extra entry
+// to get the total). scratch: kScanScratch ints of shared memory.
+__device__ void block_exclusive_scan(int* data, int n, int* scratch) {
+  const int per_thread = (n + blockDim.x - 1) / blockDim.x;
+  const int begin = min(n, int(threadIdx.x) * per_thread);
+  const int end = min(n, begin + per_thread);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += data[i];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+  int inclusive = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
+    if (lane >= o) inclusive += v;
+  }
+  if (lane == 31) scratch[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const int total = lane < num_warps ? scratch[lane] : 0;
+    int prefix = total;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, prefix, o);
+      if (lane >= o) prefix += v;
+    }
+    if (lane < num_warps) scratch[lane] = prefix - total;  // exclusive, per warp
+  }
+  __syncthreads();
+  int running = scratch[warp] + inclusive - sum;
+  for (int i = begin; i < end; ++i) {
+    const int v = data[i];
+    data[i] = running;
+    running += v;
+  }
+  __syncthreads();
+}
+
+// Spreads rows [0, num_rows) over every warp of the grid; when warps
+// outnumber rows, 2 or 4 warps (of one block) share a row. Calls
+// fn(row, index, count): this thread is `index` of the `count` copying it.
+template <typename Fn>
+__device__ __forceinline__ void for_each_row(int num_rows, Fn fn) {
+  const int num_warps = gridDim.x * kWarps;
+  const int ratio = num_warps / max(1, num_rows);
+  const int warps_per_row = ratio >= 4 ? 4 : ratio >= 2 ? 2 : 1;
+  const int num_groups = num_warps / warps_per_row;
+  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int index = (warp % warps_per_row) * 32 + threadIdx.x % 32;
+  for (int row = warp / warps_per_row; row < num_rows; row += num_groups) fn(row, index, warps_per_row * 32);
+}
+
+// Index of the last entry <= value in the non-decreasing starts[0, n), given starts[0] <= value.
+__device__ __forceinline__ int find_segment(const int* starts, int n, int value) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (starts[mid] <= value) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// bins[e] += number of i in [0, n) with values[i] == e (0 <= e < num_bins); one
+// shared atomic per distinct value per warp, so skewed routing does not serialise.
+__device__ void block_histogram(const int* values, int n, int num_bins, int* bins) {
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    int v = i < n ? values[i] : -1;
+    if (v >= num_bins) v = -1;
+    const unsigned same = __match_any_sync(0xffffffffu, v);
+    if (v >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&bins[v], __popc(same));
+  }
+}
+
+// True in every thread of the block that finishes last. Every thread's
+// earlier puts are visible system-wide and every block's loads are done by
+// then, so that block may signal the peers.
+__device__ bool last_block(const Transport& tr, int* blocks_done) {
+  __shared__ int is_last;
+  tr.fence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(blocks_done, 1) == int(gridDim.x) - 1;
+    if (is_last) *blocks_done = 0;  // every block has arrived: ready for the next launch
+    __threadfence();
+  }
+  __syncthreads();
+  return is_last;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+// Smallest power of two >= s, exactly (s is a positive normal float here).
+__device__ __forceinline__ float ceil_pow2(float s) {
+  const uint32_t bits = __float_as_uint(s);
+  uint32_t exponent = bits & 0x7f800000u;
+  if (bits & 0x007fffffu) exponent += 0x00800000u;
+  return __uint_as_float(exponent);
+}
+
+// FP8 scales follow what XLA computes for the reference (bit-exact results):
+// XLA rewrites amax / 448 as amax * (1 / 448) (a constant divisor becomes a
+// multiply by its float32 reciprocal), and lowers float32 division to
+// div.full.f32 (-nvptx-prec-divf32=1), so 1 / scale uses the same instruction.
+constexpr float kInvFp8Max = 1.0f / kFp8Max;
+__device__ __forceinline__ float div_full(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t fp8x2(float a, float b, float inv_scale) {
+  float2 v;
+  v.x = fminf(fmaxf(__fmul_rn(a, inv_scale), -kFp8Max), kFp8Max);
+  v.y = fminf(fmaxf(__fmul_rn(b, inv_scale), -kFp8Max), kFp8Max);
+  return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// Quantises bf16 row [H] into staging: FP8 [H] then float scales [H / 128].
+// Thread i takes 8 channels; 16 consecutive threads share one scale.
+__device__ void quantize_row(const uint4* row, int hidden, bool round_scale, char* staging) {
+  const int units = hidden / 8;
+  float* scales = reinterpret_cast<float*>(staging + hidden);
+  for (int base = 0; base < units; base += blockDim.x) {  // uniform: whole warps shuffle
+    const int u = base + threadIdx.x;
+    const bool active = u < units;  // units % 16 == 0, so a 16-lane group is all in or all out
+    const uint4 raw = active ? row[u] : make_uint4(0, 0, 0, 0);
+    const float v[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
+                        bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float scale = __fmul_rn(fmaxf(amax, 1e-4f), kInvFp8Max);
+    if (round_scale) scale = ceil_pow2(scale);
+    const float inv_scale = div_full(1.0f, scale);
+    if (active) {
+      uint2 q;
+      q.x = fp8x2(v[0], v[1], inv_scale) | (fp8x2(v[2], v[3], inv_scale) << 16);
+      q.y = fp8x2(v[4], v[5], inv_scale) | (fp8x2(v[6], v[7], inv_scale) << 16);
+      reinterpret_cast<uint2*>(staging)[u] = q;
+      if ((u & 15) == 0) scales[u / 16] = scale;
+    }
+  }
+}
+
+size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
+  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), 16) +
+         (fp8 ? DispatchRowBytes(hidden, true) : 0);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  const Transport tr{a.peers};
+  const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
+  const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
+  const int num_local = num_experts / num_ranks;
+  int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
+  int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
+  int* scratch = before + num_experts;
+  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), 16);
+
+  Control* control = tr.control();
+  const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
+  const int half = op & 1;
+  const size_t half_offset = HalfOffset(a.peers, half);
+  const DispatchLayout& layout = a.layout;
+
+  for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
+  __syncthreads();
+  block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start);
+  __syncthreads();
+  block_exclusive_scan(expert_start, num_experts + 1, scratch);
+
+  // Every destination must have read this half of operation op - 2.
+  if (threadIdx.x < num_ranks) {
+    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
+            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+  }
+  __syncthreads();
+
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+      const int dst = e / num_local;
+      const size_t offset = half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
+      tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
+    }
+  }
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps_per_row = max(1, kWarps / num_topk);  // spare warps help with each row
+  const int num_groups = kWarps / warps_per_row;
+  const int group = warp / warps_per_row;
+  const int group_thread = (warp % warps_per_row) * 32 + lane;
+  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
+    __syncthreads();
+    block_histogram(a.topk_idx, t * num_topk, num_experts, before);
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * hidden);
+    if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
+    __syncthreads();
+
+    const int* experts = a.topk_idx + size_t(t) * num_topk;
+    for (int k = group; k < num_topk; k += num_groups) {
+      const int e = experts[k];
+      if (e < 0 || e >= num_experts) continue;
+      int slot = before[e];
+      for (int j = 0; j < k; ++j) slot += experts[j] == e;
+      const int dst = e / num_local;
+      const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
+      const size_t row_index = size_t(rank) * layout.capacity + pos;
+      const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
+      tr.put(dst, half_offset + layout.rows_offset + row_index * layout.row_bytes, src, layout.row_bytes,
+             group_thread, warps_per_row * 32);
+      if (group_thread == 0) tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * row_index, t * num_topk + k);
+    }
+    __syncthreads();  // staging and `before` are reused by the next token
+  }
+
+  if (last_block(tr, &control->blocks_done[kDispatchSend][0])) {
+    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+    if (threadIdx.x == 0) {
+      control->seq = int(op + 1u);
+      *a.token = int(op);
+    }
+  }
+}
+
+size_t DispatchRecvSharedBytes(int num_rows_lists) {
+  return sizeof(int) * (2 * size_t(num_rows_lists) + 2 + kScanScratch);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  const Transport tr{a.peers};
+  const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
+  const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
+  const int num_lists = num_local * num_ranks;  // (expert, source) row lists
+  const int rows_per_expert = num_ranks * a.max_tokens;
+  int* row_start = smem;                  // [L*R + 1], (expert, source) order: first output row of each list
+  int* seg_start = row_start + num_lists + 1;  // [R*L + 1], (source, expert) order: first row in the source's segment
+  int* scratch = seg_start + num_lists + 1;
+
+  const unsigned op = unsigned(*a.token);
+  const int half = op & 1;
+  const char* half_base = tr.local() + HalfOffset(a.peers, half);
+  const DispatchLayout& layout = a.layout;
+
+  if (threadIdx.x < num_ranks) {
+    tr.wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
+  }
+  __syncthreads();
+
+  const int* counts = reinterpret_cast<const int*>(half_base + layout.counts_offset);  // [source][expert]
+  for (int i = threadIdx.x; i < num_lists; i += blockDim.x) {
+    const int c = counts[i];
+    row_start[(i % num_local) * num_ranks + i / num_local] = c;
+    seg_start[i] = c;
+  }
+  if (threadIdx.x == 0) row_start[num_lists] = seg_start[num_lists] = 0;
+  __syncthreads();
+  block_exclusive_scan(row_start, num_lists + 1, scratch);
+  block_exclusive_scan(seg_start, num_lists + 1, scratch);
+  auto expert_count = [&](int e) {
+    return min(row_start[(e + 1) * num_ranks] - row_start[e * num_ranks], rows_per_expert);
+  };
+
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) a.recv_count[e] = expert_count(e);
+  }
+  // The handle says -1 on padding rows.
+  const int64_t num_slots = int64_t(num_local) * rows_per_expert;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_slots; i += int64_t(gridDim.x) * blockDim.x) {
+    if (int(i % rows_per_expert) >= expert_count(int(i / rows_per_expert))) {
+      a.recv_src_rank[i] = a.recv_src_token[i] = a.recv_src_topk[i] = -1;
+    }
+  }
+
+  const int* infos = reinterpret_cast<const int*>(half_base + layout.infos_offset);
+  for_each_row(row_start[num_lists], [&](int f, int index, int count) {
+    const int list = find_segment(row_start, num_lists, f);
+    const int e = list / num_ranks, src = list % num_ranks;
+    const int j = f - row_start[list];
+    const int out = row_start[list] - row_start[e * num_ranks] + j;
+    if (out >= rows_per_expert) return;  // more rows than the output holds (duplicate experts): dropped
+    const size_t slot = size_t(src) * layout.capacity + (seg_start[src * num_local + e] - seg_start[src * num_local] + j);
+    const char* from = half_base + layout.rows_offset + slot * layout.row_bytes;
+    const size_t dst_row = size_t(e) * rows_per_expert + out;
+    if (kFp8) {
+      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, count);
+      const float* scales = reinterpret_cast<const float*>(from + hidden);
+      const int num_scales = hidden / kFp8Block;
+      for (int i = index; i < num_scales; i += count) a.recv_scales[dst_row * num_scales + i] = scales[i];
+    } else {
+      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, count);
+    }
+    if (index == 0) {
+      const int info = infos[slot];
+      a.recv_src_rank[dst_row] = src;
+      a.recv_src_token[dst_row] = info / num_topk;
+      a.recv_src_topk[dst_row] = info % num_topk;
+    }
+  });
+
+  if (last_block(tr, &tr.control()->blocks_done[kDispatchRecv][0])) {
+    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  const Transport tr{a.peers};
+  const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
+  const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
+  const int rows_per_expert = num_ranks * a.max_tokens;
+  int* row_start = smem;  // [L + 1]: first flat row of each expert
+  int* scratch = row_start + num_local + 1;
+
+  Control* control = tr.control();
+  const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
+  const int half = op & 1;
+  const size_t half_offset = HalfOffset(a.peers, half);
+
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x) row_start[e] = min(max(a.recv_count[e], 0), rows_per_expert);
+  if (threadIdx.x == 0) row_start[num_local] = 0;
+  __syncthreads();
+  block_exclusive_scan(row_start, num_local + 1, scratch);
+
+  // Every source must have read this half of operation op - 2.
+  if (threadIdx.x < num_ranks) {
+    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency combine send",
+            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+  }
+  __syncthreads();
+
+  const size_t row_bytes = size_t(hidden) * 2;
+  for_each_row(row_start[num_local], [&](int f, int index, int count) {
+    const int e = find_segment(row_start, num_local, f);
+    const size_t row = size_t(e) * rows_per_expert + (f - row_start[e]);
+    const int src = a.recv_src_rank[row], t = a.recv_src_token[row], k = a.recv_src_topk[row];
+    if (src < 0 || src >= num_ranks || t < 0 || t >= a.max_tokens || k < 0 || k >= num_topk) return;
+    const char* from = static_cast<const char*>(a.x) + row * row_bytes;
+    tr.put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count);
+  });
+
+  if (last_block(tr, &control->blocks_done[kCombineSend][0])) {
+    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+    if (threadIdx.x == 0) {
+      control->seq = int(op + 1u);
+      *a.token = int(op);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
+  const Transport tr{a.peers};
+  const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
+  const int num_topk = a.num_topk, hidden = a.hidden;
+  const unsigned op = unsigned(*a.token);
+  const int half = op & 1;
+  const char* rows = tr.local() + HalfOffset(a.peers, half);
+
+  if (threadIdx.x < num_ranks) {
+    tr.wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency combine recv", "the ready flag", threadIdx.x, int(op));
+  }
+  __syncthreads();
+
+  // One thread per (token, 8 channels): out = sum over k in order of w_k * y_k.
+  const int units = hidden / 8;
+  const int64_t total = int64_t(a.num_tokens) * units;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int t = int(i / units), u = int(i % units);
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    constexpr int kChunk = 8;  // rows loaded before they are summed, for memory parallelism
+    for (int k0 = 0; k0 < num_topk; k0 += kChunk) {
+      uint4 y[kChunk];
+      float w[kChunk];
+      unsigned valid = 0;
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {
+        const int slot = t * num_topk + k0 + c;
+        y[c] = make_uint4(0, 0, 0, 0);
+        w[c] = 0.0f;
+        if (k0 + c < num_topk && a.topk_idx[slot] >= 0) {
+          valid |= 1u << c;
+          w[c] = a.topk_weights[slot];
+          y[c] = reinterpret_cast<const uint4*>(rows + size_t(slot) * hidden * 2)[u];
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) {  // in k order, skipping k with no expert
+        if (!((valid >> c) & 1u)) continue;
+        const float v[8] = {bf16_lo(y[c].x), bf16_hi(y[c].x), bf16_lo(y[c].y), bf16_hi(y[c].y),
+                            bf16_lo(y[c].z), bf16_hi(y[c].z), bf16_lo(y[c].w), bf16_hi(y[c].w)};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[c], v[i]));
+      }
+    }
+    uint4 packed;
+    uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const __nv_bfloat162 pair = __floats2bfloat162_rn(acc[2 * c], acc[2 * c + 1]);
+      words[c] = *reinterpret_cast<const uint32_t*>(&pair);
+    }
+    reinterpret_cast<uint4*>(a.out)[i] = packed;
+  }
+
+  if (last_block(tr, &tr.control()->blocks_done[kCombineRecv][0])) {
+    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+  }
+}
+
+// SMs of a device, asked once (decode runs alone, so the kernels take them all).
+int NumSms(int device) {
+  static std::atomic<int> cache[64];
+  if (device < 0 || device >= 64) return 132;
+  int n = cache[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+    cache[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+}  // namespace
+
+size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
+  return std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
+}
+
+cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
+  const int grid = std::max(1, std::min(args.num_tokens, NumSms(device_ordinal)));
+  const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
+  if (args.fp8) {
+    DispatchSendKernel<true><<<grid, kThreads, shared, stream>>>(args);
+  } else {
+    DispatchSendKernel<false><<<grid, kThreads, shared, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
+  const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
+  if (args.fp8) {
+    DispatchRecvKernel<true><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  } else {
+    DispatchRecvKernel<false><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
+  const size_t shared = sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
+  CombineSendKernel<<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
+  CombineRecvKernel<<<NumSms(device_ordinal), kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace low_latency
+}  // namespace deep_ep_jax

@@ -1,0 +1,135 @@
+// Low-latency mode (decode): dispatch and combine, each as a send half and a
+// receive half, over the DeviceState.low_latency region.
+//
+// Region = [control block (kControlBytes)] [half 0] [half 1]. Consecutive
+// operations (dispatches and combines share one sequence number) alternate
+// halves, so a fast rank's next send never overwrites rows a slow rank still
+// reads; a receiver hands a half back to its senders (a "freed" flag) once
+// read, so a third operation in flight waits (or times out) instead of
+// corrupting data. Every rank must run the same sequence of operations.
+//
+// Dispatch, in the receiver's half: [counts: R sources x L experts]
+// [row infos: R x cap] [rows: R x cap], cap = M * K; a source's rows are
+// packed by local expert, then by (token, k). Combine, in the source's half:
+// row t * K + k holds the expert output for (token t, slot k), bf16 [H].
+// Sizes are mirrored by deep_ep_jax/backends/cuda_low_latency.py.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/registry.h"
+
+namespace deep_ep_jax {
+namespace low_latency {
+
+constexpr int kFp8Block = 128;     // channels per FP8 scale
+constexpr int kMaxTopk = 64;       // top-k slots per token a call may use
+constexpr int kMaxExperts = 2048;  // shared-memory histograms of the send kernel
+
+__host__ __device__ inline size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Bytes of one dispatched row in a half: FP8 data then its float scales, or bf16.
+inline size_t DispatchRowBytes(int64_t hidden, bool fp8) {
+  return fp8 ? AlignUp(size_t(hidden) + size_t(hidden / kFp8Block) * 4, 16) : size_t(hidden) * 2;
+}
+
+// Byte offsets inside one half (all 16-byte aligned), for one call's shapes.
+struct DispatchLayout {
+  int64_t capacity;      // rows one source can send to one rank: M * K
+  size_t counts_offset;  // int [R source][L]: rows per local expert from each source
+  size_t infos_offset;   // int [R source][capacity]: t * K + k of each row
+  size_t rows_offset;    // [R source][capacity][row_bytes]
+  size_t row_bytes;
+  size_t bytes;          // end of the rows
+};
+
+inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
+                                         int64_t num_topk, int64_t hidden, bool fp8) {
+  DispatchLayout l;
+  l.capacity = max_tokens * num_topk;
+  l.counts_offset = 0;
+  l.infos_offset = AlignUp(size_t(num_ranks * num_local_experts) * 4, 16);
+  l.rows_offset = l.infos_offset + AlignUp(size_t(num_ranks * l.capacity) * 4, 16);
+  l.row_bytes = DispatchRowBytes(hidden, fp8);
+  l.bytes = l.rows_offset + size_t(num_ranks * l.capacity) * l.row_bytes;
+  return l;
+}
+
+// Bytes of a combine's rows in a half (always <= the bf16 dispatch of the same shapes).
+inline size_t CombineBytes(int64_t max_tokens, int64_t num_topk, int64_t hidden) {
+  return size_t(max_tokens * num_topk) * size_t(hidden) * 2;
+}
+
+// Usable bytes of each half of a region of `region_bytes`.
+inline size_t HalfBytes(size_t region_bytes) {
+  return region_bytes < kControlBytes ? 0 : (region_bytes - kControlBytes) / 2 / 256 * 256;
+}
+
+// What every kernel needs about the region and this device's place in it.
+struct Peers {
+  char* regions[kMaxRanks];  // low-latency region of each rank, mapped here
+  int rank;
+  int num_ranks;
+  size_t half_bytes;
+  uint64_t timeout_ns;
+};
+
+struct DispatchSendArgs {
+  Peers peers;
+  DispatchLayout layout;
+  const void* x;         // bf16 [T, H]
+  const int* topk_idx;   // [T, K], -1 or a global expert id
+  int* token;            // [1] out: this operation's sequence number
+  int num_tokens, num_topk, hidden, num_experts, max_tokens;
+  bool fp8, round_scale;
+};
+
+struct DispatchRecvArgs {
+  Peers peers;
+  DispatchLayout layout;
+  const int* token;
+  void* recv_x;           // [L, R*M, H] FP8 or bf16
+  float* recv_scales;     // [L, R*M, H/128] (FP8 only)
+  int* recv_count;        // [L]
+  int* recv_src_rank;     // [L, R*M]
+  int* recv_src_token;
+  int* recv_src_topk;
+  int num_local_experts, max_tokens, num_topk, hidden;
+  bool fp8;
+};
+
+struct CombineSendArgs {
+  Peers peers;
+  const void* x;             // bf16 [L, R*M, H]
+  const int* recv_count;     // [L]
+  const int* recv_src_rank;  // [L, R*M]
+  const int* recv_src_token;
+  const int* recv_src_topk;
+  int* token;
+  int num_local_experts, max_tokens, num_topk, hidden;
+};
+
+struct CombineRecvArgs {
+  Peers peers;
+  const int* token;
+  const int* topk_idx;        // [T, K]
+  const float* topk_weights;  // [T, K]
+  void* out;                  // bf16 [T, H]
+  int num_tokens, num_topk, hidden;
+};
+
+// Dynamic shared memory the kernels need (must stay <= kMaxSharedBytes).
+size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
+constexpr size_t kMaxSharedBytes = 48 * 1024;
+
+// Each only enqueues kernels on `stream`; no host synchronisation.
+cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream);
+
+}  // namespace low_latency
+}  // namespace deep_ep_jax

@@ -1,0 +1,365 @@
+"""The CUDA low-latency dispatch/combine against the xla backend (the
+reference), on all local GPUs (R = number of GPUs), through the public API.
+
+Received rows, scales, counts and handles must equal the reference bit for
+bit on the valid rows; padding rows of the handle must be -1; combine must
+match bit for bit. Before CUDA calls the allocator is handed freed arrays of
+the outputs' sizes filled with poison, which it tends to give back for the
+outputs, so rows the kernels do not write show up as mismatches.
+
+    pytest -q tests/gpu/test_low_latency_gpu.py
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+import deep_ep_jax
+from deep_ep_jax import testing
+from deep_ep_jax.backends import cuda_low_latency as cll
+from deep_ep_jax.backends import reference
+
+pytestmark = pytest.mark.gpu
+
+AXIS = "ep"
+MAX_TOKENS = 128  # the buffers' num_max_dispatch_tokens_per_rank
+MAX_TOPK = 9
+MAX_HIDDEN = 7168
+MAX_EXPERTS = 512
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
+
+
+@pytest.fixture(scope="module")
+def buffers(mesh):
+    num_ranks = mesh.shape[AXIS]
+    region = cll.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
+                              num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_nvl_bytes=1 << 20,
+                              num_rdma_bytes=region)
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
+                             num_max_dispatch_tokens_per_rank=MAX_TOKENS)
+    yield cuda, xla
+    cuda.destroy()
+
+
+# Helpers ---------------------------------------------------------------------
+
+
+def _poison(mesh, shapes):
+    """Allocates and frees [R * d0, ...] arrays filled with poison."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+    arrays = [jax.device_put(np.full(shape, value, dtype), sharding) for shape, dtype, value in shapes]
+    jax.block_until_ready(arrays)
+    del arrays
+
+
+def _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8):
+    num_ranks = mesh.shape[AXIS]
+    rows = (num_experts, num_ranks * max_tokens)  # [R * L, R * M] globally
+    shapes = [(rows + (hidden,), ml_dtypes.float8_e4m3fn if use_fp8 else ml_dtypes.bfloat16, 7.0),
+              (rows, np.int32, -7), (rows, np.int32, -7), (rows, np.int32, -7),
+              ((num_ranks * num_tokens, hidden), ml_dtypes.bfloat16, np.nan)]
+    if use_fp8:
+        shapes.append((rows + (hidden // 128,), np.float32, np.nan))
+    _poison(mesh, shapes)
+
+
+def _dispatch(buffer, x, idx, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False):
+    kwargs = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts,
+                  use_fp8=use_fp8, round_scale=round_scale)
+    if split:
+        pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
+        recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
+    else:
+        recv_x, count, handle = deep_ep_jax.low_latency_dispatch(x, idx, **kwargs)
+    return (tuple(recv_x) if use_fp8 else (recv_x,)), count, handle
+
+
+def _combine(buffer, y, idx, w, handle, *, split=False):
+    if split:
+        pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
+        return deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer)
+    return deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer)
+
+
+def _dequantize(xs):
+    """Rows as bf16 (identity experts)."""
+    if len(xs) == 1:
+        return xs[0]
+    return reference.dequantize_fp8(*xs).astype(jnp.bfloat16)
+
+
+def _expert_outputs(xs, num_local, seed):
+    """Deterministic per-rank expert outputs: random rows, plus the
+    dequantised received rows scaled per expert (so combine sees real data)."""
+    rank = lax.axis_index(AXIS)
+    key = jax.random.fold_in(jax.random.key(seed), rank)
+    noise = jax.random.normal(key, xs[0].shape, jnp.float32)
+    scale = 1.0 + jnp.arange(num_local, dtype=jnp.float32)[:, None, None] / 64
+    return (_dequantize(xs).astype(jnp.float32) * scale + 0.25 * noise).astype(jnp.bfloat16)
+
+
+def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, seed=0):
+    xs, count, handle = _dispatch(buffer, x, idx, num_experts=num_experts, max_tokens=max_tokens,
+                                  use_fp8=use_fp8, round_scale=round_scale, split=split)
+    y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
+    out = _combine(buffer, y, idx, w, handle, split=split)
+    return xs, count, handle, out
+
+
+def _run_both(mesh, buffers, fn, *args, **kwargs):
+    """fn(buffer, *args) per rank on the CUDA and the xla backends: (got, want)."""
+    cuda, xla = buffers
+    run_cuda = testing.per_rank(functools.partial(fn, cuda, **kwargs), mesh, AXIS)
+    if cuda.backend == "cuda":  # really the kernels (not a fallback)
+        text = run_cuda.lower(*args).as_text()
+        assert "deep_ep_jax_low_latency_dispatch_send" in text or "deep_ep_jax_low_latency_combine_send" in text
+    got = jax.tree.map(np.asarray, run_cuda(*args))
+    want = jax.tree.map(np.asarray, testing.per_rank(functools.partial(fn, xla, **kwargs), mesh, AXIS)(*args))
+    return got, want
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _valid_rows(count, rows):
+    """bool [R, L, R*M]: the first count[r, e] rows of each expert."""
+    return np.arange(rows)[None, None, :] < count[:, :, None]
+
+
+def _assert_dispatch_equal(got, want):
+    (gxs, gcount, gh), (wxs, wcount, wh) = got, want
+    np.testing.assert_array_equal(gcount, wcount, err_msg="recv_count")
+    for name in ("recv_count", "recv_src_rank", "recv_src_token", "recv_src_topk"):
+        np.testing.assert_array_equal(getattr(gh, name), getattr(wh, name), err_msg=name)
+    valid = _valid_rows(wcount, wh.recv_src_rank.shape[-1])
+    for i, (g, w) in enumerate(zip(gxs, wxs)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (i, g.shape, g.dtype, w.shape, w.dtype)
+        bad = (_bits(g) != _bits(w)).any(-1) & valid
+        assert not bad.any(), f"recv_xs[{i}]: {bad.sum()} valid rows differ, first at {np.argwhere(bad)[:4].tolist()}"
+
+
+def _assert_combine_equal(got, want):
+    g, w = np.asarray(got), np.asarray(want)
+    assert g.shape == w.shape and g.dtype == w.dtype
+    bad = (_bits(g) != _bits(w)).any(-1)
+    assert not bad.any(), f"combine: {bad.sum()} tokens differ, first at {np.argwhere(bad)[:4].tolist()}"
+
+
+def _inputs(seed, mesh, num_tokens, hidden, num_experts, topk, kind):
+    num_ranks = mesh.shape[AXIS]
+    idx, w = testing.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = testing.random_rows(seed + 1, (num_ranks * num_tokens, hidden))
+    return x, jnp.asarray(idx), jnp.asarray(w)
+
+
+def _cases(num_ranks):
+    # (tokens per rank, max tokens, hidden, experts, top-k)
+    yield 128, 128, 7168, 288, 8  # DeepEP's decode case
+    yield 37, 64, 512, 16 * num_ranks, 4  # fewer tokens than M
+    yield 1, 8, 128, num_ranks, 1  # one expert per rank, one token
+    yield 64, 128, 1024, 64 * num_ranks, 9  # many experts, odd top-k
+
+
+# Tests -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_fp8", [True, False])
+@pytest.mark.parametrize("kind", testing.ROUTING_KINDS)
+def test_matches_reference(mesh, buffers, kind, use_fp8):
+    num_ranks = mesh.shape[AXIS]
+    for seed, (num_tokens, max_tokens, hidden, num_experts, topk) in enumerate(_cases(num_ranks)):
+        topk = min(topk, num_experts - (num_experts // num_ranks if kind == "rank_empty" else 0))
+        if topk < 1 or (kind == "rank_empty" and num_ranks < 2):
+            continue
+        x, idx, w = _inputs(seed, mesh, num_tokens, hidden, num_experts, topk, kind)
+        _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8)
+        (gxs, gcount, gh, gout), (wxs, wcount, wh, wout) = _run_both(
+            mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=max_tokens, use_fp8=use_fp8,
+            seed=seed)
+        _assert_dispatch_equal((gxs, gcount, gh), (wxs, wcount, wh))
+        _assert_combine_equal(gout, wout)
+        if kind == "rank_empty":  # the skew really happened
+            assert (gcount[-1] == 0).all()
+        if kind == "one_expert":
+            assert gcount[0, 0] == num_ranks * num_tokens
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_fp8_quantisation(mesh, buffers, round_scale):
+    """Each valid FP8 row equals an independent numpy quantisation of its
+    source token (exact powers of two with round_scale) and dequantises to
+    within FP8 rounding of the input."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, max_tokens, hidden, num_experts, topk = 96, 128, 2048, 32 * num_ranks, 8
+    x, idx, w = _inputs(11, mesh, num_tokens, hidden, num_experts, topk, "random")
+    x = x * jnp.asarray(np.logspace(-6, 3, hidden, dtype=np.float32)).astype(jnp.bfloat16)  # wide range of scales
+    cuda, _ = buffers
+    fn = functools.partial(_dispatch, cuda, num_experts=num_experts, max_tokens=max_tokens, use_fp8=True,
+                           round_scale=round_scale)
+    (data, scales), count, handle = jax.tree.map(np.asarray, testing.per_rank(fn, mesh, AXIS)(x, idx))
+
+    xs = np.asarray(x, np.float32).reshape(num_ranks, num_tokens, hidden)
+    blocks = xs.reshape(num_ranks, num_tokens, hidden // 128, 128)
+    amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4))
+    want_scale = (amax * np.float32(1.0 / 448.0)).astype(np.float32)  # XLA's form of amax / 448
+    if round_scale:
+        mantissa, exponent = np.frexp(want_scale)
+        want_scale = np.ldexp(np.float32(1.0), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
+    inv = (np.float32(1.0) / want_scale).astype(np.float32)
+    want_q = np.clip(blocks * inv[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+
+    valid = _valid_rows(count, handle.recv_src_rank.shape[-1])
+    r, e, j = np.nonzero(valid)
+    s, t = handle.recv_src_rank[r, e, j], handle.recv_src_token[r, e, j]
+    assert len(r) > 0
+    np.testing.assert_array_equal(_bits(scales[r, e, j]), _bits(want_scale[s, t]))
+    got_q, want_q = _bits(data[r, e, j]), _bits(want_q[s, t].reshape(len(r), hidden))
+    if round_scale:  # exact powers of two: every way of computing 1 / scale agrees
+        np.testing.assert_array_equal(got_q, want_q)
+    else:  # XLA's (and our) 1 / scale is div.full.f32, not IEEE: rarely one FP8 step apart at a tie
+        differ = got_q != want_q
+        assert differ.mean() < 1e-3, f"{differ.sum()} of {differ.size} FP8 values differ"
+        assert (np.abs(got_q[differ].astype(int) - want_q[differ].astype(int)) == 1).all()
+    if round_scale:
+        assert (_bits(scales[r, e, j]) & 0x007FFFFF == 0).all(), "scales are not powers of two"
+    deq = data[r, e, j].astype(np.float32).reshape(len(r), -1, 128) * scales[r, e, j][..., None]
+    src = xs[s, t].reshape(len(r), -1, 128)
+    step = np.maximum(np.abs(src) * 2.0**-4, scales[r, e, j][..., None] * 2.0**-9)  # e4m3: 3 mantissa bits
+    assert (np.abs(deq - src) <= step * 1.0001).all()
+
+
+def test_split_halves(mesh, buffers):
+    """The *_send / *_recv halves give the same results as the whole calls."""
+    num_ranks = mesh.shape[AXIS]
+    x, idx, w = _inputs(21, mesh, 100, 1024, 16 * num_ranks, 6, "minus_one")
+    kwargs = dict(num_experts=16 * num_ranks, max_tokens=MAX_TOKENS, use_fp8=True, seed=3)
+    _poison_outputs(mesh, 16 * num_ranks, MAX_TOKENS, 1024, 100, True)
+    got, want = _run_both(mesh, buffers, functools.partial(_step, split=True), x, idx, w, **kwargs)
+    _assert_dispatch_equal(got[:3], want[:3])
+    _assert_combine_equal(got[3], want[3])
+
+
+def test_duplicates_and_overflow(mesh, buffers):
+    """Duplicate experts in a token's top-k are each sent (ordered by k); an
+    expert receiving more than R*M rows keeps the first R*M in contract order."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts, topk = 24, 256, 4 * num_ranks, 4
+    idx, w = testing.make_routing(31, num_ranks * num_tokens, num_experts, topk, num_ranks, "random")
+    idx[:, 1] = idx[:, 0]  # duplicates in every token
+    x = testing.random_rows(32, (num_ranks * num_tokens, hidden))
+    idx, w = jnp.asarray(idx), jnp.asarray(w)
+    got, want = _run_both(mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=2 * num_tokens,
+                          use_fp8=False)
+    _assert_dispatch_equal(got[:3], want[:3])
+    _assert_combine_equal(got[3], want[3])
+
+    # Overflow: every slot of every token to expert 0; only dispatch is defined then.
+    flood = jnp.zeros_like(idx)
+    fn = lambda b, x, i: _dispatch(b, x, i, num_experts=num_experts, max_tokens=num_tokens, use_fp8=True)
+    got, want = _run_both(mesh, buffers, fn, x, flood)
+    _assert_dispatch_equal(got, want)
+    assert got[1][0, 0] == num_ranks * num_tokens
+
+
+def test_many_calls_in_fori_loop(mesh, buffers):
+    """250 dispatch -> combine steps in a jitted fori_loop (command buffers on
+    by default): routing shifts and data changes every step, each step's
+    output feeds the next; the final state must equal the reference's."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts, topk, steps = 64, 512, 8 * num_ranks, 4, 250
+    x, idx, w = _inputs(41, mesh, num_tokens, hidden, num_experts, topk, "minus_one")
+    w = w / jnp.maximum(jnp.where(idx >= 0, w, 0).sum(-1, keepdims=True), 1e-3)  # keep values bounded
+
+    def loop(buffer, x, idx, w):
+        def step(i, x, counts, use_fp8, split):
+            shifted = jnp.where(idx >= 0, (idx + i) % num_experts, -1)
+            xs, count, handle = _dispatch(buffer, x, shifted, num_experts=num_experts, max_tokens=num_tokens,
+                                          use_fp8=use_fp8, split=split)
+            out = _combine(buffer, _dequantize(xs), shifted, w, handle, split=split)
+            return (out * (1.0 + (i % 5) / 64)).astype(jnp.bfloat16), counts + count
+
+        def body(i, carry):  # two steps: FP8 whole calls, then bf16 split halves
+            carry = step(2 * i, *carry, use_fp8=True, split=False)
+            return step(2 * i + 1, *carry, use_fp8=False, split=True)
+
+        return lax.fori_loop(0, steps // 2, body, (x, jnp.zeros(num_experts // num_ranks, jnp.int32)))
+
+    (gx, gcounts), (wx, wcounts) = _run_both(mesh, buffers, loop, x, idx, w)
+    np.testing.assert_array_equal(gcounts, wcounts)
+    assert gcounts.sum() > 0
+    _assert_combine_equal(gx, wx)
+    assert np.isfinite(np.asarray(gx, np.float32)).all()
+
+
+def test_compute_between_send_and_recv(mesh, buffers):
+    """Work placed between the halves (two ops in flight, and a matmul chain)
+    neither blocks nor corrupts anything."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts, topk = 128, 1024, 32 * num_ranks, 8
+    x, idx, w = _inputs(51, mesh, num_tokens, hidden, num_experts, topk, "random")
+    x2, idx2, _ = _inputs(52, mesh, num_tokens, hidden, num_experts, topk, "minus_one")
+    z = testing.random_rows(53, (num_ranks * 512, 512), jnp.float32)
+
+    def heavy(z):
+        for _ in range(8):
+            z = jnp.tanh(z @ z.T[:, :512] / 32)
+        return z
+
+    def fn(buffer, x, idx, w, x2, idx2, z):
+        kw = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=num_tokens, num_experts=num_experts)
+        p1 = deep_ep_jax.low_latency_dispatch_send(x, idx, **kw)
+        p2 = deep_ep_jax.low_latency_dispatch_send(x2, idx2, use_fp8=False, **kw)  # two in flight
+        z = heavy(z)
+        recv1, count1, h1 = deep_ep_jax.low_latency_dispatch_recv(p1, buffer=buffer)
+        recv2, count2, h2 = deep_ep_jax.low_latency_dispatch_recv(p2, buffer=buffer)
+        y = _dequantize(tuple(recv1))
+        pc = deep_ep_jax.low_latency_combine_send(y, idx, w, h1, buffer=buffer)
+        z = heavy(z)
+        out = deep_ep_jax.low_latency_combine_recv(pc, buffer=buffer)
+        return recv1, count1, h1, recv2, count2, h2, out, z
+
+    got, want = _run_both(mesh, buffers, fn, x, idx, w, x2, idx2, z)
+    _assert_dispatch_equal((tuple(got[0]), got[1], got[2]), (tuple(want[0]), want[1], want[2]))
+    _assert_dispatch_equal(((got[3],), got[4], got[5]), ((want[3],), want[4], want[5]))
+    _assert_combine_equal(got[6], want[6])
+    np.testing.assert_allclose(got[7], want[7], rtol=1e-5, atol=1e-5)
+
+
+def test_trace_time_errors(mesh, buffers):
+    """What the kernels cannot do fails at trace time with a ValueError."""
+    cuda, _ = buffers
+    num_ranks = mesh.shape[AXIS]
+    num_experts = 64 * num_ranks
+
+    def trace(buffer, num_tokens, hidden, topk, max_tokens=MAX_TOKENS):
+        fn = functools.partial(_dispatch, buffer, num_experts=num_experts, max_tokens=max_tokens, use_fp8=True)
+        x = jax.ShapeDtypeStruct((num_ranks * num_tokens, hidden), jnp.bfloat16)
+        idx = jax.ShapeDtypeStruct((num_ranks * num_tokens, topk), jnp.int32)
+        jax.eval_shape(testing.per_rank(fn, mesh, AXIS), x, idx)
+
+    trace(cuda, 8, 256, 4)  # fine
+    with pytest.raises(ValueError, match="hidden"):
+        trace(cuda, 8, 200, 4)
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
+        trace(cuda, 9, 256, 4, max_tokens=8)
+    with pytest.raises(ValueError, match="top-k"):
+        trace(cuda, 8, 256, cll.MAX_TOPK + 1)
+    small = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=64,
+                               num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20)
+    try:
+        with pytest.raises(ValueError, match="too small"):
+            trace(small, 64, 4096, 8, max_tokens=64)
+    finally:
+        small.destroy()

@@ -34,8 +34,10 @@ class Config:
     except `checks`)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
-    # Rows a sender moves per step of a channel (normal mode).
+    # Tokens a warp takes at a time (normal mode).
     chunk_tokens: int = 8
+    # Warps per block of the normal-mode copy kernels.
+    num_warps: int = 16
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("DEEP_EP_JAX_TIMEOUT_S", 20.0))
     checks: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_CHECKS", False))
 
@@ -44,6 +46,8 @@ class Config:
             raise ValueError(f"Config.num_sms must be in [1, 132], got {self.num_sms}")
         if self.chunk_tokens < 1:
             raise ValueError(f"Config.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if not (1 <= self.num_warps <= 16):
+            raise ValueError(f"Config.num_warps must be in [1, 16], got {self.num_warps}")
         if not (0 < self.timeout_s <= 3600):
             raise ValueError(f"Config.timeout_s must be in (0, 3600], got {self.timeout_s}")
 

@@ -1,0 +1,810 @@
+// Normal-mode dispatch and combine over NVLink (see intranode.h for the launch
+// sequence). Senders write rows straight into the receivers' buffers with
+// 16-byte stores; combine pulls each token's rows from every rank and sums
+// them in float32 in rank order, the reference backend's order.
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "kernels/common.cuh"
+#include "kernels/intranode.h"
+
+namespace deep_ep_jax {
+namespace intranode {
+namespace {
+
+constexpr int kNotifyThreads = 1024;  // notify: one block, a slice of tokens per thread
+constexpr int kFinishThreads = 1024;  // finish: one block
+constexpr int kWarpSize = 32;
+constexpr size_t kStagingAlign = 256;
+
+enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
+
+__device__ const char* ModeName(int mode) {
+  return mode == kDispatch ? "dispatch" : mode == kCachedDispatch ? "cached_dispatch" : "combine";
+}
+
+// The control bytes at the start of every rank's normal region. Peers write
+// into it; flags hold the sequence number of the call that set them.
+struct Control {
+  int seq;                           // sequence number of the latest call on this device
+  int next_chunk;                    // work counter of the move kernel (reset by each call)
+  int ready[kMaxRanks];              // [src]: src published its counts and buffers here
+  int done[kMaxRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
+  int counts[kMaxRanks][kMaxRanks];  // [src][dst]: tokens src sends to dst (dispatch)
+  RankBuffers buffers[kMaxRanks];    // [src]: src's buffers for this call
+};
+static_assert(sizeof(Control) <= kControlBytes, "intranode Control exceeds the region's control bytes");
+
+// The EP group as seen from this device: every rank's normal region.
+struct Group {
+  char* regions[kMaxRanks];
+  int rank;
+  int num_ranks;
+};
+
+__device__ __forceinline__ Control* ControlOf(const Group& g, int rank) {
+  return reinterpret_cast<Control*>(g.regions[rank]);
+}
+
+// Peers write these between kernels: read around the (incoherent) L1.
+__device__ __forceinline__ int LoadVolatile(const int* p) {
+  int v;
+  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ RankBuffers LoadVolatile(const RankBuffers* p) {
+  static_assert(sizeof(RankBuffers) % sizeof(uint64_t) == 0, "RankBuffers is a list of pointers");
+  RankBuffers b;
+  const uint64_t* src = reinterpret_cast<const uint64_t*>(p);
+  uint64_t* dst = reinterpret_cast<uint64_t*>(&b);
+#pragma unroll
+  for (int i = 0; i < int(sizeof(RankBuffers) / sizeof(uint64_t)); ++i) {
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(dst[i]) : "l"(src + i));
+  }
+  return b;
+}
+
+// First thing of every call, by one thread: the call's sequence number, and a
+// fresh work counter for the move kernel.
+__device__ __forceinline__ int BeginCall(Control* control) {
+  const int seq = LoadVolatile(&control->seq) + 1;
+  control->seq = seq;
+  control->next_chunk = 0;
+  return seq;
+}
+
+// Inputs are never written while a kernel runs: read-only path, no L1 allocation.
+__device__ __forceinline__ int4 LoadStreaming(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int LoadStreaming(const int* p) {
+  int v;
+  asm volatile("ld.global.nc.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Publishes this rank's buffers (and, for dispatch, its per-destination token
+// counts) into every peer's control bytes, then waits for every peer's.
+// Threads r < num_ranks each serve peer r.
+__device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine, const int* counts, int mode,
+                               uint64_t timeout_ns) {
+  const int peer = threadIdx.x;
+  if (peer >= g.num_ranks) return;
+  Control* remote = ControlOf(g, peer);
+  if (counts != nullptr) {
+    for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
+  }
+  remote->buffers[g.rank] = mine;
+  st_release_sys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
+  wait_at_least(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
+                g.rank, peer, -1);
+}
+
+// Once every thread of the block is done with the peers' memory, tells each peer.
+__device__ void SignalDone(const Group& g, int seq) {
+  __threadfence_system();
+  __syncthreads();
+  if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][blockIdx.x], seq);
+}
+
+// Bit r is set when the token has an expert on rank r.
+__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
+  uint32_t mask = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int e = topk[k];
+    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
+  }
+  return mask;
+}
+
+// Exclusive prefix sum over the block's threads, in thread order, of each of
+// the num_ranks counters in `values`; the block totals land in `totals`.
+__device__ void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks, int* warp_sums /* [32][kMaxRanks] */,
+                                   int* totals /* [kMaxRanks] */) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  int inclusive[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    int x = r < num_ranks ? values[r] : 0;
+#pragma unroll
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane >= d) x += y;
+    }
+    inclusive[r] = x;
+    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
+      int x = own;
+#pragma unroll
+      for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+      }
+      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
+      if (lane == kWarpSize - 1) totals[r] = x;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch step 1: layout, count exchange, send positions.
+
+struct NotifyArgs {
+  const int* topk_idx;
+  int num_tokens, num_topk, num_experts, num_worst_tokens;
+  bool* is_token_in_rank;
+  int* num_tokens_per_rank;
+  int* rank_prefix_matrix;
+  int* send_pos;
+  int* num_recv_tokens;
+  int* num_dropped_tokens;
+  RankBuffers landing;
+  uint64_t timeout_ns;
+};
+
+__global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, NotifyArgs a) {
+  __shared__ int warp_sums[kWarpSize * kMaxRanks];
+  __shared__ int totals[kMaxRanks];
+  __shared__ int counts[kMaxRanks][kMaxRanks];  // [src][dst]
+  __shared__ int shared_seq;
+  const int num_ranks = g.num_ranks, me = g.rank;
+  const int num_tokens = a.num_tokens, num_topk = a.num_topk;
+  const int experts_per_rank = a.num_experts / num_ranks;
+  Control* control = ControlOf(g, me);
+
+  // Each thread takes a contiguous slice of tokens, so thread order is token order.
+  const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
+  const int begin = min(num_tokens, int(threadIdx.x) * per_thread);
+  const int end = min(num_tokens, begin + per_thread);
+  int offset[kMaxRanks] = {};
+  for (int t = begin; t < end; ++t) {
+    const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r >= num_ranks) continue;
+      const bool in_rank = (mask >> r) & 1u;
+      a.is_token_in_rank[int64_t(t) * num_ranks + r] = in_rank;
+      offset[r] += in_rank;
+    }
+  }
+  BlockExclusiveScan(offset, num_ranks, warp_sums, totals);
+
+  if (threadIdx.x == 0) shared_seq = BeginCall(control);
+  __syncthreads();
+  const int seq = shared_seq;
+  if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
+  PublishAndWait(g, seq, a.landing, totals, kDispatch, a.timeout_ns);
+  if (int(threadIdx.x) < num_ranks) {
+    for (int dst = 0; dst < num_ranks; ++dst) counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < num_ranks * num_ranks; i += blockDim.x) {
+    const int src = i / num_ranks, dst = i % num_ranks;
+    int sum = 0;
+    for (int s = 0; s <= src; ++s) sum += counts[s][dst];
+    a.rank_prefix_matrix[i] = sum;
+  }
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int s = 0; s < num_ranks; ++s) total += counts[s][me];
+    const int num_recv = min(total, a.num_worst_tokens);
+    *a.num_recv_tokens = num_recv;
+    *a.num_dropped_tokens = total - num_recv;
+  }
+
+  // A token's row at rank r: rows r receives from ranks before me, plus the
+  // token's position among mine sent to r. Rows past num_worst_tokens drop.
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r >= num_ranks) continue;
+    for (int s = 0; s < me; ++s) offset[r] += counts[s][r];
+  }
+  for (int t = begin; t < end; ++t) {
+    const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (r >= num_ranks) continue;
+      int pos = -1;
+      if ((mask >> r) & 1u) {
+        pos = offset[r]++;
+        if (pos >= a.num_worst_tokens) pos = -1;
+      }
+      a.send_pos[int64_t(t) * num_ranks + r] = pos;
+    }
+  }
+}
+
+// Cached dispatch and combine, step 1: publish buffers, wait for the peers'.
+__global__ void __launch_bounds__(kWarpSize) PublishKernel(Group g, RankBuffers mine, int mode, uint64_t timeout_ns) {
+  int seq = 0;
+  if (threadIdx.x == 0) seq = BeginCall(ControlOf(g, g.rank));
+  seq = __shfl_sync(0xffffffffu, seq, 0);
+  PublishAndWait(g, seq, mine, nullptr, mode, timeout_ns);
+}
+
+// ---------------------------------------------------------------------------
+// Step 2 helpers.
+
+__device__ __forceinline__ int NextChunk(int* next_chunk, int lane) {
+  int chunk = 0;
+  if (lane == 0) chunk = atomicAdd(next_chunk, 1);
+  return __shfl_sync(0xffffffffu, chunk, 0);
+}
+
+// Calls fn(t) for the tokens of chunks of chunk_tokens tokens handed to warps
+// first come, first served (tokens cost 0..R rows, so a static split would
+// not balance). A warp asks for its next chunk before working on the current
+// one, which hides the atomic's latency.
+template <typename Fn>
+__device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, int chunk_tokens, Fn&& fn) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int num_chunks = int((int64_t(num_tokens) + chunk_tokens - 1) / chunk_tokens);
+  int chunk = NextChunk(next_chunk, lane);
+  while (chunk < num_chunks) {
+    const int next = NextChunk(next_chunk, lane);
+    const int end = int(std::min<int64_t>(num_tokens, (int64_t(chunk) + 1) * chunk_tokens));
+    for (int t = chunk * chunk_tokens; t < end; ++t) fn(t);
+    chunk = next;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch step 2: rows to their destinations.
+
+// One warp copies a row of n vectors to every non-null destination, with
+// kUnroll loads in flight per lane.
+template <int kRanks, int kUnroll, typename Vec>
+__device__ __forceinline__ void WarpCopyRow(const Vec* src, Vec* const (&dst)[kRanks], int n, int lane) {
+  for (int base = lane; base < n; base += kWarpSize * kUnroll) {
+    Vec v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kWarpSize;
+      if (i < n) v[u] = LoadStreaming(src + i);
+    }
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (dst[r] == nullptr) continue;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kWarpSize;
+        if (i < n) dst[r][i] = v[u];
+      }
+    }
+  }
+}
+
+template <int kRanks, typename Vec>
+__device__ __forceinline__ void WarpCopyRowTo(const char* src, char* const (&dst)[kRanks], int64_t num_bytes,
+                                              int lane) {
+  Vec* typed[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) typed[r] = reinterpret_cast<Vec*>(dst[r]);
+  WarpCopyRow<kRanks, 8>(reinterpret_cast<const Vec*>(src), typed, int(num_bytes / sizeof(Vec)), lane);
+}
+
+struct SendArgs {
+  const char* x[kMaxRowArrays];
+  int64_t row_bytes[kMaxRowArrays];
+  const int* send_pos;        // [T, R]
+  const int* topk_idx;        // [T, K] (dispatch) or null (cached dispatch: weights go as they are)
+  const float* topk_weights;  // [T, K] or null
+  int num_tokens, num_topk, experts_per_rank, num_worst_tokens, chunk_tokens, mode;
+  // What this rank fills in its own outputs: the source rank of every row
+  // (dispatch) and the padding rows [num_recv_tokens, N).
+  const int* num_recv_tokens;
+  const int* rank_prefix_matrix;  // dispatch only
+  int* recv_src_rank;             // dispatch only
+  int* recv_src_idx;              // dispatch only
+  int* recv_topk_idx;             // dispatch only
+  float* recv_topk_weights;       // or null
+};
+
+__device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
+  const int num_recv = *a.num_recv_tokens;
+  const int num_rows = a.num_worst_tokens, num_topk = a.num_topk;
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  if (a.recv_src_rank != nullptr) {
+    int ends[kMaxRanks];  // rows from sources <= s end at ends[s]
+#pragma unroll
+    for (int s = 0; s < kMaxRanks; ++s) ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
+    for (int i = first; i < num_rows; i += stride) {
+      int src = -1;
+      if (i < num_recv) {
+        src = 0;
+#pragma unroll
+        for (int s = 0; s < kMaxRanks; ++s) src += s < g.num_ranks && ends[s] <= i;
+      }
+      a.recv_src_rank[i] = src;
+    }
+  }
+  if (a.recv_src_idx != nullptr) {
+    for (int i = num_recv + first; i < num_rows; i += stride) a.recv_src_idx[i] = -1;
+  }
+  for (int64_t i = int64_t(num_recv) * num_topk + first; i < int64_t(num_rows) * num_topk; i += stride) {
+    if (a.recv_topk_idx != nullptr) a.recv_topk_idx[i] = -1;
+    if (a.recv_topk_weights != nullptr) a.recv_topk_weights[i] = 0.0f;
+  }
+}
+
+template <int kRanks>
+__device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, const RankBuffers* dest, int t, int lane) {
+  int pos[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) pos[r] = r < g.num_ranks ? a.send_pos[int64_t(t) * g.num_ranks + r] : -1;
+
+#pragma unroll
+  for (int i = 0; i < kMaxRowArrays; ++i) {
+    const int64_t bytes = a.row_bytes[i];
+    if (bytes == 0) continue;
+    char* dst[kRanks];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) dst[r] = pos[r] >= 0 ? dest[r].rows[i] + pos[r] * bytes : nullptr;
+    const char* src = a.x[i] + t * bytes;
+    if (bytes % sizeof(int4) == 0) {
+      WarpCopyRowTo<kRanks, int4>(src, dst, bytes, lane);
+    } else {
+      WarpCopyRowTo<kRanks, int>(src, dst, bytes, lane);
+    }
+  }
+
+  // Top-k slots as the destination's local expert ids (-1 for experts
+  // elsewhere, weight 0); cached dispatch sends weights as they are.
+  const int num_topk = a.num_topk;
+  for (int k = lane; k < num_topk; k += kWarpSize) {
+    const int64_t in = int64_t(t) * num_topk + k;
+    const int expert = a.topk_idx != nullptr ? a.topk_idx[in] : -1;
+    const float weight = a.topk_weights != nullptr ? a.topk_weights[in] : 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (pos[r] < 0) continue;
+      const int64_t out = int64_t(pos[r]) * num_topk + k;
+      if (a.topk_idx != nullptr) {
+        const int local = expert - r * a.experts_per_rank;
+        const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+        dest[r].topk_idx[out] = mine ? local : -1;
+        if (a.topk_weights != nullptr) dest[r].topk_weights[out] = mine ? weight : 0.0f;
+      } else if (a.topk_weights != nullptr) {
+        dest[r].topk_weights[out] = weight;
+      }
+    }
+  }
+  if (lane == 0 && a.mode == kDispatch) {
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (pos[r] >= 0) dest[r].src_idx[pos[r]] = t;
+    }
+  }
+}
+
+template <int kRanks>
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, SendArgs a) {
+  __shared__ RankBuffers dest[kMaxRanks];
+  Control* control = ControlOf(g, g.rank);
+  if (int(threadIdx.x) < g.num_ranks) dest[threadIdx.x] = LoadVolatile(&control->buffers[threadIdx.x]);
+  const int seq = LoadVolatile(&control->seq);
+  __syncthreads();
+
+  FillReceivedMetadata(g, a);
+
+  const int lane = threadIdx.x % kWarpSize;
+  ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens,
+               [&](int t) { SendToken<kRanks>(g, a, dest, t, lane); });
+  SignalDone(g, seq);
+}
+
+// ---------------------------------------------------------------------------
+// Combine step 2: pull and reduce.
+
+__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return v;
+}
+
+// out = bf16(sum over r in rank order of float(src[r])), 8 bf16 per vector;
+// null sources are skipped. All loads of a step are issued before the sums.
+template <int kRanks, int kUnroll>
+__device__ __forceinline__ void WarpReduceRow(const int4* const (&src)[kRanks], int4* out, int n, int lane) {
+  for (int base = lane; base < n; base += kWarpSize * kUnroll) {
+    int4 v[kRanks][kUnroll];
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * kWarpSize;
+        if (src[r] != nullptr && i < n) v[r][u] = src[r][i];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kWarpSize;
+      if (i >= n) continue;
+      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r) {
+        if (src[r] != nullptr) AddBf16x8(acc, v[r][u]);
+      }
+      out[i] = PackBf16x8(acc);
+    }
+  }
+}
+
+struct CombineArgs {
+  const int* send_pos;  // [T, R]
+  int num_tokens, hidden, num_topk, chunk_tokens;
+  uint16_t* out;       // bf16 [T, H]
+  float* out_weights;  // [T, K] or null
+};
+
+// Token t's output row (and top-k weights): the sum of its rows at every rank.
+template <int kRanks>
+__device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& a, const RankBuffers* sources, int t,
+                                             int lane) {
+  // Enough loads in flight per lane to cover the NVLink latency.
+  constexpr int kUnroll = kRanks <= 2 ? 8 : kRanks <= 4 ? 4 : 2;
+  const int64_t row_bytes = int64_t(a.hidden) * sizeof(uint16_t);
+  int pos[kRanks];
+  const int4* src[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    pos[r] = r < g.num_ranks ? a.send_pos[int64_t(t) * g.num_ranks + r] : -1;
+    src[r] = pos[r] >= 0 ? reinterpret_cast<const int4*>(sources[r].rows[0] + pos[r] * row_bytes) : nullptr;
+  }
+  WarpReduceRow<kRanks, kUnroll>(src, reinterpret_cast<int4*>(a.out + int64_t(t) * a.hidden), a.hidden / 8, lane);
+  if (a.out_weights == nullptr) return;
+  for (int k = lane; k < a.num_topk; k += kWarpSize) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (pos[r] >= 0) acc += sources[r].topk_weights[int64_t(pos[r]) * a.num_topk + k];
+    }
+    a.out_weights[int64_t(t) * a.num_topk + k] = acc;
+  }
+}
+
+template <int kRanks>
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineKernel(Group g, CombineArgs a) {
+  __shared__ RankBuffers sources[kMaxRanks];
+  Control* control = ControlOf(g, g.rank);
+  if (int(threadIdx.x) < g.num_ranks) sources[threadIdx.x] = LoadVolatile(&control->buffers[threadIdx.x]);
+  const int seq = LoadVolatile(&control->seq);
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarpSize;
+  ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens,
+               [&](int t) { CombineToken<kRanks>(g, a, sources, t, lane); });
+  SignalDone(g, seq);
+}
+
+// ---------------------------------------------------------------------------
+// Step 3: wait for the peers; dispatch also counts rows per local expert.
+
+struct FinishArgs {
+  int mode, num_blocks;
+  uint64_t timeout_ns;
+  // Dispatch: num_recv_tokens_per_expert from the landed top-k ids.
+  const int* num_recv_tokens;
+  const int* landed_topk_idx;
+  int num_topk, experts_per_rank;
+  int* num_recv_tokens_per_expert;
+};
+
+__global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishArgs a) {
+  __shared__ int histogram[kMaxLocalExperts];
+  Control* control = ControlOf(g, g.rank);
+  const int seq = LoadVolatile(&control->seq);
+  for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
+    const int src = i / a.num_blocks, block = i % a.num_blocks;
+    wait_at_least(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+                  src, block);
+  }
+  __syncthreads();
+  if (a.num_recv_tokens_per_expert == nullptr) return;
+
+  // Slots holding each local expert, over the valid rows (as the reference's bincount).
+  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) histogram[e] = 0;
+  __syncthreads();
+  const int64_t num_slots = int64_t(*a.num_recv_tokens) * a.num_topk;
+  for (int64_t i = threadIdx.x; i < num_slots; i += blockDim.x) {
+    const int e = a.landed_topk_idx[i];
+    if (e >= 0 && e < a.experts_per_rank) atomicAdd(&histogram[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.num_recv_tokens_per_expert[e] = histogram[e];
+}
+
+// ---------------------------------------------------------------------------
+// Staged mode: local copies between XLA's buffers and the staging area.
+
+struct Copy {
+  char* dst;
+  const char* src;
+  int64_t row_bytes;     // a multiple of 4
+  int64_t num_rows;      // used when rows_on_device is null
+  const int* rows_on_device;
+};
+
+constexpr int kMaxCopies = 5;
+struct CopyList {
+  Copy copies[kMaxCopies];
+  int num_copies;
+};
+
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CopyKernel(CopyList list) {
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int c = 0; c < list.num_copies; ++c) {
+    const Copy& copy = list.copies[c];
+    const int64_t rows = copy.rows_on_device != nullptr ? *copy.rows_on_device : copy.num_rows;
+    const int64_t num_bytes = rows * copy.row_bytes;
+    const int64_t num_vectors = num_bytes / int64_t(sizeof(int4));
+    const int4* src = reinterpret_cast<const int4*>(copy.src);
+    int4* dst = reinterpret_cast<int4*>(copy.dst);
+    for (int64_t i = first; i < num_vectors; i += stride) dst[i] = LoadStreaming(src + i);
+    for (int64_t i = num_vectors * 4 + first; i < num_bytes / 4; i += stride) {
+      reinterpret_cast<int*>(copy.dst)[i] = LoadStreaming(reinterpret_cast<const int*>(copy.src) + i);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Host side.
+
+Group MakeGroup(const DeviceState& state) {
+  Group g{};
+  for (int r = 0; r < kMaxRanks; ++r) g.regions[r] = state.normal.peers[r];
+  g.rank = state.rank;
+  g.num_ranks = state.num_ranks;
+  return g;
+}
+
+size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+// The staging area's layout after the control bytes; returns its end.
+size_t StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk,
+                     RankBuffers* buffers) {
+  size_t offset = kControlBytes;
+  auto take = [&](size_t bytes) {
+    char* p = region == nullptr ? nullptr : region + offset;
+    offset = AlignUp(offset + bytes);
+    return p;
+  };
+  RankBuffers b{};
+  for (int i = 0; i < kMaxRowArrays; ++i) b.rows[i] = take(size_t(num_rows) * row_bytes[i]);
+  b.topk_idx = reinterpret_cast<int*>(take(size_t(num_rows) * num_topk * sizeof(int)));
+  b.topk_weights = reinterpret_cast<float*>(take(size_t(num_rows) * num_topk * sizeof(float)));
+  b.src_idx = reinterpret_cast<int*>(take(size_t(num_rows) * sizeof(int)));
+  if (buffers != nullptr) *buffers = b;
+  return offset;
+}
+
+// The one place that chooses where peers write this rank's rows (or read
+// them): XLA's own buffers, or the staging area of the normal region.
+RankBuffers ChooseLanding(const DeviceState& state, const RankBuffers& xla_buffers, int64_t num_rows,
+                          const int64_t row_bytes[kMaxRowArrays], int num_topk, bool staged) {
+  if (!staged) return xla_buffers;
+  RankBuffers staging;
+  StagingLayout(state.normal.local, num_rows, row_bytes, num_topk, &staging);
+  return staging;
+}
+
+// Copies of the row arrays, ids, weights and source indices present in both.
+CopyList CopiesBetween(const RankBuffers& dst, const RankBuffers& src, const int64_t row_bytes[kMaxRowArrays],
+                       int num_topk, int64_t num_rows, const int* rows_on_device) {
+  CopyList list{};
+  auto add = [&](void* d, const void* s, int64_t bytes) {
+    if (d == nullptr || s == nullptr || bytes == 0) return;
+    list.copies[list.num_copies++] = Copy{static_cast<char*>(d), static_cast<const char*>(s), bytes, num_rows,
+                                          rows_on_device};
+  };
+  for (int i = 0; i < kMaxRowArrays; ++i) add(dst.rows[i], src.rows[i], row_bytes[i]);
+  add(dst.topk_idx, src.topk_idx, int64_t(num_topk) * sizeof(int));
+  add(dst.topk_weights, src.topk_weights, int64_t(num_topk) * sizeof(float));
+  add(dst.src_idx, src.src_idx, sizeof(int));
+  return list;
+}
+
+template <template <int> class Launcher, typename... Args>
+void LaunchForRanks(int num_ranks, Args&&... args) {
+  if (num_ranks <= 2) {
+    Launcher<2>::Run(args...);
+  } else if (num_ranks <= 4) {
+    Launcher<4>::Run(args...);
+  } else {
+    Launcher<8>::Run(args...);
+  }
+}
+
+template <int kRanks>
+struct SendLauncher {
+  static void Run(const Group& g, const SendArgs& a, const LaunchConfig& c, cudaStream_t stream) {
+    SendKernel<kRanks><<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(g, a);
+  }
+};
+
+template <int kRanks>
+struct CombineLauncher {
+  static void Run(const Group& g, const CombineArgs& a, const LaunchConfig& c, cudaStream_t stream) {
+    CombineKernel<kRanks><<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(g, a);
+  }
+};
+
+void LaunchFinish(const Group& g, FinishArgs a, int mode, const LaunchConfig& c, cudaStream_t stream) {
+  a.mode = mode;
+  a.num_blocks = c.num_blocks;
+  a.timeout_ns = c.timeout_ns;
+  FinishKernel<<<1, kFinishThreads, 0, stream>>>(g, a);
+}
+
+void LaunchCopies(const CopyList& list, const LaunchConfig& c, cudaStream_t stream) {
+  if (list.num_copies > 0) CopyKernel<<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(list);
+}
+
+// What dispatch and cached dispatch send alike: rows, weights, layout.
+template <typename Params>
+SendArgs CommonSendArgs(const Params& p, const LaunchConfig& c, int mode) {
+  SendArgs send{};
+  for (int i = 0; i < kMaxRowArrays; ++i) {
+    send.x[i] = p.x[i];
+    send.row_bytes[i] = p.row_bytes[i];
+  }
+  send.send_pos = p.send_pos;
+  send.topk_weights = p.topk_weights;
+  send.num_tokens = p.num_tokens;
+  send.num_topk = p.num_topk;
+  send.num_worst_tokens = p.num_worst_tokens;
+  send.chunk_tokens = c.chunk_tokens;
+  send.mode = mode;
+  send.num_recv_tokens = p.num_recv_tokens;
+  return send;
+}
+
+// Cached dispatch moves rows and (when given) weights only.
+RankBuffers RowsAndWeights(RankBuffers b, bool with_weights) {
+  b.topk_idx = nullptr;
+  b.src_idx = nullptr;
+  if (!with_weights) b.topk_weights = nullptr;
+  return b;
+}
+
+}  // namespace
+
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk) {
+  return StagingLayout(nullptr, num_rows, row_bytes, num_topk, nullptr);
+}
+
+cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
+                           cudaStream_t stream) {
+  const Group g = MakeGroup(state);
+  const int experts_per_rank = p.num_experts / state.num_ranks;
+  const RankBuffers landing =
+      ChooseLanding(state, p.recv, p.num_worst_tokens, p.row_bytes, p.num_topk, c.staged);
+
+  NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
+                    p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
+                    p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, landing,
+                    c.timeout_ns};
+  DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
+
+  SendArgs send = CommonSendArgs(p, c, kDispatch);
+  send.topk_idx = p.topk_idx;
+  send.experts_per_rank = experts_per_rank;
+  send.rank_prefix_matrix = p.rank_prefix_matrix;
+  send.recv_src_rank = p.recv_src_rank;
+  send.recv_src_idx = p.recv.src_idx;
+  send.recv_topk_idx = p.recv.topk_idx;
+  send.recv_topk_weights = p.recv.topk_weights;
+  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, c, stream);
+
+  FinishArgs finish{};
+  finish.num_recv_tokens = p.num_recv_tokens;
+  finish.landed_topk_idx = landing.topk_idx;
+  finish.num_topk = p.num_topk;
+  finish.experts_per_rank = experts_per_rank;
+  finish.num_recv_tokens_per_expert = p.num_recv_tokens_per_expert;
+  LaunchFinish(g, finish, kDispatch, c, stream);
+  if (c.staged) {
+    LaunchCopies(CopiesBetween(p.recv, landing, p.row_bytes, p.num_topk, 0, p.num_recv_tokens), c, stream);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchParams& p, const LaunchConfig& c,
+                                 cudaStream_t stream) {
+  const Group g = MakeGroup(state);
+  const bool with_weights = p.topk_weights != nullptr;
+  const RankBuffers recv = RowsAndWeights(p.recv, with_weights);
+  const RankBuffers landing = RowsAndWeights(
+      ChooseLanding(state, recv, p.num_worst_tokens, p.row_bytes, p.num_topk, c.staged), with_weights);
+  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, landing, kCachedDispatch, c.timeout_ns);
+
+  SendArgs send = CommonSendArgs(p, c, kCachedDispatch);
+  send.recv_topk_weights = recv.topk_weights;
+  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, c, stream);
+
+  LaunchFinish(g, FinishArgs{}, kCachedDispatch, c, stream);
+  if (c.staged) {
+    LaunchCopies(CopiesBetween(recv, landing, p.row_bytes, p.num_topk, 0, p.num_recv_tokens), c, stream);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& c,
+                          cudaStream_t stream) {
+  const Group g = MakeGroup(state);
+  const int64_t row_bytes[kMaxRowArrays] = {int64_t(p.hidden) * int64_t(sizeof(uint16_t)), 0};
+  RankBuffers inputs{};
+  inputs.rows[0] = const_cast<char*>(reinterpret_cast<const char*>(p.x));
+  inputs.topk_weights = const_cast<float*>(p.topk_weights);
+  RankBuffers sources = ChooseLanding(state, inputs, p.num_worst_tokens, row_bytes, p.num_topk, c.staged);
+  sources.rows[1] = nullptr;
+  sources.topk_idx = nullptr;
+  sources.src_idx = nullptr;
+  if (p.topk_weights == nullptr) sources.topk_weights = nullptr;
+  if (c.staged) {
+    // Peers finished reading the staging area before the previous call returned.
+    LaunchCopies(CopiesBetween(sources, inputs, row_bytes, p.num_topk, p.num_worst_tokens, nullptr), c, stream);
+  }
+  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, sources, kCombine, c.timeout_ns);
+
+  const CombineArgs combine{p.send_pos, p.num_tokens, p.hidden, p.num_topk, c.chunk_tokens, p.out, p.out_weights};
+  LaunchForRanks<CombineLauncher>(state.num_ranks, g, combine, c, stream);
+
+  LaunchFinish(g, FinishArgs{}, kCombine, c, stream);
+  return cudaGetLastError();
+}
+
+}  // namespace intranode
+}  // namespace deep_ep_jax

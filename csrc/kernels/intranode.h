@@ -1,0 +1,110 @@
+// Normal-mode (training / prefill) dispatch and combine over NVLink, for one
+// process driving all GPUs of an EP group.
+//
+// Each call is a fixed launch sequence with no host synchronisation:
+//   1. notify (one block): advance this device's call sequence number, publish
+//      to every peer the device addresses the peers will access (and, for
+//      dispatch, this rank's per-destination token counts), wait for theirs.
+//   2. move (num_blocks blocks, a warp per token, tokens handed out in chunks
+//      by a work counter): dispatch writes each token's row straight to its
+//      final row in every destination rank's buffers; combine reads each
+//      token's rows from every rank and sums them in rank order. Each block
+//      then tells every peer it is done with the peer's memory.
+//   3. finish: wait until every peer's blocks are done with this rank's
+//      memory, so XLA never reads partial rows nor frees memory a peer reads.
+// Staged mode (the fallback) lands rows in the normal region after the
+// control bytes and adds local copies (before step 1 for combine, after step
+// 3 for dispatch).
+// Peers meet through flags in the control bytes of DeviceState::normal,
+// compared against the sequence number, so consecutive calls (and CUDA-graph
+// replays) need no resets.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/registry.h"
+
+namespace deep_ep_jax {
+namespace intranode {
+
+constexpr int kMaxBlocks = 132;         // upper bound of Config.num_sms
+constexpr int kMaxWarps = 16;           // warps per block of the move kernels
+constexpr int kMaxLocalExperts = 4096;  // num_experts / num_ranks (shared-memory histogram)
+constexpr int kMaxRowArrays = 2;        // bf16 rows, or FP8 rows + their float32 scales
+
+// A rank's buffers that its peers access in one call: where its received rows
+// land (dispatch), or where its rows are read from (combine: rows[0] and
+// topk_weights). Either XLA's buffers or a staging area in the normal region.
+struct RankBuffers {
+  char* rows[kMaxRowArrays];
+  int* topk_idx;
+  float* topk_weights;
+  int* src_idx;
+};
+
+// Launch knobs, the same on every rank of the group.
+struct LaunchConfig {
+  int num_blocks;    // SMs of the move kernels
+  int num_warps;     // warps per block of the move kernels
+  int chunk_tokens;  // consecutive tokens a warp takes from the work counter at a time
+  uint64_t timeout_ns;
+  bool staged;  // land rows in the normal region and copy them locally (fallback)
+};
+
+struct DispatchParams {
+  // Inputs, per token: row arrays (row_bytes 0 when absent), routing.
+  const char* x[kMaxRowArrays];
+  int64_t row_bytes[kMaxRowArrays];
+  const int* topk_idx;        // [T, K] global expert ids, -1 for none
+  const float* topk_weights;  // [T, K]
+  int num_tokens, num_topk, num_experts, num_worst_tokens;
+  // Token-side outputs.
+  bool* is_token_in_rank;   // [T, R]
+  int* num_tokens_per_rank; // [R]
+  int* rank_prefix_matrix;  // [R, R], inclusive over source ranks
+  int* send_pos;            // [T, R]
+  // Receive-side outputs (N = num_worst_tokens rows).
+  RankBuffers recv;  // recv_x (+ scales), recv_topk_idx, recv_topk_weights, recv_src_idx
+  int* recv_src_rank;
+  int* num_recv_tokens;
+  int* num_recv_tokens_per_expert;  // [E / R]
+  int* num_dropped_tokens;
+};
+
+struct CachedDispatchParams {
+  const char* x[kMaxRowArrays];
+  int64_t row_bytes[kMaxRowArrays];
+  const float* topk_weights;  // [T, K] or null
+  const int* send_pos;        // [T, R] from the handle
+  const int* num_recv_tokens; // [] from the handle
+  int num_tokens, num_topk, num_worst_tokens;
+  RankBuffers recv;  // rows and topk_weights
+};
+
+struct CombineParams {
+  const uint16_t* x;          // bf16 [N, H]
+  const float* topk_weights;  // [N, K] or null
+  const int* send_pos;        // [T, R]
+  int num_tokens, hidden, num_topk, num_worst_tokens;
+  uint16_t* out;         // bf16 [T, H]
+  float* out_weights;    // [T, K] or null
+};
+
+// Bytes of the normal region (control included) that a staged call needs:
+// num_rows rows of each row array, then [num_rows, num_topk] ids and weights
+// and [num_rows] source indices.
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk);
+
+// Only enqueue work on `stream`.
+cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& config,
+                           cudaStream_t stream);
+cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchParams& p,
+                                 const LaunchConfig& config, cudaStream_t stream);
+cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& config,
+                          cudaStream_t stream);
+
+}  // namespace intranode
+}  // namespace deep_ep_jax

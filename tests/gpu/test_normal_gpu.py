@@ -1,0 +1,432 @@
+"""Normal-mode CUDA kernels (dispatch, cached dispatch, combine) against the
+xla backend, through the public API, on all local GPUs (R = 2..8).
+
+Everything must match the reference bit for bit: received rows [0,
+num_recv_tokens), every metadata row (padding included: ids -1, weights 0,
+source -1), the whole handle, combine's sums. Before each CUDA run the
+allocator is handed freed arrays of the outputs' sizes filled with poison,
+which it tends to give back for the outputs, and every case runs twice with
+different data, so rows the kernels do not write show up as mismatches.
+
+The last tests run on CPU: the trace-time checks and the size hint.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import deep_ep_jax
+from deep_ep_jax import testing
+from deep_ep_jax.backends import cuda_normal, reference
+
+AXIS = "ep"
+gpu = pytest.mark.gpu
+
+
+# Helpers ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
+
+
+@pytest.fixture(scope="module")
+def buffers(mesh):
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    yield cuda, xla
+    cuda.destroy()
+
+
+_BIT_VIEWS = {jnp.dtype(jnp.bfloat16): np.uint16, jnp.dtype(jnp.float8_e4m3fn): np.uint8,
+              np.dtype(np.float32): np.uint32}
+
+
+def bits(a):
+    """Exact comparison view: floats as their bit patterns."""
+    a = np.asarray(a)
+    return a.view(_BIT_VIEWS[a.dtype]) if a.dtype in _BIT_VIEWS else a
+
+
+def assert_bits_equal(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    g, w = bits(got), bits(want)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g != w)
+        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
+                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+
+
+def poison_allocator(mesh, per_rank_shapes):
+    """Hands the allocator freed device memory of the outputs' sizes, filled with poison."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+    num_ranks = mesh.shape[AXIS]
+    poison = []
+    for shape, dtype in per_rank_shapes:
+        value = True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)
+        poison.append(jax.device_put(jnp.full((num_ranks,) + tuple(shape), value, dtype), sharding))
+    jax.block_until_ready(poison)
+    del poison
+
+
+def make_x(seed, num_ranks, num_tokens, hidden, fp8):
+    x = testing.random_rows(seed, (num_ranks * num_tokens, hidden))
+    return tuple(reference.quantize_fp8(x)) if fp8 else x
+
+
+def routing(seed, num_ranks, num_tokens, num_experts, topk, kind):
+    usable = num_experts - num_experts // num_ranks if kind == "rank_empty" else num_experts
+    idx, w = testing.make_routing(seed, num_ranks * num_tokens, num_experts, max(1, min(topk, usable)), num_ranks, kind)
+    return jnp.asarray(idx), jnp.asarray(w)
+
+
+@functools.lru_cache(maxsize=None)
+def dispatch_combine_runner(buffer, mesh, num_experts, num_worst_tokens):
+    """Per rank: dispatch, combine of fresh rows y with the received weights,
+    and the backend's cached dispatch of x along the same handle."""
+
+    def fn(x, idx, w, y):
+        recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(
+            x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
+        out, out_w = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
+        xs = tuple(x) if isinstance(x, tuple) else (x,)
+        cached_xs, cached_w = buffer.ops.cached_dispatch(xs, w, handle, buffer=buffer)
+        return recv_x, recv_idx, recv_w, handle, out, out_w, cached_xs, cached_w
+
+    return testing.per_rank(fn, mesh, AXIS)
+
+
+def run_case(buffers, mesh, *, seed, num_tokens, hidden, topk, num_experts, kind="random", fp8=False,
+             num_worst_tokens=None):
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    rows = num_worst_tokens or num_tokens * num_ranks
+    x = make_x(seed, num_ranks, num_tokens, hidden, fp8)
+    idx, w = routing(seed, num_ranks, num_tokens, num_experts, topk, kind)
+    y = testing.random_rows(seed + 1, (num_ranks * rows, hidden))
+    k = idx.shape[1]
+    poison_allocator(mesh, [((rows, hidden), jnp.bfloat16), ((rows, k), jnp.int32), ((rows, k), jnp.float32),
+                            ((rows,), jnp.int32), ((num_tokens, num_ranks), jnp.int32),
+                            ((num_tokens, hidden), jnp.bfloat16), ((num_tokens, k), jnp.float32)])
+    got = dispatch_combine_runner(cuda, mesh, num_experts, num_worst_tokens)(x, idx, w, y)
+    want = dispatch_combine_runner(xla, mesh, num_experts, num_worst_tokens)(x, idx, w, y)
+    check_same(got, want, fp8)
+    return got
+
+
+def check_same(got, want, fp8):
+    recv_x, recv_idx, recv_w, handle, out, out_w, cached_xs, cached_w = got
+    w_recv_x, w_recv_idx, w_recv_w, w_handle, w_out, w_out_w, w_cached_xs, w_cached_w = want
+    num_recv = np.asarray(handle.num_recv_tokens)
+    for name in ("num_recv_tokens", "num_dropped_tokens", "num_tokens_per_rank", "rank_prefix_matrix",
+                 "is_token_in_rank", "send_pos", "recv_src_idx", "recv_src_rank", "num_recv_tokens_per_expert"):
+        assert_bits_equal(getattr(handle, name), getattr(w_handle, name), f"handle.{name}")
+    assert_bits_equal(recv_idx, w_recv_idx, "recv_topk_idx")
+    assert_bits_equal(recv_w, w_recv_w, "recv_topk_weights")
+    assert_bits_equal(cached_w, w_cached_w, "cached_dispatch weights")
+    parts = (recv_x, w_recv_x) if fp8 else ((recv_x,), (w_recv_x,))
+    for r, n in enumerate(num_recv):
+        for i, (g, w) in enumerate(zip(*parts)):
+            assert_bits_equal(np.asarray(g)[r, :n], np.asarray(w)[r, :n], f"recv_x[{i}] of rank {r}")
+        for i, (g, w) in enumerate(zip(cached_xs, w_cached_xs)):
+            assert_bits_equal(np.asarray(g)[r, :n], np.asarray(w)[r, :n], f"cached_dispatch rows[{i}] of rank {r}")
+        # Padding rows, explicitly.
+        assert (np.asarray(recv_idx)[r, n:] == -1).all()
+        assert (bits(np.asarray(recv_w)[r, n:]) == 0).all()
+        assert (np.asarray(handle.recv_src_idx)[r, n:] == -1).all()
+        assert (np.asarray(handle.recv_src_rank)[r, n:] == -1).all()
+    assert_bits_equal(out, w_out, "combine out")
+    assert_bits_equal(out_w, w_out_w, "combine out_weights")
+
+
+def cases(num_ranks):
+    # (tokens per rank, hidden, top-k, experts)
+    yield 1, 2048, 1, num_ranks
+    yield 1, 7168, 8, 256
+    yield 7, 4096, 2, 2 * num_ranks
+    yield 128, 2048, 4, 16 * num_ranks
+    yield 333, 7168, 8, 256
+    yield 1024, 4096, 6, 64 * num_ranks
+
+
+# Dispatch / combine against the reference --------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("kind", testing.ROUTING_KINDS)
+def test_matches_reference(mesh, buffers, kind):
+    num_ranks = mesh.shape[AXIS]
+    for seed, (num_tokens, hidden, topk, num_experts) in enumerate(cases(num_ranks)):
+        if kind == "rank_empty" and num_ranks < 2:
+            continue
+        for repeat in range(2):  # fresh data on the same buffers: stale rows would show
+            got = run_case(buffers, mesh, seed=100 * seed + repeat, num_tokens=num_tokens, hidden=hidden, topk=topk,
+                           num_experts=num_experts, kind=kind)
+        if kind == "rank_empty":
+            assert (np.asarray(got[3].num_recv_tokens)[-1] == 0)
+        if kind == "random" and num_tokens > 1:
+            assert (np.asarray(got[3].num_recv_tokens) > 0).all()
+
+
+@gpu
+def test_topk_range(mesh, buffers):
+    num_ranks = mesh.shape[AXIS]
+    for topk in range(1, 10):
+        run_case(buffers, mesh, seed=topk, num_tokens=77, hidden=2048, topk=topk, num_experts=16 * num_ranks,
+                 kind="minus_one")
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["random", "one_expert", "minus_one"])
+def test_fp8_pairs(mesh, buffers, kind):
+    num_ranks = mesh.shape[AXIS]
+    for seed, (num_tokens, hidden, topk, num_experts) in enumerate(cases(num_ranks)):
+        run_case(buffers, mesh, seed=seed, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts,
+                 kind=kind, fp8=True)
+    # hidden 128 * 3: scale rows of 12 bytes, not a multiple of 16.
+    run_case(buffers, mesh, seed=99, num_tokens=65, hidden=384, topk=3, num_experts=4 * num_ranks, kind=kind, fp8=True)
+
+
+@gpu
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7])
+def test_num_worst_tokens_smaller(mesh, buffers, fraction):
+    num_ranks = mesh.shape[AXIS]
+    num_tokens = 256
+    rows = max(1, int(fraction * num_tokens * num_ranks))
+    for kind in ("random", "one_expert"):
+        got = run_case(buffers, mesh, seed=rows, num_tokens=num_tokens, hidden=2048, topk=8,
+                       num_experts=32 * num_ranks, kind=kind, num_worst_tokens=rows)
+        assert np.asarray(got[3].num_dropped_tokens).sum() > 0
+
+
+@gpu
+@pytest.mark.parametrize("num_sms,chunk_tokens,num_warps", [(1, 1, 1), (7, 3, 5), (24, 8, 16), (132, 64, 16)])
+def test_launch_configs(mesh, num_sms, chunk_tokens, num_warps):
+    """Any launch configuration gives the same bits (also the staged fallback)."""
+    fields = {"num_sms": num_sms, "chunk_tokens": chunk_tokens}
+    if "num_warps" in deep_ep_jax.Config.__dataclass_fields__:
+        fields["num_warps"] = num_warps
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", config=deep_ep_jax.Config(**fields))
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    try:
+        run_case((cuda, xla), mesh, seed=num_sms, num_tokens=500, hidden=4096, topk=8, num_experts=64,
+                 kind="minus_one")
+    finally:
+        cuda.destroy()
+
+
+@gpu
+def test_staged_fallback(mesh, monkeypatch):
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    num_ranks = mesh.shape[AXIS]
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=2048)
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    try:
+        for fp8 in (False, True):
+            run_case((cuda, xla), mesh, seed=5, num_tokens=300, hidden=2048, topk=8, num_experts=16 * num_ranks,
+                     kind="random", fp8=fp8)
+            run_case((cuda, xla), mesh, seed=6, num_tokens=300, hidden=2048, topk=8, num_experts=16 * num_ranks,
+                     kind="one_expert", fp8=fp8, num_worst_tokens=100)
+    finally:
+        cuda.destroy()
+
+
+# Gradients ------------------------------------------------------------------------
+
+
+def _moe_exact_grads(buffer, mesh, num_experts):
+    """A MoE step whose expert math is exact in any evaluation order (scaling
+    by powers of two), so the gradients must agree bit for bit."""
+
+    def fn(x, w, idx, probe, probe_w):
+        def loss(x, w):
+            recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+            scale = jnp.asarray([1.0, 2.0, 4.0], jnp.float32)[jnp.max(recv_idx, axis=1) % 3]
+            y = (recv_x.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+            out, out_w = deep_ep_jax.combine(y, handle, recv_w * 2.0, buffer=buffer)
+            return jnp.sum(out.astype(jnp.float32) * probe) + jnp.sum(out_w * probe_w)
+
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return testing.per_rank(fn, mesh, AXIS)
+
+
+def _moe_matmul_grads(buffer, mesh, num_experts):
+    """A small MoE step with a per-row expert matmul (each row times the
+    weights of its local experts), gradients for x, topk_weights and experts."""
+    num_ranks = mesh.shape[AXIS]
+
+    def fn(x, w, idx, experts, probe):
+        def loss(x, w, experts):
+            recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+            h = recv_x.astype(jnp.float32)
+            y = jnp.zeros_like(h)
+            for k in range(recv_idx.shape[1]):
+                wk = experts[jnp.clip(recv_idx[:, k], 0, num_experts // num_ranks - 1)]  # [N, H, H]
+                yk = jnp.einsum("nh,nhg->ng", h, wk)
+                y = y + jnp.where(recv_idx[:, k:k + 1] >= 0, recv_w[:, k:k + 1] * yk, 0.0)
+            out = deep_ep_jax.combine(y.astype(jnp.bfloat16), handle, buffer=buffer)
+            return jnp.sum(out.astype(jnp.float32) * probe)
+
+        return jax.grad(loss, argnums=(0, 1, 2))(x, w, experts)
+
+    return testing.per_rank(fn, mesh, AXIS)
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["random", "minus_one", "rank_empty"])
+def test_gradients_exact(mesh, buffers, kind):
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    if kind == "rank_empty" and num_ranks < 2:
+        pytest.skip("needs 2 ranks")
+    num_tokens, hidden, num_experts = 200, 1024, 8 * num_ranks
+    x = testing.random_rows(1, (num_ranks * num_tokens, hidden))
+    idx, w = routing(2, num_ranks, num_tokens, num_experts, 4, kind)
+    probe = testing.random_rows(3, (num_ranks * num_tokens, hidden)).astype(jnp.float32)
+    probe_w = jnp.asarray(np.random.default_rng(4).standard_normal(w.shape, np.float32))
+    got = _moe_exact_grads(cuda, mesh, num_experts)(x, w, idx, probe, probe_w)
+    want = _moe_exact_grads(xla, mesh, num_experts)(x, w, idx, probe, probe_w)
+    assert_bits_equal(got[0], want[0], "grad x")
+    assert_bits_equal(got[1], want[1], "grad topk_weights")
+    assert np.abs(np.asarray(got[0], np.float32)).sum() > 0
+
+
+@gpu
+def test_gradients_moe_matmul(mesh, buffers):
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts = 64, 128, 4 * num_ranks
+    x = testing.random_rows(1, (num_ranks * num_tokens, hidden))
+    idx, w = routing(2, num_ranks, num_tokens, num_experts, 2, "random")
+    # Global [E, H, H]: rank r holds its E/R experts.
+    experts = jnp.asarray(np.random.default_rng(5).standard_normal((num_experts, hidden, hidden), np.float32)
+                          / np.sqrt(hidden))
+    probe = testing.random_rows(3, (num_ranks * num_tokens, hidden)).astype(jnp.float32)
+    got = _moe_matmul_grads(cuda, mesh, num_experts)(x, w, idx, experts, probe)
+    want = _moe_matmul_grads(xla, mesh, num_experts)(x, w, idx, experts, probe)
+    # The matmuls are compiled separately in the two programs; the
+    # communication is exact, the expert math agrees to rounding.
+    for name, g, wv in zip(("x", "topk_weights", "experts"), got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wv, np.float32), rtol=2e-2, atol=2e-2,
+                                   err_msg=f"grad {name}")
+
+
+# Many calls, command buffers --------------------------------------------------------
+
+
+def _loop_runner(buffer, mesh, num_experts, num_iters):
+    def fn(x, idx, w):
+        def body(i, carry):
+            acc, acc_w, acc_recv = carry
+            shifted = jnp.where(idx >= 0, (idx + i) % num_experts, -1)
+            xi = (x.astype(jnp.float32) + i.astype(jnp.float32)).astype(jnp.bfloat16)
+            recv_x, _, recv_w, handle = deep_ep_jax.dispatch(xi, shifted, w, num_experts=num_experts, buffer=buffer)
+            out, out_w = deep_ep_jax.combine(recv_x, handle, recv_w, buffer=buffer)
+            return acc + out.astype(jnp.float32), acc_w + out_w, acc_recv + handle.num_recv_tokens
+
+        init = (jnp.zeros(x.shape, jnp.float32), jnp.zeros(w.shape, jnp.float32), jnp.zeros((), jnp.int32))
+        return lax.fori_loop(0, num_iters, body, init)
+
+    return testing.per_rank(fn, mesh, AXIS)
+
+
+@gpu
+def test_1000_calls_in_fori_loop(mesh, buffers):
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    num_experts = 8 * num_ranks
+    x = testing.random_rows(0, (num_ranks * 96, 512))
+    idx, w = routing(1, num_ranks, 96, num_experts, 3, "minus_one")
+    got = _loop_runner(cuda, mesh, num_experts, 1000)(x, idx, w)
+    want = _loop_runner(xla, mesh, num_experts, 1000)(x, idx, w)
+    for name, g, wv in zip(("sum of combined rows", "sum of combined weights", "sum of num_recv_tokens"), got, want):
+        assert_bits_equal(g, wv, name)
+
+
+@gpu
+def test_command_buffers(mesh, buffers):
+    """A jitted step with XLA's default flags (command buffers on): a chain
+    dispatch -> expert -> combine -> dispatch -> combine, same answer as the
+    reference, twice in a row (graph replay)."""
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    num_experts = 16 * num_ranks
+
+    def make(buffer):
+        def fn(x, idx, w):
+            h = x
+            for _ in range(3):
+                recv_x, _, recv_w, handle = deep_ep_jax.dispatch(h, idx, w, num_experts=num_experts, buffer=buffer)
+                y = (recv_x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+                h, _ = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
+            return h
+
+        return testing.per_rank(fn, mesh, AXIS)
+
+    run_cuda, run_xla = make(cuda), make(xla)
+    for seed in range(2):
+        x = testing.random_rows(seed, (num_ranks * 512, 2048))
+        idx, w = routing(seed, num_ranks, 512, num_experts, 8, "random")
+        got, want = run_cuda(x, idx, w), run_xla(x, idx, w)
+        assert_bits_equal(got, want, "chain output")
+    text = run_cuda.lower(x, idx, w).compile().as_text()
+    in_graph = "command_buffer" in text
+    print(f"deep_ep_jax custom calls inside an XLA command buffer: {in_graph}")
+
+
+# CPU: trace-time checks and the size hint ---------------------------------------
+
+
+class _FakeBuffer:
+    def __init__(self, num_ranks=2, num_nvl_bytes=1 << 16, config=None):
+        self.buffer_id = 1
+        self.num_ranks = num_ranks
+        self.axis_name = AXIS
+        self.config = config or deep_ep_jax.Config()
+        self.backend = "cuda"
+        self.num_nvl_bytes = num_nvl_bytes
+
+
+def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
+    idx = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.int32)
+    w = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.float32)
+    return jax.eval_shape(
+        lambda x, idx, w: cuda_normal.dispatch((x,), idx, w, num_experts=num_experts,
+                                               num_worst_tokens=num_worst_tokens, buffer=buffer), x, idx, w)
+
+
+def test_trace_checks_cpu(monkeypatch):
+    monkeypatch.setattr(deep_ep_jax._native, "register_ffi_targets", lambda: None)
+    x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
+    recv_xs, recv_idx, recv_w, handle = _trace_dispatch(_FakeBuffer(), x)
+    assert recv_xs[0].shape == (32, 256) and recv_idx.shape == (32, 4) and handle.send_pos.shape == (16, 2)
+    assert handle.num_recv_tokens_per_expert.shape == (4,)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        _trace_dispatch(_FakeBuffer(), jax.ShapeDtypeStruct((16, 260), jnp.bfloat16))
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        _trace_dispatch(_FakeBuffer(num_ranks=16), x, num_experts=16)
+    with pytest.raises(ValueError, match="bf16 or FP8"):
+        _trace_dispatch(_FakeBuffer(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
+    with pytest.raises(ValueError, match="experts per rank|at most 4096"):
+        _trace_dispatch(_FakeBuffer(), x, num_experts=2 * 5000)
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        _trace_dispatch(_FakeBuffer(), x)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=cuda_normal.staged_region_bytes(32, (512, 0), 4)), x)
+
+
+def test_region_hint_cpu(monkeypatch):
+    config = deep_ep_jax.Config()
+    monkeypatch.delenv("DEEP_EP_JAX_STAGED", raising=False)
+    assert cuda_normal.normal_region_bytes(2, None, None, config) == cuda_normal.CONTROL_BYTES
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    staged = cuda_normal.normal_region_bytes(2, None, None, config)
+    assert staged >= cuda_normal.CONTROL_BYTES + 2 * 4096 * 7168 * 2
+    assert cuda_normal.normal_region_bytes(2, 2048, 100, config) < staged

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import sys
-import tempfile
 import time
 
 import jax
@@ -38,6 +36,8 @@ from jax import lax
 
 import deep_ep_jax
 from deep_ep_jax import testing
+
+from profile_util import median_durations
 
 AXIS = "ep"
 KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
@@ -176,25 +176,7 @@ def call_overhead(mesh, inputs, repeats):
 
 def kernel_times(run, args):
     """Median device time (s) of each low-latency kernel per GPU, from a profile of one run."""
-    from jax.profiler import ProfileData
-
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            jax.block_until_ready(run(*args))
-        paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
-        if not paths:
-            return {}
-        profile = ProfileData.from_file(paths[0])
-    times = {}
-    for plane in profile.planes:
-        if not plane.name.startswith("/device:GPU:"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                for kernel in KERNELS:
-                    if kernel in event.name:
-                        times.setdefault((plane.name, kernel), []).append(event.duration_ns * 1e-9)
-    return {key: float(np.median(v)) for key, v in times.items()}
+    return median_durations(run, args, KERNELS)
 
 
 def make_buffer(mesh, backend, case):

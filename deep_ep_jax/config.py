@@ -35,7 +35,7 @@ class Config:
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).
-    chunk_tokens: int = 8
+    chunk_tokens: int = 2  # tuned on 2x H200: 1-2 balance the warps best (benchmarks/RESULTS.md)
     # Warps per block of the normal-mode copy kernels.
     num_warps: int = 16
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("DEEP_EP_JAX_TIMEOUT_S", 20.0))

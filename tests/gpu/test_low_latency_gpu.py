@@ -91,21 +91,53 @@ def _combine(buffer, y, idx, w, handle, *, split=False):
     return deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer)
 
 
+def _round_to_bf16(a):
+    """f32 -> the nearest bf16 value (ties to even), kept as f32, by integer
+    ops. An f32 -> bf16 -> f32 convert pair is not a safe rounding: with
+    xla_allow_excess_precision (on by default) XLA may drop it, and it did in
+    one program but not the other (the first GPU run's FP8 combine failures)."""
+    bits = lax.bitcast_convert_type(a, jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _dequantize_f32(xs):
+    """Rows as float32 values that are exactly bf16 (identity experts)."""
+    if len(xs) == 1:
+        return xs[0].astype(jnp.float32)
+    return _round_to_bf16(reference.dequantize_fp8(*xs))
+
+
 def _dequantize(xs):
     """Rows as bf16 (identity experts)."""
-    if len(xs) == 1:
-        return xs[0]
-    return reference.dequantize_fp8(*xs).astype(jnp.bfloat16)
+    return xs[0] if len(xs) == 1 else _dequantize_f32(xs).astype(jnp.bfloat16)  # exact: already bf16 values
+
+
+def _hash_noise(shape, seed, rank):
+    """Values k / 64, k in [-32, 32), from an integer hash of (seed, rank,
+    element): exact, so every program computes the same bits (a
+    transcendental RNG's code may differ between XLA fusions)."""
+    flat = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        flat = flat + lax.broadcasted_iota(jnp.uint32, shape, d) * jnp.uint32(stride)
+        stride *= shape[d]
+    h = flat * jnp.uint32(0x9E3779B1) + jnp.uint32((seed * 0x85EBCA77) & 0xFFFFFFFF)
+    h = h + jnp.asarray(rank, jnp.uint32) * jnp.uint32(0xC2B2AE3D)
+    for mul in (0x2C1B3C6D, 0x297A2D39):
+        h = (h ^ (h >> 15)) * jnp.uint32(mul)
+    h = h ^ (h >> 15)
+    return ((h >> 26).astype(jnp.int32) - 32).astype(jnp.float32) * (1.0 / 64)
 
 
 def _expert_outputs(xs, num_local, seed):
-    """Deterministic per-rank expert outputs: random rows, plus the
-    dequantised received rows scaled per expert (so combine sees real data)."""
+    """Deterministic per-rank expert outputs: the received rows (exact bf16
+    values) times 1 + e/64 (exact), plus hash noise (exact): one rounding
+    (the add) and one conversion, so y is the same bits in both programs
+    whatever XLA fuses, contracts into an FMA or keeps in excess precision."""
     rank = lax.axis_index(AXIS)
-    key = jax.random.fold_in(jax.random.key(seed), rank)
-    noise = jax.random.normal(key, xs[0].shape, jnp.float32)
     scale = 1.0 + jnp.arange(num_local, dtype=jnp.float32)[:, None, None] / 64
-    return (_dequantize(xs).astype(jnp.float32) * scale + 0.25 * noise).astype(jnp.bfloat16)
+    return (_dequantize_f32(xs) * scale + _hash_noise(xs[0].shape, seed, rank)).astype(jnp.bfloat16)
 
 
 def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, seed=0):
@@ -113,7 +145,7 @@ def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=Fa
                                   use_fp8=use_fp8, round_scale=round_scale, split=split)
     y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
     out = _combine(buffer, y, idx, w, handle, split=split)
-    return xs, count, handle, out
+    return xs, count, handle, out, y
 
 
 def _run_both(mesh, buffers, fn, *args, **kwargs):
@@ -150,10 +182,77 @@ def _assert_dispatch_equal(got, want):
         assert not bad.any(), f"recv_xs[{i}]: {bad.sum()} valid rows differ, first at {np.argwhere(bad)[:4].tolist()}"
 
 
-def _assert_combine_equal(got, want):
+def _host_combine(y, handle, idx, w):
+    """Combine recomputed on the host from one program's y and handle, summed
+    as the kernels and the reference do (float32, k in order, w * y then +,
+    no FMA). Returns (out bf16 [R, T, H], loc int [R, T, K, 3]): where each
+    (rank, token, k) was received, as (expert rank, local expert, row), or -1."""
+    num_ranks, _, rows = handle.recv_src_rank.shape
+    _, num_tokens, topk = idx.shape
+    loc = np.full((num_ranks, num_tokens, topk, 3), -1, np.int64)
+    r, e, j = np.nonzero(_valid_rows(np.asarray(handle.recv_count), rows))
+    s, t, k = handle.recv_src_rank[r, e, j], handle.recv_src_token[r, e, j], handle.recv_src_topk[r, e, j]
+    ok = (s >= 0) & (s < num_ranks) & (t >= 0) & (t < num_tokens) & (k >= 0) & (k < topk)
+    loc[s[ok], t[ok], k[ok]] = np.stack([r, e, j], -1)[ok]
+    acc = np.zeros((num_ranks, num_tokens, y.shape[-1]), np.float32)
+    for kk in range(topk):
+        at = loc[:, :, kk].clip(0)
+        term = w[:, :, kk, None].astype(np.float32) * y[at[..., 0], at[..., 1], at[..., 2]].astype(np.float32)
+        acc = np.where(((idx[:, :, kk] >= 0) & (loc[:, :, kk, 0] >= 0))[..., None], acc + term, acc)
+    return acc.astype(ml_dtypes.bfloat16), loc
+
+
+def _explain_combine(bad, got, want, routing, limit=6):
+    """Which (rank, token, k) terms make the combine outputs differ: compares
+    the two programs' expert outputs y row by row and each program's output
+    with a host sum of its own y (a kernel that summed other rows than the
+    handle names disagrees with the host sum of its own y)."""
+    (gy, gh, gout), (wy, wh, wout) = got, want
+    idx, w, num_experts = routing
+    num_ranks = gout.shape[0]
+    idx = np.asarray(idx).reshape(num_ranks, gout.shape[1], -1)
+    idx = np.where((idx >= 0) & (idx < num_experts), idx, -1)  # the API's sanitisation
+    w = np.asarray(w, np.float32).reshape(idx.shape)
+    valid = _valid_rows(np.asarray(wh.recv_count), wh.recv_src_rank.shape[-1])
+    y_bad = (_bits(gy) != _bits(wy)).any(-1) & valid
+    lines = [f"expert outputs y differ between the programs on {y_bad.sum()} of {valid.sum()} valid rows"
+             + (" (the test's y is not reproducible: not a kernel bug)" if y_bad.any() else "")]
+    host_g, loc = _host_combine(gy, gh, idx, w)
+    host_w, _ = _host_combine(wy, wh, idx, w)
+    g_ok = ~(_bits(host_g) != _bits(gout)).any(-1)
+    w_ok = ~(_bits(host_w) != _bits(wout)).any(-1)
+    lines.append(f"cuda out == host sum of its y on {g_ok.sum()} of {g_ok.size} tokens; "
+                 f"reference out == host sum of its y on {w_ok.sum()} of {w_ok.size} tokens")
+    for s, t in np.argwhere(bad)[:limit]:
+        d = _bits(gout[s, t]) != _bits(wout[s, t])
+        diff = np.abs(gout[s, t].astype(np.float32) - wout[s, t].astype(np.float32)).max()
+        lines.append(f"rank {s} token {t}: {d.sum()} of {d.size} channels differ (max |diff| {diff:g}, first at "
+                     f"{np.flatnonzero(d)[:4].tolist()}); cuda out == host(cuda y): {bool(g_ok[s, t])}, "
+                     f"reference out == host(reference y): {bool(w_ok[s, t])}")
+        for k in range(idx.shape[-1]):
+            if idx[s, t, k] < 0:
+                continue
+            r, e, j = loc[s, t, k]
+            if r < 0:
+                lines.append(f"  k={k} expert {idx[s, t, k]}: no received row in the handle")
+                continue
+            yd = np.flatnonzero(_bits(gy[r, e, j]) != _bits(wy[r, e, j]))
+            where = f" at {yd[:4].tolist()} (cuda {gy[r, e, j][yd[:4]]}, reference {wy[r, e, j][yd[:4]]})" if yd.size else ""
+            lines.append(f"  k={k} expert {idx[s, t, k]} (rank {r}, local {e}, row {j}), w={w[s, t, k]:.6g}: "
+                         f"y rows differ in {yd.size} channels{where}")
+    return "\n".join(lines)
+
+
+def _assert_combine_equal(got, want, explain=None):
+    """explain: ((cuda y, handle), (reference y, handle), (topk_idx, topk_weights, num_experts)) to say,
+    on a mismatch, which terms differ."""
     g, w = np.asarray(got), np.asarray(want)
     assert g.shape == w.shape and g.dtype == w.dtype
     bad = (_bits(g) != _bits(w)).any(-1)
+    if bad.any() and explain is not None:
+        (gy, gh), (wy, wh), routing = explain
+        text = _explain_combine(bad, (np.asarray(gy), gh, g), (np.asarray(wy), wh, w), routing)
+        assert not bad.any(), f"combine: {bad.sum()} tokens differ, first at {np.argwhere(bad)[:4].tolist()}\n{text}"
     assert not bad.any(), f"combine: {bad.sum()} tokens differ, first at {np.argwhere(bad)[:4].tolist()}"
 
 
@@ -185,11 +284,11 @@ def test_matches_reference(mesh, buffers, kind, use_fp8):
             continue
         x, idx, w = _inputs(seed, mesh, num_tokens, hidden, num_experts, topk, kind)
         _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8)
-        (gxs, gcount, gh, gout), (wxs, wcount, wh, wout) = _run_both(
+        (gxs, gcount, gh, gout, gy), (wxs, wcount, wh, wout, wy) = _run_both(
             mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=max_tokens, use_fp8=use_fp8,
             seed=seed)
         _assert_dispatch_equal((gxs, gcount, gh), (wxs, wcount, wh))
-        _assert_combine_equal(gout, wout)
+        _assert_combine_equal(gout, wout, explain=((gy, gh), (wy, wh), (idx, w, num_experts)))
         if kind == "rank_empty":  # the skew really happened
             assert (gcount[-1] == 0).all()
         if kind == "one_expert":
@@ -248,7 +347,7 @@ def test_split_halves(mesh, buffers):
     _poison_outputs(mesh, 16 * num_ranks, MAX_TOKENS, 1024, 100, True)
     got, want = _run_both(mesh, buffers, functools.partial(_step, split=True), x, idx, w, **kwargs)
     _assert_dispatch_equal(got[:3], want[:3])
-    _assert_combine_equal(got[3], want[3])
+    _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (idx, w, 16 * num_ranks)))
 
 
 def test_duplicates_and_overflow(mesh, buffers):
@@ -263,7 +362,7 @@ def test_duplicates_and_overflow(mesh, buffers):
     got, want = _run_both(mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=2 * num_tokens,
                           use_fp8=False)
     _assert_dispatch_equal(got[:3], want[:3])
-    _assert_combine_equal(got[3], want[3])
+    _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (idx, w, num_experts)))
 
     # Overflow: every slot of every token to expert 0; only dispatch is defined then.
     flood = jnp.zeros_like(idx)
@@ -328,12 +427,12 @@ def test_compute_between_send_and_recv(mesh, buffers):
         pc = deep_ep_jax.low_latency_combine_send(y, idx, w, h1, buffer=buffer)
         z = heavy(z)
         out = deep_ep_jax.low_latency_combine_recv(pc, buffer=buffer)
-        return recv1, count1, h1, recv2, count2, h2, out, z
+        return recv1, count1, h1, recv2, count2, h2, out, z, y
 
     got, want = _run_both(mesh, buffers, fn, x, idx, w, x2, idx2, z)
     _assert_dispatch_equal((tuple(got[0]), got[1], got[2]), (tuple(want[0]), want[1], want[2]))
     _assert_dispatch_equal(((got[3],), got[4], got[5]), ((want[3],), want[4], want[5]))
-    _assert_combine_equal(got[6], want[6])
+    _assert_combine_equal(got[6], want[6], explain=((got[8], got[2]), (want[8], want[2]), (idx, w, num_experts)))
     np.testing.assert_allclose(got[7], want[7], rtol=1e-5, atol=1e-5)
 
 

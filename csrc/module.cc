@@ -4,7 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi/registration.h"
@@ -106,6 +108,22 @@ py::dict DeviceInfo() {
   return info;
 }
 
+// (free, total) bytes of a device, as the driver sees them: our buffers are
+// plain cudaMalloc, outside XLA's allocator, so lifecycle tests read this.
+std::pair<size_t, size_t> MemGetInfo(int device) {
+  int previous = 0;
+  size_t free_bytes = 0, total_bytes = 0;
+  cudaGetDevice(&previous);
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaMemGetInfo(&free_bytes, &total_bytes);
+  cudaSetDevice(previous);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("cudaMemGetInfo failed: ") + cudaGetErrorString(err));
+  }
+  return {free_bytes, total_bytes};
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -120,5 +138,6 @@ PYBIND11_MODULE(_C, m) {
         "Synchronises the buffer's devices and frees its memory; an unknown id raises ValueError");
   m.def("num_live_buffers", &NumLiveBuffers);
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
+  m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");
 }

@@ -1,0 +1,221 @@
+"""Reliability on GPUs: determinism, a soak of many calls checked against the
+reference, buffer lifecycle without memory growth, and a peer that never
+arrives ending in a timeout error instead of a hang."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import deep_ep_jax as dej
+from deep_ep_jax import testing as dt
+
+pytestmark = pytest.mark.gpu
+AXIS = "ep"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return dt.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
+
+
+def _free_bytes():
+    from deep_ep_jax import _native
+
+    ext = _native.extension()
+    return [ext.mem_get_info(d.local_hardware_id)[0] for d in jax.devices("gpu")]
+
+
+def _roundtrip(buffer, num_experts):
+    def fn(x, idx, w):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+        return recv_x, recv_idx, recv_w, handle, out, out_w
+
+    return fn
+
+
+def _assert_bitwise_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def test_determinism_normal(mesh):
+    """The same inputs give bit-identical outputs, call after call and in
+    differently compiled programs."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts = 1024, 4096, 64
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda")
+    idx, w = dt.make_routing(1, num_ranks * num_tokens, num_experts, 8, num_ranks)
+    x = dt.random_rows(2, (num_ranks * num_tokens, hidden))
+    args = (x, jnp.asarray(idx), jnp.asarray(w))
+    f = dt.per_rank(_roundtrip(buffer, num_experts), mesh, AXIS)
+    first = f(*args)
+    for _ in range(3):
+        _assert_bitwise_equal(first, f(*args))
+
+    def doubled(x, idx, w):  # another program: two round trips, the second's output kept
+        _roundtrip(buffer, num_experts)(x, idx, w)
+        return _roundtrip(buffer, num_experts)(x, idx, w)
+
+    _assert_bitwise_equal(first, dt.per_rank(doubled, mesh, AXIS)(*args))
+    buffer.destroy()
+
+
+def test_determinism_low_latency(mesh):
+    num_ranks = mesh.shape[AXIS]
+    max_tokens, hidden, num_experts = 128, 2048, 16 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
+                        num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
+    idx, w = dt.make_routing(3, num_ranks * max_tokens, num_experts, 8, num_ranks)
+    x = dt.random_rows(4, (num_ranks * max_tokens, hidden))
+
+    def fn(x, idx, w):
+        recv_x, count, handle = dej.low_latency_dispatch(
+            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts)
+        y = dej.backends.reference.dequantize_fp8(*recv_x).astype(jnp.bfloat16)
+        return recv_x, count, handle, dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
+
+    f = dt.per_rank(fn, mesh, AXIS)
+    args = (x, jnp.asarray(idx), jnp.asarray(w))
+    first = f(*args)
+    count = np.asarray(first[1])
+    for _ in range(3):
+        again = f(*args)
+        np.testing.assert_array_equal(count, np.asarray(again[1]))
+        _assert_bitwise_equal(first[2], again[2])  # handle
+        _assert_bitwise_equal(first[3], again[3])  # combined output
+        valid = np.arange(first[0][0].shape[2])[None, None, :] < count[:, :, None]
+        for a, b in zip(first[0], again[0]):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8)[valid], np.asarray(b).view(np.uint8)[valid])
+    buffer.destroy()
+
+
+# Shapes of the soak; each compiles once, then runs many routings.
+SOAK_SHAPES = [(1, 2048, 8, 2), (128, 4096, 32, 4), (777, 7168, 64, 8), (2048, 2048, 256, 8)]
+
+
+def test_soak_against_reference(mesh):
+    """Thousands of dispatch/combine calls with fresh random routing, sizes
+    and skew, every result checked against the reference; no memory growth."""
+    num_ranks = mesh.shape[AXIS]
+    steps = 64  # calls per program, each with its own routing
+    cuda = dej.Buffer(mesh, AXIS, backend="cuda")
+    xla = dej.Buffer(mesh, AXIS, backend="xla")
+    rng = np.random.default_rng(0)
+    before = _free_bytes()
+    calls, deadline = 0, time.time() + 60
+    programs = {}
+    while time.time() < deadline:
+        shape = SOAK_SHAPES[rng.integers(len(SOAK_SHAPES))]
+        num_tokens, hidden, num_experts, topk = shape
+        kinds = [dt.ROUTING_KINDS[k] for k in rng.integers(len(dt.ROUTING_KINDS), size=steps)]
+        routes = [dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+                  for kind in kinds]
+        # [R * steps * T, ...] so each rank's shard holds its [steps, T, ...] slice.
+        def stack(a):
+            return jnp.asarray(np.stack(a).reshape(steps, num_ranks, num_tokens, -1).transpose(1, 0, 2, 3)
+                               .reshape(num_ranks * steps * num_tokens, -1))
+
+        idx, w = stack([r[0] for r in routes]), stack([r[1] for r in routes])
+        x = dt.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))
+        for name, buffer in (("cuda", cuda), ("xla", xla)):
+            if (shape, name) not in programs:
+                def fn(x, idx, w, buffer=buffer, shape=shape):
+                    t, _, e, k = shape
+                    def body(carry, routing):
+                        recv_x, _, recv_w, handle = dej.dispatch(carry, routing[0], routing[1], num_experts=e,
+                                                                 buffer=buffer)
+                        out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+                        return carry, (out, out_w, handle.num_recv_tokens)
+                    _, outs = lax.scan(body, x, (idx.reshape(steps, t, k), w.reshape(steps, t, k)))
+                    return outs
+                programs[(shape, name)] = dt.per_rank(fn, mesh, AXIS)
+        got = programs[(shape, "cuda")](x, idx, w)
+        want = programs[(shape, "xla")](x, idx, w)
+        _assert_bitwise_equal(got, want)
+        calls += 2 * steps
+    del programs
+    gc.collect()
+    assert calls >= 1000, calls
+    # Device memory in use is what it was (our buffers are outside XLA's pool;
+    # XLA's loaded kernels of the compiled programs are the only allowance).
+    after = _free_bytes()
+    assert all(abs(a - b) < (64 << 20) for a, b in zip(after, before)), (before, after)
+
+
+def test_buffer_lifecycle_no_growth(mesh):
+    """Create/destroy many buffers: device memory returns to where it was; two
+    buffers alive at once on different axes; use after destroy fails clearly."""
+    before = _free_bytes()
+    for _ in range(50):
+        with dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=64,
+                        hidden=2048, num_experts=8 * mesh.shape[AXIS]):
+            pass
+    assert _free_bytes() == before
+
+    devices = np.array(jax.devices("gpu")).reshape(-1, 1)
+    grid = jax.sharding.Mesh(devices, ("ep", "other"))
+    first, second = dej.Buffer(grid, "ep", backend="cuda"), dej.Buffer(grid, "other", backend="cuda")
+    assert first.buffer_id != second.buffer_id
+    num_ranks, num_tokens, num_experts = devices.shape[0], 64, 8 * devices.shape[0]
+    idx, w = dt.make_routing(5, num_ranks * num_tokens, num_experts, 2, num_ranks)
+    x = dt.random_rows(6, (num_ranks * num_tokens, 2048))
+    out = dt.per_rank(_roundtrip(first, num_experts), grid, ("ep", "other"))(x, jnp.asarray(idx), jnp.asarray(w))
+    assert int(np.asarray(out[3].num_recv_tokens).sum()) > 0
+    second.destroy()
+    first.destroy()
+    with pytest.raises(RuntimeError, match="the Buffer was destroyed"):
+        dt.per_rank(_roundtrip(first, num_experts), grid, ("ep", "other"))(x, jnp.asarray(idx), jnp.asarray(w))
+    after = _free_bytes()  # allowance: the kernels of the one compiled program
+    assert all(abs(a - b) < (64 << 20) for a, b in zip(after, before)), (before, after)
+
+
+STUCK_PEER = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import deep_ep_jax as dej
+    from deep_ep_jax import testing as dt
+    mesh = dt.ep_mesh(len(jax.devices()), "ep")
+    buffer = dej.Buffer(mesh, "ep", backend="cuda", config=dej.Config(timeout_s=3))
+    R, T, E = mesh.shape["ep"], 64, 16
+    idx, w = dt.make_routing(0, R * T, E, 2, R)
+    x = dt.random_rows(1, (R * T, 1024))
+
+    def fn(x, idx, w):
+        # Rank 0 dispatches; the others never come.
+        def go(x):
+            recv_x, _, _, _ = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+            return recv_x[:T]
+        return lax.cond(lax.axis_index("ep") == 0, go, lambda x: x, x)
+
+    out = dt.per_rank(fn, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w))
+    jax.block_until_ready(out)
+    print("NO TIMEOUT")
+    """
+)
+
+
+def test_stuck_peer_times_out_with_a_message():
+    """A rank whose peers never arrive fails within the timeout, naming the
+    rank, the mode and the counter, instead of hanging."""
+    start = time.time()
+    result = subprocess.run([sys.executable, "-c", STUCK_PEER], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    elapsed = time.time() - start
+    output = result.stdout + result.stderr
+    assert "NO TIMEOUT" not in output
+    assert result.returncode != 0, output[-2000:]
+    assert "deep_ep_jax timeout" in output and "rank 0" in output, output[-3000:]
+    assert elapsed < 100, elapsed

@@ -4,6 +4,24 @@ deep_ep_jax CUDA kernels against the same layer on the reference backend
 
     python benchmarks/bench_moe_layer.py                # DeepSeek-V3-like layer
     python benchmarks/bench_moe_layer.py --hidden 4096 --json moe_layer.json
+    python benchmarks/bench_moe_layer.py --expert-impl ragged_dot
+
+The experts run with --expert-impl: "capacity" (batched matmuls over a padded
+[experts, capacity, H] buffer; the default on GPUs without the Pallas-Triton
+grouped matmul, where ragged_dot expands to a dense dot that does not fit) or
+"ragged_dot". The capacity is taken from the true routing (the largest load of
+an expert, rounded up to 128), computed once on the host, so nothing is
+dropped; the run checks it.
+
+The run also times the same experts without dispatch/combine (each rank's
+own tokens on its local experts, ids taken modulo E/R: the same number of
+pairs per rank on average and the same capacity); the difference estimates the
+share of the step spent in dispatch+combine.
+
+Before running, each compiled step's memory per device (arguments + outputs
++ temporaries, from XLA's memory analysis) is checked against 90% of the XLA
+pool (75% of the GPU by default); where it does not fit, tokens per device are
+halved until it does, and the run says so.
 
 Each jitted call runs --steps forward+backward passes in a fori_loop (each
 step's input depends on the previous step's gradient, so XLA can neither
@@ -37,7 +55,7 @@ import moe_layer as ml  # noqa: E402
 from deep_ep_jax import Buffer  # noqa: E402
 
 
-def init_inputs(args, mesh):
+def init_inputs(args, mesh, tokens):
     """Router (f32, replicated), expert weights (bf16, split over "expert"),
     tokens (bf16, split over every axis), made on the devices."""
     e, h, f = args.experts, args.hidden, args.ffn
@@ -51,19 +69,59 @@ def init_inputs(args, mesh):
     def init(key):
         k = jax.random.split(key, 4)
         router = jax.random.normal(k[0], (h, e), jnp.float32) * 0.02
-        w_in = (jax.random.normal(k[1], (e, h, 2 * f), jnp.float32) * h**-0.5).astype(jnp.bfloat16)
-        w_out = (jax.random.normal(k[2], (e, f, h), jnp.float32) * f**-0.5).astype(jnp.bfloat16)
-        x = jax.random.normal(k[3], (mesh.size * args.tokens, h), jnp.float32).astype(jnp.bfloat16)
+        w_in = (jax.random.normal(k[1], (e, h, 2 * f), jnp.bfloat16) * h**-0.5).astype(jnp.bfloat16)
+        w_out = (jax.random.normal(k[2], (e, f, h), jnp.bfloat16) * f**-0.5).astype(jnp.bfloat16)
+        x = jax.random.normal(k[3], (mesh.size * tokens, h), jnp.bfloat16)
         return router, w_in, w_out, x
 
     return jax.jit(init, out_shardings=shardings)(jax.random.key(args.seed))
 
 
-def make_steps(args, buffer):
+def pick_capacity(args, mesh, inputs):
+    """Slots per expert from the true routing (host, once): the largest load
+    of an expert with dispatch (all tokens) and without (each rank's tokens,
+    ids modulo E/R), rounded up to 128. Returns (capacity, largest load)."""
+    router, _, _, x = inputs
+    topk_idx = np.asarray(jax.jit(lambda x, r: ml.route(x, r, args.top_k)[0])(x, router))
+    num_local = args.experts // mesh.shape["expert"]
+    loads = [np.bincount(topk_idx.reshape(-1), minlength=args.experts).max()]
+    for rank_idx in np.split(topk_idx, mesh.size):
+        loads.append(np.bincount((rank_idx % num_local).reshape(-1), minlength=num_local).max())
+    largest = int(max(loads))
+    capacity = args.capacity or -(-largest // 128) * 128
+    dropped = int(ml.capacity_overflow(topk_idx, args.experts, capacity))
+    if args.impl == "capacity" and (dropped or largest > capacity):
+        raise SystemExit(f"--capacity {capacity} drops {dropped} (token, expert) pairs (largest load {largest})")
+    return capacity, largest
+
+
+def layer_fn(args, mesh, buffer, capacity):
+    """(x, router, w_in, w_out) -> (y, aux_loss): the MoE layer, or with
+    buffer None its experts alone on each rank's own tokens (no dispatch or
+    combine)."""
+    impl = dict(expert_impl=args.impl, capacity=capacity)
+    if buffer is not None:
+        return lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer, **impl)
+    num_local = args.experts // mesh.shape["expert"]
+    tokens, experts = P(("data", "expert")), P("expert")
+    local = ml.shard_map(
+        lambda x, idx, w, wi, wo: ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo,
+                                                impl=args.impl, capacity=capacity),
+        mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
+    )
+
+    def apply(x, r, wi, wo):
+        idx, w, aux = ml.route(x, r, args.top_k)
+        return local(x, idx, w, wi, wo).astype(x.dtype), aux
+
+    return apply
+
+
+def make_steps(args, layer):
     """A jitted function running args.steps forward+backward passes."""
 
     def loss(x, router, w_in, w_out):
-        y, aux_loss = ml.moe_apply(x, router, w_in, w_out, top_k=args.top_k, buffer=buffer)
+        y, aux_loss = layer(x, router, w_in, w_out)
         return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))) + aux_loss
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
@@ -84,24 +142,44 @@ def make_steps(args, buffer):
     return jax.jit(steps)
 
 
-def forward(args, buffer, inputs):
+def compile_steps(args, layer, inputs):
+    """Compiled steps and their memory per device in bytes (None if unknown)."""
     router, w_in, w_out, x = inputs
-    fn = jax.jit(lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer)[0])
-    return np.asarray(fn(x, router, w_in, w_out).astype(jnp.float32))
+    compiled = make_steps(args, layer).lower(x, router, w_in, w_out).compile()
+    try:
+        m = compiled.memory_analysis()
+        need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    except Exception:  # not every platform reports it
+        need = None
+    return compiled, need
 
 
-def time_backend(args, buffer, inputs):
+def time_steps(args, compiled, inputs):
     router, w_in, w_out, x = inputs
-    run = make_steps(args, buffer)
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(x, router, w_in, w_out))  # compile + warm-up
-    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(x, router, w_in, w_out))  # warm-up
     per_step = []
     for _ in range(args.reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(run(x, router, w_in, w_out))
+        jax.block_until_ready(compiled(x, router, w_in, w_out))
         per_step.append((time.perf_counter() - t0) / args.steps)
-    return per_step, compile_s
+    return per_step
+
+
+def forward(layer, inputs):
+    router, w_in, w_out, x = inputs
+    fn = jax.jit(lambda x, r, wi, wo: layer(x, r, wi, wo)[0])
+    return np.asarray(fn(x, router, w_in, w_out).astype(jnp.float32))
+
+
+def pool_bytes(device):
+    """Bytes of XLA's memory pool on the device (None where unknown, e.g. CPU)."""
+    try:
+        return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:
+        return None
+
+
+GiB = 2**30
 
 
 def main():
@@ -111,66 +189,107 @@ def main():
     p.add_argument("--ffn", type=int, default=2048, help="expert intermediate size")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--expert-impl", dest="impl", default="auto", choices=("auto", "capacity", "ragged_dot"),
+                   help="auto: ragged_dot on CPU or with the Pallas-Triton grouped matmul, else capacity")
+    p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
     p.add_argument("--steps", type=int, default=8, help="forward+backward passes per jitted call")
     p.add_argument("--reps", type=int, default=7, help="timed calls")
     p.add_argument("--backends", default="cuda,xla", help="comma list of cuda, xla")
+    p.add_argument("--no-local", action="store_true", help="skip timing the experts without dispatch/combine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
 
     fast_ragged_dot = ml.use_fast_ragged_dot()
     devices = jax.devices()
+    on_gpu = devices[0].platform == "gpu"
+    if args.impl == "auto":
+        args.impl = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
     mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "expert"))
     num_ranks = mesh.size
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} must divide by the {num_ranks} devices")
-    if devices[0].platform == "gpu" and not fast_ragged_dot:
+    if on_gpu and args.impl == "ragged_dot" and not fast_ragged_dot:
         print("warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
-              "expect out-of-memory at large sizes", file=sys.stderr)
-
-    # Useful expert FLOPs per device: 3 matmuls of 2*H*F per routed (token, expert),
-    # three times over for forward + backward.
-    flops = 3 * 3 * 2 * args.tokens * args.top_k * args.hidden * args.ffn
+              "expect out-of-memory at large sizes (use --expert-impl capacity)", file=sys.stderr)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    print(
-        f"MoE layer forward+backward: {num_ranks} x {devices[0].device_kind}, jax {jax.__version__}, "
-        f"{args.tokens} tokens/device, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
-        f"top-{args.top_k}, ragged_dot {'pallas-triton' if fast_ragged_dot else 'xla default'}; "
-        f"{args.steps} steps per jitted call, {args.reps} calls"
-    )
-    inputs = init_inputs(args, mesh)
-    results, outputs = {}, {}
-    for name in backends:
-        buffer = Buffer(mesh, "expert", backend=name, hidden=args.hidden, num_experts=args.experts)
-        try:
-            outputs[name] = forward(args, buffer, inputs)
-            per_step, compile_s = time_backend(args, buffer, inputs)
-        finally:
-            buffer.destroy()
-        med = statistics.median(per_step)
-        results[name] = {
-            "median_ms": med * 1e3,
-            "min_ms": min(per_step) * 1e3,
-            "max_ms": max(per_step) * 1e3,
-            "expert_tflops": flops / med / 1e12,
-            "compile_s": compile_s,
-            "num_sms": buffer.config.num_sms if name == "cuda" else None,
-        }
+    pool = pool_bytes(devices[0])
+    ragged_name = "pallas-triton" if fast_ragged_dot else "xla default"
 
-    print("\n| backend | median ms/step | min | max | expert TFLOP/s | compile s |")
+    buffers = {}
+    try:
+        for name in backends:
+            buffers[name] = Buffer(mesh, "expert", backend=name, hidden=args.hidden, num_experts=args.experts)
+        variants = backends + ([] if args.no_local else ["local"])
+        tokens = args.tokens
+        while True:  # halve tokens until every compiled step fits
+            inputs = init_inputs(args, mesh, tokens)
+            capacity, largest = pick_capacity(args, mesh, inputs) if args.impl == "capacity" else (None, None)
+            layers = {v: layer_fn(args, mesh, buffers.get(v), capacity) for v in variants}
+            t0 = time.perf_counter()
+            compiled = {v: compile_steps(args, layers[v], inputs) for v in variants}
+            compile_s = time.perf_counter() - t0
+            need = max((n for _, n in compiled.values() if n is not None), default=None)
+            if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
+                break
+            print(f"{tokens} tokens/device need {need / GiB:.1f} GiB per device, more than 90% of XLA's "
+                  f"{pool / GiB:.1f} GiB pool: halving tokens")
+            del inputs, compiled
+            tokens //= 2
+
+        impl_desc = (f"capacity experts ({capacity} slots per expert, largest load {largest}, nothing dropped)"
+                     if args.impl == "capacity" else f"ragged_dot experts ({ragged_name})")
+        print(
+            f"MoE layer forward+backward: {num_ranks} x {devices[0].device_kind}, jax {jax.__version__}, "
+            f"{tokens} tokens/device, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
+            f"top-{args.top_k}, {impl_desc}; {args.steps} steps per jitted call, {args.reps} calls"
+        )
+        mem = ", ".join(f"{v} {n / GiB:.1f}" for v, (_, n) in compiled.items() if n is not None)
+        pool_desc = f"of XLA's {pool / GiB:.1f} GiB pool" if pool else "(pool size unknown)"
+        print(f"memory per device, GiB: {mem or 'not reported'} {pool_desc}; compile {compile_s:.0f} s for all")
+        if "cuda" in buffers:
+            print(f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB per device")
+
+        # Useful expert FLOPs per device: 3 matmuls of 2*H*F per routed (token, expert),
+        # three times over for forward + backward.
+        flops = 3 * 3 * 2 * tokens * args.top_k * args.hidden * args.ffn
+        results, outputs = {}, {}
+        for v in variants:
+            if v != "local":
+                outputs[v] = forward(layers[v], inputs)
+            per_step = time_steps(args, compiled[v][0], inputs)
+            med = statistics.median(per_step)
+            results[v] = {
+                "median_ms": med * 1e3,
+                "min_ms": min(per_step) * 1e3,
+                "max_ms": max(per_step) * 1e3,
+                "expert_tflops": flops / med / 1e12,
+                "memory_gib": None if compiled[v][1] is None else compiled[v][1] / GiB,
+                "num_sms": buffers[v].config.num_sms if v == "cuda" else None,
+            }
+    finally:
+        for buffer in buffers.values():
+            buffer.destroy()
+
+    labels = {"xla": "reference (XLA all_to_all)", "local": "experts only (no dispatch/combine)"}
+    print("\n| layer | median ms/step | min | max | expert TFLOP/s | dispatch+combine share |")
     print("|---|---|---|---|---|---|")
-    for name, r in results.items():
-        label = f"deep_ep_jax cuda ({r['num_sms']} SMs)" if name == "cuda" else "reference (XLA all_to_all)"
+    for v, r in results.items():
+        label = f"deep_ep_jax cuda ({r['num_sms']} SMs)" if v == "cuda" else labels[v]
+        share = "" if v == "local" or "local" not in results else \
+            f"{1 - results['local']['median_ms'] / r['median_ms']:.0%}"
+        if share:
+            r["comm_share"] = 1 - results["local"]["median_ms"] / r["median_ms"]
         print(f"| {label} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
-              f"| {r['expert_tflops']:.1f} | {r['compile_s']:.0f} |")
+              f"| {r['expert_tflops']:.1f} | {share} |")
     if "cuda" in results and "xla" in results:
         diff = np.abs(outputs["cuda"] - outputs["xla"]).max()
         print(f"\nspeedup of the layer: {results['xla']['median_ms'] / results['cuda']['median_ms']:.2f}x; "
               f"forward outputs of the two backends: max |diff| = {diff:.3g}")
     if args.json:
-        meta = {k: getattr(args, k) for k in ("tokens", "hidden", "ffn", "experts", "top_k", "steps", "reps")}
-        meta.update(devices=f"{num_ranks} x {devices[0].device_kind}", jax=jax.__version__,
-                    ragged_dot="pallas-triton" if fast_ragged_dot else "xla default")
+        meta = {k: getattr(args, k) for k in ("hidden", "ffn", "experts", "top_k", "steps", "reps")}
+        meta.update(tokens=tokens, devices=f"{num_ranks} x {devices[0].device_kind}", jax=jax.__version__,
+                    expert_impl=args.impl, capacity=capacity, largest_expert_load=largest, ragged_dot=ragged_name)
         Path(args.json).write_text(json.dumps({"config": meta, "results": results}, indent=2))
         print(f"wrote {args.json}")
 

@@ -3,6 +3,14 @@
 Each operation comes whole and as a send half and a receive half, so XLA can
 schedule other work (attention, shared experts) between them while the rows
 are in flight (DeepEP's `return_recv_hook`). Not differentiable: decode only.
+
+The CUDA kernels double-buffer, as DeepEP does: at most two low-latency
+operations of a buffer may be in flight, i.e. the send of an operation must
+come after the receive of the operation two before it. XLA orders calls only
+by data, so let each send depend on an earlier receive's output (as a decode
+step does: the next layer's dispatch uses this layer's combine). A program
+that breaks the rule fails after the timeout with a message naming the flag
+it waited for; it never corrupts data.
 """
 
 from __future__ import annotations

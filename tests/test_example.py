@@ -176,3 +176,90 @@ def test_training_example_loss_falls(tmp_path):
     assert len(losses) == 8, run.stdout
     assert losses[-1] < 0.75 * losses[0], f"loss did not fall: {losses}"
     assert plot.stat().st_size > 0
+
+
+def _random_recv(seed, num_rows, num_valid, num_local):
+    """Received rows as dispatch leaves them: -1 slots, NaN padding rows."""
+    rng = np.random.default_rng(seed)
+    idx = np.stack([rng.permutation(num_local)[:K] for _ in range(num_rows)]).astype(np.int32)
+    idx[rng.random(idx.shape) < 0.2] = -1
+    idx[num_valid:] = -1
+    weights = np.where(idx >= 0, rng.random(idx.shape) + 0.1, 0.0).astype(np.float32)
+    x = np.array(dt.random_rows(seed + 1, (num_rows, H), jnp.float32))
+    x[num_valid:] = np.nan
+    return jnp.asarray(x, jnp.bfloat16), idx, weights
+
+
+def _ffn_and_grads(impl, capacity, x, idx, weights, w_in, w_out, probe):
+    fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl=impl, capacity=capacity)
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
+    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(x, weights, w_in, w_out)
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_capacity_matches_ragged_dot(skewed):
+    """The capacity path is the ragged_dot path (forward and gradients) when
+    nothing is dropped, including every pair on one expert."""
+    num_rows, num_valid, num_local = 40, 29, 4
+    x, idx, weights = _random_recv(10, num_rows, num_valid, num_local)
+    if skewed:
+        idx = np.where(idx >= 0, 2, -1).astype(np.int32)
+        idx[:, 1:] = -1  # one slot per row, all on expert 2
+        weights = np.where(idx >= 0, weights, 0.0).astype(np.float32)
+    idx, weights = jnp.asarray(idx), jnp.asarray(weights)
+    w_in, w_out = _weights(11, num_local)
+    probe = dt.random_rows(12, (num_rows, H), jnp.float32)
+    ragged_y, ragged_g = _ffn_and_grads("ragged_dot", None, x, idx, weights, w_in, w_out, probe)
+    for cap in (None, int(np.bincount(np.asarray(idx)[np.asarray(idx) >= 0]).max())):
+        assert int(ml.capacity_overflow(idx, num_local, cap or ml.default_capacity(num_rows, K, num_local))) == 0
+        y, g = _ffn_and_grads("capacity", cap, x, idx, weights, w_in, w_out, probe)
+        _assert_close(y, ragged_y, f"capacity {cap}: output", rel=1e-2)
+        assert (np.asarray(y[num_valid:], np.float32) == 0).all()
+        for name, a, b in zip(("x", "weights", "w_in", "w_out"), g, ragged_g):
+            _assert_close(a, b, f"capacity {cap}: grad {name}", rel=1e-2)
+        assert (np.asarray(g[0][num_valid:], np.float32) == 0).all()
+
+
+def test_capacity_drops_pairs_past_capacity():
+    """Past `capacity`, an expert's later pairs (in row, k order) contribute
+    nothing, and capacity_overflow counts exactly them."""
+    num_rows, num_valid, num_local, capacity = 32, 32, 4, 5
+    x, idx, weights = _random_recv(20, num_rows, num_valid, num_local)
+    kept_idx = idx.copy()
+    seen = np.zeros(num_local, int)
+    for p, e in enumerate(idx.reshape(-1)):
+        if e >= 0:
+            seen[e] += 1
+            if seen[e] > capacity:
+                kept_idx.reshape(-1)[p] = -1
+    dropped = int((idx >= 0).sum() - (kept_idx >= 0).sum())
+    assert dropped > 0
+    assert int(ml.capacity_overflow(jnp.asarray(idx), num_local, capacity)) == dropped
+    w_in, w_out = _weights(21, num_local)
+    probe = dt.random_rows(22, (num_rows, H), jnp.float32)
+    kept_w = np.where(kept_idx >= 0, weights, 0.0).astype(np.float32)
+    y, g = _ffn_and_grads("capacity", capacity, x, jnp.asarray(idx), jnp.asarray(kept_w), w_in, w_out, probe)
+    want_y, want_g = _ffn_and_grads("ragged_dot", None, x, jnp.asarray(kept_idx), jnp.asarray(kept_w), w_in, w_out, probe)
+    _assert_close(y, want_y, "dropped: output", rel=1e-2)
+    for name, a, b in zip(("x", "w_in", "w_out"), (g[0], g[2], g[3]), (want_g[0], want_g[2], want_g[3])):
+        _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
+
+
+def test_moe_module_capacity_matches_ragged_dot():
+    """The whole layer (dispatch, capacity experts, combine) against ragged_dot."""
+    mesh = _mesh()
+    num_experts = 2 * mesh.shape["expert"]
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(1))
+    x = jax.device_put(dt.random_rows(9, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
+    params = (layer.router[...], layer.w_in[...], layer.w_out[...])
+
+    def run(impl):
+        apply = lambda *p: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl=impl)[0]
+        loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
+        return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
+
+    (y_cap, g_cap), (y_rag, g_rag) = run("capacity"), run("ragged_dot")
+    _assert_close(y_cap, y_rag, "layer output", rel=1e-2)
+    for name, a, b in zip(("router", "w_in", "w_out"), g_cap, g_rag):
+        _assert_close(a, b, f"layer grad {name}", rel=1e-2)

@@ -152,6 +152,7 @@ def test_soak_against_reference(mesh):
     # XLA's loaded kernels of the compiled programs are the only allowance).
     after = _free_bytes()
     assert all(abs(a - b) < (64 << 20) for a, b in zip(after, before)), (before, after)
+    cuda.destroy()
 
 
 def test_buffer_lifecycle_no_growth(mesh):

@@ -77,8 +77,13 @@ def _uses_all(recv_x, count, handle):
 
 
 def _dispatch(buffer, case, x, idx):
-    return deep_ep_jax.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
-                                            num_experts=case.num_experts, use_fp8=case.use_fp8)
+    outputs = deep_ep_jax.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
+                                               num_experts=case.num_experts, use_fp8=case.use_fp8)
+    return lax.optimization_barrier(outputs)  # XLA must compute them whole, not the slices used
+
+
+def _combine(buffer, y, idx, w, handle):
+    return lax.optimization_barrier(deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer))
 
 
 def _compute(z, m):
@@ -104,7 +109,7 @@ def make_chain(op, buffer, mesh, case, length):
         def fn(x, idx, w, y):
             _, _, handle = _dispatch(buffer, case, x, idx)
             for _ in range(length):
-                out = deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer)
+                out = _combine(buffer, y, idx, w, handle)
                 # Through y, each send waits for the previous recv: at most two
                 # low-latency operations may be in flight (see low_latency.py).
                 y = y.at[0, 0, 0].set(out[0, 0])
@@ -114,7 +119,7 @@ def make_chain(op, buffer, mesh, case, length):
         def fn(x, idx, w, y):
             for _ in range(length):
                 recv_x, count, handle = _dispatch(buffer, case, x, idx)
-                out = deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer)
+                out = _combine(buffer, y, idx, w, handle)
                 x = _touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
         names = ("x", "idx", "w", "y")

@@ -232,8 +232,8 @@ def main():
             need = max((n for _, n in compiled.values() if n is not None), default=None)
             if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
                 break
-            print(f"{tokens} tokens/device need {need / GiB:.1f} GiB per device, more than 90% of XLA's "
-                  f"{pool / GiB:.1f} GiB pool: halving tokens")
+            print(f"{tokens} tokens/device need {need / GiB:.2f} GiB per device, more than 90% of XLA's "
+                  f"{pool / GiB:.2f} GiB pool: halving tokens")
             del inputs, compiled
             tokens //= 2
 
@@ -244,7 +244,7 @@ def main():
             f"{tokens} tokens/device, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
             f"top-{args.top_k}, {impl_desc}; {args.steps} steps per jitted call, {args.reps} calls"
         )
-        mem = ", ".join(f"{v} {n / GiB:.1f}" for v, (_, n) in compiled.items() if n is not None)
+        mem = ", ".join(f"{v} {n / GiB:.2f}" for v, (_, n) in compiled.items() if n is not None)
         pool_desc = f"of XLA's {pool / GiB:.1f} GiB pool" if pool else "(pool size unknown)"
         print(f"memory per device, GiB: {mem or 'not reported'} {pool_desc}; compile {compile_s:.0f} s for all")
         if "cuda" in buffers:

@@ -1,7 +1,13 @@
 """A reusable expert-parallel MoE layer (Flax NNX) on deep_ep_jax.
 
     router (softmax top-k, load-balancing loss)      global view, plain JAX
-    -> dispatch -> SwiGLU experts (ragged_dot) -> combine   per rank, shard_map
+    -> dispatch -> SwiGLU experts -> combine          per rank, shard_map
+
+The experts run as grouped matmuls (`expert_impl="ragged_dot"`, the default)
+or as batched matmuls over a padded [experts, capacity, H] buffer
+(`expert_impl="capacity"`): the choice where ragged_dot has no grouped GPU
+kernel. The capacity path drops (row, expert) pairs beyond `capacity`;
+`capacity_overflow` counts them.
 
 The mesh has a "data" axis and an "expert" axis. Tokens are split over both;
 expert weights over "expert" (each rank holds E/R experts) and replicated over
@@ -80,13 +86,8 @@ def _take_pairs_bwd(topk, order, g):
 _take_pairs.defvjp(_take_pairs_fwd, _take_pairs_bwd)
 
 
-def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out):
-    """SwiGLU experts over the received rows, weighted by their top-k weights.
-
-    recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
-    recv_topk_weights f32 [N, K]; w_in [L, H, 2F] (gate | up); w_out [L, F, H].
-    Returns bf16 [N, H]: sum over k of weight_k * expert_k(row), in float32.
-    """
+def _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out):
+    """expert_ffn with grouped matmuls (jax.lax.ragged_dot)."""
     num_rows, topk = recv_topk_idx.shape
     num_local_experts = w_in.shape[0]
     num_pairs = num_rows * topk
@@ -117,12 +118,132 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out):
     return out.reshape(num_rows, topk, -1).sum(axis=1).astype(jnp.bfloat16)
 
 
-def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int):
+def default_capacity(num_rows: int, topk: int, num_local_experts: int) -> int:
+    """Slots per expert: twice the mean load of N * K pairs, rounded up to 128."""
+    mean = -(-num_rows * topk // num_local_experts)
+    return -(-2 * mean // 128) * 128
+
+
+def capacity_overflow(topk_idx, num_experts: int, capacity: int):
+    """(row, expert) pairs the capacity path drops, summed over all ranks.
+
+    topk_idx: int32 [T, K] global routing of all tokens. Each rank receives,
+    for each of its experts, every pair routed to it (dispatch drops nothing
+    at its default size), so expert e gets bincount(topk_idx)[e] pairs."""
+    idx = jnp.asarray(topk_idx).reshape(-1)
+    valid = (idx >= 0) & (idx < num_experts)
+    counts = jnp.bincount(jnp.where(valid, idx, num_experts), length=num_experts + 1)[:num_experts]
+    return jnp.sum(jnp.maximum(counts - capacity, 0))
+
+
+def _take(a, index):
+    """a[index] with zeros where index is out of bounds (our 'none' marker)."""
+    return a.at[index].get(mode="fill", fill_value=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _rows_to_slots(x, slot_pair, pair_slot, topk):
+    """Row of the pair in each slot: x[slot_pair // topk], zeros for empty slots.
+
+    slot_pair [S] and pair_slot [P] are inverse partial maps between slots and
+    (row, k) pairs, out of bounds for 'none'. The gradient is a gather plus a
+    float32 sum over k, where autodiff would scatter-add."""
+    return _take(x, slot_pair // topk)
+
+
+def _rows_to_slots_fwd(x, slot_pair, pair_slot, topk):
+    return _rows_to_slots(x, slot_pair, pair_slot, topk), (slot_pair, pair_slot)
+
+
+def _rows_to_slots_bwd(topk, res, g):
+    slot_pair, pair_slot = res
+    g_rows = _take(g, pair_slot).reshape(-1, topk, g.shape[-1]).sum(axis=1, dtype=jnp.float32)
+    return g_rows.astype(g.dtype), None, None
+
+
+_rows_to_slots.defvjp(_rows_to_slots_fwd, _rows_to_slots_bwd)
+
+
+@jax.custom_vjp
+def _slots_to_pairs(y, pair_slot, slot_pair):
+    """Output slot of each (row, k) pair: y[pair_slot], zeros for none. Its
+    gradient is the inverse gather (each slot holds at most one pair)."""
+    return _take(y, pair_slot)
+
+
+def _slots_to_pairs_fwd(y, pair_slot, slot_pair):
+    return _take(y, pair_slot), (pair_slot, slot_pair)
+
+
+def _slots_to_pairs_bwd(res, g):
+    pair_slot, slot_pair = res
+    return _take(g, slot_pair), None, None
+
+
+_slots_to_pairs.defvjp(_slots_to_pairs_fwd, _slots_to_pairs_bwd)
+
+
+def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, capacity):
+    """expert_ffn with batched matmuls over a padded [L, capacity, H] buffer.
+
+    Pairs sorted by local expert fill their expert's slots in (row, k) order;
+    those past `capacity` are dropped (they contribute zero)."""
+    num_rows, topk = recv_topk_idx.shape
+    num_local_experts, hidden = w_in.shape[0], w_in.shape[1]
+    num_pairs, num_slots = num_rows * topk, num_local_experts * capacity
+
+    expert = recv_topk_idx.reshape(-1)
+    key = jnp.where(expert >= 0, expert, num_local_experts)
+    order = jnp.argsort(key, stable=True)
+    counts = jnp.bincount(key, length=num_local_experts + 1)
+    starts = jnp.cumsum(counts) - counts
+    sorted_key = key[order]
+    rank_in_expert = jnp.arange(num_pairs, dtype=order.dtype) - starts[sorted_key]
+    kept = (sorted_key < num_local_experts) & (rank_in_expert < capacity)
+    # Slot of each pair (num_slots for none) and pair of each slot (num_pairs for none).
+    slot_of_sorted = jnp.where(kept, sorted_key * capacity + rank_in_expert, num_slots)
+    pair_slot = jnp.full((num_pairs,), num_slots, order.dtype).at[order].set(slot_of_sorted, unique_indices=True)
+    slot_pair = jnp.full((num_slots,), num_pairs, order.dtype).at[slot_of_sorted].set(order, mode="drop")
+
+    # Padding rows of recv_x may hold any bits (NaN too): only kept pairs are read.
+    slots = _rows_to_slots(recv_x.astype(jnp.bfloat16), slot_pair, pair_slot, topk)
+    slots = slots.reshape(num_local_experts, capacity, hidden)
+    gate_up = jnp.einsum("ech,ehf->ecf", slots, w_in.astype(jnp.bfloat16))
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    hidden_act = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    out = jnp.einsum("ecf,efh->ech", hidden_act, w_out.astype(jnp.bfloat16)).reshape(num_slots, hidden)
+
+    out = _slots_to_pairs(out, pair_slot, slot_pair).astype(jnp.float32) * recv_topk_weights.reshape(-1)[:, None]
+    return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
+
+
+def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None):
+    """SwiGLU experts over the received rows, weighted by their top-k weights.
+
+    recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
+    recv_topk_weights f32 [N, K]; w_in [L, H, 2F] (gate | up); w_out [L, F, H].
+    Returns bf16 [N, H]: sum over k of weight_k * expert_k(row), in float32.
+
+    impl: "ragged_dot" (grouped matmuls, nothing dropped) or "capacity"
+    (batched matmuls over `capacity` slots per expert, default
+    default_capacity(N, K, L); pairs past it are dropped).
+    """
+    if impl == "ragged_dot":
+        return _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out)
+    if impl == "capacity":
+        if capacity is None:
+            capacity = default_capacity(*recv_topk_idx.shape, w_in.shape[0])
+        return _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, int(capacity))
+    raise ValueError(f"expert_ffn: impl must be 'ragged_dot' or 'capacity', got {impl!r}")
+
+
+def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int,
+            expert_impl="ragged_dot", capacity=None):
     """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H]."""
     recv_x, recv_idx, recv_weights, handle = dispatch(
         x.astype(jnp.bfloat16), topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
     )
-    expert_out = expert_ffn(recv_x, recv_idx, recv_weights, w_in, w_out)
+    expert_out = expert_ffn(recv_x, recv_idx, recv_weights, w_in, w_out, impl=expert_impl, capacity=capacity)
     return combine(expert_out, handle, buffer=buffer)
 
 
@@ -146,8 +267,10 @@ def route(x, router_kernel, top_k: int, normalize: bool = True):
     return topk_idx.astype(jnp.int32), topk_weights, aux_loss
 
 
-def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True):
-    """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss)."""
+def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True,
+              expert_impl="ragged_dot", capacity=None):
+    """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
+    expert_impl, capacity: see expert_ffn."""
     mesh, num_experts = buffer.mesh, router_kernel.shape[-1]
     shape = x.shape
     x = x.reshape(-1, shape[-1])
@@ -155,7 +278,7 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
     per_rank = shard_map(
-        lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts),
+        lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl, capacity=capacity),
         mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
@@ -171,15 +294,18 @@ class ExpertParam(nnx.Param):
 class MoE(nnx.Module):
     """Expert-parallel SwiGLU MoE. Call: x [..., H] -> (y [..., H], aux_loss)."""
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, buffer: Buffer, rngs: nnx.Rngs):
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, buffer: Buffer, rngs: nnx.Rngs,
+                 expert_impl: str = "ragged_dot", capacity: int | None = None):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
         self.top_k = top_k
         self.buffer = buffer
+        self.expert_impl, self.capacity = expert_impl, capacity
         init = jax.nn.initializers.normal(stddev=0.02)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts)))
         self.w_in = ExpertParam(init(rngs.params(), (num_experts, hidden, 2 * ffn)))
         self.w_out = ExpertParam(init(rngs.params(), (num_experts, ffn, hidden)))
 
     def __call__(self, x):
-        return moe_apply(x, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k, buffer=self.buffer)
+        return moe_apply(x, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k, buffer=self.buffer,
+                         expert_impl=self.expert_impl, capacity=self.capacity)

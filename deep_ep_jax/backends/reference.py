@@ -294,9 +294,11 @@ def low_latency_combine_recv(pending, *, buffer):
     experts_per_rank = pending.num_experts // buffer.num_ranks
     owner = jnp.where(pending.topk_idx >= 0, pending.topk_idx // experts_per_rank, 0)
     tokens = jnp.arange(num_tokens)
+    y = pending.back[owner, tokens[:, None], jnp.arange(topk)[None, :]].astype(jnp.float32)  # [T, K, H]
+    # The barrier keeps XLA from fusing multiply and add into an FMA, which
+    # would round differently from the kernels (and from one program to another).
+    terms = lax.optimization_barrier(pending.topk_weights[:, :, None] * y)
     acc = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
     for k in range(topk):
-        y = pending.back[owner[:, k], tokens, k].astype(jnp.float32)
-        term = pending.topk_weights[:, k : k + 1] * y
-        acc = acc + jnp.where(pending.topk_idx[:, k : k + 1] >= 0, term, 0.0)
+        acc = acc + jnp.where(pending.topk_idx[:, k : k + 1] >= 0, terms[:, k], 0.0)
     return acc.astype(jnp.bfloat16)

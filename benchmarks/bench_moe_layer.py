@@ -11,7 +11,9 @@ The experts run with --expert-impl: "capacity" (batched matmuls over a padded
 grouped matmul, where ragged_dot expands to a dense dot that does not fit) or
 "ragged_dot". The capacity is taken from the true routing (the largest load of
 an expert, rounded up to 128), computed once on the host, so nothing is
-dropped; the run checks it.
+dropped; the run checks it. Before compiling, the run checks the routing
+(distinct in-range ids per token, agreeing with a host top-k), prints the
+loads and the capacity, and refuses a padded buffer over --max-capacity-gib.
 
 The run also times the same experts without dispatch/combine (each rank's
 own tokens on its local experts, ids taken modulo E/R: the same number of
@@ -54,6 +56,8 @@ import moe_layer as ml  # noqa: E402
 
 from deep_ep_jax import Buffer  # noqa: E402
 
+GiB = 2**30
+
 
 def init_inputs(args, mesh, tokens):
     """Router (f32, replicated), expert weights (bf16, split over "expert"),
@@ -77,18 +81,50 @@ def init_inputs(args, mesh, tokens):
     return jax.jit(init, out_shardings=shardings)(jax.random.key(args.seed))
 
 
+def check_routing(args, inputs, topk_idx):
+    """Refuse routing that no trained model would give, before compiling:
+    ids out of range or repeated within a token (a broken device top-k or
+    NaN router logits: one expert for every pair makes the capacity N * K),
+    or disagreeing with a float32 top-k on the host for a sample of tokens."""
+    router, _, _, x = inputs
+    e, k = args.experts, args.top_k
+    if topk_idx.min() < 0 or topk_idx.max() >= e:
+        raise SystemExit(f"routing: expert ids outside [0, {e}) (min {topk_idx.min()}, max {topk_idx.max()})")
+    distinct = (np.diff(np.sort(topk_idx, axis=1), axis=1) != 0).all(axis=1)
+    sample = min(64, x.shape[0])
+    logits = np.asarray(x[:sample].astype(jnp.float32)) @ np.asarray(router, np.float32)
+    host = np.argsort(-logits, axis=1)[:, :k]
+    agree = np.mean([len(set(a) & set(b)) / k for a, b in zip(host, topk_idx[:sample])])
+    print(f"routing check: tokens with {k} distinct experts {distinct.mean():.1%}, device top-{k} agrees "
+          f"with a host float32 top-{k} on {agree:.1%} of ids ({sample} tokens); "
+          f"router logits finite: {bool(np.isfinite(logits).all())}")
+    if not distinct.all() or agree < 0.75:
+        raise SystemExit(f"routing is broken on this device (first token's ids {topk_idx[0].tolist()}, host "
+                         f"{host[0].tolist()}): capacities from it would be meaningless")
+
+
 def pick_capacity(args, mesh, inputs):
     """Slots per expert from the true routing (host, once): the largest load
     of an expert with dispatch (all tokens) and without (each rank's tokens,
     ids modulo E/R), rounded up to 128. Returns (capacity, largest load)."""
     router, _, _, x = inputs
     topk_idx = np.asarray(jax.jit(lambda x, r: ml.route(x, r, args.top_k)[0])(x, router))
+    check_routing(args, inputs, topk_idx)
     num_local = args.experts // mesh.shape["expert"]
-    loads = [np.bincount(topk_idx.reshape(-1), minlength=args.experts).max()]
+    counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts)
+    loads = [counts.max()]
     for rank_idx in np.split(topk_idx, mesh.size):
         loads.append(np.bincount((rank_idx % num_local).reshape(-1), minlength=num_local).max())
     largest = int(max(loads))
     capacity = args.capacity or -(-largest // 128) * 128
+    # The largest padded activation per rank: [E/R, capacity, max(H, 2F)] bf16.
+    buffer_gib = num_local * capacity * max(args.hidden, 2 * args.ffn) * 2 / GiB
+    print(f"expert loads: mean {counts.mean():.0f}, min {counts.min()}, largest {largest} (with the per-rank "
+          f"'local' loads); capacity {capacity} slots -> padded buffer "
+          f"[{num_local}, {capacity}, {max(args.hidden, 2 * args.ffn)}] bf16 = {buffer_gib:.2f} GiB per device")
+    if buffer_gib > args.max_capacity_gib:
+        raise SystemExit(f"capacity {capacity} needs a {buffer_gib:.1f} GiB padded buffer per device "
+                         f"(> --max-capacity-gib {args.max_capacity_gib}); refusing to compile")
     dropped = int(ml.capacity_overflow(topk_idx, args.experts, capacity))
     if args.impl == "capacity" and (dropped or largest > capacity):
         raise SystemExit(f"--capacity {capacity} drops {dropped} (token, expert) pairs (largest load {largest})")
@@ -179,8 +215,6 @@ def pool_bytes(device):
         return None
 
 
-GiB = 2**30
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -192,6 +226,8 @@ def main():
     p.add_argument("--expert-impl", dest="impl", default="auto", choices=("auto", "capacity", "ragged_dot"),
                    help="auto: ragged_dot on CPU or with the Pallas-Triton grouped matmul, else capacity")
     p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
+    p.add_argument("--max-capacity-gib", type=float, default=4.0,
+                   help="refuse a capacity whose padded [E/R, capacity, H] buffer exceeds this per device")
     p.add_argument("--steps", type=int, default=8, help="forward+backward passes per jitted call")
     p.add_argument("--reps", type=int, default=7, help="timed calls")
     p.add_argument("--backends", default="cuda,xla", help="comma list of cuda, xla")

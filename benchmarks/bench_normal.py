@@ -240,7 +240,10 @@ def run_sweep(mesh, case, backends, num_sms, *, length, repeats, plot_path):
     tokens = [128 * 2**i for i in range(7)]  # 128 .. 8192
     for num_tokens in tokens:
         sub = dataclasses.replace(case, num_tokens=num_tokens)
-        results += run_table(mesh, sub, backends, [num_sms], length=length, repeats=repeats)
+        # Small operations need longer chains: the n / 2n difference must stand
+        # well above the host's jitter (a run with 4 ops at 128 tokens gave noise).
+        scaled = length * min(16, max(1, 2048 // num_tokens))
+        results += run_table(mesh, sub, backends, [num_sms], length=scaled, repeats=repeats)
     if plot_path:
         import matplotlib
 
@@ -252,7 +255,11 @@ def run_sweep(mesh, case, backends, num_sms, *, length, repeats, plot_path):
             for backend in backends:
                 rows = [r for r in results if r["op"] == op and r["backend"] == backend]
                 label = f"{backend} ({num_sms} SMs)" if backend == "cuda" else backend
-                ax.plot([r["tokens_per_rank"] for r in rows], [r["gbps_median"] for r in rows], marker="o", label=label)
+                ax.plot([r["tokens_per_rank"] for r in rows], [max(r["gbps_median"], 0) for r in rows], marker="o",
+                        label=label)
+                if backend == "cuda":  # the profile's kernel times: steadier at small sizes
+                    ax.plot([r["tokens_per_rank"] for r in rows], [r["device_gbps"] for r in rows], marker="x",
+                            linestyle="--", label=f"{label}, kernel device time")
             ax.set_xscale("log", base=2)
             ax.set_title(op)
             ax.set_xlabel("tokens per rank")

@@ -108,7 +108,14 @@ def pick_capacity(args, mesh, inputs):
     of an expert with dispatch (all tokens) and without (each rank's tokens,
     ids modulo E/R), rounded up to 128. Returns (capacity, largest load)."""
     router, _, _, x = inputs
-    topk_idx = np.asarray(jax.jit(lambda x, r: ml.route(x, r, args.top_k)[0])(x, router))
+    # Top-k indices returned straight out of a sharded jit can come back wrong
+    # (openxla/xla#49005: "TopK produces incorrect local index shapes when
+    # returned directly"); an operation on them before returning avoids it.
+    def device_ids(x, r):
+        idx = ml.route(x, r, args.top_k)[0]
+        return jnp.where(idx >= 0, idx, -1)
+
+    topk_idx = np.asarray(jax.jit(device_ids)(x, router))
     check_routing(args, inputs, topk_idx)
     num_local = args.experts // mesh.shape["expert"]
     counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts)

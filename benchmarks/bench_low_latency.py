@@ -37,7 +37,7 @@ from jax import lax
 import deep_ep_jax
 from deep_ep_jax import testing
 
-from profile_util import median_durations
+from timing import chain_seconds, median_durations
 
 AXIS = "ep"
 KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
@@ -156,17 +156,7 @@ def time_per_op(op, buffer, mesh, case, inputs, *, length, repeats):
     short, names = make_chain(op, buffer, mesh, case, length)
     long, _ = make_chain(op, buffer, mesh, case, 2 * length)
     args = [inputs[n] for n in names]
-    for run in (short, long, short, long):  # compile, warm up
-        jax.block_until_ready(run(*args))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(short(*args))
-        t1 = time.perf_counter()
-        jax.block_until_ready(long(*args))
-        t2 = time.perf_counter()
-        samples.append(((t2 - t1) - (t1 - t0)) / length)
-    return np.asarray(samples), long, args
+    return chain_seconds(short, long, args, length, repeats), long, args
 
 
 def call_overhead(mesh, inputs, repeats):

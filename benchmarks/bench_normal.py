@@ -36,7 +36,7 @@ import deep_ep_jax
 from deep_ep_jax import testing
 from deep_ep_jax.backends import reference
 
-from profile_util import kernel_durations
+from timing import chain_seconds, kernel_durations
 
 AXIS = "ep"
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
@@ -115,17 +115,7 @@ def time_per_op(op, buffer, mesh, case, inputs, *, length, repeats):
     time of an n chain) / n."""
     args = chain_args(op, inputs)
     short, long = make_chain(op, buffer, mesh, case, length), make_chain(op, buffer, mesh, case, 2 * length)
-    for run in (short, long, short, long):  # compile, warm up
-        jax.block_until_ready(run(*args))
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(short(*args))
-        t1 = time.perf_counter()
-        jax.block_until_ready(long(*args))
-        t2 = time.perf_counter()
-        samples.append(((t2 - t1) - (t1 - t0)) / length)
-    return np.asarray(samples), long, args
+    return chain_seconds(short, long, args, length, repeats), long, args
 
 
 def device_seconds_per_op(run, args, length):

@@ -1,9 +1,15 @@
-"""Device times of kernels, read from a JAX profile (CUPTI) of one run."""
+"""Timing shared by the benchmarks.
+
+`chain_seconds`: wall-clock seconds per operation from two jitted chains of n
+and 2n operations (DESIGN.md section 3: the difference cancels the fixed host
+cost of a call). `kernel_durations`: device times of kernels, read from a JAX
+profile (CUPTI) of one run."""
 
 from __future__ import annotations
 
 import glob
 import tempfile
+import time
 
 import jax
 import numpy as np
@@ -34,3 +40,18 @@ def kernel_durations(run, args, patterns):
 
 def median_durations(run, args, patterns):
     return {key: float(np.median(v)) for key, v in kernel_durations(run, args, patterns).items()}
+
+
+def chain_seconds(short, long, args, length, repeats):
+    """One sample per repeat: (time of the 2n chain - time of the n chain) / n."""
+    for run in (short, long, short, long):  # compile, warm up
+        jax.block_until_ready(run(*args))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(short(*args))
+        t1 = time.perf_counter()
+        jax.block_until_ready(long(*args))
+        t2 = time.perf_counter()
+        samples.append(((t2 - t1) - (t1 - t0)) / length)
+    return np.asarray(samples)

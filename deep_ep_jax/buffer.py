@@ -8,8 +8,6 @@ it holds only the axis description.
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import numpy as np
 
@@ -59,8 +57,6 @@ class Buffer:
         buffer is sized for; calls are checked against them when given.
       config: kernel launch configuration (`deep_ep_jax.Config`).
     """
-
-    _lock = threading.Lock()
 
     def __init__(
         self,

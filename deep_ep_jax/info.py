@@ -92,7 +92,6 @@ def main():
     for d in devices:
         extra = f", compute capability {d.compute_capability}" if hasattr(d, "compute_capability") else ""
         print(f"{d.id}: {d.platform} {d.device_kind} (process {d.process_index}{extra})")
-    gpus = [d for d in devices if d.platform in ("gpu", "cuda")]
 
     _section("CUDA extension")
     print(_native.build_summary())

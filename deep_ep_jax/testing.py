@@ -10,7 +10,6 @@ Routing kinds (global arrays [R * T, K], rank r holds rows [r*T, (r+1)*T)):
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

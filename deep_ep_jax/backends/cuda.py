@@ -14,34 +14,14 @@ import numpy as np
 from deep_ep_jax import _native
 
 
-def _not_built(what):
-    def missing(*args, **kwargs):
-        raise NotImplementedError(f"deep_ep_jax CUDA backend: {what} is not built yet")
-
-    return missing
-
-
-try:
-    from deep_ep_jax.backends.cuda_normal import cached_dispatch, combine, dispatch, normal_region_bytes
-except ModuleNotFoundError as e:
-    if e.name != "deep_ep_jax.backends.cuda_normal":
-        raise
-    dispatch = cached_dispatch = combine = normal_region_bytes = _not_built("normal mode (backends/cuda_normal.py)")
-
-try:
-    from deep_ep_jax.backends.cuda_low_latency import (
-        low_latency_combine_recv,
-        low_latency_combine_send,
-        low_latency_dispatch_recv,
-        low_latency_dispatch_send,
-        low_latency_region_bytes,
-    )
-except ModuleNotFoundError as e:
-    if e.name != "deep_ep_jax.backends.cuda_low_latency":
-        raise
-    _missing = _not_built("low-latency mode (backends/cuda_low_latency.py)")
-    low_latency_dispatch_send = low_latency_dispatch_recv = _missing
-    low_latency_combine_send = low_latency_combine_recv = low_latency_region_bytes = _missing
+from deep_ep_jax.backends.cuda_low_latency import (  # noqa: F401  (re-exported: the backend interface)
+    low_latency_combine_recv,
+    low_latency_combine_send,
+    low_latency_dispatch_recv,
+    low_latency_dispatch_send,
+    low_latency_region_bytes,
+)
+from deep_ep_jax.backends.cuda_normal import cached_dispatch, combine, dispatch, normal_region_bytes  # noqa: F401
 
 
 # Buffer lifecycle -----------------------------------------------------------

@@ -116,8 +116,6 @@ def _check_region(fn, buffer, num_rows, row_bytes, num_topk):
 # Calls ----------------------------------------------------------------------
 
 
-
-
 def _launch_attrs(buffer):
     config = buffer.config
     return dict(

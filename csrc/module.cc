@@ -124,6 +124,19 @@ std::pair<size_t, size_t> MemGetInfo(int device) {
   return {free_bytes, total_bytes};
 }
 
+// (buffer id, IPC handles per local device as bytes), for Python to trade.
+py::tuple CreateIpcBufferPy(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
+                            size_t low_latency_bytes) {
+  IpcBuffer buffer;
+  {
+    py::gil_scoped_release release;
+    buffer = CreateIpcBuffer(groups, normal_bytes, low_latency_bytes);
+  }
+  py::list handles;
+  for (const std::string& h : buffer.handles) handles.append(py::bytes(h));
+  return py::make_tuple(buffer.buffer_id, handles);
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -135,7 +148,17 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Allocates the buffer on every device of each group (device ordinals, rank = position); returns its id");
   m.def("destroy_buffer", &DestroyBuffer, py::arg("buffer_id"), py::call_guard<py::gil_scoped_release>(),
-        "Synchronises the buffer's devices and frees its memory; an unknown id raises ValueError");
+        "Synchronises the buffer's devices, closes its IPC mappings and frees its memory; an unknown id raises "
+        "ValueError");
+  m.def("create_ipc_buffer", &CreateIpcBufferPy, py::arg("groups"), py::arg("normal_bytes"),
+        py::arg("low_latency_bytes"),
+        "One process per GPU: allocates the buffer on this process's devices of each group (device ordinal per "
+        "rank, -1 for a rank of another process); returns (id, [IPC handle bytes per local device, group order])");
+  m.def("open_ipc_peers", &OpenIpcPeers, py::arg("buffer_id"), py::arg("handles"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Opens the peers' IPC handles (handles[group][rank] bytes; local ranks ignored) to map their regions");
+  m.def("synchronize_buffer", &SynchronizeBuffer, py::arg("buffer_id"), py::call_guard<py::gil_scoped_release>(),
+        "Waits for all work on the buffer's devices");
   m.def("num_live_buffers", &NumLiveBuffers);
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");

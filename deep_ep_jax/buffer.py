@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from deep_ep_jax import multiprocess
 from deep_ep_jax.config import Config
 
 BACKENDS = ("auto", "cuda", "xla")
@@ -104,6 +105,10 @@ class Buffer:
         self.config = config if config is not None else Config()
         self.buffer_id = None
         self.num_nvl_bytes = self.num_rdma_bytes = 0
+        # Peers in other processes, reached through CUDA IPC (normal mode then
+        # lands rows in the buffer's regions: staged).
+        self.ipc = False
+        self._ipc_name = None
 
         devices = list(mesh.devices.flat)
         reason = _cuda_unavailable_reason(devices)
@@ -115,29 +120,64 @@ class Buffer:
         if self.backend == "cuda":
             self._allocate(num_nvl_bytes, num_rdma_bytes)
 
-    def _groups(self):
-        """Local CUDA ordinals of each EP group (one group per index of the
-        other mesh axes), in rank order."""
+    def _device_grid(self):
+        """The mesh's devices as [group, rank]: one EP group per index of the
+        other mesh axes, in rank order."""
         axis = self.mesh.axis_names.index(self.axis_name)
-        grid = np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)
-        return [[d.local_hardware_id for d in row if d.process_index == jax.process_index()] for row in grid]
+        return np.moveaxis(self.mesh.devices, axis, -1).reshape(-1, self.num_ranks)
+
+    def _groups(self):
+        """Local CUDA ordinal of each rank of each EP group, -1 for a device of another process."""
+        me = jax.process_index()
+        return [[d.local_hardware_id if d.process_index == me else -1 for d in row] for row in self._device_grid()]
 
     def _allocate(self, num_nvl_bytes, num_rdma_bytes):
         ops = self._ops
+        groups = self._groups()
+        mine = [g for g in groups if any(d >= 0 for d in g)]  # groups with devices of this process
+        if multiprocess.spans_processes(self.mesh.devices.flat):
+            # Advanced on every process alike, so keys agree (SPMD: same Buffers, same order).
+            self._ipc_name = multiprocess.next_buffer_name()
+        self.ipc = any(-1 in g for g in mine)
+        if self.ipc and any(sum(d >= 0 for d in g) != 1 for g in mine):
+            raise NotImplementedError(
+                "Buffer(backend='cuda'): an EP group that spans processes must have exactly one device of "
+                "each process (one process per GPU); this process has several devices in such a group"
+            )
         self.num_nvl_bytes = num_nvl_bytes or ops.normal_region_bytes(
-            self.num_ranks, self.hidden, None, self.config
+            self.num_ranks, self.hidden, None, self.config, force_staged=self.ipc
         )
         if self.low_latency_mode:
             self.num_rdma_bytes = num_rdma_bytes or ops.low_latency_region_bytes(
                 self.num_ranks, self.num_experts, self.hidden, self.num_max_dispatch_tokens_per_rank
             )
-        groups = self._groups()
-        if any(len(g) != self.num_ranks for g in groups):
-            raise NotImplementedError(
-                "Buffer(backend='cuda') with devices of other processes on the axis needs the "
-                "multi-process runtime, which is not built yet"
-            )
-        self.buffer_id = ops.create_buffer(groups, self.num_nvl_bytes, self.num_rdma_bytes)
+        if not self.ipc:  # every group this process touches is all its own
+            self.buffer_id = ops.create_buffer(mine, self.num_nvl_bytes, self.num_rdma_bytes)
+            return
+        self.buffer_id, handles = ops.create_ipc_buffer(groups, self.num_nvl_bytes, self.num_rdma_bytes)
+        try:
+            self._open_ipc_peers(groups, handles)
+        except BaseException:
+            ops.destroy_buffer(self.buffer_id)
+            self.buffer_id = None
+            raise
+
+    def _open_ipc_peers(self, groups, handles):
+        """Trades IPC handles with the other processes of our groups and opens theirs."""
+        grid = self._device_grid()
+        local_ranks = [(g, r) for g, row in enumerate(groups) for r, d in enumerate(row) if d >= 0]
+        local = dict(zip(local_ranks, handles))
+        remote = {
+            (g, r): grid[g][r].process_index
+            for g, row in enumerate(groups)
+            if any(d >= 0 for d in row)
+            for r, d in enumerate(row)
+            if d < 0
+        }
+        received = multiprocess.exchange(self._ipc_name, local, remote, self.config.timeout_s)
+        everything = {**local, **received}
+        table = [[everything.get((g, r), b"") for r in range(self.num_ranks)] for g in range(len(groups))]
+        self._ops.open_ipc_peers(self.buffer_id, table)
 
     # Lifecycle ------------------------------------------------------------
 
@@ -146,7 +186,17 @@ class Buffer:
         if self._destroyed:
             return
         self._destroyed = True
-        if self.buffer_id is not None:
+        if self.buffer_id is None:
+            return
+        if not self.ipc:
+            self._ops.destroy_buffer(self.buffer_id)
+            return
+        # Peers may still read or write our regions: wait until every
+        # process's work is done before any memory goes.
+        try:
+            self._ops.synchronize_buffer(self.buffer_id)
+            multiprocess.barrier(f"{self._ipc_name}/destroy", self.config.timeout_s)
+        finally:
             self._ops.destroy_buffer(self.buffer_id)
 
     def __enter__(self):

@@ -80,8 +80,10 @@ const DeviceState* FindState(Checker& check, int64_t buffer_id, int32_t device_o
   return state;
 }
 
-LaunchConfig MakeConfig(Checker& check, int64_t num_sms, int64_t num_warps, int64_t chunk_tokens, int64_t timeout_ns,
-                        int64_t staged) {
+// Multi-process buffers (state->ipc) are always staged: peers in other
+// processes reach only the Buffer's regions, never XLA's buffers.
+LaunchConfig MakeConfig(Checker& check, const DeviceState* state, int64_t num_sms, int64_t num_warps,
+                        int64_t chunk_tokens, int64_t timeout_ns, int64_t staged) {
   check.Expect(num_sms >= 1 && num_sms <= intranode::kMaxBlocks,
                "num_sms must be in [1, " + std::to_string(intranode::kMaxBlocks) + "], got " + std::to_string(num_sms));
   check.Expect(num_warps >= 1 && num_warps <= intranode::kMaxWarps, "num_warps must be in [1, " +
@@ -89,7 +91,8 @@ LaunchConfig MakeConfig(Checker& check, int64_t num_sms, int64_t num_warps, int6
                                                                           "], got " + std::to_string(num_warps));
   check.Expect(chunk_tokens >= 1 && chunk_tokens <= INT_MAX, "chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
   check.Expect(timeout_ns > 0, "timeout_ns must be positive");
-  return LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns), staged != 0};
+  const bool ipc = state != nullptr && state->ipc;
+  return LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns), staged != 0 || ipc};
 }
 
 // x and x_scales as row arrays: pointers and bytes per row. Returns the hidden size.
@@ -120,7 +123,8 @@ void CheckStagedRegion(Checker& check, const DeviceState* state, const LaunchCon
   if (state == nullptr || !config.staged) return;
   const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk));
   check.Expect(state->normal.num_bytes >= need,
-               "staged mode (DEEP_EP_JAX_STAGED=1) needs a normal region of " + std::to_string(need) +
+               std::string(state->ipc ? "a multi-process buffer (staged mode)" : "staged mode (DEEP_EP_JAX_STAGED=1)") +
+                   " needs a normal region of " + std::to_string(need) +
                    " bytes for this call, the buffer has " + std::to_string(state->normal.num_bytes) +
                    "; create the Buffer with a larger num_nvl_bytes");
 }
@@ -145,7 +149,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer 
                     int64_t num_sms, int64_t num_warps, int64_t chunk_tokens, int64_t timeout_ns, int64_t staged) {
   Checker check("deep_ep_jax_dispatch");
   const DeviceState* state = FindState(check, buffer_id, device_ordinal);
-  const LaunchConfig config = MakeConfig(check, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
+  const LaunchConfig config = MakeConfig(check, state, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
   if (auto err = check.Result(); err.failure()) return err;
   const int64_t num_ranks = state->num_ranks;
 
@@ -216,7 +220,7 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
                           int64_t timeout_ns, int64_t staged) {
   Checker check("deep_ep_jax_cached_dispatch");
   const DeviceState* state = FindState(check, buffer_id, device_ordinal);
-  const LaunchConfig config = MakeConfig(check, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
+  const LaunchConfig config = MakeConfig(check, state, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
   if (auto err = check.Result(); err.failure()) return err;
   const int64_t num_ranks = state->num_ranks;
 
@@ -261,7 +265,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi:
                    int64_t num_sms, int64_t num_warps, int64_t chunk_tokens, int64_t timeout_ns, int64_t staged) {
   Checker check("deep_ep_jax_combine");
   const DeviceState* state = FindState(check, buffer_id, device_ordinal);
-  const LaunchConfig config = MakeConfig(check, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
+  const LaunchConfig config = MakeConfig(check, state, num_sms, num_warps, chunk_tokens, timeout_ns, staged);
   if (auto err = check.Result(); err.failure()) return err;
   const int64_t num_ranks = state->num_ranks;
 

@@ -41,6 +41,7 @@ struct Group {
   char* regions[kMaxRanks];
   int rank;
   int num_ranks;
+  bool ipc;  // peers in other processes: published buffers are offsets into the regions
 };
 
 __device__ __forceinline__ Control* ControlOf(const Group& g, int rank) {
@@ -64,6 +65,26 @@ __device__ __forceinline__ RankBuffers LoadVolatile(const RankBuffers* p) {
     asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(dst[i]) : "l"(src + i));
   }
   return b;
+}
+
+// Peers in other processes (IPC) cannot use this process's pointers: each rank
+// publishes its buffers as offsets into its own normal region (staged mode,
+// so they all lie there; null stays null as offsets are >= kControlBytes),
+// and readers add the region's address as mapped on their device.
+__host__ __device__ __forceinline__ RankBuffers Rebased(RankBuffers b, const char* from, char* to) {
+  const uintptr_t shift = reinterpret_cast<uintptr_t>(to) - reinterpret_cast<uintptr_t>(from);  // mod 2^64
+  auto move = [shift](auto* p) { return p == nullptr ? p : reinterpret_cast<decltype(p)>(reinterpret_cast<uintptr_t>(p) + shift); };
+  for (int i = 0; i < kMaxRowArrays; ++i) b.rows[i] = move(b.rows[i]);
+  b.topk_idx = move(b.topk_idx);
+  b.topk_weights = move(b.topk_weights);
+  b.src_idx = move(b.src_idx);
+  return b;
+}
+
+// Rank r's published buffers as addresses valid on this device.
+__device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Control* control, int r) {
+  const RankBuffers b = LoadVolatile(&control->buffers[r]);
+  return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
 // First thing of every call, by one thread: the call's sequence number, and a
@@ -420,7 +441,7 @@ template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, SendArgs a) {
   __shared__ RankBuffers dest[kMaxRanks];
   Control* control = ControlOf(g, g.rank);
-  if (int(threadIdx.x) < g.num_ranks) dest[threadIdx.x] = LoadVolatile(&control->buffers[threadIdx.x]);
+  if (int(threadIdx.x) < g.num_ranks) dest[threadIdx.x] = LoadPublished(g, control, threadIdx.x);
   const int seq = LoadVolatile(&control->seq);
   __syncthreads();
 
@@ -518,7 +539,7 @@ template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineKernel(Group g, CombineArgs a) {
   __shared__ RankBuffers sources[kMaxRanks];
   Control* control = ControlOf(g, g.rank);
-  if (int(threadIdx.x) < g.num_ranks) sources[threadIdx.x] = LoadVolatile(&control->buffers[threadIdx.x]);
+  if (int(threadIdx.x) < g.num_ranks) sources[threadIdx.x] = LoadPublished(g, control, threadIdx.x);
   const int seq = LoadVolatile(&control->seq);
   __syncthreads();
 
@@ -607,7 +628,14 @@ Group MakeGroup(const DeviceState& state) {
   for (int r = 0; r < kMaxRanks; ++r) g.regions[r] = state.normal.peers[r];
   g.rank = state.rank;
   g.num_ranks = state.num_ranks;
+  g.ipc = state.ipc;
   return g;
+}
+
+// What this rank publishes to its peers: its buffers, as offsets into its
+// normal region when the peers live in other processes.
+RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
+  return state.ipc ? Rebased(b, state.normal.local, nullptr) : b;
 }
 
 size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
@@ -727,6 +755,7 @@ size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream) {
+  if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const int experts_per_rank = p.num_experts / state.num_ranks;
   const RankBuffers landing =
@@ -734,7 +763,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
 
   NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
                     p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
-                    p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, landing,
+                    p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, Publishable(state, landing),
                     c.timeout_ns};
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
@@ -763,12 +792,13 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
 
 cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchParams& p, const LaunchConfig& c,
                                  cudaStream_t stream) {
+  if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const bool with_weights = p.topk_weights != nullptr;
   const RankBuffers recv = RowsAndWeights(p.recv, with_weights);
   const RankBuffers landing = RowsAndWeights(
       ChooseLanding(state, recv, p.num_worst_tokens, p.row_bytes, p.num_topk, c.staged), with_weights);
-  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, landing, kCachedDispatch, c.timeout_ns);
+  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, Publishable(state, landing), kCachedDispatch, c.timeout_ns);
 
   SendArgs send = CommonSendArgs(p, c, kCachedDispatch);
   send.recv_topk_weights = recv.topk_weights;
@@ -783,6 +813,7 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
 
 cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& c,
                           cudaStream_t stream) {
+  if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const int64_t row_bytes[kMaxRowArrays] = {int64_t(p.hidden) * int64_t(sizeof(uint16_t)), 0};
   RankBuffers inputs{};
@@ -797,7 +828,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
     // Peers finished reading the staging area before the previous call returned.
     LaunchCopies(CopiesBetween(sources, inputs, row_bytes, p.num_topk, p.num_worst_tokens, nullptr), c, stream);
   }
-  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, sources, kCombine, c.timeout_ns);
+  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, Publishable(state, sources), kCombine, c.timeout_ns);
 
   const CombineArgs combine{p.send_pos, p.num_tokens, p.hidden, p.num_topk, c.chunk_tokens, p.out, p.out_weights};
   LaunchForRanks<CombineLauncher>(state.num_ranks, g, combine, c, stream);

@@ -1,11 +1,14 @@
-// Buffer registry for one process driving all GPUs of its EP groups: plain
+// Buffer registry. One process driving all GPUs of its EP groups: plain
 // cudaMalloc on each device, peer access between the devices of a group, and
 // raw peer pointers (valid everywhere thanks to unified virtual addressing).
+// One process per GPU: the same allocations, exported and opened through
+// CUDA IPC handles that Python trades between the processes.
 #include "runtime/registry.h"
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <set>
@@ -23,7 +26,11 @@ namespace {
 std::shared_mutex registry_mutex;
 std::map<std::pair<int64_t, int>, DeviceState> device_states;  // (buffer id, device)
 std::map<int64_t, std::vector<int>> buffer_devices;            // buffer id -> its devices
+std::map<int64_t, std::vector<std::vector<int>>> ipc_groups;   // IPC buffer id -> its groups (-1: remote)
+std::map<std::pair<int64_t, int>, std::vector<void*>> ipc_mappings;  // (buffer id, device) -> opened peers
 int64_t next_buffer_id = 1;
+
+static_assert(kIpcHandleBytes == 2 * sizeof(cudaIpcMemHandle_t), "kIpcHandleBytes: two cudaIpcMemHandle_t");
 
 void Check(cudaError_t err, const std::string& what) {
   if (err != cudaSuccess) {
@@ -106,7 +113,8 @@ void FreeStates(const std::vector<DeviceState>& states) {
   }
 }
 
-void ValidateGroups(const std::vector<std::vector<int>>& groups) {
+// allow_remote: -1 marks a rank of another process (CreateIpcBuffer).
+void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remote) {
   int device_count = 0;
   Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
   if (groups.empty()) throw std::invalid_argument("deep_ep_jax: CreateBuffer needs at least one group");
@@ -117,6 +125,7 @@ void ValidateGroups(const std::vector<std::vector<int>>& groups) {
                                   " devices, got " + std::to_string(group.size()));
     }
     for (int device : group) {
+      if (allow_remote && device == -1) continue;
       if (device < 0 || device >= device_count) {
         throw std::invalid_argument("deep_ep_jax: device " + std::to_string(device) + " does not exist (" +
                                     std::to_string(device_count) + " CUDA devices visible)");
@@ -129,11 +138,58 @@ void ValidateGroups(const std::vector<std::vector<int>>& groups) {
   }
 }
 
+// Both regions of a device as IPC handles (zeros for an empty region).
+std::string ExportHandles(const DeviceState& s) {
+  std::string bytes(kIpcHandleBytes, '\0');
+  const char* regions[2] = {s.normal.local, s.low_latency.local};
+  for (int i = 0; i < 2; ++i) {
+    if (regions[i] == nullptr) continue;
+    cudaIpcMemHandle_t handle;
+    Check(cudaIpcGetMemHandle(&handle, const_cast<char*>(regions[i])),
+          "cudaIpcGetMemHandle on device " + std::to_string(s.device_ordinal));
+    std::memcpy(&bytes[i * sizeof(handle)], &handle, sizeof(handle));
+  }
+  return bytes;
+}
+
+void SynchronizeDevice(int device) {
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device);
+  cudaDeviceSynchronize();
+  cudaGetLastError();
+  cudaSetDevice(previous);
+}
+
+// Best effort, on the device that opened them.
+void CloseMappings(int device, const std::vector<void*>& mappings) {
+  if (mappings.empty()) return;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device);
+  for (void* ptr : mappings) cudaIpcCloseMemHandle(ptr);
+  cudaGetLastError();
+  cudaSetDevice(previous);
+}
+
+// Stores states under a fresh id; returns it.
+int64_t Register(std::vector<DeviceState>& states) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  const int64_t id = next_buffer_id++;
+  std::vector<int>& devices = buffer_devices[id];
+  for (DeviceState& s : states) {
+    s.buffer_id = id;
+    devices.push_back(s.device_ordinal);
+    device_states[{id, s.device_ordinal}] = s;
+  }
+  return id;
+}
+
 }  // namespace
 
 int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
                      size_t low_latency_bytes) {
-  ValidateGroups(groups);
+  ValidateGroups(groups, /*allow_remote=*/false);
   const size_t normal_region = RegionBytes(normal_bytes);
   const size_t low_latency_region = RegionBytes(low_latency_bytes);
 
@@ -172,19 +228,140 @@ int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_
     throw;
   }
 
-  std::unique_lock<std::shared_mutex> lock(registry_mutex);
-  const int64_t id = next_buffer_id++;
-  std::vector<int>& devices = buffer_devices[id];
-  for (DeviceState& s : states) {
-    s.buffer_id = id;
-    devices.push_back(s.device_ordinal);
-    device_states[{id, s.device_ordinal}] = s;
+  return Register(states);
+}
+
+IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
+                          size_t low_latency_bytes) {
+  ValidateGroups(groups, /*allow_remote=*/true);
+  for (const auto& group : groups) {
+    if (std::count_if(group.begin(), group.end(), [](int d) { return d >= 0; }) > 1) {
+      throw std::invalid_argument(
+          "deep_ep_jax: an IPC buffer's EP group holds several devices of this process; use one process per "
+          "GPU, or one process for all GPUs of each group (CreateBuffer)");
+    }
   }
-  return id;
+  const size_t normal_region = RegionBytes(normal_bytes);
+  const size_t low_latency_region = RegionBytes(low_latency_bytes);
+
+  std::vector<DeviceState> states;
+  IpcBuffer result{0, {}};
+  try {
+    for (const auto& group : groups) {
+      for (size_t rank = 0; rank < group.size(); ++rank) {
+        if (group[rank] < 0) continue;
+        states.emplace_back();  // in the list first, so a rollback frees what it got
+        DeviceState& s = states.back();
+        s.device_ordinal = group[rank];
+        s.rank = int(rank);
+        s.num_ranks = int(group.size());
+        s.ipc = true;
+        DeviceGuard guard(s.device_ordinal);
+        s.normal.num_bytes = normal_region;
+        s.normal.local = AllocateZeroed(s.device_ordinal, normal_region, "normal-mode");
+        s.low_latency.num_bytes = low_latency_region;
+        s.low_latency.local = AllocateZeroed(s.device_ordinal, low_latency_region, "low-latency");
+        // Peers may write into the regions as soon as they get the handles.
+        Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after zeroing on device " + std::to_string(s.device_ordinal));
+        s.normal.peers[rank] = s.normal.local;
+        s.low_latency.peers[rank] = s.low_latency.local;
+        result.handles.push_back(ExportHandles(s));
+      }
+    }
+  } catch (...) {
+    FreeStates(states);
+    throw;
+  }
+  result.buffer_id = Register(states);
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  ipc_groups[result.buffer_id] = groups;
+  return result;
+}
+
+void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>& handles) {
+  std::vector<std::vector<int>> groups;
+  {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex);
+    auto it = ipc_groups.find(buffer_id);
+    if (it == ipc_groups.end()) {
+      throw std::invalid_argument("deep_ep_jax: buffer " + std::to_string(buffer_id) +
+                                  " is not an IPC buffer (CreateIpcBuffer) or was destroyed");
+    }
+    groups = it->second;
+  }
+  if (handles.size() != groups.size()) {
+    throw std::invalid_argument("deep_ep_jax: OpenIpcPeers needs handles for " + std::to_string(groups.size()) +
+                                " groups, got " + std::to_string(handles.size()));
+  }
+  // Open outside the lock; publish the pointers once every open succeeded.
+  struct Opened {
+    int device;
+    char* normal[kMaxRanks];
+    char* low_latency[kMaxRanks];
+    std::vector<void*> mappings;
+  };
+  std::vector<Opened> opened;
+  try {
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const auto& group = groups[g];
+      if (handles[g].size() != group.size()) {
+        throw std::invalid_argument("deep_ep_jax: OpenIpcPeers: group " + std::to_string(g) + " has " +
+                                    std::to_string(group.size()) + " ranks, got " +
+                                    std::to_string(handles[g].size()) + " handles");
+      }
+      for (size_t rank = 0; rank < group.size(); ++rank) {
+        if (group[rank] < 0) continue;
+        const DeviceState* state = FindDeviceState(buffer_id, group[rank]);
+        if (state == nullptr) throw std::invalid_argument("deep_ep_jax: OpenIpcPeers: the buffer was destroyed");
+        opened.push_back(Opened{group[rank], {}, {}, {}});
+        Opened& o = opened.back();
+        DeviceGuard guard(o.device);
+        for (size_t peer = 0; peer < group.size(); ++peer) {
+          if (peer == rank) continue;
+          const std::string& bytes = handles[g][peer];
+          if (bytes.size() != kIpcHandleBytes) {
+            throw std::invalid_argument("deep_ep_jax: the IPC handles of rank " + std::to_string(peer) + " are " +
+                                        std::to_string(bytes.size()) + " bytes, expected " +
+                                        std::to_string(kIpcHandleBytes));
+          }
+          char** targets[2] = {&o.normal[peer], &o.low_latency[peer]};
+          const bool present[2] = {state->normal.local != nullptr, state->low_latency.local != nullptr};
+          for (int i = 0; i < 2; ++i) {
+            if (!present[i]) continue;  // same sizes everywhere: the peer's region is empty too
+            cudaIpcMemHandle_t handle;
+            std::memcpy(&handle, bytes.data() + i * sizeof(handle), sizeof(handle));
+            void* ptr = nullptr;
+            Check(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess),
+                  "cudaIpcOpenMemHandle of rank " + std::to_string(peer) + "'s " +
+                      (i == 0 ? "normal-mode" : "low-latency") + " region on device " + std::to_string(o.device));
+            o.mappings.push_back(ptr);
+            *targets[i] = static_cast<char*>(ptr);
+          }
+        }
+      }
+    }
+  } catch (...) {
+    for (const Opened& o : opened) CloseMappings(o.device, o.mappings);
+    throw;
+  }
+
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  for (Opened& o : opened) {
+    DeviceState& s = device_states.at({buffer_id, o.device});
+    for (int peer = 0; peer < s.num_ranks; ++peer) {
+      if (peer == s.rank) continue;
+      s.normal.peers[peer] = o.normal[peer];
+      s.low_latency.peers[peer] = o.low_latency[peer];
+    }
+    std::vector<void*>& mappings = ipc_mappings[{buffer_id, o.device}];
+    CloseMappings(o.device, mappings);  // opened before (a second call): replaced
+    mappings = std::move(o.mappings);
+  }
 }
 
 void DestroyBuffer(int64_t buffer_id) {
   std::vector<DeviceState> states;
+  std::vector<std::pair<int, std::vector<void*>>> mappings;  // (device, opened peers)
   {
     std::unique_lock<std::shared_mutex> lock(registry_mutex);
     auto it = buffer_devices.find(buffer_id);
@@ -196,11 +373,38 @@ void DestroyBuffer(int64_t buffer_id) {
       auto state = device_states.find({buffer_id, device});
       states.push_back(state->second);
       device_states.erase(state);
+      auto mapping = ipc_mappings.find({buffer_id, device});
+      if (mapping != ipc_mappings.end()) {
+        mappings.emplace_back(device, std::move(mapping->second));
+        ipc_mappings.erase(mapping);
+      }
     }
     buffer_devices.erase(it);
+    ipc_groups.erase(buffer_id);
   }
-  // Outside the lock: a device synchronisation can take a while.
+  // Outside the lock: a device synchronisation can take a while. Peers'
+  // mappings are closed before our own memory goes.
+  for (const auto& [device, ptrs] : mappings) {
+    SynchronizeDevice(device);
+    CloseMappings(device, ptrs);
+  }
   FreeStates(states);
+}
+
+void SynchronizeBuffer(int64_t buffer_id) {
+  std::vector<int> devices;
+  {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex);
+    auto it = buffer_devices.find(buffer_id);
+    if (it == buffer_devices.end()) {
+      throw std::invalid_argument("deep_ep_jax: buffer " + std::to_string(buffer_id) + " does not exist");
+    }
+    devices = it->second;
+  }
+  for (int device : devices) {
+    DeviceGuard guard(device);
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize on device " + std::to_string(device));
+  }
 }
 
 const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal) {

@@ -32,6 +32,10 @@ struct DeviceState {
   int device_ordinal = -1;
   int rank = 0;       // position of this device in its EP group
   int num_ranks = 1;  // size of the EP group
+  // Peers live in other processes (CUDA IPC): they cannot use this process's
+  // pointers, so kernels exchange offsets into the regions, and normal mode
+  // lands rows in the regions (staged) instead of in XLA's buffers.
+  bool ipc = false;
   Region normal;
   Region low_latency;
 };
@@ -43,7 +47,32 @@ struct DeviceState {
 // memory, no peer access, ...).
 int64_t CreateBuffer(const std::vector<std::vector<int>>& groups,
                      size_t normal_bytes, size_t low_latency_bytes);
+
+// One process per GPU (or a few GPUs per process) with peers in other
+// processes, in two steps so that the handle exchange happens in Python:
+// 1. CreateIpcBuffer: groups hold each rank's local device ordinal, or -1
+//    for a rank of another process. Allocates both regions on every local
+//    device and returns the buffer id and, for each local device in group
+//    order, its CUDA IPC handles (kIpcHandleBytes: normal then low-latency;
+//    zeros for an empty region).
+// 2. OpenIpcPeers: handles[group][rank] as returned by the owning process
+//    (ignored for local ranks) are opened on each local device; local peers
+//    are mapped through peer access. Until then peers[] of other processes
+//    are null: the buffer must not be used.
+constexpr size_t kIpcHandleBytes = 2 * 64;  // two cudaIpcMemHandle_t
+struct IpcBuffer {
+  int64_t buffer_id;
+  std::vector<std::string> handles;  // per local device, in group order
+};
+IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
+                          size_t low_latency_bytes);
+void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>& handles);
+
+// Closes opened IPC mappings, synchronises each device and frees its regions.
 void DestroyBuffer(int64_t buffer_id);
+// Waits for all work on the buffer's devices (before a cross-process barrier
+// that precedes DestroyBuffer, so no peer still accesses memory being freed).
+void SynchronizeBuffer(int64_t buffer_id);
 // nullptr when the buffer does not exist on that device.
 const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal);
 // Number of live buffers (for lifecycle tests).

@@ -34,6 +34,24 @@ def create_buffer(groups, normal_bytes, low_latency_bytes) -> int:
     return _native.extension().create_buffer(groups, int(normal_bytes), int(low_latency_bytes))
 
 
+def create_ipc_buffer(groups, normal_bytes, low_latency_bytes):
+    """One process per GPU: allocates both regions on this process's devices
+    (groups: local ordinal per rank, -1 for other processes' ranks). Returns
+    (buffer id, [IPC handle bytes per local device, in group order])."""
+    groups = [[int(device) for device in group] for group in groups]
+    buffer_id, handles = _native.extension().create_ipc_buffer(groups, int(normal_bytes), int(low_latency_bytes))
+    return buffer_id, list(handles)
+
+
+def open_ipc_peers(buffer_id, handles) -> None:
+    """Maps the peers' regions from handles[group][rank] (bytes; ignored for local ranks)."""
+    _native.extension().open_ipc_peers(int(buffer_id), [[bytes(h) for h in group] for group in handles])
+
+
+def synchronize_buffer(buffer_id) -> None:
+    _native.extension().synchronize_buffer(int(buffer_id))
+
+
 def destroy_buffer(buffer_id) -> None:
     _native.extension().destroy_buffer(int(buffer_id))
 

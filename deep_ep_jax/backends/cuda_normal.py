@@ -9,7 +9,9 @@ bit for bit. Counts stay on the device, so the calls are command-buffer
 Rows land straight in the receiver's XLA output buffers. Set
 DEEP_EP_JAX_STAGED=1 (before creating the Buffer) to land them in a staging
 area of the Buffer's normal region instead, then copy locally: slower, but it
-does not need peer access to XLA's memory.
+does not need peer access to XLA's memory. Multi-process buffers (peers in
+other processes, `buffer.ipc`) are always staged: XLA's buffers of another
+process are out of reach.
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_BLOCK = 128
 
 
-def staged() -> bool:
-    """Whether rows land in the Buffer's staging area (DEEP_EP_JAX_STAGED=1)."""
+def staged(buffer=None) -> bool:
+    """Whether rows land in the Buffer's staging area (DEEP_EP_JAX_STAGED=1,
+    or a multi-process buffer)."""
+    if getattr(buffer, "ipc", False):
+        return True
     return os.environ.get("DEEP_EP_JAX_STAGED", "0").lower() in ("1", "true", "yes", "on")
 
 
@@ -58,13 +63,14 @@ def staged_region_bytes(num_rows: int, row_bytes: tuple[int, int], num_topk: int
     return offset
 
 
-def normal_region_bytes(num_ranks, hidden, num_tokens, config) -> int:
+def normal_region_bytes(num_ranks, hidden, num_tokens, config, *, force_staged=False) -> int:
     """Bytes of the normal-mode region per device. Rows go straight to XLA's
-    buffers, so only the control bytes are needed, unless staged mode is on:
-    then room for num_tokens * num_ranks received rows of bf16 or FP8 hidden
+    buffers, so only the control bytes are needed, unless staged mode is on
+    (DEEP_EP_JAX_STAGED=1, or force_staged for a multi-process buffer): then
+    room for num_tokens * num_ranks received rows of bf16 or FP8 hidden
     (None: the standard case, 7168 and 4096)."""
     del config  # the launch configuration does not change the size
-    if not staged():
+    if not (force_staged or staged()):
         return CONTROL_BYTES
     hidden = DEFAULT_HIDDEN if hidden is None else int(hidden)
     num_tokens = DEFAULT_TOKENS if num_tokens is None else int(num_tokens)
@@ -102,12 +108,13 @@ def _row_bytes(fn, xs):
 
 
 def _check_region(fn, buffer, num_rows, row_bytes, num_topk):
-    if not staged():
+    if not staged(buffer):
         return
     need = staged_region_bytes(num_rows, row_bytes, num_topk)
     if buffer.num_nvl_bytes < need:
+        mode = "a multi-process buffer (staged)" if getattr(buffer, "ipc", False) else "staged mode (DEEP_EP_JAX_STAGED=1)"
         raise ValueError(
-            f"{fn}: staged mode (DEEP_EP_JAX_STAGED=1) needs a normal region of at least {need} bytes for "
+            f"{fn}: {mode} needs a normal region of at least {need} bytes for "
             f"{num_rows} rows of {sum(row_bytes)} bytes and top-k {num_topk}; the buffer has num_nvl_bytes="
             f"{buffer.num_nvl_bytes}. Create the Buffer with num_nvl_bytes >= {need} (or a matching hidden=)."
         )
@@ -124,7 +131,7 @@ def _launch_attrs(buffer):
         num_warps=np.int64(config.num_warps),
         chunk_tokens=np.int64(config.chunk_tokens),
         timeout_ns=np.int64(config.timeout_ns),
-        staged=np.int64(staged()),
+        staged=np.int64(staged(buffer)),
     )
 
 

@@ -1,0 +1,197 @@
+"""Starts N local processes of a script, one per GPU, for jax.distributed.
+
+    python -m deep_ep_jax.launch -n 2 [--] script.py args...
+    python -m deep_ep_jax.launch -n 2 -- -m pytest tests/gpu/test_multiprocess_gpu.py
+
+Each process gets the environment `initialize()` reads (coordinator address
+on localhost with a free port, process id, number of processes) and, when
+GPUs are present, CUDA_VISIBLE_DEVICES set to one GPU (the i-th of the
+launcher's own CUDA_VISIBLE_DEVICES, if set). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1). Output lines are prefixed with
+the rank. The launcher waits for all; when one fails it kills the others and
+exits with that process's status.
+
+The script calls `deep_ep_jax.launch.initialize()` first; under SLURM or
+mpirun (no launcher variables) that falls back to jax's cluster detection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"  # also read by jax.distributed itself
+NUM_PROCESSES_VAR = "JAX_NUM_PROCESSES"
+PROCESS_ID_VAR = "JAX_PROCESS_ID"
+
+
+def initialize(**kwargs) -> None:
+    """jax.distributed.initialize from the launcher's variables (or, without
+    them, from jax's cluster detection: SLURM, Open MPI, ...). On CPU the
+    collectives need an implementation across processes: gloo, when the
+    installed jax has the option and nothing else was chosen. Idempotent."""
+    import jax
+
+    try:
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except AttributeError:  # an old jax without the option: CPU runs stay single-process
+        pass
+    if jax.distributed.is_initialized():
+        return
+    if NUM_PROCESSES_VAR in os.environ:
+        kwargs.setdefault("coordinator_address", os.environ[COORDINATOR_VAR])
+        kwargs.setdefault("num_processes", int(os.environ[NUM_PROCESSES_VAR]))
+        kwargs.setdefault("process_id", int(os.environ[PROCESS_ID_VAR]))
+        # The launcher said everything: no SLURM/MPI detection overriding the device choice.
+        kwargs.setdefault("cluster_detection_method", "deactivate")
+    jax.distributed.initialize(**kwargs)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _visible_gpus() -> list[str]:
+    """GPU ids the launcher may hand out: its CUDA_VISIBLE_DEVICES, or every
+    GPU nvidia-smi lists; [] on a machine without GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def _child_env(rank, num_processes, address, gpus, cpu):
+    env = dict(os.environ)
+    env[COORDINATOR_VAR] = address
+    env[NUM_PROCESSES_VAR] = str(num_processes)
+    env[PROCESS_ID_VAR] = str(rank)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if cpu:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+    return env
+
+
+def _pump(rank, stream, out, lock):
+    """Copies a child's output line by line, prefixed with its rank."""
+    prefix = f"[rank {rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    stream.close()
+
+
+def _stop(procs, grace_s=5.0):
+    """SIGTERM to the processes still running, SIGKILL after grace_s."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=False, out=None) -> int:
+    """Runs `python command...` in num_processes processes; returns 0 when all
+    succeed, else the first failure's exit status (124 on timeout). A failure
+    stops the others, unless keep_going (then all run to their end)."""
+    out = out if out is not None else sys.stdout.buffer
+    gpus = [] if cpu else _visible_gpus()
+    if gpus and len(gpus) < num_processes:
+        raise SystemExit(
+            f"deep_ep_jax.launch: {num_processes} processes need {num_processes} GPUs (one each), "
+            f"found {len(gpus)} ({','.join(gpus)}); use fewer processes, or --cpu"
+        )
+    address = f"127.0.0.1:{_free_port()}"
+    lock = threading.Lock()
+    procs, pumps = [], []
+    for rank in range(num_processes):
+        p = subprocess.Popen(
+            [sys.executable, *command],
+            env=_child_env(rank, num_processes, address, gpus, cpu),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    status = 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while [p.poll() for p in procs].count(None):  # polls every process (any() would stop early)
+            failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
+            if failed and not keep_going:
+                rank, status = failed[0]
+                _report(out, lock, f"rank {rank} exited with status {status}; stopping the others")
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                status = 124
+                _report(out, lock, f"timeout after {timeout_s} s; stopping all processes")
+                break
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=5)
+    if status == 0:
+        failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            rank, status = failed[0]
+            _report(out, lock, f"rank {rank} exited with status {status}")
+    # A signal (negative returncode) as the shell reports it.
+    return status if status >= 0 else 128 - status
+
+
+def _report(out, lock, message):
+    with lock:
+        out.write(f"[launch] {message}\n".encode())
+        out.flush()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deep_ep_jax.launch",
+        description="Start N local processes (one GPU each) of a script that calls deep_ep_jax.launch.initialize().",
+    )
+    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("--cpu", action="store_true", help="CPU only: JAX_PLATFORMS=cpu, no GPU per process")
+    parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
+    parser.add_argument("--keep-going", action="store_true", help="when a process fails, let the others run on")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give the script to run, e.g. `-n 2 -- script.py`")
+    if args.num_processes < 1:
+        parser.error("-n must be >= 1")
+    return launch(args.num_processes, command, cpu=args.cpu, timeout_s=args.timeout, keep_going=args.keep_going)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

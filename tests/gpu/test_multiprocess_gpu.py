@@ -1,0 +1,74 @@
+"""One process per GPU (CUDA IPC between processes), started by
+deep_ep_jax.launch: the normal-mode and low-latency suites' core comparisons
+against the xla backend, and a peer process that dies mid-loop ending in the
+kernels' timeout error on the survivors. The worker is
+tests/multiprocess_worker.py; each launch is also runnable by hand:
+
+    python -m deep_ep_jax.launch -n 2 -- tests/multiprocess_worker.py normal low_latency
+
+Run this module in its own pytest process with XLA_PYTHON_CLIENT_PREALLOCATE=false:
+the pytest process itself initialises the GPUs (conftest), and XLA's default
+preallocation there would leave the worker processes little memory.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+
+
+def _num_processes():
+    return min(len(jax.devices("gpu")), 8)
+
+
+def _launch(cases, *, timeout, extra=()):
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # share the GPUs with this pytest process
+    env.pop("XLA_FLAGS", None)  # conftest's CPU device count is not for the workers
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(_num_processes()), "--timeout", str(timeout - 15),
+           *extra, "--", WORKER, *cases]
+    start = time.time()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr, time.time() - start
+
+
+def _assert_cases_ok(code, output, cases):
+    assert code == 0, output[-6000:]
+    n = _num_processes()
+    for rank in range(n):
+        for case in cases:
+            assert f"[rank {rank}] process {rank}/{n}: CASE {case} OK" in output, output[-6000:]
+
+
+def test_normal_mode_across_processes():
+    code, output, _ = _launch(["normal"], timeout=540)
+    _assert_cases_ok(code, output, ["normal"])
+
+
+def test_low_latency_across_processes():
+    code, output, _ = _launch(["low_latency"], timeout=540)
+    _assert_cases_ok(code, output, ["low_latency"])
+
+
+def test_dead_peer_process_times_out_with_a_message():
+    """The last process kills itself mid-loop; the survivors' next call fails
+    within Config.timeout_s (3 s) with the message naming rank and counter."""
+    code, output, elapsed = _launch(["kill"], timeout=240, extra=["--keep-going"])
+    assert code != 0, output[-4000:]
+    assert "killing myself" in output, output[-4000:]
+    assert "NO TIMEOUT" not in output, output[-4000:]
+    victim = _num_processes() - 1
+    survivor_lines = [line for line in output.splitlines() if line.startswith("[rank 0]")]
+    text = "\n".join(survivor_lines)
+    assert "deep_ep_jax timeout" in text and "rank 0" in text and f"peer {victim}" in text, output[-4000:]
+    assert "failed as expected" in text, output[-4000:]
+    assert elapsed < 200, elapsed

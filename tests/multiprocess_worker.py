@@ -1,0 +1,244 @@
+"""One process of a multi-process test, started by deep_ep_jax.launch:
+
+    python -m deep_ep_jax.launch -n 2 --cpu -- tests/multiprocess_worker.py reference exchange
+    python -m deep_ep_jax.launch -n 2 -- tests/multiprocess_worker.py normal low_latency
+
+Cases (run in the order given; each process prints "CASE <name> OK"):
+  reference    xla backend across processes against tests/oracle.py (CPU or GPU)
+  exchange     the key-value handle exchange, and its timeout naming the rank and key
+  normal       CUDA normal mode vs the xla backend: the suite's core comparisons
+  low_latency  CUDA low-latency mode vs the xla backend: the suite's core comparisons
+  kill         CUDA dispatch/combine in a loop; the last rank kills itself midway,
+               the others must fail with the kernels' timeout message
+Results are gathered to every process (process_allgather), so the checks of
+the single-process suites (tests/gpu/*) run unchanged.
+"""
+
+import os
+import signal
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE, os.path.join(HERE, "gpu")]
+
+from deep_ep_jax import launch  # noqa: E402
+
+launch.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+import deep_ep_jax as dej  # noqa: E402
+from deep_ep_jax import multiprocess  # noqa: E402
+from deep_ep_jax import testing as dt  # noqa: E402
+
+AXIS = "ep"
+_per_rank = dt.per_rank
+
+
+class _Gathered:
+    """A per-rank function whose outputs come back as numpy on every process."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return multihost_utils.process_allgather(self.fn(*args), tiled=True)
+
+    def lower(self, *args):
+        return self.fn.lower(*args)
+
+
+def gathered_per_rank(fn, mesh, axis_name, *, jit=True):
+    return _Gathered(_per_rank(fn, mesh, axis_name, jit=jit))
+
+
+# The single-process suites call testing.per_rank and read results with np.asarray.
+dt.per_rank = gathered_per_rank
+
+
+def log(message):
+    print(f"process {jax.process_index()}/{jax.process_count()}: {message}", flush=True)
+
+
+# Cases -------------------------------------------------------------------------
+
+
+def case_reference():
+    import oracle
+
+    num_ranks = jax.device_count()
+    mesh = dt.ep_mesh(num_ranks, AXIS)
+    assert multiprocess.spans_processes(mesh.devices.flat), "the mesh should span processes"
+    buffer = dej.Buffer(mesh, AXIS, backend="xla")
+    num_tokens, hidden, topk, num_experts = 12, 64, 3, 4 * num_ranks
+
+    def step(x, idx, w, y):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        layout = dej.get_dispatch_layout(idx, num_experts=num_experts, buffer=buffer)
+        out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
+        return recv_x, recv_idx, recv_w, handle, layout, out, out_w
+
+    run = dt.per_rank(step, mesh, AXIS)
+    for seed, kind in enumerate(dt.ROUTING_KINDS):
+        idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+        x = dt.random_rows(seed + 1, (num_ranks * num_tokens, hidden))
+        y = dt.random_rows(seed + 2, (num_ranks * num_ranks * num_tokens, hidden))
+        recv_x, recv_idx, recv_w, handle, layout, out, out_w = run(x, jnp.asarray(idx), jnp.asarray(w), y)
+
+        def shards(a):
+            a = np.asarray(jnp.asarray(a).astype(jnp.float32) if jnp.asarray(a).dtype == jnp.bfloat16 else a)
+            return a.reshape((num_ranks, -1) + a.shape[1:])
+
+        xs, idxs, ws, ys = shards(x), shards(idx), shards(w), shards(y)
+        expected = oracle.dispatch(xs, idxs, ws, num_experts, num_ranks * num_tokens)
+        for r in range(num_ranks):
+            rows = expected[r]
+            n = len(rows["x"])
+            assert int(handle.num_recv_tokens[r]) == n == rows["total"], (kind, r)
+            np.testing.assert_array_equal(np.asarray(recv_x[r, :n], np.float32), np.reshape(rows["x"], (n, hidden)))
+            np.testing.assert_array_equal(recv_idx[r, :n], np.reshape(rows["idx"], (n, topk)))
+            np.testing.assert_array_equal(recv_w[r, :n], np.reshape(rows["w"], (n, topk)))
+            np.testing.assert_array_equal(handle.recv_src_idx[r, :n], rows["src"])
+            np.testing.assert_array_equal(handle.recv_src_rank[r, :n], rows["rank"])
+            assert (recv_idx[r, n:] == -1).all() and (handle.recv_src_rank[r, n:] == -1).all()
+            per_rank, per_expert, in_rank = oracle.layout(idxs[r], num_experts, num_ranks)
+            np.testing.assert_array_equal(layout[0][r], per_rank)
+            np.testing.assert_array_equal(layout[1][r], per_expert)
+            np.testing.assert_array_equal(layout[2][r], in_rank)
+        want = oracle.combine(ys, expected, num_tokens)
+        np.testing.assert_array_equal(
+            np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+        )
+        valid_w = np.where((idxs >= 0) & (idxs < num_experts), ws, 0)
+        np.testing.assert_array_equal(np.asarray(out_w).reshape(valid_w.shape), valid_w)
+        if kind == "rank_empty":
+            assert int(handle.num_recv_tokens[-1]) == 0
+
+
+def case_exchange():
+    me, count = jax.process_index(), jax.process_count()
+    name = f"{multiprocess.KEY_PREFIX}/test-exchange"
+    payload = {(0, me): bytes([me, 0, 255]) * 50}
+    others = {(0, p): p for p in range(count) if p != me}
+    received = multiprocess.exchange(name, payload, others, timeout_s=30)
+    assert received == {(0, p): bytes([p, 0, 255]) * 50 for p in range(count) if p != me}, received
+    # A rank that never publishes: a timeout error naming it and its key.
+    start = time.time()
+    try:
+        multiprocess.exchange(name, {}, {(3, 7): 5}, timeout_s=1.5)
+    except TimeoutError as e:
+        message = str(e)
+    else:
+        raise AssertionError("no timeout")
+    assert "rank 7" in message and "process 5" in message and "/group/3/rank/7" in message, message
+    assert time.time() - start < 30
+    multiprocess.barrier(f"{name}/done", timeout_s=30)
+
+
+def _gpu_mesh():
+    gpus = jax.devices("gpu")
+    assert len(gpus) >= 2 and len(jax.local_devices()) == 1, (gpus, jax.local_devices())
+    return dt.ep_mesh(len(gpus), AXIS, platform="gpu")
+
+
+def case_normal():
+    import test_normal_gpu as suite
+
+    mesh = _gpu_mesh()
+    cuda = dej.Buffer(mesh, AXIS, backend="cuda")
+    xla = dej.Buffer(mesh, AXIS, backend="xla")
+    assert cuda.backend == "cuda" and cuda.ipc, cuda
+    buffers = (cuda, xla)
+    for kind in dt.ROUTING_KINDS:
+        suite.test_matches_reference(mesh, buffers, kind)
+        log(f"normal {kind}: ok")
+    for kind in ("random", "one_expert", "minus_one"):
+        suite.test_fp8_pairs(mesh, buffers, kind)
+        log(f"normal fp8 {kind}: ok")
+    suite.test_topk_range(mesh, buffers)
+    cuda.destroy()
+
+
+def case_low_latency():
+    import test_low_latency_gpu as suite
+    from deep_ep_jax.backends import cuda_low_latency as cll
+
+    mesh = _gpu_mesh()
+    num_ranks = mesh.shape[AXIS]
+    region = cll.low_latency_region_bytes(
+        num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
+    )
+    cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
+                      num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS, num_nvl_bytes=1 << 20, num_rdma_bytes=region)
+    xla = dej.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
+                     num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS)
+    assert cuda.backend == "cuda" and cuda.ipc, cuda
+    buffers = (cuda, xla)
+    for use_fp8 in (True, False):
+        for kind in dt.ROUTING_KINDS:
+            suite.test_matches_reference(mesh, buffers, kind, use_fp8)
+            log(f"low-latency {kind} fp8={use_fp8}: ok")
+    suite.test_many_calls_in_fori_loop(mesh, buffers)
+    log("low-latency fori_loop: ok")
+    cuda.destroy()
+
+
+def case_kill():
+    """The last rank dies after a few calls; the others must fail within the
+    timeout with the kernels' message naming rank, mode and counter."""
+    mesh = _gpu_mesh()
+    num_ranks, num_tokens, num_experts = mesh.shape[AXIS], 256, 16
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda", config=dej.Config(timeout_s=3))
+    idx, w = dt.make_routing(0, num_ranks * num_tokens, num_experts, 2, num_ranks)
+    x = dt.random_rows(1, (num_ranks * num_tokens, 1024))
+
+    def roundtrip(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        out, _ = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+        return out
+
+    run = _per_rank(roundtrip, mesh, AXIS)  # not gathered: the loop must not meet in collectives
+    victim = jax.process_count() - 1
+    idx, w = jnp.asarray(idx), jnp.asarray(w)
+    try:
+        for i in range(1000):
+            if i == 5 and jax.process_index() == victim:
+                log("killing myself")
+                os.kill(os.getpid(), signal.SIGKILL)
+            jax.block_until_ready(run(x, idx, w))
+    except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
+        log(f"failed as expected after {i} calls: {type(e).__name__}: {str(e)[:500]}")
+        # Skip jax.distributed's shutdown barrier, which would wait for the dead
+        # process; flush C stdio first (the kernels' printf goes through it).
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+        os._exit(17)
+    log("NO TIMEOUT")
+
+
+CASES = {
+    "reference": case_reference,
+    "exchange": case_exchange,
+    "normal": case_normal,
+    "low_latency": case_low_latency,
+    "kill": case_kill,
+}
+
+
+def main(names):
+    unknown = [n for n in names if n not in CASES]
+    if unknown or not names:
+        raise SystemExit(f"cases: {sorted(CASES)}; got {names}")
+    for name in names:
+        start = time.time()
+        CASES[name]()
+        log(f"CASE {name} OK ({time.time() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,85 @@
+"""Several processes on CPU, started by deep_ep_jax.launch: the xla backend
+across processes against the oracle, the key-value handle exchange (and its
+timeout), and the launcher's own behaviour (rank prefixes, failure handling).
+The worker is tests/multiprocess_worker.py."""
+
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+
+
+def _cpu_collectives_reason():
+    try:
+        jax.config.jax_cpu_collectives_implementation  # noqa: B018
+    except AttributeError:
+        return f"jax {jax.__version__} has no CPU collectives across processes (jax_cpu_collectives_implementation)"
+    return None
+
+
+needs_cpu_collectives = pytest.mark.skipif(_cpu_collectives_reason() is not None, reason=str(_cpu_collectives_reason()))
+
+
+def _launch(num_processes, args, *, devices_per_process=1, timeout=120, launcher_timeout=None, extra=()):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    launcher_timeout = timeout - 10 if launcher_timeout is None else launcher_timeout
+    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_processes), "--cpu", "--timeout",
+           str(launcher_timeout), *extra, "--", *args]
+    start = time.time()
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr, time.time() - start
+
+
+@needs_cpu_collectives
+@pytest.mark.parametrize("num_processes,devices_per_process", [(2, 1), (2, 2), (4, 1)])
+def test_reference_backend_across_processes(num_processes, devices_per_process):
+    cases = ["reference", "exchange"] if devices_per_process == 1 else ["reference"]
+    code, output, _ = _launch(num_processes, [WORKER, *cases], devices_per_process=devices_per_process)
+    assert code == 0, output[-4000:]
+    for rank in range(num_processes):
+        for case in cases:
+            assert f"[rank {rank}] process {rank}/{num_processes}: CASE {case} OK" in output, output[-4000:]
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path):
+    # Rank 1 fails once every rank has said hello (files in tmp_path), so a
+    # slow start of the others on a busy machine cannot hide their greeting.
+    script = (
+        "import os, sys, time\n"
+        "rank = int(os.environ['JAX_PROCESS_ID'])\n"
+        "print('hello from', rank, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'], flush=True)\n"
+        f"open(os.path.join({str(tmp_path)!r}, str(rank)), 'w').close()\n"
+        f"while rank == 1 and len(os.listdir({str(tmp_path)!r})) < 3: time.sleep(0.05)\n"
+        "sys.exit(3) if rank == 1 else time.sleep(100)\n"
+    )
+    code, output, elapsed = _launch(3, ["-c", script], timeout=60)
+    assert code == 3, output
+    assert elapsed < 30, (elapsed, output)
+    for rank in range(3):
+        assert f"[rank {rank}] hello from {rank} of 3 127.0.0.1:" in output, output
+    assert "rank 1 exited with status 3" in output, output
+
+
+def test_launcher_keep_going():
+    script = (
+        "import os, sys, time\n"
+        "rank = int(os.environ['JAX_PROCESS_ID'])\n"
+        "sys.exit(5) if rank == 1 else (time.sleep(1), print('finished'))\n"
+    )
+    code, output, _ = _launch(2, ["-c", script], timeout=60, extra=["--keep-going"])
+    assert code == 5, output
+    assert "[rank 0] finished" in output, output
+
+
+def test_launcher_timeout():
+    code, output, elapsed = _launch(2, ["-c", "import time; time.sleep(100)"], timeout=60, launcher_timeout=2)
+    assert code == 124 and "timeout after 2" in output, output
+    assert elapsed < 20, elapsed

@@ -37,7 +37,7 @@ from jax import lax
 import deep_ep_jax
 from deep_ep_jax import testing
 
-from timing import chain_seconds, median_durations
+from timing import chain_seconds, median_durations, touch
 
 AXIS = "ep"
 KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
@@ -58,12 +58,6 @@ def make_inputs(case: Case, num_ranks: int, seed: int = 0):
     idx, w = testing.make_routing(seed, num_ranks * case.num_tokens, case.num_experts, case.topk, num_ranks)
     y = testing.random_rows(seed + 1, (case.num_experts, num_ranks * case.num_tokens, case.hidden))
     return dict(x=x, idx=jnp.asarray(idx), w=jnp.asarray(w), y=y)
-
-
-def _touch(a, value):
-    """a with its first element replaced by value [1, 1]: a data dependency
-    XLA cannot drop, as an in-place one-element update."""
-    return lax.dynamic_update_slice(a, value.astype(a.dtype), (0, 0))
 
 
 def _uses_all(recv_x, count, handle):
@@ -95,14 +89,14 @@ def make_chain(op, buffer, mesh, case, length):
     if op == "glue":
         def fn(x):
             for _ in range(length):
-                x = _touch(x, x[:1, :1] + 1)
+                x = touch(x, x[:1, :1] + 1)
             return x[:1, :1]
         names = ("x",)
     elif op == "dispatch":
         def fn(x, idx):
             for _ in range(length):
                 recv_x, count, handle = _dispatch(buffer, case, x, idx)
-                x = _touch(x, _uses_all(recv_x, count, handle))
+                x = touch(x, _uses_all(recv_x, count, handle))
             return x[:1, :1]
         names = ("x", "idx")
     elif op == "combine":
@@ -120,7 +114,7 @@ def make_chain(op, buffer, mesh, case, length):
             for _ in range(length):
                 recv_x, count, handle = _dispatch(buffer, case, x, idx)
                 out = _combine(buffer, y, idx, w, handle)
-                x = _touch(out, _uses_all(recv_x, count, handle))
+                x = touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
         names = ("x", "idx", "w", "y")
     elif op == "compute":  # the work of "pair+compute" alone
@@ -142,7 +136,7 @@ def make_chain(op, buffer, mesh, case, length):
                 pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
                 z = _compute(z, m)
                 out = deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer)
-                x = _touch(out, _uses_all(recv_x, count, handle) + z[:1, :1])
+                x = touch(out, _uses_all(recv_x, count, handle) + z[:1, :1])
             return x[:1, :1]
         names = ("x", "idx", "w", "y", "m")
     else:

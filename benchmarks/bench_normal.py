@@ -36,7 +36,7 @@ import deep_ep_jax
 from deep_ep_jax import testing
 from deep_ep_jax.backends import reference
 
-from timing import chain_seconds, kernel_durations
+from timing import chain_seconds, kernel_durations, touch
 
 AXIS = "ep"
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
@@ -58,12 +58,6 @@ def make_inputs(case: Case, num_ranks: int, seed: int = 0):
     return dict(x=x, x_fp8=tuple(reference.quantize_fp8(x)), idx=jnp.asarray(idx), w=jnp.asarray(w), y=y)
 
 
-def _touch(a, value):
-    """a with its first element replaced by `value` ([1, 1]): a data
-    dependency XLA cannot drop, as an in-place one-element update."""
-    return lax.dynamic_update_slice(a, value.astype(a.dtype), (0, 0))
-
-
 def _uses_all(recv_x, recv_idx, recv_w, handle):
     """[1, 1] depending on every output of a dispatch (after an optimization
     barrier, so XLA must compute them whole)."""
@@ -79,7 +73,7 @@ def dispatch_chain(buffer, mesh, case: Case, length: int, fp8: bool):
             # The barrier keeps XLA from computing only the slices used below.
             recv_x, recv_idx, recv_w, handle = lax.optimization_barrier(outputs)
             value = _uses_all(recv_x, recv_idx, recv_w, handle)
-            x = (_touch(x[0], value), x[1]) if fp8 else _touch(x, value)
+            x = (touch(x[0], value), x[1]) if fp8 else touch(x, value)
         return value  # depends on every dispatch of the chain
 
     return testing.per_rank(fn, mesh, AXIS)
@@ -90,7 +84,7 @@ def combine_chain(buffer, mesh, case: Case, length: int):
         _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)
         for _ in range(length):
             out = lax.optimization_barrier(deep_ep_jax.combine(y, handle, buffer=buffer))
-            y = _touch(y, out[:1, :1])
+            y = touch(y, out[:1, :1])
         return out[0, 0]
 
     return testing.per_rank(fn, mesh, AXIS)

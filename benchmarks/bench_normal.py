@@ -4,6 +4,7 @@ kernels beside the xla backend, through the public API under jit.
     python benchmarks/bench_normal.py                      # standard case, 24 SMs
     python benchmarks/bench_normal.py --num-sms 8 16 24 32 --json out.json
     python benchmarks/bench_normal.py --sweep --plot sweep.png
+    python -m deep_ep_jax.launch -n 2 -- benchmarks/bench_normal.py   # one process per GPU (CUDA IPC)
 
 Standard case (DeepEP's): 4096 tokens per rank, hidden 7168, top-8 of 256
 experts, all local GPUs as the EP group. Bandwidth is DeepEP's formula:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -31,9 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 
 import deep_ep_jax
-from deep_ep_jax import testing
+from deep_ep_jax import launch, testing
 from deep_ep_jax.backends import reference
 
 from timing import chain_seconds, kernel_durations, touch
@@ -133,6 +136,7 @@ def received_row_bytes(op, buffer, mesh, case, inputs):
             return handle.num_recv_tokens
 
         rows = testing.per_rank(fn, mesh, AXIS)(inputs["x"], inputs["idx"], inputs["w"])
+        rows = multihost_utils.process_allgather(rows, tiled=True)  # one process per GPU: every rank's count
         _received_rows[key] = float(np.asarray(rows, np.float64).mean())
     row_bytes = case.hidden + case.hidden // 128 * 4 if op == "dispatch_fp8" else 2 * case.hidden
     return _received_rows[key] * row_bytes
@@ -279,6 +283,8 @@ def main(argv=None):
     parser.add_argument("--plot", default="bench_normal_sweep.png", help="PNG path of the --sweep plot")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args(argv)
+    if launch.NUM_PROCESSES_VAR in os.environ:  # one process per GPU: python -m deep_ep_jax.launch -n R -- ...
+        launch.initialize()
 
     on_gpu = jax.default_backend() == "gpu"
     backends = args.backends or (["cuda", "xla"] if on_gpu else ["xla"])

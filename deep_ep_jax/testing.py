@@ -72,3 +72,12 @@ def per_rank(fn, mesh, axis_name, *, jit=True):
         return mapped(*args)
 
     return jax.jit(run) if jit else run
+
+
+def filled(shape, value, dtype, sharding):
+    """A global array of `value` laid out by `sharding`, each process filling
+    only its own shards (device_put of one host array would compare the array
+    across processes, and NaN poison never compares equal)."""
+    return jax.make_array_from_callback(
+        tuple(shape), sharding, lambda index: np.full(np.empty(shape, np.bool_)[index].shape, value, dtype)
+    )

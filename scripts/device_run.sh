@@ -5,7 +5,7 @@
 #   scripts/device_run.sh [extra pytest args] [--bench "benchmarks/x.py args"]...
 #
 # Builds the extension in place (incremental), prints the environment report,
-# runs the GPU tests, then each benchmark. Benchmarks run even if tests fail;
+# runs each GPU test file (TEST_FILES narrows them), then each benchmark. Benchmarks run even if tests fail;
 # the exit status is the first failure's. With $OUT set, the log is also
 # written to $OUT/device_run.log.
 set -uo pipefail
@@ -48,7 +48,13 @@ stage() {  # stage NAME COMMAND...: runs it, records its time and status
 
 stage build "$PYTHON" setup.py -q build_ext --inplace || { printf '%s\n' "${timings[@]}"; exit "$status"; }
 stage info "$PYTHON" -m deep_ep_jax.info
-stage tests "$PYTHON" -m pytest -m gpu tests -x -q "${pytest_args[@]}"
+# One process per test file: a hang or crash in one leaves the others' results.
+for test_file in ${TEST_FILES:-tests/gpu/test_*.py}; do
+  # Multi-process tests start GPU processes beside pytest's own: no preallocation there
+  # (elsewhere preallocation stays on, so memory checks see only our allocations).
+  prealloc=true; [[ $test_file == *multiprocess* ]] && prealloc=false
+  stage "$(basename "$test_file" .py)" env XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc "$PYTHON" -m pytest -m gpu -q --timeout 300 "$test_file" "${pytest_args[@]}"
+done
 for bench in "${benches[@]}"; do
   # shellcheck disable=SC2086  # the benchmark string is a command line
   stage "bench ${bench%% *}" "$PYTHON" $bench

@@ -42,7 +42,7 @@ def _poison_allocator(mesh, num_tokens, num_experts):
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
     shapes = [((num_ranks, num_ranks), jnp.int32, -7), ((num_ranks, num_experts), jnp.int32, -7),
               ((num_ranks, num_tokens, num_ranks), jnp.bool_, True)]
-    poison = [jax.device_put(np.full(s, v, d), sharding) for s, d, v in shapes]
+    poison = [testing.filled(s, v, d, sharding) for s, d, v in shapes]
     jax.block_until_ready(poison)
     del poison
 

@@ -57,7 +57,7 @@ def buffers(mesh):
 def _poison(mesh, shapes):
     """Allocates and frees [R * d0, ...] arrays filled with poison."""
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    arrays = [jax.device_put(np.full(shape, value, dtype), sharding) for shape, dtype, value in shapes]
+    arrays = [testing.filled(shape, value, dtype, sharding) for shape, dtype, value in shapes]
     jax.block_until_ready(arrays)
     del arrays
 

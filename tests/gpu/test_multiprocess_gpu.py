@@ -50,12 +50,12 @@ def _assert_cases_ok(code, output, cases):
 
 
 def test_normal_mode_across_processes():
-    code, output, _ = _launch(["normal"], timeout=540)
+    code, output, _ = _launch(["normal"], timeout=280)
     _assert_cases_ok(code, output, ["normal"])
 
 
 def test_low_latency_across_processes():
-    code, output, _ = _launch(["low_latency"], timeout=540)
+    code, output, _ = _launch(["low_latency"], timeout=280)
     _assert_cases_ok(code, output, ["low_latency"])
 
 

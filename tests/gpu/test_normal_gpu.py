@@ -70,7 +70,7 @@ def poison_allocator(mesh, per_rank_shapes):
     poison = []
     for shape, dtype in per_rank_shapes:
         value = True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)
-        poison.append(jax.device_put(jnp.full((num_ranks,) + tuple(shape), value, dtype), sharding))
+        poison.append(testing.filled((num_ranks,) + tuple(shape), value, dtype, sharding))
     jax.block_until_ready(poison)
     del poison
 

@@ -12,6 +12,8 @@ Environment:
   CUDA_HOME                  CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH)
   DEEP_EP_JAX_CUDA_ARCHS     architectures, e.g. "90", "90;100", "90a", "90+PTX" (default: sources.bzl)
   DEEP_EP_JAX_NO_CUDA=1      install the pure-Python package even when nvcc is present
+  NVSHMEM_HOME               NVSHMEM with include/ and lib/ (else the nvidia-nvshmem-cu13 wheel, if installed)
+  DEEP_EP_JAX_NO_NVSHMEM=1   build without NVSHMEM even when it is installed (no EP groups across hosts)
   MAX_JOBS                   parallel compile jobs (default: number of CPUs)
 """
 
@@ -73,6 +75,36 @@ def gencode_flags(archs):
     return flags, names
 
 
+def find_nvshmem():
+    """NVSHMEM's root (include/, lib/ with libnvshmem_device.a and
+    libnvshmem_host.so.N) and None, or None and why it is not used."""
+    if os.environ.get("DEEP_EP_JAX_NO_NVSHMEM") == "1":
+        return None, "DEEP_EP_JAX_NO_NVSHMEM=1"
+    candidates = [os.environ["NVSHMEM_HOME"]] if os.environ.get("NVSHMEM_HOME") else []
+    if not candidates:
+        try:
+            import nvidia.nvshmem  # the nvidia-nvshmem-cu13 wheel (a namespace package)
+
+            candidates += list(nvidia.nvshmem.__path__)
+        except ImportError:
+            pass
+        # pip's isolated build does not see the target environment's packages; look there too.
+        for key in ("purelib", "platlib"):
+            candidates.append(os.path.join(sysconfig.get_paths()[key], "nvidia", "nvshmem"))
+    for home in candidates:
+        if (os.path.isfile(os.path.join(home, "include", "nvshmem.h"))
+                and os.path.isfile(os.path.join(home, "lib", "libnvshmem_device.a"))
+                and nvshmem_host_lib(home)):
+            return os.path.abspath(home), None
+    return None, "NVSHMEM not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME)"
+
+
+def nvshmem_host_lib(home):
+    """File name of the host library, e.g. libnvshmem_host.so.3 (the wheel has no unversioned .so)."""
+    libs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(home, "lib", "libnvshmem_host.so*")))
+    return libs[0] if libs else None
+
+
 def include_flags():
     import jax  # a build requirement: its jaxlib ships the XLA FFI headers
     import pybind11
@@ -113,9 +145,9 @@ class NvccBuildExt(build_ext):
         archs = cuda_archs()
         gencode, arch_names = gencode_flags(archs)
         common = include_flags()
-        # NVSHMEM (a later issue) goes here: its include dir in `common`, -rdc=true in
-        # cuda_flags, a device-link step, and libnvshmem_device.a + -lnvshmem_host
-        # (with an rpath to the nvidia-nvshmem-cu13 wheel) in the link command.
+        nvshmem, why_not = find_nvshmem()
+        if nvshmem:
+            common += list(SOURCES["NVSHMEM_DEFINES"])
         common.append(f'-DDEEP_EP_JAX_CUDA_ARCHS="{",".join(arch_names)}"')
         cuda_flags = list(SOURCES["NVCC_FLAGS"]) + gencode + common
         # nvcc hands .cc files to the host compiler; -std must be given to nvcc itself.
@@ -127,6 +159,10 @@ class NvccBuildExt(build_ext):
             jobs.append((src, cuda_flags))
         for src in existing(SOURCES["CXX_SOURCES"]):
             jobs.append((src, cxx_flags))
+        nvshmem_jobs = []
+        if nvshmem:
+            nvshmem_flags = cuda_flags + list(SOURCES["NVSHMEM_NVCC_FLAGS"]) + [f"-isystem={nvshmem}/include"]
+            nvshmem_jobs = [(src, nvshmem_flags) for src in existing(SOURCES["NVSHMEM_CUDA_SOURCES"])]
         headers_mtime = max(
             [os.path.getmtime(h) for pattern in SOURCES["HEADER_GLOBS"]
              for h in glob.glob(os.path.join(ROOT, pattern), recursive=True)] + [0.0])
@@ -136,8 +172,10 @@ class NvccBuildExt(build_ext):
             obj = os.path.join(obj_dir, src.replace("/", "_") + ".o")
             cmd = [nvcc, "-c", os.path.join(ROOT, src), "-o", obj] + flags
             stamp = obj + ".cmd"
+            inputs = [src] + list(SOURCES["INCLUDED_SOURCES"].get(src, []))
             if (os.path.exists(obj) and read_text(stamp) == " ".join(cmd)
-                    and os.path.getmtime(obj) >= max(os.path.getmtime(os.path.join(ROOT, src)), headers_mtime)):
+                    and os.path.getmtime(obj) >= max([os.path.getmtime(os.path.join(ROOT, i)) for i in inputs]
+                                                     + [headers_mtime])):
                 return obj, False
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -151,19 +189,41 @@ class NvccBuildExt(build_ext):
         os.makedirs(obj_dir, exist_ok=True)
         max_jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_jobs)) as pool:
-            results = list(pool.map(compile_one, jobs))
+            results = list(pool.map(compile_one, jobs + nvshmem_jobs))
         objects = [obj for obj, _ in results]
         num_compiled = sum(changed for _, changed in results)
 
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        if num_compiled or not os.path.exists(out) or os.path.getmtime(out) < max(map(os.path.getmtime, objects)):
-            cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + objects + ["-o", out]
+
+        def run_if_stale(cmd, output, inputs, what):
+            """Runs cmd unless output is newer than inputs and was made by the same command."""
+            stamp = os.path.join(obj_dir, os.path.basename(output) + ".cmd")
+            if (os.path.exists(output) and read_text(stamp) == " ".join(cmd)
+                    and os.path.getmtime(output) >= max(map(os.path.getmtime, inputs))):
+                return
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
-                raise RuntimeError(f"nvcc link failed:\n{' '.join(cmd)}\n{result.stdout}{result.stderr}")
+                raise RuntimeError(f"{what} failed:\n{' '.join(cmd)}\n{result.stdout}{result.stderr}")
+            with open(stamp, "w") as f:
+                f.write(" ".join(cmd))
+
+        link_inputs, link_files = objects, list(objects)
+        if nvshmem:  # device-link the -rdc objects with NVSHMEM's device library, then link its host library
+            lib = os.path.join(nvshmem, "lib")
+            device_lib = os.path.join(lib, "libnvshmem_device.a")
+            rdc_objects = objects[len(jobs):]
+            dlink = os.path.join(obj_dir, "nvshmem_dlink.o")
+            cmd = [nvcc, "-dlink"] + list(SOURCES["NVSHMEM_DLINK_FLAGS"]) + gencode + rdc_objects + [device_lib, "-o", dlink]
+            run_if_stale(cmd, dlink, rdc_objects + [device_lib], "nvcc -dlink")
+            link_inputs = objects + [dlink, device_lib, f"-L{lib}", f"-l:{nvshmem_host_lib(nvshmem)}",
+                                     f"-Xlinker=-rpath={lib}"]
+            link_files = objects + [dlink, device_lib]
+        cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + link_inputs + ["-o", out]
+        run_if_stale(cmd, out, link_files, "nvcc link")
         print(f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} "
-              f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s)")
+              f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s); "
+              + (f"NVSHMEM from {nvshmem}" if nvshmem else f"without NVSHMEM: {why_not}"))
 
 
 def extensions():

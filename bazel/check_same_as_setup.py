@@ -75,14 +75,19 @@ def bazel_commands(nvcc):
     return commands
 
 
-def normalize(args, names):
+def normalize(args, names, nvshmem_home=""):
     """Paths replaced by what they name: sources relative to the root, objects
-    by file name, third-party include dirs by repository name."""
+    by file name, third-party include dirs by repository name, NVSHMEM's
+    files (its root, or Bazel's external/nvshmem) under @nvshmem."""
     out = []
     for i, arg in enumerate(args):
+        for root in [nvshmem_home, os.path.join(ROOT, "external", "nvshmem"), "external/nvshmem"]:
+            if root and root in arg:
+                arg = arg.replace(root, "@nvshmem")
+                break
         if i > 0 and args[i - 1] == "-o":
             arg = "OUTPUT"
-        elif arg.endswith(".o"):
+        elif arg.endswith(".o") and not arg.startswith("@nvshmem"):
             arg = "OBJECT:" + os.path.basename(arg)
         elif arg.endswith((".cu", ".cc")):
             arg = os.path.relpath(os.path.join(ROOT, arg), ROOT)
@@ -95,15 +100,15 @@ def normalize(args, names):
     return out
 
 
-def by_source(commands, names):
+def by_source(commands, names, nvshmem_home=""):
     compiles, links = {}, []
     for args in commands:
-        args = normalize(args, names)
+        args = normalize(args, names, nvshmem_home)
         if "-c" in args:
             compiles[args[args.index("-c") + 1]] = args
         else:
             links.append(args)
-    return compiles, links
+    return compiles, sorted(links)  # the device link (with NVSHMEM) and the link, in any order
 
 
 def compare_commands(config):
@@ -113,8 +118,9 @@ def compare_commands(config):
                       ("PYTHON_INCLUDE", "python_headers")):
         names[os.path.normpath(config[key])] = "@" + repo
         names[os.path.join(ROOT, "external", repo)] = "@" + repo
-    pip_compiles, pip_links = by_source(setup_py_commands(), names)
-    bazel_compiles, bazel_links = by_source(bazel_commands(config["NVCC"]), names)
+    home = config.get("NVSHMEM_HOME", "")
+    pip_compiles, pip_links = by_source(setup_py_commands(), names, home)
+    bazel_compiles, bazel_links = by_source(bazel_commands(config["NVCC"]), names, home)
     ok = True
     for src in sorted(set(pip_compiles) | set(bazel_compiles)):
         pip, bazel = pip_compiles.get(src), bazel_compiles.get(src)

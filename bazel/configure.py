@@ -42,8 +42,10 @@ def find_python_include():
 
 
 def find_nvshmem():
-    """NVSHMEM's root (with include/ and lib/), or "" when it is not installed.
-    Not linked yet; the build exposes it as @nvshmem for the kernels that will."""
+    """NVSHMEM's root (with include/ and lib/), or "" when it is not installed
+    or DEEP_EP_JAX_NO_NVSHMEM=1 (as setup.py). The build links it as @nvshmem."""
+    if os.environ.get("DEEP_EP_JAX_NO_NVSHMEM") == "1":
+        return ""
     home = os.environ.get("NVSHMEM_HOME")
     if not home:
         try:
@@ -55,6 +57,16 @@ def find_nvshmem():
     if not os.path.isfile(os.path.join(home, "include", "nvshmem.h")):
         sys.exit(f"configure: {home} has no include/nvshmem.h (NVSHMEM_HOME?)")
     return os.path.abspath(home)
+
+
+def nvshmem_host_lib(home):
+    """File name of NVSHMEM's host library, e.g. libnvshmem_host.so.3 (the wheel has no unversioned .so)."""
+    import glob
+
+    libs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(home, "lib", "libnvshmem_host.so*")))
+    if home and not libs:
+        sys.exit(f"configure: {home}/lib has no libnvshmem_host.so*")
+    return libs[0] if libs else ""
 
 
 def cuda_archs():
@@ -72,6 +84,7 @@ def main():
     except ImportError as e:
         sys.exit(f"configure: {e}; run this with the Python that has jax and pybind11 ({sys.executable} has not)")
 
+    nvshmem = find_nvshmem()
     config = {
         "PYTHON": sys.executable,
         "PYTHON_INCLUDE": find_python_include(),
@@ -79,7 +92,8 @@ def main():
         "NVCC": find_nvcc(),
         "XLA_FFI_INCLUDE": jax.ffi.include_dir(),
         "PYBIND11_INCLUDE": pybind11.get_include(),
-        "NVSHMEM_HOME": find_nvshmem(),
+        "NVSHMEM_HOME": nvshmem,
+        "NVSHMEM_HOST_LIB": nvshmem_host_lib(nvshmem) if nvshmem else "",
         "CUDA_ARCHS": cuda_archs(),
     }
     lines = [
@@ -94,7 +108,7 @@ def main():
         f.write(text)
     print(f"configure: wrote {os.path.relpath(OUTPUT, ROOT)}")
     for key, value in config.items():
-        print(f"  {key:18} {value if value not in ('', None) else '(not found)' if key == 'NVSHMEM_HOME' else '(default)'}")
+        print(f"  {key:18} {value if value not in ('', None) else '(not found)' if key.startswith('NVSHMEM') else '(default)'}")
 
 
 if __name__ == "__main__":

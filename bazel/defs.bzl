@@ -11,6 +11,8 @@ bazel/check_same_as_setup.py (run by .ci/bazel_check.sh) fails when they differ.
 load(
     "//bazel:local_config.bzl",
     "NVCC",
+    "NVSHMEM_HOME",
+    "NVSHMEM_HOST_LIB",
     "PYTHON",
     "PYTHON_EXT_SUFFIX",
     CONFIGURED_CUDA_ARCHS = "CUDA_ARCHS",
@@ -65,11 +67,20 @@ def nvcc_extension(
         nvcc_flags,
         cxx_flags,
         link_flags,
+        nvshmem_cuda_srcs = [],
+        nvshmem_nvcc_flags = [],
+        nvshmem_dlink_flags = [],
+        nvshmem_defines = [],
+        included_srcs = {},
         visibility = None):
     """The Python extension module `module` (e.g. "deep_ep_jax/_C"), built by
     nvcc into `<module><EXT_SUFFIX>` (the configured Python's suffix).
 
     cuda_archs is overridden by DEEP_EP_JAX_CUDA_ARCHS as seen by configure.
+    With NVSHMEM configured (NVSHMEM_HOME), nvshmem_cuda_srcs are compiled
+    with nvshmem_nvcc_flags and NVSHMEM's headers, device-linked with
+    libnvshmem_device.a, and the module links libnvshmem_host with an rpath
+    to NVSHMEM's lib dir, as setup.py does.
     """
     gencode, arch_names = _gencode_flags(CONFIGURED_CUDA_ARCHS or cuda_archs)
 
@@ -80,32 +91,64 @@ def nvcc_extension(
 
     # Third-party headers as system headers (their warnings are not ours).
     common += ["-isystem=" + Label(h).workspace_root for h in _EXTERNAL_HEADERS]
+    if NVSHMEM_HOME:
+        common += nvshmem_defines
     common.append('-DDEEP_EP_JAX_CUDA_ARCHS="%s"' % ",".join(arch_names))
 
     # nvcc hands .cc files to the host compiler; -std must be given to nvcc itself.
     host_flags = [f if f.startswith("-std=") else "-Xcompiler=" + f for f in cxx_flags]
-    jobs = [(src, nvcc_flags + gencode + common) for src in _existing(cuda_srcs)]
-    jobs += [(src, host_flags + common) for src in _existing(cxx_srcs)]
+    jobs = [(src, nvcc_flags + gencode + common, []) for src in _existing(cuda_srcs)]
+    jobs += [(src, host_flags + common, []) for src in _existing(cxx_srcs)]
+    nvshmem_jobs = []
+    if NVSHMEM_HOME:
+        nvshmem_flags = nvcc_flags + gencode + common + nvshmem_nvcc_flags + [
+            "-isystem=" + Label("@nvshmem//:headers").workspace_root + "/include",
+        ]
+        nvshmem_jobs = [(src, nvshmem_flags, ["@nvshmem//:headers"]) for src in _existing(nvshmem_cuda_srcs)]
 
     objects = []
-    for src, flags in jobs:
+    for src, flags, extra in jobs + nvshmem_jobs:
         obj = _object_name(name, src)
         native.genrule(
             name = obj,
-            srcs = [src] + hdrs + _EXTERNAL_HEADERS,
+            srcs = [src] + included_srcs.get(src, []) + hdrs + _EXTERNAL_HEADERS + extra,
             outs = ["_objs/%s/%s.o" % (name, src.replace("/", "_"))],
             cmd = " ".join([_quote(NVCC), "-c", "$(location %s)" % src, "-o", "$@"] + [_quote(f) for f in flags]),
             message = "nvcc " + src,
         )
         objects.append(":" + obj)
 
+    link_srcs, link_args = objects, ["$(location %s)" % o for o in objects]
+    if NVSHMEM_HOME:
+        # The -rdc objects device-linked with libnvshmem_device.a; the host
+        # library by its versioned name, found at run time through the rpath.
+        rdc_objects = objects[len(jobs):]
+        native.genrule(
+            name = name + "_nvshmem_dlink",
+            srcs = rdc_objects + ["@nvshmem//:device_lib"],
+            outs = ["_objs/%s/nvshmem_dlink.o" % name],
+            cmd = " ".join(
+                [_quote(NVCC), "-dlink"] + [_quote(f) for f in nvshmem_dlink_flags + gencode] +
+                ["$(location %s)" % o for o in rdc_objects] + ["$(location @nvshmem//:device_lib)", "-o", "$@"],
+            ),
+            message = "nvcc -dlink (NVSHMEM)",
+        )
+        lib = Label("@nvshmem//:headers").workspace_root + "/lib"
+        link_srcs = objects + [":" + name + "_nvshmem_dlink", "@nvshmem//:device_lib", "@nvshmem//:host_lib"]
+        link_args = link_args + [
+            "$(location :%s_nvshmem_dlink)" % name,
+            "$(location @nvshmem//:device_lib)",
+            "-L" + lib,
+            "-l:" + NVSHMEM_HOST_LIB,
+            _quote("-Xlinker=-rpath=" + NVSHMEM_HOME + "/lib"),
+        ]
+
     native.genrule(
         name = name,
-        srcs = objects,
+        srcs = link_srcs,
         outs = [module + PYTHON_EXT_SUFFIX],
         cmd = " ".join(
-            [_quote(NVCC)] + [_quote(f) for f in link_flags + gencode] +
-            ["$(location %s)" % o for o in objects] + ["-o", "$@"],
+            [_quote(NVCC)] + [_quote(f) for f in link_flags + gencode] + link_args + ["-o", "$@"],
         ),
         message = "nvcc link " + module + PYTHON_EXT_SUFFIX,
         visibility = visibility,

@@ -11,6 +11,9 @@
 
 #include "ffi/registration.h"
 #include "runtime/registry.h"
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+#include "runtime/nvshmem.h"
+#endif
 
 #ifndef DEEP_EP_JAX_CUDA_ARCHS
 #define DEEP_EP_JAX_CUDA_ARCHS ""
@@ -163,4 +166,27 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");
+  // EP groups across hosts (deep_ep_jax/nvshmem.py); absent from a build without NVSHMEM.
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  m.attr("with_nvshmem") = true;
+  m.def("nvshmem_unique_id", [] { return py::bytes(nvshmem::UniqueId()); },
+        "A fresh NVSHMEM unique id (PE 0, before nvshmem_init), as bytes");
+  m.def("nvshmem_init", [](int device, int pe, int num_pes, const py::bytes& unique_id) {
+          std::string id = unique_id;
+          py::gil_scoped_release release;
+          nvshmem::Init(device, pe, num_pes, id);
+        },
+        py::arg("device"), py::arg("pe"), py::arg("num_pes"), py::arg("unique_id"),
+        "Collective: NVSHMEM on `device` as PE `pe` of `num_pes` (unique-id bootstrap)");
+  m.def("nvshmem_initialized", &nvshmem::Initialized);
+  m.def("nvshmem_finalize", &nvshmem::Finalize, py::call_guard<py::gil_scoped_release>(),
+        "Collective: shuts NVSHMEM down (after every NVSHMEM buffer is destroyed)");
+  m.def("create_nvshmem_buffer", &nvshmem::CreateBuffer, py::arg("device"), py::arg("rank"), py::arg("pes"),
+        py::arg("same_host"), py::arg("low_latency_bytes"), py::arg("send_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Collective: a low-latency region (and send area) in the symmetric heap for `rank` of an EP group across "
+        "hosts; pes[r] and same_host[r] per rank. Returns the buffer id");
+#else
+  m.attr("with_nvshmem") = false;
+#endif
 }

@@ -23,6 +23,26 @@ CXX_SOURCES = [
     "csrc/module.cc",
 ]
 
+# With NVSHMEM (EP groups across hosts; the nvidia-nvshmem-cu13 wheel or
+# NVSHMEM_HOME, found at build time): the sources that use it. They are
+# compiled with NVSHMEM_NVCC_FLAGS and NVSHMEM's include dir, device-linked
+# (nvcc -dlink) with libnvshmem_device.a, and the module links
+# libnvshmem_host with an rpath to NVSHMEM's lib dir. Every source then gets
+# NVSHMEM_DEFINES. Without NVSHMEM they are left out and the rest builds alone.
+NVSHMEM_CUDA_SOURCES = [
+    "csrc/runtime/nvshmem.cu",
+    "csrc/kernels/low_latency_nvshmem.cu",
+]
+NVSHMEM_NVCC_FLAGS = ["-rdc=true"]
+# The device-link step (its registration code stays private to the module).
+NVSHMEM_DLINK_FLAGS = ["-Xcompiler=-fPIC", "-Xcompiler=-fvisibility=hidden"]
+NVSHMEM_DEFINES = ["-DDEEP_EP_JAX_WITH_NVSHMEM"]
+
+# Sources another source #includes (besides headers): source -> what it includes.
+INCLUDED_SOURCES = {
+    "csrc/kernels/low_latency_nvshmem.cu": ["csrc/kernels/low_latency.cu"],
+}
+
 # Headers every source may include; a change to one rebuilds everything.
 HEADER_GLOBS = [
     "csrc/**/*.h",

@@ -109,6 +109,11 @@ class Buffer:
         # lands rows in the buffer's regions: staged).
         self.ipc = False
         self._ipc_name = None
+        # An EP group spans hosts (real ones, or Config.gpus_per_host): the
+        # low-latency region is in NVSHMEM's symmetric heap, ranks on other
+        # hosts are reached through NVSHMEM. Normal mode: not implemented yet.
+        self.spans_hosts = False
+        self.num_send_bytes = 0  # its send area (rows staged for other hosts)
 
         devices = list(mesh.devices.flat)
         reason = _cuda_unavailable_reason(devices)
@@ -131,13 +136,33 @@ class Buffer:
         me = jax.process_index()
         return [[d.local_hardware_id if d.process_index == me else -1 for d in row] for row in self._device_grid()]
 
+    def _group_nodes(self, spans_processes):
+        """Node (host) index of each rank of each EP group: from the processes'
+        hostnames (traded when the mesh spans processes), cut further by
+        Config.gpus_per_host."""
+        if spans_processes:
+            hosts = multiprocess.hostnames(self.config.timeout_s)
+        else:
+            hosts = {jax.process_index(): "localhost"}
+        return [
+            multiprocess.group_nodes([hosts[d.process_index] for d in row], self.config.gpus_per_host)
+            for row in self._device_grid()
+        ]
+
     def _allocate(self, num_nvl_bytes, num_rdma_bytes):
         ops = self._ops
         groups = self._groups()
         mine = [g for g in groups if any(d >= 0 for d in g)]  # groups with devices of this process
-        if multiprocess.spans_processes(self.mesh.devices.flat):
+        spans_processes = multiprocess.spans_processes(self.mesh.devices.flat)
+        if spans_processes:
             # Advanced on every process alike, so keys agree (SPMD: same Buffers, same order).
             self._ipc_name = multiprocess.next_buffer_name()
+        # Decided from what every process knows alike, so all take the same path.
+        nodes = self._group_nodes(spans_processes)
+        self.spans_hosts = any(len(set(n)) > 1 for n in nodes)
+        if self.spans_hosts:
+            self._allocate_nvshmem(groups, nodes, num_rdma_bytes)
+            return
         self.ipc = any(-1 in g for g in mine)
         if self.ipc and any(sum(d >= 0 for d in g) != 1 for g in mine):
             raise NotImplementedError(
@@ -161,6 +186,40 @@ class Buffer:
             ops.destroy_buffer(self.buffer_id)
             self.buffer_id = None
             raise
+
+    def _allocate_nvshmem(self, groups, nodes, num_rdma_bytes):
+        """The low-latency region in NVSHMEM's symmetric heap (collective:
+        every process of the mesh creates the Buffer)."""
+        from deep_ep_jax import nvshmem
+
+        devices = list(self.mesh.devices.flat)
+        nvshmem.check_one_gpu_per_process(devices)
+        if {d.process_index for d in devices} != set(range(jax.process_count())):
+            raise NotImplementedError(
+                "Buffer(backend='cuda'): an EP group across hosts uses NVSHMEM, whose PEs are all jax processes; "
+                "the mesh must hold a device of every process"
+            )
+        if not self.low_latency_mode:
+            raise NotImplementedError(
+                "Buffer(backend='cuda'): this EP group spans hosts, and internode normal mode (dispatch/combine "
+                "across hosts) is not implemented yet; create the Buffer with low_latency_mode=True for the "
+                "low-latency operations, or use backend='xla'"
+            )
+        reason = nvshmem.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
+        g, r = next((g, r) for g, row in enumerate(groups) for r, d in enumerate(row) if d >= 0)
+        device = groups[g][r]
+        self.num_rdma_bytes = num_rdma_bytes or self._ops.low_latency_region_bytes(
+            self.num_ranks, self.num_experts, self.hidden, self.num_max_dispatch_tokens_per_rank
+        )
+        send_bytes = self._ops.low_latency_send_bytes(self.num_ranks, self.hidden, self.num_max_dispatch_tokens_per_rank)
+        self.num_send_bytes = send_bytes
+        nvshmem.initialize(device, self.num_rdma_bytes + send_bytes, self.config.timeout_s)
+        pes = [d.process_index for d in self._device_grid()[g]]
+        same_host = [nodes[g][q] == nodes[g][r] for q in range(self.num_ranks)]
+        self.buffer_id = self._ops.create_nvshmem_buffer(device, r, pes, same_host, self.num_rdma_bytes, send_bytes)
+        nvshmem.track(self)
 
     def _open_ipc_peers(self, groups, handles):
         """Trades IPC handles with the other processes of our groups and opens theirs."""
@@ -188,16 +247,24 @@ class Buffer:
         self._destroyed = True
         if self.buffer_id is None:
             return
-        if not self.ipc:
+        if not self.ipc and not self.spans_hosts:
             self._ops.destroy_buffer(self.buffer_id)
             return
+        if self.spans_hosts:
+            from deep_ep_jax import nvshmem
+
+            nvshmem.untrack(self)
         # Peers may still read or write our regions: wait until every
         # process's work is done before any memory goes.
         try:
             self._ops.synchronize_buffer(self.buffer_id)
             multiprocess.barrier(f"{self._ipc_name}/destroy", self.config.timeout_s)
-        finally:
-            self._ops.destroy_buffer(self.buffer_id)
+        except BaseException:
+            # NVSHMEM's free is collective: with a process missing it would wait forever; leave the memory.
+            if not self.spans_hosts:
+                self._ops.destroy_buffer(self.buffer_id)
+            raise
+        self._ops.destroy_buffer(self.buffer_id)
 
     def __enter__(self):
         return self
@@ -217,5 +284,5 @@ class Buffer:
     def __repr__(self):
         return (
             f"Buffer(axis={self.axis_name!r}, num_ranks={self.num_ranks}, backend={self.backend!r}, "
-            f"low_latency_mode={self.low_latency_mode}, id={self.buffer_id})"
+            f"low_latency_mode={self.low_latency_mode}, spans_hosts={self.spans_hosts}, id={self.buffer_id})"
         )

@@ -8,6 +8,10 @@ them without touching code:
   DEEP_EP_JAX_TIMEOUT_S      seconds a device-side wait spins before failing
   DEEP_EP_JAX_CHECKS         1: raise on bad data (expert ids out of range,
                              num_worst_tokens overflow) instead of masking
+  DEEP_EP_JAX_GPUS_PER_HOST  GPUs of an EP group per host (default: as the
+                             hostnames say); fewer than the group has makes it
+                             span hosts (NVSHMEM), e.g. 1 to emulate two hosts
+                             of one GPU each on one machine
 """
 
 from __future__ import annotations
@@ -22,6 +26,11 @@ def _env_int(name: str, default: int) -> int:
 
 def _env_float(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
+
+
+def _env_optional_int(name: str) -> int | None:
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -40,6 +49,9 @@ class Config:
     num_warps: int = 16
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("DEEP_EP_JAX_TIMEOUT_S", 20.0))
     checks: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_CHECKS", False))
+    # Ranks of an EP group on one host, in rank order, are cut into hosts of this
+    # many GPUs; ranks on different (real or such) hosts talk through NVSHMEM.
+    gpus_per_host: int | None = dataclasses.field(default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST"))
 
     def __post_init__(self):
         if not (1 <= self.num_sms <= 132):
@@ -50,6 +62,8 @@ class Config:
             raise ValueError(f"Config.num_warps must be in [1, 16], got {self.num_warps}")
         if not (0 < self.timeout_s <= 3600):
             raise ValueError(f"Config.timeout_s must be in (0, 3600], got {self.timeout_s}")
+        if self.gpus_per_host is not None and self.gpus_per_host < 1:
+            raise ValueError(f"Config.gpus_per_host must be >= 1 or None, got {self.gpus_per_host}")
 
     @property
     def timeout_ns(self) -> int:

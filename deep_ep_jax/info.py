@@ -137,6 +137,10 @@ def main():
     _section("NVSHMEM")
     found = find_nvshmem()
     print(f"nvidia-nvshmem-cu13 {found[0]}: {found[1]}" if found else "not found (pip install nvidia-nvshmem-cu13)")
+    from deep_ep_jax import nvshmem
+
+    why_not = nvshmem.unavailable_reason()
+    print("EP groups across hosts: " + ("available" if why_not is None else f"unavailable: {why_not}"))
 
     _section("backend")
     reason = _native.unavailable_reason()

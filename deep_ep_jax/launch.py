@@ -6,7 +6,9 @@
 Each process gets the environment `initialize()` reads (coordinator address
 on localhost with a free port, process id, number of processes) and, when
 GPUs are present, CUDA_VISIBLE_DEVICES set to one GPU (the i-th of the
-launcher's own CUDA_VISIBLE_DEVICES, if set). NVLink multicast stays off
+launcher's own CUDA_VISIBLE_DEVICES, if set); with --all-gpus-visible every
+process sees all of them and JAX uses only the i-th (NVSHMEM's peer-to-peer
+transport wants to see its peers' GPUs). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1). Output lines are prefixed with
 the rank. The launcher waits for all; when one fails it kills the others and
 exits with that process's status.
@@ -29,6 +31,7 @@ import time
 COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"  # also read by jax.distributed itself
 NUM_PROCESSES_VAR = "JAX_NUM_PROCESSES"
 PROCESS_ID_VAR = "JAX_PROCESS_ID"
+LOCAL_DEVICE_VAR = "DEEP_EP_JAX_LOCAL_DEVICE"  # --all-gpus-visible: the GPU ordinal JAX uses
 
 
 def initialize(**kwargs) -> None:
@@ -51,6 +54,8 @@ def initialize(**kwargs) -> None:
         kwargs.setdefault("process_id", int(os.environ[PROCESS_ID_VAR]))
         # The launcher said everything: no SLURM/MPI detection overriding the device choice.
         kwargs.setdefault("cluster_detection_method", "deactivate")
+        if os.environ.get(LOCAL_DEVICE_VAR):
+            kwargs.setdefault("local_device_ids", [int(os.environ[LOCAL_DEVICE_VAR])])
     jax.distributed.initialize(**kwargs)
 
 
@@ -73,7 +78,7 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def _child_env(rank, num_processes, address, gpus, cpu):
+def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False):
     env = dict(os.environ)
     env[COORDINATOR_VAR] = address
     env[NUM_PROCESSES_VAR] = str(num_processes)
@@ -84,6 +89,9 @@ def _child_env(rank, num_processes, address, gpus, cpu):
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif gpus and all_gpus_visible:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env[LOCAL_DEVICE_VAR] = str(rank)  # an ordinal among the visible GPUs
     elif gpus:
         env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
     return env
@@ -113,7 +121,8 @@ def _stop(procs, grace_s=5.0):
             p.wait()
 
 
-def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=False, out=None) -> int:
+def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=False, out=None,
+           all_gpus_visible=False) -> int:
     """Runs `python command...` in num_processes processes; returns 0 when all
     succeed, else the first failure's exit status (124 on timeout). A failure
     stops the others, unless keep_going (then all run to their end)."""
@@ -130,7 +139,7 @@ def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=Fals
     for rank in range(num_processes):
         p = subprocess.Popen(
             [sys.executable, *command],
-            env=_child_env(rank, num_processes, address, gpus, cpu),
+            env=_child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -183,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU only: JAX_PLATFORMS=cpu, no GPU per process")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     parser.add_argument("--keep-going", action="store_true", help="when a process fails, let the others run on")
+    parser.add_argument("--all-gpus-visible", action="store_true",
+                        help="every process sees all GPUs and JAX uses the i-th (for NVSHMEM's peer-to-peer transport)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -190,7 +201,8 @@ def main(argv=None) -> int:
         parser.error("give the script to run, e.g. `-n 2 -- script.py`")
     if args.num_processes < 1:
         parser.error("-n must be >= 1")
-    return launch(args.num_processes, command, cpu=args.cpu, timeout_s=args.timeout, keep_going=args.keep_going)
+    return launch(args.num_processes, command, cpu=args.cpu, timeout_s=args.timeout, keep_going=args.keep_going,
+                  all_gpus_visible=args.all_gpus_visible)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """One process per GPU: the Buffer's CUDA IPC handles traded through the
-jax.distributed key-value store.
+jax.distributed key-value store, and which host each process is on.
 
 Every process creates the same Buffers in the same order (SPMD), so a
 per-process counter names each multi-process buffer identically everywhere;
-keys are ours, under `deep_ep_jax/buffer/<n>/`.
+keys are ours, under `deep_ep_jax/buffer/<n>/` (and `deep_ep_jax/host/<p>`,
+`deep_ep_jax/nvshmem/uid`).
 """
 
 from __future__ import annotations
 
 import itertools
+import socket
 
 import jax
 
 KEY_PREFIX = "deep_ep_jax/buffer"
+HOST_KEY_PREFIX = "deep_ep_jax/host"
+
+_hostnames = None  # {process index: hostname}, traded once
 
 _buffer_counter = itertools.count()
 
@@ -38,6 +43,52 @@ def _client():
             "jax.distributed.initialize() (or deep_ep_jax.launch.initialize()) before creating the Buffer"
         )
     return client
+
+
+def publish(key: str, value: bytes) -> None:
+    """Sets our own key in the key-value store (bytes, hex-encoded)."""
+    _client().key_value_set(key, bytes(value).hex())
+
+
+def fetch(key: str, timeout_s: float, what: str) -> bytes:
+    """The bytes another process publishes under `key`; TimeoutError naming
+    `what` and the key when it does not come within timeout_s."""
+    try:
+        return bytes.fromhex(_client().blocking_key_value_get(key, int(timeout_s * 1000)))
+    except Exception as e:  # jax raises its runtime error type; say what was missing
+        kind = TimeoutError if "DEADLINE_EXCEEDED" in str(e).upper() else RuntimeError
+        raise kind(
+            f"deep_ep_jax: {what} did not arrive under key {key!r} within {timeout_s:g} s (Config.timeout_s); "
+            f"is that process alive and creating the same Buffers in the same order? ({type(e).__name__}: {e})"
+        ) from e
+
+
+def hostnames(timeout_s: float) -> dict:
+    """{process index: hostname} of every process, traded once per process."""
+    global _hostnames
+    if _hostnames is None:
+        me = jax.process_index()
+        publish(f"{HOST_KEY_PREFIX}/{me}", socket.gethostname().encode())
+        names = {me: socket.gethostname()}
+        for p in range(jax.process_count()):
+            if p != me:
+                names[p] = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the hostname of process {p}").decode()
+        _hostnames = names
+    return _hostnames
+
+
+def group_nodes(hosts, gpus_per_host=None) -> list[int]:
+    """Node (host) index of each rank of an EP group, from its ranks' hostnames
+    in rank order. With gpus_per_host, each host's ranks (in rank order) are
+    cut into nodes of that many, as if on different hosts: that is how one
+    machine emulates several (Config.gpus_per_host)."""
+    nodes, index, seen = [], {}, {}
+    for host in hosts:
+        i = seen.get(host, 0)
+        seen[host] = i + 1
+        key = (host, i // gpus_per_host if gpus_per_host else 0)
+        nodes.append(index.setdefault(key, len(index)))
+    return nodes
 
 
 def handle_key(name: str, group: int, rank: int) -> str:

@@ -10,6 +10,11 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   low_latency  CUDA low-latency mode vs the xla backend: the suite's core comparisons
   kill         CUDA dispatch/combine in a loop; the last rank kills itself midway,
                the others must fail with the kernels' timeout message
+  hosts        the hostname exchange and the host decision (CPU or GPU)
+  internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
+               CUDA low-latency mode over NVSHMEM vs the xla backend
+  internode_refusals     with DEEP_EP_JAX_GPUS_PER_HOST=1: normal mode across hosts
+               raises NotImplementedError, at Buffer creation and in dispatch/combine
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -221,12 +226,84 @@ def case_kill():
     log("NO TIMEOUT")
 
 
+def case_hosts():
+    import socket
+
+    names = multiprocess.hostnames(timeout_s=30)
+    assert names == {p: socket.gethostname() for p in range(jax.process_count())}, names
+    count = jax.process_count()
+    assert multiprocess.group_nodes([names[p] for p in range(count)]) == [0] * count
+    assert multiprocess.group_nodes([names[p] for p in range(count)], 1) == list(range(count))
+
+
+def _internode_mesh():
+    assert dej.Config().gpus_per_host == 1, "run with DEEP_EP_JAX_GPUS_PER_HOST=1"
+    return _gpu_mesh()
+
+
+def case_internode_low_latency():
+    import test_low_latency_gpu as suite
+    from deep_ep_jax.backends import cuda_low_latency as cll
+
+    mesh = _internode_mesh()
+    num_ranks = mesh.shape[AXIS]
+    region = cll.low_latency_region_bytes(
+        num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
+    )
+    cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, hidden=suite.MAX_HIDDEN,
+                      num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS, num_rdma_bytes=region)
+    xla = dej.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
+                     num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS)
+    assert cuda.backend == "cuda" and cuda.spans_hosts and not cuda.ipc, cuda
+    log(f"NVSHMEM buffer: {cuda}, send area {cuda.num_send_bytes} bytes")
+    buffers = (cuda, xla)
+    for use_fp8 in (True, False):
+        for kind in dt.ROUTING_KINDS:
+            suite.test_matches_reference(mesh, buffers, kind, use_fp8)
+            log(f"internode low-latency {kind} fp8={use_fp8}: ok")
+    suite.test_split_halves(mesh, buffers)
+    log("internode low-latency split halves: ok")
+    suite.test_many_calls_in_fori_loop(mesh, buffers)
+    log("internode low-latency fori_loop: ok")
+    cuda.destroy()
+
+
+def case_internode_refusals():
+    mesh = _internode_mesh()
+    num_ranks = mesh.shape[AXIS]
+    try:
+        dej.Buffer(mesh, AXIS, backend="cuda", hidden=256)
+    except NotImplementedError as e:
+        assert "internode normal mode" in str(e) and "low_latency_mode=True" in str(e), e
+    else:
+        raise AssertionError("a normal-mode Buffer across hosts was created")
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, hidden=256,
+                        num_max_dispatch_tokens_per_rank=8)
+    assert buffer.spans_hosts, buffer
+    idx, w = dt.make_routing(0, num_ranks * 8, 4 * num_ranks, 2, num_ranks)
+    x = dt.random_rows(1, (num_ranks * 8, 256))
+
+    def step(x, idx, w):
+        return dej.dispatch(x, idx, w, num_experts=4 * num_ranks, buffer=buffer)[0]
+
+    try:
+        _per_rank(step, mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w))
+    except NotImplementedError as e:
+        assert "spans hosts" in str(e) and "dispatch" in str(e), e
+    else:
+        raise AssertionError("dispatch across hosts did not raise NotImplementedError")
+    buffer.destroy()
+
+
 CASES = {
     "reference": case_reference,
     "exchange": case_exchange,
     "normal": case_normal,
     "low_latency": case_low_latency,
     "kill": case_kill,
+    "hosts": case_hosts,
+    "internode_low_latency": case_internode_low_latency,
+    "internode_refusals": case_internode_refusals,
 }
 
 

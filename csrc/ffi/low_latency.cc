@@ -41,7 +41,50 @@ ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t time
   peers->num_ranks = state->num_ranks;
   peers->half_bytes = low_latency::HalfBytes(state->low_latency.num_bytes);
   peers->timeout_ns = uint64_t(timeout_ns);
+  peers->nvshmem = state->nvshmem;
+  for (int r = 0; r < state->num_ranks; ++r) peers->pes[r] = state->pes[r];
+  peers->send_offset = state->low_latency.num_bytes;  // the send area follows the region
+  peers->send_bytes = state->send_bytes;
+#ifndef DEEP_EP_JAX_WITH_NVSHMEM
+  if (peers->nvshmem) return Invalid(fn, "the buffer spans hosts but the extension was built without NVSHMEM");
+#endif
   return ffi::Error::Success();
+}
+
+// Across hosts, rows put to other hosts are staged in the send area first.
+ffi::Error CheckStage(const char* fn, size_t needed, const Peers& peers) {
+  if (peers.nvshmem && needed > peers.send_bytes) {
+    return Invalid(fn, "the send area of a buffer across hosts is too small for these shapes: needs " + Str(needed) +
+                           " bytes, has " + Str(peers.send_bytes) +
+                           "; size the Buffer with cuda_low_latency.low_latency_send_bytes(...)");
+  }
+  return ffi::Error::Success();
+}
+
+// A buffer across hosts runs the NVSHMEM build of the kernels.
+cudaError_t Launch(const low_latency::DispatchSendArgs& a, int device, cudaStream_t stream) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  if (a.peers.nvshmem) return low_latency::LaunchDispatchSendNvshmem(a, device, stream);
+#endif
+  return low_latency::LaunchDispatchSend(a, device, stream);
+}
+cudaError_t Launch(const low_latency::DispatchRecvArgs& a, int device, cudaStream_t stream) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  if (a.peers.nvshmem) return low_latency::LaunchDispatchRecvNvshmem(a, device, stream);
+#endif
+  return low_latency::LaunchDispatchRecv(a, device, stream);
+}
+cudaError_t Launch(const low_latency::CombineSendArgs& a, int device, cudaStream_t stream) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  if (a.peers.nvshmem) return low_latency::LaunchCombineSendNvshmem(a, device, stream);
+#endif
+  return low_latency::LaunchCombineSend(a, device, stream);
+}
+cudaError_t Launch(const low_latency::CombineRecvArgs& a, int device, cudaStream_t stream) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  if (a.peers.nvshmem) return low_latency::LaunchCombineRecvNvshmem(a, device, stream);
+#endif
+  return low_latency::LaunchCombineRecv(a, device, stream);
 }
 
 ffi::Error CheckFits(const char* fn, size_t needed, const Peers& peers) {
@@ -113,6 +156,10 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   args.layout =
       low_latency::MakeDispatchLayout(num_ranks, num_experts / num_ranks, max_tokens, num_topk, hidden, use_fp8);
   if (auto err = CheckFits(fn, args.layout.bytes, args.peers); err.failure()) return err;
+  if (auto err = CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args.layout.row_bytes), args.peers);
+      err.failure()) {
+    return err;
+  }
 
   args.x = x.untyped_data();
   args.topk_idx = topk_idx.typed_data();
@@ -124,7 +171,7 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
   args.max_tokens = int(max_tokens);
   args.fp8 = use_fp8;
   args.round_scale = round_scale;
-  return Launched(fn, low_latency::LaunchDispatchSend(args, device, stream));
+  return Launched(fn, Launch(args, device, stream));
 }
 
 ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> recv_x,
@@ -170,7 +217,7 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S3
   args.num_topk = int(num_topk);
   args.hidden = int(hidden);
   args.fp8 = fp8;
-  return Launched(fn, low_latency::LaunchDispatchRecv(args, device, stream));
+  return Launched(fn, Launch(args, device, stream));
 }
 
 ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
@@ -199,6 +246,10 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   if (auto err = CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args.peers); err.failure()) {
     return err;
   }
+  if (auto err = CheckStage(fn, low_latency::CombineStageBytes(num_ranks, max_tokens, num_topk, hidden), args.peers);
+      err.failure()) {
+    return err;
+  }
 
   args.x = x.untyped_data();
   args.recv_count = recv_count.typed_data();
@@ -210,7 +261,7 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
   args.max_tokens = int(max_tokens);
   args.num_topk = int(num_topk);
   args.hidden = int(hidden);
-  return Launched(fn, low_latency::LaunchCombineSend(args, device, stream));
+  return Launched(fn, Launch(args, device, stream));
 }
 
 ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
@@ -243,7 +294,7 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32
   args.num_tokens = int(num_tokens);
   args.num_topk = int(num_topk);
   args.hidden = int(hidden);
-  return Launched(fn, low_latency::LaunchCombineRecv(args, device, stream));
+  return Launched(fn, Launch(args, device, stream));
 }
 
 }  // namespace

@@ -82,15 +82,19 @@ __device__ __forceinline__ void copy16(void* dst, const void* src, size_t num_by
 }
 
 // How this rank reaches the others. Over NVLink every rank's region is mapped
-// here, so a put is a store through a peer pointer; a transport for ranks
-// beyond NVLink (NVSHMEM) provides the same five operations.
-struct Transport {
+// here, so a put is a store through a peer pointer. The kernels are templates
+// over the transport: low_latency_nvshmem.cu includes this file and builds
+// them again with one that reaches ranks on other hosts through NVSHMEM.
+struct NvlinkTransport {
   Peers p;
 
   __device__ char* local() const { return p.regions[p.rank]; }
   __device__ Control* control() const { return reinterpret_cast<Control*>(local()); }
-  // Copies local bytes to `offset` of rank's region (a cooperative group of threads).
-  __device__ void put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count) const {
+  // Copies local bytes to `offset` of rank's region (a cooperative group of
+  // whole warps). stage_offset: where a transport that needs registered
+  // memory as the source (NVSHMEM) stages them first; unused here.
+  __device__ void put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
+                      size_t /*stage_offset*/ = 0) const {
     copy16(p.regions[rank] + offset, src, num_bytes, index, count);
   }
   __device__ void put_int(int rank, size_t offset, int value) const {
@@ -202,6 +206,7 @@ __device__ void block_histogram(const int* values, int n, int num_bins, int* bin
 // True in every thread of the block that finishes last. Every thread's
 // earlier puts are visible system-wide and every block's loads are done by
 // then, so that block may signal the peers.
+template <typename Transport>
 __device__ bool last_block(const Transport& tr, int* blocks_done) {
   __shared__ int is_last;
   tr.fence();
@@ -278,7 +283,7 @@ size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
          (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
-template <bool kFp8>
+template <typename Transport, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
   extern __shared__ __align__(16) int smem[];
   const Transport tr{a.peers};
@@ -341,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs 
       const size_t row_index = size_t(rank) * layout.capacity + pos;
       const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
       tr.put(dst, half_offset + layout.rows_offset + row_index * layout.row_bytes, src, layout.row_bytes,
-             group_thread, warps_per_row * 32);
+             group_thread, warps_per_row * 32, (size_t(t) * num_topk + k) * layout.row_bytes);
       if (group_thread == 0) tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * row_index, t * num_topk + k);
     }
     __syncthreads();  // staging and `before` are reused by the next token
@@ -360,7 +365,7 @@ size_t DispatchRecvSharedBytes(int num_rows_lists) {
   return sizeof(int) * (2 * size_t(num_rows_lists) + 2 + kScanScratch);
 }
 
-template <bool kFp8>
+template <typename Transport, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
   extern __shared__ __align__(16) int smem[];
   const Transport tr{a.peers};
@@ -438,6 +443,7 @@ __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs 
   }
 }
 
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
   extern __shared__ __align__(16) int smem[];
   const Transport tr{a.peers};
@@ -471,7 +477,8 @@ __global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a)
     const int src = a.recv_src_rank[row], t = a.recv_src_token[row], k = a.recv_src_topk[row];
     if (src < 0 || src >= num_ranks || t < 0 || t >= a.max_tokens || k < 0 || k >= num_topk) return;
     const char* from = static_cast<const char*>(a.x) + row * row_bytes;
-    tr.put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count);
+    tr.put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count,
+           ((size_t(src) * a.max_tokens + t) * num_topk + k) * row_bytes);
   });
 
   if (last_block(tr, &control->blocks_done[kCombineSend][0])) {
@@ -483,6 +490,7 @@ __global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a)
   }
 }
 
+template <typename Transport>
 __global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
@@ -557,43 +565,68 @@ int NumSms(int device) {
   return n;
 }
 
+// Launchers, for a transport.
+template <typename Transport>
+cudaError_t DispatchSendWith(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
+  const int grid = std::max(1, std::min(args.num_tokens, NumSms(device_ordinal)));
+  const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
+  if (args.fp8) {
+    DispatchSendKernel<Transport, true><<<grid, kThreads, shared, stream>>>(args);
+  } else {
+    DispatchSendKernel<Transport, false><<<grid, kThreads, shared, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Transport>
+cudaError_t DispatchRecvWith(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
+  const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
+  if (args.fp8) {
+    DispatchRecvKernel<Transport, true><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  } else {
+    DispatchRecvKernel<Transport, false><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Transport>
+cudaError_t CombineSendWith(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
+  const size_t shared = sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
+  CombineSendKernel<Transport><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <typename Transport>
+cudaError_t CombineRecvWith(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
+  CombineRecvKernel<Transport><<<NumSms(device_ordinal), kThreads, 0, stream>>>(args);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
+// The NVLink build; low_latency_nvshmem.cu defines this macro and builds the
+// NVSHMEM launchers from the templates above instead.
+#ifndef DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
   return std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
 }
 
 cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  const int grid = std::max(1, std::min(args.num_tokens, NumSms(device_ordinal)));
-  const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
-  if (args.fp8) {
-    DispatchSendKernel<true><<<grid, kThreads, shared, stream>>>(args);
-  } else {
-    DispatchSendKernel<false><<<grid, kThreads, shared, stream>>>(args);
-  }
-  return cudaGetLastError();
+  return DispatchSendWith<NvlinkTransport>(args, device_ordinal, stream);
 }
 
 cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
-  if (args.fp8) {
-    DispatchRecvKernel<true><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
-  } else {
-    DispatchRecvKernel<false><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
-  }
-  return cudaGetLastError();
+  return DispatchRecvWith<NvlinkTransport>(args, device_ordinal, stream);
 }
 
 cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  const size_t shared = sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
-  CombineSendKernel<<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
-  return cudaGetLastError();
+  return CombineSendWith<NvlinkTransport>(args, device_ordinal, stream);
 }
 
 cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  CombineRecvKernel<<<NumSms(device_ordinal), kThreads, 0, stream>>>(args);
-  return cudaGetLastError();
+  return CombineRecvWith<NvlinkTransport>(args, device_ordinal, stream);
 }
+#endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 
 }  // namespace low_latency
 }  // namespace deep_ep_jax

@@ -75,7 +75,25 @@ struct Peers {
   int num_ranks;
   size_t half_bytes;
   uint64_t timeout_ns;
+  // An EP group across hosts (the region is in NVSHMEM's symmetric heap):
+  // regions[r] is null for a rank on another host, reached as PE pes[r];
+  // rows put to such ranks are staged in this rank's send area first (RDMA
+  // reads its source from registered memory), send_bytes at send_offset of
+  // the region. Unused (false, 0) over NVLink.
+  bool nvshmem;
+  int pes[kMaxRanks];
+  size_t send_offset;
+  size_t send_bytes;
 };
+
+// Send-area bytes the NVSHMEM kernels stage rows in: one slot per (token, k)
+// for a dispatch, per (source rank, token, k) for a combine.
+inline size_t DispatchStageBytes(int64_t max_tokens, int64_t num_topk, size_t row_bytes) {
+  return size_t(max_tokens * num_topk) * row_bytes;
+}
+inline size_t CombineStageBytes(int64_t num_ranks, int64_t max_tokens, int64_t num_topk, int64_t hidden) {
+  return size_t(num_ranks) * CombineBytes(max_tokens, num_topk, hidden);
+}
 
 struct DispatchSendArgs {
   Peers peers;
@@ -130,6 +148,16 @@ cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal,
 cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream);
 cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream);
 cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream);
+
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+// The same kernels for a group across hosts (peers.nvshmem): ranks on other
+// hosts through NVSHMEM, the others through their mapped regions
+// (low_latency_nvshmem.cu, built only with NVSHMEM).
+cudaError_t LaunchDispatchSendNvshmem(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchDispatchRecvNvshmem(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchCombineSendNvshmem(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream);
+cudaError_t LaunchCombineRecvNvshmem(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream);
+#endif
 
 }  // namespace low_latency
 }  // namespace deep_ep_jax

@@ -28,6 +28,7 @@ std::map<std::pair<int64_t, int>, DeviceState> device_states;  // (buffer id, de
 std::map<int64_t, std::vector<int>> buffer_devices;            // buffer id -> its devices
 std::map<int64_t, std::vector<std::vector<int>>> ipc_groups;   // IPC buffer id -> its groups (-1: remote)
 std::map<std::pair<int64_t, int>, std::vector<void*>> ipc_mappings;  // (buffer id, device) -> opened peers
+std::map<int64_t, std::function<void()>> external_releases;       // buffer id -> frees its memory
 int64_t next_buffer_id = 1;
 
 static_assert(kIpcHandleBytes == 2 * sizeof(cudaIpcMemHandle_t), "kIpcHandleBytes: two cudaIpcMemHandle_t");
@@ -108,7 +109,7 @@ void FreeStates(const std::vector<DeviceState>& states) {
     cudaSetDevice(s.device_ordinal);
     cudaDeviceSynchronize();
     if (s.normal.local) cudaFree(s.normal.local);
-    if (s.low_latency.local) cudaFree(s.low_latency.local);
+    if (s.low_latency.local && !s.nvshmem) cudaFree(s.low_latency.local);  // else: its release frees it
     cudaSetDevice(previous);
   }
 }
@@ -359,9 +360,18 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
   }
 }
 
+int64_t RegisterExternalBuffer(DeviceState state, std::function<void()> release) {
+  std::vector<DeviceState> states{state};
+  const int64_t id = Register(states);
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  external_releases[id] = std::move(release);
+  return id;
+}
+
 void DestroyBuffer(int64_t buffer_id) {
   std::vector<DeviceState> states;
   std::vector<std::pair<int, std::vector<void*>>> mappings;  // (device, opened peers)
+  std::function<void()> release;
   {
     std::unique_lock<std::shared_mutex> lock(registry_mutex);
     auto it = buffer_devices.find(buffer_id);
@@ -381,6 +391,11 @@ void DestroyBuffer(int64_t buffer_id) {
     }
     buffer_devices.erase(it);
     ipc_groups.erase(buffer_id);
+    auto external = external_releases.find(buffer_id);
+    if (external != external_releases.end()) {
+      release = std::move(external->second);
+      external_releases.erase(external);
+    }
   }
   // Outside the lock: a device synchronisation can take a while. Peers'
   // mappings are closed before our own memory goes.
@@ -388,7 +403,8 @@ void DestroyBuffer(int64_t buffer_id) {
     SynchronizeDevice(device);
     CloseMappings(device, ptrs);
   }
-  FreeStates(states);
+  FreeStates(states);  // synchronises each device first
+  if (release) release();
 }
 
 void SynchronizeBuffer(int64_t buffer_id) {

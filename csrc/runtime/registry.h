@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,13 @@ struct DeviceState {
   bool ipc = false;
   Region normal;
   Region low_latency;
+  // An EP group across hosts: the low-latency region is in NVSHMEM's
+  // symmetric heap (runtime/nvshmem.h), followed by send_bytes of send area;
+  // low_latency.peers[r] is null for a rank on another host, reached as PE
+  // pes[r]. There is no normal region (internode normal mode: not yet).
+  bool nvshmem = false;
+  int pes[kMaxRanks] = {};
+  size_t send_bytes = 0;
 };
 
 // groups: device ordinals of each EP group (one group per index of the other
@@ -67,6 +75,11 @@ struct IpcBuffer {
 IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
                           size_t low_latency_bytes);
 void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>& handles);
+
+// A buffer whose memory someone else allocated (NVSHMEM's symmetric heap):
+// registered as is; DestroyBuffer synchronises its device and calls release
+// instead of cudaFree. Returns the buffer id.
+int64_t RegisterExternalBuffer(DeviceState state, std::function<void()> release);
 
 // Closes opened IPC mappings, synchronises each device and frees its regions.
 void DestroyBuffer(int64_t buffer_id);

@@ -20,6 +20,7 @@ from deep_ep_jax.backends.cuda_low_latency import (  # noqa: F401  (re-exported:
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
     low_latency_region_bytes,
+    low_latency_send_bytes,
 )
 from deep_ep_jax.backends.cuda_normal import cached_dispatch, combine, dispatch, normal_region_bytes  # noqa: F401
 
@@ -46,6 +47,17 @@ def create_ipc_buffer(groups, normal_bytes, low_latency_bytes):
 def open_ipc_peers(buffer_id, handles) -> None:
     """Maps the peers' regions from handles[group][rank] (bytes; ignored for local ranks)."""
     _native.extension().open_ipc_peers(int(buffer_id), [[bytes(h) for h in group] for group in handles])
+
+
+def create_nvshmem_buffer(device, rank, pes, same_host, low_latency_bytes, send_bytes) -> int:
+    """An EP group across hosts: the low-latency region of `rank` (this
+    process's `device`) and its send area in NVSHMEM's symmetric heap.
+    Collective over all processes. pes[r]: PE of rank r; same_host[r]: rank r
+    is on this host (reached through mapped memory, not NVSHMEM's transports)."""
+    return _native.extension().create_nvshmem_buffer(
+        int(device), int(rank), [int(p) for p in pes], [bool(h) for h in same_host], int(low_latency_bytes),
+        int(send_bytes),
+    )
 
 
 def synchronize_buffer(buffer_id) -> None:

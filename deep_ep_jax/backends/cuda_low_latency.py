@@ -93,6 +93,20 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
     return CONTROL_BYTES + 2 * _align(half, 256)
 
 
+def low_latency_send_bytes(num_ranks, hidden, num_max_dispatch_tokens_per_rank, num_topk=None) -> int:
+    """Bytes of the send area of a Buffer across hosts (after its low-latency
+    region in NVSHMEM's symmetric heap): rows put to other hosts are staged
+    there, one slot per (token, k) for a dispatch and per (source rank, token,
+    k) for a combine (DispatchStageBytes/CombineStageBytes)."""
+    if hidden is None or num_max_dispatch_tokens_per_rank is None:
+        raise ValueError("low_latency_send_bytes: hidden and num_max_dispatch_tokens_per_rank are required")
+    num_topk = DEFAULT_HINT_TOPK if num_topk is None else int(num_topk)
+    slots = int(num_max_dispatch_tokens_per_rank) * num_topk
+    dispatch = slots * _row_bytes(int(hidden), False)
+    combine = int(num_ranks) * _combine_half_bytes(int(num_max_dispatch_tokens_per_rank), num_topk, int(hidden))
+    return _align(max(dispatch, combine), 256)
+
+
 # Pending values ------------------------------------------------------------
 
 
@@ -131,6 +145,16 @@ def _check_region(buffer, needed, fn, what):
             f"has {available} (num_rdma_bytes={buffer.num_rdma_bytes}); create the Buffer with "
             f"num_rdma_bytes=deep_ep_jax.backends.cuda_low_latency.low_latency_region_bytes(num_ranks, "
             f"num_experts, hidden, num_max_dispatch_tokens_per_rank, num_topk)"
+        )
+
+
+def _check_send_area(buffer, needed, fn, what):
+    """A Buffer across hosts stages rows for other hosts in its send area."""
+    if getattr(buffer, "spans_hosts", False) and needed > buffer.num_send_bytes:
+        raise ValueError(
+            f"{fn}: the send area of this Buffer across hosts is too small for {what}: needs {needed} bytes, has "
+            f"{buffer.num_send_bytes}; create the Buffer with the hidden and num_max_dispatch_tokens_per_rank of "
+            f"these calls (the send area is sized for top-k <= {DEFAULT_HINT_TOPK})"
         )
 
 
@@ -181,6 +205,8 @@ def low_latency_dispatch_send(
     num_local = num_experts // buffer.num_ranks
     needed = _dispatch_half_bytes(buffer.num_ranks, num_local, max_tokens, num_topk, hidden, use_fp8)
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
+    _check_send_area(buffer, max_tokens * num_topk * _row_bytes(hidden, use_fp8), fn,
+                     f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     (token,) = _call(
         "deep_ep_jax_low_latency_dispatch_send",
         (jax.ShapeDtypeStruct((1,), jnp.int32),),
@@ -240,6 +266,8 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
         raise ValueError(f"{fn}: top-k must be in [1, {MAX_TOPK}] for the CUDA kernels, got {num_topk}")
     max_tokens = rows // buffer.num_ranks
     _check_region(buffer, _combine_half_bytes(max_tokens, num_topk, hidden), fn, f"M={max_tokens}, top-k={num_topk}")
+    _check_send_area(buffer, buffer.num_ranks * _combine_half_bytes(max_tokens, num_topk, hidden), fn,
+                     f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     (token,) = _call(
         "deep_ep_jax_low_latency_combine_send",
         (jax.ShapeDtypeStruct((1,), jnp.int32),),

@@ -1,0 +1,74 @@
+"""EP groups across hosts, emulated on one machine: two processes of one GPU
+each, configured as two hosts of one GPU (DEEP_EP_JAX_GPUS_PER_HOST=1), so
+every transfer goes through NVSHMEM (over its peer-to-peer transport here).
+The low-latency suite's core comparisons against the xla backend, and the
+refusal of normal mode across hosts. The worker is
+tests/multiprocess_worker.py; each launch is also runnable by hand:
+
+    DEEP_EP_JAX_GPUS_PER_HOST=1 NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+        python -m deep_ep_jax.launch -n 2 --all-gpus-visible -- tests/multiprocess_worker.py internode_low_latency
+
+Every process sees both GPUs (--all-gpus-visible; JAX uses one each), so
+NVSHMEM can map its peer. Run this module in its own pytest process with
+XLA_PYTHON_CLIENT_PREALLOCATE=false (scripts/device_run.sh does).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
+NUM_PROCESSES = 2
+
+
+def _nvshmem_skip_reason():
+    from deep_ep_jax import nvshmem
+
+    return nvshmem.unavailable_reason()
+
+
+def _launch(cases, *, timeout):
+    reason = _nvshmem_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # the symmetric heap and this pytest process need memory too
+    env.pop("XLA_FLAGS", None)  # conftest's CPU device count is not for the workers
+    env["DEEP_EP_JAX_GPUS_PER_HOST"] = "1"
+    # No RDMA NIC needed on one machine: NVSHMEM's peer-to-peer transport carries everything.
+    env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(NUM_PROCESSES), "--all-gpus-visible",
+           "--timeout", str(timeout - 15), "--", WORKER, *cases]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def _assert_cases_ok(code, output, cases):
+    assert code == 0, output[-8000:]
+    for rank in range(NUM_PROCESSES):
+        for case in cases:
+            assert f"[rank {rank}] process {rank}/{NUM_PROCESSES}: CASE {case} OK" in output, output[-8000:]
+
+
+@pytest.fixture(autouse=True)
+def _two_gpus():
+    if len(jax.devices("gpu")) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs")
+
+
+def test_low_latency_over_nvshmem():
+    code, output = _launch(["internode_low_latency"], timeout=280)
+    _assert_cases_ok(code, output, ["internode_low_latency"])
+
+
+def test_normal_mode_across_hosts_is_refused():
+    # Its own processes: NVSHMEM's heap is sized by the first Buffer of a process.
+    code, output = _launch(["internode_refusals"], timeout=200)
+    _assert_cases_ok(code, output, ["internode_refusals"])

@@ -1,0 +1,165 @@
+"""EP groups across hosts, the Python side, without GPUs: which ranks share a
+host, the refusals (XLA's own NVSHMEM, several GPUs per process, no NVSHMEM
+in the build, normal mode across hosts), and the send-area size."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import deep_ep_jax as dej
+from deep_ep_jax import _native, multiprocess, nvshmem, testing
+from deep_ep_jax.backends import cuda_low_latency as cll
+
+AXIS = "ep"
+
+
+# Which ranks share a host ----------------------------------------------------
+
+
+def test_group_nodes_from_hostnames():
+    assert multiprocess.group_nodes(["a", "a", "a", "a"]) == [0, 0, 0, 0]
+    assert multiprocess.group_nodes(["a", "a", "b", "b"]) == [0, 0, 1, 1]
+    assert multiprocess.group_nodes(["b", "a", "b", "a"]) == [0, 1, 0, 1]
+
+
+def test_group_nodes_cut_by_gpus_per_host():
+    assert multiprocess.group_nodes(["h"] * 4, 1) == [0, 1, 2, 3]
+    assert multiprocess.group_nodes(["h"] * 4, 2) == [0, 0, 1, 1]
+    assert multiprocess.group_nodes(["h"] * 4, 4) == [0, 0, 0, 0]
+    assert multiprocess.group_nodes(["h"] * 4, 8) == [0, 0, 0, 0]
+    # Per host, in rank order: two hosts of four GPUs, seen as four of two.
+    assert multiprocess.group_nodes(["a", "b", "a", "b", "a", "b", "a", "b"], 2) == [0, 1, 0, 1, 2, 3, 2, 3]
+
+
+def test_config_gpus_per_host(monkeypatch):
+    monkeypatch.delenv("DEEP_EP_JAX_GPUS_PER_HOST", raising=False)
+    assert dej.Config().gpus_per_host is None
+    monkeypatch.setenv("DEEP_EP_JAX_GPUS_PER_HOST", "1")
+    assert dej.Config().gpus_per_host == 1
+    assert dej.Config(gpus_per_host=4).gpus_per_host == 4
+    with pytest.raises(ValueError, match="gpus_per_host"):
+        dej.Config(gpus_per_host=0)
+
+
+def _xla_buffer(num_ranks, **kwargs):
+    return dej.Buffer(testing.ep_mesh(num_ranks, AXIS, platform="cpu"), AXIS, backend="xla", **kwargs)
+
+
+def test_buffer_decides_hosts_from_config():
+    buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=4))
+    assert buffer._group_nodes(False) == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=None))
+    assert buffer._group_nodes(False) == [[0] * 8]
+
+
+# Refusals --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,enabled",
+    [
+        ("", False),
+        ("--xla_gpu_experimental_enable_nvshmem", True),
+        ("--xla_gpu_experimental_enable_nvshmem=true", True),
+        ("--xla_gpu_experimental_enable_nvshmem=false", False),
+        ("--foo=1 --xla_gpu_experimental_enable_nvshmem=1 --bar", True),
+        ("--xla_gpu_experimental_enable_nvshmem=true --xla_gpu_experimental_enable_nvshmem=false", False),
+        ("--xla_gpu_experimental_enable_nvshmem_other=true", False),
+    ],
+)
+def test_xla_nvshmem_flag(flags, enabled):
+    assert nvshmem.xla_nvshmem_enabled(flags) is enabled
+
+
+def test_refuses_xla_nvshmem(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_gpu_experimental_enable_nvshmem")
+    reason = nvshmem.unavailable_reason()
+    assert "--xla_gpu_experimental_enable_nvshmem" in reason and "XLA's own NVSHMEM" in reason
+
+
+def test_refuses_a_build_without_nvshmem(monkeypatch):
+    monkeypatch.setattr(_native, "_load", lambda: (types.SimpleNamespace(with_nvshmem=False), None))
+    assert "built without NVSHMEM" in nvshmem.unavailable_reason()
+    monkeypatch.setattr(_native, "_load", lambda: (None, "the extension deep_ep_jax._C is not built"))
+    assert "not built" in nvshmem.unavailable_reason()
+
+
+def test_refuses_several_gpus_per_process():
+    """One process driving 8 devices told they are 2 hosts of 4: NVSHMEM has one PE per process."""
+    buffer = _xla_buffer(8, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8, hidden=256,
+                         config=dej.Config(gpus_per_host=4))
+    nodes = buffer._group_nodes(False)
+    with pytest.raises(NotImplementedError, match="one PE, so one GPU, per process"):
+        buffer._allocate_nvshmem(buffer._groups(), nodes, None)
+    nvshmem.check_one_gpu_per_process(list(buffer.mesh.devices.flat)[:1])  # one device: fine
+
+
+def test_refuses_normal_mode_buffer_across_hosts(monkeypatch):
+    buffer = _xla_buffer(1)
+    monkeypatch.setattr(nvshmem, "check_one_gpu_per_process", lambda devices: None)
+    with pytest.raises(NotImplementedError, match="internode normal mode"):
+        buffer._allocate_nvshmem(buffer._groups(), [[0]], None)
+
+
+def test_normal_mode_across_hosts_raises():
+    num_ranks, num_tokens, num_experts = 2, 8, 8
+    buffer = _xla_buffer(num_ranks)
+    buffer.spans_hosts = True  # as a CUDA Buffer across hosts would be
+    mesh = buffer.mesh
+    idx, w = testing.make_routing(0, num_ranks * num_tokens, num_experts, 2, num_ranks)
+    x = testing.random_rows(1, (num_ranks * num_tokens, 128))
+
+    def step(x, idx, w):
+        return dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)[0]
+
+    with pytest.raises(NotImplementedError, match="dispatch: the Buffer's EP group spans hosts"):
+        testing.per_rank(step, mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w))
+
+    def roundtrip(y):
+        handle = None
+        return dej.combine(y, handle, buffer=buffer)
+
+    with pytest.raises(NotImplementedError, match="combine: the Buffer's EP group spans hosts"):
+        testing.per_rank(roundtrip, mesh, AXIS)(x)
+
+
+# Sizes -------------------------------------------------------------------------
+
+
+def test_send_area_holds_dispatch_and_combine_staging():
+    num_ranks, hidden, max_tokens, topk = 4, 7168, 128, 8
+    size = cll.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=topk)
+    assert size >= max_tokens * topk * 2 * hidden  # dispatch: a bf16 row per (token, k)
+    assert size >= num_ranks * max_tokens * topk * hidden * 2  # combine: per (source, token, k)
+    assert size % 256 == 0
+    default = cll.low_latency_send_bytes(num_ranks, hidden, max_tokens)
+    assert default == cll.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=cll.DEFAULT_HINT_TOPK)
+    with pytest.raises(ValueError, match="hidden"):
+        cll.low_latency_send_bytes(num_ranks, None, max_tokens)
+
+
+def test_heap_bytes():
+    assert nvshmem.heap_bytes(0) == nvshmem.HEAP_SLACK_BYTES
+    size = nvshmem.heap_bytes(100 << 20)
+    assert size >= 2 * (100 << 20) + nvshmem.HEAP_SLACK_BYTES and size % (2 << 20) == 0
+
+
+def test_one_process_never_spans_hosts_by_hostname():
+    buffer = _xla_buffer(4)
+    assert buffer._group_nodes(False) == [[0, 0, 0, 0]]
+    assert not buffer.spans_hosts
+    assert np.asarray(buffer._groups()).shape == (1, 4)
+    assert jax.process_count() == 1
+
+
+def test_launcher_all_gpus_visible(monkeypatch):
+    from deep_ep_jax import launch
+
+    monkeypatch.delenv(launch.LOCAL_DEVICE_VAR, raising=False)
+    env = launch._child_env(1, 2, "127.0.0.1:1", ["3", "5"], False, all_gpus_visible=True)
+    assert env["CUDA_VISIBLE_DEVICES"] == "3,5" and env[launch.LOCAL_DEVICE_VAR] == "1"
+    env = launch._child_env(1, 2, "127.0.0.1:1", ["3", "5"], False)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5" and launch.LOCAL_DEVICE_VAR not in env

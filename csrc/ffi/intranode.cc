@@ -261,7 +261,7 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
 
 ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> x,
                    ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
-                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights, int64_t buffer_id,
+                   ffi::Buffer<ffi::S32> num_recv_tokens, ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights, int64_t buffer_id,
                    int64_t num_sms, int64_t num_warps, int64_t chunk_tokens, int64_t timeout_ns, int64_t staged) {
   Checker check("deep_ep_jax_combine");
   const DeviceState* state = FindState(check, buffer_id, device_ordinal);
@@ -278,6 +278,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi:
   check.Expect(hidden % 8 == 0, "bf16 hidden must be a multiple of 8 (16-byte rows), got " + std::to_string(hidden));
   check.Shape("send_pos", pos_dims, {num_tokens, num_ranks});
   check.Shape("topk_weights", w_dims, {num_rows, num_topk});
+  check.Shape("num_recv_tokens", num_recv_tokens.dimensions(), {});
   check.Shape("out", out->dimensions(), {num_tokens, hidden});
   check.Shape("out_weights", out_weights->dimensions(), {num_tokens, num_topk});
   check.Expect(num_tokens * num_ranks <= INT_MAX && num_rows * num_topk <= INT_MAX && num_tokens * num_topk <= INT_MAX,
@@ -290,6 +291,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi:
   p.x = x.typed_data();
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
   p.send_pos = send_pos.typed_data();
+  p.num_recv_tokens = num_recv_tokens.typed_data();
   p.num_tokens = int(num_tokens);
   p.hidden = int(hidden);
   p.num_topk = int(num_topk);
@@ -358,6 +360,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, Combine,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::Buffer<ffi::S32>>()   // send_pos
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_recv_tokens
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out_weights
                                   .Attr<int64_t>("buffer_id")

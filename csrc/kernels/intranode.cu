@@ -593,8 +593,8 @@ struct Copy {
   char* dst;
   const char* src;
   int64_t row_bytes;     // a multiple of 4
-  int64_t num_rows;      // used when rows_on_device is null
-  const int* rows_on_device;
+  int64_t num_rows;      // rows of both sides
+  const int* rows_on_device;  // when set: copy only its first *rows_on_device (<= num_rows) rows
 };
 
 constexpr int kMaxCopies = 5;
@@ -608,7 +608,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CopyKernel(CopyList lis
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int c = 0; c < list.num_copies; ++c) {
     const Copy& copy = list.copies[c];
-    const int64_t rows = copy.rows_on_device != nullptr ? *copy.rows_on_device : copy.num_rows;
+    const int64_t rows = copy.rows_on_device != nullptr ? min(int64_t(*copy.rows_on_device), copy.num_rows) : copy.num_rows;
     const int64_t num_bytes = rows * copy.row_bytes;
     const int64_t num_vectors = num_bytes / int64_t(sizeof(int4));
     const int4* src = reinterpret_cast<const int4*>(copy.src);
@@ -716,8 +716,16 @@ void LaunchFinish(const Group& g, FinishArgs a, int mode, const LaunchConfig& c,
   FinishKernel<<<1, kFinishThreads, 0, stream>>>(g, a);
 }
 
-void LaunchCopies(const CopyList& list, const LaunchConfig& c, cudaStream_t stream) {
-  if (list.num_copies > 0) CopyKernel<<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(list);
+// Staged copies run alone on the stream (nothing of this call overlaps them):
+// they take every SM of the device, not Config.num_sms.
+void LaunchCopies(const DeviceState& state, const CopyList& list, cudaStream_t stream) {
+  if (list.num_copies == 0) return;
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device_ordinal) != cudaSuccess) {
+    cudaGetLastError();
+    num_sms = kMaxBlocks;
+  }
+  CopyKernel<<<num_sms, kMaxWarps * kWarpSize, 0, stream>>>(list);
 }
 
 // What dispatch and cached dispatch send alike: rows, weights, layout.
@@ -785,7 +793,8 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   finish.num_recv_tokens_per_expert = p.num_recv_tokens_per_expert;
   LaunchFinish(g, finish, kDispatch, c, stream);
   if (c.staged) {
-    LaunchCopies(CopiesBetween(p.recv, landing, p.row_bytes, p.num_topk, 0, p.num_recv_tokens), c, stream);
+    LaunchCopies(state, CopiesBetween(p.recv, landing, p.row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
+                 stream);
   }
   return cudaGetLastError();
 }
@@ -806,7 +815,8 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
 
   LaunchFinish(g, FinishArgs{}, kCachedDispatch, c, stream);
   if (c.staged) {
-    LaunchCopies(CopiesBetween(recv, landing, p.row_bytes, p.num_topk, 0, p.num_recv_tokens), c, stream);
+    LaunchCopies(state, CopiesBetween(recv, landing, p.row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
+                 stream);
   }
   return cudaGetLastError();
 }
@@ -825,8 +835,10 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   sources.src_idx = nullptr;
   if (p.topk_weights == nullptr) sources.topk_weights = nullptr;
   if (c.staged) {
-    // Peers finished reading the staging area before the previous call returned.
-    LaunchCopies(CopiesBetween(sources, inputs, row_bytes, p.num_topk, p.num_worst_tokens, nullptr), c, stream);
+    // Peers finished reading the staging area before the previous call returned;
+    // they read only the valid rows.
+    LaunchCopies(state, CopiesBetween(sources, inputs, row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
+                 stream);
   }
   PublishKernel<<<1, kWarpSize, 0, stream>>>(g, Publishable(state, sources), kCombine, c.timeout_ns);
 

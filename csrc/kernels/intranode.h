@@ -88,6 +88,7 @@ struct CombineParams {
   const uint16_t* x;          // bf16 [N, H]
   const float* topk_weights;  // [N, K] or null
   const int* send_pos;        // [T, R]
+  const int* num_recv_tokens; // [] rows of x that are valid (from the handle)
   int num_tokens, hidden, num_topk, num_worst_tokens;
   uint16_t* out;         // bf16 [T, H]
   float* out_weights;    // [T, K] or null

@@ -233,5 +233,5 @@ def combine(x, topk_weights, handle, *, buffer):
     )
     _native.register_ffi_targets()
     out, out_w = jax.ffi.ffi_call("deep_ep_jax_combine", out_types)(
-        x, jnp.asarray(weights, jnp.float32), handle.send_pos, **_launch_attrs(buffer))
+        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, **_launch_attrs(buffer))
     return out, (None if topk_weights is None else out_w)

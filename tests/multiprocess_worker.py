@@ -8,6 +8,7 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   exchange     the key-value handle exchange, and its timeout naming the rank and key
   normal       CUDA normal mode vs the xla backend: the suite's core comparisons
   low_latency  CUDA low-latency mode vs the xla backend: the suite's core comparisons
+  digest       prints a digest of dispatch/combine outputs for fixed inputs (determinism across deployments)
   kill         CUDA dispatch/combine in a loop; the last rank kills itself midway,
                the others must fail with the kernels' timeout message
   hosts        the hostname exchange and the host decision (CPU or GPU)
@@ -192,6 +193,12 @@ def case_low_latency():
     cuda.destroy()
 
 
+def case_digest():
+    import test_reliability_gpu as suite
+
+    print(f"DIGEST {suite.outputs_digest(_gpu_mesh())}", flush=True)
+
+
 def case_kill():
     """The last rank dies after a few calls; the others must fail within the
     timeout with the kernels' message naming rank, mode and counter."""
@@ -329,6 +336,7 @@ CASES = {
     "normal": case_normal,
     "low_latency": case_low_latency,
     "kill": case_kill,
+    "digest": case_digest,
     "hosts": case_hosts,
     "internode_low_latency": case_internode_low_latency,
     "internode_normal": case_internode_normal,

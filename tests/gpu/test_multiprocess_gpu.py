@@ -19,6 +19,8 @@ import time
 import jax
 import pytest
 
+from deep_ep_jax import testing
+
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,6 +59,21 @@ def test_normal_mode_across_processes():
 def test_low_latency_across_processes():
     code, output, _ = _launch(["low_latency"], timeout=280)
     _assert_cases_ok(code, output, ["low_latency"])
+
+
+def test_outputs_identical_across_deployments():
+    """Dispatch/combine outputs for fixed inputs are bit-identical in every
+    process of a one-process-per-GPU run and in this process driving all GPUs."""
+    import re
+
+    import test_reliability_gpu as reliability
+
+    code, output, _ = _launch(["digest"], timeout=200)
+    _assert_cases_ok(code, output, ["digest"])
+    digests = dict(re.findall(r"\[rank (\d+)\] DIGEST ([0-9a-f]{64})", output))
+    assert len(digests) == _num_processes(), output[-4000:]
+    here = reliability.outputs_digest(testing.ep_mesh(_num_processes(), "ep", platform="gpu"))
+    assert set(digests.values()) == {here}, (digests, here)
 
 
 def test_dead_peer_process_times_out_with_a_message():

@@ -120,6 +120,49 @@ def test_determinism_low_latency(mesh):
     buffer.destroy()
 
 
+def outputs_digest(mesh):
+    """SHA-256 of what dispatch/combine (normal and low-latency) return for
+    fixed inputs, valid rows only: equal digests from one process driving all
+    GPUs and from one process per GPU show the results do not depend on the
+    deployment (tests/gpu/test_multiprocess_gpu.py compares them)."""
+    import hashlib
+
+    num_ranks = mesh.shape[AXIS]
+    digest = hashlib.sha256()
+
+    def add(*arrays):
+        for a in arrays:
+            digest.update(np.ascontiguousarray(np.asarray(a)).view(np.uint8).tobytes())
+
+    num_tokens, hidden, num_experts = 512, 2048, 16 * num_ranks
+    normal = dej.Buffer(mesh, AXIS, backend="cuda")
+    idx, w = dt.make_routing(5, num_ranks * num_tokens, num_experts, 8, num_ranks)
+    x = dt.random_rows(6, (num_ranks * num_tokens, hidden))
+    recv_x, recv_idx, recv_w, handle, out, out_w = _valid_rows_only(
+        dt.per_rank(_roundtrip(normal, num_experts), mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w)))
+    add(recv_x, recv_idx, recv_w, out, out_w, *jax.tree.leaves(handle))
+    normal.destroy()
+
+    max_tokens = 64
+    ll = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens,
+                    hidden=hidden, num_experts=num_experts)
+    idx, w = dt.make_routing(7, num_ranks * max_tokens, num_experts, 8, num_ranks)
+    x = dt.random_rows(8, (num_ranks * max_tokens, hidden))
+
+    def fn(x, idx, w):
+        recv_x, count, handle = dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts)
+        y = reference.dequantize_fp8(*recv_x).astype(jnp.bfloat16)
+        return recv_x, count, dej.low_latency_combine(y, idx, w, handle, buffer=ll)
+
+    recv_x, count, out = dt.per_rank(fn, mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w))
+    count = np.asarray(count)
+    valid = np.arange(np.asarray(recv_x[0]).shape[2])[None, None, :] < count[:, :, None]
+    add(count, out, *(np.asarray(a).view(np.uint8)[valid] for a in recv_x))
+    ll.destroy()
+    return digest.hexdigest()
+
+
 # Shapes of the soak; each compiles once, then runs many routings.
 SOAK_SHAPES = [(1, 2048, 8, 2), (128, 4096, 32, 4), (777, 7168, 64, 8), (2048, 2048, 256, 8)]
 

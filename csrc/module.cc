@@ -182,10 +182,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("nvshmem_finalize", &nvshmem::Finalize, py::call_guard<py::gil_scoped_release>(),
         "Collective: shuts NVSHMEM down (after every NVSHMEM buffer is destroyed)");
   m.def("create_nvshmem_buffer", &nvshmem::CreateBuffer, py::arg("device"), py::arg("rank"), py::arg("pes"),
-        py::arg("same_host"), py::arg("low_latency_bytes"), py::arg("send_bytes"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Collective: a low-latency region (and send area) in the symmetric heap for `rank` of an EP group across "
-        "hosts; pes[r] and same_host[r] per rank. Returns the buffer id");
+        py::arg("nodes"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
+        py::arg("send_bytes"), py::call_guard<py::gil_scoped_release>(),
+        "Collective: the normal region (none when 0) and the low-latency region (and send area) in the symmetric "
+        "heap for `rank` of an EP group across hosts; pes[r] and nodes[r] (host index) per rank. Returns the "
+        "buffer id");
 #else
   m.attr("with_nvshmem") = false;
 #endif

@@ -20,6 +20,7 @@ CXX_SOURCES = [
     "csrc/ffi/layout.cc",
     "csrc/ffi/intranode.cc",
     "csrc/ffi/low_latency.cc",
+    "csrc/ffi/internode.cc",
     "csrc/module.cc",
 ]
 
@@ -32,6 +33,7 @@ CXX_SOURCES = [
 NVSHMEM_CUDA_SOURCES = [
     "csrc/runtime/nvshmem.cu",
     "csrc/kernels/low_latency_nvshmem.cu",
+    "csrc/kernels/internode.cu",
 ]
 NVSHMEM_NVCC_FLAGS = ["-rdc=true"]
 # The device-link step (its registration code stays private to the module).

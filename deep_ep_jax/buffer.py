@@ -109,10 +109,11 @@ class Buffer:
         # lands rows in the buffer's regions: staged).
         self.ipc = False
         self._ipc_name = None
-        # An EP group spans hosts (real ones, or Config.gpus_per_host): the
-        # low-latency region is in NVSHMEM's symmetric heap, ranks on other
-        # hosts are reached through NVSHMEM. Normal mode: not implemented yet.
+        # An EP group spans hosts (real ones, or Config.gpus_per_host): both
+        # regions are in NVSHMEM's symmetric heap, ranks on other hosts are
+        # reached through NVSHMEM (normal mode: backends/cuda_internode.py).
         self.spans_hosts = False
+        self.num_nodes = 1  # hosts of the EP group
         self.num_send_bytes = 0  # its send area (rows staged for other hosts)
 
         devices = list(mesh.devices.flat)
@@ -161,7 +162,7 @@ class Buffer:
         nodes = self._group_nodes(spans_processes)
         self.spans_hosts = any(len(set(n)) > 1 for n in nodes)
         if self.spans_hosts:
-            self._allocate_nvshmem(groups, nodes, num_rdma_bytes)
+            self._allocate_nvshmem(groups, nodes, num_nvl_bytes, num_rdma_bytes)
             return
         self.ipc = any(-1 in g for g in mine)
         if self.ipc and any(sum(d >= 0 for d in g) != 1 for g in mine):
@@ -187,9 +188,9 @@ class Buffer:
             self.buffer_id = None
             raise
 
-    def _allocate_nvshmem(self, groups, nodes, num_rdma_bytes):
-        """The low-latency region in NVSHMEM's symmetric heap (collective:
-        every process of the mesh creates the Buffer)."""
+    def _allocate_nvshmem(self, groups, nodes, num_nvl_bytes, num_rdma_bytes):
+        """The normal and low-latency regions in NVSHMEM's symmetric heap
+        (collective: every process of the mesh creates the Buffer)."""
         from deep_ep_jax import nvshmem
 
         devices = list(self.mesh.devices.flat)
@@ -199,26 +200,32 @@ class Buffer:
                 "Buffer(backend='cuda'): an EP group across hosts uses NVSHMEM, whose PEs are all jax processes; "
                 "the mesh must hold a device of every process"
             )
-        if not self.low_latency_mode:
-            raise NotImplementedError(
-                "Buffer(backend='cuda'): this EP group spans hosts, and internode normal mode (dispatch/combine "
-                "across hosts) is not implemented yet; create the Buffer with low_latency_mode=True for the "
-                "low-latency operations, or use backend='xla'"
-            )
+        g, r = next((g, r) for g, row in enumerate(groups) for r, d in enumerate(row) if d >= 0)
+        device = groups[g][r]
+        from deep_ep_jax.backends import cuda_internode
+
+        self.num_nodes = cuda_internode.check_nodes(nodes[g])
         reason = nvshmem.unavailable_reason()
         if reason:
             raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
-        g, r = next((g, r) for g, row in enumerate(groups) for r, d in enumerate(row) if d >= 0)
-        device = groups[g][r]
-        self.num_rdma_bytes = num_rdma_bytes or self._ops.low_latency_region_bytes(
-            self.num_ranks, self.num_experts, self.hidden, self.num_max_dispatch_tokens_per_rank
+        # The normal region: internode normal mode (the RDMA and NVLink stages).
+        self.num_nvl_bytes = num_nvl_bytes or cuda_internode.internode_region_bytes(
+            self.num_ranks, self.num_nodes, self.hidden
         )
-        send_bytes = self._ops.low_latency_send_bytes(self.num_ranks, self.hidden, self.num_max_dispatch_tokens_per_rank)
+        send_bytes = 0
+        if self.low_latency_mode:
+            self.num_rdma_bytes = num_rdma_bytes or self._ops.low_latency_region_bytes(
+                self.num_ranks, self.num_experts, self.hidden, self.num_max_dispatch_tokens_per_rank
+            )
+            send_bytes = self._ops.low_latency_send_bytes(
+                self.num_ranks, self.hidden, self.num_max_dispatch_tokens_per_rank
+            )
         self.num_send_bytes = send_bytes
-        nvshmem.initialize(device, self.num_rdma_bytes + send_bytes, self.config.timeout_s)
+        nvshmem.initialize(device, self.num_nvl_bytes + self.num_rdma_bytes + send_bytes, self.config.timeout_s)
         pes = [d.process_index for d in self._device_grid()[g]]
-        same_host = [nodes[g][q] == nodes[g][r] for q in range(self.num_ranks)]
-        self.buffer_id = self._ops.create_nvshmem_buffer(device, r, pes, same_host, self.num_rdma_bytes, send_bytes)
+        self.buffer_id = self._ops.create_nvshmem_buffer(
+            device, r, pes, nodes[g], self.num_nvl_bytes, self.num_rdma_bytes, send_bytes
+        )
         nvshmem.track(self)
 
     def _open_ipc_peers(self, groups, handles):

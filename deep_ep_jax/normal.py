@@ -18,14 +18,6 @@ from deep_ep_jax import validation as v
 from deep_ep_jax.handle import DispatchHandle
 
 
-def _check_not_across_hosts(buffer, fn):
-    if getattr(buffer, "spans_hosts", False):
-        raise NotImplementedError(
-            f"{fn}: the Buffer's EP group spans hosts, and internode normal mode is not implemented yet; use the "
-            f"low-latency operations (low_latency_dispatch/combine), or Buffer(..., backend='xla')"
-        )
-
-
 def _row_dtypes(buffer):
     # The kernels move bf16 rows; the reference also takes float32 (CPU models).
     return (jnp.bfloat16,) if buffer.backend == "cuda" else (jnp.bfloat16, jnp.float32)
@@ -61,7 +53,6 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens
     """
     fn = "dispatch"
     v.check_buffer(buffer, fn)
-    _check_not_across_hosts(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     xs, num_tokens, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer))
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
@@ -91,7 +82,6 @@ def combine(x, handle, topk_weights=None, *, buffer):
     """
     fn = "combine"
     v.check_buffer(buffer, fn)
-    _check_not_across_hosts(buffer, fn)
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch returned, got {type(handle).__name__}")
     (x,), num_rows, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer), allow_fp8=False)

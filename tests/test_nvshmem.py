@@ -1,6 +1,7 @@
 """EP groups across hosts, the Python side, without GPUs: which ranks share a
 host, the refusals (XLA's own NVSHMEM, several GPUs per process, no NVSHMEM
-in the build, normal mode across hosts), and the send-area size."""
+in the build, hosts of unequal sizes), the send-area size, and internode
+normal mode's region sizes and trace-time checks."""
 
 import types
 
@@ -11,6 +12,7 @@ import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import _native, multiprocess, nvshmem, testing
+from deep_ep_jax.backends import cuda_internode as cin
 from deep_ep_jax.backends import cuda_low_latency as cll
 
 AXIS = "ep"
@@ -93,37 +95,80 @@ def test_refuses_several_gpus_per_process():
                          config=dej.Config(gpus_per_host=4))
     nodes = buffer._group_nodes(False)
     with pytest.raises(NotImplementedError, match="one PE, so one GPU, per process"):
-        buffer._allocate_nvshmem(buffer._groups(), nodes, None)
+        buffer._allocate_nvshmem(buffer._groups(), nodes, None, None)
     nvshmem.check_one_gpu_per_process(list(buffer.mesh.devices.flat)[:1])  # one device: fine
 
 
-def test_refuses_normal_mode_buffer_across_hosts(monkeypatch):
-    buffer = _xla_buffer(1)
+def test_refuses_hosts_of_unequal_sizes(monkeypatch):
+    """Internode normal mode forwards through the GPU of the sender's local
+    index on every host: hosts must hold the same number of ranks."""
+    buffer = _xla_buffer(4)
     monkeypatch.setattr(nvshmem, "check_one_gpu_per_process", lambda devices: None)
-    with pytest.raises(NotImplementedError, match="internode normal mode"):
-        buffer._allocate_nvshmem(buffer._groups(), [[0]], None)
+    with pytest.raises(NotImplementedError, match=r"same number of GPUs .* got \[3, 1\]"):
+        buffer._allocate_nvshmem(buffer._groups(), [[0, 0, 0, 1]], None, None)
+    assert cin.check_nodes([0, 0, 1, 1]) == 2
+    assert cin.check_nodes([0, 1, 0, 1]) == 2
+    assert cin.check_nodes([0]) == 1
 
 
-def test_normal_mode_across_hosts_raises():
-    num_ranks, num_tokens, num_experts = 2, 8, 8
-    buffer = _xla_buffer(num_ranks)
-    buffer.spans_hosts = True  # as a CUDA Buffer across hosts would be
-    mesh = buffer.mesh
-    idx, w = testing.make_routing(0, num_ranks * num_tokens, num_experts, 2, num_ranks)
-    x = testing.random_rows(1, (num_ranks * num_tokens, 128))
+def _fake_internode_buffer(num_ranks, num_nodes, num_nvl_bytes):
+    """What the CUDA backend sees of a Buffer across hosts, for trace-time checks on CPU."""
+    return types.SimpleNamespace(num_ranks=num_ranks, num_nodes=num_nodes, buffer_id=1, backend="cuda",
+                                 num_nvl_bytes=num_nvl_bytes, config=dej.Config(), spans_hosts=True)
 
-    def step(x, idx, w):
-        return dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)[0]
 
-    with pytest.raises(NotImplementedError, match="dispatch: the Buffer's EP group spans hosts"):
-        testing.per_rank(step, mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w))
+def test_internode_trace_checks_region_size():
+    num_ranks, num_tokens, hidden, topk, num_experts = 2, 64, 256, 4, 8
+    need = cin.dispatch_region_bytes(num_tokens, num_tokens * num_ranks, topk, (2 * hidden, 0), num_ranks)
+    buffer = _fake_internode_buffer(num_ranks, num_ranks, need - 1)
+    x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
+    w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
 
-    def roundtrip(y):
-        handle = None
-        return dej.combine(y, handle, buffer=buffer)
+    def trace(buffer):
+        return jax.eval_shape(lambda x, idx, w: cin.dispatch(
+            (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer), x, idx, w)
 
-    with pytest.raises(NotImplementedError, match="combine: the Buffer's EP group spans hosts"):
-        testing.per_rank(roundtrip, mesh, AXIS)(x)
+    with pytest.raises(ValueError, match=f"needs {need} bytes .* num_nvl_bytes={need - 1}"):
+        trace(buffer)
+    with pytest.raises(ValueError, match="bf16 or FP8"):
+        jax.eval_shape(lambda x, idx, w: cin.dispatch((x.astype(jnp.float32),), idx, w, num_experts=num_experts,
+                                                      num_worst_tokens=None, buffer=buffer), x, idx, w)
+    with pytest.raises(ValueError, match="at most 8 ranks"):
+        trace(_fake_internode_buffer(16, 2, need))
+
+
+def test_internode_region_bytes():
+    """The layout mirror: control bytes, landing area, packets staged and
+    received per host (dispatch); slots per (rank, token) and staged rows (combine)."""
+    num_ranks, num_nodes, hidden, num_tokens, topk = 2, 2, 7168, 4096, 8
+    rows = num_ranks * num_tokens
+    packet = 2 * hidden + 16 * ((4 * 9 + 8 * topk + 15) // 16)
+    dispatch = cin.dispatch_region_bytes(num_tokens, rows, topk, (2 * hidden, 0), num_nodes)
+    assert dispatch >= cin.CONTROL_BYTES + rows * 2 * hidden + (1 + num_nodes) * num_tokens * packet
+    assert dispatch % cin.ALIGN == 0
+    combine = cin.combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks)
+    assert combine >= cin.CONTROL_BYTES + 2 * rows * (2 * hidden + 4 * topk)
+    size = cin.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens, topk)
+    assert size == max(dispatch, combine, cin.dispatch_region_bytes(
+        num_tokens, rows, topk, (hidden, hidden // 128 * 4), num_nodes))
+    # More hosts: more packets received; the default hint is the standard case.
+    assert cin.internode_region_bytes(8, 8, hidden, num_tokens) > cin.internode_region_bytes(8, 2, hidden, num_tokens)
+    assert cin.internode_region_bytes(2, 2) == cin.internode_region_bytes(2, 2, 7168, 4096, cin.DEFAULT_TOPK)
+
+
+def test_cuda_normal_switches_to_internode(monkeypatch):
+    from deep_ep_jax.backends import cuda_normal
+
+    calls = []
+    monkeypatch.setattr(cin, "dispatch", lambda *a, **k: calls.append("dispatch"))
+    monkeypatch.setattr(cin, "cached_dispatch", lambda *a, **k: calls.append("cached_dispatch"))
+    monkeypatch.setattr(cin, "combine", lambda *a, **k: calls.append("combine"))
+    buffer = _fake_internode_buffer(2, 2, 1 << 30)
+    cuda_normal.dispatch(None, None, None, num_experts=8, num_worst_tokens=None, buffer=buffer)
+    cuda_normal.cached_dispatch(None, None, None, buffer=buffer)
+    cuda_normal.combine(None, None, None, buffer=buffer)
+    assert calls == ["dispatch", "cached_dispatch", "combine"]
 
 
 # Sizes -------------------------------------------------------------------------

@@ -94,15 +94,40 @@ void Finalize() {
   initialized = false;
 }
 
-int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const std::vector<bool>& same_host,
-                     size_t low_latency_bytes, size_t send_bytes) {
+namespace {
+
+// nvshmem_malloc (collective) of `bytes`, the first `zero_bytes` zeroed on every PE.
+char* AllocateZeroed(int device, size_t bytes, size_t zero_bytes, const std::string& what) {
+  char* p = static_cast<char*>(nvshmem_malloc(bytes));
+  if (p == nullptr) {
+    throw std::runtime_error(
+        "deep_ep_jax: nvshmem_malloc of " + std::to_string(bytes) + " bytes (" + std::to_string(bytes >> 20) +
+        " MiB: " + what + ") failed on device " + std::to_string(device) +
+        ": the symmetric heap is too small or GPU memory is short. Set NVSHMEM_SYMMETRIC_SIZE (bytes, before the "
+        "first Buffer) to hold every Buffer across hosts, and XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower "
+        "XLA_PYTHON_CLIENT_MEM_FRACTION");
+  }
+  cudaError_t err = cudaMemset(p, 0, zero_bytes);
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  if (err != cudaSuccess) nvshmem_free(p);  // still collective: the others free too, then fail alike
+  Check(err, "zeroing the " + what + " on device " + std::to_string(device));
+  return p;
+}
+
+}  // namespace
+
+int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const std::vector<int>& nodes,
+                     size_t normal_bytes, size_t low_latency_bytes, size_t send_bytes) {
   const int num_ranks = int(pes.size());
   if (!Initialized() || device != init_device) {
     throw std::runtime_error("deep_ep_jax: NVSHMEM is not initialised on device " + std::to_string(device));
   }
-  if (num_ranks < 1 || num_ranks > kMaxRanks || same_host.size() != pes.size() || rank < 0 || rank >= num_ranks) {
+  if (num_ranks < 1 || num_ranks > kMaxRanks || nodes.size() != pes.size() || rank < 0 || rank >= num_ranks) {
     throw std::invalid_argument("deep_ep_jax: an NVSHMEM buffer's EP group must have 1.." +
-                                std::to_string(kMaxRanks) + " ranks, one PE and one same-host flag each");
+                                std::to_string(kMaxRanks) + " ranks, one PE and one host index each");
+  }
+  for (int n : nodes) {
+    if (n < 0 || n >= num_ranks) throw std::invalid_argument("deep_ep_jax: host indices must be in [0, ranks)");
   }
   if (pes[rank] != nvshmem_my_pe()) {
     throw std::invalid_argument("deep_ep_jax: rank " + std::to_string(rank) + " is PE " + std::to_string(pes[rank]) +
@@ -110,20 +135,19 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   }
   Check(cudaSetDevice(device), "cudaSetDevice");
   const size_t region = std::max(low_latency_bytes, kControlBytes);
-  char* local = static_cast<char*>(nvshmem_malloc(region + send_bytes));  // collective
-  if (local == nullptr) {
-    throw std::runtime_error(
-        "deep_ep_jax: nvshmem_malloc of " + std::to_string(region + send_bytes) + " bytes (" +
-        std::to_string((region + send_bytes) >> 20) + " MiB: low-latency region and send area) failed on device " +
-        std::to_string(device) + ": the symmetric heap is too small or GPU memory is short. Set "
-        "NVSHMEM_SYMMETRIC_SIZE (bytes, before the first Buffer) to hold every Buffer across hosts, and "
-        "XLA_PYTHON_CLIENT_PREALLOCATE=false or a lower XLA_PYTHON_CLIENT_MEM_FRACTION");
+  char* local = AllocateZeroed(device, region + send_bytes, region, "low-latency region and send area");
+  char* normal = nullptr;
+  if (normal_bytes > 0) {
+    const size_t normal_region = std::max(normal_bytes, kControlBytes);
+    try {
+      normal = AllocateZeroed(device, normal_region, kControlBytes, "normal-mode region");
+    } catch (...) {
+      nvshmem_free(local);
+      throw;
+    }
+    normal_bytes = normal_region;
   }
-  cudaError_t err = cudaMemset(local, 0, region);
-  if (err == cudaSuccess) err = cudaDeviceSynchronize();
-  if (err != cudaSuccess) nvshmem_free(local);  // still collective: the others free too, then fail alike
-  Check(err, "zeroing the low-latency region on device " + std::to_string(device));
-  nvshmem_barrier_all();  // every PE's region is zeroed before any kernel writes to it
+  nvshmem_barrier_all();  // every PE's regions are zeroed before any kernel writes to them
 
   DeviceState s;
   s.device_ordinal = device;
@@ -132,19 +156,39 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   s.nvshmem = true;
   s.low_latency.local = local;
   s.low_latency.num_bytes = region;
+  s.normal.local = normal;
+  s.normal.num_bytes = normal_bytes;
   s.send_bytes = send_bytes;
+  int num_nodes = 0;
   for (int r = 0; r < num_ranks; ++r) {
     s.pes[r] = pes[r];
+    s.nodes[r] = nodes[r];
+    num_nodes = std::max(num_nodes, nodes[r] + 1);
     // Null (NVSHMEM's transports) for other hosts, and where NVSHMEM cannot map the peer.
     if (r == rank) {
       s.low_latency.peers[r] = local;
-    } else if (same_host[r]) {
+      s.normal.peers[r] = normal;
+    } else if (nodes[r] == nodes[rank]) {
       s.low_latency.peers[r] = static_cast<char*>(nvshmem_ptr(local, pes[r]));
+      if (normal != nullptr) {
+        s.normal.peers[r] = static_cast<char*>(nvshmem_ptr(normal, pes[r]));
+        // Internode normal mode forwards over NVLink within a host: it needs the mapping.
+        if (s.normal.peers[r] == nullptr) {
+          nvshmem_free(normal);  // collective, as is the failure: every PE of the host fails alike
+          nvshmem_free(local);
+          throw std::runtime_error("deep_ep_jax: NVSHMEM cannot map rank " + std::to_string(r) + " (PE " +
+                                   std::to_string(pes[r]) + ") of this host into device " + std::to_string(device) +
+                                   " (nvshmem_ptr is null): internode normal mode needs NVLink/P2P between the "
+                                   "GPUs of a host; set DEEP_EP_JAX_GPUS_PER_HOST=1 to treat each GPU as a host");
+        }
+      }
     }
   }
-  return RegisterExternalBuffer(s, [device, local] {
+  s.num_nodes = num_nodes;
+  return RegisterExternalBuffer(s, [device, local, normal] {
     cudaSetDevice(device);
-    nvshmem_free(local);  // collective
+    if (normal != nullptr) nvshmem_free(normal);  // collective
+    nvshmem_free(local);
   });
 }
 

@@ -26,14 +26,16 @@ bool Initialized();
 // Collective: frees nothing (buffers must be destroyed first) and shuts NVSHMEM down.
 void Finalize();
 
-// Collective (nvshmem_malloc, same sizes everywhere): the low-latency region
-// of `rank` of an EP group in the symmetric heap, zeroed on every PE before
-// it returns, followed by send_bytes of send area. pes[r]: the PE of rank r;
-// same_host[r]: rank r is reached through its mapped memory (nvshmem_ptr)
-// rather than NVSHMEM's transports. Returns the registry's buffer id;
-// DestroyBuffer frees it (collectively: every PE destroys its buffers).
-int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const std::vector<bool>& same_host,
-                     size_t low_latency_bytes, size_t send_bytes);
+// Collective (nvshmem_malloc, same sizes everywhere): the regions of `rank`
+// of an EP group in the symmetric heap, zeroed on every PE before it returns:
+// the normal region (normal_bytes, none when 0) and the low-latency region
+// followed by send_bytes of send area. pes[r]: the PE of rank r; nodes[r]:
+// its host (0..num_nodes-1); ranks of this rank's host are reached through
+// their mapped memory (nvshmem_ptr), others through NVSHMEM's transports.
+// Returns the registry's buffer id; DestroyBuffer frees it (collectively:
+// every PE destroys its buffers).
+int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const std::vector<int>& nodes,
+                     size_t normal_bytes, size_t low_latency_bytes, size_t send_bytes);
 
 }  // namespace nvshmem
 }  // namespace deep_ep_jax

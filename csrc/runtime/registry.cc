@@ -108,7 +108,7 @@ void FreeStates(const std::vector<DeviceState>& states) {
     cudaGetDevice(&previous);
     cudaSetDevice(s.device_ordinal);
     cudaDeviceSynchronize();
-    if (s.normal.local) cudaFree(s.normal.local);
+    if (s.normal.local && !s.nvshmem) cudaFree(s.normal.local);  // else: its release frees it
     if (s.low_latency.local && !s.nvshmem) cudaFree(s.low_latency.local);  // else: its release frees it
     cudaSetDevice(previous);
   }

@@ -42,10 +42,13 @@ struct DeviceState {
   // An EP group across hosts: the low-latency region is in NVSHMEM's
   // symmetric heap (runtime/nvshmem.h), followed by send_bytes of send area;
   // low_latency.peers[r] is null for a rank on another host, reached as PE
-  // pes[r]. There is no normal region (internode normal mode: not yet).
+  // pes[r]. The normal region (internode normal mode, kernels/internode.h) is
+  // there too, mapped (nvshmem_ptr) for the ranks of this host.
   bool nvshmem = false;
   int pes[kMaxRanks] = {};
   size_t send_bytes = 0;
+  int nodes[kMaxRanks] = {};  // host index of each rank (ranks of a host in rank order), 0..num_nodes-1
+  int num_nodes = 1;
 };
 
 // groups: device ordinals of each EP group (one group per index of the other

@@ -49,14 +49,15 @@ def open_ipc_peers(buffer_id, handles) -> None:
     _native.extension().open_ipc_peers(int(buffer_id), [[bytes(h) for h in group] for group in handles])
 
 
-def create_nvshmem_buffer(device, rank, pes, same_host, low_latency_bytes, send_bytes) -> int:
-    """An EP group across hosts: the low-latency region of `rank` (this
-    process's `device`) and its send area in NVSHMEM's symmetric heap.
-    Collective over all processes. pes[r]: PE of rank r; same_host[r]: rank r
-    is on this host (reached through mapped memory, not NVSHMEM's transports)."""
+def create_nvshmem_buffer(device, rank, pes, nodes, normal_bytes, low_latency_bytes, send_bytes) -> int:
+    """An EP group across hosts: the normal region (none when 0), the
+    low-latency region of `rank` (this process's `device`) and its send area
+    in NVSHMEM's symmetric heap. Collective over all processes. pes[r]: PE of
+    rank r; nodes[r]: its host index (ranks of this rank's host are reached
+    through mapped memory, the others through NVSHMEM's transports)."""
     return _native.extension().create_nvshmem_buffer(
-        int(device), int(rank), [int(p) for p in pes], [bool(h) for h in same_host], int(low_latency_bytes),
-        int(send_bytes),
+        int(device), int(rank), [int(p) for p in pes], [int(n) for n in nodes], int(normal_bytes),
+        int(low_latency_bytes), int(send_bytes),
     )
 
 

@@ -12,6 +12,9 @@ area of the Buffer's normal region instead, then copy locally: slower, but it
 does not need peer access to XLA's memory. Multi-process buffers (peers in
 other processes, `buffer.ipc`) are always staged: XLA's buffers of another
 process are out of reach.
+
+An EP group across hosts (`buffer.spans_hosts`, NVSHMEM) runs the internode
+kernels instead: `deep_ep_jax.backends.cuda_internode`, same signatures.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import _native
+from deep_ep_jax.backends import cuda_internode
 from deep_ep_jax.handle import DispatchHandle
 
 # Limits of the kernels (csrc/kernels/intranode.h, csrc/runtime/registry.h).
@@ -140,6 +144,9 @@ def _scales_or_empty(xs, num_tokens):
 
 
 def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
+    if getattr(buffer, "spans_hosts", False):
+        return cuda_internode.dispatch(xs, topk_idx, topk_weights, num_experts=num_experts,
+                                       num_worst_tokens=num_worst_tokens, buffer=buffer)
     fn = "dispatch"
     num_tokens, num_topk = topk_idx.shape
     num_ranks = buffer.num_ranks
@@ -193,6 +200,8 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):
+    if getattr(buffer, "spans_hosts", False):
+        return cuda_internode.cached_dispatch(xs, topk_weights, handle, buffer=buffer)
     fn = "cached_dispatch"
     num_tokens = handle.send_pos.shape[0]
     num_rows = handle.num_worst_tokens
@@ -218,6 +227,8 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
 
 
 def combine(x, topk_weights, handle, *, buffer):
+    if getattr(buffer, "spans_hosts", False):
+        return cuda_internode.combine(x, topk_weights, handle, buffer=buffer)
     fn = "combine"
     num_tokens = handle.send_pos.shape[0]
     num_rows, hidden = x.shape

@@ -1,0 +1,114 @@
+// Normal-mode (training / prefill) dispatch and combine for an EP group that
+// spans hosts: one process (one NVSHMEM PE) per GPU, R <= kMaxRanks ranks cut
+// into hosts ("nodes") of the same number of GPUs. docs/internode.md has the
+// design; in short:
+//
+// dispatch (hierarchical, as DeepEP's): a token crosses the network at most
+// once per destination host, to the GPU of that host with the sender's local
+// index (the "forwarder"), which copies it over NVLink to the destination
+// GPUs of its host. Tokens for the sender's own host go over NVLink directly.
+//   1. notify (one block): layout of the local tokens; every rank publishes
+//      its per-rank and per-host token counts to every rank (the call's
+//      barrier); then every token's final row on every destination is known
+//      here (prefix over earlier source ranks + position), so rows land in
+//      the contract's order with no sorting.
+//   2. send: a warp per token: stages a packet (row, scales, source token,
+//      final rows on every rank, top-k) in the send area and puts it to each
+//      remote host's forwarder; writes rows for this host's ranks directly.
+//   3. forward: waits for the packets from the same-index ranks of the other
+//      hosts and copies each to its destination ranks of this host.
+//   4. finish: waits until every rank of this host is done writing here,
+//      counts rows per local expert, and copies the landed rows into XLA's
+//      outputs (the landing area is this rank's region: staged).
+// combine: every rank pushes each received row back to its source rank (over
+// NVLink on the same host, else staged and put), into a slot [rank][token],
+// and the source sums the slots in rank order in float32, exactly as the
+// reference backend (per-host partial sums would change the rounding).
+//
+// Flags live in this rank's Control block and hold the call's sequence
+// number, so back-to-back calls and CUDA-graph replays need no resets. Every
+// wait times out with a message naming rank, peer and counter.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/registry.h"
+
+namespace deep_ep_jax {
+namespace internode {
+
+constexpr int kMaxBlocks = 132;         // upper bound of Config.num_sms
+constexpr int kMaxWarps = 16;           // warps per block
+constexpr int kMaxLocalExperts = 4096;  // shared-memory histogram
+constexpr int kMaxRowArrays = 2;        // bf16 rows, or FP8 rows + float32 scales
+
+// Launch knobs, the same on every rank.
+struct LaunchConfig {
+  int num_blocks;
+  int num_warps;
+  uint64_t timeout_ns;
+};
+
+// Shapes of one call: they fix the region's layout (identical on every rank,
+// so peers address each other's regions with this rank's offsets).
+struct Shapes {
+  int num_tokens;        // T
+  int num_worst_tokens;  // N
+  int num_topk;          // K (0 when no top-k travels)
+  int64_t row_bytes[kMaxRowArrays];
+};
+
+// Bytes of the normal region (control included) that dispatch / cached
+// dispatch / combine of these shapes need, for num_ranks ranks on num_nodes
+// hosts. Mirrored by deep_ep_jax/backends/cuda_internode.py.
+size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes);
+size_t CombineRegionBytes(const Shapes& s, int num_ranks);
+
+struct DispatchParams {
+  const char* x[kMaxRowArrays];
+  int64_t row_bytes[kMaxRowArrays];
+  const int* topk_idx;        // [T, K] global ids (dispatch), null for cached dispatch
+  const float* topk_weights;  // [T, K] or null
+  const int* cached_send_pos;         // cached dispatch: [T, R] from the handle
+  const int* cached_num_recv_tokens;  // cached dispatch: [] from the handle
+  int num_tokens, num_topk, num_experts, num_worst_tokens;
+  // Token-side outputs (dispatch only; null for cached dispatch).
+  bool* is_token_in_rank;   // [T, R]
+  int* num_tokens_per_rank; // [R]
+  int* rank_prefix_matrix;  // [R, R] inclusive over source ranks
+  int* send_pos;            // [T, R]
+  int* node_pos;            // [T, num_nodes] scratch: position among the tokens sent to each host, -1
+  // Receive-side outputs, N rows (null where absent).
+  char* recv_x[kMaxRowArrays];
+  int* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  int* recv_src_rank;
+  int* num_recv_tokens;
+  int* num_recv_tokens_per_expert;  // [E / R]
+  int* num_dropped_tokens;
+};
+
+struct CombineParams {
+  const uint16_t* x;           // bf16 [N, H]
+  const float* topk_weights;   // [N, K] or null
+  const int* send_pos;         // [T, R]
+  const int* num_recv_tokens;  // []
+  const int* recv_src_idx;     // [N]
+  const int* recv_src_rank;    // [N]
+  int num_tokens, hidden, num_topk, num_worst_tokens;
+  uint16_t* out;       // bf16 [T, H]
+  float* out_weights;  // [T, K] or null
+};
+
+// Only enqueue work on `stream` (state.nvshmem with a normal region).
+cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
+                           cudaStream_t stream);
+cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& c,
+                          cudaStream_t stream);
+
+}  // namespace internode
+}  // namespace deep_ep_jax

@@ -1,0 +1,238 @@
+"""Normal mode for an EP group across hosts, as CUDA custom calls over NVSHMEM.
+
+The kernels are `csrc/kernels/internode.cu` (design: docs/internode.md):
+dispatch sends each token over the network at most once per destination host,
+to the GPU with the sender's local index there, which forwards it over NVLink;
+combine pushes every row back to its source rank, which sums them in float32
+in rank order, bit-identical to `deep_ep_jax.backends.reference`. Same
+signatures and handle as `cuda_normal` (which switches here when
+`buffer.spans_hosts`). Everything lands in the Buffer's normal region in
+NVSHMEM's symmetric heap, sized by `internode_region_bytes`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deep_ep_jax import _native
+from deep_ep_jax.handle import DispatchHandle
+
+# Mirrors of csrc/kernels/internode.{h,cu} and csrc/runtime/registry.h.
+CONTROL_BYTES = 1 << 16
+ALIGN = 256
+PACKET_ALIGN = 16
+MAX_RANKS = 8
+MAX_LOCAL_EXPERTS = 4096
+INT32_MAX = 2**31 - 1
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_BLOCK = 128
+
+# What the Buffer is sized for when not told (as single-host normal mode).
+DEFAULT_HIDDEN = 7168
+DEFAULT_TOKENS = 4096
+DEFAULT_TOPK = 16
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _take_all(sizes) -> int:
+    offset = CONTROL_BYTES
+    for size in sizes:
+        offset = _align(offset + size, ALIGN)
+    return offset
+
+
+def dispatch_region_bytes(num_tokens, num_rows, num_topk, row_bytes, num_nodes) -> int:
+    """Mirror of MakeLayout (dispatch): landing area of num_rows rows, then
+    packets staged (T) and received from each host (num_nodes * T)."""
+    packet = (_align(row_bytes[0], PACKET_ALIGN) + _align(row_bytes[1], PACKET_ALIGN)
+              + _align(4 * (1 + MAX_RANKS) + 8 * num_topk, PACKET_ALIGN))
+    n, k = num_rows, num_topk
+    return _take_all([n * row_bytes[0], n * row_bytes[1], n * k * 4, n * k * 4, n * 4,
+                      num_tokens * packet, num_nodes * num_tokens * packet])
+
+
+def combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks) -> int:
+    """Mirror of MakeLayout (combine): slots [rank][token] of (row, weights), then staged sends (N)."""
+    packet = _align(2 * hidden, PACKET_ALIGN) + _align(4 * num_topk, PACKET_ALIGN)
+    return _take_all([num_ranks * num_tokens * packet, num_rows * packet])
+
+
+def internode_region_bytes(num_ranks, num_nodes, hidden=None, num_tokens=None, num_topk=DEFAULT_TOPK) -> int:
+    """Bytes of the normal region per rank of an EP group across hosts: the
+    largest of bf16 and FP8 dispatch (N = T * R rows) and combine, for
+    num_tokens tokens per rank of `hidden` (None: 4096 and 7168)."""
+    hidden = DEFAULT_HIDDEN if hidden is None else int(hidden)
+    num_tokens = DEFAULT_TOKENS if num_tokens is None else int(num_tokens)
+    num_rows = num_tokens * num_ranks
+    bf16 = dispatch_region_bytes(num_tokens, num_rows, num_topk, (2 * hidden, 0), num_nodes)
+    fp8 = dispatch_region_bytes(num_tokens, num_rows, num_topk, (hidden, hidden // FP8_BLOCK * 4), num_nodes)
+    combine = combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks)
+    return max(bf16, fp8, combine)
+
+
+def check_nodes(nodes) -> int:
+    """The host index of each rank (0..H-1): every host must hold the same
+    number of ranks (a token is forwarded by the GPU of the sender's local
+    index). Returns the number of hosts."""
+    nodes = [int(n) for n in nodes]
+    num_nodes = max(nodes) + 1
+    sizes = [nodes.count(n) for n in range(num_nodes)]
+    if len(set(sizes)) != 1:
+        raise NotImplementedError(
+            f"Buffer(backend='cuda'): internode normal mode needs the same number of GPUs of the EP group on every "
+            f"host, got {sizes} (ranks per host); set Config.gpus_per_host / DEEP_EP_JAX_GPUS_PER_HOST to cut hosts "
+            f"evenly"
+        )
+    return num_nodes
+
+
+# Trace-time checks ----------------------------------------------------------
+
+
+def _row_bytes(fn, xs):
+    x = xs[0]
+    hidden = x.shape[1]
+    if jnp.dtype(x.dtype) == FP8_DTYPE:
+        return hidden, hidden // FP8_BLOCK * 4
+    if jnp.dtype(x.dtype) != jnp.bfloat16:
+        raise ValueError(f"{fn}: the CUDA kernels move bf16 or FP8 rows, got x of dtype {x.dtype}")
+    if hidden % 8:
+        raise ValueError(f"{fn}: bf16 hidden must be a multiple of 8 (16-byte rows) for the CUDA kernels, got {hidden}")
+    return 2 * hidden, 0
+
+
+def _check(fn, buffer, *, num_tokens, num_rows, num_topk, need):
+    if buffer.num_ranks > MAX_RANKS:
+        raise ValueError(f"{fn}: the CUDA kernels support at most {MAX_RANKS} ranks, the buffer has {buffer.num_ranks}")
+    if buffer.buffer_id is None:
+        raise ValueError(f"{fn}: the buffer has no device memory (backend {buffer.backend!r}); use backend='cuda'")
+    for what, value in (("tokens * ranks", num_tokens * buffer.num_ranks), ("tokens * topk", num_tokens * num_topk),
+                        ("num_worst_tokens * topk", num_rows * num_topk)):
+        if value > INT32_MAX:
+            raise ValueError(f"{fn}: {what} must be <= {INT32_MAX} (32-bit row indices), got {value}")
+    if buffer.num_nvl_bytes < need:
+        raise ValueError(
+            f"{fn}: the Buffer's EP group spans hosts; its normal region (NVSHMEM symmetric heap) needs {need} bytes "
+            f"for {num_tokens} tokens, {num_rows} rows and top-k {num_topk}, and has num_nvl_bytes="
+            f"{buffer.num_nvl_bytes}. Create the Buffer with num_nvl_bytes >= "
+            f"cuda_internode.internode_region_bytes(ranks, hosts, hidden, tokens) (or matching hidden=)."
+        )
+
+
+def _attrs(buffer):
+    config = buffer.config
+    return dict(
+        buffer_id=np.int64(buffer.buffer_id),
+        num_sms=np.int64(config.num_sms),
+        num_warps=np.int64(config.num_warps),
+        timeout_ns=np.int64(config.timeout_ns),
+    )
+
+
+def _scales_or_empty(xs, num_tokens):
+    return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
+
+
+# Calls ----------------------------------------------------------------------
+
+
+def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
+    fn = "dispatch"
+    num_tokens, num_topk = topk_idx.shape
+    num_ranks, num_nodes = buffer.num_ranks, buffer.num_nodes
+    num_rows = num_tokens * num_ranks if num_worst_tokens is None else int(num_worst_tokens)
+    x, hidden = xs[0], xs[0].shape[1]
+    row_bytes = _row_bytes(fn, xs)
+    _check(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk,
+           need=dispatch_region_bytes(num_tokens, num_rows, num_topk, row_bytes, num_nodes))
+    if num_experts % num_ranks or num_experts // num_ranks > MAX_LOCAL_EXPERTS:
+        raise ValueError(
+            f"{fn}: num_experts must be a multiple of the {num_ranks} ranks with at most {MAX_LOCAL_EXPERTS} per "
+            f"rank for the CUDA kernels, got {num_experts}"
+        )
+    scales = _scales_or_empty(xs, num_tokens)
+    weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
+    i32 = jnp.int32
+    out_types = (
+        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),  # recv_x
+        jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),  # recv_x_scales
+        jax.ShapeDtypeStruct((num_rows, num_topk), i32),  # recv_topk_idx
+        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),  # recv_topk_weights
+        jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),  # is_token_in_rank
+        jax.ShapeDtypeStruct((num_ranks,), i32),  # num_tokens_per_rank
+        jax.ShapeDtypeStruct((num_ranks, num_ranks), i32),  # rank_prefix_matrix
+        jax.ShapeDtypeStruct((num_tokens, num_ranks), i32),  # send_pos
+        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_idx
+        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_rank
+        jax.ShapeDtypeStruct((), i32),  # num_recv_tokens
+        jax.ShapeDtypeStruct((num_experts // num_ranks,), i32),  # num_recv_tokens_per_expert
+        jax.ShapeDtypeStruct((), i32),  # num_dropped_tokens
+        jax.ShapeDtypeStruct((num_tokens, num_nodes), i32),  # node_pos (the kernels' scratch)
+    )
+    _native.register_ffi_targets()
+    (recv_x, recv_scales, recv_idx, recv_w, in_rank, per_rank, prefix, send_pos, src_idx, src_rank, num_recv,
+     per_expert, dropped, _) = jax.ffi.ffi_call("deep_ep_jax_internode_dispatch", out_types)(
+        x, scales, jnp.asarray(topk_idx, i32), jnp.asarray(weights, jnp.float32),
+        num_experts=np.int64(num_experts), **_attrs(buffer))
+    handle = DispatchHandle(
+        is_token_in_rank=in_rank,
+        num_tokens_per_rank=per_rank,
+        rank_prefix_matrix=prefix,
+        send_pos=send_pos,
+        recv_src_idx=src_idx,
+        recv_src_rank=src_rank,
+        num_recv_tokens=num_recv,
+        num_recv_tokens_per_expert=per_expert,
+        num_dropped_tokens=dropped,
+    )
+    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
+    return recv_xs, recv_idx, (None if topk_weights is None else recv_w), handle
+
+
+def cached_dispatch(xs, topk_weights, handle, *, buffer):
+    fn = "cached_dispatch"
+    num_tokens = handle.send_pos.shape[0]
+    num_rows = handle.num_worst_tokens
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+    x, hidden = xs[0], xs[0].shape[1]
+    row_bytes = _row_bytes(fn, xs)
+    _check(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk,
+           need=dispatch_region_bytes(num_tokens, num_rows, num_topk, row_bytes, buffer.num_nodes))
+    scales = _scales_or_empty(xs, num_tokens)
+    weights = jnp.zeros((num_tokens, 0), jnp.float32) if topk_weights is None else topk_weights
+    out_types = (
+        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),
+        jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),
+        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
+        jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32),  # node_pos (scratch)
+    )
+    _native.register_ffi_targets()
+    recv_x, recv_scales, recv_w, _ = jax.ffi.ffi_call("deep_ep_jax_internode_cached_dispatch", out_types)(
+        x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, **_attrs(buffer))
+    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
+    return recv_xs, (None if topk_weights is None else recv_w)
+
+
+def combine(x, topk_weights, handle, *, buffer):
+    fn = "combine"
+    num_tokens = handle.send_pos.shape[0]
+    num_rows, hidden = x.shape
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+    _row_bytes(fn, (x,))
+    _check(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk,
+           need=combine_region_bytes(num_tokens, num_rows, num_topk, hidden, buffer.num_ranks))
+    weights = jnp.zeros((num_rows, 0), jnp.float32) if topk_weights is None else topk_weights
+    out_types = (
+        jax.ShapeDtypeStruct((num_tokens, hidden), x.dtype),
+        jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.float32),
+    )
+    _native.register_ffi_targets()
+    out, out_w = jax.ffi.ffi_call("deep_ep_jax_internode_combine", out_types)(
+        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx,
+        handle.recv_src_rank, **_attrs(buffer))
+    return out, (None if topk_weights is None else out_w)

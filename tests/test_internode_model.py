@@ -1,0 +1,105 @@
+"""The index math of internode normal mode (csrc/kernels/internode.cu) as a
+numpy model, for H hosts x G GPUs, against the contract (tests/oracle.py):
+per-host positions, one packet per (token, destination host) to the GPU of
+the sender's local index, final rows computed at the sender, forwarding to
+the destination GPUs of that host. Checks that every row lands exactly once,
+in the contract's order, that no receive slot is written twice, and that the
+network carries one packet per distinct remote destination host (the
+deduplication docs/internode.md's bandwidth figures assume). Runs on CPU; the
+kernels themselves are checked against the reference on GPUs
+(tests/gpu/test_internode_gpu.py)."""
+
+import numpy as np
+import pytest
+
+import oracle
+from deep_ep_jax import multiprocess, testing
+
+
+def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
+    """x [R, T, H], idx [R, T, K]; nodes[r]: host of rank r. Returns per rank
+    (rows [N, H] with NaN where nothing landed, src_idx [N], count of network packets sent)."""
+    num_ranks, num_tokens, _ = x.shape
+    num_nodes = max(nodes) + 1
+    epr = num_experts // num_ranks
+    local = [sum(nodes[q] == nodes[r] for q in range(r)) for r in range(num_ranks)]
+    forwarder = {(b, local[r]): r for r in range(num_ranks) for b in [nodes[r]]}
+
+    # Notify: masks, counts, the exchange, final rows and per-host positions.
+    in_rank = np.zeros((num_ranks, num_tokens, num_ranks), bool)
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            for e in idx[s, t]:
+                if 0 <= e < num_experts:
+                    in_rank[s, t, e // epr] = True
+    in_node = np.zeros((num_ranks, num_tokens, num_nodes), bool)
+    for r in range(num_ranks):
+        in_node[:, :, nodes[r]] |= in_rank[:, :, r]
+    counts = in_rank.sum(1)  # [src, dst]
+    node_counts = in_node.sum(1)  # [src, node]
+    first_row = np.cumsum(counts, 0) - counts  # [src, dst]: rows of earlier sources
+    pos_in_dest = np.cumsum(in_rank, 1) - 1
+    send_pos = np.where(in_rank & (first_row[:, None, :] + pos_in_dest < num_worst_tokens),
+                        first_row[:, None, :] + pos_in_dest, -1)
+    node_pos = np.where(in_node, np.cumsum(in_node, 1) - 1, -1)
+
+    landing = np.full((num_ranks, num_worst_tokens) + x.shape[2:], np.nan)
+    src_idx = np.full((num_ranks, num_worst_tokens), -1)
+
+    def deliver(dest, row, s, t):
+        assert np.isnan(landing[dest, row]).all(), f"row {row} of rank {dest} written twice"
+        landing[dest, row] = x[s, t]
+        src_idx[dest, row] = t
+
+    # Send: one packet per remote destination host, direct rows on this host.
+    rdma_recv = {}  # (forwarder, source host, position) -> (source rank, token)
+    packets = 0
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            for b in range(num_nodes):
+                if b != nodes[s] and node_pos[s, t, b] >= 0:
+                    key = (forwarder[(b, local[s])], nodes[s], node_pos[s, t, b])
+                    assert key not in rdma_recv, f"receive slot {key} written twice"
+                    rdma_recv[key] = (s, t)
+                    packets += 1
+            for d in range(num_ranks):
+                if nodes[d] == nodes[s] and send_pos[s, t, d] >= 0:
+                    deliver(d, send_pos[s, t, d], s, t)
+    # Forward: each forwarder walks the packets of the same-index ranks of the other hosts.
+    for f in range(num_ranks):
+        for s in range(num_ranks):
+            if nodes[s] == nodes[f] or local[s] != local[f]:
+                continue
+            for p in range(node_counts[s, nodes[f]]):
+                s_, t = rdma_recv.pop((f, nodes[s], p))
+                assert s_ == s
+                for d in range(num_ranks):
+                    if nodes[d] == nodes[f] and send_pos[s, t, d] >= 0:
+                        deliver(d, send_pos[s, t, d], s, t)
+    assert not rdma_recv, "packets nobody forwarded"
+    distinct_remote_hosts = sum(
+        int(in_node[s, t, b]) for s in range(num_ranks) for t in range(num_tokens) for b in range(num_nodes)
+        if b != nodes[s])
+    return landing, src_idx, packets, distinct_remote_hosts
+
+
+@pytest.mark.parametrize("num_hosts,gpus_per_host", [(2, 1), (2, 4), (4, 2), (8, 1), (3, 2)])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
+@pytest.mark.parametrize("fraction", [1.0, 0.3])
+def test_model_matches_contract(num_hosts, gpus_per_host, kind, fraction):
+    num_ranks = num_hosts * gpus_per_host
+    num_tokens, topk, num_experts, hidden = 37, 4, 4 * num_ranks, 2
+    rows = max(1, int(fraction * num_tokens * num_ranks))
+    idx, w = testing.make_routing(num_ranks, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)
+    w = np.asarray(w).reshape(num_ranks, num_tokens, topk)
+    x = np.random.default_rng(0).standard_normal((num_ranks, num_tokens, hidden))
+    nodes = multiprocess.group_nodes(["machine"] * num_ranks, gpus_per_host)
+    landing, src_idx, packets, expected_packets = model_dispatch(x, idx, nodes, num_experts, rows)
+    assert packets == expected_packets  # once per (token, remote destination host)
+    want = oracle.dispatch(x, idx, w, num_experts, rows)
+    for r in range(num_ranks):
+        n = len(want[r]["x"])
+        np.testing.assert_array_equal(landing[r, :n], np.reshape(want[r]["x"], (n, hidden)))
+        np.testing.assert_array_equal(src_idx[r, :n], want[r]["src"])
+        assert np.isnan(landing[r, n:]).all() and (src_idx[r, n:] == -1).all()

@@ -200,6 +200,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
   if (auto err = CheckRegion(fn, *state, internode::CombineRegionBytes(s, state->num_ranks)); err.failure()) return err;
   return Launched(fn, internode::LaunchCombine(*state, p, config, stream));
 #else
+  (void)p;
   return Launched(fn, cudaErrorNotSupported);
 #endif
 }

@@ -174,8 +174,8 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
         s.normal.peers[r] = static_cast<char*>(nvshmem_ptr(normal, pes[r]));
         // Internode normal mode forwards over NVLink within a host: it needs the mapping.
         if (s.normal.peers[r] == nullptr) {
-          nvshmem_free(normal);  // collective, as is the failure: every PE of the host fails alike
-          nvshmem_free(local);
+          // Not freed: nvshmem_free is collective, and PEs of other hosts do not
+          // fail here; the memory goes with the process (the job cannot run).
           throw std::runtime_error("deep_ep_jax: NVSHMEM cannot map rank " + std::to_string(r) + " (PE " +
                                    std::to_string(pes[r]) + ") of this host into device " + std::to_string(device) +
                                    " (nvshmem_ptr is null): internode normal mode needs NVLink/P2P between the "

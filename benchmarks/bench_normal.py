@@ -5,6 +5,8 @@ kernels beside the xla backend, through the public API under jit.
     python benchmarks/bench_normal.py --num-sms 8 16 24 32 --json out.json
     python benchmarks/bench_normal.py --sweep --plot sweep.png
     python -m deep_ep_jax.launch -n 2 -- benchmarks/bench_normal.py   # one process per GPU (CUDA IPC)
+    DEEP_EP_JAX_GPUS_PER_HOST=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      python -m deep_ep_jax.launch -n 2 --all-gpus-visible -- benchmarks/bench_normal.py   # as two hosts (NVSHMEM)
 
 Standard case (DeepEP's): 4096 tokens per rank, hidden 7168, top-8 of 256
 experts, all local GPUs as the EP group. Bandwidth is DeepEP's formula:
@@ -117,10 +119,12 @@ def time_per_op(op, buffer, mesh, case, inputs, *, length, repeats):
 
 def device_seconds_per_op(run, args, length):
     """Device time of our kernels per operation (the slowest GPU), from a
-    profile of the 2n chain: every kernel of deep_ep_jax::intranode, waits included."""
-    durations = kernel_durations(run, args, ["intranode"])
-    per_gpu = [sum(v) / (2 * length) for v in durations.values()]
-    return max(per_gpu) if per_gpu else float("nan")
+    profile of the 2n chain: every kernel of deep_ep_jax::intranode (one host)
+    or ::internode (several hosts), waits included."""
+    per_gpu = {}
+    for (plane, _), seconds in kernel_durations(run, args, ["intranode", "internode"]).items():
+        per_gpu[plane] = per_gpu.get(plane, 0.0) + sum(seconds) / (2 * length)
+    return max(per_gpu.values()) if per_gpu else float("nan")
 
 
 _received_rows = {}  # (case, num_ranks) -> mean rows a rank receives (the same for every backend)

@@ -17,22 +17,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import _native
-from deep_ep_jax.handle import DispatchHandle
+from deep_ep_jax.backends.cuda_normal import (  # limits, sizes and helpers shared with one host
+    CONTROL_BYTES,
+    DEFAULT_HIDDEN,
+    DEFAULT_TOKENS,
+    DEFAULT_TOPK,
+    FP8_BLOCK,
+    MAX_LOCAL_EXPERTS,
+    MAX_RANKS,
+    _check_common,
+    _dispatch_out_types,
+    _dispatch_results,
+    _row_bytes,
+    _scales_or_empty,
+)
 
-# Mirrors of csrc/kernels/internode.{h,cu} and csrc/runtime/registry.h.
-CONTROL_BYTES = 1 << 16
+# Mirrors of csrc/kernels/internode.{h,cu}.
 ALIGN = 256
 PACKET_ALIGN = 16
-MAX_RANKS = 8
-MAX_LOCAL_EXPERTS = 4096
-INT32_MAX = 2**31 - 1
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-FP8_BLOCK = 128
-
-# What the Buffer is sized for when not told (as single-host normal mode).
-DEFAULT_HIDDEN = 7168
-DEFAULT_TOKENS = 4096
-DEFAULT_TOPK = 16
 
 
 def _align(n: int, a: int) -> int:
@@ -94,27 +96,8 @@ def check_nodes(nodes) -> int:
 # Trace-time checks ----------------------------------------------------------
 
 
-def _row_bytes(fn, xs):
-    x = xs[0]
-    hidden = x.shape[1]
-    if jnp.dtype(x.dtype) == FP8_DTYPE:
-        return hidden, hidden // FP8_BLOCK * 4
-    if jnp.dtype(x.dtype) != jnp.bfloat16:
-        raise ValueError(f"{fn}: the CUDA kernels move bf16 or FP8 rows, got x of dtype {x.dtype}")
-    if hidden % 8:
-        raise ValueError(f"{fn}: bf16 hidden must be a multiple of 8 (16-byte rows) for the CUDA kernels, got {hidden}")
-    return 2 * hidden, 0
-
-
 def _check(fn, buffer, *, num_tokens, num_rows, num_topk, need):
-    if buffer.num_ranks > MAX_RANKS:
-        raise ValueError(f"{fn}: the CUDA kernels support at most {MAX_RANKS} ranks, the buffer has {buffer.num_ranks}")
-    if buffer.buffer_id is None:
-        raise ValueError(f"{fn}: the buffer has no device memory (backend {buffer.backend!r}); use backend='cuda'")
-    for what, value in (("tokens * ranks", num_tokens * buffer.num_ranks), ("tokens * topk", num_tokens * num_topk),
-                        ("num_worst_tokens * topk", num_rows * num_topk)):
-        if value > INT32_MAX:
-            raise ValueError(f"{fn}: {what} must be <= {INT32_MAX} (32-bit row indices), got {value}")
+    _check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     if buffer.num_nvl_bytes < need:
         raise ValueError(
             f"{fn}: the Buffer's EP group spans hosts; its normal region (NVSHMEM symmetric heap) needs {need} bytes "
@@ -132,10 +115,6 @@ def _attrs(buffer):
         num_warps=np.int64(config.num_warps),
         timeout_ns=np.int64(config.timeout_ns),
     )
-
-
-def _scales_or_empty(xs, num_tokens):
-    return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
 
 
 # Calls ----------------------------------------------------------------------
@@ -157,41 +136,14 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
         )
     scales = _scales_or_empty(xs, num_tokens)
     weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
-    i32 = jnp.int32
-    out_types = (
-        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),  # recv_x
-        jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),  # recv_x_scales
-        jax.ShapeDtypeStruct((num_rows, num_topk), i32),  # recv_topk_idx
-        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),  # recv_topk_weights
-        jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),  # is_token_in_rank
-        jax.ShapeDtypeStruct((num_ranks,), i32),  # num_tokens_per_rank
-        jax.ShapeDtypeStruct((num_ranks, num_ranks), i32),  # rank_prefix_matrix
-        jax.ShapeDtypeStruct((num_tokens, num_ranks), i32),  # send_pos
-        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_idx
-        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_rank
-        jax.ShapeDtypeStruct((), i32),  # num_recv_tokens
-        jax.ShapeDtypeStruct((num_experts // num_ranks,), i32),  # num_recv_tokens_per_expert
-        jax.ShapeDtypeStruct((), i32),  # num_dropped_tokens
-        jax.ShapeDtypeStruct((num_tokens, num_nodes), i32),  # node_pos (the kernels' scratch)
-    )
+    out_types = _dispatch_out_types(num_tokens, num_rows, x.dtype, hidden, scales.shape[1], num_topk, num_ranks,
+                                    num_experts)
+    out_types += (jax.ShapeDtypeStruct((num_tokens, num_nodes), jnp.int32),)  # node_pos (the kernels' scratch)
     _native.register_ffi_targets()
-    (recv_x, recv_scales, recv_idx, recv_w, in_rank, per_rank, prefix, send_pos, src_idx, src_rank, num_recv,
-     per_expert, dropped, _) = jax.ffi.ffi_call("deep_ep_jax_internode_dispatch", out_types)(
-        x, scales, jnp.asarray(topk_idx, i32), jnp.asarray(weights, jnp.float32),
+    outputs = jax.ffi.ffi_call("deep_ep_jax_internode_dispatch", out_types)(
+        x, scales, jnp.asarray(topk_idx, jnp.int32), jnp.asarray(weights, jnp.float32),
         num_experts=np.int64(num_experts), **_attrs(buffer))
-    handle = DispatchHandle(
-        is_token_in_rank=in_rank,
-        num_tokens_per_rank=per_rank,
-        rank_prefix_matrix=prefix,
-        send_pos=send_pos,
-        recv_src_idx=src_idx,
-        recv_src_rank=src_rank,
-        num_recv_tokens=num_recv,
-        num_recv_tokens_per_expert=per_expert,
-        num_dropped_tokens=dropped,
-    )
-    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
-    return recv_xs, recv_idx, (None if topk_weights is None else recv_w), handle
+    return _dispatch_results(outputs, xs, topk_weights)
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):

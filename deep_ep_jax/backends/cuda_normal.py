@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import _native
-from deep_ep_jax.backends import cuda_internode
 from deep_ep_jax.handle import DispatchHandle
 
 # Limits of the kernels (csrc/kernels/intranode.h, csrc/runtime/registry.h).
@@ -143,8 +142,49 @@ def _scales_or_empty(xs, num_tokens):
     return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
 
 
+def _dispatch_out_types(num_tokens, num_rows, dtype, hidden, num_scales, num_topk, num_ranks, num_experts):
+    """Output types of the dispatch custom calls (one host and several), in order."""
+    i32 = jnp.int32
+    return (
+        jax.ShapeDtypeStruct((num_rows, hidden), dtype),  # recv_x
+        jax.ShapeDtypeStruct((num_rows, num_scales), jnp.float32),  # recv_x_scales
+        jax.ShapeDtypeStruct((num_rows, num_topk), i32),  # recv_topk_idx
+        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),  # recv_topk_weights
+        jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),  # is_token_in_rank
+        jax.ShapeDtypeStruct((num_ranks,), i32),  # num_tokens_per_rank
+        jax.ShapeDtypeStruct((num_ranks, num_ranks), i32),  # rank_prefix_matrix
+        jax.ShapeDtypeStruct((num_tokens, num_ranks), i32),  # send_pos
+        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_idx
+        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_rank
+        jax.ShapeDtypeStruct((), i32),  # num_recv_tokens
+        jax.ShapeDtypeStruct((num_experts // num_ranks,), i32),  # num_recv_tokens_per_expert
+        jax.ShapeDtypeStruct((), i32),  # num_dropped_tokens
+    )
+
+
+def _dispatch_results(outputs, xs, topk_weights):
+    """(recv_xs, recv_topk_idx, recv_topk_weights, handle) from the outputs of _dispatch_out_types."""
+    (recv_x, recv_scales, recv_idx, recv_w, in_rank, per_rank, prefix, send_pos, src_idx, src_rank, num_recv,
+     per_expert, dropped) = outputs[:13]
+    handle = DispatchHandle(
+        is_token_in_rank=in_rank,
+        num_tokens_per_rank=per_rank,
+        rank_prefix_matrix=prefix,
+        send_pos=send_pos,
+        recv_src_idx=src_idx,
+        recv_src_rank=src_rank,
+        num_recv_tokens=num_recv,
+        num_recv_tokens_per_expert=per_expert,
+        num_dropped_tokens=dropped,
+    )
+    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
+    return recv_xs, recv_idx, (None if topk_weights is None else recv_w), handle
+
+
 def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
     if getattr(buffer, "spans_hosts", False):
+        from deep_ep_jax.backends import cuda_internode  # imports this module's helpers
+
         return cuda_internode.dispatch(xs, topk_idx, topk_weights, num_experts=num_experts,
                                        num_worst_tokens=num_worst_tokens, buffer=buffer)
     fn = "dispatch"
@@ -164,43 +204,19 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     scales = _scales_or_empty(xs, num_tokens)
     weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
     i32 = jnp.int32
-    out_types = (
-        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),  # recv_x
-        jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),  # recv_x_scales
-        jax.ShapeDtypeStruct((num_rows, num_topk), i32),  # recv_topk_idx
-        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),  # recv_topk_weights
-        jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),  # is_token_in_rank
-        jax.ShapeDtypeStruct((num_ranks,), i32),  # num_tokens_per_rank
-        jax.ShapeDtypeStruct((num_ranks, num_ranks), i32),  # rank_prefix_matrix
-        jax.ShapeDtypeStruct((num_tokens, num_ranks), i32),  # send_pos
-        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_idx
-        jax.ShapeDtypeStruct((num_rows,), i32),  # recv_src_rank
-        jax.ShapeDtypeStruct((), i32),  # num_recv_tokens
-        jax.ShapeDtypeStruct((num_experts // num_ranks,), i32),  # num_recv_tokens_per_expert
-        jax.ShapeDtypeStruct((), i32),  # num_dropped_tokens
-    )
+    out_types = _dispatch_out_types(num_tokens, num_rows, x.dtype, hidden, scales.shape[1], num_topk, num_ranks,
+                                    num_experts)
     _native.register_ffi_targets()
-    (recv_x, recv_scales, recv_idx, recv_w, in_rank, per_rank, prefix, send_pos, src_idx, src_rank, num_recv,
-     per_expert, dropped) = jax.ffi.ffi_call("deep_ep_jax_dispatch", out_types)(
+    outputs = jax.ffi.ffi_call("deep_ep_jax_dispatch", out_types)(
         x, scales, jnp.asarray(topk_idx, i32), jnp.asarray(weights, jnp.float32),
         num_experts=np.int64(num_experts), **_launch_attrs(buffer))
-    handle = DispatchHandle(
-        is_token_in_rank=in_rank,
-        num_tokens_per_rank=per_rank,
-        rank_prefix_matrix=prefix,
-        send_pos=send_pos,
-        recv_src_idx=src_idx,
-        recv_src_rank=src_rank,
-        num_recv_tokens=num_recv,
-        num_recv_tokens_per_expert=per_expert,
-        num_dropped_tokens=dropped,
-    )
-    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
-    return recv_xs, recv_idx, (None if topk_weights is None else recv_w), handle
+    return _dispatch_results(outputs, xs, topk_weights)
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):
     if getattr(buffer, "spans_hosts", False):
+        from deep_ep_jax.backends import cuda_internode  # imports this module's helpers
+
         return cuda_internode.cached_dispatch(xs, topk_weights, handle, buffer=buffer)
     fn = "cached_dispatch"
     num_tokens = handle.send_pos.shape[0]
@@ -228,6 +244,8 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
 
 def combine(x, topk_weights, handle, *, buffer):
     if getattr(buffer, "spans_hosts", False):
+        from deep_ep_jax.backends import cuda_internode  # imports this module's helpers
+
         return cuda_internode.combine(x, topk_weights, handle, buffer=buffer)
     fn = "combine"
     num_tokens = handle.send_pos.shape[0]

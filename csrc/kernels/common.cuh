@@ -4,8 +4,6 @@
 // of the normal-mode kernels (one host and several).
 #pragma once
 
-#include <cuda_bf16.h>
-
 #include <cstdint>
 #include <cstdio>
 
@@ -103,26 +101,6 @@ __device__ inline void BlockExclusiveScan(int (&values)[kMaxRanks], int num_rank
     if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
   }
   __syncthreads();
-}
-
-// Combine's float32 accumulation of bf16 rows, 8 channels (16 bytes) at a
-// time: acc += v, then rounding back to bf16 once at the end.
-__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(pairs[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
-  int4 v;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return v;
 }
 
 }  // namespace deep_ep_jax

@@ -406,6 +406,24 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Sen
 // ---------------------------------------------------------------------------
 // Combine step 2: pull and reduce.
 
+__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return v;
+}
+
 // out = bf16(sum over r in rank order of float(src[r])), 8 bf16 per vector;
 // null sources are skipped. All loads of a step are issued before the sums.
 template <int kRanks, int kUnroll>

@@ -1,13 +1,10 @@
 // Device helpers shared by every kernel family: system-scope acquire/release
-// flags for meeting peers through NVLink memory, spin-waits that fail loudly
-// (rank, mode, counter) instead of hanging, and the per-token rank arithmetic
-// of the normal-mode kernels (one host and several).
+// flags for meeting peers through NVLink memory, and spin-waits that fail
+// loudly (rank, mode, counter) instead of hanging.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
-
-#include "runtime/registry.h"  // kMaxRanks
 
 namespace deep_ep_jax {
 
@@ -46,61 +43,6 @@ __device__ __forceinline__ void wait_at_least(const int* flag, int target, uint6
       __trap();
     }
   }
-}
-
-// Bit r is set when the token has an expert on rank r (ids outside
-// [0, num_experts) count as none).
-__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts,
-                                                  int experts_per_rank) {
-  uint32_t mask = 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int e = topk[k];
-    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
-  }
-  return mask;
-}
-
-// Exclusive prefix sum over the block's threads, in thread order, of each of
-// the num_ranks counters in `values`; the block totals land in `totals`.
-// Called by every thread of the block; warp_sums may be reused on return.
-__device__ inline void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks,
-                                          int* warp_sums /* [32][kMaxRanks] */, int* totals /* [kMaxRanks] */) {
-  constexpr int kWarp = 32;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int num_warps = blockDim.x / kWarp;
-  int inclusive[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int x = r < num_ranks ? values[r] : 0;
-#pragma unroll
-    for (int d = 1; d < kWarp; d <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, d);
-      if (lane >= d) x += y;
-    }
-    inclusive[r] = x;
-    if (lane == kWarp - 1) warp_sums[warp * kMaxRanks + r] = x;
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
-      int x = own;
-#pragma unroll
-      for (int d = 1; d < kWarp; d <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-      }
-      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
-      if (lane == kWarp - 1) totals[r] = x;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
-  }
-  __syncthreads();
 }
 
 }  // namespace deep_ep_jax

@@ -135,6 +135,56 @@ __device__ void SignalDone(const Group& g, int seq) {
   if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][blockIdx.x], seq);
 }
 
+// Bit r is set when the token has an expert on rank r.
+__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
+  uint32_t mask = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int e = topk[k];
+    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
+  }
+  return mask;
+}
+
+// Exclusive prefix sum over the block's threads, in thread order, of each of
+// the num_ranks counters in `values`; the block totals land in `totals`.
+__device__ void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks, int* warp_sums /* [32][kMaxRanks] */,
+                                   int* totals /* [kMaxRanks] */) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  int inclusive[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    int x = r < num_ranks ? values[r] : 0;
+#pragma unroll
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane >= d) x += y;
+    }
+    inclusive[r] = x;
+    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
+      int x = own;
+#pragma unroll
+      for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+      }
+      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
+      if (lane == kWarpSize - 1) totals[r] = x;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Dispatch step 1: layout, count exchange, send positions.
 

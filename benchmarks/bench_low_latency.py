@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 
 import jax
@@ -37,7 +36,7 @@ from jax import lax
 import deep_ep_jax
 from deep_ep_jax import testing
 
-from timing import chain_seconds, median_durations, touch
+from timing import chain_seconds, environment, median_durations, touch
 
 AXIS = "ep"
 KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
@@ -189,12 +188,6 @@ def summarize(op, backend, seconds):
 
 def format_row(r):
     return f"| {r['op']} | {r['backend']} | {r['us_median']:.1f} | {r['us_p10']:.1f}-{r['us_p90']:.1f} |"
-
-
-def environment():
-    devices = jax.devices()
-    return dict(jax=jax.__version__, devices=[d.device_kind for d in devices], platform=devices[0].platform,
-                date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv))
 
 
 def main(argv=None):

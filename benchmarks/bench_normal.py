@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 
 import jax
@@ -41,7 +40,7 @@ import deep_ep_jax
 from deep_ep_jax import launch, testing
 from deep_ep_jax.backends import reference
 
-from timing import chain_seconds, kernel_durations, touch
+from timing import chain_seconds, environment, kernel_durations, touch
 
 AXIS = "ep"
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
@@ -263,12 +262,6 @@ def run_sweep(mesh, case, backends, num_sms, *, length, repeats, plot_path):
         fig.savefig(plot_path, dpi=120)
         print(f"saved {plot_path}")
     return results
-
-
-def environment():
-    devices = jax.devices()
-    return dict(jax=jax.__version__, devices=[d.device_kind for d in devices], platform=devices[0].platform,
-                date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv))
 
 
 def main(argv=None):

@@ -3,11 +3,12 @@
 `chain_seconds`: wall-clock seconds per operation from two jitted chains of n
 and 2n operations (DESIGN.md section 3: the difference cancels the fixed host
 cost of a call). `kernel_durations`: device times of kernels, read from a JAX
-profile (CUPTI) of one run."""
+profile (CUPTI) of one run. `environment`: what a result was measured on."""
 
 from __future__ import annotations
 
 import glob
+import sys
 import tempfile
 import time
 
@@ -63,3 +64,10 @@ def touch(a, value):
     dependency that links one operation of a chain to the next, as an
     in-place one-element update XLA cannot drop."""
     return lax.dynamic_update_slice(a, value.astype(a.dtype), (0, 0))
+
+
+def environment():
+    """Versions, devices, date and command line, recorded beside the results."""
+    devices = jax.devices()
+    return dict(jax=jax.__version__, devices=[d.device_kind for d in devices], platform=devices[0].platform,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv))

@@ -17,8 +17,10 @@ on the previous one's output through a one-element update) and one of 2n;
 the time per operation is the difference divided by n, which cancels the
 fixed cost of a call. Repeated for the median and p10/p90. The "glue" row
 is a chain of the one-element updates alone, the cost included in every
-other row. The halves' device times come from a profile of the pair chain
-(kernel durations; a recv kernel's time includes waiting for its peers).
+other row. Kernel device times come from profiles of the pair chain (the
+whole-operation kernels, the figure DeepEP's own test reports) and of the
+"split pair" chain (the send and receive halves); a receive includes waiting
+for its peers.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from deep_ep_jax import testing
 from timing import chain_seconds, environment, median_durations, touch
 
 AXIS = "ep"
-KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
+WHOLE_KERNELS = ("DispatchKernel", "CombineKernel")  # low_latency_dispatch / _combine: one kernel each
+HALF_KERNELS = ("DispatchSendKernel", "DispatchRecvKernel", "CombineSendKernel", "CombineRecvKernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,18 @@ def make_chain(op, buffer, mesh, case, length):
                 x = touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
         names = ("x", "idx", "w", "y")
+    elif op == "split pair":  # the same through the send/recv halves
+        def fn(x, idx, w, y):
+            for _ in range(length):
+                pending = deep_ep_jax.low_latency_dispatch_send(
+                    x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
+                    num_experts=case.num_experts, use_fp8=case.use_fp8)
+                recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
+                pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
+                out = deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer)
+                x = touch(out, _uses_all(recv_x, count, handle))
+            return x[:1, :1]
+        names = ("x", "idx", "w", "y")
     elif op == "compute":  # the work of "pair+compute" alone
         def fn(x, m):
             z = x
@@ -164,9 +179,9 @@ def call_overhead(mesh, inputs, repeats):
     return float(np.median(samples))
 
 
-def kernel_times(run, args):
+def kernel_times(run, args, kernels):
     """Median device time (s) of each low-latency kernel per GPU, from a profile of one run."""
-    return median_durations(run, args, KERNELS)
+    return median_durations(run, args, kernels)
 
 
 def make_buffer(mesh, backend, case):
@@ -220,7 +235,8 @@ def main(argv=None):
     inputs = make_inputs(case, num_ranks)
     # [H, H] per rank (per_rank splits every argument along its first axis)
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
-    ops = ["glue", "dispatch", "combine", "pair"] + (["compute", "pair+compute"] if args.overlap else [])
+    ops = ["glue", "dispatch", "combine", "pair", "split pair"] + (["compute", "pair+compute"] if args.overlap else [])
+    profiled = {"pair": WHOLE_KERNELS, "split pair": HALF_KERNELS}
 
     overhead = call_overhead(mesh, inputs, args.repeats)
     print(f"# one jitted shard_map call that does nothing: {overhead * 1e6:.0f} us of host time (cancelled by the "
@@ -233,23 +249,26 @@ def main(argv=None):
             for op in ops:
                 if op in ("glue", "compute") and backend != backends[0]:
                     continue  # no communication: the same for every backend
+                if op == "split pair" and backend != "cuda":
+                    continue  # the reference backend's halves are its whole operations
                 seconds, long, long_args = time_per_op(op, buffer, mesh, case, inputs, length=args.chain,
                                                        repeats=args.repeats)
                 results.append(summarize(op, backend if op not in ("glue", "compute") else "-", seconds))
                 print(format_row(results[-1]), flush=True)
-                if op == "pair" and backend == "cuda" and not args.no_profile:
+                if op in profiled and backend == "cuda" and not args.no_profile:
                     try:
-                        kernels = kernel_times(long, long_args)
+                        kernels.update(kernel_times(long, long_args, profiled[op]))
                     except Exception as e:  # e.g. no CUPTI: the timings above still stand
                         print(f"# no per-kernel profile: {type(e).__name__}: {e}")
         finally:
             buffer.destroy()
 
     if kernels:
-        print("\nDevice time per kernel (median over the profiled pair chain; recv includes waiting):")
-        print("| GPU | dispatch send | dispatch recv | combine send | combine recv |\n|---|---|---|---|---|")
+        print("\nDevice time per kernel, us (median over the profiled pair chains; a receive includes waiting):")
+        print("| GPU | dispatch | combine | dispatch send | dispatch recv | combine send | combine recv |\n"
+              "|---|---|---|---|---|---|---|")
         for gpu in sorted({g for g, _ in kernels}):
-            cells = [f"{kernels.get((gpu, k), float('nan')) * 1e6:.1f}" for k in KERNELS]
+            cells = [f"{kernels.get((gpu, k), float('nan')) * 1e6:.1f}" for k in WHOLE_KERNELS + HALF_KERNELS]
             print(f"| {gpu} | " + " | ".join(cells) + " |")
     if args.json:
         with open(args.json, "w") as f:

@@ -28,17 +28,12 @@ def _check_mode(buffer, fn):
         raise ValueError(f"{fn}: the buffer was made without low_latency_mode=True")
 
 
-def low_latency_dispatch_send(
-    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
-):
-    """Send half of `low_latency_dispatch`; returns a pending value for
-    `low_latency_dispatch_recv`."""
-    fn = "low_latency_dispatch"
+def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, round_scale, fn):
+    """Validates a dispatch; returns the backend's arguments (topk_idx sanitised)."""
     _check_mode(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
     v.check_topk(topk_idx, None, num_tokens, num_experts, fn)
-    max_tokens = num_max_dispatch_tokens_per_rank
     if not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
     if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:
@@ -53,9 +48,7 @@ def low_latency_dispatch_send(
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
         v.raise_if_any(buffer, [(bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")])
-    return buffer.ops.low_latency_dispatch_send(
-        x,
-        topk_idx,
+    return (x, topk_idx), dict(
         num_experts=num_experts,
         num_max_dispatch_tokens_per_rank=int(max_tokens),
         use_fp8=bool(use_fp8),
@@ -64,11 +57,24 @@ def low_latency_dispatch_send(
     )
 
 
+def _dispatch_results(recv_xs, recv_count, handle):
+    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, handle
+
+
+def low_latency_dispatch_send(
+    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
+):
+    """Send half of `low_latency_dispatch`; returns a pending value for
+    `low_latency_dispatch_recv`."""
+    args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                       round_scale, "low_latency_dispatch_send")
+    return buffer.ops.low_latency_dispatch_send(*args, **kwargs)
+
+
 def low_latency_dispatch_recv(pending, *, buffer):
     """Receive half: returns (recv_x, recv_count, handle)."""
     _check_mode(buffer, "low_latency_dispatch_recv")
-    recv_xs, recv_count, handle = buffer.ops.low_latency_dispatch_recv(pending, buffer=buffer)
-    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, handle
+    return _dispatch_results(*buffer.ops.low_latency_dispatch_recv(pending, buffer=buffer))
 
 
 def low_latency_dispatch(
@@ -82,23 +88,15 @@ def low_latency_dispatch(
     valid, ordered by source rank then source token. A local expert can
     receive at most R*M rows; more (only possible when a token lists the same
     expert twice) are dropped, and combining such a dispatch is undefined.
+    The same as `low_latency_dispatch_send` then `_recv`, in one kernel.
     """
-    pending = low_latency_dispatch_send(
-        x,
-        topk_idx,
-        buffer=buffer,
-        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-        num_experts=num_experts,
-        use_fp8=use_fp8,
-        round_scale=round_scale,
-    )
-    return low_latency_dispatch_recv(pending, buffer=buffer)
+    args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                       round_scale, "low_latency_dispatch")
+    return _dispatch_results(*buffer.ops.low_latency_dispatch(*args, **kwargs))
 
 
-def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
-    """Send half of `low_latency_combine`; returns a pending value for
-    `low_latency_combine_recv`."""
-    fn = "low_latency_combine"
+def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
+    """Validates a combine; returns the backend's arguments (topk_idx sanitised)."""
     _check_mode(buffer, fn)
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
@@ -119,7 +117,14 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     if num_tokens > max_tokens:
         raise ValueError(f"{fn}: topk_idx has {num_tokens} tokens, more than the dispatch's maximum {max_tokens}")
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
-    return buffer.ops.low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer)
+    return x, topk_idx, topk_weights, handle
+
+
+def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
+    """Send half of `low_latency_combine`; returns a pending value for
+    `low_latency_combine_recv`."""
+    args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine_send")
+    return buffer.ops.low_latency_combine_send(*args, buffer=buffer)
 
 
 def low_latency_combine_recv(pending, *, buffer):
@@ -132,6 +137,7 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     """Per rank: x bf16 [E/R, R*M, H] expert outputs in the dispatch's rows.
     Returns bf16 [T, H]: out[t] = sum over k of topk_weights[t, k] * the
     output of expert topk_idx[t, k] for token t, reduced in float32 in k
-    order (k with topk_idx -1 skipped)."""
-    pending = low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer)
-    return low_latency_combine_recv(pending, buffer=buffer)
+    order (k with topk_idx -1 skipped). The same as `low_latency_combine_send`
+    then `_recv`, in one kernel."""
+    args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine")
+    return buffer.ops.low_latency_combine(*args, buffer=buffer)

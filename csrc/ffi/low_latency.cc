@@ -62,29 +62,11 @@ ffi::Error CheckStage(const char* fn, size_t needed, const Peers& peers) {
 }
 
 // A buffer across hosts runs the NVSHMEM build of the kernels.
-cudaError_t Launch(const low_latency::DispatchSendArgs& a, int device, cudaStream_t stream) {
+const low_latency::Launchers& LaunchersFor(const Peers& peers) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-  if (a.peers.nvshmem) return low_latency::LaunchDispatchSendNvshmem(a, device, stream);
+  if (peers.nvshmem) return low_latency::NvshmemLaunchers();
 #endif
-  return low_latency::LaunchDispatchSend(a, device, stream);
-}
-cudaError_t Launch(const low_latency::DispatchRecvArgs& a, int device, cudaStream_t stream) {
-#ifdef DEEP_EP_JAX_WITH_NVSHMEM
-  if (a.peers.nvshmem) return low_latency::LaunchDispatchRecvNvshmem(a, device, stream);
-#endif
-  return low_latency::LaunchDispatchRecv(a, device, stream);
-}
-cudaError_t Launch(const low_latency::CombineSendArgs& a, int device, cudaStream_t stream) {
-#ifdef DEEP_EP_JAX_WITH_NVSHMEM
-  if (a.peers.nvshmem) return low_latency::LaunchCombineSendNvshmem(a, device, stream);
-#endif
-  return low_latency::LaunchCombineSend(a, device, stream);
-}
-cudaError_t Launch(const low_latency::CombineRecvArgs& a, int device, cudaStream_t stream) {
-#ifdef DEEP_EP_JAX_WITH_NVSHMEM
-  if (a.peers.nvshmem) return low_latency::LaunchCombineRecvNvshmem(a, device, stream);
-#endif
-  return low_latency::LaunchCombineRecv(a, device, stream);
+  return low_latency::NvlinkLaunchers();
 }
 
 ffi::Error CheckFits(const char* fn, size_t needed, const Peers& peers) {
@@ -135,61 +117,58 @@ ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_t
 }
 
 // ---------------------------------------------------------------------------
+// Each half's arguments, decoded and checked; the handlers below launch one
+// half, or both in one kernel (the whole operation).
 
-ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id, int64_t num_experts,
-                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns) {
-  constexpr const char* fn = "low_latency_dispatch_send";
-  low_latency::DispatchSendArgs args{};
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuffer& x,
+                               const ffi::Buffer<ffi::S32>& topk_idx, int64_t buffer_id, int64_t num_experts,
+                               int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns,
+                               low_latency::DispatchSendArgs* args) {
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
   const auto x_dims = x.dimensions();
   const auto idx_dims = topk_idx.dimensions();
   if (x.element_type() != ffi::BF16 || x_dims.size() != 2) return Invalid(fn, "x must be bf16 [T, H]");
   if (idx_dims.size() != 2 || idx_dims[0] != x_dims[0]) return Invalid(fn, "topk_idx must be int32 [T, K]");
-  if (!IsShape(token->dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
   const int64_t num_tokens = x_dims[0], hidden = x_dims[1], num_topk = idx_dims[1];
-  const int num_ranks = args.peers.num_ranks;
+  const int num_ranks = args->peers.num_ranks;
   if (auto err = CheckDispatchShapes(fn, num_tokens, num_topk, hidden, num_experts, max_tokens, num_ranks, use_fp8);
       err.failure()) {
     return err;
   }
-  args.layout =
+  args->layout =
       low_latency::MakeDispatchLayout(num_ranks, num_experts / num_ranks, max_tokens, num_topk, hidden, use_fp8);
-  if (auto err = CheckFits(fn, args.layout.bytes, args.peers); err.failure()) return err;
-  if (auto err = CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args.layout.row_bytes), args.peers);
+  if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
+  if (auto err = CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args->layout.row_bytes),
+                            args->peers);
       err.failure()) {
     return err;
   }
-
-  args.x = x.untyped_data();
-  args.topk_idx = topk_idx.typed_data();
-  args.token = token->typed_data();
-  args.num_tokens = int(num_tokens);
-  args.num_topk = int(num_topk);
-  args.hidden = int(hidden);
-  args.num_experts = int(num_experts);
-  args.max_tokens = int(max_tokens);
-  args.fp8 = use_fp8;
-  args.round_scale = round_scale;
-  return Launched(fn, Launch(args, device, stream));
+  args->x = x.untyped_data();
+  args->topk_idx = topk_idx.typed_data();
+  args->token = nullptr;
+  args->num_tokens = int(num_tokens);
+  args->num_topk = int(num_topk);
+  args->hidden = int(hidden);
+  args->num_experts = int(num_experts);
+  args->max_tokens = int(max_tokens);
+  args->fp8 = use_fp8;
+  args->round_scale = round_scale;
+  return ffi::Error::Success();
 }
 
-ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
-                        ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> recv_src_token,
-                        ffi::ResultBuffer<ffi::S32> recv_src_topk, int64_t buffer_id, int64_t num_topk,
-                        int64_t timeout_ns) {
-  constexpr const char* fn = "low_latency_dispatch_recv";
-  low_latency::DispatchRecvArgs args{};
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
-  const int num_ranks = args.peers.num_ranks;
+ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::AnyBuffer>& recv_x,
+                               ffi::ResultBuffer<ffi::F32>& recv_scales, ffi::ResultBuffer<ffi::S32>& recv_count,
+                               ffi::ResultBuffer<ffi::S32>& recv_src_rank, ffi::ResultBuffer<ffi::S32>& recv_src_token,
+                               ffi::ResultBuffer<ffi::S32>& recv_src_topk, int64_t buffer_id, int64_t num_topk,
+                               int64_t timeout_ns, low_latency::DispatchRecvArgs* args) {
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
+  const int num_ranks = args->peers.num_ranks;
   const auto dims = recv_x->dimensions();
   const bool fp8 = recv_x->element_type() == ffi::F8E4M3FN;
   if ((!fp8 && recv_x->element_type() != ffi::BF16) || dims.size() != 3 || dims[1] % num_ranks != 0) {
     return Invalid(fn, "recv_x must be float8_e4m3fn or bf16 [E/R, R*M, H]");
   }
   const int64_t num_local = dims[0], rows = dims[1], hidden = dims[2], max_tokens = rows / num_ranks;
-  if (!IsShape(token.dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
   if (fp8 && !IsShape(recv_scales->dimensions(), {num_local, rows, hidden / low_latency::kFp8Block})) {
     return Invalid(fn, "recv_scales must be float32 [E/R, R*M, H/128]");
   }
@@ -202,32 +181,30 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S3
       err.failure()) {
     return err;
   }
-  args.layout = low_latency::MakeDispatchLayout(num_ranks, num_local, max_tokens, num_topk, hidden, fp8);
-  if (auto err = CheckFits(fn, args.layout.bytes, args.peers); err.failure()) return err;
-
-  args.token = token.typed_data();
-  args.recv_x = recv_x->untyped_data();
-  args.recv_scales = fp8 ? recv_scales->typed_data() : nullptr;
-  args.recv_count = recv_count->typed_data();
-  args.recv_src_rank = recv_src_rank->typed_data();
-  args.recv_src_token = recv_src_token->typed_data();
-  args.recv_src_topk = recv_src_topk->typed_data();
-  args.num_local_experts = int(num_local);
-  args.max_tokens = int(max_tokens);
-  args.num_topk = int(num_topk);
-  args.hidden = int(hidden);
-  args.fp8 = fp8;
-  return Launched(fn, Launch(args, device, stream));
+  args->layout = low_latency::MakeDispatchLayout(num_ranks, num_local, max_tokens, num_topk, hidden, fp8);
+  if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
+  args->token = nullptr;
+  args->recv_x = recv_x->untyped_data();
+  args->recv_scales = fp8 ? recv_scales->typed_data() : nullptr;
+  args->recv_count = recv_count->typed_data();
+  args->recv_src_rank = recv_src_rank->typed_data();
+  args->recv_src_token = recv_src_token->typed_data();
+  args->recv_src_topk = recv_src_topk->typed_data();
+  args->num_local_experts = int(num_local);
+  args->max_tokens = int(max_tokens);
+  args->num_topk = int(num_topk);
+  args->hidden = int(hidden);
+  args->fp8 = fp8;
+  return ffi::Error::Success();
 }
 
-ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
-                       ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
-                       ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id,
-                       int64_t num_topk, int64_t timeout_ns) {
-  constexpr const char* fn = "low_latency_combine_send";
-  low_latency::CombineSendArgs args{};
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
-  const int num_ranks = args.peers.num_ranks;
+ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuffer& x,
+                              const ffi::Buffer<ffi::S32>& recv_count, const ffi::Buffer<ffi::S32>& recv_src_rank,
+                              const ffi::Buffer<ffi::S32>& recv_src_token, const ffi::Buffer<ffi::S32>& recv_src_topk,
+                              int64_t buffer_id, int64_t num_topk, int64_t timeout_ns,
+                              low_latency::CombineSendArgs* args) {
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
+  const int num_ranks = args->peers.num_ranks;
   const auto dims = x.dimensions();
   if (x.element_type() != ffi::BF16 || dims.size() != 3 || dims[1] % num_ranks != 0) {
     return Invalid(fn, "x must be bf16 [E/R, R*M, H]");
@@ -237,39 +214,35 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
       !IsShape(recv_src_token.dimensions(), {num_local, rows}) || !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
     return Invalid(fn, "the handle must hold recv_count int32 [E/R] and int32 [E/R, R*M] arrays matching x");
   }
-  if (!IsShape(token->dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
   if (hidden < 8 || hidden % 8 != 0) return Invalid(fn, "hidden (" + Str(hidden) + ") must be a multiple of 8");
   if (num_topk < 1 || num_topk > low_latency::kMaxTopk || num_local > low_latency::kMaxExperts) {
     return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) +
                            "] and E/R (" + Str(num_local) + ") <= " + Str(low_latency::kMaxExperts));
   }
-  if (auto err = CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args.peers); err.failure()) {
+  if (auto err = CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args->peers); err.failure()) {
     return err;
   }
-  if (auto err = CheckStage(fn, low_latency::CombineStageBytes(num_ranks, max_tokens, num_topk, hidden), args.peers);
+  if (auto err = CheckStage(fn, low_latency::CombineStageBytes(num_ranks, max_tokens, num_topk, hidden), args->peers);
       err.failure()) {
     return err;
   }
-
-  args.x = x.untyped_data();
-  args.recv_count = recv_count.typed_data();
-  args.recv_src_rank = recv_src_rank.typed_data();
-  args.recv_src_token = recv_src_token.typed_data();
-  args.recv_src_topk = recv_src_topk.typed_data();
-  args.token = token->typed_data();
-  args.num_local_experts = int(num_local);
-  args.max_tokens = int(max_tokens);
-  args.num_topk = int(num_topk);
-  args.hidden = int(hidden);
-  return Launched(fn, Launch(args, device, stream));
+  args->x = x.untyped_data();
+  args->recv_count = recv_count.typed_data();
+  args->recv_src_rank = recv_src_rank.typed_data();
+  args->recv_src_token = recv_src_token.typed_data();
+  args->recv_src_topk = recv_src_topk.typed_data();
+  args->token = nullptr;
+  args->num_local_experts = int(num_local);
+  args->max_tokens = int(max_tokens);
+  args->num_topk = int(num_topk);
+  args->hidden = int(hidden);
+  return ffi::Error::Success();
 }
 
-ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
-                       int64_t timeout_ns) {
-  constexpr const char* fn = "low_latency_combine_recv";
-  low_latency::CombineRecvArgs args{};
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args.peers); err.failure()) return err;
+ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<ffi::S32>& topk_idx,
+                              const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out,
+                              int64_t buffer_id, int64_t timeout_ns, low_latency::CombineRecvArgs* args) {
+  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
   const auto idx_dims = topk_idx.dimensions();
   const auto out_dims = out->dimensions();
   if (idx_dims.size() != 2 || !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
@@ -278,88 +251,225 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32
   if (out->element_type() != ffi::BF16 || out_dims.size() != 2 || out_dims[0] != idx_dims[0] || out_dims[1] % 8 != 0) {
     return Invalid(fn, "the output must be bf16 [T, H] with H a multiple of 8");
   }
-  if (!IsShape(token.dimensions(), {1})) return Invalid(fn, "the token must be int32 [1]");
   const int64_t num_tokens = idx_dims[0], num_topk = idx_dims[1], hidden = out_dims[1];
   if (num_topk < 1 || num_topk > low_latency::kMaxTopk) {
     return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "]");
   }
-  if (auto err = CheckFits(fn, low_latency::CombineBytes(num_tokens, num_topk, hidden), args.peers); err.failure()) {
+  if (auto err = CheckFits(fn, low_latency::CombineBytes(num_tokens, num_topk, hidden), args->peers); err.failure()) {
     return err;
   }
+  args->token = nullptr;
+  args->topk_idx = topk_idx.typed_data();
+  args->topk_weights = topk_weights.typed_data();
+  args->out = out->untyped_data();
+  args->num_tokens = int(num_tokens);
+  args->num_topk = int(num_topk);
+  args->hidden = int(hidden);
+  return ffi::Error::Success();
+}
 
+ffi::Error CheckToken(const char* fn, ffi::Span<const int64_t> dims) {
+  return IsShape(dims, {1}) ? ffi::Error::Success() : Invalid(fn, "the token must be int32 [1]");
+}
+
+// ---------------------------------------------------------------------------
+// Handlers.
+
+ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id, int64_t num_experts,
+                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_dispatch_send";
+  low_latency::DispatchSendArgs args{};
+  if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
+                                     round_scale, timeout_ns, &args);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
+  args.token = token->typed_data();
+  return Launched(fn, LaunchersFor(args.peers).dispatch_send(args, device, stream));
+}
+
+ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
+                        ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> recv_src_token,
+                        ffi::ResultBuffer<ffi::S32> recv_src_topk, int64_t buffer_id, int64_t num_topk,
+                        int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_dispatch_recv";
+  low_latency::DispatchRecvArgs args{};
+  if (auto err = PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank, recv_src_token,
+                                     recv_src_topk, buffer_id, num_topk, timeout_ns, &args);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
   args.token = token.typed_data();
-  args.topk_idx = topk_idx.typed_data();
-  args.topk_weights = topk_weights.typed_data();
-  args.out = out->untyped_data();
-  args.num_tokens = int(num_tokens);
-  args.num_topk = int(num_topk);
-  args.hidden = int(hidden);
-  return Launched(fn, Launch(args, device, stream));
+  return Launched(fn, LaunchersFor(args.peers).dispatch_recv(args, device, stream));
+}
+
+ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
+                    ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
+                    ffi::ResultBuffer<ffi::S32> recv_src_token, ffi::ResultBuffer<ffi::S32> recv_src_topk,
+                    int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8, bool round_scale,
+                    int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_dispatch";
+  low_latency::DispatchSendArgs send{};
+  low_latency::DispatchRecvArgs recv{};
+  if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
+                                     round_scale, timeout_ns, &send);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank, recv_src_token,
+                                     recv_src_topk, buffer_id, send.num_topk, timeout_ns, &recv);
+      err.failure()) {
+    return err;
+  }
+  if (recv.layout.bytes != send.layout.bytes || recv.fp8 != send.fp8 || recv.max_tokens != send.max_tokens) {
+    return Invalid(fn, "the outputs do not match the inputs' shapes");
+  }
+  return Launched(fn, LaunchersFor(send.peers).dispatch(send, recv, device, stream));
+}
+
+ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+                       ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
+                       ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id,
+                       int64_t num_topk, int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_combine_send";
+  low_latency::CombineSendArgs args{};
+  if (auto err = PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token, recv_src_topk,
+                                    buffer_id, num_topk, timeout_ns, &args);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
+  args.token = token->typed_data();
+  return Launched(fn, LaunchersFor(args.peers).combine_send(args, device, stream));
+}
+
+ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
+                       int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_combine_recv";
+  low_latency::CombineRecvArgs args{};
+  if (auto err = PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &args);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
+  args.token = token.typed_data();
+  return Launched(fn, LaunchersFor(args.peers).combine_recv(args, device, stream));
+}
+
+ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+                   ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
+                   ffi::Buffer<ffi::S32> recv_src_topk, ffi::Buffer<ffi::S32> topk_idx,
+                   ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
+                   int64_t timeout_ns) {
+  constexpr const char* fn = "low_latency_combine";
+  low_latency::CombineSendArgs send{};
+  low_latency::CombineRecvArgs recv{};
+  const auto idx_dims = topk_idx.dimensions();
+  const int64_t num_topk = idx_dims.size() == 2 ? idx_dims[1] : 0;
+  if (auto err = PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token, recv_src_topk,
+                                    buffer_id, num_topk, timeout_ns, &send);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &recv);
+      err.failure()) {
+    return err;
+  }
+  if (recv.hidden != send.hidden || recv.num_tokens > send.max_tokens) {
+    return Invalid(fn, "the output must be bf16 [T, H] with T <= M and H of x");
+  }
+  return Launched(fn, LaunchersFor(send.peers).combine(send, recv, device, stream));
 }
 
 }  // namespace
 
+// Arguments, results and attributes of each half; a whole operation binds
+// its send half's arguments then its receive half's.
+#define DEEP_EP_JAX_DISPATCH_SEND_ARGS \
+  .Arg<ffi::AnyBuffer>()           /* x */        \
+      .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */
+#define DEEP_EP_JAX_DISPATCH_RECV_RETS                    \
+  .Ret<ffi::AnyBuffer>()               /* recv_x */        \
+      .Ret<ffi::Buffer<ffi::F32>>()    /* recv_scales ([1] unused when bf16) */ \
+      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_count */    \
+      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_rank */ \
+      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_token */\
+      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_topk */
+#define DEEP_EP_JAX_DISPATCH_SEND_ATTRS \
+  .Attr<int64_t>("buffer_id")           \
+      .Attr<int64_t>("num_experts")     \
+      .Attr<int64_t>("max_tokens")      \
+      .Attr<bool>("use_fp8")            \
+      .Attr<bool>("round_scale")        \
+      .Attr<int64_t>("timeout_ns")
+#define DEEP_EP_JAX_COMBINE_SEND_ARGS                    \
+  .Arg<ffi::AnyBuffer>()               /* x */             \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_count */    \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_rank */ \
+      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_token */\
+      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_topk */
+#define DEEP_EP_JAX_COMBINE_RECV_ARGS                 \
+  .Arg<ffi::Buffer<ffi::S32>>()     /* topk_idx */     \
+      .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights */
+#define DEEP_EP_JAX_STREAM_AND_DEVICE \
+  .Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // token
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("max_tokens")
-                                  .Attr<bool>("use_fp8")
-                                  .Attr<bool>("round_scale")
-                                  .Attr<int64_t>("timeout_ns"),
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // token
+                                  DEEP_EP_JAX_DISPATCH_SEND_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, DispatchRecv,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // token
-                                  .Ret<ffi::AnyBuffer>()           // recv_x
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // recv_scales ([1] unused when bf16)
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_count
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_token
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // recv_src_topk
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // token
+                                  DEEP_EP_JAX_DISPATCH_RECV_RETS
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("timeout_ns"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, Dispatch,
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS
+                                  DEEP_EP_JAX_DISPATCH_RECV_RETS DEEP_EP_JAX_DISPATCH_SEND_ATTRS,
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, CombineSend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()           // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_count
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_rank
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_token
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // recv_src_topk
-                                  .Ret<ffi::Buffer<ffi::S32>>()    // token
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // token
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_topk")
                                   .Attr<int64_t>("timeout_ns"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, CombineRecv,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // token
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // topk_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()    // topk_weights
-                                  .Ret<ffi::AnyBuffer>()           // out
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // token
+                                  DEEP_EP_JAX_COMBINE_RECV_ARGS
+                                  .Ret<ffi::AnyBuffer>()  // out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, Combine,
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS
+                                  DEEP_EP_JAX_COMBINE_RECV_ARGS
+                                  .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("timeout_ns"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send", LowLatencyDispatchSendHandler);
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv", LowLatencyDispatchRecvHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch", LowLatencyDispatchHandler);
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler);
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine", LowLatencyCombineHandler);
 
 }  // namespace deep_ep_jax

@@ -191,15 +191,24 @@ __device__ __forceinline__ int find_segment(const int* starts, int n, int value)
   return lo;
 }
 
-// bins[e] += number of i in [0, n) with values[i] == e (0 <= e < num_bins); one
-// shared atomic per distinct value per warp, so skewed routing does not serialise.
-__device__ void block_histogram(const int* values, int n, int num_bins, int* bins) {
+// bins[e] += number of i in [0, n) with values[i] == e (0 <= e < num_bins),
+// and, when bins_below is given, bins_below[e] += the same over [0, n_below):
+// one pass over the values for both. One shared atomic per distinct value per
+// warp, so skewed routing does not serialise.
+__device__ void block_histogram(const int* values, int n, int num_bins, int* bins, int n_below = 0,
+                                int* bins_below = nullptr) {
   for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
     int v = i < n ? values[i] : -1;
     if (v >= num_bins) v = -1;
+    const int lane = threadIdx.x & 31;
     const unsigned same = __match_any_sync(0xffffffffu, v);
-    if (v >= 0 && (threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&bins[v], __popc(same));
+    if (v >= 0 && lane == __ffs(same) - 1) atomicAdd(&bins[v], __popc(same));
+    if (bins_below != nullptr) {
+      const int w = i < n_below ? v : -1;
+      const unsigned same_below = __match_any_sync(0xffffffffu, w);
+      if (w >= 0 && lane == __ffs(same_below) - 1) atomicAdd(&bins_below[w], __popc(same_below));
+    }
   }
 }
 
@@ -283,9 +292,24 @@ size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
          (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
+size_t DispatchRecvSharedBytes(int num_rows_lists) {
+  return sizeof(int) * (2 * size_t(num_rows_lists) + 2 + kScanScratch);
+}
+
+// Each operation below is a send phase and a receive phase, as device
+// functions: the split kernels run one phase each (the send/recv halves of the
+// API), the whole kernels run both in one cooperative launch, which saves a
+// launch and lets a block start its receive work while other blocks still
+// send. The send phase returns the operation's sequence number.
+
+// Asks L2 for this thread's share of a row before other work, so the row's
+// first loads do not wait on HBM.
+__device__ __forceinline__ void prefetch_row(const uint4* row, int units) {
+  for (int u = threadIdx.x; u < units; u += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + u));
+}
+
 template <typename Transport, bool kFp8>
-__global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
-  extern __shared__ __align__(16) int smem[];
+__device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -300,25 +324,38 @@ __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs 
   const int half = op & 1;
   const size_t half_offset = HalfOffset(a.peers, half);
   const DispatchLayout& layout = a.layout;
+  const int first_token = blockIdx.x;
+  auto token_row = [&](int t) {
+    return reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * hidden);
+  };
 
-  for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
-  __syncthreads();
-  block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start);
-  __syncthreads();
-  block_exclusive_scan(expert_start, num_experts + 1, scratch);
+  // Blocks without a token (a whole kernel runs one block per SM) skip to the
+  // end; block 0 always sends the counts.
+  if (first_token < a.num_tokens || blockIdx.x == 0) {
+    if (first_token < a.num_tokens) prefetch_row(token_row(first_token), hidden / 8);
+    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
+    __syncthreads();
+    // All rows per expert, and those of the tokens before this block's first.
+    block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
+                    min(first_token, a.num_tokens) * num_topk, before);
+    __syncthreads();
+    block_exclusive_scan(expert_start, num_experts + 1, scratch);
 
-  // Every destination must have read this half of operation op - 2.
-  if (threadIdx.x < num_ranks) {
-    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
-            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
-  }
-  __syncthreads();
+    // Every destination must have read this half of operation op - 2.
+    if (threadIdx.x < num_ranks) {
+      tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
+              "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+    }
+    __syncthreads();
 
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-      const int dst = e / num_local;
-      const size_t offset = half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
-      tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const int dst = e / num_local;
+        const size_t offset =
+            half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
+        tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
+      }
     }
   }
 
@@ -327,11 +364,11 @@ __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs 
   const int num_groups = kWarps / warps_per_row;
   const int group = warp / warps_per_row;
   const int group_thread = (warp % warps_per_row) * 32 + lane;
-  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
-    __syncthreads();
-    block_histogram(a.topk_idx, t * num_topk, num_experts, before);
-    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * hidden);
+  for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
+    if (t != first_token) {  // `before` moves on by the tokens since the previous one
+      block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
+    }
+    const uint4* row = token_row(t);
     if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
 
@@ -356,18 +393,14 @@ __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs 
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
-      *a.token = int(op);
+      if (a.token != nullptr) *a.token = int(op);
     }
   }
-}
-
-size_t DispatchRecvSharedBytes(int num_rows_lists) {
-  return sizeof(int) * (2 * size_t(num_rows_lists) + 2 + kScanScratch);
+  return op;
 }
 
 template <typename Transport, bool kFp8>
-__global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
-  extern __shared__ __align__(16) int smem[];
+__device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigned op, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -377,7 +410,6 @@ __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs 
   int* seg_start = row_start + num_lists + 1;  // [R*L + 1], (source, expert) order: first row in the source's segment
   int* scratch = seg_start + num_lists + 1;
 
-  const unsigned op = unsigned(*a.token);
   const int half = op & 1;
   const char* half_base = tr.local() + HalfOffset(a.peers, half);
   const DispatchLayout& layout = a.layout;
@@ -444,8 +476,7 @@ __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs 
 }
 
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
-  extern __shared__ __align__(16) int smem[];
+__device__ __forceinline__ unsigned combine_send(const CombineSendArgs& a, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -485,17 +516,17 @@ __global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a)
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
-      *a.token = int(op);
+      if (a.token != nullptr) *a.token = int(op);
     }
   }
+  return op;
 }
 
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
+__device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned op) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_topk = a.num_topk, hidden = a.hidden;
-  const unsigned op = unsigned(*a.token);
   const int half = op & 1;
   const char* rows = tr.local() + HalfOffset(a.peers, half);
 
@@ -550,6 +581,44 @@ __global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a)
   }
 }
 
+// The kernels: halves (split API) and whole operations.
+template <typename Transport, bool kFp8>
+__global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  dispatch_send<Transport, kFp8>(a, smem);
+}
+
+template <typename Transport, bool kFp8>
+__global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  dispatch_recv<Transport, kFp8>(a, unsigned(*a.token), smem);
+}
+
+template <typename Transport, bool kFp8>
+__global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchSendArgs send, DispatchRecvArgs recv) {
+  extern __shared__ __align__(16) int smem[];
+  const unsigned op = dispatch_send<Transport, kFp8>(send, smem);
+  __syncthreads();  // shared memory changes hands
+  dispatch_recv<Transport, kFp8>(recv, op, smem);
+}
+
+template <typename Transport>
+__global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  combine_send<Transport>(a, smem);
+}
+
+template <typename Transport>
+__global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
+  combine_recv<Transport>(a, unsigned(*a.token));
+}
+
+template <typename Transport>
+__global__ void __launch_bounds__(kThreads) CombineKernel(CombineSendArgs send, CombineRecvArgs recv) {
+  extern __shared__ __align__(16) int smem[];
+  combine_recv<Transport>(recv, combine_send<Transport>(send, smem));
+}
+
 // SMs of a device, asked once (decode runs alone, so the kernels take them all).
 int NumSms(int device) {
   static std::atomic<int> cache[64];
@@ -565,42 +634,73 @@ int NumSms(int device) {
   return n;
 }
 
-// Launchers, for a transport.
+// Launchers, for a transport. The whole operations are cooperative launches:
+// their receive phase waits for every block's send phase, so all blocks must
+// be resident at once (one per SM; the launch fails rather than hangs if not).
+template <typename Kernel, typename... Args>
+cudaError_t LaunchCooperative(Kernel kernel, int grid, size_t shared, cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute cooperative{};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = &cooperative;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 template <typename Transport>
-cudaError_t DispatchSendWith(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  const int grid = std::max(1, std::min(args.num_tokens, NumSms(device_ordinal)));
-  const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
-  if (args.fp8) {
-    DispatchSendKernel<Transport, true><<<grid, kThreads, shared, stream>>>(args);
-  } else {
-    DispatchSendKernel<Transport, false><<<grid, kThreads, shared, stream>>>(args);
+struct LaunchersWith {
+  static cudaError_t DispatchSend(const DispatchSendArgs& args, int device, cudaStream_t stream) {
+    const int grid = std::max(1, std::min(args.num_tokens, NumSms(device)));
+    const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
+    auto kernel = args.fp8 ? DispatchSendKernel<Transport, true> : DispatchSendKernel<Transport, false>;
+    kernel<<<grid, kThreads, shared, stream>>>(args);
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
-}
 
-template <typename Transport>
-cudaError_t DispatchRecvWith(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
-  if (args.fp8) {
-    DispatchRecvKernel<Transport, true><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
-  } else {
-    DispatchRecvKernel<Transport, false><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
+  static cudaError_t DispatchRecv(const DispatchRecvArgs& args, int device, cudaStream_t stream) {
+    const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
+    auto kernel = args.fp8 ? DispatchRecvKernel<Transport, true> : DispatchRecvKernel<Transport, false>;
+    kernel<<<NumSms(device), kThreads, shared, stream>>>(args);
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
-}
 
-template <typename Transport>
-cudaError_t CombineSendWith(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  const size_t shared = sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
-  CombineSendKernel<Transport><<<NumSms(device_ordinal), kThreads, shared, stream>>>(args);
-  return cudaGetLastError();
-}
+  static cudaError_t Dispatch(const DispatchSendArgs& send, const DispatchRecvArgs& recv, int device,
+                              cudaStream_t stream) {
+    const size_t shared = std::max(DispatchSendSharedBytes(send.num_experts, send.hidden, send.fp8),
+                                   DispatchRecvSharedBytes(recv.num_local_experts * recv.peers.num_ranks));
+    auto kernel = send.fp8 ? DispatchKernel<Transport, true> : DispatchKernel<Transport, false>;
+    return LaunchCooperative(kernel, NumSms(device), shared, stream, send, recv);
+  }
 
-template <typename Transport>
-cudaError_t CombineRecvWith(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  CombineRecvKernel<Transport><<<NumSms(device_ordinal), kThreads, 0, stream>>>(args);
-  return cudaGetLastError();
-}
+  static size_t CombineSendShared(const CombineSendArgs& args) {
+    return sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
+  }
+
+  static cudaError_t CombineSend(const CombineSendArgs& args, int device, cudaStream_t stream) {
+    CombineSendKernel<Transport><<<NumSms(device), kThreads, CombineSendShared(args), stream>>>(args);
+    return cudaGetLastError();
+  }
+
+  static cudaError_t CombineRecv(const CombineRecvArgs& args, int device, cudaStream_t stream) {
+    CombineRecvKernel<Transport><<<NumSms(device), kThreads, 0, stream>>>(args);
+    return cudaGetLastError();
+  }
+
+  static cudaError_t Combine(const CombineSendArgs& send, const CombineRecvArgs& recv, int device,
+                             cudaStream_t stream) {
+    return LaunchCooperative(CombineKernel<Transport>, NumSms(device), CombineSendShared(send), stream, send, recv);
+  }
+
+  static const Launchers& Table() {
+    static const Launchers table{&DispatchSend, &DispatchRecv, &Dispatch, &CombineSend, &CombineRecv, &Combine};
+    return table;
+  }
+};
 
 }  // namespace
 
@@ -611,21 +711,7 @@ size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
   return std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
 }
 
-cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  return DispatchSendWith<NvlinkTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  return DispatchRecvWith<NvlinkTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  return CombineSendWith<NvlinkTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  return CombineRecvWith<NvlinkTransport>(args, device_ordinal, stream);
-}
+const Launchers& NvlinkLaunchers() { return LaunchersWith<NvlinkTransport>::Table(); }
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 
 }  // namespace low_latency

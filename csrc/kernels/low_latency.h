@@ -100,7 +100,7 @@ struct DispatchSendArgs {
   DispatchLayout layout;
   const void* x;         // bf16 [T, H]
   const int* topk_idx;   // [T, K], -1 or a global expert id
-  int* token;            // [1] out: this operation's sequence number
+  int* token;            // [1] out: this operation's sequence number (null in a whole dispatch)
   int num_tokens, num_topk, hidden, num_experts, max_tokens;
   bool fp8, round_scale;
 };
@@ -108,7 +108,7 @@ struct DispatchSendArgs {
 struct DispatchRecvArgs {
   Peers peers;
   DispatchLayout layout;
-  const int* token;
+  const int* token;       // from the send half (unused in a whole dispatch)
   void* recv_x;           // [L, R*M, H] FP8 or bf16
   float* recv_scales;     // [L, R*M, H/128] (FP8 only)
   int* recv_count;        // [L]
@@ -126,13 +126,13 @@ struct CombineSendArgs {
   const int* recv_src_rank;  // [L, R*M]
   const int* recv_src_token;
   const int* recv_src_topk;
-  int* token;
+  int* token;  // null in a whole combine
   int num_local_experts, max_tokens, num_topk, hidden;
 };
 
 struct CombineRecvArgs {
   Peers peers;
-  const int* token;
+  const int* token;  // unused in a whole combine
   const int* topk_idx;        // [T, K]
   const float* topk_weights;  // [T, K]
   void* out;                  // bf16 [T, H]
@@ -143,20 +143,25 @@ struct CombineRecvArgs {
 size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
 constexpr size_t kMaxSharedBytes = 48 * 1024;
 
-// Each only enqueues kernels on `stream`; no host synchronisation.
-cudaError_t LaunchDispatchSend(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchDispatchRecv(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchCombineSend(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchCombineRecv(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream);
+// The kernels of one transport. Each only enqueues work on `stream`; no host
+// synchronisation. dispatch and combine run both halves in one launch.
+struct Launchers {
+  cudaError_t (*dispatch_send)(const DispatchSendArgs&, int device_ordinal, cudaStream_t);
+  cudaError_t (*dispatch_recv)(const DispatchRecvArgs&, int device_ordinal, cudaStream_t);
+  cudaError_t (*dispatch)(const DispatchSendArgs&, const DispatchRecvArgs&, int device_ordinal, cudaStream_t);
+  cudaError_t (*combine_send)(const CombineSendArgs&, int device_ordinal, cudaStream_t);
+  cudaError_t (*combine_recv)(const CombineRecvArgs&, int device_ordinal, cudaStream_t);
+  cudaError_t (*combine)(const CombineSendArgs&, const CombineRecvArgs&, int device_ordinal, cudaStream_t);
+};
+
+// Peers through their mapped regions (NVLink).
+const Launchers& NvlinkLaunchers();
 
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-// The same kernels for a group across hosts (peers.nvshmem): ranks on other
-// hosts through NVSHMEM, the others through their mapped regions
-// (low_latency_nvshmem.cu, built only with NVSHMEM).
-cudaError_t LaunchDispatchSendNvshmem(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchDispatchRecvNvshmem(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchCombineSendNvshmem(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream);
-cudaError_t LaunchCombineRecvNvshmem(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream);
+// For a group across hosts (peers.nvshmem): ranks on other hosts through
+// NVSHMEM, the others through their mapped regions (low_latency_nvshmem.cu,
+// built only with NVSHMEM).
+const Launchers& NvshmemLaunchers();
 #endif
 
 }  // namespace low_latency

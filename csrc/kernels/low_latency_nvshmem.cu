@@ -78,21 +78,7 @@ struct NvshmemTransport {
 
 }  // namespace
 
-cudaError_t LaunchDispatchSendNvshmem(const DispatchSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  return DispatchSendWith<NvshmemTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchDispatchRecvNvshmem(const DispatchRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  return DispatchRecvWith<NvshmemTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchCombineSendNvshmem(const CombineSendArgs& args, int device_ordinal, cudaStream_t stream) {
-  return CombineSendWith<NvshmemTransport>(args, device_ordinal, stream);
-}
-
-cudaError_t LaunchCombineRecvNvshmem(const CombineRecvArgs& args, int device_ordinal, cudaStream_t stream) {
-  return CombineRecvWith<NvshmemTransport>(args, device_ordinal, stream);
-}
+const Launchers& NvshmemLaunchers() { return LaunchersWith<NvshmemTransport>::Table(); }
 
 }  // namespace low_latency
 }  // namespace deep_ep_jax

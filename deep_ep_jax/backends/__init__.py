@@ -28,6 +28,8 @@ A backend module provides:
   low_latency_combine_send(x bf16 [E/R, R*M, H], topk_idx, topk_weights,
                            handle, *, buffer) -> pending
   low_latency_combine_recv(pending, *, buffer) -> out bf16 [T, H]
+  low_latency_dispatch(...), low_latency_combine(...)
+      -> send then recv, whole (the CUDA backend runs them as one kernel)
 
 The semantics (row order, padding, summation order) are those of
 `deep_ep_jax.backends.reference`, the oracle: a CUDA result must equal it bit

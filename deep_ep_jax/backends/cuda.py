@@ -15,8 +15,10 @@ from deep_ep_jax import _native
 
 
 from deep_ep_jax.backends.cuda_low_latency import (  # noqa: F401  (re-exported: the backend interface)
+    low_latency_combine,
     low_latency_combine_recv,
     low_latency_combine_send,
+    low_latency_dispatch,
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
     low_latency_region_bytes,

@@ -1,10 +1,11 @@
-"""Low-latency mode of the CUDA backend: four XLA FFI custom calls.
+"""Low-latency mode of the CUDA backend: XLA FFI custom calls.
 
 `low_latency_dispatch_send` / `_recv` and `low_latency_combine_send` / `_recv`
-(see `deep_ep_jax.backends` for the interface). A send returns a pending
+(see `deep_ep_jax.backends` for the interface), and `low_latency_dispatch` /
+`low_latency_combine`, both halves in one kernel. A send returns a pending
 value holding a token (int32 [1], the operation's sequence number on the
 buffer) that the matching recv takes, so XLA keeps them in order and may
-schedule other work in between. All four are side-effecting custom calls: XLA
+schedule other work in between. All are side-effecting custom calls: XLA
 neither drops nor merges them.
 
 Rules the kernels rely on (csrc/kernels/low_latency.h):
@@ -191,11 +192,10 @@ def _call(name, out_types, args, buffer, **attrs):
 # Operations ----------------------------------------------------------------
 
 
-def low_latency_dispatch_send(
-    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
-):
-    fn = "low_latency_dispatch_send"
-    max_tokens = int(num_max_dispatch_tokens_per_rank)
+def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, buffer, fn):
+    """Checks a dispatch's send half; returns (its pending value less the
+    token, the custom call's attributes)."""
+    max_tokens = int(max_tokens)
     _, hidden, num_topk = _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn)
     if _shared_bytes(num_experts, hidden, use_fp8) > MAX_SHARED_BYTES:
         raise ValueError(
@@ -207,17 +207,45 @@ def low_latency_dispatch_send(
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     _check_send_area(buffer, max_tokens * num_topk * _row_bytes(hidden, use_fp8), fn,
                      f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
-    (token,) = _call(
-        "deep_ep_jax_low_latency_dispatch_send",
-        (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        (x, topk_idx.astype(jnp.int32)),
-        buffer,
-        num_experts=np.int64(num_experts),
-        max_tokens=np.int64(max_tokens),
-        use_fp8=bool(use_fp8),
-        round_scale=bool(round_scale),
+    pending = DispatchPending(None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8))
+    attrs = dict(num_experts=np.int64(num_experts), max_tokens=np.int64(max_tokens), use_fp8=bool(use_fp8),
+                 round_scale=bool(round_scale))
+    return pending, attrs
+
+
+def _dispatch_out_types(pending, buffer):
+    """What a dispatch's receive half returns: recv_x, scales, count and the handle's arrays."""
+    num_local = pending.num_experts // buffer.num_ranks
+    rows = buffer.num_ranks * pending.max_tokens
+    hidden = pending.hidden
+    scales_shape = (num_local, rows, hidden // FP8_BLOCK) if pending.use_fp8 else (1,)
+    return (
+        jax.ShapeDtypeStruct((num_local, rows, hidden), _FP8 if pending.use_fp8 else jnp.bfloat16),
+        jax.ShapeDtypeStruct(scales_shape, jnp.float32),
+        jax.ShapeDtypeStruct((num_local,), jnp.int32),
+        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
+        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
+        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
     )
-    return DispatchPending(token, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8))
+
+
+def _dispatch_results(pending, outputs):
+    recv_x, scales, recv_count, src_rank, src_token, src_topk = outputs
+    handle = LowLatencyHandle(
+        recv_count=recv_count, recv_src_rank=src_rank, recv_src_token=src_token, recv_src_topk=src_topk
+    )
+    recv_xs = (recv_x, scales) if pending.use_fp8 else (recv_x,)
+    return recv_xs, recv_count, handle
+
+
+def low_latency_dispatch_send(
+    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
+):
+    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8,
+                                     round_scale, buffer, "low_latency_dispatch_send")
+    (token,) = _call("deep_ep_jax_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+                     (x, topk_idx.astype(jnp.int32)), buffer, **attrs)
+    return dataclasses.replace(pending, token=token)
 
 
 def low_latency_dispatch_recv(pending, *, buffer):
@@ -226,34 +254,22 @@ def low_latency_dispatch_recv(pending, *, buffer):
             f"low_latency_dispatch_recv: pending must come from the CUDA low_latency_dispatch_send, "
             f"got {type(pending).__name__}"
         )
-    num_local = pending.num_experts // buffer.num_ranks
-    rows = buffer.num_ranks * pending.max_tokens
-    hidden = pending.hidden
-    scales_shape = (num_local, rows, hidden // FP8_BLOCK) if pending.use_fp8 else (1,)
-    out_types = (
-        jax.ShapeDtypeStruct((num_local, rows, hidden), _FP8 if pending.use_fp8 else jnp.bfloat16),
-        jax.ShapeDtypeStruct(scales_shape, jnp.float32),
-        jax.ShapeDtypeStruct((num_local,), jnp.int32),
-        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
-        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
-        jax.ShapeDtypeStruct((num_local, rows), jnp.int32),
-    )
-    recv_x, scales, recv_count, src_rank, src_token, src_topk = _call(
-        "deep_ep_jax_low_latency_dispatch_recv",
-        out_types,
-        (pending.token,),
-        buffer,
-        num_topk=np.int64(pending.num_topk),
-    )
-    handle = LowLatencyHandle(
-        recv_count=recv_count, recv_src_rank=src_rank, recv_src_token=src_token, recv_src_topk=src_topk
-    )
-    recv_xs = (recv_x, scales) if pending.use_fp8 else (recv_x,)
-    return recv_xs, recv_count, handle
+    outputs = _call("deep_ep_jax_low_latency_dispatch_recv", _dispatch_out_types(pending, buffer), (pending.token,),
+                    buffer, num_topk=np.int64(pending.num_topk))
+    return _dispatch_results(pending, outputs)
 
 
-def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
-    fn = "low_latency_combine_send"
+def low_latency_dispatch(x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer):
+    """Both halves in one kernel."""
+    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8,
+                                     round_scale, buffer, "low_latency_dispatch")
+    outputs = _call("deep_ep_jax_low_latency_dispatch", _dispatch_out_types(pending, buffer),
+                    (x, topk_idx.astype(jnp.int32)), buffer, **attrs)
+    return _dispatch_results(pending, outputs)
+
+
+def _check_combine(x, topk_idx, buffer, fn):
+    """Checks a combine's send half; returns num_topk."""
     if jnp.dtype(x.dtype) != jnp.bfloat16 or x.ndim != 3:
         raise TypeError(f"{fn}: x must be bfloat16 [E/R, R*M, H], got {jnp.dtype(x.dtype)} {tuple(x.shape)}")
     num_local, rows, hidden = x.shape
@@ -268,14 +284,18 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     _check_region(buffer, _combine_half_bytes(max_tokens, num_topk, hidden), fn, f"M={max_tokens}, top-k={num_topk}")
     _check_send_area(buffer, buffer.num_ranks * _combine_half_bytes(max_tokens, num_topk, hidden), fn,
                      f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
-    (token,) = _call(
-        "deep_ep_jax_low_latency_combine_send",
-        (jax.ShapeDtypeStruct((1,), jnp.int32),),
-        (x, handle.recv_count, handle.recv_src_rank, handle.recv_src_token, handle.recv_src_topk),
-        buffer,
-        num_topk=np.int64(num_topk),
-    )
-    return CombinePending(token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32), int(hidden))
+    return num_topk
+
+
+def _handle_arrays(handle):
+    return (handle.recv_count, handle.recv_src_rank, handle.recv_src_token, handle.recv_src_topk)
+
+
+def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
+    num_topk = _check_combine(x, topk_idx, buffer, "low_latency_combine_send")
+    (token,) = _call("deep_ep_jax_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
+                     (x,) + _handle_arrays(handle), buffer, num_topk=np.int64(num_topk))
+    return CombinePending(token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32), int(x.shape[2]))
 
 
 def low_latency_combine_recv(pending, *, buffer):
@@ -289,6 +309,18 @@ def low_latency_combine_recv(pending, *, buffer):
         "deep_ep_jax_low_latency_combine_recv",
         (jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16),),
         (pending.token, pending.topk_idx, pending.topk_weights),
+        buffer,
+    )
+    return out
+
+
+def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
+    """Both halves in one kernel."""
+    _check_combine(x, topk_idx, buffer, "low_latency_combine")
+    (out,) = _call(
+        "deep_ep_jax_low_latency_combine",
+        (jax.ShapeDtypeStruct((topk_idx.shape[0], x.shape[2]), jnp.bfloat16),),
+        (x,) + _handle_arrays(handle) + (topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32)),
         buffer,
     )
     return out

@@ -302,3 +302,12 @@ def low_latency_combine_recv(pending, *, buffer):
     for k in range(topk):
         acc = acc + jnp.where(pending.topk_idx[:, k : k + 1] >= 0, terms[:, k], 0.0)
     return acc.astype(jnp.bfloat16)
+
+
+def low_latency_dispatch(x, topk_idx, *, buffer, **kwargs):
+    return low_latency_dispatch_recv(low_latency_dispatch_send(x, topk_idx, buffer=buffer, **kwargs), buffer=buffer)
+
+
+def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
+    return low_latency_combine_recv(low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer),
+                                    buffer=buffer)

@@ -95,6 +95,11 @@ LaunchConfig MakeConfig(Checker& check, const DeviceState* state, int64_t num_sm
   return LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns), staged != 0 || ipc};
 }
 
+// Chunks of chunk_tokens tokens a dispatch hands out (staged: a record each per source).
+int64_t NumChunks(int64_t num_tokens, const LaunchConfig& config) {
+  return (num_tokens + config.chunk_tokens - 1) / config.chunk_tokens;
+}
+
 // x and x_scales as row arrays: pointers and bytes per row. Returns the hidden size.
 int64_t CheckRows(Checker& check, const char* name, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
                   int64_t num_rows, const char* data[kMaxRowArrays], int64_t row_bytes[kMaxRowArrays]) {
@@ -118,10 +123,12 @@ int64_t CheckRows(Checker& check, const char* name, const ffi::AnyBuffer& x, con
   return hidden;
 }
 
+// num_chunks: the chunk records per source a dispatch needs, ceil(tokens /
+// chunk_tokens); 0 for combine.
 void CheckStagedRegion(Checker& check, const DeviceState* state, const LaunchConfig& config, int64_t num_rows,
-                       const int64_t row_bytes[kMaxRowArrays], int64_t num_topk) {
+                       const int64_t row_bytes[kMaxRowArrays], int64_t num_topk, int64_t num_chunks) {
   if (state == nullptr || !config.staged) return;
-  const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk));
+  const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk), num_chunks);
   check.Expect(state->normal.num_bytes >= need,
                std::string(state->ipc ? "a multi-process buffer (staged mode)" : "staged mode (DEEP_EP_JAX_STAGED=1)") +
                    " needs a normal region of " + std::to_string(need) +
@@ -187,7 +194,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer 
   check.Shape("num_recv_tokens", num_recv_tokens->dimensions(), {});
   check.Shape("num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(), {experts_per_rank});
   check.Shape("num_dropped_tokens", num_dropped_tokens->dimensions(), {});
-  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk);
+  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk, NumChunks(num_tokens, config));
   if (auto err = check.Result(); err.failure()) return err;
 
   p.topk_idx = topk_idx.typed_data();
@@ -244,7 +251,7 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   check.Shape("recv_topk_weights", recv_topk_weights->dimensions(), {num_rows, num_topk});
   check.Expect(num_tokens * num_ranks <= INT_MAX && num_rows * num_topk <= INT_MAX && num_tokens * num_topk <= INT_MAX,
                "too many tokens for 32-bit row indices");
-  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk);
+  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk, NumChunks(num_tokens, config));
   if (auto err = check.Result(); err.failure()) return err;
 
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
@@ -261,7 +268,8 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
 
 ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi::BF16> x,
                    ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
-                   ffi::Buffer<ffi::S32> num_recv_tokens, ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights, int64_t buffer_id,
+                   ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Buffer<ffi::S32> rank_prefix_matrix,
+                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights, int64_t buffer_id,
                    int64_t num_sms, int64_t num_warps, int64_t chunk_tokens, int64_t timeout_ns, int64_t staged) {
   Checker check("deep_ep_jax_combine");
   const DeviceState* state = FindState(check, buffer_id, device_ordinal);
@@ -279,12 +287,13 @@ ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi:
   check.Shape("send_pos", pos_dims, {num_tokens, num_ranks});
   check.Shape("topk_weights", w_dims, {num_rows, num_topk});
   check.Shape("num_recv_tokens", num_recv_tokens.dimensions(), {});
+  check.Shape("rank_prefix_matrix", rank_prefix_matrix.dimensions(), {num_ranks, num_ranks});
   check.Shape("out", out->dimensions(), {num_tokens, hidden});
   check.Shape("out_weights", out_weights->dimensions(), {num_tokens, num_topk});
   check.Expect(num_tokens * num_ranks <= INT_MAX && num_rows * num_topk <= INT_MAX && num_tokens * num_topk <= INT_MAX,
                "too many tokens for 32-bit row indices");
   const int64_t row_bytes[kMaxRowArrays] = {hidden * 2, 0};
-  CheckStagedRegion(check, state, config, num_rows, row_bytes, num_topk);
+  CheckStagedRegion(check, state, config, num_rows, row_bytes, num_topk, 0);
   if (auto err = check.Result(); err.failure()) return err;
 
   intranode::CombineParams p{};
@@ -292,6 +301,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device_ordinal, ffi::Buffer<ffi:
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
   p.send_pos = send_pos.typed_data();
   p.num_recv_tokens = num_recv_tokens.typed_data();
+  p.rank_prefix_matrix = rank_prefix_matrix.typed_data();
   p.num_tokens = int(num_tokens);
   p.hidden = int(hidden);
   p.num_topk = int(num_topk);
@@ -360,7 +370,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CombineHandler, Combine,
                                   .Arg<ffi::Buffer<ffi::BF16>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
                                   .Arg<ffi::Buffer<ffi::S32>>()   // send_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_recv_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rank_prefix_matrix
                                   .Ret<ffi::Buffer<ffi::BF16>>()  // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out_weights
                                   .Attr<int64_t>("buffer_id")

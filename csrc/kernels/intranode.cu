@@ -2,6 +2,15 @@
 // sequence). Senders write rows straight into the receivers' buffers with
 // 16-byte stores; combine pulls each token's rows from every rank and sums
 // them in float32 in rank order, the reference backend's order.
+//
+// Staged mode: the move kernels have two roles, by block index. Dispatch:
+// blocks [0, num_move_blocks) send (as in direct mode), the blocks after them
+// copy landed rows from the staging area to XLA's outputs, chunk by chunk, as
+// the senders' chunk records arrive. Combine: blocks [0, num_copy_blocks) copy
+// XLA's x into the staging area chunk by chunk, raising a ready flag per
+// chunk, the blocks after them pull (waiting for the peers' flags). The
+// blocks that never wait come first, so they run even if the grid does not
+// fit on the device at once; the grid is kept within the SMs anyway.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -17,6 +26,9 @@ constexpr int kNotifyThreads = 1024;  // notify: one block, a slice of tokens pe
 constexpr int kFinishThreads = 1024;  // finish: one block
 constexpr int kWarpSize = 32;
 constexpr size_t kStagingAlign = 256;
+// Staged dispatch: a chunk record's rows are copied by items of at most this
+// many rows (one warp each), so a large chunk_tokens still spreads the copy.
+constexpr int kCopyItemRows = 4;
 
 enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
 
@@ -29,12 +41,32 @@ __device__ const char* ModeName(int mode) {
 struct Control {
   int seq;                           // sequence number of the latest call on this device
   int next_chunk;                    // work counter of the move kernel (reset by each call)
+  int next_copy;                     // work counter of the staged copy role (reset by each call)
   int ready[kMaxRanks];              // [src]: src published its counts and buffers here
   int done[kMaxRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
   int counts[kMaxRanks][kMaxRanks];  // [src][dst]: tokens src sends to dst (dispatch)
   RankBuffers buffers[kMaxRanks];    // [src]: src's buffers for this call
 };
 static_assert(sizeof(Control) <= kControlBytes, "intranode Control exceeds the region's control bytes");
+
+// Staged dispatch: what a sender wrote into a receiver's staging area for one
+// chunk of its tokens, in the receiver's records [src][chunk]: rows [first,
+// first + count) (a source's rows at a destination are consecutive in token
+// order; dropped tokens have none, count may be 0). flag = seq once the rows
+// and the record are visible to the receiver.
+struct ChunkRecord {
+  int first, count, flag, unused;
+};
+static_assert(sizeof(ChunkRecord) == sizeof(int4), "records are cleared as int4");
+
+// Where a call's copy-role synchronisation lives in every rank's normal
+// region (the same offsets on every rank: the layout depends only on the
+// call's shapes, which all ranks share).
+struct StagedSync {
+  size_t records;    // ChunkRecord [kMaxRanks][num_chunks] (dispatch)
+  size_t row_flags;  // int [ceil(num_rows / kStagedCopyRows)] (combine)
+  int num_chunks;
+};
 
 // The EP group as seen from this device: every rank's normal region.
 struct Group {
@@ -87,13 +119,48 @@ __device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Contr
   return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
-// First thing of every call, by one thread: the call's sequence number, and a
-// fresh work counter for the move kernel.
+// First thing of every call, by one thread: the call's sequence number, and
+// fresh work counters for the move kernel.
 __device__ __forceinline__ int BeginCall(Control* control) {
   const int seq = LoadVolatile(&control->seq) + 1;
   control->seq = seq;
   control->next_chunk = 0;
+  control->next_copy = 0;
   return seq;
+}
+
+// Staged mode: zeroes the flags this rank's peers (dispatch) or this rank
+// (combine) will raise in this rank's region during the call, before the
+// ready flags let the peers in. Their place depends on the call's shapes, so
+// it may hold another call's rows; 0 is below every sequence number. The
+// region is free: the previous call's finish saw every peer done with it.
+// Every thread of the block, before the __syncthreads that precedes
+// PublishAndWait.
+struct SyncClear {
+  int4* begin;
+  int num_vectors;
+};
+
+__device__ __forceinline__ void ClearSync(const SyncClear& clear) {
+  if (clear.num_vectors == 0) return;
+  for (int i = threadIdx.x; i < clear.num_vectors; i += blockDim.x) clear.begin[i] = make_int4(0, 0, 0, 0);
+  __threadfence_system();  // before the ready flags, which follow a __syncthreads
+}
+
+// Staged copies: coherent loads (peers write the staging area while the
+// kernel runs; the read-only path is not coherent), no L1 allocation.
+__device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int LoadNoAllocate(const int* p) {
+  int v;
+  asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
 }
 
 // Inputs are never written while a kernel runs: read-only path, no L1 allocation.
@@ -128,11 +195,12 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
                 g.rank, peer, -1);
 }
 
-// Once every thread of the block is done with the peers' memory, tells each peer.
-__device__ void SignalDone(const Group& g, int seq) {
+// Once every thread of the block is done with the peers' memory, tells each
+// peer. block: the block's index among the move blocks.
+__device__ void SignalDone(const Group& g, int seq, int block) {
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][blockIdx.x], seq);
+  if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
 }
 
 // Bit r is set when the token has an expert on rank r.
@@ -198,6 +266,7 @@ struct NotifyArgs {
   int* num_recv_tokens;
   int* num_dropped_tokens;
   RankBuffers landing;
+  SyncClear clear;  // staged: this rank's chunk records
   uint64_t timeout_ns;
 };
 
@@ -228,6 +297,7 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   }
   BlockExclusiveScan(offset, num_ranks, warp_sums, totals);
 
+  ClearSync(a.clear);
   if (threadIdx.x == 0) shared_seq = BeginCall(control);
   __syncthreads();
   const int seq = shared_seq;
@@ -275,11 +345,14 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 }
 
 // Cached dispatch and combine, step 1: publish buffers, wait for the peers'.
-__global__ void __launch_bounds__(kWarpSize) PublishKernel(Group g, RankBuffers mine, int mode, uint64_t timeout_ns) {
-  int seq = 0;
-  if (threadIdx.x == 0) seq = BeginCall(ControlOf(g, g.rank));
-  seq = __shfl_sync(0xffffffffu, seq, 0);
-  PublishAndWait(g, seq, mine, nullptr, mode, timeout_ns);
+// One warp, or a block of kNotifyThreads in staged mode (to clear the flags).
+__global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear, int mode,
+                                                               uint64_t timeout_ns) {
+  __shared__ int shared_seq;
+  ClearSync(clear);
+  if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank));
+  __syncthreads();
+  PublishAndWait(g, shared_seq, mine, nullptr, mode, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------
@@ -291,21 +364,79 @@ __device__ __forceinline__ int NextChunk(int* next_chunk, int lane) {
   return __shfl_sync(0xffffffffu, chunk, 0);
 }
 
-// Calls fn(t) for the tokens of chunks of chunk_tokens tokens handed to warps
-// first come, first served (tokens cost 0..R rows, so a static split would
-// not balance). A warp asks for its next chunk before working on the current
-// one, which hides the atomic's latency.
+__host__ __device__ __forceinline__ int NumChunks(int64_t num_tokens, int64_t chunk_tokens) {
+  return int((num_tokens + chunk_tokens - 1) / chunk_tokens);
+}
+
+// Calls fn(chunk, begin, end) for chunks [begin, end) of chunk_tokens tokens
+// handed to warps first come, first served (tokens cost 0..R rows, so a
+// static split would not balance). A warp asks for its next chunk before
+// working on the current one, which hides the atomic's latency.
 template <typename Fn>
-__device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, int chunk_tokens, Fn&& fn) {
+__device__ __forceinline__ void ForEachChunk(int* next_chunk, int num_tokens, int chunk_tokens, Fn&& fn) {
   const int lane = threadIdx.x % kWarpSize;
-  const int num_chunks = int((int64_t(num_tokens) + chunk_tokens - 1) / chunk_tokens);
+  const int num_chunks = NumChunks(num_tokens, chunk_tokens);
   int chunk = NextChunk(next_chunk, lane);
   while (chunk < num_chunks) {
     const int next = NextChunk(next_chunk, lane);
     const int end = int(std::min<int64_t>(num_tokens, (int64_t(chunk) + 1) * chunk_tokens));
-    for (int t = chunk * chunk_tokens; t < end; ++t) fn(t);
+    fn(chunk, chunk * chunk_tokens, end);
     chunk = next;
   }
+}
+
+// fn(t) for the tokens of ForEachChunk's chunks.
+template <typename Fn>
+__device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, int chunk_tokens, Fn&& fn) {
+  ForEachChunk(next_chunk, num_tokens, chunk_tokens, [&](int, int begin, int end) {
+    for (int t = begin; t < end; ++t) fn(t);
+  });
+}
+
+// Staged copies: n vectors src -> dst by `stride` threads, thread `first`
+// taking every stride-th vector, kUnroll loads in flight.
+template <int kUnroll, typename Vec>
+__device__ __forceinline__ void CopyVectors(Vec* dst, const Vec* src, int64_t n, int first, int stride) {
+  for (int64_t base = first; base < n; base += int64_t(stride) * kUnroll) {
+    Vec v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * stride;
+      if (i < n) v[u] = LoadNoAllocate(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + int64_t(u) * stride;
+      if (i < n) dst[i] = v[u];
+    }
+  }
+}
+
+// Staged copies: rows [first_row, first_row + num_rows) of every array
+// present on both sides (row arrays, ids, weights, source indices), src ->
+// dst at the same row indices, by `stride` threads from thread `first`.
+// 16-byte vectors where both sides allow, else 4-byte words (every row is a
+// multiple of 4 bytes).
+__device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const int64_t (&row_bytes)[kMaxRowArrays],
+                         int num_topk, int first_row, int num_rows, int first, int stride) {
+  auto copy = [&](void* to_array, const void* from_array, int64_t bytes_per_row) {
+    if (to_array == nullptr || from_array == nullptr || bytes_per_row == 0) return;
+    const int64_t offset = int64_t(first_row) * bytes_per_row, num_bytes = int64_t(num_rows) * bytes_per_row;
+    char* to = static_cast<char*>(to_array) + offset;
+    const char* from = static_cast<const char*>(from_array) + offset;
+    const uintptr_t bits = reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from) | uintptr_t(num_bytes);
+    if (bits % sizeof(int4) == 0) {
+      CopyVectors<8>(reinterpret_cast<int4*>(to), reinterpret_cast<const int4*>(from),
+                     num_bytes / int64_t(sizeof(int4)), first, stride);
+    } else {
+      CopyVectors<8>(reinterpret_cast<int*>(to), reinterpret_cast<const int*>(from), num_bytes / int64_t(sizeof(int)),
+                     first, stride);
+    }
+  };
+  for (int i = 0; i < kMaxRowArrays; ++i) copy(dst.rows[i], src.rows[i], row_bytes[i]);
+  copy(dst.topk_idx, src.topk_idx, int64_t(num_topk) * sizeof(int));
+  copy(dst.topk_weights, src.topk_weights, int64_t(num_topk) * sizeof(float));
+  copy(dst.src_idx, src.src_idx, sizeof(int));
 }
 
 // ---------------------------------------------------------------------------
@@ -358,12 +489,22 @@ struct SendArgs {
   int* recv_src_idx;              // dispatch only
   int* recv_topk_idx;             // dispatch only
   float* recv_topk_weights;       // or null
+  // This rank's own rows land straight in its XLA outputs, in staged mode too
+  // (the local rank is always in this process).
+  RankBuffers local;
+  // Staged mode: blocks [0, num_move_blocks) send, the others copy the
+  // peers' rows from this rank's staging area to `local`.
+  bool staged;
+  int num_move_blocks;
+  RankBuffers staging;
+  StagedSync sync;
+  uint64_t timeout_ns;
 };
 
 __device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
   const int num_recv = *a.num_recv_tokens;
   const int num_rows = a.num_worst_tokens, num_topk = a.num_topk;
-  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = a.num_move_blocks * blockDim.x;
   if (a.recv_src_rank != nullptr) {
     int ends[kMaxRanks];  // rows from sources <= s end at ends[s]
 #pragma unroll
@@ -437,20 +578,87 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
   }
 }
 
+// Staged dispatch: rank `rank`'s record of src's chunk, as mapped here.
+__device__ __forceinline__ ChunkRecord* RecordOf(const Group& g, const StagedSync& sync, int rank, int src, int chunk) {
+  return reinterpret_cast<ChunkRecord*>(g.regions[rank] + sync.records) + int64_t(src) * sync.num_chunks + chunk;
+}
+
+// Staged dispatch, after the warp sent the chunk's tokens [begin, end): tells
+// every peer r which of its staging rows the chunk filled (lane r for peer r),
+// once all the warp's stores are visible to the system.
+__device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk, int begin, int end, int seq,
+                                    int lane) {
+  const int r = lane;
+  int first = 0, count = 0;
+  if (r < g.num_ranks && r != g.rank) {
+    for (int t = begin; t < end; ++t) {
+      const int pos = a.send_pos[int64_t(t) * g.num_ranks + r];
+      if (pos < 0) continue;  // not for r, or dropped (then so are the later tokens)
+      if (count++ == 0) first = pos;
+    }
+  }
+  __threadfence_system();  // every lane: its row stores before the records
+  __syncwarp();
+  if (r >= g.num_ranks || r == g.rank) return;
+  ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
+  record->first = first;
+  record->count = count;
+  st_release_sys(&record->flag, seq);
+}
+
+// Staged dispatch, copy role (a warp per item): copies the peers' landed rows
+// from the staging area to this rank's XLA outputs, at the same row indices,
+// as their chunk records arrive. Item i: piece i % pieces of the record of
+// chunk i / pieces / (R - 1) of the (i / pieces % (R - 1))-th peer, so items
+// follow the senders' chunk order, all peers at once.
+__device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int lane) {
+  const int num_peers = g.num_ranks - 1;
+  const int pieces = (a.chunk_tokens + kCopyItemRows - 1) / kCopyItemRows;
+  const int64_t num_items = int64_t(num_peers) * a.sync.num_chunks * pieces;
+  int* next_copy = &ControlOf(g, g.rank)->next_copy;
+  int item = NextChunk(next_copy, lane);
+  while (item < num_items) {
+    const int next = NextChunk(next_copy, lane);
+    const int piece = item % pieces, k = item / pieces % num_peers, chunk = item / pieces / num_peers;
+    const int src = k < g.rank ? k : k + 1;
+    const ChunkRecord* record = RecordOf(g, a.sync, g.rank, src, chunk);
+    // Lane 0 acquires the flag; __syncwarp orders the other lanes' loads after it.
+    if (lane == 0) {
+      wait_at_least(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
+                    g.rank, src, chunk);
+    }
+    __syncwarp();
+    const int count = LoadVolatile(&record->count) - piece * kCopyItemRows;
+    if (count > 0) {
+      const int first = LoadVolatile(&record->first) + piece * kCopyItemRows;
+      CopyRows(a.local, a.staging, a.row_bytes, a.num_topk, first, min(count, kCopyItemRows), lane, kWarpSize);
+    }
+    item = next;
+  }
+}
+
 template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, SendArgs a) {
   __shared__ RankBuffers dest[kMaxRanks];
   Control* control = ControlOf(g, g.rank);
-  if (int(threadIdx.x) < g.num_ranks) dest[threadIdx.x] = LoadPublished(g, control, threadIdx.x);
   const int seq = LoadVolatile(&control->seq);
+  const int lane = threadIdx.x % kWarpSize;
+  if (int(blockIdx.x) >= a.num_move_blocks) {  // staged: copy role
+    CopyLandedRows(g, a, seq, lane);
+    return;
+  }
+  if (int(threadIdx.x) < g.num_ranks) {
+    dest[threadIdx.x] = int(threadIdx.x) == g.rank ? a.local : LoadPublished(g, control, threadIdx.x);
+  }
   __syncthreads();
 
   FillReceivedMetadata(g, a);
 
-  const int lane = threadIdx.x % kWarpSize;
-  ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens,
-               [&](int t) { SendToken<kRanks>(g, a, dest, t, lane); });
-  SignalDone(g, seq);
+  ForEachChunk(&control->next_chunk, a.num_tokens, a.chunk_tokens, [&](int chunk, int begin, int end) {
+    for (int t = begin; t < end; ++t) SendToken<kRanks>(g, a, dest, t, lane);
+    if (a.staged) PublishChunkRecords(g, a, chunk, begin, end, seq, lane);
+  });
+  SignalDone(g, seq, blockIdx.x);
 }
 
 // ---------------------------------------------------------------------------
@@ -507,7 +715,89 @@ struct CombineArgs {
   int num_tokens, hidden, num_topk, chunk_tokens;
   uint16_t* out;       // bf16 [T, H]
   float* out_weights;  // [T, K] or null
+  // This rank's own rows are read straight from XLA's x and weights, in
+  // staged mode too (the local rank is always in this process).
+  RankBuffers local;
+  // Staged mode: blocks [0, num_copy_blocks) copy the rows the peers pull
+  // from `local` to `staging` (CopyToStaging), the others pull.
+  bool staged;
+  int num_copy_blocks;
+  int num_rows;                   // rows of x
+  const int* num_recv_tokens;     // [] valid rows of x
+  const int* rank_prefix_matrix;  // [R, R]
+  RankBuffers staging;
+  StagedSync sync;
+  uint64_t timeout_ns;
 };
+
+// Staged combine, copy role (the whole block per item): copies the valid
+// rows of x (and weights) that the peers pull into this rank's staging area,
+// in aligned chunks of kStagedCopyRows rows, each followed by its ready flag
+// (flags[row / kStagedCopyRows] = seq). The rows of source s are the segment
+// [prefix[s - 1][me], prefix[s][me]) (clipped to the valid rows); the local
+// rank's own segment is read from XLA's x, never copied. Item i: the
+// (i / (R - 1))-th chunk of the (i % (R - 1))-th peer's segment, so the
+// pullers of every peer find their first rows early. A chunk straddling two
+// segments is copied by both (same bytes, same flag value).
+__device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
+  __shared__ int shared_item;
+  const int me = g.rank, num_peers = g.num_ranks - 1;
+  const int num_valid = min(*a.num_recv_tokens, a.num_rows);
+  const int64_t row_bytes[kMaxRowArrays] = {int64_t(a.hidden) * int64_t(sizeof(uint16_t)), 0};
+  // Chunks [begin, end) holding the k-th peer's segment.
+  auto segment = [&](int k, int& begin, int& end) {
+    const int s = k < me ? k : k + 1;
+    const int row_begin = s == 0 ? 0 : min(num_valid, a.rank_prefix_matrix[(s - 1) * g.num_ranks + me]);
+    const int row_end = min(num_valid, a.rank_prefix_matrix[s * g.num_ranks + me]);
+    begin = row_begin / kStagedCopyRows;
+    end = row_end > row_begin ? (row_end - 1) / kStagedCopyRows + 1 : begin;
+  };
+  int max_chunks = 0;
+  for (int k = 0; k < num_peers; ++k) {
+    int begin, end;
+    segment(k, begin, end);
+    max_chunks = max(max_chunks, end - begin);
+  }
+  const int64_t num_items = int64_t(num_peers) * max_chunks;
+  int* flags = reinterpret_cast<int*>(g.regions[me] + a.sync.row_flags);
+  int* next_copy = &ControlOf(g, me)->next_copy;
+  for (;;) {
+    if (threadIdx.x == 0) shared_item = atomicAdd(next_copy, 1);
+    __syncthreads();
+    const int item = shared_item;
+    __syncthreads();  // all read it before thread 0 takes the next one
+    if (item >= num_items) return;
+    int begin, end;
+    segment(item % num_peers, begin, end);
+    const int chunk = begin + item / num_peers;
+    if (chunk >= end) continue;  // a shorter segment
+    const int first_row = chunk * kStagedCopyRows;
+    CopyRows(a.staging, a.local, row_bytes, a.num_topk, first_row, min(kStagedCopyRows, num_valid - first_row),
+             threadIdx.x, blockDim.x);
+    __threadfence_system();  // every thread: its row stores before the flag
+    __syncthreads();
+    if (threadIdx.x == 0) st_release_sys(&flags[chunk], seq);
+  }
+}
+
+// Staged combine: before token t's rows are read, waits until every peer r
+// has raised the ready flag of the chunk holding the token's row at r (lane
+// r for peer r, all peers at once). ready_chunk: lane r's last chunk of r
+// seen ready (a warp's consecutive tokens mostly share chunks). The lanes
+// that waited acquired the flags; __syncwarp orders the warp's loads after.
+__device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs& a, int t, int seq, int& ready_chunk,
+                                              int lane) {
+  const int r = lane;
+  if (r < g.num_ranks && r != g.rank) {
+    const int pos = a.send_pos[int64_t(t) * g.num_ranks + r];
+    if (pos >= 0 && pos / kStagedCopyRows != ready_chunk) {
+      ready_chunk = pos / kStagedCopyRows;
+      const int* flag = reinterpret_cast<const int*>(g.regions[r] + a.sync.row_flags) + ready_chunk;
+      wait_at_least(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
+    }
+  }
+  __syncwarp();
+}
 
 // Token t's output row (and top-k weights): the sum of its rows at every rank.
 template <int kRanks>
@@ -539,14 +829,23 @@ template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineKernel(Group g, CombineArgs a) {
   __shared__ RankBuffers sources[kMaxRanks];
   Control* control = ControlOf(g, g.rank);
-  if (int(threadIdx.x) < g.num_ranks) sources[threadIdx.x] = LoadPublished(g, control, threadIdx.x);
   const int seq = LoadVolatile(&control->seq);
+  if (int(blockIdx.x) < a.num_copy_blocks) {  // staged: copy role
+    CopyToStaging(g, a, seq);
+    return;
+  }
+  if (int(threadIdx.x) < g.num_ranks) {
+    sources[threadIdx.x] = int(threadIdx.x) == g.rank ? a.local : LoadPublished(g, control, threadIdx.x);
+  }
   __syncthreads();
 
   const int lane = threadIdx.x % kWarpSize;
-  ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens,
-               [&](int t) { CombineToken<kRanks>(g, a, sources, t, lane); });
-  SignalDone(g, seq);
+  int ready_chunk = -1;
+  ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens, [&](int t) {
+    if (a.staged) WaitRowsReady(g, a, t, seq, ready_chunk, lane);
+    CombineToken<kRanks>(g, a, sources, t, lane);
+  });
+  SignalDone(g, seq, blockIdx.x - a.num_copy_blocks);
 }
 
 // ---------------------------------------------------------------------------
@@ -587,40 +886,6 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
 }
 
 // ---------------------------------------------------------------------------
-// Staged mode: local copies between XLA's buffers and the staging area.
-
-struct Copy {
-  char* dst;
-  const char* src;
-  int64_t row_bytes;     // a multiple of 4
-  int64_t num_rows;      // rows of both sides
-  const int* rows_on_device;  // when set: copy only its first *rows_on_device (<= num_rows) rows
-};
-
-constexpr int kMaxCopies = 5;
-struct CopyList {
-  Copy copies[kMaxCopies];
-  int num_copies;
-};
-
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CopyKernel(CopyList list) {
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int c = 0; c < list.num_copies; ++c) {
-    const Copy& copy = list.copies[c];
-    const int64_t rows = copy.rows_on_device != nullptr ? min(int64_t(*copy.rows_on_device), copy.num_rows) : copy.num_rows;
-    const int64_t num_bytes = rows * copy.row_bytes;
-    const int64_t num_vectors = num_bytes / int64_t(sizeof(int4));
-    const int4* src = reinterpret_cast<const int4*>(copy.src);
-    int4* dst = reinterpret_cast<int4*>(copy.dst);
-    for (int64_t i = first; i < num_vectors; i += stride) dst[i] = LoadStreaming(src + i);
-    for (int64_t i = num_vectors * 4 + first; i < num_bytes / 4; i += stride) {
-      reinterpret_cast<int*>(copy.dst)[i] = LoadStreaming(reinterpret_cast<const int*>(copy.src) + i);
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------
 // Host side.
 
 Group MakeGroup(const DeviceState& state) {
@@ -640,48 +905,76 @@ RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
 
 size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
 
-// The staging area's layout after the control bytes; returns its end.
-size_t StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk,
-                     RankBuffers* buffers) {
+int64_t NumRowFlags(int64_t num_rows) { return (num_rows + kStagedCopyRows - 1) / kStagedCopyRows; }
+
+// The staging area of a region after the control bytes (StagedRegionBytes).
+struct Staging {
+  RankBuffers buffers;  // null when laid out without a region
+  StagedSync sync;
+  size_t end;
+};
+
+Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk,
+                      int64_t num_chunks) {
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
-    char* p = region == nullptr ? nullptr : region + offset;
+    const size_t at = offset;
     offset = AlignUp(offset + bytes);
-    return p;
+    return at;
   };
-  RankBuffers b{};
-  for (int i = 0; i < kMaxRowArrays; ++i) b.rows[i] = take(size_t(num_rows) * row_bytes[i]);
-  b.topk_idx = reinterpret_cast<int*>(take(size_t(num_rows) * num_topk * sizeof(int)));
-  b.topk_weights = reinterpret_cast<float*>(take(size_t(num_rows) * num_topk * sizeof(float)));
-  b.src_idx = reinterpret_cast<int*>(take(size_t(num_rows) * sizeof(int)));
-  if (buffers != nullptr) *buffers = b;
-  return offset;
+  auto address = [region](size_t at) { return region == nullptr ? nullptr : region + at; };
+  Staging s{};
+  for (int i = 0; i < kMaxRowArrays; ++i) s.buffers.rows[i] = address(take(size_t(num_rows) * row_bytes[i]));
+  s.buffers.topk_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * num_topk * sizeof(int))));
+  s.buffers.topk_weights = reinterpret_cast<float*>(address(take(size_t(num_rows) * num_topk * sizeof(float))));
+  s.buffers.src_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * sizeof(int))));
+  s.sync.records = take(size_t(kMaxRanks) * size_t(num_chunks) * sizeof(ChunkRecord));
+  s.sync.row_flags = take(size_t(NumRowFlags(num_rows)) * sizeof(int));
+  s.sync.num_chunks = int(num_chunks);
+  s.end = offset;
+  return s;
 }
 
 // The one place that chooses where peers write this rank's rows (or read
 // them): XLA's own buffers, or the staging area of the normal region.
-RankBuffers ChooseLanding(const DeviceState& state, const RankBuffers& xla_buffers, int64_t num_rows,
-                          const int64_t row_bytes[kMaxRowArrays], int num_topk, bool staged) {
-  if (!staged) return xla_buffers;
-  RankBuffers staging;
-  StagingLayout(state.normal.local, num_rows, row_bytes, num_topk, &staging);
-  return staging;
+RankBuffers ChooseLanding(const RankBuffers& xla_buffers, const Staging& staging, bool staged) {
+  return staged ? staging.buffers : xla_buffers;
 }
 
-// Copies of the row arrays, ids, weights and source indices present in both.
-CopyList CopiesBetween(const RankBuffers& dst, const RankBuffers& src, const int64_t row_bytes[kMaxRowArrays],
-                       int num_topk, int64_t num_rows, const int* rows_on_device) {
-  CopyList list{};
-  auto add = [&](void* d, const void* s, int64_t bytes) {
-    if (d == nullptr || s == nullptr || bytes == 0) return;
-    list.copies[list.num_copies++] = Copy{static_cast<char*>(d), static_cast<const char*>(s), bytes, num_rows,
-                                          rows_on_device};
-  };
-  for (int i = 0; i < kMaxRowArrays; ++i) add(dst.rows[i], src.rows[i], row_bytes[i]);
-  add(dst.topk_idx, src.topk_idx, int64_t(num_topk) * sizeof(int));
-  add(dst.topk_weights, src.topk_weights, int64_t(num_topk) * sizeof(float));
-  add(dst.src_idx, src.src_idx, sizeof(int));
-  return list;
+// Staged mode: the flags of this rank's region that its notify (or publish)
+// kernel zeroes (ClearSync): dispatch, the chunk records of every source;
+// combine, the row flags (rounded up to int4, inside the area's alignment).
+SyncClear RecordsToClear(const DeviceState& state, const Staging& staging, bool staged) {
+  if (!staged) return SyncClear{nullptr, 0};
+  return SyncClear{reinterpret_cast<int4*>(state.normal.local + staging.sync.records),
+                   state.num_ranks * staging.sync.num_chunks};
+}
+
+SyncClear RowFlagsToClear(const DeviceState& state, const Staging& staging, int64_t num_rows, bool staged) {
+  if (!staged) return SyncClear{nullptr, 0};
+  const int64_t ints_per_vector = sizeof(int4) / sizeof(int);
+  return SyncClear{reinterpret_cast<int4*>(state.normal.local + staging.sync.row_flags),
+                   int((NumRowFlags(num_rows) + ints_per_vector - 1) / ints_per_vector)};
+}
+
+// The move kernels' blocks: `move` send or pull (the done flags count them),
+// `copy` take the staged copy role. Staged mode gives the copy role as many
+// blocks as the move role, at least a quarter of the SMs, and keeps the two
+// within the SMs (fewer move blocks when Config.num_sms leaves no room), so
+// they all run at once. Every rank computes the same split (same device).
+struct Blocks {
+  int move, copy;
+};
+
+Blocks SplitBlocks(const DeviceState& state, const LaunchConfig& c) {
+  if (!c.staged || state.num_ranks < 2) return Blocks{c.num_blocks, 0};
+  int num_sms = 0;
+  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device_ordinal) != cudaSuccess) {
+    cudaGetLastError();
+    num_sms = kMaxBlocks;
+  }
+  const int copy = std::max(1, std::min(c.num_blocks, std::max(num_sms - c.num_blocks, num_sms / 4)));
+  return Blocks{std::max(1, std::min(c.num_blocks, num_sms - copy)), copy};
 }
 
 template <template <int> class Launcher, typename... Args>
@@ -697,40 +990,36 @@ void LaunchForRanks(int num_ranks, Args&&... args) {
 
 template <int kRanks>
 struct SendLauncher {
-  static void Run(const Group& g, const SendArgs& a, const LaunchConfig& c, cudaStream_t stream) {
-    SendKernel<kRanks><<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(g, a);
+  static void Run(const Group& g, const SendArgs& a, const Blocks& b, const LaunchConfig& c, cudaStream_t stream) {
+    SendKernel<kRanks><<<b.move + b.copy, c.num_warps * kWarpSize, 0, stream>>>(g, a);
   }
 };
 
 template <int kRanks>
 struct CombineLauncher {
-  static void Run(const Group& g, const CombineArgs& a, const LaunchConfig& c, cudaStream_t stream) {
-    CombineKernel<kRanks><<<c.num_blocks, c.num_warps * kWarpSize, 0, stream>>>(g, a);
+  static void Run(const Group& g, const CombineArgs& a, const Blocks& b, const LaunchConfig& c, cudaStream_t stream) {
+    CombineKernel<kRanks><<<b.copy + b.move, c.num_warps * kWarpSize, 0, stream>>>(g, a);
   }
 };
 
-void LaunchFinish(const Group& g, FinishArgs a, int mode, const LaunchConfig& c, cudaStream_t stream) {
+void LaunchFinish(const Group& g, FinishArgs a, int mode, const Blocks& b, const LaunchConfig& c,
+                  cudaStream_t stream) {
   a.mode = mode;
-  a.num_blocks = c.num_blocks;
+  a.num_blocks = b.move;
   a.timeout_ns = c.timeout_ns;
   FinishKernel<<<1, kFinishThreads, 0, stream>>>(g, a);
 }
 
-// Staged copies run alone on the stream (nothing of this call overlaps them):
-// they take every SM of the device, not Config.num_sms.
-void LaunchCopies(const DeviceState& state, const CopyList& list, cudaStream_t stream) {
-  if (list.num_copies == 0) return;
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device_ordinal) != cudaSuccess) {
-    cudaGetLastError();
-    num_sms = kMaxBlocks;
-  }
-  CopyKernel<<<num_sms, kMaxWarps * kWarpSize, 0, stream>>>(list);
+// The publish kernel: one warp, or a block that clears the staged flags.
+void LaunchPublish(const Group& g, const RankBuffers& mine, const SyncClear& clear, int mode, const LaunchConfig& c,
+                   cudaStream_t stream) {
+  PublishKernel<<<1, c.staged ? kNotifyThreads : kWarpSize, 0, stream>>>(g, mine, clear, mode, c.timeout_ns);
 }
 
-// What dispatch and cached dispatch send alike: rows, weights, layout.
+// What dispatch and cached dispatch send alike: rows, weights, layout, and
+// the staged copy role's part.
 template <typename Params>
-SendArgs CommonSendArgs(const Params& p, const LaunchConfig& c, int mode) {
+SendArgs CommonSendArgs(const Params& p, const LaunchConfig& c, int mode, const Blocks& b, const Staging& staging) {
   SendArgs send{};
   for (int i = 0; i < kMaxRowArrays; ++i) {
     send.x[i] = p.x[i];
@@ -744,6 +1033,10 @@ SendArgs CommonSendArgs(const Params& p, const LaunchConfig& c, int mode) {
   send.chunk_tokens = c.chunk_tokens;
   send.mode = mode;
   send.num_recv_tokens = p.num_recv_tokens;
+  send.staged = c.staged;
+  send.num_move_blocks = b.move;
+  send.sync = staging.sync;
+  send.timeout_ns = c.timeout_ns;
   return send;
 }
 
@@ -757,8 +1050,8 @@ RankBuffers RowsAndWeights(RankBuffers b, bool with_weights) {
 
 }  // namespace
 
-size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk) {
-  return StagingLayout(nullptr, num_rows, row_bytes, num_topk, nullptr);
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks) {
+  return StagingLayout(nullptr, num_rows, row_bytes, num_topk, num_chunks).end;
 }
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
@@ -766,16 +1059,18 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const int experts_per_rank = p.num_experts / state.num_ranks;
-  const RankBuffers landing =
-      ChooseLanding(state, p.recv, p.num_worst_tokens, p.row_bytes, p.num_topk, c.staged);
+  const Blocks blocks = SplitBlocks(state, c);
+  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, p.row_bytes, p.num_topk,
+                                        NumChunks(p.num_tokens, c.chunk_tokens));
+  const RankBuffers landing = ChooseLanding(p.recv, staging, c.staged);
 
   NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
                     p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
                     p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, Publishable(state, landing),
-                    c.timeout_ns};
+                    RecordsToClear(state, staging, c.staged), c.timeout_ns};
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
-  SendArgs send = CommonSendArgs(p, c, kDispatch);
+  SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);
   send.topk_idx = p.topk_idx;
   send.experts_per_rank = experts_per_rank;
   send.rank_prefix_matrix = p.rank_prefix_matrix;
@@ -783,19 +1078,19 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   send.recv_src_idx = p.recv.src_idx;
   send.recv_topk_idx = p.recv.topk_idx;
   send.recv_topk_weights = p.recv.topk_weights;
-  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, c, stream);
+  send.local = p.recv;
+  send.staging = landing;
+  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, blocks, c, stream);
 
+  // The histogram reads XLA's recv_topk_idx: complete once the send kernel
+  // (copy role included) has finished, which precedes the finish kernel.
   FinishArgs finish{};
   finish.num_recv_tokens = p.num_recv_tokens;
-  finish.landed_topk_idx = landing.topk_idx;
+  finish.landed_topk_idx = p.recv.topk_idx;
   finish.num_topk = p.num_topk;
   finish.experts_per_rank = experts_per_rank;
   finish.num_recv_tokens_per_expert = p.num_recv_tokens_per_expert;
-  LaunchFinish(g, finish, kDispatch, c, stream);
-  if (c.staged) {
-    LaunchCopies(state, CopiesBetween(p.recv, landing, p.row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
-                 stream);
-  }
+  LaunchFinish(g, finish, kDispatch, blocks, c, stream);
   return cudaGetLastError();
 }
 
@@ -804,20 +1099,20 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
   if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const bool with_weights = p.topk_weights != nullptr;
+  const Blocks blocks = SplitBlocks(state, c);
+  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, p.row_bytes, p.num_topk,
+                                        NumChunks(p.num_tokens, c.chunk_tokens));
   const RankBuffers recv = RowsAndWeights(p.recv, with_weights);
-  const RankBuffers landing = RowsAndWeights(
-      ChooseLanding(state, recv, p.num_worst_tokens, p.row_bytes, p.num_topk, c.staged), with_weights);
-  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, Publishable(state, landing), kCachedDispatch, c.timeout_ns);
+  const RankBuffers landing = RowsAndWeights(ChooseLanding(recv, staging, c.staged), with_weights);
+  LaunchPublish(g, Publishable(state, landing), RecordsToClear(state, staging, c.staged), kCachedDispatch, c, stream);
 
-  SendArgs send = CommonSendArgs(p, c, kCachedDispatch);
+  SendArgs send = CommonSendArgs(p, c, kCachedDispatch, blocks, staging);
   send.recv_topk_weights = recv.topk_weights;
-  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, c, stream);
+  send.local = recv;
+  send.staging = landing;
+  LaunchForRanks<SendLauncher>(state.num_ranks, g, send, blocks, c, stream);
 
-  LaunchFinish(g, FinishArgs{}, kCachedDispatch, c, stream);
-  if (c.staged) {
-    LaunchCopies(state, CopiesBetween(recv, landing, p.row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
-                 stream);
-  }
+  LaunchFinish(g, FinishArgs{}, kCachedDispatch, blocks, c, stream);
   return cudaGetLastError();
 }
 
@@ -826,26 +1121,41 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions
   const Group g = MakeGroup(state);
   const int64_t row_bytes[kMaxRowArrays] = {int64_t(p.hidden) * int64_t(sizeof(uint16_t)), 0};
+  const Blocks blocks = SplitBlocks(state, c);
+  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, row_bytes, p.num_topk, 0);
   RankBuffers inputs{};
   inputs.rows[0] = const_cast<char*>(reinterpret_cast<const char*>(p.x));
   inputs.topk_weights = const_cast<float*>(p.topk_weights);
-  RankBuffers sources = ChooseLanding(state, inputs, p.num_worst_tokens, row_bytes, p.num_topk, c.staged);
+  RankBuffers sources = ChooseLanding(inputs, staging, c.staged);
   sources.rows[1] = nullptr;
   sources.topk_idx = nullptr;
   sources.src_idx = nullptr;
   if (p.topk_weights == nullptr) sources.topk_weights = nullptr;
-  if (c.staged) {
-    // Peers finished reading the staging area before the previous call returned;
-    // they read only the valid rows.
-    LaunchCopies(state, CopiesBetween(sources, inputs, row_bytes, p.num_topk, p.num_worst_tokens, p.num_recv_tokens),
-                 stream);
-  }
-  PublishKernel<<<1, kWarpSize, 0, stream>>>(g, Publishable(state, sources), kCombine, c.timeout_ns);
+  // Staged: the copy role of the combine kernel fills the staging area after
+  // this; peers wait for its row flags (cleared here) before reading.
+  LaunchPublish(g, Publishable(state, sources), RowFlagsToClear(state, staging, p.num_worst_tokens, c.staged), kCombine,
+                c, stream);
 
-  const CombineArgs combine{p.send_pos, p.num_tokens, p.hidden, p.num_topk, c.chunk_tokens, p.out, p.out_weights};
-  LaunchForRanks<CombineLauncher>(state.num_ranks, g, combine, c, stream);
+  CombineArgs combine{};
+  combine.send_pos = p.send_pos;
+  combine.num_tokens = p.num_tokens;
+  combine.hidden = p.hidden;
+  combine.num_topk = p.num_topk;
+  combine.chunk_tokens = c.chunk_tokens;
+  combine.out = p.out;
+  combine.out_weights = p.out_weights;
+  combine.local = inputs;
+  combine.staged = c.staged;
+  combine.num_copy_blocks = blocks.copy;
+  combine.num_rows = p.num_worst_tokens;
+  combine.num_recv_tokens = p.num_recv_tokens;
+  combine.rank_prefix_matrix = p.rank_prefix_matrix;
+  combine.staging = sources;
+  combine.sync = staging.sync;
+  combine.timeout_ns = c.timeout_ns;
+  LaunchForRanks<CombineLauncher>(state.num_ranks, g, combine, blocks, c, stream);
 
-  LaunchFinish(g, FinishArgs{}, kCombine, c, stream);
+  LaunchFinish(g, FinishArgs{}, kCombine, blocks, c, stream);
   return cudaGetLastError();
 }
 

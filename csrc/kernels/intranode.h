@@ -12,9 +12,13 @@
 //      then tells every peer it is done with the peer's memory.
 //   3. finish: wait until every peer's blocks are done with this rank's
 //      memory, so XLA never reads partial rows nor frees memory a peer reads.
-// Staged mode (the fallback) lands rows in the normal region after the
-// control bytes and adds local copies (before step 1 for combine, after step
-// 3 for dispatch).
+// Staged mode (one process per GPU, or DEEP_EP_JAX_STAGED=1) lands rows in
+// the normal region after the control bytes (peers cannot reach XLA's
+// buffers), and the move kernels get extra copy-role blocks that overlap the
+// local copies with the transfer: dispatch copies each chunk of landed rows to
+// XLA's outputs as soon as its sender publishes a chunk record; combine copies
+// XLA's x to the staging area in chunks of rows, each with a ready flag that
+// the pulling peers wait for. The local rank's own rows skip the staging area.
 // Peers meet through flags in the control bytes of DeviceState::normal,
 // compared against the sequence number, so consecutive calls (and CUDA-graph
 // replays) need no resets.
@@ -89,6 +93,7 @@ struct CombineParams {
   const float* topk_weights;  // [N, K] or null
   const int* send_pos;        // [T, R]
   const int* num_recv_tokens; // [] rows of x that are valid (from the handle)
+  const int* rank_prefix_matrix;  // [R, R] from the handle (staged: which rows each source pulls)
   int num_tokens, hidden, num_topk, num_worst_tokens;
   uint16_t* out;         // bf16 [T, H]
   float* out_weights;    // [T, K] or null
@@ -96,8 +101,12 @@ struct CombineParams {
 
 // Bytes of the normal region (control included) that a staged call needs:
 // num_rows rows of each row array, then [num_rows, num_topk] ids and weights
-// and [num_rows] source indices.
-size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk);
+// and [num_rows] source indices, then the copy role's synchronisation:
+// [kMaxRanks][num_chunks] chunk records of 16 bytes (dispatch: num_chunks =
+// ceil(tokens / chunk_tokens); 0 for combine) and one int flag per
+// kStagedCopyRows rows (combine).
+constexpr int kStagedCopyRows = 32;
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks);
 
 // Only enqueue work on `stream`.
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& config,

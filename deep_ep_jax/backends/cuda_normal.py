@@ -8,10 +8,10 @@ bit for bit. Counts stay on the device, so the calls are command-buffer
 
 Rows land straight in the receiver's XLA output buffers. Set
 DEEP_EP_JAX_STAGED=1 (before creating the Buffer) to land them in a staging
-area of the Buffer's normal region instead, then copy locally: slower, but it
-does not need peer access to XLA's memory. Multi-process buffers (peers in
-other processes, `buffer.ipc`) are always staged: XLA's buffers of another
-process are out of reach.
+area of the Buffer's normal region instead, copied locally by extra blocks of
+the same kernels while the transfer runs: it does not need peer access to
+XLA's memory. Multi-process buffers (peers in other processes, `buffer.ipc`)
+are always staged: XLA's buffers of another process are out of reach.
 
 An EP group across hosts (`buffer.spans_hosts`, NVSHMEM) runs the internode
 kernels instead: `deep_ep_jax.backends.cuda_internode`, same signatures.
@@ -33,6 +33,8 @@ CONTROL_BYTES = 1 << 16
 MAX_RANKS = 8
 MAX_LOCAL_EXPERTS = 4096
 STAGING_ALIGN = 256
+STAGED_RECORD_BYTES = 16  # a dispatch chunk record (ChunkRecord)
+STAGED_COPY_ROWS = 32  # rows per combine ready flag (kStagedCopyRows)
 INT32_MAX = 2**31 - 1
 
 # The standard case the Buffer is sized for when it is not told.
@@ -56,14 +58,23 @@ def _align(n: int) -> int:
     return (n + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
 
 
-def staged_region_bytes(num_rows: int, row_bytes: tuple[int, int], num_topk: int) -> int:
+def staged_region_bytes(num_rows: int, row_bytes: tuple[int, int], num_topk: int, num_chunks: int) -> int:
     """Mirror of StagedRegionBytes in intranode.cu: control bytes, then
-    num_rows rows of each row array, top-k ids, weights and source indices."""
+    num_rows rows of each row array, top-k ids, weights and source indices,
+    then MAX_RANKS * num_chunks chunk records (dispatch: num_chunks =
+    ceil(tokens / chunk_tokens); 0 for combine) and a ready flag per
+    STAGED_COPY_ROWS rows."""
     offset = CONTROL_BYTES
+    num_flags = -(-num_rows // STAGED_COPY_ROWS)
     for size in (num_rows * row_bytes[0], num_rows * row_bytes[1], num_rows * num_topk * 4, num_rows * num_topk * 4,
-                 num_rows * 4):
+                 num_rows * 4, MAX_RANKS * num_chunks * STAGED_RECORD_BYTES, num_flags * 4):
         offset = _align(offset + size)
     return offset
+
+
+def _num_chunks(num_tokens: int, config) -> int:
+    """Chunk records per source of a staged dispatch: ceil(tokens / chunk_tokens)."""
+    return -(-num_tokens // config.chunk_tokens)
 
 
 def normal_region_bytes(num_ranks, hidden, num_tokens, config, *, force_staged=False) -> int:
@@ -71,15 +82,16 @@ def normal_region_bytes(num_ranks, hidden, num_tokens, config, *, force_staged=F
     buffers, so only the control bytes are needed, unless staged mode is on
     (DEEP_EP_JAX_STAGED=1, or force_staged for a multi-process buffer): then
     room for num_tokens * num_ranks received rows of bf16 or FP8 hidden
-    (None: the standard case, 7168 and 4096)."""
-    del config  # the launch configuration does not change the size
+    (None: the standard case, 7168 and 4096), and chunk records for any
+    chunk_tokens (one record per token and source)."""
+    del config  # sized for chunk_tokens = 1, so any launch configuration fits
     if not (force_staged or staged()):
         return CONTROL_BYTES
     hidden = DEFAULT_HIDDEN if hidden is None else int(hidden)
     num_tokens = DEFAULT_TOKENS if num_tokens is None else int(num_tokens)
     num_rows = num_tokens * num_ranks
-    bf16 = staged_region_bytes(num_rows, (2 * hidden, 0), DEFAULT_TOPK)
-    fp8 = staged_region_bytes(num_rows, (hidden, hidden // FP8_BLOCK * 4), DEFAULT_TOPK)
+    bf16 = staged_region_bytes(num_rows, (2 * hidden, 0), DEFAULT_TOPK, num_tokens)
+    fp8 = staged_region_bytes(num_rows, (hidden, hidden // FP8_BLOCK * 4), DEFAULT_TOPK, num_tokens)
     return max(bf16, fp8)
 
 
@@ -110,10 +122,11 @@ def _row_bytes(fn, xs):
     return 2 * hidden, 0
 
 
-def _check_region(fn, buffer, num_rows, row_bytes, num_topk):
+def _check_region(fn, buffer, num_rows, row_bytes, num_topk, num_chunks):
+    """num_chunks: _num_chunks of the tokens for dispatch, 0 for combine (as the FFI check)."""
     if not staged(buffer):
         return
-    need = staged_region_bytes(num_rows, row_bytes, num_topk)
+    need = staged_region_bytes(num_rows, row_bytes, num_topk, num_chunks)
     if buffer.num_nvl_bytes < need:
         mode = "a multi-process buffer (staged)" if getattr(buffer, "ipc", False) else "staged mode (DEEP_EP_JAX_STAGED=1)"
         raise ValueError(
@@ -199,7 +212,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
             f"{fn}: num_experts must be a multiple of the {num_ranks} ranks with at most {MAX_LOCAL_EXPERTS} per "
             f"rank for the CUDA kernels, got {num_experts}"
         )
-    _check_region(fn, buffer, num_rows, row_bytes, num_topk)
+    _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
 
     scales = _scales_or_empty(xs, num_tokens)
     weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
@@ -225,7 +238,7 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     x, hidden = xs[0], xs[0].shape[1]
     row_bytes = _row_bytes(fn, xs)
     _check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
-    _check_region(fn, buffer, num_rows, row_bytes, num_topk)
+    _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
 
     scales = _scales_or_empty(xs, num_tokens)
     weights = jnp.zeros((num_tokens, 0), jnp.float32) if topk_weights is None else topk_weights
@@ -253,7 +266,7 @@ def combine(x, topk_weights, handle, *, buffer):
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
     row_bytes = _row_bytes(fn, (x,))
     _check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
-    _check_region(fn, buffer, num_rows, row_bytes, num_topk)
+    _check_region(fn, buffer, num_rows, row_bytes, num_topk, 0)
 
     weights = jnp.zeros((num_rows, 0), jnp.float32) if topk_weights is None else topk_weights
     out_types = (
@@ -262,5 +275,6 @@ def combine(x, topk_weights, handle, *, buffer):
     )
     _native.register_ffi_targets()
     out, out_w = jax.ffi.ffi_call("deep_ep_jax_combine", out_types)(
-        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, **_launch_attrs(buffer))
+        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
+        jnp.asarray(handle.rank_prefix_matrix, jnp.int32), **_launch_attrs(buffer))
     return out, (None if topk_weights is None else out_w)

@@ -237,6 +237,83 @@ def test_staged_fallback(mesh, monkeypatch):
         cuda.destroy()
 
 
+@gpu
+@pytest.mark.parametrize("num_sms,chunk_tokens", [(24, 2), (1, 1), (7, 64), (132, 3)])
+def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
+    """Staged mode's copy blocks beside the transfer (dispatch: per-chunk
+    records; combine: per-row-chunk ready flags) under skewed routing: a rank
+    that receives nothing, every token to one expert (one rank gets all, the
+    others nothing), -1 and out-of-range entries, drops (num_worst_tokens),
+    FP8, and launch configurations that change the block split (132 SMs
+    leaves the copy role room only by taking move blocks). Shapes change from
+    call to call on the same buffer, so the flags move around the region."""
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    num_ranks = mesh.shape[AXIS]
+    config = deep_ep_jax.Config(num_sms=num_sms, chunk_tokens=chunk_tokens)
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=2048, config=config)
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    try:
+        kinds = [k for k in testing.ROUTING_KINDS if k != "rank_empty" or num_ranks >= 2]
+        for seed, kind in enumerate(kinds):
+            got = run_case((cuda, xla), mesh, seed=10 + seed, num_tokens=333, hidden=2048, topk=8,
+                           num_experts=16 * num_ranks, kind=kind)
+            if kind == "rank_empty":
+                assert np.asarray(got[3].num_recv_tokens)[-1] == 0
+            if kind == "one_expert":
+                assert (np.asarray(got[3].num_recv_tokens)[1:] == 0).all()
+            got = run_case((cuda, xla), mesh, seed=20 + seed, num_tokens=333, hidden=1024, topk=3,
+                           num_experts=4 * num_ranks, kind=kind, num_worst_tokens=97)
+            if kind in ("random", "one_expert"):
+                assert np.asarray(got[3].num_dropped_tokens).sum() > 0
+        run_case((cuda, xla), mesh, seed=30, num_tokens=200, hidden=2048, topk=8, num_experts=16 * num_ranks,
+                 kind="one_expert", fp8=True, num_worst_tokens=150)
+        run_case((cuda, xla), mesh, seed=31, num_tokens=65, hidden=384, topk=3, num_experts=4 * num_ranks,
+                 kind="minus_one", fp8=True)
+        run_case((cuda, xla), mesh, seed=32, num_tokens=1, hidden=2048, topk=1, num_experts=num_ranks, kind="random")
+    finally:
+        cuda.destroy()
+
+
+@gpu
+def test_staged_exact_region(mesh, monkeypatch):
+    """A normal region of exactly the bytes the trace-time check asks for
+    (rows, chunk records, ready flags): the kernels stay inside it."""
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, topk, rows = 300, 2048, 8, 500
+    config = deep_ep_jax.Config(chunk_tokens=1)
+    need = cuda_normal.staged_region_bytes(rows, (2 * hidden, 0), topk, num_tokens)
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=need, config=config)
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    try:
+        for seed, kind in enumerate(("random", "one_expert")):
+            run_case((cuda, xla), mesh, seed=seed, num_tokens=num_tokens, hidden=hidden, topk=topk,
+                     num_experts=16 * num_ranks, kind=kind, num_worst_tokens=rows)
+    finally:
+        cuda.destroy()
+
+
+@gpu
+def test_staged_many_calls(mesh, monkeypatch):
+    """Staged flags are compared against each call's sequence number and
+    cleared per call: hundreds of calls in one program stay exact."""
+    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    num_ranks = mesh.shape[AXIS]
+    num_experts = 8 * num_ranks
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=512)
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    try:
+        x = testing.random_rows(0, (num_ranks * 96, 512))
+        idx, w = routing(1, num_ranks, 96, num_experts, 3, "minus_one")
+        got = _loop_runner(cuda, mesh, num_experts, 300)(x, idx, w)
+        want = _loop_runner(xla, mesh, num_experts, 300)(x, idx, w)
+        for name, g, wv in zip(("sum of combined rows", "sum of combined weights", "sum of num_recv_tokens"), got,
+                               want):
+            assert_bits_equal(g, wv, name)
+    finally:
+        cuda.destroy()
+
+
 # Gradients ------------------------------------------------------------------------
 
 
@@ -419,7 +496,43 @@ def test_trace_checks_cpu(monkeypatch):
     monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         _trace_dispatch(_FakeBuffer(), x)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=cuda_normal.staged_region_bytes(32, (512, 0), 4)), x)
+    # 32 rows of 512 bytes, top-k 4, records for 16 tokens in chunks of Config.chunk_tokens.
+    chunks = -(-16 // deep_ep_jax.Config().chunk_tokens)
+    need = cuda_normal.staged_region_bytes(32, (512, 0), 4, chunks)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need), x)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1), x)
+    # chunk_tokens 1: a record per token.
+    one = deep_ep_jax.Config(chunk_tokens=1)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need, config=one), x)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=cuda_normal.staged_region_bytes(32, (512, 0), 4, 16), config=one), x)
+    # Combine needs no chunk records.
+    combine_need = cuda_normal.staged_region_bytes(32, (512, 0), 4, 0)
+    assert combine_need < need
+    _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need), 16, 32, 256, 4)
+    with pytest.raises(ValueError, match="num_nvl_bytes"):
+        _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need - 1), 16, 32, 256, 4)
+
+
+def _trace_combine(buffer, num_tokens, num_rows, hidden, topk):
+    num_ranks = buffer.num_ranks
+    i32 = jnp.int32
+    handle = deep_ep_jax.DispatchHandle(
+        is_token_in_rank=jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),
+        num_tokens_per_rank=jax.ShapeDtypeStruct((num_ranks,), i32),
+        rank_prefix_matrix=jax.ShapeDtypeStruct((num_ranks, num_ranks), i32),
+        send_pos=jax.ShapeDtypeStruct((num_tokens, num_ranks), i32),
+        recv_src_idx=jax.ShapeDtypeStruct((num_rows,), i32),
+        recv_src_rank=jax.ShapeDtypeStruct((num_rows,), i32),
+        num_recv_tokens=jax.ShapeDtypeStruct((), i32),
+        num_recv_tokens_per_expert=jax.ShapeDtypeStruct((4,), i32),
+        num_dropped_tokens=jax.ShapeDtypeStruct((), i32),
+    )
+    x = jax.ShapeDtypeStruct((num_rows, hidden), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((num_rows, topk), jnp.float32)
+    out, out_w = jax.eval_shape(lambda x, w, h: cuda_normal.combine(x, w, h, buffer=buffer), x, w, handle)
+    assert out.shape == (num_tokens, hidden) and out_w.shape == (num_tokens, topk)
 
 
 def test_region_hint_cpu(monkeypatch):
@@ -430,3 +543,8 @@ def test_region_hint_cpu(monkeypatch):
     staged = cuda_normal.normal_region_bytes(2, None, None, config)
     assert staged >= cuda_normal.CONTROL_BYTES + 2 * 4096 * 7168 * 2
     assert cuda_normal.normal_region_bytes(2, 2048, 100, config) < staged
+    # Room for a dispatch of 100 tokens per rank with any chunk_tokens (records for chunks of 1), top-k up to 16.
+    assert cuda_normal.normal_region_bytes(2, 2048, 100, config) >= cuda_normal.staged_region_bytes(
+        200, (4096, 0), 16, 100)
+    assert cuda_normal.staged_region_bytes(200, (4096, 0), 16, 100) > cuda_normal.staged_region_bytes(
+        200, (4096, 0), 16, 0)

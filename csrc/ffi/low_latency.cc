@@ -136,7 +136,7 @@ ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuf
     return err;
   }
   args->layout =
-      low_latency::MakeDispatchLayout(num_ranks, max_tokens, num_topk, hidden, use_fp8);
+      low_latency::MakeDispatchLayout(num_ranks, num_experts / num_ranks, max_tokens, num_topk, hidden, use_fp8);
   if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
   if (auto err = CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args->layout.row_bytes),
                             args->peers);
@@ -181,7 +181,7 @@ ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::
       err.failure()) {
     return err;
   }
-  args->layout = low_latency::MakeDispatchLayout(num_ranks, max_tokens, num_topk, hidden, fp8);
+  args->layout = low_latency::MakeDispatchLayout(num_ranks, num_local, max_tokens, num_topk, hidden, fp8);
   if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
   args->token = nullptr;
   args->recv_x = recv_x->untyped_data();

@@ -48,22 +48,16 @@ struct Control {
   int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here
   int pad1[32 - 2 * kMaxRanks];
   int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
-  int pad2[32 - 2 * kMaxRanks];
-  int routed[2][kMaxRanks];  // [half][source]: source's dispatch routing of that op is here
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 
 constexpr size_t kReadyOffset = offsetof(Control, ready);
 constexpr size_t kFreedOffset = offsetof(Control, freed);
-constexpr size_t kRoutedOffset = offsetof(Control, routed);
 __host__ __device__ inline size_t ReadyFlag(int half, int source) {
   return kReadyOffset + sizeof(int) * (half * kMaxRanks + source);
 }
 __host__ __device__ inline size_t FreedFlag(int half, int destination) {
   return kFreedOffset + sizeof(int) * (half * kMaxRanks + destination);
-}
-__host__ __device__ inline size_t RoutedFlag(int half, int source) {
-  return kRoutedOffset + sizeof(int) * (half * kMaxRanks + source);
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
@@ -293,12 +287,13 @@ __device__ void quantize_row(const uint4* row, int hidden, bool round_scale, cha
   }
 }
 
-// Dynamic shared memory: the send half stages one quantised row (FP8); the
-// receive half keeps per-expert counts and one round of output rows.
-size_t DispatchSendSharedBytes(int hidden, bool fp8) { return fp8 ? DispatchRowBytes(hidden, true) : 0; }
+size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
+  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), 16) +
+         (fp8 ? DispatchRowBytes(hidden, true) : 0);
+}
 
-size_t DispatchRecvSharedBytes(int num_local_experts) {
-  return sizeof(int) * (2 * size_t(num_local_experts) + 2 * kThreads + 1);
+size_t DispatchRecvSharedBytes(int num_rows_lists) {
+  return sizeof(int) * (2 * size_t(num_rows_lists) + 2 + kScanScratch);
 }
 
 // Each operation below is a send phase and a receive phase, as device
@@ -319,61 +314,79 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int num_local = num_experts / num_ranks;
-  char* staging = reinterpret_cast<char*>(smem);  // this token's quantised row (FP8)
+  int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
+  int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
+  int* scratch = before + num_experts;
+  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), 16);
 
   Control* control = tr.control();
   const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
   const int half = op & 1;
   const size_t half_offset = HalfOffset(a.peers, half);
   const DispatchLayout& layout = a.layout;
+  const int first_token = blockIdx.x;
   auto token_row = [&](int t) {
     return reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) + size_t(t) * hidden);
   };
-  if (blockIdx.x < a.num_tokens) prefetch_row(token_row(blockIdx.x), hidden / 8);
 
-  // Every destination must have read this half of operation op - 2.
-  if (threadIdx.x < num_ranks) {
-    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
-            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
-  }
-  __syncthreads();
+  // Blocks without a token (a whole kernel runs one block per SM) skip to the
+  // end; block 0 always sends the counts.
+  if (first_token < a.num_tokens || blockIdx.x == 0) {
+    if (first_token < a.num_tokens) prefetch_row(token_row(first_token), hidden / 8);
+    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
+    __syncthreads();
+    // All rows per expert, and those of the tokens before this block's first.
+    block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
+                    min(first_token, a.num_tokens) * num_topk, before);
+    __syncthreads();
+    block_exclusive_scan(expert_start, num_experts + 1, scratch);
 
-  // Block 0 first tells every destination which of its local experts each
-  // slot is for (-1: none there, or no token), so receivers can work out
-  // where each row goes while the rows travel.
-  if (blockIdx.x == 0) {
-    const size_t routing = half_offset + layout.routing_offset + sizeof(int) * size_t(rank) * layout.capacity;
-    for (int slot = threadIdx.x; slot < layout.capacity; slot += blockDim.x) {
-      int e = slot < a.num_tokens * num_topk ? a.topk_idx[slot] : -1;
-      if (e >= num_experts) e = -1;
-      for (int dst = 0; dst < num_ranks; ++dst) {
-        tr.put_int(dst, routing + sizeof(int) * slot, e >= 0 && e / num_local == dst ? e % num_local : -1);
+    // Every destination must have read this half of operation op - 2.
+    if (threadIdx.x < num_ranks) {
+      tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
+              "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+    }
+    __syncthreads();
+
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const int dst = e / num_local;
+        const size_t offset =
+            half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
+        tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
       }
     }
-    tr.fence();
-    __syncthreads();
-    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, RoutedFlag(half, rank), int(op + 1u));
   }
 
-  // Each row to its fixed slot: no counting, so rows go out at once.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int warps_per_row = max(1, kWarps / num_topk);  // spare warps help with each row
   const int num_groups = kWarps / warps_per_row;
   const int group = warp / warps_per_row;
   const int group_thread = (warp % warps_per_row) * 32 + lane;
-  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+  for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
+    if (t != first_token) {  // `before` moves on by the tokens since the previous one
+      block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
+    }
     const uint4* row = token_row(t);
     if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
+
+    const int* experts = a.topk_idx + size_t(t) * num_topk;
     for (int k = group; k < num_topk; k += num_groups) {
-      const int e = a.topk_idx[size_t(t) * num_topk + k];
+      const int e = experts[k];
       if (e < 0 || e >= num_experts) continue;
-      const size_t slot = size_t(t) * num_topk + k;
+      int slot = before[e];
+      for (int j = 0; j < k; ++j) slot += experts[j] == e;
+      const int dst = e / num_local;
+      const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
+      const size_t row_index = size_t(rank) * layout.capacity + pos;
       const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
-      tr.put(e / num_local, half_offset + layout.rows_offset + (size_t(rank) * layout.capacity + slot) * layout.row_bytes,
-             src, layout.row_bytes, group_thread, warps_per_row * 32, slot * layout.row_bytes);
+      tr.put(dst, half_offset + layout.rows_offset + row_index * layout.row_bytes, src, layout.row_bytes,
+             group_thread, warps_per_row * 32, (size_t(t) * num_topk + k) * layout.row_bytes);
+      if (group_thread == 0) tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * row_index, t * num_topk + k);
     }
-    __syncthreads();  // staging is reused by the next token
+    __syncthreads();  // staging and `before` are reused by the next token
   }
 
   if (last_block(tr, &control->blocks_done[kDispatchSend][0])) {
@@ -386,106 +399,76 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   return op;
 }
 
-// The receive half packs every source's slots into recv_x [L, R*M, H]: a
-// stable counting sort of the R * capacity slots (source, token, k) by local
-// expert. Each block takes a range of slots; it counts the slots of every
-// expert before its range (one pass over the routing, which arrives first and
-// is counted while the rows still travel), then, once the rows are here,
-// ranks its own slots in order and copies their rows.
 template <typename Transport, bool kFp8>
 __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigned op, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
+  const int num_lists = num_local * num_ranks;  // (expert, source) row lists
   const int rows_per_expert = num_ranks * a.max_tokens;
-  const DispatchLayout& layout = a.layout;
-  const int capacity = int(layout.capacity);
-  const int num_slots = num_ranks * capacity;
-  int* total = smem;                     // [L]: slots of each local expert
-  int* before = total + num_local;       // [L]: of each local expert, slots before the next one of this block
-  int* round_slot = before + num_local;  // [kThreads]: this round's slots that have a row, in order
-  int* round_row = round_slot + kThreads;  // [kThreads]: and their output rows
-  int* round_count = round_row + kThreads;
+  int* row_start = smem;                  // [L*R + 1], (expert, source) order: first output row of each list
+  int* seg_start = row_start + num_lists + 1;  // [R*L + 1], (source, expert) order: first row in the source's segment
+  int* scratch = seg_start + num_lists + 1;
 
   const int half = op & 1;
   const char* half_base = tr.local() + HalfOffset(a.peers, half);
-  const int* routing = reinterpret_cast<const int*>(half_base + layout.routing_offset);
-
-  if (threadIdx.x < num_ranks) {
-    tr.wait(RoutedFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the routing flag",
-            threadIdx.x, int(op));
-  }
-  for (int e = threadIdx.x; e < num_local; e += blockDim.x) total[e] = before[e] = 0;
-  __syncthreads();
-  const int per_block = (num_slots + gridDim.x - 1) / gridDim.x;
-  const int lo = min(num_slots, int(blockIdx.x) * per_block), hi = min(num_slots, lo + per_block);
-  block_histogram(routing, num_slots, num_local, total, lo, before);
-  __syncthreads();
-  auto expert_count = [&](int e) { return min(total[e], rows_per_expert); };
-  if (blockIdx.x == 0) {
-    for (int e = threadIdx.x; e < num_local; e += blockDim.x) a.recv_count[e] = expert_count(e);
-  }
-  // The handle says -1 on padding rows.
-  const int64_t num_rows = int64_t(num_local) * rows_per_expert;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_rows; i += int64_t(gridDim.x) * blockDim.x) {
-    if (int(i % rows_per_expert) >= expert_count(int(i / rows_per_expert))) {
-      a.recv_src_rank[i] = a.recv_src_token[i] = a.recv_src_topk[i] = -1;
-    }
-  }
+  const DispatchLayout& layout = a.layout;
 
   if (threadIdx.x < num_ranks) {
     tr.wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
   }
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int base = lo; base < hi; base += kThreads) {
-    const int n = min(kThreads, hi - base);
-    if (warp == 0) {  // ranks the round's slots in order, 32 at a time
-      int count = 0;
-      for (int b = 0; b < n; b += 32) {
-        int e = b + lane < n ? routing[base + b + lane] : -1;
-        if (e >= num_local) e = -1;
-        const unsigned same = __match_any_sync(0xffffffffu, e);
-        const int row = e >= 0 ? before[e] + __popc(same & ((1u << lane) - 1u)) : 0;
-        const bool kept = e >= 0 && row < rows_per_expert;  // beyond: duplicate experts overflowed, dropped
-        const unsigned kept_mask = __ballot_sync(0xffffffffu, kept);
-        if (kept) {
-          const int j = count + __popc(kept_mask & ((1u << lane) - 1u));
-          round_slot[j] = base + b + lane;
-          round_row[j] = e * rows_per_expert + row;
-        }
-        count += __popc(kept_mask);
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(same) - 1) before[e] += __popc(same);
-        __syncwarp();
-      }
-      if (lane == 0) *round_count = count;
-    }
-    __syncthreads();
-    const int count = *round_count;
-    const int warps_per_row = kWarps / max(1, count) >= 4 ? 4 : kWarps / max(1, count) >= 2 ? 2 : 1;
-    const int index = (warp % warps_per_row) * 32 + lane, threads = warps_per_row * 32;
-    for (int j = warp / warps_per_row; j < count; j += kWarps / warps_per_row) {
-      const int slot = round_slot[j];
-      const size_t dst_row = size_t(round_row[j]);
-      const char* from = half_base + layout.rows_offset + size_t(slot) * layout.row_bytes;
-      if (kFp8) {
-        copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, threads);
-        const float* scales = reinterpret_cast<const float*>(from + hidden);
-        const int num_scales = hidden / kFp8Block;
-        for (int i = index; i < num_scales; i += threads) a.recv_scales[dst_row * num_scales + i] = scales[i];
-      } else {
-        copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, threads);
-      }
-      if (index == 0) {
-        a.recv_src_rank[dst_row] = slot / capacity;
-        a.recv_src_token[dst_row] = (slot % capacity) / num_topk;
-        a.recv_src_topk[dst_row] = slot % num_topk;
-      }
-    }
-    __syncthreads();  // the round's lists are reused
+  const int* counts = reinterpret_cast<const int*>(half_base + layout.counts_offset);  // [source][expert]
+  for (int i = threadIdx.x; i < num_lists; i += blockDim.x) {
+    const int c = counts[i];
+    row_start[(i % num_local) * num_ranks + i / num_local] = c;
+    seg_start[i] = c;
   }
+  if (threadIdx.x == 0) row_start[num_lists] = seg_start[num_lists] = 0;
+  __syncthreads();
+  block_exclusive_scan(row_start, num_lists + 1, scratch);
+  block_exclusive_scan(seg_start, num_lists + 1, scratch);
+  auto expert_count = [&](int e) {
+    return min(row_start[(e + 1) * num_ranks] - row_start[e * num_ranks], rows_per_expert);
+  };
+
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < num_local; e += blockDim.x) a.recv_count[e] = expert_count(e);
+  }
+  // The handle says -1 on padding rows.
+  const int64_t num_slots = int64_t(num_local) * rows_per_expert;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_slots; i += int64_t(gridDim.x) * blockDim.x) {
+    if (int(i % rows_per_expert) >= expert_count(int(i / rows_per_expert))) {
+      a.recv_src_rank[i] = a.recv_src_token[i] = a.recv_src_topk[i] = -1;
+    }
+  }
+
+  const int* infos = reinterpret_cast<const int*>(half_base + layout.infos_offset);
+  for_each_row(row_start[num_lists], [&](int f, int index, int count) {
+    const int list = find_segment(row_start, num_lists, f);
+    const int e = list / num_ranks, src = list % num_ranks;
+    const int j = f - row_start[list];
+    const int out = row_start[list] - row_start[e * num_ranks] + j;
+    if (out >= rows_per_expert) return;  // more rows than the output holds (duplicate experts): dropped
+    const size_t slot = size_t(src) * layout.capacity + (seg_start[src * num_local + e] - seg_start[src * num_local] + j);
+    const char* from = half_base + layout.rows_offset + slot * layout.row_bytes;
+    const size_t dst_row = size_t(e) * rows_per_expert + out;
+    if (kFp8) {
+      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, count);
+      const float* scales = reinterpret_cast<const float*>(from + hidden);
+      const int num_scales = hidden / kFp8Block;
+      for (int i = index; i < num_scales; i += count) a.recv_scales[dst_row * num_scales + i] = scales[i];
+    } else {
+      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, count);
+    }
+    if (index == 0) {
+      const int info = infos[slot];
+      a.recv_src_rank[dst_row] = src;
+      a.recv_src_token[dst_row] = info / num_topk;
+      a.recv_src_topk[dst_row] = info % num_topk;
+    }
+  });
 
   if (last_block(tr, &tr.control()->blocks_done[kDispatchRecv][0])) {
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
@@ -673,14 +656,14 @@ template <typename Transport>
 struct LaunchersWith {
   static cudaError_t DispatchSend(const DispatchSendArgs& args, int device, cudaStream_t stream) {
     const int grid = std::max(1, std::min(args.num_tokens, NumSms(device)));
-    const size_t shared = DispatchSendSharedBytes(args.hidden, args.fp8);
+    const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
     auto kernel = args.fp8 ? DispatchSendKernel<Transport, true> : DispatchSendKernel<Transport, false>;
     kernel<<<grid, kThreads, shared, stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t DispatchRecv(const DispatchRecvArgs& args, int device, cudaStream_t stream) {
-    const size_t shared = DispatchRecvSharedBytes(args.num_local_experts);
+    const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
     auto kernel = args.fp8 ? DispatchRecvKernel<Transport, true> : DispatchRecvKernel<Transport, false>;
     kernel<<<NumSms(device), kThreads, shared, stream>>>(args);
     return cudaGetLastError();
@@ -688,8 +671,8 @@ struct LaunchersWith {
 
   static cudaError_t Dispatch(const DispatchSendArgs& send, const DispatchRecvArgs& recv, int device,
                               cudaStream_t stream) {
-    const size_t shared =
-        std::max(DispatchSendSharedBytes(send.hidden, send.fp8), DispatchRecvSharedBytes(recv.num_local_experts));
+    const size_t shared = std::max(DispatchSendSharedBytes(send.num_experts, send.hidden, send.fp8),
+                                   DispatchRecvSharedBytes(recv.num_local_experts * recv.peers.num_ranks));
     auto kernel = send.fp8 ? DispatchKernel<Transport, true> : DispatchKernel<Transport, false>;
     return LaunchCooperative(kernel, NumSms(device), shared, stream, send, recv);
   }
@@ -725,7 +708,7 @@ struct LaunchersWith {
 // NVSHMEM launchers from the templates above instead.
 #ifndef DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
-  return std::max(DispatchSendSharedBytes(hidden, fp8), DispatchRecvSharedBytes(num_experts));
+  return std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
 }
 
 const Launchers& NvlinkLaunchers() { return LaunchersWith<NvlinkTransport>::Table(); }

@@ -8,11 +8,9 @@
 // read, so a third operation in flight waits (or times out) instead of
 // corrupting data. Every rank must run the same sequence of operations.
 //
-// Dispatch, in the receiver's half: [routing: R sources x cap] [rows: R x
-// cap], cap = M * K; slot t * K + k of a source holds its row for (token t,
-// slot k) when that expert is here, and the routing entry says which local
-// expert (-1: none here), so a sender needs no counting before its rows go
-// out and the receiver packs them while they travel. Combine, in the source's half:
+// Dispatch, in the receiver's half: [counts: R sources x L experts]
+// [row infos: R x cap] [rows: R x cap], cap = M * K; a source's rows are
+// packed by local expert, then by (token, k). Combine, in the source's half:
 // row t * K + k holds the expert output for (token t, slot k), bf16 [H].
 // Sizes are mirrored by deep_ep_jax/backends/cuda_low_latency.py.
 #pragma once
@@ -40,19 +38,21 @@ inline size_t DispatchRowBytes(int64_t hidden, bool fp8) {
 
 // Byte offsets inside one half (all 16-byte aligned), for one call's shapes.
 struct DispatchLayout {
-  int64_t capacity;       // slots of one source: M * K
-  size_t routing_offset;  // int [R source][capacity]: local expert of each slot, -1 for none here
-  size_t rows_offset;     // [R source][capacity][row_bytes]
+  int64_t capacity;      // rows one source can send to one rank: M * K
+  size_t counts_offset;  // int [R source][L]: rows per local expert from each source
+  size_t infos_offset;   // int [R source][capacity]: t * K + k of each row
+  size_t rows_offset;    // [R source][capacity][row_bytes]
   size_t row_bytes;
-  size_t bytes;           // end of the rows
+  size_t bytes;          // end of the rows
 };
 
-inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t max_tokens, int64_t num_topk, int64_t hidden,
-                                         bool fp8) {
+inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
+                                         int64_t num_topk, int64_t hidden, bool fp8) {
   DispatchLayout l;
   l.capacity = max_tokens * num_topk;
-  l.routing_offset = 0;
-  l.rows_offset = AlignUp(size_t(num_ranks * l.capacity) * 4, 16);
+  l.counts_offset = 0;
+  l.infos_offset = AlignUp(size_t(num_ranks * num_local_experts) * 4, 16);
+  l.rows_offset = l.infos_offset + AlignUp(size_t(num_ranks * l.capacity) * 4, 16);
   l.row_bytes = DispatchRowBytes(hidden, fp8);
   l.bytes = l.rows_offset + size_t(num_ranks * l.capacity) * l.row_bytes;
   return l;

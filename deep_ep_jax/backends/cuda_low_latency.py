@@ -35,7 +35,6 @@ MAX_TOPK = 64
 MAX_EXPERTS = 2048
 MAX_RANKS = 8
 MAX_SHARED_BYTES = 48 * 1024
-THREADS = 512  # threads per block of the kernels
 # Top-k the size hint provisions when not told (each source may send M * K rows to one rank).
 DEFAULT_HINT_TOPK = 16
 
@@ -50,10 +49,11 @@ def _row_bytes(hidden, fp8):
     return _align(hidden + (hidden // FP8_BLOCK) * 4, 16) if fp8 else 2 * hidden
 
 
-def _dispatch_half_bytes(num_ranks, max_tokens, num_topk, hidden, fp8):
+def _dispatch_half_bytes(num_ranks, num_local_experts, max_tokens, num_topk, hidden, fp8):
     """Bytes of one half a dispatch with these shapes uses (MakeDispatchLayout)."""
     capacity = max_tokens * num_topk
-    rows = _align(num_ranks * capacity * 4, 16)
+    infos = _align(num_ranks * num_local_experts * 4, 16)
+    rows = infos + _align(num_ranks * capacity * 4, 16)
     return rows + num_ranks * capacity * _row_bytes(hidden, fp8)
 
 
@@ -68,9 +68,8 @@ def _half_bytes(region_bytes):
 
 
 def _shared_bytes(num_experts, hidden, fp8):
-    """Dynamic shared memory of the dispatch kernels (SharedBytesNeeded)."""
-    send = _row_bytes(hidden, True) if fp8 else 0
-    recv = 4 * (2 * num_experts + 2 * THREADS + 1)
+    send = _align(4 * (2 * num_experts + 1 + 33), 16) + (_row_bytes(hidden, True) if fp8 else 0)
+    recv = 4 * (2 * num_experts + 2 + 33)
     return max(send, recv)
 
 
@@ -80,7 +79,7 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
     The region holds a control block and two halves (consecutive operations
     alternate); a half holds, per source rank, up to M * K rows. `num_topk`
     defaults to DEFAULT_HINT_TOPK; pass the real top-k to save memory.
-    `num_experts` does not change the size (it may be None); `hidden` is required.
+    `num_experts` may be None (sized for MAX_EXPERTS); `hidden` is required.
     """
     if hidden is None:
         raise ValueError(
@@ -89,9 +88,9 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
         )
     if num_max_dispatch_tokens_per_rank is None:
         raise ValueError("low_latency_region_bytes: num_max_dispatch_tokens_per_rank is required")
-    del num_experts  # a half's size does not depend on it (kept for the hint's signature)
     num_topk = DEFAULT_HINT_TOPK if num_topk is None else int(num_topk)
-    half = _dispatch_half_bytes(num_ranks, int(num_max_dispatch_tokens_per_rank), num_topk, int(hidden), False)
+    num_local = MAX_EXPERTS // num_ranks + 1 if num_experts is None else -(-int(num_experts) // num_ranks)
+    half = _dispatch_half_bytes(num_ranks, num_local, int(num_max_dispatch_tokens_per_rank), num_topk, int(hidden), False)
     return CONTROL_BYTES + 2 * _align(half, 256)
 
 
@@ -203,7 +202,8 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
             f"{fn}: num_experts={num_experts} with hidden={hidden} needs more shared memory than the kernels use "
             f"({_shared_bytes(num_experts, hidden, use_fp8)} > {MAX_SHARED_BYTES} bytes)"
         )
-    needed = _dispatch_half_bytes(buffer.num_ranks, max_tokens, num_topk, hidden, use_fp8)
+    num_local = num_experts // buffer.num_ranks
+    needed = _dispatch_half_bytes(buffer.num_ranks, num_local, max_tokens, num_topk, hidden, use_fp8)
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     _check_send_area(buffer, max_tokens * num_topk * _row_bytes(hidden, use_fp8), fn,
                      f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")

@@ -211,12 +211,15 @@ def config_fields(num_sms, chunk_tokens=None, num_warps=None):
     return fields
 
 
-def run_table(mesh, case, backends, num_sms_list, *, length, repeats, ops=OPS):
+def run_table(mesh, case, backends, num_sms_list, *, length, repeats, ops=OPS, chunk_tokens_list=(None,)):
     inputs = make_inputs(case, mesh.shape[AXIS])
     results = []
     for backend in backends:
-        for num_sms in num_sms_list if backend == "cuda" else [None]:
-            buffer = make_buffer(mesh, backend, **(config_fields(num_sms) if backend == "cuda" else {}))
+        configs = [(n, c) for n in num_sms_list for c in chunk_tokens_list] if backend == "cuda" else [(None, None)]
+        for num_sms, chunk_tokens in configs:
+            if chunk_tokens is not None:
+                print(f"# chunk_tokens={chunk_tokens}")
+            buffer = make_buffer(mesh, backend, **(config_fields(num_sms, chunk_tokens) if backend == "cuda" else {}))
             try:
                 for op in ops:
                     results.append(measure(op, buffer, mesh, case, inputs, length=length, repeats=repeats))
@@ -274,6 +277,8 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=Case.hidden)
     parser.add_argument("--experts", type=int, default=Case.num_experts)
     parser.add_argument("--topk", type=int, default=Case.topk)
+    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[None],
+                        help="Config.chunk_tokens values of the CUDA kernels (default: Config's)")
     parser.add_argument("--chain", type=int, default=20, help="operations per timed program (and twice that)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="tokens per rank 128..8192, both backends")
@@ -296,7 +301,8 @@ def main(argv=None):
         results = run_sweep(mesh, case, backends, args.num_sms[0], length=args.chain, repeats=args.repeats,
                             plot_path=args.plot)
     else:
-        results = run_table(mesh, case, backends, args.num_sms, length=args.chain, repeats=args.repeats)
+        results = run_table(mesh, case, backends, args.num_sms, length=args.chain, repeats=args.repeats,
+                            chunk_tokens_list=args.chunk_tokens)
     print()
     print(format_table(results))
     if args.json:

@@ -250,7 +250,9 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
     monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     num_ranks = mesh.shape[AXIS]
     config = deep_ep_jax.Config(num_sms=num_sms, chunk_tokens=chunk_tokens)
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=2048, config=config)
+    # Sized for the largest call (no hidden=: the calls' hidden sizes differ).
+    region = cuda_normal.staged_region_bytes(num_ranks * 333, (2 * 2048, 0), 8, 333)
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region, config=config)
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
         kinds = [k for k in testing.ROUTING_KINDS if k != "rank_empty" or num_ranks >= 2]

@@ -4,7 +4,9 @@ Defaults are tuned on 2x H200 (NVLink NV18); `benchmarks/tune_normal.py`
 sweeps them. Environment variables override the defaults so a user can change
 them without touching code:
 
-  DEEP_EP_JAX_NUM_SMS        SMs the normal-mode kernels use (default 24)
+  DEEP_EP_JAX_NUM_SMS        SMs the normal-mode kernels use (default 24; staged
+                             mode, e.g. one process per GPU, adds up to as many
+                             again that copy rows beside them)
   DEEP_EP_JAX_TIMEOUT_S      seconds a device-side wait spins before failing
   DEEP_EP_JAX_CHECKS         1: raise on bad data (expert ids out of range,
                              num_worst_tokens overflow) instead of masking

@@ -2,7 +2,9 @@
 
 Each operation comes whole and as a send half and a receive half, so XLA can
 schedule other work (attention, shared experts) between them while the rows
-are in flight (DeepEP's `return_recv_hook`). Not differentiable: decode only.
+are in flight (DeepEP's `return_recv_hook`). On the CUDA backend a whole
+operation is one kernel, a half one kernel each. Not differentiable: decode
+only.
 
 The CUDA kernels double-buffer, as DeepEP does: at most two low-latency
 operations of a buffer may be in flight, i.e. the send of an operation must

@@ -38,7 +38,7 @@ from jax import lax
 import deep_ep_jax
 from deep_ep_jax import testing
 
-from timing import chain_seconds, environment, median_durations, touch
+from timing import chain_seconds, environment, kernel_events, span_per_op, touch
 
 AXIS = "ep"
 WHOLE_KERNELS = ("DispatchKernel", "CombineKernel")  # low_latency_dispatch / _combine: one kernel each
@@ -179,9 +179,12 @@ def call_overhead(mesh, inputs, repeats):
     return float(np.median(samples))
 
 
-def kernel_times(run, args, kernels):
-    """Median device time (s) of each low-latency kernel per GPU, from a profile of one run."""
-    return median_durations(run, args, kernels)
+def profile_chain(run, args, kernels, num_ops):
+    """From one profile of a chain: the median device time (s) of each kernel
+    per GPU, and the device time per operation per GPU (span_per_op)."""
+    events = kernel_events(run, args, kernels)
+    medians = {key: float(np.median([(end - start) * 1e-9 for start, end in v])) for key, v in events.items()}
+    return medians, span_per_op(events, num_ops)
 
 
 def make_buffer(mesh, backend, case):
@@ -236,7 +239,9 @@ def main(argv=None):
     # [H, H] per rank (per_rank splits every argument along its first axis)
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
     ops = ["glue", "dispatch", "combine", "pair", "split pair"] + (["compute", "pair+compute"] if args.overlap else [])
-    profiled = {"pair": WHOLE_KERNELS, "split pair": HALF_KERNELS}
+    profiled = {"dispatch": WHOLE_KERNELS[:1], "combine": WHOLE_KERNELS[1:], "pair": WHOLE_KERNELS,
+                "split pair": HALF_KERNELS}
+    spans = {}  # op -> {gpu: seconds per op}
 
     overhead = call_overhead(mesh, inputs, args.repeats)
     print(f"# one jitted shard_map call that does nothing: {overhead * 1e6:.0f} us of host time (cancelled by the "
@@ -257,7 +262,9 @@ def main(argv=None):
                 print(format_row(results[-1]), flush=True)
                 if op in profiled and backend == "cuda" and not args.no_profile:
                     try:
-                        kernels.update(kernel_times(long, long_args, profiled[op]))
+                        medians, spans[op] = profile_chain(long, long_args, profiled[op], 2 * args.chain)
+                        if op in ("pair", "split pair"):
+                            kernels.update(medians)
                     except Exception as e:  # e.g. no CUPTI: the timings above still stand
                         print(f"# no per-kernel profile: {type(e).__name__}: {e}")
         finally:
@@ -270,10 +277,18 @@ def main(argv=None):
         for gpu in sorted({g for g, _ in kernels}):
             cells = [f"{kernels.get((gpu, k), float('nan')) * 1e6:.1f}" for k in WHOLE_KERNELS + HALF_KERNELS]
             print(f"| {gpu} | " + " | ".join(cells) + " |")
+    if spans:
+        gpus = sorted({g for per_gpu in spans.values() for g in per_gpu})
+        print("\nDevice time per operation, us (a profiled chain: first kernel's start to last kernel's end, "
+              "divided by its operations; gaps included, no host timing noise):")
+        print("| op | " + " | ".join(gpus) + " |\n|---|" + "---|" * len(gpus))
+        for op, per_gpu in spans.items():
+            print(f"| {op} | " + " | ".join(f"{per_gpu.get(g, float('nan')) * 1e6:.1f}" for g in gpus) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, case=dataclasses.asdict(case), call_overhead_us=overhead * 1e6,
-                           results=results, kernel_us={f"{g} {k}": v * 1e6 for (g, k), v in kernels.items()}),
+                           results=results, kernel_us={f"{g} {k}": v * 1e6 for (g, k), v in kernels.items()},
+                           span_us_per_op={op: {g: v * 1e6 for g, v in per_gpu.items()} for op, per_gpu in spans.items()}),
                       f, indent=1)
         print(f"wrote {args.json}")
     return results

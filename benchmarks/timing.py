@@ -2,8 +2,9 @@
 
 `chain_seconds`: wall-clock seconds per operation from two jitted chains of n
 and 2n operations (DESIGN.md section 3: the difference cancels the fixed host
-cost of a call). `kernel_durations`: device times of kernels, read from a JAX
-profile (CUPTI) of one run. `environment`: what a result was measured on."""
+cost of a call). `kernel_events` / `kernel_durations`: kernels' times, read
+from a JAX profile (CUPTI) of one run; `span_per_op`: the device's time per
+operation of a profiled chain. `environment`: what a result was measured on."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import numpy as np
 from jax import lax
 
 
-def kernel_durations(run, args, patterns):
-    """{(gpu plane, pattern): [seconds of each kernel whose name contains pattern]}."""
+def kernel_events(run, args, patterns):
+    """{(gpu plane, pattern): [(start_ns, end_ns) of each kernel whose name contains pattern]},
+    from a JAX profile (CUPTI) of one run."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,8 +38,24 @@ def kernel_durations(run, args, patterns):
             for event in line.events:
                 for pattern in patterns:
                     if pattern in event.name:
-                        found.setdefault((plane.name, pattern), []).append(event.duration_ns * 1e-9)
+                        found.setdefault((plane.name, pattern), []).append((event.start_ns, event.end_ns))
     return found
+
+
+def kernel_durations(run, args, patterns):
+    """{(gpu plane, pattern): [seconds of each kernel whose name contains pattern]}."""
+    return {key: [(end - start) * 1e-9 for start, end in v] for key, v in kernel_events(run, args, patterns).items()}
+
+
+def span_per_op(events, num_ops):
+    """{gpu plane: seconds per operation}: from the first matching kernel's
+    start to the last one's end, over the chain's num_ops operations. The
+    device's steady pace, gaps between kernels included, free of the host
+    timing noise of the n / 2n difference."""
+    by_gpu = {}
+    for (gpu, _), v in events.items():
+        by_gpu.setdefault(gpu, []).extend(v)
+    return {gpu: (max(e for _, e in v) - min(s for s, _ in v)) * 1e-9 / num_ops for gpu, v in by_gpu.items() if v}
 
 
 def median_durations(run, args, patterns):

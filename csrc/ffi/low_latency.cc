@@ -391,34 +391,33 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
 
 // Arguments, results and attributes of each half; a whole operation binds
 // its send half's arguments then its receive half's.
+#define DEEP_EP_JAX_STREAM_AND_DEVICE .Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 #define DEEP_EP_JAX_DISPATCH_SEND_ARGS \
-  .Arg<ffi::AnyBuffer>()           /* x */        \
-      .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */
-#define DEEP_EP_JAX_DISPATCH_RECV_RETS                    \
-  .Ret<ffi::AnyBuffer>()               /* recv_x */        \
-      .Ret<ffi::Buffer<ffi::F32>>()    /* recv_scales ([1] unused when bf16) */ \
-      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_count */    \
-      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_rank */ \
-      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_token */\
-      .Ret<ffi::Buffer<ffi::S32>>()    /* recv_src_topk */
+  .Arg<ffi::AnyBuffer>()        /* x */ \
+  .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */
 #define DEEP_EP_JAX_DISPATCH_SEND_ATTRS \
   .Attr<int64_t>("buffer_id")           \
-      .Attr<int64_t>("num_experts")     \
-      .Attr<int64_t>("max_tokens")      \
-      .Attr<bool>("use_fp8")            \
-      .Attr<bool>("round_scale")        \
-      .Attr<int64_t>("timeout_ns")
-#define DEEP_EP_JAX_COMBINE_SEND_ARGS                    \
-  .Arg<ffi::AnyBuffer>()               /* x */             \
-      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_count */    \
-      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_rank */ \
-      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_token */\
-      .Arg<ffi::Buffer<ffi::S32>>()    /* recv_src_topk */
-#define DEEP_EP_JAX_COMBINE_RECV_ARGS                 \
-  .Arg<ffi::Buffer<ffi::S32>>()     /* topk_idx */     \
-      .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights */
-#define DEEP_EP_JAX_STREAM_AND_DEVICE \
-  .Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
+  .Attr<int64_t>("num_experts")         \
+  .Attr<int64_t>("max_tokens")          \
+  .Attr<bool>("use_fp8")                \
+  .Attr<bool>("round_scale")            \
+  .Attr<int64_t>("timeout_ns")
+#define DEEP_EP_JAX_DISPATCH_RECV_RETS                                   \
+  .Ret<ffi::AnyBuffer>()        /* recv_x */                             \
+  .Ret<ffi::Buffer<ffi::F32>>() /* recv_scales ([1] unused when bf16) */ \
+  .Ret<ffi::Buffer<ffi::S32>>() /* recv_count */                         \
+  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_rank */                      \
+  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_token */                     \
+  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_topk */
+#define DEEP_EP_JAX_COMBINE_SEND_ARGS                 \
+  .Arg<ffi::AnyBuffer>()        /* x */              \
+  .Arg<ffi::Buffer<ffi::S32>>() /* recv_count */     \
+  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_rank */  \
+  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_token */ \
+  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_topk */
+#define DEEP_EP_JAX_COMBINE_RECV_ARGS \
+  .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */ \
+  .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights */
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend,
                               ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS

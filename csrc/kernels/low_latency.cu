@@ -1,4 +1,4 @@
-// Low-latency (decode) dispatch and combine over NVLink, as four kernels:
+// Low-latency (decode) dispatch and combine over NVLink, as four phases:
 //
 //   dispatch send: each block takes tokens; it quantises a token's row once
 //     (FP8 + per-128-channel scales, in shared memory) and puts one copy per
@@ -12,11 +12,14 @@
 //   combine recv: waits for every rank's "ready" flag and sums, per token,
 //     weight_k * row_k over k in order in float32 (no FMA), as the reference.
 //
+// The split API runs each phase as its own kernel; a whole dispatch or combine
+// runs its two phases in one cooperative kernel.
+//
 // The sequence number lives in the control block and is advanced by the send
-// kernels themselves (the recv kernels get it through the token), so CUDA-graph
-// replays and back-to-back calls need no host work and no clean-up launch.
-// Each kernel detects its last block with a counter; only that block signals
-// peers, after every block's puts are visible system-wide.
+// phases themselves (a split recv kernel gets it through the token), so
+// CUDA-graph replays and back-to-back calls need no host work and no clean-up
+// launch. Each phase detects its last block with a counter; only that block
+// signals peers, after every block's puts are visible system-wide.
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 

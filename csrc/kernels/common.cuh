@@ -1,10 +1,15 @@
 // Device helpers shared by every kernel family: system-scope acquire/release
-// flags for meeting peers through NVLink memory, and spin-waits that fail
-// loudly (rank, mode, counter) instead of hanging.
+// flags for meeting peers through NVLink memory, spin-waits that fail loudly
+// (rank, mode, counter) instead of hanging, and the per-token helpers of the
+// normal-mode kernels (intranode.cu, internode.cu).
 #pragma once
+
+#include <cuda_bf16.h>
 
 #include <cstdint>
 #include <cstdio>
+
+#include "runtime/registry.h"
 
 namespace deep_ep_jax {
 
@@ -43,6 +48,78 @@ __device__ __forceinline__ void wait_at_least(const int* flag, int target, uint6
       __trap();
     }
   }
+}
+
+constexpr int kWarpSize = 32;
+
+// Bit r is set when the token has an expert on rank r.
+__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
+  uint32_t mask = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int e = topk[k];
+    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
+  }
+  return mask;
+}
+
+// Exclusive prefix sum over the block's threads, in thread order, of each of
+// the num_ranks counters in `values`; the block totals land in `totals`. A
+// caller that reuses warp_sums right after must __syncthreads() first.
+__device__ __forceinline__ void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks,
+                                                   int* warp_sums /* [32][kMaxRanks] */, int* totals /* [kMaxRanks] */) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int num_warps = blockDim.x / kWarpSize;
+  int inclusive[kMaxRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    int x = r < num_ranks ? values[r] : 0;
+#pragma unroll
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, d);
+      if (lane >= d) x += y;
+    }
+    inclusive[r] = x;
+    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
+      int x = own;
+#pragma unroll
+      for (int d = 1; d < kWarpSize; d <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, d);
+        if (lane >= d) x += y;
+      }
+      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
+      if (lane == kWarpSize - 1) totals[r] = x;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
+  }
+}
+
+// Accumulates 8 bf16 in float; packs 8 floats back to bf16 (round to nearest even).
+__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(pairs[j]);
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
+  int4 v;
+  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
+  return v;
 }
 
 }  // namespace deep_ep_jax

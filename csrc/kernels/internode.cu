@@ -17,7 +17,6 @@ namespace deep_ep_jax {
 namespace internode {
 namespace {
 
-constexpr int kWarpSize = 32;
 constexpr int kNotifyThreads = 1024;
 constexpr int kFinishThreads = 1024;
 constexpr int kCopyThreads = 512;
@@ -181,57 +180,6 @@ __device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t num
   }
 }
 
-// Bit r: the token goes to rank r.
-__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
-  uint32_t mask = 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int e = topk[k];
-    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
-  }
-  return mask;
-}
-
-// Exclusive prefix sum over the block's threads (in thread order) of the n
-// counters in `values`; totals of the block in `totals`.
-__device__ void BlockExclusiveScan(int (&values)[kMaxRanks], int n, int* warp_sums /* [32][kMaxRanks] */,
-                                   int* totals /* [kMaxRanks] */) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  int inclusive[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int x = r < n ? values[r] : 0;
-#pragma unroll
-    for (int d = 1; d < kWarpSize; d <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, d);
-      if (lane >= d) x += y;
-    }
-    inclusive[r] = x;
-    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
-      int x = own;
-#pragma unroll
-      for (int d = 1; d < kWarpSize; d <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-      }
-      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
-      if (lane == kWarpSize - 1) totals[r] = x;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < n) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
-  }
-  __syncthreads();  // warp_sums may be reused right away
-}
-
 // ---------------------------------------------------------------------------
 // Step 1: layout, count exchange (the call's barrier), final rows.
 
@@ -288,6 +236,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
     for (int b = 0; b < g.num_nodes; ++b) node_offset[b] += (nodes >> b) & 1u;
   }
   BlockExclusiveScan(rank_offset, R, warp_sums, totals);
+  __syncthreads();  // the next scan reuses warp_sums
   BlockExclusiveScan(node_offset, g.num_nodes, warp_sums, node_totals);
 
   if (threadIdx.x == 0) {
@@ -627,24 +576,6 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   CompleteWrites();
   __syncthreads();
   if (int(threadIdx.x) < R) g.signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
-}
-
-__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(pairs[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
-  int4 v;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return v;
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {

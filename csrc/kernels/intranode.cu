@@ -24,7 +24,6 @@ namespace {
 
 constexpr int kNotifyThreads = 1024;  // notify: one block, a slice of tokens per thread
 constexpr int kFinishThreads = 1024;  // finish: one block
-constexpr int kWarpSize = 32;
 constexpr size_t kStagingAlign = 256;
 // Staged dispatch: a chunk record's rows are copied by items of at most this
 // many rows (one warp each), so a large chunk_tokens still spreads the copy.
@@ -201,56 +200,6 @@ __device__ void SignalDone(const Group& g, int seq, int block) {
   __threadfence_system();
   __syncthreads();
   if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
-}
-
-// Bit r is set when the token has an expert on rank r.
-__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
-  uint32_t mask = 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int e = topk[k];
-    if (e >= 0 && e < num_experts) mask |= 1u << (e / experts_per_rank);
-  }
-  return mask;
-}
-
-// Exclusive prefix sum over the block's threads, in thread order, of each of
-// the num_ranks counters in `values`; the block totals land in `totals`.
-__device__ void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks, int* warp_sums /* [32][kMaxRanks] */,
-                                   int* totals /* [kMaxRanks] */) {
-  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int num_warps = blockDim.x / kWarpSize;
-  int inclusive[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int x = r < num_ranks ? values[r] : 0;
-#pragma unroll
-    for (int d = 1; d < kWarpSize; d <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, d);
-      if (lane >= d) x += y;
-    }
-    inclusive[r] = x;
-    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
-  }
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
-      int x = own;
-#pragma unroll
-      for (int d = 1; d < kWarpSize; d <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, d);
-        if (lane >= d) x += y;
-      }
-      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
-      if (lane == kWarpSize - 1) totals[r] = x;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
-  }
 }
 
 // ---------------------------------------------------------------------------
@@ -663,24 +612,6 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Sen
 
 // ---------------------------------------------------------------------------
 // Combine step 2: pull and reduce.
-
-__device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __bfloat1622float2(pairs[j]);
-    acc[2 * j] += f.x;
-    acc[2 * j + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 PackBf16x8(const float (&acc)[8]) {
-  int4 v;
-  __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) pairs[j] = __floats2bfloat162_rn(acc[2 * j], acc[2 * j + 1]);
-  return v;
-}
 
 // out = bf16(sum over r in rank order of float(src[r])), 8 bf16 per vector;
 // null sources are skipped. All loads of a step are issued before the sums.

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/bindings.h"
 #include "ffi/registration.h"
 #include "kernels/internode.h"
 #include "runtime/registry.h"
@@ -207,70 +208,33 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
 
 }  // namespace
 
+// Launch knobs every handler of this file takes.
+#define DEEP_EP_JAX_LAUNCH_ATTRS \
+  .Attr<int64_t>("num_sms")      \
+  .Attr<int64_t>("num_warps")    \
+  .Attr<int64_t>("timeout_ns")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, Dispatch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // x
-                                  .Arg<ffi::AnyBuffer>()          // x_scales
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
-                                  .Ret<ffi::AnyBuffer>()          // recv_x
-                                  .Ret<ffi::AnyBuffer>()          // recv_x_scales
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_topk_weights
-                                  .Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // rank_prefix_matrix
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // send_pos
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_idx
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_rank
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens_per_expert
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_dropped_tokens
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // node_pos (scratch)
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_DISPATCH_ARGS
+                                  DEEP_EP_JAX_NORMAL_DISPATCH_RETS
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos (scratch)
                                   .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("num_warps")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("num_experts") DEEP_EP_JAX_LAUNCH_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCachedDispatchHandler, CachedDispatch,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::AnyBuffer>()         // x_scales
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_recv_tokens
-                                  .Ret<ffi::AnyBuffer>()         // recv_x
-                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS
+                                  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS
                                   .Ret<ffi::Buffer<ffi::S32>>()  // node_pos (scratch)
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("num_warps")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("buffer_id") DEEP_EP_JAX_LAUNCH_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, Combine,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // send_pos
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv_tokens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_src_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_src_rank
-                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // out_weights
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_sms")
-                                  .Attr<int64_t>("num_warps")
-                                  .Attr<int64_t>("timeout_ns"),
+                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_COMBINE_ARGS
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_idx
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_rank
+                                  DEEP_EP_JAX_NORMAL_COMBINE_RETS
+                                  .Attr<int64_t>("buffer_id") DEEP_EP_JAX_LAUNCH_ATTRS,
                               {ffi::Traits::kCmdBufferCompatible});
 
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_internode_dispatch", InternodeDispatchHandler);

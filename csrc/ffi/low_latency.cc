@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/bindings.h"
 #include "ffi/registration.h"
 #include "kernels/low_latency.h"
 #include "runtime/registry.h"
@@ -391,7 +392,6 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
 
 // Arguments, results and attributes of each half; a whole operation binds
 // its send half's arguments then its receive half's.
-#define DEEP_EP_JAX_STREAM_AND_DEVICE .Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()
 #define DEEP_EP_JAX_DISPATCH_SEND_ARGS \
   .Arg<ffi::AnyBuffer>()        /* x */ \
   .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */

@@ -28,6 +28,7 @@ from deep_ep_jax.backends.cuda_normal import (  # limits, sizes and helpers shar
     _check_common,
     _dispatch_out_types,
     _dispatch_results,
+    _launch_attrs,
     _row_bytes,
     _scales_or_empty,
 )
@@ -108,13 +109,11 @@ def _check(fn, buffer, *, num_tokens, num_rows, num_topk, need):
 
 
 def _attrs(buffer):
-    config = buffer.config
-    return dict(
-        buffer_id=np.int64(buffer.buffer_id),
-        num_sms=np.int64(config.num_sms),
-        num_warps=np.int64(config.num_warps),
-        timeout_ns=np.int64(config.timeout_ns),
-    )
+    """cuda_normal's launch attributes, less those the internode kernels do not take."""
+    attrs = _launch_attrs(buffer)
+    for name in ("chunk_tokens", "staged"):
+        del attrs[name]
+    return attrs
 
 
 # Calls ----------------------------------------------------------------------

@@ -86,6 +86,19 @@ def _compute(z, m):
     return jnp.tanh(z @ m)
 
 
+def _split_pair(buffer, case, x, idx, w, y, between=lambda: None):
+    """Dispatch then combine through their send/recv halves; `between()` is
+    traced between each send and its recv. Returns (out, recv_x, count, handle)."""
+    pending = deep_ep_jax.low_latency_dispatch_send(
+        x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens, num_experts=case.num_experts,
+        use_fp8=case.use_fp8)
+    between()
+    recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
+    pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
+    between()
+    return deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer), recv_x, count, handle
+
+
 def make_chain(op, buffer, mesh, case, length):
     """A per-rank program of `length` operations; returns (fn, arg names)."""
     if op == "glue":
@@ -122,12 +135,7 @@ def make_chain(op, buffer, mesh, case, length):
     elif op == "split pair":  # the same through the send/recv halves
         def fn(x, idx, w, y):
             for _ in range(length):
-                pending = deep_ep_jax.low_latency_dispatch_send(
-                    x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
-                    num_experts=case.num_experts, use_fp8=case.use_fp8)
-                recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
-                pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
-                out = deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer)
+                out, recv_x, count, handle = _split_pair(buffer, case, x, idx, w, y)
                 x = touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
         names = ("x", "idx", "w", "y")
@@ -141,15 +149,13 @@ def make_chain(op, buffer, mesh, case, length):
     elif op == "pair+compute":  # a matmul between each send and its recv
         def fn(x, idx, w, y, m):
             z = x
+
+            def step():
+                nonlocal z
+                z = _compute(z, m)
+
             for _ in range(length):
-                pending = deep_ep_jax.low_latency_dispatch_send(
-                    x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
-                    num_experts=case.num_experts, use_fp8=case.use_fp8)
-                z = _compute(z, m)
-                recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
-                pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
-                z = _compute(z, m)
-                out = deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer)
+                out, recv_x, count, handle = _split_pair(buffer, case, x, idx, w, y, between=step)
                 x = touch(out, _uses_all(recv_x, count, handle) + z[:1, :1])
             return x[:1, :1]
         names = ("x", "idx", "w", "y", "m")

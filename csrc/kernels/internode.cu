@@ -638,15 +638,6 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   return g;
 }
 
-int NumSms(int device) {
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    n = kMaxBlocks;
-  }
-  return n;
-}
-
 NotifyArgs MakeNotify(int mode, int num_tokens) {
   NotifyArgs n{};
   n.mode = mode;
@@ -713,7 +704,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   copy.recv_src_rank = p.recv_src_rank;
   copy.L = L;
   // Nothing of this call overlaps the copy: it takes every SM.
-  CopyOutKernel<<<NumSms(state.device_ordinal), kCopyThreads, 0, stream>>>(g, copy);
+  CopyOutKernel<<<DeviceSmCount(state.device_ordinal), kCopyThreads, 0, stream>>>(g, copy);
   return cudaGetLastError();
 }
 

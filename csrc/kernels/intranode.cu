@@ -899,11 +899,7 @@ struct Blocks {
 
 Blocks SplitBlocks(const DeviceState& state, const LaunchConfig& c) {
   if (!c.staged || state.num_ranks < 2) return Blocks{c.num_blocks, 0};
-  int num_sms = 0;
-  if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, state.device_ordinal) != cudaSuccess) {
-    cudaGetLastError();
-    num_sms = kMaxBlocks;
-  }
+  const int num_sms = DeviceSmCount(state.device_ordinal);
   const int copy = std::max(1, std::min(c.num_blocks, std::max(num_sms - c.num_blocks, num_sms / 4)));
   return Blocks{std::max(1, std::min(c.num_blocks, num_sms - copy)), copy};
 }

@@ -24,7 +24,6 @@
 #include <cuda_fp8.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -622,24 +621,10 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineSendArgs send, 
   combine_recv<Transport>(recv, combine_send<Transport>(send, smem));
 }
 
-// SMs of a device, asked once (decode runs alone, so the kernels take them all).
-int NumSms(int device) {
-  static std::atomic<int> cache[64];
-  if (device < 0 || device >= 64) return 132;
-  int n = cache[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = 132;
-    }
-    cache[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// Launchers, for a transport. The whole operations are cooperative launches:
-// their receive phase waits for every block's send phase, so all blocks must
-// be resident at once (one per SM; the launch fails rather than hangs if not).
+// Launchers, for a transport. Decode runs alone, so the kernels take every SM.
+// The whole operations are cooperative launches: their receive phase waits
+// for every block's send phase, so all blocks must be resident at once (one
+// per SM; the launch fails rather than hangs if not).
 template <typename Kernel, typename... Args>
 cudaError_t LaunchCooperative(Kernel kernel, int grid, size_t shared, cudaStream_t stream, const Args&... args) {
   cudaLaunchAttribute cooperative{};
@@ -658,7 +643,7 @@ cudaError_t LaunchCooperative(Kernel kernel, int grid, size_t shared, cudaStream
 template <typename Transport>
 struct LaunchersWith {
   static cudaError_t DispatchSend(const DispatchSendArgs& args, int device, cudaStream_t stream) {
-    const int grid = std::max(1, std::min(args.num_tokens, NumSms(device)));
+    const int grid = std::max(1, std::min(args.num_tokens, DeviceSmCount(device)));
     const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
     auto kernel = args.fp8 ? DispatchSendKernel<Transport, true> : DispatchSendKernel<Transport, false>;
     kernel<<<grid, kThreads, shared, stream>>>(args);
@@ -668,7 +653,7 @@ struct LaunchersWith {
   static cudaError_t DispatchRecv(const DispatchRecvArgs& args, int device, cudaStream_t stream) {
     const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
     auto kernel = args.fp8 ? DispatchRecvKernel<Transport, true> : DispatchRecvKernel<Transport, false>;
-    kernel<<<NumSms(device), kThreads, shared, stream>>>(args);
+    kernel<<<DeviceSmCount(device), kThreads, shared, stream>>>(args);
     return cudaGetLastError();
   }
 
@@ -677,7 +662,7 @@ struct LaunchersWith {
     const size_t shared = std::max(DispatchSendSharedBytes(send.num_experts, send.hidden, send.fp8),
                                    DispatchRecvSharedBytes(recv.num_local_experts * recv.peers.num_ranks));
     auto kernel = send.fp8 ? DispatchKernel<Transport, true> : DispatchKernel<Transport, false>;
-    return LaunchCooperative(kernel, NumSms(device), shared, stream, send, recv);
+    return LaunchCooperative(kernel, DeviceSmCount(device), shared, stream, send, recv);
   }
 
   static size_t CombineSendShared(const CombineSendArgs& args) {
@@ -685,18 +670,18 @@ struct LaunchersWith {
   }
 
   static cudaError_t CombineSend(const CombineSendArgs& args, int device, cudaStream_t stream) {
-    CombineSendKernel<Transport><<<NumSms(device), kThreads, CombineSendShared(args), stream>>>(args);
+    CombineSendKernel<Transport><<<DeviceSmCount(device), kThreads, CombineSendShared(args), stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t CombineRecv(const CombineRecvArgs& args, int device, cudaStream_t stream) {
-    CombineRecvKernel<Transport><<<NumSms(device), kThreads, 0, stream>>>(args);
+    CombineRecvKernel<Transport><<<DeviceSmCount(device), kThreads, 0, stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t Combine(const CombineSendArgs& send, const CombineRecvArgs& recv, int device,
                              cudaStream_t stream) {
-    return LaunchCooperative(CombineKernel<Transport>, NumSms(device), CombineSendShared(send), stream, send, recv);
+    return LaunchCooperative(CombineKernel<Transport>, DeviceSmCount(device), CombineSendShared(send), stream, send, recv);
   }
 
   static const Launchers& Table() {

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -432,6 +433,21 @@ const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal) {
 int NumLiveBuffers() {
   std::shared_lock<std::shared_mutex> lock(registry_mutex);
   return int(buffer_devices.size());
+}
+
+int DeviceSmCount(int device_ordinal) {
+  constexpr int kMaxDevices = 64, kFallback = 132;
+  static std::atomic<int> cache[kMaxDevices];
+  if (device_ordinal < 0 || device_ordinal >= kMaxDevices) return kFallback;
+  int n = cache[device_ordinal].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device_ordinal) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = kFallback;
+    }
+    cache[device_ordinal].store(n, std::memory_order_relaxed);
+  }
+  return n;
 }
 
 }  // namespace deep_ep_jax

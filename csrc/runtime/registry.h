@@ -93,5 +93,7 @@ void SynchronizeBuffer(int64_t buffer_id);
 const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal);
 // Number of live buffers (for lifecycle tests).
 int NumLiveBuffers();
+// SMs of a device, asked once per device (132, an H100/H200's, if the query fails).
+int DeviceSmCount(int device_ordinal);
 
 }  // namespace deep_ep_jax

@@ -26,6 +26,7 @@ from deep_ep_jax.backends.cuda_normal import (  # limits, sizes and helpers shar
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
     _check_common,
+    _combine_call,
     _dispatch_out_types,
     _dispatch_results,
     _launch_attrs,
@@ -177,13 +178,6 @@ def combine(x, topk_weights, handle, *, buffer):
     _row_bytes(fn, (x,))
     _check(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk,
            need=combine_region_bytes(num_tokens, num_rows, num_topk, hidden, buffer.num_ranks))
-    weights = jnp.zeros((num_rows, 0), jnp.float32) if topk_weights is None else topk_weights
-    out_types = (
-        jax.ShapeDtypeStruct((num_tokens, hidden), x.dtype),
-        jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.float32),
-    )
-    _native.register_ffi_targets()
-    out, out_w = jax.ffi.ffi_call("deep_ep_jax_internode_combine", out_types)(
-        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx,
-        handle.recv_src_rank, **_attrs(buffer))
-    return out, (None if topk_weights is None else out_w)
+    return _combine_call("deep_ep_jax_internode_combine", x, topk_weights, num_tokens,
+                         (handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank),
+                         _attrs(buffer))

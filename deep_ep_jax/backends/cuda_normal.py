@@ -262,19 +262,27 @@ def combine(x, topk_weights, handle, *, buffer):
         return cuda_internode.combine(x, topk_weights, handle, buffer=buffer)
     fn = "combine"
     num_tokens = handle.send_pos.shape[0]
-    num_rows, hidden = x.shape
+    num_rows = x.shape[0]
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
     row_bytes = _row_bytes(fn, (x,))
     _check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, 0)
+    return _combine_call("deep_ep_jax_combine", x, topk_weights, num_tokens,
+                         (handle.send_pos, handle.num_recv_tokens, jnp.asarray(handle.rank_prefix_matrix, jnp.int32)),
+                         _launch_attrs(buffer))
 
+
+def _combine_call(target, x, topk_weights, num_tokens, handle_arrays, attrs):
+    """The combine custom call of either path (this host, or across hosts):
+    x and the weights, then the path's handle arrays; returns (out bf16
+    [T, H], reduced weights f32 [T, K] or None)."""
+    num_rows, hidden = x.shape
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
     weights = jnp.zeros((num_rows, 0), jnp.float32) if topk_weights is None else topk_weights
     out_types = (
         jax.ShapeDtypeStruct((num_tokens, hidden), x.dtype),
         jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.float32),
     )
     _native.register_ffi_targets()
-    out, out_w = jax.ffi.ffi_call("deep_ep_jax_combine", out_types)(
-        x, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
-        jnp.asarray(handle.rank_prefix_matrix, jnp.int32), **_launch_attrs(buffer))
+    out, out_w = jax.ffi.ffi_call(target, out_types)(x, jnp.asarray(weights, jnp.float32), *handle_arrays, **attrs)
     return out, (None if topk_weights is None else out_w)

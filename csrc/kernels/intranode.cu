@@ -546,7 +546,10 @@ __device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk
       if (count++ == 0) first = pos;
     }
   }
-  __threadfence_system();  // every lane: its row stores before the records
+  // No fence per lane: __syncwarp orders every lane's row stores before lane
+  // r's release, and a release is cumulative (PTX memory model), so one
+  // release per peer publishes the whole warp's rows. A full system fence in
+  // every lane stalled the moving warps once per chunk.
   __syncwarp();
   if (r >= g.num_ranks || r == g.rank) return;
   ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
@@ -705,8 +708,7 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
     const int first_row = chunk * kStagedCopyRows;
     CopyRows(a.staging, a.local, row_bytes, a.num_topk, first_row, min(kStagedCopyRows, num_valid - first_row),
              threadIdx.x, blockDim.x);
-    __threadfence_system();  // every thread: its row stores before the flag
-    __syncthreads();
+    __syncthreads();  // every thread's row stores before thread 0's (cumulative) release
     if (threadIdx.x == 0) st_release_sys(&flags[chunk], seq);
   }
 }

@@ -29,6 +29,11 @@ constexpr size_t kStagingAlign = 256;
 // many rows (one warp each), so a large chunk_tokens still spreads the copy.
 constexpr int kCopyItemRows = 4;
 
+// Staged combine: ready flags per source, one per kStagedCopyRows rows of x.
+__host__ __device__ __forceinline__ int64_t NumRowFlags(int64_t num_rows) {
+  return (num_rows + kStagedCopyRows - 1) / kStagedCopyRows;
+}
+
 enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
 
 __device__ const char* ModeName(int mode) {
@@ -63,7 +68,8 @@ static_assert(sizeof(ChunkRecord) == sizeof(int4), "records are cleared as int4"
 // call's shapes, which all ranks share).
 struct StagedSync {
   size_t records;    // ChunkRecord [kMaxRanks][num_chunks] (dispatch)
-  size_t row_flags;  // int [ceil(num_rows / kStagedCopyRows)] (combine)
+  size_t row_flags;  // int [kMaxRanks][NumRowFlags(num_rows)] (combine): [owner][chunk], raised by the owner
+                     // in the puller's region, so pullers poll local memory
   int num_chunks;
 };
 
@@ -667,12 +673,14 @@ struct CombineArgs {
 // Staged combine, copy role (the whole block per item): copies the valid
 // rows of x (and weights) that the peers pull into this rank's staging area,
 // in aligned chunks of kStagedCopyRows rows, each followed by its ready flag
-// (flags[row / kStagedCopyRows] = seq). The rows of source s are the segment
+// in the region of the peer that pulls it (its flags[me][row /
+// kStagedCopyRows] = seq: a remote store here, so the pullers' many waits
+// poll their own memory instead of crossing NVLink). The rows of source s are the segment
 // [prefix[s - 1][me], prefix[s][me]) (clipped to the valid rows); the local
 // rank's own segment is read from XLA's x, never copied. Item i: the
 // (i / (R - 1))-th chunk of the (i % (R - 1))-th peer's segment, so the
 // pullers of every peer find their first rows early. A chunk straddling two
-// segments is copied by both (same bytes, same flag value).
+// segments is copied by both (same bytes), each raising its own peer's flag.
 __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
   __shared__ int shared_item;
   const int me = g.rank, num_peers = g.num_ranks - 1;
@@ -693,7 +701,7 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
     max_chunks = max(max_chunks, end - begin);
   }
   const int64_t num_items = int64_t(num_peers) * max_chunks;
-  int* flags = reinterpret_cast<int*>(g.regions[me] + a.sync.row_flags);
+  const int64_t num_flags = NumRowFlags(a.num_rows);
   int* next_copy = &ControlOf(g, me)->next_copy;
   for (;;) {
     if (threadIdx.x == 0) shared_item = atomicAdd(next_copy, 1);
@@ -702,14 +710,18 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
     __syncthreads();  // all read it before thread 0 takes the next one
     if (item >= num_items) return;
     int begin, end;
-    segment(item % num_peers, begin, end);
+    const int k = item % num_peers, s = k < me ? k : k + 1;
+    segment(k, begin, end);
     const int chunk = begin + item / num_peers;
     if (chunk >= end) continue;  // a shorter segment
     const int first_row = chunk * kStagedCopyRows;
     CopyRows(a.staging, a.local, row_bytes, a.num_topk, first_row, min(kStagedCopyRows, num_valid - first_row),
              threadIdx.x, blockDim.x);
     __syncthreads();  // every thread's row stores before thread 0's (cumulative) release
-    if (threadIdx.x == 0) st_release_sys(&flags[chunk], seq);
+    if (threadIdx.x == 0) {
+      int* flags = reinterpret_cast<int*>(g.regions[s] + a.sync.row_flags) + me * num_flags;
+      st_release_sys(&flags[chunk], seq);
+    }
   }
 }
 
@@ -725,7 +737,8 @@ __device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs&
     const int pos = a.send_pos[int64_t(t) * g.num_ranks + r];
     if (pos >= 0 && pos / kStagedCopyRows != ready_chunk) {
       ready_chunk = pos / kStagedCopyRows;
-      const int* flag = reinterpret_cast<const int*>(g.regions[r] + a.sync.row_flags) + ready_chunk;
+      const int* flag = reinterpret_cast<const int*>(g.regions[g.rank] + a.sync.row_flags) +
+                        r * NumRowFlags(a.num_rows) + ready_chunk;
       wait_at_least(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
     }
   }
@@ -838,7 +851,6 @@ RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
 
 size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
 
-int64_t NumRowFlags(int64_t num_rows) { return (num_rows + kStagedCopyRows - 1) / kStagedCopyRows; }
 
 // The staging area of a region after the control bytes (StagedRegionBytes).
 struct Staging {
@@ -862,7 +874,7 @@ Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kM
   s.buffers.topk_weights = reinterpret_cast<float*>(address(take(size_t(num_rows) * num_topk * sizeof(float))));
   s.buffers.src_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * sizeof(int))));
   s.sync.records = take(size_t(kMaxRanks) * size_t(num_chunks) * sizeof(ChunkRecord));
-  s.sync.row_flags = take(size_t(NumRowFlags(num_rows)) * sizeof(int));
+  s.sync.row_flags = take(size_t(kMaxRanks) * size_t(NumRowFlags(num_rows)) * sizeof(int));
   s.sync.num_chunks = int(num_chunks);
   s.end = offset;
   return s;
@@ -886,8 +898,9 @@ SyncClear RecordsToClear(const DeviceState& state, const Staging& staging, bool 
 SyncClear RowFlagsToClear(const DeviceState& state, const Staging& staging, int64_t num_rows, bool staged) {
   if (!staged) return SyncClear{nullptr, 0};
   const int64_t ints_per_vector = sizeof(int4) / sizeof(int);
+  const int64_t num_flags = state.num_ranks * NumRowFlags(num_rows);
   return SyncClear{reinterpret_cast<int4*>(state.normal.local + staging.sync.row_flags),
-                   int((NumRowFlags(num_rows) + ints_per_vector - 1) / ints_per_vector)};
+                   int((num_flags + ints_per_vector - 1) / ints_per_vector)};
 }
 
 // The move kernels' blocks: `move` send or pull (the done flags count them),

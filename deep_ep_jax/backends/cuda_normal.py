@@ -62,10 +62,10 @@ def staged_region_bytes(num_rows: int, row_bytes: tuple[int, int], num_topk: int
     """Mirror of StagedRegionBytes in intranode.cu: control bytes, then
     num_rows rows of each row array, top-k ids, weights and source indices,
     then MAX_RANKS * num_chunks chunk records (dispatch: num_chunks =
-    ceil(tokens / chunk_tokens); 0 for combine) and a ready flag per
-    STAGED_COPY_ROWS rows."""
+    ceil(tokens / chunk_tokens); 0 for combine) and MAX_RANKS ready flags
+    (one per source) per STAGED_COPY_ROWS rows."""
     offset = CONTROL_BYTES
-    num_flags = -(-num_rows // STAGED_COPY_ROWS)
+    num_flags = MAX_RANKS * -(-num_rows // STAGED_COPY_ROWS)
     for size in (num_rows * row_bytes[0], num_rows * row_bytes[1], num_rows * num_topk * 4, num_rows * num_topk * 4,
                  num_rows * 4, MAX_RANKS * num_chunks * STAGED_RECORD_BYTES, num_flags * 4):
         offset = _align(offset + size)

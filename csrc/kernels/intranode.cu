@@ -851,7 +851,6 @@ RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
 
 size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
 
-
 // The staging area of a region after the control bytes (StagedRegionBytes).
 struct Staging {
   RankBuffers buffers;  // null when laid out without a region

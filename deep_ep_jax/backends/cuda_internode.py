@@ -25,6 +25,7 @@ from deep_ep_jax.backends.cuda_normal import (  # limits, sizes and helpers shar
     FP8_BLOCK,
     MAX_LOCAL_EXPERTS,
     MAX_RANKS,
+    _cached_dispatch_call,
     _check_common,
     _combine_call,
     _dispatch_out_types,
@@ -151,23 +152,12 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     num_tokens = handle.send_pos.shape[0]
     num_rows = handle.num_worst_tokens
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    x, hidden = xs[0], xs[0].shape[1]
     row_bytes = _row_bytes(fn, xs)
     _check(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk,
            need=dispatch_region_bytes(num_tokens, num_rows, num_topk, row_bytes, buffer.num_nodes))
-    scales = _scales_or_empty(xs, num_tokens)
-    weights = jnp.zeros((num_tokens, 0), jnp.float32) if topk_weights is None else topk_weights
-    out_types = (
-        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),
-        jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),
-        jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
-        jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32),  # node_pos (scratch)
-    )
-    _native.register_ffi_targets()
-    recv_x, recv_scales, recv_w, _ = jax.ffi.ffi_call("deep_ep_jax_internode_cached_dispatch", out_types)(
-        x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, **_attrs(buffer))
-    recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
-    return recv_xs, (None if topk_weights is None else recv_w)
+    node_pos = jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32)  # the kernels' scratch
+    return _cached_dispatch_call("deep_ep_jax_internode_cached_dispatch", xs, topk_weights, handle, _attrs(buffer),
+                                 scratch_types=(node_pos,))
 
 
 def combine(x, topk_weights, handle, *, buffer):

@@ -235,22 +235,30 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     num_tokens = handle.send_pos.shape[0]
     num_rows = handle.num_worst_tokens
     num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-    x, hidden = xs[0], xs[0].shape[1]
     row_bytes = _row_bytes(fn, xs)
     _check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
+    return _cached_dispatch_call("deep_ep_jax_cached_dispatch", xs, topk_weights, handle, _launch_attrs(buffer))
 
+
+def _cached_dispatch_call(target, xs, topk_weights, handle, attrs, scratch_types=()):
+    """The cached-dispatch custom call of either path (this host, or across
+    hosts, which adds its scratch outputs): rows (and scales), weights, the
+    handle's send positions and received-row count; returns (received rows
+    (and scales), received weights or None)."""
+    num_tokens, num_rows = handle.send_pos.shape[0], handle.num_worst_tokens
+    num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+    x = xs[0]
     scales = _scales_or_empty(xs, num_tokens)
     weights = jnp.zeros((num_tokens, 0), jnp.float32) if topk_weights is None else topk_weights
     out_types = (
-        jax.ShapeDtypeStruct((num_rows, hidden), x.dtype),
+        jax.ShapeDtypeStruct((num_rows, x.shape[1]), x.dtype),
         jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),
         jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
-    )
+    ) + tuple(scratch_types)
     _native.register_ffi_targets()
-    recv_x, recv_scales, recv_w = jax.ffi.ffi_call("deep_ep_jax_cached_dispatch", out_types)(
-        x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
-        **_launch_attrs(buffer))
+    recv_x, recv_scales, recv_w = jax.ffi.ffi_call(target, out_types)(
+        x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens, **attrs)[:3]
     recv_xs = (recv_x,) if len(xs) == 1 else (recv_x, recv_scales)
     return recv_xs, (None if topk_weights is None else recv_w)
 

@@ -1,12 +1,14 @@
 // Low-latency (decode) dispatch and combine over NVLink, as four phases:
 //
 //   dispatch send: each block takes tokens; it quantises a token's row once
-//     (FP8 + per-128-channel scales, in shared memory) and puts one copy per
-//     (token, k) into the owning rank's half, at a slot fixed by counting
-//     (prefix counts, no atomics on slots), so the packing is deterministic.
+//     (FP8 + per-128-channel scales, in shared memory), puts it once into the
+//     half of every rank that owns one of its experts, at row (rank, token),
+//     and lists each (token, k) there at a place in its expert's list fixed
+//     by counting (prefix counts, no atomics), so the packing is deterministic.
 //   dispatch recv: waits for every source's "ready" flag, packs the rows into
-//     recv_x [L, R*M, H] ordered by (source rank, token, k) and writes the
-//     handle; then hands the half back to its sources ("freed").
+//     recv_x [L, R*M, H] ordered by (source rank, token, k), one copy per
+//     (token, k), and writes the handle; then hands the half back to its
+//     sources ("freed").
 //   combine send: puts every received row's expert output back into its
 //     source's half at row (token * K + k).
 //   combine recv: waits for every rank's "ready" flag and sums, per token,
@@ -52,6 +54,7 @@ struct Control {
   int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
+static_assert(kMaxRanks <= 32, "dispatch send keeps a token's destination ranks in one 32-bit mask");
 
 constexpr size_t kReadyOffset = offsetof(Control, ready);
 constexpr size_t kFreedOffset = offsetof(Control, freed);
@@ -362,10 +365,6 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   }
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int warps_per_row = max(1, kWarps / num_topk);  // spare warps help with each row
-  const int num_groups = kWarps / warps_per_row;
-  const int group = warp / warps_per_row;
-  const int group_thread = (warp % warps_per_row) * 32 + lane;
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     if (t != first_token) {  // `before` moves on by the tokens since the previous one
       block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
@@ -374,19 +373,37 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
 
+    // The row goes once to each rank that owns one of the token's experts
+    // (not once per expert: a quarter of the NVLink bytes at top-8 over two
+    // ranks); the spare warps help with each copy.
     const int* experts = a.topk_idx + size_t(t) * num_topk;
-    for (int k = group; k < num_topk; k += num_groups) {
+    unsigned dests = 0;
+    for (int k = 0; k < num_topk; ++k) {
+      const int e = experts[k];
+      if (e >= 0 && e < num_experts) dests |= 1u << (e / num_local);
+    }
+    const int num_dests = __popc(dests);
+    const int warps_per_dest = max(1, kWarps / max(1, num_dests));
+    const int num_groups = kWarps / warps_per_dest;
+    const int group = warp / warps_per_dest, group_thread = (warp % warps_per_dest) * 32 + lane;
+    const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
+    const size_t row_offset = half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
+    for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
+      unsigned rest = dests;
+      for (int j = 0; j < i; ++j) rest &= rest - 1;  // drop the first i destinations
+      tr.put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
+             (size_t(t) * num_topk + i) * layout.row_bytes);
+    }
+    // Where each (token, k) stands in its expert's list, for the receiver.
+    for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
       const int e = experts[k];
       if (e < 0 || e >= num_experts) continue;
       int slot = before[e];
       for (int j = 0; j < k; ++j) slot += experts[j] == e;
       const int dst = e / num_local;
       const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
-      const size_t row_index = size_t(rank) * layout.capacity + pos;
-      const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
-      tr.put(dst, half_offset + layout.rows_offset + row_index * layout.row_bytes, src, layout.row_bytes,
-             group_thread, warps_per_row * 32, (size_t(t) * num_topk + k) * layout.row_bytes);
-      if (group_thread == 0) tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * row_index, t * num_topk + k);
+      tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
+                 t * num_topk + k);
     }
     __syncthreads();  // staging and `before` are reused by the next token
   }
@@ -454,7 +471,10 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
     const int out = row_start[list] - row_start[e * num_ranks] + j;
     if (out >= rows_per_expert) return;  // more rows than the output holds (duplicate experts): dropped
     const size_t slot = size_t(src) * layout.capacity + (seg_start[src * num_local + e] - seg_start[src * num_local] + j);
-    const char* from = half_base + layout.rows_offset + slot * layout.row_bytes;
+    const int info = infos[slot];  // t * K + k
+    const int t = info / num_topk;
+    if (t < 0 || t >= a.max_tokens) return;  // never, as the sender writes every counted row's info
+    const char* from = half_base + layout.rows_offset + (size_t(src) * layout.max_tokens + t) * layout.row_bytes;
     const size_t dst_row = size_t(e) * rows_per_expert + out;
     if (kFp8) {
       copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, count);
@@ -465,9 +485,8 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
       copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, count);
     }
     if (index == 0) {
-      const int info = infos[slot];
       a.recv_src_rank[dst_row] = src;
-      a.recv_src_token[dst_row] = info / num_topk;
+      a.recv_src_token[dst_row] = t;
       a.recv_src_topk[dst_row] = info % num_topk;
     }
   });

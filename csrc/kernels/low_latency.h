@@ -9,8 +9,10 @@
 // corrupting data. Every rank must run the same sequence of operations.
 //
 // Dispatch, in the receiver's half: [counts: R sources x L experts]
-// [row infos: R x cap] [rows: R x cap], cap = M * K; a source's rows are
-// packed by local expert, then by (token, k). Combine, in the source's half:
+// [row infos: R x cap] [rows: R x M], cap = M * K. A source sends each token
+// row once to every rank that owns one of its experts, at row (source, token);
+// the receiver copies it out once per (token, k). The infos list each
+// source's (token, k) pairs by local expert, then by (token, k). Combine, in the source's half:
 // row t * K + k holds the expert output for (token t, slot k), bf16 [H].
 // Sizes are mirrored by deep_ep_jax/backends/cuda_low_latency.py.
 #pragma once
@@ -38,10 +40,11 @@ inline size_t DispatchRowBytes(int64_t hidden, bool fp8) {
 
 // Byte offsets inside one half (all 16-byte aligned), for one call's shapes.
 struct DispatchLayout {
-  int64_t capacity;      // rows one source can send to one rank: M * K
+  int64_t capacity;      // (token, k) pairs one source can send to one rank: M * K
+  int64_t max_tokens;    // token rows one source can send to one rank: M
   size_t counts_offset;  // int [R source][L]: rows per local expert from each source
-  size_t infos_offset;   // int [R source][capacity]: t * K + k of each row
-  size_t rows_offset;    // [R source][capacity][row_bytes]
+  size_t infos_offset;   // int [R source][capacity]: t * K + k of each (token, k), by local expert
+  size_t rows_offset;    // [R source][max_tokens][row_bytes]: each token once
   size_t row_bytes;
   size_t bytes;          // end of the rows
 };
@@ -50,15 +53,16 @@ inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t num_local_ex
                                          int64_t num_topk, int64_t hidden, bool fp8) {
   DispatchLayout l;
   l.capacity = max_tokens * num_topk;
+  l.max_tokens = max_tokens;
   l.counts_offset = 0;
   l.infos_offset = AlignUp(size_t(num_ranks * num_local_experts) * 4, 16);
   l.rows_offset = l.infos_offset + AlignUp(size_t(num_ranks * l.capacity) * 4, 16);
   l.row_bytes = DispatchRowBytes(hidden, fp8);
-  l.bytes = l.rows_offset + size_t(num_ranks * l.capacity) * l.row_bytes;
+  l.bytes = l.rows_offset + size_t(num_ranks * max_tokens) * l.row_bytes;
   return l;
 }
 
-// Bytes of a combine's rows in a half (always <= the bf16 dispatch of the same shapes).
+// Bytes of a combine's rows in a half: one bf16 row per (token, k).
 inline size_t CombineBytes(int64_t max_tokens, int64_t num_topk, int64_t hidden) {
   return size_t(max_tokens * num_topk) * size_t(hidden) * 2;
 }

@@ -35,7 +35,7 @@ MAX_TOPK = 64
 MAX_EXPERTS = 2048
 MAX_RANKS = 8
 MAX_SHARED_BYTES = 48 * 1024
-# Top-k the size hint provisions when not told (each source may send M * K rows to one rank).
+# Top-k the size hint provisions when not told (a combine returns M * K rows to each rank).
 DEFAULT_HINT_TOPK = 16
 
 _FP8 = jnp.float8_e4m3fn
@@ -54,7 +54,7 @@ def _dispatch_half_bytes(num_ranks, num_local_experts, max_tokens, num_topk, hid
     capacity = max_tokens * num_topk
     infos = _align(num_ranks * num_local_experts * 4, 16)
     rows = infos + _align(num_ranks * capacity * 4, 16)
-    return rows + num_ranks * capacity * _row_bytes(hidden, fp8)
+    return rows + num_ranks * max_tokens * _row_bytes(hidden, fp8)
 
 
 def _combine_half_bytes(max_tokens, num_topk, hidden):
@@ -77,7 +77,8 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
     """Bytes of the low-latency region per device for these shapes.
 
     The region holds a control block and two halves (consecutive operations
-    alternate); a half holds, per source rank, up to M * K rows. `num_topk`
+    alternate); a half holds a dispatch's rows (up to M per source rank) or a
+    combine's (M * K, this rank's tokens' expert outputs). `num_topk`
     defaults to DEFAULT_HINT_TOPK; pass the real top-k to save memory.
     `num_experts` may be None (sized for MAX_EXPERTS); `hidden` is required.
     """
@@ -90,7 +91,9 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
         raise ValueError("low_latency_region_bytes: num_max_dispatch_tokens_per_rank is required")
     num_topk = DEFAULT_HINT_TOPK if num_topk is None else int(num_topk)
     num_local = MAX_EXPERTS // num_ranks + 1 if num_experts is None else -(-int(num_experts) // num_ranks)
-    half = _dispatch_half_bytes(num_ranks, num_local, int(num_max_dispatch_tokens_per_rank), num_topk, int(hidden), False)
+    max_tokens, hidden = int(num_max_dispatch_tokens_per_rank), int(hidden)
+    half = max(_dispatch_half_bytes(num_ranks, num_local, max_tokens, num_topk, hidden, False),
+               _combine_half_bytes(max_tokens, num_topk, hidden))
     return CONTROL_BYTES + 2 * _align(half, 256)
 
 

@@ -336,46 +336,24 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
 
   // Blocks without a token (a whole kernel runs one block per SM) skip to the
   // end; block 0 always sends the counts.
-  if (first_token < a.num_tokens || blockIdx.x == 0) {
-    if (first_token < a.num_tokens) prefetch_row(token_row(first_token), hidden / 8);
-    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
-    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
-    __syncthreads();
-    // All rows per expert, and those of the tokens before this block's first.
-    block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
-                    min(first_token, a.num_tokens) * num_topk, before);
-    __syncthreads();
-    block_exclusive_scan(expert_start, num_experts + 1, scratch);
-
-    // Every destination must have read this half of operation op - 2.
-    if (threadIdx.x < num_ranks) {
-      tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
-              "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
-    }
-    __syncthreads();
-
-    if (blockIdx.x == 0) {
-      for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        const int dst = e / num_local;
-        const size_t offset =
-            half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
-        tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
-      }
-    }
+  const bool active = first_token < a.num_tokens || blockIdx.x == 0;
+  if (first_token < a.num_tokens) prefetch_row(token_row(first_token), hidden / 8);
+  // Every destination must have read this half of operation op - 2.
+  if (active && threadIdx.x < num_ranks) {
+    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
+            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
   }
+  __syncthreads();
 
+  // The rows first: a token's row goes once to each rank that owns one of its
+  // experts (not once per expert: a quarter of the NVLink bytes at top-8 over
+  // two ranks), at row (this rank, token), which needs no counting; so the
+  // counting below overlaps their flight. The spare warps help with each copy.
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
-    if (t != first_token) {  // `before` moves on by the tokens since the previous one
-      block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
-    }
     const uint4* row = token_row(t);
     if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
-
-    // The row goes once to each rank that owns one of the token's experts
-    // (not once per expert: a quarter of the NVLink bytes at top-8 over two
-    // ranks); the spare warps help with each copy.
     const int* experts = a.topk_idx + size_t(t) * num_topk;
     unsigned dests = 0;
     for (int k = 0; k < num_topk; ++k) {
@@ -394,7 +372,36 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
       tr.put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);
     }
-    // Where each (token, k) stands in its expert's list, for the receiver.
+    __syncthreads();  // staging is reused by the next token
+  }
+
+  // Then the lists: the counts per expert, and where each (token, k) stands in
+  // its expert's list (prefix counts, no atomics), for the receiver.
+  if (active) {
+    for (int i = threadIdx.x; i <= num_experts; i += blockDim.x) expert_start[i] = 0;
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
+    __syncthreads();
+    // All rows per expert, and those of the tokens before this block's first.
+    block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
+                    min(first_token, a.num_tokens) * num_topk, before);
+    __syncthreads();
+    block_exclusive_scan(expert_start, num_experts + 1, scratch);
+    if (blockIdx.x == 0) {
+      for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const int dst = e / num_local;
+        const size_t offset =
+            half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
+        tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
+      }
+    }
+  }
+  for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
+    if (t != first_token) {  // `before` moves on by the tokens since the previous one
+      __syncthreads();
+      block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
+      __syncthreads();
+    }
+    const int* experts = a.topk_idx + size_t(t) * num_topk;
     for (int k = threadIdx.x; k < num_topk; k += blockDim.x) {
       const int e = experts[k];
       if (e < 0 || e >= num_experts) continue;
@@ -405,7 +412,6 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
       tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
                  t * num_topk + k);
     }
-    __syncthreads();  // staging and `before` are reused by the next token
   }
 
   if (last_block(tr, &control->blocks_done[kDispatchSend][0])) {

@@ -217,15 +217,18 @@ __device__ void block_histogram(const int* values, int n, int num_bins, int* bin
   }
 }
 
-// True in every thread of the block that finishes last. Every thread's
-// earlier puts are visible system-wide and every block's loads are done by
-// then, so that block may signal the peers.
+// True in every thread of the block that finishes last; that block may then
+// signal the peers. By then every block's loads are done and, after a send
+// phase (`puts`), every thread's puts are visible system-wide. A receive
+// phase's own writes stay on this GPU (the kernel's end publishes them), so it
+// skips the system fence, which would wait for them to drain.
 template <typename Transport>
-__device__ bool last_block(const Transport& tr, int* blocks_done) {
+__device__ bool last_block(const Transport& tr, int* blocks_done, bool puts) {
   __shared__ int is_last;
-  tr.fence();
+  if (puts) tr.fence();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();  // the block's loads (consumed before the barrier) and puts before its count
     is_last = atomicAdd(blocks_done, 1) == int(gridDim.x) - 1;
     if (is_last) *blocks_done = 0;  // every block has arrived: ready for the next launch
     __threadfence();
@@ -337,7 +340,11 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   // Blocks without a token (a whole kernel runs one block per SM) skip to the
   // end; block 0 always sends the counts.
   const bool active = first_token < a.num_tokens || blockIdx.x == 0;
-  if (first_token < a.num_tokens) prefetch_row(token_row(first_token), hidden / 8);
+  // The first token's quantisation needs no buffer: it hides the wait below.
+  if (first_token < a.num_tokens) {
+    if (kFp8) quantize_row(token_row(first_token), hidden, a.round_scale, staging);
+    else prefetch_row(token_row(first_token), hidden / 8);
+  }
   // Every destination must have read this half of operation op - 2.
   if (active && threadIdx.x < num_ranks) {
     tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
@@ -352,7 +359,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     const uint4* row = token_row(t);
-    if (kFp8) quantize_row(row, hidden, a.round_scale, staging);
+    if (kFp8 && t != first_token) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
     const int* experts = a.topk_idx + size_t(t) * num_topk;
     unsigned dests = 0;
@@ -414,7 +421,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     }
   }
 
-  if (last_block(tr, &control->blocks_done[kDispatchSend][0])) {
+  if (last_block(tr, &control->blocks_done[kDispatchSend][0], true)) {
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
@@ -497,7 +504,7 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
     }
   });
 
-  if (last_block(tr, &tr.control()->blocks_done[kDispatchRecv][0])) {
+  if (last_block(tr, &tr.control()->blocks_done[kDispatchRecv][0], false)) {
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
   }
 }
@@ -539,7 +546,7 @@ __device__ __forceinline__ unsigned combine_send(const CombineSendArgs& a, int* 
            ((size_t(src) * a.max_tokens + t) * num_topk + k) * row_bytes);
   });
 
-  if (last_block(tr, &control->blocks_done[kCombineSend][0])) {
+  if (last_block(tr, &control->blocks_done[kCombineSend][0], true)) {
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
@@ -603,7 +610,7 @@ __device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned 
     reinterpret_cast<uint4*>(a.out)[i] = packed;
   }
 
-  if (last_block(tr, &tr.control()->blocks_done[kCombineRecv][0])) {
+  if (last_block(tr, &tr.control()->blocks_done[kCombineRecv][0], false)) {
     if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
   }
 }

@@ -93,10 +93,12 @@ def _split_pair(buffer, case, x, idx, w, y, between=lambda: None):
         x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens, num_experts=case.num_experts,
         use_fp8=case.use_fp8)
     between()
-    recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
+    # Barriers as in _dispatch/_combine: the xla backend must compute the whole outputs.
+    recv_x, count, handle = lax.optimization_barrier(deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer))
     pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
     between()
-    return deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer), recv_x, count, handle
+    out = lax.optimization_barrier(deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer))
+    return out, recv_x, count, handle
 
 
 def make_chain(op, buffer, mesh, case, length):

@@ -186,6 +186,23 @@ def test_send_area_holds_dispatch_and_combine_staging():
         cll.low_latency_send_bytes(num_ranks, None, max_tokens)
 
 
+def test_low_latency_region_holds_dispatch_and_combine():
+    """The size hint covers both operations: a dispatch holds one row per
+    (source, token), whatever the top-k; a combine one bf16 row per (token, k)."""
+    hidden, max_tokens, num_experts = 7168, 128, 288
+    for num_ranks, topk in ((2, 8), (8, 8), (8, 1), (2, 16)):
+        region = cll.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
+        half = cll._half_bytes(region)
+        for fp8 in (True, False):
+            need = cll._dispatch_half_bytes(num_ranks, num_experts // num_ranks, max_tokens, topk, hidden, fp8)
+            assert need <= half
+            assert need >= num_ranks * max_tokens * cll._row_bytes(hidden, fp8)  # each token once per source
+        assert cll._combine_half_bytes(max_tokens, topk, hidden) <= half
+    # DeepEP's decode case: the combine's rows size it (the dispatch no longer sends M * K rows per source).
+    region = cll.low_latency_region_bytes(2, num_experts, hidden, max_tokens, num_topk=8)
+    assert cll._half_bytes(region) < cll._combine_half_bytes(max_tokens, 8, hidden) + (1 << 20)
+
+
 def test_heap_bytes():
     assert nvshmem.heap_bytes(0) == nvshmem.HEAP_SLACK_BYTES
     size = nvshmem.heap_bytes(100 << 20)

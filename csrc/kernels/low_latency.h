@@ -10,10 +10,11 @@
 //
 // Dispatch, in the receiver's half: [counts: R sources x L experts]
 // [row infos: R x cap] [rows: R x M], cap = M * K. A source sends each token
-// row once to every rank that owns one of its experts, at row (source, token);
-// the receiver copies it out once per (token, k). The infos list each
-// source's (token, k) pairs by local expert, then by (token, k). Combine, in the source's half:
-// row t * K + k holds the expert output for (token t, slot k), bf16 [H].
+// row once to every rank that owns one of its experts, at row (source,
+// token); the infos list the source's (token, k) pairs by local expert, then
+// by (token, k), and the receiver copies the row out once per pair. Combine,
+// in the source's half: row t * K + k holds the expert output for (token t,
+// slot k), bf16 [H].
 // Sizes are mirrored by deep_ep_jax/backends/cuda_low_latency.py.
 #pragma once
 
@@ -90,8 +91,9 @@ struct Peers {
   size_t send_bytes;
 };
 
-// Send-area bytes the NVSHMEM kernels stage rows in: one slot per (token, k)
-// for a dispatch, per (source rank, token, k) for a combine.
+// Send-area bytes the NVSHMEM kernels stage rows in: M * K slots for a
+// dispatch (a token uses one per destination rank, at most K), one per
+// (source rank, token, k) for a combine.
 inline size_t DispatchStageBytes(int64_t max_tokens, int64_t num_topk, size_t row_bytes) {
   return size_t(max_tokens * num_topk) * row_bytes;
 }

@@ -100,8 +100,9 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
 def low_latency_send_bytes(num_ranks, hidden, num_max_dispatch_tokens_per_rank, num_topk=None) -> int:
     """Bytes of the send area of a Buffer across hosts (after its low-latency
     region in NVSHMEM's symmetric heap): rows put to other hosts are staged
-    there, one slot per (token, k) for a dispatch and per (source rank, token,
-    k) for a combine (DispatchStageBytes/CombineStageBytes)."""
+    there: M * K slots for a dispatch (a token uses one per destination rank)
+    and one per (source rank, token, k) for a combine
+    (DispatchStageBytes/CombineStageBytes)."""
     if hidden is None or num_max_dispatch_tokens_per_rank is None:
         raise ValueError("low_latency_send_bytes: hidden and num_max_dispatch_tokens_per_rank are required")
     num_topk = DEFAULT_HINT_TOPK if num_topk is None else int(num_topk)

@@ -1,7 +1,7 @@
 // Device helpers shared by every kernel family: system-scope acquire/release
 // flags for meeting peers through NVLink memory, spin-waits that fail loudly
-// (rank, mode, counter) instead of hanging, and the per-token helpers of the
-// normal-mode kernels (intranode.cu, internode.cu).
+// (rank, mode, counter) instead of hanging, a strided vector copy, and the
+// per-token helpers of the normal-mode kernels (intranode.cu, internode.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,6 +31,33 @@ __device__ __forceinline__ void st_release_sys(int* p, int v) {
 
 __device__ __forceinline__ void atomic_add_release_sys(int* p, int v) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// A plain vector load, StridedCopy's default.
+struct PlainLoad {
+  template <typename Vec>
+  __device__ __forceinline__ Vec operator()(const Vec* p) const { return *p; }
+};
+
+// This thread's share of a copy of n vectors by `stride` threads: src[i] ->
+// dst[i] for i = first, first + stride, ... kUnroll loads go out before their
+// stores, to keep several transfers in flight per thread. `load` reads one
+// vector (staged copies pass coherent loads that do not allocate in L1).
+template <int kUnroll, typename Index, typename Vec, typename Load = PlainLoad>
+__device__ __forceinline__ void StridedCopy(Vec* dst, const Vec* src, Index n, int first, int stride, Load load = {}) {
+  for (Index base = first; base < n; base += Index(stride) * kUnroll) {
+    Vec v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const Index i = base + Index(u) * stride;
+      if (i < n) v[u] = load(src + i);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const Index i = base + Index(u) * stride;
+      if (i < n) dst[i] = v[u];
+    }
+  }
 }
 
 // Spins until *flag >= target. After timeout_ns prints what it waited for

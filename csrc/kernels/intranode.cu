@@ -348,24 +348,11 @@ __device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, in
   });
 }
 
-// Staged copies: n vectors src -> dst by `stride` threads, thread `first`
-// taking every stride-th vector, kUnroll loads in flight.
-template <int kUnroll, typename Vec>
-__device__ __forceinline__ void CopyVectors(Vec* dst, const Vec* src, int64_t n, int first, int stride) {
-  for (int64_t base = first; base < n; base += int64_t(stride) * kUnroll) {
-    Vec v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * stride;
-      if (i < n) v[u] = LoadNoAllocate(src + i);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + int64_t(u) * stride;
-      if (i < n) dst[i] = v[u];
-    }
-  }
-}
+// Staged copies read peers' rows with coherent loads that skip L1.
+struct NoAllocateLoad {
+  template <typename Vec>
+  __device__ __forceinline__ Vec operator()(const Vec* p) const { return LoadNoAllocate(p); }
+};
 
 // Staged copies: rows [first_row, first_row + num_rows) of every array
 // present on both sides (row arrays, ids, weights, source indices), src ->
@@ -381,11 +368,11 @@ __device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const i
     const char* from = static_cast<const char*>(from_array) + offset;
     const uintptr_t bits = reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from) | uintptr_t(num_bytes);
     if (bits % sizeof(int4) == 0) {
-      CopyVectors<8>(reinterpret_cast<int4*>(to), reinterpret_cast<const int4*>(from),
-                     num_bytes / int64_t(sizeof(int4)), first, stride);
+      StridedCopy<8>(reinterpret_cast<int4*>(to), reinterpret_cast<const int4*>(from),
+                     num_bytes / int64_t(sizeof(int4)), first, stride, NoAllocateLoad{});
     } else {
-      CopyVectors<8>(reinterpret_cast<int*>(to), reinterpret_cast<const int*>(from), num_bytes / int64_t(sizeof(int)),
-                     first, stride);
+      StridedCopy<8>(reinterpret_cast<int*>(to), reinterpret_cast<const int*>(from), num_bytes / int64_t(sizeof(int)),
+                     first, stride, NoAllocateLoad{});
     }
   };
   for (int i = 0; i < kMaxRowArrays; ++i) copy(dst.rows[i], src.rows[i], row_bytes[i]);

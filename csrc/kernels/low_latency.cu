@@ -66,24 +66,9 @@ __host__ __device__ inline size_t FreedFlag(int half, int destination) {
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
-// one being `index`; loads a batch before storing it, to keep several
-// transfers in flight per thread.
+// one being `index`.
 __device__ __forceinline__ void copy16(void* dst, const void* src, size_t num_bytes, int index, int count) {
-  constexpr int kBatch = 8;
-  uint4* d = static_cast<uint4*>(dst);
-  const uint4* s = static_cast<const uint4*>(src);
-  const int n = int(num_bytes / 16);
-  for (int base = index; base < n; base += kBatch * count) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (base + b * count < n) v[b] = s[base + b * count];
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      if (base + b * count < n) d[base + b * count] = v[b];
-    }
-  }
+  StridedCopy<8>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), int(num_bytes / 16), index, count);
 }
 
 // How this rank reaches the others. Over NVLink every rank's region is mapped

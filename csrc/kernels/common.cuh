@@ -60,6 +60,23 @@ __device__ __forceinline__ void StridedCopy(Vec* dst, const Vec* src, Index n, i
   }
 }
 
+// counts[e] = how many ids equal e, for e in [0, num_bins), over the first
+// *num_rows rows of ids_per_row ids (other ids are skipped), by the whole
+// block; bins: num_bins ints of shared memory. The finish kernels' rows per
+// local expert, from the landed top-k ids.
+__device__ __forceinline__ void BlockBincount(const int* ids, const int* num_rows, int ids_per_row, int num_bins,
+                                              int* bins, int* counts) {
+  for (int e = threadIdx.x; e < num_bins; e += blockDim.x) bins[e] = 0;
+  __syncthreads();
+  const int64_t n = int64_t(*num_rows) * ids_per_row;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int e = ids[i];
+    if (e >= 0 && e < num_bins) atomicAdd(&bins[e], 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_bins; e += blockDim.x) counts[e] = bins[e];
+}
+
 // Spins until *flag >= target. After timeout_ns prints what it waited for
 // and traps, so the XLA call fails with an error instead of hanging.
 __device__ __forceinline__ void wait_at_least(const int* flag, int target, uint64_t timeout_ns,

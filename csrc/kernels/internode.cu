@@ -469,16 +469,9 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   }
   __syncthreads();
   if (a.num_recv_tokens_per_expert == nullptr) return;
-  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) histogram[e] = 0;
-  __syncthreads();
-  const int* landed = reinterpret_cast<const int*>(g.local() + a.L.topk_idx);
-  const int64_t num_slots = int64_t(*a.num_recv_tokens) * a.L.num_topk;
-  for (int64_t i = threadIdx.x; i < num_slots; i += blockDim.x) {
-    const int e = landed[i];
-    if (e >= 0 && e < a.experts_per_rank) atomicAdd(&histogram[e], 1);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.num_recv_tokens_per_expert[e] = histogram[e];
+  // Slots holding each local expert, over the landed rows' top-k ids.
+  BlockBincount(reinterpret_cast<const int*>(g.local() + a.L.topk_idx), a.num_recv_tokens, a.L.num_topk,
+                a.experts_per_rank, histogram, a.num_recv_tokens_per_expert);
 }
 
 struct CopyOutArgs {

@@ -807,15 +807,8 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   if (a.num_recv_tokens_per_expert == nullptr) return;
 
   // Slots holding each local expert, over the valid rows (as the reference's bincount).
-  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) histogram[e] = 0;
-  __syncthreads();
-  const int64_t num_slots = int64_t(*a.num_recv_tokens) * a.num_topk;
-  for (int64_t i = threadIdx.x; i < num_slots; i += blockDim.x) {
-    const int e = a.landed_topk_idx[i];
-    if (e >= 0 && e < a.experts_per_rank) atomicAdd(&histogram[e], 1);
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < a.experts_per_rank; e += blockDim.x) a.num_recv_tokens_per_expert[e] = histogram[e];
+  BlockBincount(a.landed_topk_idx, a.num_recv_tokens, a.num_topk, a.experts_per_rank, histogram,
+                a.num_recv_tokens_per_expert);
 }
 
 // ---------------------------------------------------------------------------

@@ -97,6 +97,7 @@ __device__ __forceinline__ void wait_at_least(const int* flag, int target, uint6
 constexpr int kWarpSize = 32;
 
 // Bit r is set when the token has an expert on rank r.
+static_assert(kMaxRanks <= 32, "TokenRankMask keeps one bit per rank in 32 bits");
 __device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
   uint32_t mask = 0;
   for (int k = 0; k < num_topk; ++k) {

@@ -54,7 +54,6 @@ struct Control {
   int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
-static_assert(kMaxRanks <= 32, "dispatch send keeps a token's destination ranks in one 32-bit mask");
 
 constexpr size_t kReadyOffset = offsetof(Control, ready);
 constexpr size_t kFreedOffset = offsetof(Control, freed);
@@ -346,12 +345,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     const uint4* row = token_row(t);
     if (kFp8 && t != first_token) quantize_row(row, hidden, a.round_scale, staging);
     __syncthreads();
-    const int* experts = a.topk_idx + size_t(t) * num_topk;
-    unsigned dests = 0;
-    for (int k = 0; k < num_topk; ++k) {
-      const int e = experts[k];
-      if (e >= 0 && e < num_experts) dests |= 1u << (e / num_local);
-    }
+    const uint32_t dests = TokenRankMask(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local);
     const int num_dests = __popc(dests);
     const int warps_per_dest = max(1, kWarps / max(1, num_dests));
     const int num_groups = kWarps / warps_per_dest;
@@ -359,7 +353,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
     const size_t row_offset = half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
     for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
-      unsigned rest = dests;
+      uint32_t rest = dests;
       for (int j = 0; j < i; ++j) rest &= rest - 1;  // drop the first i destinations
       tr.put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);

@@ -96,11 +96,6 @@ LaunchConfig MakeConfig(Checker& check, const DeviceState* state, int64_t num_sm
   return LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns), staged != 0 || ipc};
 }
 
-// Chunks of chunk_tokens tokens a dispatch hands out (staged: a record each per source).
-int64_t NumChunks(int64_t num_tokens, const LaunchConfig& config) {
-  return (num_tokens + config.chunk_tokens - 1) / config.chunk_tokens;
-}
-
 // x and x_scales as row arrays: pointers and bytes per row. Returns the hidden size.
 int64_t CheckRows(Checker& check, const char* name, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales,
                   int64_t num_rows, const char* data[kMaxRowArrays], int64_t row_bytes[kMaxRowArrays]) {
@@ -195,7 +190,8 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyBuffer 
   check.Shape("num_recv_tokens", num_recv_tokens->dimensions(), {});
   check.Shape("num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(), {experts_per_rank});
   check.Shape("num_dropped_tokens", num_dropped_tokens->dimensions(), {});
-  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk, NumChunks(num_tokens, config));
+  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk,
+                    intranode::NumChunks(num_tokens, config.chunk_tokens));
   if (auto err = check.Result(); err.failure()) return err;
 
   p.topk_idx = topk_idx.typed_data();
@@ -252,7 +248,8 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device_ordinal, ffi::AnyB
   check.Shape("recv_topk_weights", recv_topk_weights->dimensions(), {num_rows, num_topk});
   check.Expect(num_tokens * num_ranks <= INT_MAX && num_rows * num_topk <= INT_MAX && num_tokens * num_topk <= INT_MAX,
                "too many tokens for 32-bit row indices");
-  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk, NumChunks(num_tokens, config));
+  CheckStagedRegion(check, state, config, num_rows, p.row_bytes, num_topk,
+                    intranode::NumChunks(num_tokens, config.chunk_tokens));
   if (auto err = check.Result(); err.failure()) return err;
 
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;

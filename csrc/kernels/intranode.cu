@@ -319,10 +319,6 @@ __device__ __forceinline__ int NextChunk(int* next_chunk, int lane) {
   return __shfl_sync(0xffffffffu, chunk, 0);
 }
 
-__host__ __device__ __forceinline__ int NumChunks(int64_t num_tokens, int64_t chunk_tokens) {
-  return int((num_tokens + chunk_tokens - 1) / chunk_tokens);
-}
-
 // Calls fn(chunk, begin, end) for chunks [begin, end) of chunk_tokens tokens
 // handed to warps first come, first served (tokens cost 0..R rows, so a
 // static split would not balance). A warp asks for its next chunk before
@@ -330,7 +326,7 @@ __host__ __device__ __forceinline__ int NumChunks(int64_t num_tokens, int64_t ch
 template <typename Fn>
 __device__ __forceinline__ void ForEachChunk(int* next_chunk, int num_tokens, int chunk_tokens, Fn&& fn) {
   const int lane = threadIdx.x % kWarpSize;
-  const int num_chunks = NumChunks(num_tokens, chunk_tokens);
+  const int num_chunks = int(NumChunks(num_tokens, chunk_tokens));
   int chunk = NextChunk(next_chunk, lane);
   while (chunk < num_chunks) {
     const int next = NextChunk(next_chunk, lane);

@@ -106,6 +106,10 @@ struct CombineParams {
 // ceil(tokens / chunk_tokens); 0 for combine) and one int flag per
 // kStagedCopyRows rows (combine).
 constexpr int kStagedCopyRows = 32;
+// Chunks of chunk_tokens tokens a dispatch hands out (staged: a record each per source).
+__host__ __device__ inline int64_t NumChunks(int64_t num_tokens, int64_t chunk_tokens) {
+  return (num_tokens + chunk_tokens - 1) / chunk_tokens;
+}
 size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks);
 
 // Only enqueue work on `stream`.

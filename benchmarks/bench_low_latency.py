@@ -4,6 +4,7 @@ public API under jit; and the device time of each half (send / recv kernel).
 
     python benchmarks/bench_low_latency.py                  # DeepEP's case, all local GPUs
     python benchmarks/bench_low_latency.py --overlap        # also: compute between send and recv
+    python benchmarks/bench_low_latency.py --overlap --overlap-sms 16  # sends beside XLA's stream
     python benchmarks/bench_low_latency.py --json ll.json
 
 DeepEP's case: 128 tokens per rank, hidden 7168, top-8 of 288 experts, FP8
@@ -195,7 +196,7 @@ def profile_chain(run, args, kernels, num_ops):
     return medians, span_per_op(events, num_ops)
 
 
-def make_buffer(mesh, backend, case):
+def make_buffer(mesh, backend, case, overlap_sms=0):
     num_ranks = mesh.shape[AXIS]
     common = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=case.num_tokens, hidden=case.hidden,
                   num_experts=case.num_experts)
@@ -204,7 +205,8 @@ def make_buffer(mesh, backend, case):
     from deep_ep_jax.backends.cuda_low_latency import low_latency_region_bytes
 
     region = low_latency_region_bytes(num_ranks, case.num_experts, case.hidden, case.num_tokens, num_topk=case.topk)
-    return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=1 << 20, num_rdma_bytes=region, **common)
+    return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=1 << 20, num_rdma_bytes=region,
+                              config=deep_ep_jax.Config(low_latency_overlap_sms=overlap_sms), **common)
 
 
 def summarize(op, backend, seconds):
@@ -229,6 +231,9 @@ def main(argv=None):
     parser.add_argument("--chain", type=int, default=50, help="operations per timed program (and twice that)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--overlap", action="store_true", help="also time a matmul placed between send and recv")
+    parser.add_argument("--overlap-sms", type=int, default=0,
+                        help="run the CUDA split sends beside XLA's stream on this many SMs "
+                             "(Config.low_latency_overlap_sms; default 0: on XLA's stream)")
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel device times")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args(argv)
@@ -242,7 +247,8 @@ def main(argv=None):
     print(f"# low-latency mode, EP={num_ranks} on {env['devices'][0]} ({env['platform']}), jax {env['jax']}")
     print(f"# {case.num_tokens} tokens/rank, hidden {case.hidden}, top-{case.topk} of {case.num_experts} experts, "
           f"{'FP8' if case.use_fp8 else 'bf16'} dispatch, bf16 combine; chains of {args.chain} and "
-          f"{2 * args.chain} ops, {args.repeats} repeats; CUDA kernels use every SM")
+          f"{2 * args.chain} ops, {args.repeats} repeats; CUDA kernels use every SM"
+          + (f", but split sends run beside XLA's stream on {args.overlap_sms} SMs" if args.overlap_sms else ""))
     inputs = make_inputs(case, num_ranks)
     # [H, H] per rank (per_rank splits every argument along its first axis)
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
@@ -257,7 +263,7 @@ def main(argv=None):
     print("\n| op | backend | us per op, median | p10-p90 |\n|---|---|---|---|")
     results, kernels = [], {}
     for backend in backends:
-        buffer = make_buffer(mesh, backend, case)
+        buffer = make_buffer(mesh, backend, case, args.overlap_sms)
         try:
             for op in ops:
                 if op in ("glue", "compute") and backend != backends[0]:

@@ -16,6 +16,7 @@ CUDA_SOURCES = [
 # Host code: runtime, XLA FFI handlers, the pybind11 module.
 CXX_SOURCES = [
     "csrc/runtime/registry.cc",
+    "csrc/runtime/side_stream.cc",
     "csrc/ffi/registration.cc",
     "csrc/ffi/layout.cc",
     "csrc/ffi/intranode.cc",

@@ -10,6 +10,8 @@ them without touching code:
   DEEP_EP_JAX_TIMEOUT_S      seconds a device-side wait spins before failing
   DEEP_EP_JAX_CHECKS         1: raise on bad data (expert ids out of range,
                              num_worst_tokens overflow) instead of masking
+  DEEP_EP_JAX_LL_OVERLAP_SMS SMs of the low-latency send halves run beside XLA's
+                             work (default 0: on XLA's stream, see Config)
   DEEP_EP_JAX_GPUS_PER_HOST  GPUs of an EP group per host (default: as the
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
@@ -54,6 +56,13 @@ class Config:
     # Ranks of an EP group on one host, in rank order, are cut into hosts of this
     # many GPUs; ranks on different (real or such) hosts talk through NVSHMEM.
     gpus_per_host: int | None = dataclasses.field(default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST"))
+    # Low-latency send halves (low_latency_*_send): 0 runs them on XLA's stream
+    # (command-buffer compatible; compute placed before the receive waits for
+    # the send). N > 0 runs them on N SMs on a stream beside XLA's, so that
+    # compute between a send and its receive runs while the rows travel; the
+    # send's receive must then come before any other low-latency operation of
+    # the buffer (a second overlapped send excepted).
+    low_latency_overlap_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_LL_OVERLAP_SMS", 0))
 
     def __post_init__(self):
         if not (1 <= self.num_sms <= 132):
@@ -64,6 +73,8 @@ class Config:
             raise ValueError(f"Config.num_warps must be in [1, 16], got {self.num_warps}")
         if not (0 < self.timeout_s <= 3600):
             raise ValueError(f"Config.timeout_s must be in (0, 3600], got {self.timeout_s}")
+        if not (0 <= self.low_latency_overlap_sms <= 132):
+            raise ValueError(f"Config.low_latency_overlap_sms must be in [0, 132], got {self.low_latency_overlap_sms}")
         if self.gpus_per_host is not None and self.gpus_per_host < 1:
             raise ValueError(f"Config.gpus_per_host must be >= 1 or None, got {self.gpus_per_host}")
 

@@ -11,6 +11,7 @@
 #include "ffi/registration.h"
 #include "kernels/low_latency.h"
 #include "runtime/registry.h"
+#include "runtime/side_stream.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -274,11 +275,61 @@ ffi::Error CheckToken(const char* fn, ffi::Span<const int64_t> dims) {
 }
 
 // ---------------------------------------------------------------------------
-// Handlers.
+// Overlapped halves (Config.low_latency_overlap_sms > 0, runtime/side_stream.h):
+// a send runs on the side stream forked from XLA's; its receive joins it. Every
+// other launch on the buffer first checks that no such send is pending, since
+// the side stream runs unordered with XLA's stream until the join.
 
-ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+ffi::Error CudaStatus(const char* fn, const char* what, cudaError_t err) {
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": " + what + ": " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+// Where a send half runs: XLA's stream, or the side stream forked from it.
+ffi::Error SendStream(const char* fn, int device, cudaStream_t xla, bool overlapped, cudaStream_t* stream) {
+  *stream = xla;
+  return overlapped ? CudaStatus(fn, "forking the side stream", ForkSideStream(device, xla, stream))
+                    : ffi::Error::Success();
+}
+
+// After an overlapped send's launch: its receive (same token) joins it.
+ffi::Error RecordSend(const char* fn, int device, int64_t buffer_id, const int* token, bool overlapped) {
+  return overlapped ? CudaStatus(fn, "recording the send", RecordSideSend(device, buffer_id, token))
+                    : ffi::Error::Success();
+}
+
+// Before a receive: XLA's stream waits for its overlapped send.
+ffi::Error JoinSend(const char* fn, int device, int64_t buffer_id, const int* token, cudaStream_t xla, bool overlapped) {
+  if (!overlapped) return ffi::Error::Success();
+  bool found = false;
+  if (auto err = CudaStatus(fn, "joining the send", JoinSideSend(device, buffer_id, token, xla, &found));
+      err.failure()) {
+    return err;
+  }
+  if (!found) {
+    return Invalid(fn, "no overlapped send of this buffer is pending for this token (was the send made with a "
+                       "buffer whose config.low_latency_overlap_sms differs?)");
+  }
+  return ffi::Error::Success();
+}
+
+// Before every other launch on the buffer (an overlapped send excepted).
+ffi::Error CheckNoPendingSend(const char* fn, int device, int64_t buffer_id) {
+  const int pending = PendingSideSends(device, buffer_id);
+  if (pending == 0) return ffi::Error::Success();
+  return Invalid(fn, Str(pending) + " overlapped send(s) of this buffer still wait for their receive; with "
+                     "config.low_latency_overlap_sms, receive them before any other low-latency operation of the "
+                     "buffer");
+}
+
+// ---------------------------------------------------------------------------
+// Handlers. The split halves come twice: on XLA's stream (command-buffer
+// compatible) and overlapped (kOverlapped; not, as they fork and join streams).
+
+template <bool kOverlapped>
+ffi::Error DispatchSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                         ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id, int64_t num_experts,
-                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns) {
+                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
   if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
@@ -287,11 +338,22 @@ ffi::Error DispatchSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, f
     return err;
   }
   if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
+  if (!kOverlapped) {
+    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  }
   args.token = token->typed_data();
-  return Launched(fn, LaunchersFor(args.peers).dispatch_send(args, device, stream));
+  args.max_blocks = int(max_blocks);
+  cudaStream_t stream;
+  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
+  if (auto err = Launched(fn, LaunchersFor(args.peers).dispatch_send(args, device, stream)); err.failure()) return err;
+  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
 }
 
-ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Result<ffi::AnyBuffer> recv_x,
+// keep_alive: an overlapped send's inputs, unused here: XLA keeps them until
+// this call, as the send may read them until the join.
+template <bool kOverlapped>
+ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token,
+                        ffi::RemainingArgs /*keep_alive*/, ffi::Result<ffi::AnyBuffer> recv_x,
                         ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
                         ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> recv_src_token,
                         ffi::ResultBuffer<ffi::S32> recv_src_topk, int64_t buffer_id, int64_t num_topk,
@@ -305,6 +367,10 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S3
   }
   if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
   args.token = token.typed_data();
+  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
+  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
+    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  }
   return Launched(fn, LaunchersFor(args.peers).dispatch_recv(args, device, stream));
 }
 
@@ -315,6 +381,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
                     int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8, bool round_scale,
                     int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch";
+  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
   if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
@@ -333,10 +400,11 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
   return Launched(fn, LaunchersFor(send.peers).dispatch(send, recv, device, stream));
 }
 
-ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+template <bool kOverlapped>
+ffi::Error CombineSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
                        ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
                        ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id,
-                       int64_t num_topk, int64_t timeout_ns) {
+                       int64_t num_topk, int64_t timeout_ns, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_combine_send";
   low_latency::CombineSendArgs args{};
   if (auto err = PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token, recv_src_topk,
@@ -345,13 +413,21 @@ ffi::Error CombineSend(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ff
     return err;
   }
   if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
+  if (!kOverlapped) {
+    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  }
   args.token = token->typed_data();
-  return Launched(fn, LaunchersFor(args.peers).combine_send(args, device, stream));
+  args.max_blocks = int(max_blocks);
+  cudaStream_t stream;
+  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
+  if (auto err = Launched(fn, LaunchersFor(args.peers).combine_send(args, device, stream)); err.failure()) return err;
+  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
 }
 
+template <bool kOverlapped>
 ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
-                       int64_t timeout_ns) {
+                       ffi::Buffer<ffi::F32> topk_weights, ffi::RemainingArgs /*keep_alive, as DispatchRecv*/,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine_recv";
   low_latency::CombineRecvArgs args{};
   if (auto err = PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &args);
@@ -360,6 +436,10 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32
   }
   if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
   args.token = token.typed_data();
+  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
+  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
+    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  }
   return Launched(fn, LaunchersFor(args.peers).combine_recv(args, device, stream));
 }
 
@@ -369,6 +449,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
                    int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine";
+  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
   low_latency::CombineSendArgs send{};
   low_latency::CombineRecvArgs recv{};
   const auto idx_dims = topk_idx.dimensions();
@@ -419,41 +500,53 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
   .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */ \
   .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // token
-                                  DEEP_EP_JAX_DISPATCH_SEND_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
+// The split halves' bindings, for both flavours.
+#define DEEP_EP_JAX_DISPATCH_SEND_BINDING                                                \
+  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS            \
+      .Ret<ffi::Buffer<ffi::S32>>() /* token */                                          \
+      DEEP_EP_JAX_DISPATCH_SEND_ATTRS.Attr<int64_t>("max_blocks")
+#define DEEP_EP_JAX_DISPATCH_RECV_BINDING                                                \
+  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE.Arg<ffi::Buffer<ffi::S32>>() /* token */ \
+      .RemainingArgs() /* keep_alive */                                                  \
+      DEEP_EP_JAX_DISPATCH_RECV_RETS                                                     \
+      .Attr<int64_t>("buffer_id")                                                        \
+      .Attr<int64_t>("num_topk")                                                         \
+      .Attr<int64_t>("timeout_ns")
+#define DEEP_EP_JAX_COMBINE_SEND_BINDING                                       \
+  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS   \
+      .Ret<ffi::Buffer<ffi::S32>>() /* token */                                \
+      .Attr<int64_t>("buffer_id")                                              \
+      .Attr<int64_t>("num_topk")                                               \
+      .Attr<int64_t>("timeout_ns")                                             \
+      .Attr<int64_t>("max_blocks")
+#define DEEP_EP_JAX_COMBINE_RECV_BINDING                                                 \
+  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE.Arg<ffi::Buffer<ffi::S32>>() /* token */ \
+      DEEP_EP_JAX_COMBINE_RECV_ARGS                                                      \
+      .RemainingArgs() /* keep_alive */                                                  \
+      .Ret<ffi::AnyBuffer>() /* out */                                                   \
+      .Attr<int64_t>("buffer_id")                                                        \
+      .Attr<int64_t>("timeout_ns")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, DispatchRecv,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // token
-                                  DEEP_EP_JAX_DISPATCH_RECV_RETS
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_topk")
-                                  .Attr<int64_t>("timeout_ns"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend<false>, DEEP_EP_JAX_DISPATCH_SEND_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, DispatchRecv<false>, DEEP_EP_JAX_DISPATCH_RECV_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, CombineSend<false>, DEEP_EP_JAX_COMBINE_SEND_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, CombineRecv<false>, DEEP_EP_JAX_COMBINE_RECV_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendOverlappedHandler, DispatchSend<true>,
+                              DEEP_EP_JAX_DISPATCH_SEND_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvOverlappedHandler, DispatchRecv<true>,
+                              DEEP_EP_JAX_DISPATCH_RECV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendOverlappedHandler, CombineSend<true>,
+                              DEEP_EP_JAX_COMBINE_SEND_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvOverlappedHandler, CombineRecv<true>,
+                              DEEP_EP_JAX_COMBINE_RECV_BINDING);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, Dispatch,
                               ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS
                                   DEEP_EP_JAX_DISPATCH_RECV_RETS DEEP_EP_JAX_DISPATCH_SEND_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, CombineSend,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // token
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_topk")
-                                  .Attr<int64_t>("timeout_ns"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, CombineRecv,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // token
-                                  DEEP_EP_JAX_COMBINE_RECV_ARGS
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("timeout_ns"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, Combine,
@@ -470,5 +563,13 @@ DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch", LowLatencyDi
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler);
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler);
 DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine", LowLatencyCombineHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send_overlapped",
+                                LowLatencyDispatchSendOverlappedHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv_overlapped",
+                                LowLatencyDispatchRecvOverlappedHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send_overlapped",
+                                LowLatencyCombineSendOverlappedHandler);
+DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv_overlapped",
+                                LowLatencyCombineRecvOverlappedHandler);
 
 }  // namespace deep_ep_jax

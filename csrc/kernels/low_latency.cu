@@ -651,10 +651,16 @@ cudaError_t LaunchCooperative(Kernel kernel, int grid, size_t shared, cudaStream
   return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
+// Blocks of a split send: one per SM, or fewer when it runs beside XLA's work.
+inline int SendBlocks(int max_blocks, int device) {
+  const int sms = DeviceSmCount(device);
+  return max_blocks > 0 ? std::min(max_blocks, sms) : sms;
+}
+
 template <typename Transport>
 struct LaunchersWith {
   static cudaError_t DispatchSend(const DispatchSendArgs& args, int device, cudaStream_t stream) {
-    const int grid = std::max(1, std::min(args.num_tokens, DeviceSmCount(device)));
+    const int grid = std::max(1, std::min(args.num_tokens, SendBlocks(args.max_blocks, device)));
     const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
     auto kernel = args.fp8 ? DispatchSendKernel<Transport, true> : DispatchSendKernel<Transport, false>;
     kernel<<<grid, kThreads, shared, stream>>>(args);
@@ -681,7 +687,8 @@ struct LaunchersWith {
   }
 
   static cudaError_t CombineSend(const CombineSendArgs& args, int device, cudaStream_t stream) {
-    CombineSendKernel<Transport><<<DeviceSmCount(device), kThreads, CombineSendShared(args), stream>>>(args);
+    CombineSendKernel<Transport><<<SendBlocks(args.max_blocks, device), kThreads, CombineSendShared(args), stream>>>(
+        args);
     return cudaGetLastError();
   }
 

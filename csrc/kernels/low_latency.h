@@ -109,6 +109,7 @@ struct DispatchSendArgs {
   int* token;            // [1] out: this operation's sequence number (null in a whole dispatch)
   int num_tokens, num_topk, hidden, num_experts, max_tokens;
   bool fp8, round_scale;
+  int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
 };
 
 struct DispatchRecvArgs {
@@ -134,6 +135,7 @@ struct CombineSendArgs {
   const int* recv_src_topk;
   int* token;  // null in a whole combine
   int num_local_experts, max_tokens, num_topk, hidden;
+  int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
 };
 
 struct CombineRecvArgs {

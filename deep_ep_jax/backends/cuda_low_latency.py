@@ -126,6 +126,9 @@ class DispatchPending:
     hidden: int = dataclasses.field(metadata=dict(static=True))
     num_topk: int = dataclasses.field(metadata=dict(static=True))
     use_fp8: bool = dataclasses.field(metadata=dict(static=True))
+    # An overlapped send's inputs: the receive takes them so that XLA keeps
+    # them while the send, beside XLA's stream, may still read them.
+    keep_alive: tuple = ()
 
 
 @jax.tree_util.register_dataclass
@@ -137,6 +140,7 @@ class CombinePending:
     topk_idx: jax.Array  # int32 [T, K]
     topk_weights: jax.Array  # float32 [T, K]
     hidden: int = dataclasses.field(metadata=dict(static=True))
+    keep_alive: tuple = ()  # as DispatchPending's
 
 
 # Checks --------------------------------------------------------------------
@@ -185,6 +189,21 @@ def _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn):
             f"kernels, got {num_experts}"
         )
     return num_tokens, hidden, num_topk
+
+
+def _half(name, buffer):
+    """The custom call of a split half: overlapped with XLA's work, or on its stream."""
+    return name + "_overlapped" if buffer.config.low_latency_overlap_sms else name
+
+
+def _check_pending(pending, buffer, fn):
+    """A receive must be of the same flavour as its send (overlapped or not)."""
+    if bool(pending.keep_alive) != bool(buffer.config.low_latency_overlap_sms):
+        raise ValueError(
+            f"{fn}: the send was {'' if pending.keep_alive else 'not '}overlapped but this buffer's "
+            f"config.low_latency_overlap_sms is {buffer.config.low_latency_overlap_sms}; receive with the buffer "
+            f"that sent"
+        )
 
 
 def _call(name, out_types, args, buffer, **attrs):
@@ -247,9 +266,11 @@ def low_latency_dispatch_send(
 ):
     pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8,
                                      round_scale, buffer, "low_latency_dispatch_send")
-    (token,) = _call("deep_ep_jax_low_latency_dispatch_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-                     (x, topk_idx.astype(jnp.int32)), buffer, **attrs)
-    return dataclasses.replace(pending, token=token)
+    inputs = (x, topk_idx.astype(jnp.int32))
+    overlap_sms = buffer.config.low_latency_overlap_sms
+    (token,) = _call(_half("deep_ep_jax_low_latency_dispatch_send", buffer), (jax.ShapeDtypeStruct((1,), jnp.int32),),
+                     inputs, buffer, max_blocks=np.int64(overlap_sms), **attrs)
+    return dataclasses.replace(pending, token=token, keep_alive=inputs if overlap_sms else ())
 
 
 def low_latency_dispatch_recv(pending, *, buffer):
@@ -258,8 +279,9 @@ def low_latency_dispatch_recv(pending, *, buffer):
             f"low_latency_dispatch_recv: pending must come from the CUDA low_latency_dispatch_send, "
             f"got {type(pending).__name__}"
         )
-    outputs = _call("deep_ep_jax_low_latency_dispatch_recv", _dispatch_out_types(pending, buffer), (pending.token,),
-                    buffer, num_topk=np.int64(pending.num_topk))
+    _check_pending(pending, buffer, "low_latency_dispatch_recv")
+    outputs = _call(_half("deep_ep_jax_low_latency_dispatch_recv", buffer), _dispatch_out_types(pending, buffer),
+                    (pending.token,) + pending.keep_alive, buffer, num_topk=np.int64(pending.num_topk))
     return _dispatch_results(pending, outputs)
 
 
@@ -297,9 +319,12 @@ def _handle_arrays(handle):
 
 def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     num_topk = _check_combine(x, topk_idx, buffer, "low_latency_combine_send")
-    (token,) = _call("deep_ep_jax_low_latency_combine_send", (jax.ShapeDtypeStruct((1,), jnp.int32),),
-                     (x,) + _handle_arrays(handle), buffer, num_topk=np.int64(num_topk))
-    return CombinePending(token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32), int(x.shape[2]))
+    inputs = (x,) + _handle_arrays(handle)
+    overlap_sms = buffer.config.low_latency_overlap_sms
+    (token,) = _call(_half("deep_ep_jax_low_latency_combine_send", buffer), (jax.ShapeDtypeStruct((1,), jnp.int32),),
+                     inputs, buffer, num_topk=np.int64(num_topk), max_blocks=np.int64(overlap_sms))
+    return CombinePending(token, topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32), int(x.shape[2]),
+                          keep_alive=inputs if overlap_sms else ())
 
 
 def low_latency_combine_recv(pending, *, buffer):
@@ -308,11 +333,12 @@ def low_latency_combine_recv(pending, *, buffer):
             f"low_latency_combine_recv: pending must come from the CUDA low_latency_combine_send, "
             f"got {type(pending).__name__}"
         )
+    _check_pending(pending, buffer, "low_latency_combine_recv")
     num_tokens = pending.topk_idx.shape[0]
     (out,) = _call(
-        "deep_ep_jax_low_latency_combine_recv",
+        _half("deep_ep_jax_low_latency_combine_recv", buffer),
         (jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16),),
-        (pending.token, pending.topk_idx, pending.topk_weights),
+        (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive,
         buffer,
     )
     return out

@@ -31,6 +31,7 @@ MAX_TOKENS = 128  # the buffers' num_max_dispatch_tokens_per_rank
 MAX_TOPK = 9
 MAX_HIDDEN = 7168
 MAX_EXPERTS = 512
+OVERLAP_SMS = 16  # SMs of the overlapped sends
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +39,35 @@ def mesh():
     return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
 
 
-@pytest.fixture(scope="module")
-def buffers(mesh):
+def _cuda_buffer(mesh, config=None):
     num_ranks = mesh.shape[AXIS]
     region = cll.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
+    return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
                               num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_nvl_bytes=1 << 20,
-                              num_rdma_bytes=region)
+                              num_rdma_bytes=region, config=config)
+
+
+@pytest.fixture(scope="module")
+def buffers(mesh):
+    cuda = _cuda_buffer(mesh)
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
                              num_max_dispatch_tokens_per_rank=MAX_TOKENS)
     yield cuda, xla
     cuda.destroy()
+
+
+@pytest.fixture(scope="module")
+def overlapped_buffers(mesh, buffers):
+    """As `buffers`, but the CUDA one runs its split sends beside XLA's stream."""
+    cuda = _cuda_buffer(mesh, deep_ep_jax.Config(low_latency_overlap_sms=OVERLAP_SMS))
+    yield cuda, buffers[1]
+    cuda.destroy()
+
+
+@pytest.fixture(params=["on_stream", "overlapped"])
+def split_buffers(request):
+    """The tests of the split halves run with both flavours of them."""
+    return request.getfixturevalue("buffers" if request.param == "on_stream" else "overlapped_buffers")
 
 
 # Helpers ---------------------------------------------------------------------
@@ -342,13 +361,13 @@ def test_fp8_quantisation(mesh, buffers, round_scale):
     assert (np.abs(deq - src) <= step * 1.0001).all()
 
 
-def test_split_halves(mesh, buffers):
+def test_split_halves(mesh, split_buffers):
     """The *_send / *_recv halves give the same results as the whole calls."""
     num_ranks = mesh.shape[AXIS]
     x, idx, w = _inputs(21, mesh, 100, 1024, 16 * num_ranks, 6, "minus_one")
     kwargs = dict(num_experts=16 * num_ranks, max_tokens=MAX_TOKENS, use_fp8=True, seed=3)
     _poison_outputs(mesh, 16 * num_ranks, MAX_TOKENS, 1024, 100, True)
-    got, want = _run_both(mesh, buffers, functools.partial(_step, split=True), x, idx, w, **kwargs)
+    got, want = _run_both(mesh, split_buffers, functools.partial(_step, split=True), x, idx, w, **kwargs)
     _assert_dispatch_equal(got[:3], want[:3])
     _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (idx, w, 16 * num_ranks)))
 
@@ -375,7 +394,7 @@ def test_duplicates_and_overflow(mesh, buffers):
     assert got[1][0, 0] == num_ranks * num_tokens
 
 
-def test_many_calls_in_fori_loop(mesh, buffers):
+def test_many_calls_in_fori_loop(mesh, split_buffers):
     """250 dispatch -> combine steps in a jitted fori_loop (command buffers on
     by default): routing shifts and data changes every step, each step's
     output feeds the next; the final state must equal the reference's."""
@@ -398,14 +417,14 @@ def test_many_calls_in_fori_loop(mesh, buffers):
 
         return lax.fori_loop(0, steps // 2, body, (x, jnp.zeros(num_experts // num_ranks, jnp.int32)))
 
-    (gx, gcounts), (wx, wcounts) = _run_both(mesh, buffers, loop, x, idx, w)
+    (gx, gcounts), (wx, wcounts) = _run_both(mesh, split_buffers, loop, x, idx, w)
     np.testing.assert_array_equal(gcounts, wcounts)
     assert gcounts.sum() > 0
     _assert_combine_equal(gx, wx)
     assert np.isfinite(np.asarray(gx, np.float32)).all()
 
 
-def test_compute_between_send_and_recv(mesh, buffers):
+def test_compute_between_send_and_recv(mesh, split_buffers):
     """Work placed between the halves (two ops in flight, and a matmul chain)
     neither blocks nor corrupts anything."""
     num_ranks = mesh.shape[AXIS]
@@ -432,7 +451,7 @@ def test_compute_between_send_and_recv(mesh, buffers):
         out = deep_ep_jax.low_latency_combine_recv(pc, buffer=buffer)
         return recv1, count1, h1, recv2, count2, h2, out, z, y
 
-    got, want = _run_both(mesh, buffers, fn, x, idx, w, x2, idx2, z)
+    got, want = _run_both(mesh, split_buffers, fn, x, idx, w, x2, idx2, z)
     _assert_dispatch_equal((tuple(got[0]), got[1], got[2]), (tuple(want[0]), want[1], want[2]))
     _assert_dispatch_equal(((got[3],), got[4], got[5]), ((want[3],), want[4], want[5]))
     _assert_combine_equal(got[6], want[6], explain=((got[8], got[2]), (want[8], want[2]), (idx, w, num_experts)))
@@ -465,3 +484,21 @@ def test_trace_time_errors(mesh, buffers):
             trace(small, 64, 4096, 8, max_tokens=64)
     finally:
         small.destroy()
+
+
+def test_overlapped_send_must_be_received_first(mesh, overlapped_buffers):
+    """With overlapped sends, another operation of the buffer between a send
+    and its receive fails with a message instead of racing the send (last in
+    this file: the refused program leaves that send unreceived)."""
+    cuda, _ = overlapped_buffers
+    num_ranks = mesh.shape[AXIS]
+    x, idx, _ = _inputs(61, mesh, 32, 256, 4 * num_ranks, 2, "random")
+    kwargs = dict(buffer=cuda, num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_experts=4 * num_ranks)
+
+    def fn(x, idx):
+        pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
+        whole = deep_ep_jax.low_latency_dispatch(x, idx, **kwargs)
+        return whole, deep_ep_jax.low_latency_dispatch_recv(pending, buffer=cuda)
+
+    with pytest.raises(Exception, match="still wait for their receive"):
+        jax.block_until_ready(testing.per_rank(fn, mesh, AXIS)(x, idx))

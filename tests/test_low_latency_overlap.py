@@ -1,0 +1,78 @@
+"""The overlapped low-latency halves (Config.low_latency_overlap_sms) as they
+lower, checked on the CPU: their custom calls, the send's SM limit, and the
+receive taking the send's inputs so that XLA keeps them alive."""
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import deep_ep_jax as dej
+from deep_ep_jax import _native
+from deep_ep_jax.backends import cuda_low_latency as cll
+
+NUM_RANKS, NUM_EXPERTS, M, K, H = 2, 16, 8, 4, 256
+
+
+def _buffer(overlap_sms):
+    region = cll.low_latency_region_bytes(NUM_RANKS, NUM_EXPERTS, H, M, num_topk=K)
+    return types.SimpleNamespace(num_ranks=NUM_RANKS, buffer_id=1, backend="cuda", num_rdma_bytes=region,
+                                 config=dej.Config(low_latency_overlap_sms=overlap_sms))
+
+
+def _step(send_buffer, recv_buffer):
+    def step(x, idx, w, y):
+        pending = cll.low_latency_dispatch_send(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
+                                                use_fp8=True, round_scale=False, buffer=send_buffer)
+        recv_x, count, handle = cll.low_latency_dispatch_recv(pending, buffer=recv_buffer)
+        pending = cll.low_latency_combine_send(y, idx, w, handle, buffer=send_buffer)
+        return cll.low_latency_combine_recv(pending, buffer=recv_buffer), recv_x, count
+
+    return step
+
+
+_ARGS = (jax.ShapeDtypeStruct((M, H), jnp.bfloat16), jax.ShapeDtypeStruct((M, K), jnp.int32),
+         jax.ShapeDtypeStruct((M, K), jnp.float32),
+         jax.ShapeDtypeStruct((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * M, H), jnp.bfloat16))
+
+
+def _custom_calls(text):
+    """[(target, number of operands, attribute text)] in program order."""
+    calls = []
+    for m in re.finditer(r"custom_call @(\w+)\(([^)]*)\)(.*)", text):
+        operands = [o for o in m.group(2).split(",") if o.strip()]
+        calls.append((m.group(1), len(operands), m.group(3)))
+    return calls
+
+
+@pytest.mark.parametrize("overlap_sms", [0, 16])
+def test_halves_lower_to_their_flavour(monkeypatch, overlap_sms):
+    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)  # lowering only: no extension needed
+    buffer = _buffer(overlap_sms)
+    text = jax.jit(_step(buffer, buffer)).lower(*_ARGS).as_text()
+    suffix = "_overlapped" if overlap_sms else ""
+    calls = _custom_calls(text)
+    assert [c[0] for c in calls] == [f"deep_ep_jax_low_latency_{half}{suffix}" for half in
+                                     ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
+    (_, _, send_attrs), (_, recv_operands, _), (_, _, combine_send_attrs), (_, combine_recv_operands, _) = calls
+    assert f"max_blocks = {overlap_sms} : i64" in send_attrs
+    assert f"max_blocks = {overlap_sms} : i64" in combine_send_attrs
+    # The token, then (overlapped) the send's inputs: x and topk_idx; x and the handle's four arrays.
+    assert recv_operands == (1 + 2 if overlap_sms else 1)
+    assert combine_recv_operands == (3 + 5 if overlap_sms else 3)
+
+
+def test_receive_of_the_other_flavour_is_refused(monkeypatch):
+    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)
+    with pytest.raises(ValueError, match="overlapped .* receive with the buffer that sent"):
+        jax.jit(_step(_buffer(16), _buffer(0))).lower(*_ARGS)
+
+
+def test_config_bounds(monkeypatch):
+    assert dej.Config().low_latency_overlap_sms == 0
+    monkeypatch.setenv("DEEP_EP_JAX_LL_OVERLAP_SMS", "20")
+    assert dej.Config().low_latency_overlap_sms == 20
+    with pytest.raises(ValueError, match="low_latency_overlap_sms"):
+        dej.Config(low_latency_overlap_sms=-1)

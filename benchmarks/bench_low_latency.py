@@ -196,6 +196,28 @@ def profile_chain(run, args, kernels, num_ops):
     return medians, span_per_op(events, num_ops)
 
 
+def send_overlap(run, args):
+    """{gpu plane: fraction of the send kernels' device time during which a
+    kernel other than a low-latency one ran on that GPU}, from one profile of
+    a chain: the direct sign that compute overlapped the transfer."""
+    events = kernel_events(run, args, HALF_KERNELS + ("",))  # "" matches every kernel
+    fractions = {}
+    for gpu in {g for g, _ in events}:
+        sends = sorted(e for k in HALF_KERNELS if "Send" in k for e in events.get((gpu, k), []))
+        low_latency = {e for k in HALF_KERNELS for e in events.get((gpu, k), [])}
+        others = sorted(e for e in events.get((gpu, ""), []) if e not in low_latency)
+        covered = total = 0
+        for start, end in sends:
+            total += end - start
+            cursor = start  # the union of the other kernels' intervals within [start, end]
+            for o_start, o_end in others:
+                if o_end > cursor and o_start < end:
+                    covered += min(o_end, end) - max(o_start, cursor)
+                    cursor = min(o_end, end)
+        fractions[gpu] = covered / total if total else float("nan")
+    return fractions
+
+
 def make_buffer(mesh, backend, case, overlap_sms=0):
     num_ranks = mesh.shape[AXIS]
     common = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=case.num_tokens, hidden=case.hidden,
@@ -254,7 +276,7 @@ def main(argv=None):
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
     ops = ["glue", "dispatch", "combine", "pair", "split pair"] + (["compute", "pair+compute"] if args.overlap else [])
     profiled = {"dispatch": WHOLE_KERNELS[:1], "combine": WHOLE_KERNELS[1:], "pair": WHOLE_KERNELS,
-                "split pair": HALF_KERNELS}
+                "split pair": HALF_KERNELS, "compute": ("",), "pair+compute": ("",)}  # "": every kernel
     spans = {}  # op -> {gpu: seconds per op}
 
     overhead = call_overhead(mesh, inputs, args.repeats)
@@ -279,6 +301,10 @@ def main(argv=None):
                         medians, spans[op] = profile_chain(long, long_args, profiled[op], 2 * args.chain)
                         if op in ("pair", "split pair"):
                             kernels.update(medians)
+                        if op == "pair+compute":
+                            overlap = send_overlap(long, long_args)
+                            print("# send kernels' time with other kernels beside them: " + ", ".join(
+                                f"{gpu} {f:.0%}" for gpu, f in sorted(overlap.items())))
                     except Exception as e:  # e.g. no CUPTI: the timings above still stand
                         print(f"# no per-kernel profile: {type(e).__name__}: {e}")
         finally:

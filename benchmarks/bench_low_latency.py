@@ -87,17 +87,17 @@ def _compute(z, m):
     return jnp.tanh(z @ m)
 
 
-def _split_pair(buffer, case, x, idx, w, y, between=lambda: None):
-    """Dispatch then combine through their send/recv halves; `between()` is
-    traced between each send and its recv. Returns (out, recv_x, count, handle)."""
+def _split_pair(buffer, case, x, idx, w, y, between=lambda pending: pending):
+    """Dispatch then combine through their send/recv halves; `between(pending)`
+    runs between each send and its recv and returns the pending value to
+    receive. Returns (out, recv_x, count, handle)."""
     pending = deep_ep_jax.low_latency_dispatch_send(
         x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens, num_experts=case.num_experts,
         use_fp8=case.use_fp8)
-    between()
+    pending = between(pending)
     # Barriers as in _dispatch/_combine: the xla backend must compute the whole outputs.
     recv_x, count, handle = lax.optimization_barrier(deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer))
-    pending = deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
-    between()
+    pending = between(deep_ep_jax.low_latency_combine_send(y, idx, w, handle, buffer=buffer))
     out = lax.optimization_barrier(deep_ep_jax.low_latency_combine_recv(pending, buffer=buffer))
     return out, recv_x, count, handle
 
@@ -153,9 +153,10 @@ def make_chain(op, buffer, mesh, case, length):
         def fn(x, idx, w, y, m):
             z = x
 
-            def step():
+            def step(pending):
                 nonlocal z
-                z = _compute(z, m)
+                pending, z = deep_ep_jax.low_latency_overlap(pending, _compute, z, m)
+                return pending
 
             for _ in range(length):
                 out, recv_x, count, handle = _split_pair(buffer, case, x, idx, w, y, between=step)

@@ -15,6 +15,7 @@ from deep_ep_jax.low_latency import (
     low_latency_dispatch,
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
+    low_latency_overlap,
 )
 from deep_ep_jax.normal import combine, dispatch, get_dispatch_layout
 
@@ -34,4 +35,5 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
+    "low_latency_overlap",
 ]

@@ -1,8 +1,8 @@
 """Low-latency mode (decode): static shapes, one row per (token, expert).
 
-Each operation comes whole and as a send half and a receive half, so XLA can
-schedule other work (attention, shared experts) between them while the rows
-are in flight (DeepEP's `return_recv_hook`). On the CUDA backend a whole
+Each operation comes whole and as a send half and a receive half, so other
+work (attention, shared experts) can run between them while the rows are in
+flight (DeepEP's `return_recv_hook`); `low_latency_overlap` places it there. On the CUDA backend a whole
 operation is one kernel, a half one kernel each. Not differentiable: decode
 only.
 
@@ -18,6 +18,7 @@ it waited for; it never corrupts data.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from deep_ep_jax import validation as v
@@ -143,3 +144,19 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     then `_recv`, in one kernel."""
     args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine")
     return buffer.ops.low_latency_combine(*args, buffer=buffer)
+
+
+def low_latency_overlap(pending, fn, *args):
+    """Runs fn(*args) between the send that returned `pending` and its
+    receive; returns (pending for the receive, fn's result).
+
+    XLA orders work by data only, so compute written between a send and its
+    receive may be scheduled before the send or after the receive. This ties
+    fn's inputs to the send's result and the receive's input to fn's result
+    (optimization barriers, no copies). With the CUDA backend and
+    `Config.low_latency_overlap_sms` > 0, fn then runs while the send's rows
+    travel; with the default 0 the send ends before fn starts.
+    """
+    pending, args = lax.optimization_barrier((pending, args))
+    out = fn(*args)
+    return lax.optimization_barrier((pending, out))

@@ -76,3 +76,27 @@ def test_config_bounds(monkeypatch):
     assert dej.Config().low_latency_overlap_sms == 20
     with pytest.raises(ValueError, match="low_latency_overlap_sms"):
         dej.Config(low_latency_overlap_sms=-1)
+
+
+def test_overlap_places_compute_between_the_halves(monkeypatch):
+    """low_latency_overlap ties the compute to the send's result and the
+    receive to the compute's, so XLA cannot move it before or after them."""
+    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)
+    buffer = _buffer(16)
+
+    def step(x, idx, w, y):
+        pending = cll.low_latency_dispatch_send(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
+                                                use_fp8=True, round_scale=False, buffer=buffer)
+        pending, z = dej.low_latency_overlap(pending, lambda a: jnp.tanh(a @ a.T), w)
+        return cll.low_latency_dispatch_recv(pending, buffer=buffer), z
+
+    text = jax.jit(step).lower(*_ARGS).as_text()
+    send = re.search(r"(%\d+) = stablehlo.custom_call @deep_ep_jax_low_latency_dispatch_send", text).group(1)
+    first, second = re.findall(r"(%\d+):\d+ = stablehlo.optimization_barrier (.*) :", text)
+    assert send in first[1].split(", ")  # the compute's inputs wait for the send ...
+    dot = re.search(r"stablehlo.dot_general (%\S+),", text).group(1)
+    assert dot.startswith(first[0] + "#")  # ... the compute reads them ...
+    tanh = re.search(r"(%\d+) = stablehlo.tanh", text).group(1)
+    assert tanh in second[1].split(", ")  # ... and the receive waits for its result
+    recv = re.search(r"custom_call @deep_ep_jax_low_latency_dispatch_recv_overlapped\((%[^,)]+)", text).group(1)
+    assert recv.startswith(second[0] + "#")

@@ -442,12 +442,12 @@ def test_compute_between_send_and_recv(mesh, split_buffers):
         kw = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=num_tokens, num_experts=num_experts)
         p1 = deep_ep_jax.low_latency_dispatch_send(x, idx, **kw)
         p2 = deep_ep_jax.low_latency_dispatch_send(x2, idx2, use_fp8=False, **kw)  # two in flight
-        z = heavy(z)
+        (p1, p2), z = deep_ep_jax.low_latency_overlap((p1, p2), heavy, z)
         recv1, count1, h1 = deep_ep_jax.low_latency_dispatch_recv(p1, buffer=buffer)
         recv2, count2, h2 = deep_ep_jax.low_latency_dispatch_recv(p2, buffer=buffer)
         y = _dequantize(tuple(recv1))
         pc = deep_ep_jax.low_latency_combine_send(y, idx, w, h1, buffer=buffer)
-        z = heavy(z)
+        pc, z = deep_ep_jax.low_latency_overlap(pc, heavy, z)
         out = deep_ep_jax.low_latency_combine_recv(pc, buffer=buffer)
         return recv1, count1, h1, recv2, count2, h2, out, z, y
 
@@ -497,7 +497,9 @@ def test_overlapped_send_must_be_received_first(mesh, overlapped_buffers):
 
     def fn(x, idx):
         pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
-        whole = deep_ep_jax.low_latency_dispatch(x, idx, **kwargs)
+        # The whole dispatch between the halves (XLA orders by data only).
+        pending, whole = deep_ep_jax.low_latency_overlap(
+            pending, lambda x, idx: deep_ep_jax.low_latency_dispatch(x, idx, **kwargs), x, idx)
         return whole, deep_ep_jax.low_latency_dispatch_recv(pending, buffer=cuda)
 
     with pytest.raises(Exception, match="still wait for their receive"):

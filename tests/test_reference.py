@@ -208,3 +208,32 @@ def test_low_latency_contract(use_fp8, kind):
         np.asarray(out, np.float32).reshape(want.shape), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32),
         rtol=1e-2, atol=1e-2,
     )
+
+
+def test_low_latency_halves_with_overlap_match_whole_operations():
+    """The halves, with compute placed between them by low_latency_overlap,
+    give the whole operations' results, and the compute's own."""
+    num_ranks, max_tokens, num_experts, topk = 4, 8, 16, 3
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
+    idx, w = dt.make_routing(8, num_ranks * max_tokens, num_experts, topk, num_ranks, "minus_one")
+    x = dt.random_rows(9, (num_ranks * max_tokens, H))
+    z = dt.random_rows(10, (num_ranks * 16, 16), jnp.float32)
+    kw = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts, use_fp8=False)
+
+    def step(x, idx, w, z):
+        recv_x, count, handle = dej.low_latency_dispatch(x, idx, **kw)
+        whole = dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
+        pending = dej.low_latency_dispatch_send(x, idx, **kw)
+        pending, z1 = dej.low_latency_overlap(pending, lambda a: jnp.tanh(a @ a.T), z)
+        split_x, split_count, split_handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
+        pending = dej.low_latency_combine_send(split_x, idx, w, split_handle, buffer=buffer)
+        pending, z2 = dej.low_latency_overlap(pending, lambda a: a * 2, z1)
+        split = dej.low_latency_combine_recv(pending, buffer=buffer)
+        return (recv_x, count, whole), (split_x, split_count, split), z2
+
+    want, got, z2 = dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), z)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    zs = np.asarray(z).reshape(num_ranks, 16, 16)
+    np.testing.assert_allclose(np.asarray(z2).reshape(zs.shape), 2 * np.tanh(zs @ zs.transpose(0, 2, 1)), atol=1e-5)

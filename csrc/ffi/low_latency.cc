@@ -322,6 +322,24 @@ ffi::Error CheckNoPendingSend(const char* fn, int device, int64_t buffer_id) {
                      "buffer");
 }
 
+// The shared tail of the send halves: the token, the pending-send check, then
+// the launch on XLA's stream or (overlapped) on the side stream.
+template <bool kOverlapped, typename Args>
+ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buffer_id,
+                      ffi::ResultBuffer<ffi::S32>& token, int64_t max_blocks, Args& args,
+                      cudaError_t (*launch)(const Args&, int, cudaStream_t)) {
+  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
+  if (!kOverlapped) {
+    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  }
+  args.token = token->typed_data();
+  args.max_blocks = int(max_blocks);
+  cudaStream_t stream;
+  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
+  if (auto err = Launched(fn, launch(args, device, stream)); err.failure()) return err;
+  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
+}
+
 // ---------------------------------------------------------------------------
 // Handlers. The split halves come twice: on XLA's stream (command-buffer
 // compatible) and overlapped (kOverlapped; not, as they fork and join streams).
@@ -337,16 +355,8 @@ ffi::Error DispatchSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi:
       err.failure()) {
     return err;
   }
-  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
-  if (!kOverlapped) {
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
-  }
-  args.token = token->typed_data();
-  args.max_blocks = int(max_blocks);
-  cudaStream_t stream;
-  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
-  if (auto err = Launched(fn, LaunchersFor(args.peers).dispatch_send(args, device, stream)); err.failure()) return err;
-  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
+  return LaunchSend<kOverlapped>(fn, device, xla, buffer_id, token, max_blocks, args,
+                                 LaunchersFor(args.peers).dispatch_send);
 }
 
 // keep_alive: an overlapped send's inputs, unused here: XLA keeps them until
@@ -412,16 +422,8 @@ ffi::Error CombineSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi::
       err.failure()) {
     return err;
   }
-  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
-  if (!kOverlapped) {
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
-  }
-  args.token = token->typed_data();
-  args.max_blocks = int(max_blocks);
-  cudaStream_t stream;
-  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
-  if (auto err = Launched(fn, LaunchersFor(args.peers).combine_send(args, device, stream)); err.failure()) return err;
-  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
+  return LaunchSend<kOverlapped>(fn, device, xla, buffer_id, token, max_blocks, args,
+                                 LaunchersFor(args.peers).combine_send);
 }
 
 template <bool kOverlapped>

@@ -18,6 +18,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "runtime/side_stream.h"
+
 namespace deep_ep_jax {
 namespace {
 
@@ -405,6 +407,7 @@ void DestroyBuffer(int64_t buffer_id) {
     CloseMappings(device, ptrs);
   }
   FreeStates(states);  // synchronises each device first
+  ForgetSideSends(buffer_id);  // overlapped sends never received (a refused program's)
   if (release) release();
 }
 

@@ -95,4 +95,18 @@ int PendingSideSends(int device, int64_t buffer_id) {
   return n;
 }
 
+void ForgetSideSends(int64_t buffer_id) {
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& [device, side] : sides) {
+    for (auto it = side.pending.begin(); it != side.pending.end();) {
+      if (std::get<0>(it->first) != buffer_id) {
+        ++it;
+        continue;
+      }
+      side.idle.push_back(it->second);
+      it = side.pending.erase(it);
+    }
+  }
+}
+
 }  // namespace deep_ep_jax

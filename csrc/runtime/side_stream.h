@@ -23,5 +23,8 @@ cudaError_t RecordSideSend(int device, int64_t buffer_id, const void* key);
 cudaError_t JoinSideSend(int device, int64_t buffer_id, const void* key, cudaStream_t xla, bool* found);
 // Sends of the buffer forked on this device and not joined yet.
 int PendingSideSends(int device, int64_t buffer_id);
+// Drops the buffer's pending sends on every device (their work must be done:
+// DestroyBuffer synchronises the devices first).
+void ForgetSideSends(int64_t buffer_id);
 
 }  // namespace deep_ep_jax

@@ -2,9 +2,9 @@
 
 Each operation comes whole and as a send half and a receive half, so other
 work (attention, shared experts) can run between them while the rows are in
-flight (DeepEP's `return_recv_hook`); `low_latency_overlap` places it there. On the CUDA backend a whole
-operation is one kernel, a half one kernel each. Not differentiable: decode
-only.
+flight (DeepEP's `return_recv_hook`); `low_latency_overlap` places it there.
+On the CUDA backend a whole operation is one kernel, a half one kernel each.
+Not differentiable: decode only.
 
 The CUDA kernels double-buffer, as DeepEP does: at most two low-latency
 operations of a buffer may be in flight, i.e. the send of an operation must
@@ -18,8 +18,8 @@ it waited for; it never corrupts data.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from deep_ep_jax import validation as v
 from deep_ep_jax.handle import LowLatencyHandle

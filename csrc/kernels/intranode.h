@@ -99,17 +99,18 @@ struct CombineParams {
   float* out_weights;    // [T, K] or null
 };
 
-// Bytes of the normal region (control included) that a staged call needs:
-// num_rows rows of each row array, then [num_rows, num_topk] ids and weights
-// and [num_rows] source indices, then the copy role's synchronisation:
-// [kMaxRanks][num_chunks] chunk records of 16 bytes (dispatch: num_chunks =
-// ceil(tokens / chunk_tokens); 0 for combine) and one int flag per
-// kStagedCopyRows rows (combine).
-constexpr int kStagedCopyRows = 32;
 // Chunks of chunk_tokens tokens a dispatch hands out (staged: a record each per source).
 __host__ __device__ inline int64_t NumChunks(int64_t num_tokens, int64_t chunk_tokens) {
   return (num_tokens + chunk_tokens - 1) / chunk_tokens;
 }
+
+// Bytes of the normal region (control included) that a staged call needs:
+// num_rows rows of each row array, then [num_rows, num_topk] ids and weights
+// and [num_rows] source indices, then the copy role's synchronisation:
+// [kMaxRanks][num_chunks] chunk records of 16 bytes (dispatch: num_chunks =
+// NumChunks(tokens, chunk_tokens); 0 for combine) and, per kStagedCopyRows
+// rows, kMaxRanks int flags, one per source (combine).
+constexpr int kStagedCopyRows = 32;
 size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks);
 
 // Only enqueue work on `stream`.

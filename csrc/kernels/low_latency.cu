@@ -632,7 +632,8 @@ __global__ void __launch_bounds__(kThreads) CombineKernel(CombineSendArgs send, 
   combine_recv<Transport>(recv, combine_send<Transport>(send, smem));
 }
 
-// Launchers, for a transport. Decode runs alone, so the kernels take every SM.
+// Launchers, for a transport. Decode runs alone, so the kernels take every SM
+// (a split send overlapped with XLA's work takes fewer: SendBlocks).
 // The whole operations are cooperative launches: their receive phase waits
 // for every block's send phase, so all blocks must be resident at once (one
 // per SM; the launch fails rather than hangs if not).

@@ -190,18 +190,19 @@ def call_overhead(mesh, inputs, repeats):
 
 
 def profile_chain(run, args, kernels, num_ops):
-    """From one profile of a chain: the median device time (s) of each kernel
-    per GPU, and the device time per operation per GPU (span_per_op)."""
+    """From one profile of a chain: its kernel events, the median device time
+    (s) of each kernel per GPU, and the device time per operation per GPU
+    (span_per_op)."""
     events = kernel_events(run, args, kernels)
     medians = {key: float(np.median([(end - start) * 1e-9 for start, end in v])) for key, v in events.items()}
-    return medians, span_per_op(events, num_ops)
+    return events, medians, span_per_op(events, num_ops)
 
 
-def send_overlap(run, args):
+def send_overlap(events):
     """{gpu plane: fraction of the send kernels' device time during which a
-    kernel other than a low-latency one ran on that GPU}, from one profile of
-    a chain: the direct sign that compute overlapped the transfer."""
-    events = kernel_events(run, args, HALF_KERNELS + ("",))  # "" matches every kernel
+    kernel other than a low-latency one ran on that GPU}, from a chain's
+    events of HALF_KERNELS and "" (every kernel): the direct sign that compute
+    overlapped the transfer."""
     fractions = {}
     for gpu in {g for g, _ in events}:
         sends = sorted(e for k in HALF_KERNELS if "Send" in k for e in events.get((gpu, k), []))
@@ -277,7 +278,7 @@ def main(argv=None):
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
     ops = ["glue", "dispatch", "combine", "pair", "split pair"] + (["compute", "pair+compute"] if args.overlap else [])
     profiled = {"dispatch": WHOLE_KERNELS[:1], "combine": WHOLE_KERNELS[1:], "pair": WHOLE_KERNELS,
-                "split pair": HALF_KERNELS, "compute": ("",), "pair+compute": ("",)}  # "": every kernel
+                "split pair": HALF_KERNELS, "compute": ("",), "pair+compute": HALF_KERNELS + ("",)}  # "": every kernel
     spans = {}  # op -> {gpu: seconds per op}
 
     overhead = call_overhead(mesh, inputs, args.repeats)
@@ -299,11 +300,11 @@ def main(argv=None):
                 print(format_row(results[-1]), flush=True)
                 if op in profiled and backend == "cuda" and not args.no_profile:
                     try:
-                        medians, spans[op] = profile_chain(long, long_args, profiled[op], 2 * args.chain)
+                        events, medians, spans[op] = profile_chain(long, long_args, profiled[op], 2 * args.chain)
                         if op in ("pair", "split pair"):
                             kernels.update(medians)
                         if op == "pair+compute":
-                            overlap = send_overlap(long, long_args)
+                            overlap = send_overlap(events)
                             print("# send kernels' time with other kernels beside them: " + ", ".join(
                                 f"{gpu} {f:.0%}" for gpu, f in sorted(overlap.items())))
                     except Exception as e:  # e.g. no CUPTI: the timings above still stand

@@ -58,10 +58,6 @@ def span_per_op(events, num_ops):
     return {gpu: (max(e for _, e in v) - min(s for s, _ in v)) * 1e-9 / num_ops for gpu, v in by_gpu.items() if v}
 
 
-def median_durations(run, args, patterns):
-    return {key: float(np.median(v)) for key, v in kernel_durations(run, args, patterns).items()}
-
-
 def chain_seconds(short, long, args, length, repeats):
     """One sample per repeat: (time of the 2n chain - time of the n chain) / n."""
     for run in (short, long, short, long):  # compile, warm up

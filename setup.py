@@ -8,7 +8,7 @@ parallel, into one shared module linked against the static CUDA runtime.
   pip install --no-build-isolation --no-deps -e .  # offline, with jax and pybind11 already installed
   python setup.py build_ext --inplace           # offline, incremental, no install
 
-Environment:
+Environment (all but MAX_JOBS read by build_tools/discover.py, which bazel/configure.py uses too):
   CUDA_HOME                  CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH)
   DEEP_EP_JAX_CUDA_ARCHS     architectures, e.g. "90", "90;100", "90a", "90+PTX" (default: sources.bzl)
   DEEP_EP_JAX_NO_CUDA=1      install the pure-Python package even when nvcc is present
@@ -20,46 +20,19 @@ Environment:
 import concurrent.futures
 import glob
 import os
-import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)  # build_tools/, which pip's build backend does not put on the path
 
+from build_tools import discover  # noqa: E402  (nvcc, headers, NVSHMEM: shared with bazel/configure.py)
 
-def load_sources():
-    scope = {}
-    with open(os.path.join(ROOT, "csrc", "sources.bzl")) as f:
-        exec(f.read(), scope)
-    return scope
-
-
-SOURCES = load_sources()
-
-
-def find_nvcc():
-    candidates = []
-    if os.environ.get("CUDA_HOME"):
-        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    candidates.append(shutil.which("nvcc"))
-    for path in candidates:
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
-
-
-def cuda_archs():
-    """["90", "90a", "90+PTX", ...] from DEEP_EP_JAX_CUDA_ARCHS or sources.bzl."""
-    env = os.environ.get("DEEP_EP_JAX_CUDA_ARCHS")
-    if not env:
-        return list(SOURCES["CUDA_ARCHS"])
-    return [a.strip().replace(".", "") for a in env.replace(",", ";").split(";") if a.strip()]
+SOURCES = discover.read_bzl(os.path.join(ROOT, "csrc", "sources.bzl"))
 
 
 def gencode_flags(archs):
@@ -75,46 +48,11 @@ def gencode_flags(archs):
     return flags, names
 
 
-def find_nvshmem():
-    """NVSHMEM's root (include/, lib/ with libnvshmem_device.a and
-    libnvshmem_host.so.N) and None, or None and why it is not used."""
-    if os.environ.get("DEEP_EP_JAX_NO_NVSHMEM") == "1":
-        return None, "DEEP_EP_JAX_NO_NVSHMEM=1"
-    candidates = [os.environ["NVSHMEM_HOME"]] if os.environ.get("NVSHMEM_HOME") else []
-    if not candidates:
-        try:
-            import nvidia.nvshmem  # the nvidia-nvshmem-cu13 wheel (a namespace package)
-
-            candidates += list(nvidia.nvshmem.__path__)
-        except ImportError:
-            pass
-        # pip's isolated build does not see the target environment's packages; look there too.
-        for key in ("purelib", "platlib"):
-            candidates.append(os.path.join(sysconfig.get_paths()[key], "nvidia", "nvshmem"))
-    for home in candidates:
-        if (os.path.isfile(os.path.join(home, "include", "nvshmem.h"))
-                and os.path.isfile(os.path.join(home, "lib", "libnvshmem_device.a"))
-                and nvshmem_host_lib(home)):
-            return os.path.abspath(home), None
-    return None, "NVSHMEM not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME)"
-
-
-def nvshmem_host_lib(home):
-    """File name of the host library, e.g. libnvshmem_host.so.3 (the wheel has no unversioned .so)."""
-    libs = sorted(os.path.basename(p) for p in glob.glob(os.path.join(home, "lib", "libnvshmem_host.so*")))
-    return libs[0] if libs else None
-
-
 def include_flags():
-    import jax  # a build requirement: its jaxlib ships the XLA FFI headers
-    import pybind11
-
-    python_include = sysconfig.get_paths()["include"]
-    if not os.path.isfile(os.path.join(python_include, "Python.h")):
-        raise RuntimeError(f"Python.h not found in {python_include}: install the Python development headers")
     ours = [f"-I{os.path.join(ROOT, d)}" for d in SOURCES["INCLUDE_DIRS"]]
     # Third-party headers as system headers: their warnings are not ours.
-    theirs = [f"-isystem={d}" for d in (jax.ffi.include_dir(), pybind11.get_include(), python_include)]
+    theirs = [f"-isystem={d}" for d in (discover.xla_ffi_include(), discover.pybind11_include(),
+                                         discover.python_include())]
     return ours + theirs
 
 
@@ -141,11 +79,10 @@ class NvccBuildExt(build_ext):
 
     def build_extension(self, ext):
         start = time.time()
-        nvcc = find_nvcc()
-        archs = cuda_archs()
-        gencode, arch_names = gencode_flags(archs)
+        nvcc = discover.nvcc()
+        gencode, arch_names = gencode_flags(discover.cuda_archs() or SOURCES["CUDA_ARCHS"])
         common = include_flags()
-        nvshmem, why_not = find_nvshmem()
+        nvshmem, why_not = discover.nvshmem()
         if nvshmem:
             common += list(SOURCES["NVSHMEM_DEFINES"])
         common.append(f'-DDEEP_EP_JAX_CUDA_ARCHS="{",".join(arch_names)}"')
@@ -216,7 +153,7 @@ class NvccBuildExt(build_ext):
             dlink = os.path.join(obj_dir, "nvshmem_dlink.o")
             cmd = [nvcc, "-dlink"] + list(SOURCES["NVSHMEM_DLINK_FLAGS"]) + gencode + rdc_objects + [device_lib, "-o", dlink]
             run_if_stale(cmd, dlink, rdc_objects + [device_lib], "nvcc -dlink")
-            link_inputs = objects + [dlink, device_lib, f"-L{lib}", f"-l:{nvshmem_host_lib(nvshmem)}",
+            link_inputs = objects + [dlink, device_lib, f"-L{lib}", f"-l:{discover.nvshmem_host_lib(nvshmem)}",
                                      f"-Xlinker=-rpath={lib}"]
             link_files = objects + [dlink, device_lib]
         cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + link_inputs + ["-o", out]
@@ -227,10 +164,10 @@ class NvccBuildExt(build_ext):
 
 
 def extensions():
-    if os.environ.get("DEEP_EP_JAX_NO_CUDA") == "1":
+    if discover.cuda_disabled():
         print("deep_ep_jax: DEEP_EP_JAX_NO_CUDA=1, installing the pure-Python package (xla backend only)")
         return []
-    if find_nvcc() is None:
+    if discover.nvcc() is None:
         print("deep_ep_jax: nvcc not found (set CUDA_HOME), installing the pure-Python package (xla backend only)")
         return []
     # The sources are listed for setuptools' checks; NvccBuildExt compiles them.

@@ -19,6 +19,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # build_tools/, when run as `python bazel/check_same_as_setup.py`
+
+from build_tools import discover  # noqa: E402
+
 WORKSPACE_NAME = "deep_ep_jax_repo"  # as in WORKSPACE
 RUNFILES = os.path.join(ROOT, "bazel-bin", "cpu_tests.runfiles", WORKSPACE_NAME)
 
@@ -34,13 +38,6 @@ PROBE = """
 import json, deep_ep_jax._C as m
 print(json.dumps({"file": m.__file__, "ffi_targets": sorted(m.ffi_targets()), "cuda_archs": m.cuda_archs()}))
 """
-
-
-def local_config():
-    scope = {}
-    with open(os.path.join(ROOT, "bazel", "local_config.bzl")) as f:
-        exec(f.read(), scope)
-    return scope
 
 
 def setup_py_commands():
@@ -168,7 +165,7 @@ def compare_modules():
 
 
 def main():
-    config = local_config()
+    config = discover.read_bzl(os.path.join(ROOT, "bazel", "local_config.bzl"))
     if os.path.dirname(os.path.abspath(sys.executable)) != os.path.dirname(config["PYTHON"]):
         sys.exit(f"run this with the configured Python {config['PYTHON']}")
     same_commands = compare_commands(config)

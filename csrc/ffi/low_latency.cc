@@ -275,51 +275,19 @@ ffi::Error CheckToken(const char* fn, ffi::Span<const int64_t> dims) {
 }
 
 // ---------------------------------------------------------------------------
-// Overlapped halves (Config.low_latency_overlap_sms > 0, runtime/side_stream.h):
-// a send runs on the side stream forked from XLA's; its receive joins it. Every
-// other launch on the buffer first checks that no such send is pending, since
-// the side stream runs unordered with XLA's stream until the join.
+// Overlapped halves (Config.low_latency_overlap_sms > 0): runtime/side_stream.h
+// holds the policy; these report its refusals and CUDA failures.
 
-ffi::Error CudaStatus(const char* fn, const char* what, cudaError_t err) {
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": " + what + ": " + cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// Where a send half runs: XLA's stream, or the side stream forked from it.
-ffi::Error SendStream(const char* fn, int device, cudaStream_t xla, bool overlapped, cudaStream_t* stream) {
-  *stream = xla;
-  return overlapped ? CudaStatus(fn, "forking the side stream", ForkSideStream(device, xla, stream))
-                    : ffi::Error::Success();
-}
-
-// After an overlapped send's launch: its receive (same token) joins it.
-ffi::Error RecordSend(const char* fn, int device, int64_t buffer_id, const int* token, bool overlapped) {
-  return overlapped ? CudaStatus(fn, "recording the send", RecordSideSend(device, buffer_id, token))
-                    : ffi::Error::Success();
-}
-
-// Before a receive: XLA's stream waits for its overlapped send.
-ffi::Error JoinSend(const char* fn, int device, int64_t buffer_id, const int* token, cudaStream_t xla, bool overlapped) {
-  if (!overlapped) return ffi::Error::Success();
-  bool found = false;
-  if (auto err = CudaStatus(fn, "joining the send", JoinSideSend(device, buffer_id, token, xla, &found));
-      err.failure()) {
-    return err;
+ffi::Error SideStreamError(const char* fn, const SideStreamStatus& status) {
+  switch (status.code) {
+    case SideStreamStatus::kOk:
+      return ffi::Error::Success();
+    case SideStreamStatus::kRefused:
+      return Invalid(fn, status.message);
+    case SideStreamStatus::kCudaError:
+      break;
   }
-  if (!found) {
-    return Invalid(fn, "no overlapped send of this buffer is pending for this token (was the send made with a "
-                       "buffer whose config.low_latency_overlap_sms differs?)");
-  }
-  return ffi::Error::Success();
-}
-
-// Before every other launch on the buffer (an overlapped send excepted).
-ffi::Error CheckNoPendingSend(const char* fn, int device, int64_t buffer_id) {
-  const int pending = PendingSideSends(device, buffer_id);
-  if (pending == 0) return ffi::Error::Success();
-  return Invalid(fn, Str(pending) + " overlapped send(s) of this buffer still wait for their receive; with "
-                     "config.low_latency_overlap_sms, receive them before any other low-latency operation of the "
-                     "buffer");
+  return ffi::Error::Internal(std::string(fn) + ": " + status.message);
 }
 
 // The shared tail of the send halves: the token, the pending-send check, then
@@ -329,15 +297,14 @@ ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buff
                       ffi::ResultBuffer<ffi::S32>& token, int64_t max_blocks, Args& args,
                       cudaError_t (*launch)(const Args&, int, cudaStream_t)) {
   if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
-  if (!kOverlapped) {
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  cudaStream_t stream;
+  if (auto err = SideStreamError(fn, BeginSend(device, buffer_id, xla, kOverlapped, &stream)); err.failure()) {
+    return err;
   }
   args.token = token->typed_data();
   args.max_blocks = int(max_blocks);
-  cudaStream_t stream;
-  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
   if (auto err = Launched(fn, launch(args, device, stream)); err.failure()) return err;
-  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
+  return SideStreamError(fn, EndSend(device, buffer_id, args.token, kOverlapped));
 }
 
 // ---------------------------------------------------------------------------
@@ -377,9 +344,9 @@ ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S3
   }
   if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
   args.token = token.typed_data();
-  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
-  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  if (auto err = SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped));
+      err.failure()) {
+    return err;
   }
   return Launched(fn, LaunchersFor(args.peers).dispatch_recv(args, device, stream));
 }
@@ -391,7 +358,7 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
                     int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8, bool round_scale,
                     int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch";
-  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  if (auto err = SideStreamError(fn, CheckNoPendingSend(device, buffer_id)); err.failure()) return err;
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
   if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
@@ -438,9 +405,9 @@ ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32
   }
   if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
   args.token = token.typed_data();
-  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
-  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  if (auto err = SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped));
+      err.failure()) {
+    return err;
   }
   return Launched(fn, LaunchersFor(args.peers).combine_recv(args, device, stream));
 }
@@ -451,7 +418,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
                    int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine";
-  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  if (auto err = SideStreamError(fn, CheckNoPendingSend(device, buffer_id)); err.failure()) return err;
   low_latency::CombineSendArgs send{};
   low_latency::CombineRecvArgs recv{};
   const auto idx_dims = topk_idx.dimensions();

@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -26,10 +27,16 @@ namespace {
 
 py::dict FfiTargetCapsules() {
   py::dict targets;
-  for (const auto& [name, handler] : FfiTargets()) {
-    targets[py::str(name)] = py::capsule(reinterpret_cast<void*>(handler));
+  for (const auto& [name, target] : FfiTargets()) {
+    targets[py::str(name)] = py::capsule(reinterpret_cast<void*>(target.handler));
   }
   return targets;
+}
+
+std::map<std::string, std::vector<std::string>> FfiOutputs() {
+  std::map<std::string, std::vector<std::string>> outputs;
+  for (const auto& [name, target] : FfiTargets()) outputs[name] = target.results;
+  return outputs;
 }
 
 std::vector<std::string> CudaArchs() {
@@ -147,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
   using namespace deep_ep_jax;
   m.doc() = "deep_ep_jax CUDA extension: XLA FFI handlers and the communication buffer registry";
   m.def("ffi_targets", &FfiTargetCapsules, "dict: FFI target name -> PyCapsule of its handler");
+  m.def("ffi_outputs", &FfiOutputs, "dict: FFI target name -> the names of its results, in order");
   m.def("create_buffer", &CreateBuffer, py::arg("groups"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
         py::call_guard<py::gil_scoped_release>(),
         "Allocates the buffer on every device of each group (device ordinals, rank = position); returns its id");

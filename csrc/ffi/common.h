@@ -42,8 +42,8 @@ ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int
 }  // namespace deep_ep_jax
 
 // Returns from the enclosing handler the error of `expr` if it failed.
-#define DEEP_EP_JAX_RETURN_IF_ERROR(expr)                                 \
-  do {                                                                    \
+#define DEEP_EP_JAX_RETURN_IF_ERROR(expr)                                   \
+  do {                                                                      \
     if (::xla::ffi::Error error_ = (expr); error_.failure()) return error_; \
   } while (0)
 
@@ -56,18 +56,18 @@ ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int
   ARG(ffi::AnyBuffer, x_scales)               \
   ARG(ffi::Buffer<ffi::S32>, topk_idx)        \
   ARG(ffi::Buffer<ffi::F32>, topk_weights)
-#define DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)   \
-  RET(ffi::AnyBuffer, recv_x)                   \
-  RET(ffi::AnyBuffer, recv_x_scales)            \
-  RET(ffi::Buffer<ffi::S32>, recv_topk_idx)     \
-  RET(ffi::Buffer<ffi::F32>, recv_topk_weights) \
-  RET(ffi::Buffer<ffi::PRED>, is_token_in_rank) \
-  RET(ffi::Buffer<ffi::S32>, num_tokens_per_rank) \
-  RET(ffi::Buffer<ffi::S32>, rank_prefix_matrix) \
-  RET(ffi::Buffer<ffi::S32>, send_pos)          \
-  RET(ffi::Buffer<ffi::S32>, recv_src_idx)      \
-  RET(ffi::Buffer<ffi::S32>, recv_src_rank)     \
-  RET(ffi::Buffer<ffi::S32>, num_recv_tokens)   \
+#define DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)            \
+  RET(ffi::AnyBuffer, recv_x)                            \
+  RET(ffi::AnyBuffer, recv_x_scales)                     \
+  RET(ffi::Buffer<ffi::S32>, recv_topk_idx)              \
+  RET(ffi::Buffer<ffi::F32>, recv_topk_weights)          \
+  RET(ffi::Buffer<ffi::PRED>, is_token_in_rank)          \
+  RET(ffi::Buffer<ffi::S32>, num_tokens_per_rank)        \
+  RET(ffi::Buffer<ffi::S32>, rank_prefix_matrix)         \
+  RET(ffi::Buffer<ffi::S32>, send_pos)                   \
+  RET(ffi::Buffer<ffi::S32>, recv_src_idx)               \
+  RET(ffi::Buffer<ffi::S32>, recv_src_rank)              \
+  RET(ffi::Buffer<ffi::S32>, num_recv_tokens)            \
   RET(ffi::Buffer<ffi::S32>, num_recv_tokens_per_expert) \
   RET(ffi::Buffer<ffi::S32>, num_dropped_tokens)
 // Cached dispatch: rows and weights along a handle's layout.

@@ -24,26 +24,26 @@ using intranode::kMaxRowArrays;
 
 // What each target binds (ffi/registration.h), after the shared parts of
 // normal mode (ffi/common.h).
-#define INTRANODE_LAUNCH_ATTRS(ATTR)        \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)     \
-  ATTR(int64_t, chunk_tokens)               \
+#define INTRANODE_LAUNCH_ATTRS(ATTR)    \
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \
+  ATTR(int64_t, chunk_tokens)           \
   ATTR(int64_t, staged)
-#define INTRANODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR)                      \
-  DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                                         \
-  DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                                         \
-  ATTR(int64_t, buffer_id)                                                      \
-  ATTR(int64_t, num_experts)                                                    \
+#define INTRANODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
+  DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
+  ATTR(int64_t, buffer_id)                                 \
+  ATTR(int64_t, num_experts)                               \
   INTRANODE_LAUNCH_ATTRS(ATTR)
-#define INTRANODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR)               \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                                  \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                                  \
-  ATTR(int64_t, buffer_id)                                                      \
+#define INTRANODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
+  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
+  ATTR(int64_t, buffer_id)                                        \
   INTRANODE_LAUNCH_ATTRS(ATTR)
-#define INTRANODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR)                       \
-  DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                                          \
-  ARG(ffi::Buffer<ffi::S32>, rank_prefix_matrix)                                \
-  DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                                          \
-  ATTR(int64_t, buffer_id)                                                      \
+#define INTRANODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
+  ARG(ffi::Buffer<ffi::S32>, rank_prefix_matrix)          \
+  DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
+  ATTR(int64_t, buffer_id)                                \
   INTRANODE_LAUNCH_ATTRS(ATTR)
 
 // The buffer's state on this device (with a normal region) and the launch
@@ -56,7 +56,9 @@ ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sm
   if ((*state)->normal.local == nullptr) return Invalid(fn, "buffer " + Str(buffer_id) + " has no normal-mode region");
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckLaunchKnobs(fn, num_sms, intranode::kMaxBlocks, num_warps, intranode::kMaxWarps, timeout_ns));
-  if (chunk_tokens < 1 || chunk_tokens > INT_MAX) return Invalid(fn, "chunk_tokens must be >= 1, got " + Str(chunk_tokens));
+  if (chunk_tokens < 1 || chunk_tokens > INT_MAX) {
+    return Invalid(fn, "chunk_tokens must be >= 1, got " + Str(chunk_tokens));
+  }
   *config = LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns),
                          staged != 0 || (*state)->ipc};
   return ffi::Error::Success();
@@ -93,9 +95,10 @@ ffi::Error CheckStagedRegion(const char* fn, const DeviceState& state, const Lau
   if (!config.staged) return ffi::Error::Success();
   const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk), num_chunks);
   if (state.normal.num_bytes >= need) return ffi::Error::Success();
-  return Invalid(fn, std::string(state.ipc ? "a multi-process buffer (staged mode)" : "staged mode (DEEP_EP_JAX_STAGED=1)") +
-                         " needs a normal region of " + Str(need) + " bytes for this call, the buffer has " +
-                         Str(state.normal.num_bytes) + "; create the Buffer with a larger num_nvl_bytes");
+  const char* mode = state.ipc ? "a multi-process buffer (staged mode)" : "staged mode (DEEP_EP_JAX_STAGED=1)";
+  return Invalid(fn, std::string(mode) + " needs a normal region of " + Str(need) +
+                         " bytes for this call, the buffer has " + Str(state.normal.num_bytes) +
+                         "; create the Buffer with a larger num_nvl_bytes");
 }
 
 ffi::Error CheckRowIndices(const char* fn, int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t num_ranks) {

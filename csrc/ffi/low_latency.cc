@@ -32,12 +32,12 @@ using low_latency::Peers;
   ATTR(bool, use_fp8)                \
   ATTR(bool, round_scale)            \
   ATTR(int64_t, timeout_ns)
-#define LL_DISPATCH_RECV_RETS(RET)                                     \
-  RET(ffi::AnyBuffer, recv_x)                                          \
-  RET(ffi::Buffer<ffi::F32>, recv_scales) /* [1] unused when bf16 */   \
-  RET(ffi::Buffer<ffi::S32>, recv_count)                               \
-  RET(ffi::Buffer<ffi::S32>, recv_src_rank)                            \
-  RET(ffi::Buffer<ffi::S32>, recv_src_token)                           \
+#define LL_DISPATCH_RECV_RETS(RET)                                   \
+  RET(ffi::AnyBuffer, recv_x)                                        \
+  RET(ffi::Buffer<ffi::F32>, recv_scales) /* [1] unused when bf16 */ \
+  RET(ffi::Buffer<ffi::S32>, recv_count)                             \
+  RET(ffi::Buffer<ffi::S32>, recv_src_rank)                          \
+  RET(ffi::Buffer<ffi::S32>, recv_src_token)                         \
   RET(ffi::Buffer<ffi::S32>, recv_src_topk)
 #define LL_COMBINE_SEND_ARGS(ARG)            \
   ARG(ffi::AnyBuffer, x)                     \
@@ -246,7 +246,8 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
   }
   const int64_t num_local = dims[0], rows = dims[1], hidden = dims[2], max_tokens = rows / num_ranks;
   if (!IsShape(recv_count.dimensions(), {num_local}) || !IsShape(recv_src_rank.dimensions(), {num_local, rows}) ||
-      !IsShape(recv_src_token.dimensions(), {num_local, rows}) || !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
+      !IsShape(recv_src_token.dimensions(), {num_local, rows}) ||
+      !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
     return Invalid(fn, "the handle must hold recv_count int32 [E/R] and int32 [E/R, R*M] arrays matching x");
   }
   if (hidden < 8 || hidden % 8 != 0) return Invalid(fn, "hidden (" + Str(hidden) + ") must be a multiple of 8");

@@ -1,15 +1,25 @@
-// The pybind11 module deep_ep_jax._C: FFI handler capsules, the buffer
-// registry, and what the info report needs to know about the build and GPUs.
+// The pybind11 module deep_ep_jax._C: FFI handler capsules and their results'
+// names, the kernels' limits and the sizes of the memory they lay out (so that
+// Python sizes buffers with the same code), the buffer registry, and what the
+// info report needs to know about the build and GPUs.
 #include <cuda_runtime.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "ffi/registration.h"
+#include "kernels/internode.h"
+#include "kernels/intranode.h"
+#include "kernels/layout.h"
+#include "kernels/low_latency.h"
 #include "runtime/registry.h"
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
 #include "runtime/nvshmem.h"
@@ -26,11 +36,141 @@ namespace {
 
 py::dict FfiTargetCapsules() {
   py::dict targets;
-  for (const auto& [name, handler] : FfiTargets()) {
-    targets[py::str(name)] = py::capsule(reinterpret_cast<void*>(handler));
+  for (const auto& [name, target] : FfiTargets()) {
+    targets[py::str(name)] = py::capsule(reinterpret_cast<void*>(target.handler));
   }
   return targets;
 }
+
+std::map<std::string, std::vector<std::string>> FfiOutputs() {
+  std::map<std::string, std::vector<std::string>> outputs;
+  for (const auto& [name, target] : FfiTargets()) outputs[name] = target.results;
+  return outputs;
+}
+
+// ---------------------------------------------------------------------------
+// Limits and sizes (the interface with deep_ep_jax/backends).
+
+// One value each for both normal-mode paths: Python checks its Config against it.
+static_assert(intranode::kMaxBlocks == internode::kMaxBlocks && intranode::kMaxWarps == internode::kMaxWarps &&
+                  intranode::kMaxLocalExperts == internode::kMaxLocalExperts,
+              "normal mode's limits differ between one host and several");
+
+std::map<std::string, int64_t> Limits() {
+  return {
+      {"max_ranks", kMaxRanks},
+      {"control_bytes", int64_t(kControlBytes)},
+      {"max_local_experts", intranode::kMaxLocalExperts},
+      {"fp8_block", low_latency::kFp8Block},
+      {"low_latency_max_topk", low_latency::kMaxTopk},
+      {"low_latency_max_experts", low_latency::kMaxExperts},
+      {"low_latency_max_shared_bytes", int64_t(low_latency::kMaxSharedBytes)},
+      {"max_layout_bins", kMaxLayoutBins},
+      {"max_blocks", intranode::kMaxBlocks},
+      {"max_warps", intranode::kMaxWarps},
+  };
+}
+
+// A count or size argument: the kernels take them as int (ValueError otherwise).
+int CountArg(const char* fn, const char* name, int64_t value) {
+  if (value < 0 || value > INT_MAX) {
+    throw std::invalid_argument(std::string(fn) + ": " + name + " must be in [0, " + std::to_string(INT_MAX) +
+                                "], got " + std::to_string(value));
+  }
+  return int(value);
+}
+
+size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_bytes, int64_t num_topk,
+                         int64_t num_chunks) {
+  const char* fn = "staged_region_bytes";
+  const int64_t rows[intranode::kMaxRowArrays] = {CountArg(fn, "row_bytes", row_bytes),
+                                                  CountArg(fn, "scale_bytes", scale_bytes)};
+  return intranode::StagedRegionBytes(CountArg(fn, "num_rows", num_rows), rows, CountArg(fn, "num_topk", num_topk),
+                                      CountArg(fn, "num_chunks", num_chunks));
+}
+
+// internode.cu is built with NVSHMEM only (an EP group across hosts needs it).
+size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t row_bytes,
+                                    int64_t scale_bytes, int64_t num_ranks, int64_t num_nodes) {
+  const char* fn = "internode_dispatch_region_bytes";
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
+                                 CountArg(fn, "num_topk", num_topk),
+                                 {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
+  const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  return internode::DispatchRegionBytes(shapes, ranks, nodes);
+#else
+  (void)shapes, (void)ranks, (void)nodes;
+  throw std::runtime_error(std::string(fn) + ": deep_ep_jax._C was built without NVSHMEM");
+#endif
+}
+
+size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
+                                   int64_t num_ranks) {
+  const char* fn = "internode_combine_region_bytes";
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
+                                 CountArg(fn, "num_topk", num_topk), {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
+  const int ranks = CountArg(fn, "num_ranks", num_ranks);
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+  return internode::CombineRegionBytes(shapes, ranks);
+#else
+  (void)shapes, (void)ranks;
+  throw std::runtime_error(std::string(fn) + ": deep_ep_jax._C was built without NVSHMEM");
+#endif
+}
+
+size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
+                                   int64_t num_topk, int64_t hidden, bool fp8) {
+  const char* fn = "low_latency_dispatch_half_bytes";
+  return low_latency::MakeDispatchLayout(CountArg(fn, "num_ranks", num_ranks),
+                                         CountArg(fn, "num_local_experts", num_local_experts),
+                                         CountArg(fn, "max_tokens", max_tokens), CountArg(fn, "num_topk", num_topk),
+                                         CountArg(fn, "hidden", hidden), fp8)
+      .bytes;
+}
+
+size_t LowLatencyCombineHalfBytes(int64_t max_tokens, int64_t num_topk, int64_t hidden) {
+  const char* fn = "low_latency_combine_half_bytes";
+  return low_latency::CombineBytes(CountArg(fn, "max_tokens", max_tokens), CountArg(fn, "num_topk", num_topk),
+                                   CountArg(fn, "hidden", hidden));
+}
+
+// Halves hold whole multiples of this (low_latency::HalfBytes rounds down to it).
+constexpr size_t kHalfAlign = 256;
+
+// The smallest region whose halves (low_latency::HalfBytes) hold a dispatch
+// of bf16 rows (FP8 rows are smaller) and a combine of these shapes.
+size_t LowLatencyRegionBytes(int64_t num_ranks, int64_t num_local_experts, int64_t hidden, int64_t max_tokens,
+                             int64_t num_topk) {
+  const char* fn = "low_latency_region_bytes";
+  const int ranks = CountArg(fn, "num_ranks", num_ranks), local = CountArg(fn, "num_local_experts", num_local_experts);
+  const int h = CountArg(fn, "hidden", hidden), m = CountArg(fn, "max_tokens", max_tokens);
+  const int k = CountArg(fn, "num_topk", num_topk);
+  const size_t half = std::max(low_latency::MakeDispatchLayout(ranks, local, m, k, h, false).bytes,
+                               low_latency::CombineBytes(m, k, h));
+  return kControlBytes + 2 * low_latency::AlignUp(half, kHalfAlign);
+}
+
+// The send area of a buffer across hosts: a dispatch's staged bf16 rows or a combine's.
+size_t LowLatencySendBytes(int64_t num_ranks, int64_t hidden, int64_t max_tokens, int64_t num_topk) {
+  const char* fn = "low_latency_send_bytes";
+  const int ranks = CountArg(fn, "num_ranks", num_ranks), h = CountArg(fn, "hidden", hidden);
+  const int m = CountArg(fn, "max_tokens", max_tokens), k = CountArg(fn, "num_topk", num_topk);
+  const size_t dispatch = low_latency::DispatchStageBytes(m, k, low_latency::DispatchRowBytes(h, false));
+  return low_latency::AlignUp(std::max(dispatch, low_latency::CombineStageBytes(ranks, m, k, h)), kHalfAlign);
+}
+
+size_t LowLatencyHalfBytes(int64_t region_bytes) {
+  if (region_bytes < 0) throw std::invalid_argument("low_latency_half_bytes: region_bytes must be >= 0");
+  return low_latency::HalfBytes(size_t(region_bytes));
+}
+
+size_t LowLatencySharedBytes(int64_t num_experts, int64_t hidden, bool fp8) {
+  const char* fn = "low_latency_shared_bytes";
+  return low_latency::SharedBytesNeeded(CountArg(fn, "num_experts", num_experts), CountArg(fn, "hidden", hidden), fp8);
+}
+
+// ---------------------------------------------------------------------------
 
 std::vector<std::string> CudaArchs() {
   std::vector<std::string> archs;
@@ -147,6 +287,35 @@ PYBIND11_MODULE(_C, m) {
   using namespace deep_ep_jax;
   m.doc() = "deep_ep_jax CUDA extension: XLA FFI handlers and the communication buffer registry";
   m.def("ffi_targets", &FfiTargetCapsules, "dict: FFI target name -> PyCapsule of its handler");
+  m.def("ffi_outputs", &FfiOutputs, "dict: FFI target name -> the names of its results, in order");
+  // Limits and sizes, from the code that lays the memory out (plain ints; ValueError for a negative or too large
+  // argument).
+  m.def("limits", &Limits, "dict: the kernels' limits (max_ranks, control_bytes, fp8_block, ...)");
+  m.def("staged_region_bytes", &StagedRegionBytes, py::arg("num_rows"), py::arg("row_bytes"), py::arg("scale_bytes"),
+        py::arg("num_topk"), py::arg("num_chunks"),
+        "Bytes of the normal region (control included) a staged call needs (num_chunks: ceil(tokens / chunk_tokens) "
+        "for dispatch, 0 for combine)");
+  m.def("internode_dispatch_region_bytes", &InternodeDispatchRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
+        py::arg("num_topk"), py::arg("row_bytes"), py::arg("scale_bytes"), py::arg("num_ranks"), py::arg("num_nodes"),
+        "Bytes of the normal region a dispatch across hosts needs (RuntimeError without NVSHMEM)");
+  m.def("internode_combine_region_bytes", &InternodeCombineRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
+        py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"),
+        "Bytes of the normal region a combine across hosts needs (RuntimeError without NVSHMEM)");
+  m.def("low_latency_half_bytes", &LowLatencyHalfBytes, py::arg("region_bytes"),
+        "Usable bytes of each half of a low-latency region");
+  m.def("low_latency_dispatch_half_bytes", &LowLatencyDispatchHalfBytes, py::arg("num_ranks"),
+        py::arg("num_local_experts"), py::arg("max_tokens"), py::arg("num_topk"), py::arg("hidden"), py::arg("fp8"),
+        "Bytes of one half a low-latency dispatch uses");
+  m.def("low_latency_combine_half_bytes", &LowLatencyCombineHalfBytes, py::arg("max_tokens"), py::arg("num_topk"),
+        py::arg("hidden"), "Bytes of one half a low-latency combine uses");
+  m.def("low_latency_region_bytes", &LowLatencyRegionBytes, py::arg("num_ranks"), py::arg("num_local_experts"),
+        py::arg("hidden"), py::arg("max_tokens"), py::arg("num_topk"),
+        "Bytes of a low-latency region whose halves hold a dispatch (bf16 rows) and a combine of these shapes");
+  m.def("low_latency_send_bytes", &LowLatencySendBytes, py::arg("num_ranks"), py::arg("hidden"),
+        py::arg("max_tokens"), py::arg("num_topk"),
+        "Bytes of the send area of a low-latency buffer across hosts for these shapes");
+  m.def("low_latency_shared_bytes", &LowLatencySharedBytes, py::arg("num_experts"), py::arg("hidden"), py::arg("fp8"),
+        "Dynamic shared memory the low-latency kernels need (at most limits()['low_latency_max_shared_bytes'])");
   m.def("create_buffer", &CreateBuffer, py::arg("groups"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
         py::call_guard<py::gil_scoped_release>(),
         "Allocates the buffer on every device of each group (device ordinals, rank = position); returns its id");

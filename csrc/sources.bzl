@@ -18,6 +18,7 @@ CXX_SOURCES = [
     "csrc/runtime/registry.cc",
     "csrc/runtime/side_stream.cc",
     "csrc/ffi/registration.cc",
+    "csrc/ffi/common.cc",
     "csrc/ffi/layout.cc",
     "csrc/ffi/intranode.cc",
     "csrc/ffi/low_latency.cc",

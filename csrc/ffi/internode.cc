@@ -10,44 +10,50 @@
 #include <cstdint>
 #include <string>
 
-#include "ffi/bindings.h"
-#include "ffi/registration.h"
+#include "ffi/common.h"
 #include "kernels/internode.h"
 #include "runtime/registry.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace deep_ep_jax {
 namespace {
 
 using internode::kMaxRowArrays;
 
-std::string Str(int64_t v) { return std::to_string(v); }
-
-ffi::Error Invalid(const char* fn, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(fn) + ": " + what);
-}
+// What each target binds (ffi/registration.h), after the shared parts of
+// normal mode (ffi/common.h); node_pos is the kernels' scratch.
+#define INTERNODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
+  DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
+  RET(ffi::Buffer<ffi::S32>, node_pos)                     \
+  ATTR(int64_t, buffer_id)                                 \
+  ATTR(int64_t, num_experts)                               \
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
+#define INTERNODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
+  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
+  RET(ffi::Buffer<ffi::S32>, node_pos)                            \
+  ATTR(int64_t, buffer_id)                                        \
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
+#define INTERNODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
+  ARG(ffi::Buffer<ffi::S32>, recv_src_idx)                \
+  ARG(ffi::Buffer<ffi::S32>, recv_src_rank)               \
+  DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
+  ATTR(int64_t, buffer_id)                                \
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
 
 // The buffer's state on this device (an NVSHMEM buffer with a normal region) and the launch knobs.
 ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps,
                    int64_t timeout_ns, const DeviceState** state, internode::LaunchConfig* config) {
-  *state = FindDeviceState(buffer_id, device);
-  if (*state == nullptr) {
-    return Invalid(fn, "buffer " + Str(buffer_id) + " does not exist on device " + Str(device) +
-                           " (destroyed, or made for other devices)");
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   if (!(*state)->nvshmem || (*state)->normal.local == nullptr) {
     return Invalid(fn, "the buffer is not an NVSHMEM buffer with a normal region (an EP group across hosts)");
   }
 #ifndef DEEP_EP_JAX_WITH_NVSHMEM
   return Invalid(fn, "the extension was built without NVSHMEM");
 #endif
-  if (num_sms < 1 || num_sms > internode::kMaxBlocks || num_warps < 1 || num_warps > internode::kMaxWarps ||
-      timeout_ns <= 0) {
-    return Invalid(fn, "num_sms must be in [1, " + Str(internode::kMaxBlocks) + "], num_warps in [1, " +
-                           Str(internode::kMaxWarps) + "], timeout_ns > 0");
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckLaunchKnobs(fn, num_sms, internode::kMaxBlocks, num_warps, internode::kMaxWarps, timeout_ns));
   *config = internode::LaunchConfig{int(num_sms), int(num_warps), uint64_t(timeout_ns)};
   return ffi::Error::Success();
 }
@@ -59,11 +65,6 @@ ffi::Error CheckRegion(const char* fn, const DeviceState& state, size_t needed) 
                            "; create the Buffer with num_nvl_bytes >= cuda_internode.internode_region_bytes(...) "
                            "(or matching hidden=/num_max_tokens hints)");
   }
-  return ffi::Error::Success();
-}
-
-ffi::Error Launched(const char* fn, cudaError_t err) {
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": launch failed: " + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -89,7 +90,7 @@ size_t DispatchBytes(const DeviceState& state, const internode::DispatchParams& 
 }
 
 cudaError_t RunDispatch(const DeviceState& state, const internode::DispatchParams& p,
-                           const internode::LaunchConfig& c, cudaStream_t stream) {
+                        const internode::LaunchConfig& c, cudaStream_t stream) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   return internode::LaunchDispatch(state, p, c, stream);
 #else
@@ -99,23 +100,11 @@ cudaError_t RunDispatch(const DeviceState& state, const internode::DispatchParam
 
 // ---------------------------------------------------------------------------
 
-ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
-                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
-                    ffi::ResultBuffer<ffi::S32> recv_topk_idx, ffi::ResultBuffer<ffi::F32> recv_topk_weights,
-                    ffi::ResultBuffer<ffi::PRED> is_token_in_rank, ffi::ResultBuffer<ffi::S32> num_tokens_per_rank,
-                    ffi::ResultBuffer<ffi::S32> rank_prefix_matrix, ffi::ResultBuffer<ffi::S32> send_pos,
-                    ffi::ResultBuffer<ffi::S32> recv_src_idx, ffi::ResultBuffer<ffi::S32> recv_src_rank,
-                    ffi::ResultBuffer<ffi::S32> num_recv_tokens,
-                    ffi::ResultBuffer<ffi::S32> num_recv_tokens_per_expert,
-                    ffi::ResultBuffer<ffi::S32> num_dropped_tokens, ffi::ResultBuffer<ffi::S32> node_pos,
-                    int64_t buffer_id, int64_t num_experts, int64_t num_sms, int64_t num_warps, int64_t timeout_ns) {
-  const char* fn = "deep_ep_jax_internode_dispatch";
+ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
+  constexpr const char* fn = "deep_ep_jax_internode_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  if (auto err = Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config); err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   internode::DispatchParams p{};
   RowArrays(x, x_scales, p.x, p.row_bytes);
   p.topk_idx = topk_idx.typed_data();
@@ -138,22 +127,15 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
   p.num_recv_tokens = num_recv_tokens->typed_data();
   p.num_recv_tokens_per_expert = num_recv_tokens_per_expert->typed_data();
   p.num_dropped_tokens = num_dropped_tokens->typed_data();
-  if (auto err = CheckRegion(fn, *state, DispatchBytes(*state, p)); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, DispatchBytes(*state, p)));
   return Launched(fn, RunDispatch(*state, p, config, stream));
 }
 
-ffi::Error CachedDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
-                          ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
-                          ffi::Result<ffi::AnyBuffer> recv_x_scales, ffi::ResultBuffer<ffi::F32> recv_topk_weights,
-                          ffi::ResultBuffer<ffi::S32> node_pos, int64_t buffer_id, int64_t num_sms, int64_t num_warps,
-                          int64_t timeout_ns) {
-  const char* fn = "deep_ep_jax_internode_cached_dispatch";
+ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH)) {
+  constexpr const char* fn = "deep_ep_jax_internode_cached_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  if (auto err = Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config); err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   internode::DispatchParams p{};
   RowArrays(x, x_scales, p.x, p.row_bytes);
   const int num_topk = int(topk_weights.dimensions()[1]);
@@ -167,21 +149,15 @@ ffi::Error CachedDispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   p.recv_x[0] = static_cast<char*>(recv_x->untyped_data());
   p.recv_x[1] = static_cast<char*>(recv_x_scales->untyped_data());
   p.recv_topk_weights = num_topk > 0 ? recv_topk_weights->typed_data() : nullptr;
-  if (auto err = CheckRegion(fn, *state, DispatchBytes(*state, p)); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, DispatchBytes(*state, p)));
   return Launched(fn, RunDispatch(*state, p, config, stream));
 }
 
-ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> topk_weights,
-                   ffi::Buffer<ffi::S32> send_pos, ffi::Buffer<ffi::S32> num_recv_tokens,
-                   ffi::Buffer<ffi::S32> recv_src_idx, ffi::Buffer<ffi::S32> recv_src_rank,
-                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights, int64_t buffer_id,
-                   int64_t num_sms, int64_t num_warps, int64_t timeout_ns) {
-  const char* fn = "deep_ep_jax_internode_combine";
+ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
+  constexpr const char* fn = "deep_ep_jax_internode_combine";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  if (auto err = Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config); err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   internode::CombineParams p{};
   const int num_topk = int(topk_weights.dimensions()[1]);
   p.x = reinterpret_cast<const uint16_t*>(x.typed_data());
@@ -198,7 +174,7 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   const internode::Shapes s{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
-  if (auto err = CheckRegion(fn, *state, internode::CombineRegionBytes(s, state->num_ranks)); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, internode::CombineRegionBytes(s, state->num_ranks)));
   return Launched(fn, internode::LaunchCombine(*state, p, config, stream));
 #else
   (void)p;
@@ -208,37 +184,11 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x
 
 }  // namespace
 
-// Launch knobs every handler of this file takes.
-#define DEEP_EP_JAX_LAUNCH_ATTRS \
-  .Attr<int64_t>("num_sms")      \
-  .Attr<int64_t>("num_warps")    \
-  .Attr<int64_t>("timeout_ns")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, Dispatch,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_DISPATCH_ARGS
-                                  DEEP_EP_JAX_NORMAL_DISPATCH_RETS
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos (scratch)
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("num_experts") DEEP_EP_JAX_LAUNCH_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCachedDispatchHandler, CachedDispatch,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS
-                                  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos (scratch)
-                                  .Attr<int64_t>("buffer_id") DEEP_EP_JAX_LAUNCH_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, Combine,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_NORMAL_COMBINE_ARGS
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_idx
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_rank
-                                  DEEP_EP_JAX_NORMAL_COMBINE_RETS
-                                  .Attr<int64_t>("buffer_id") DEEP_EP_JAX_LAUNCH_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
-
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_internode_dispatch", InternodeDispatchHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_internode_cached_dispatch", InternodeCachedDispatchHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_internode_combine", InternodeCombineHandler);
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_dispatch", InternodeDispatchHandler, Dispatch, INTERNODE_DISPATCH,
+                       {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_cached_dispatch", InternodeCachedDispatchHandler, CachedDispatch,
+                       INTERNODE_CACHED_DISPATCH, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_combine", InternodeCombineHandler, Combine, INTERNODE_COMBINE,
+                       {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

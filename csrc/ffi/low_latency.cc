@@ -7,14 +7,10 @@
 #include <cstdint>
 #include <string>
 
-#include "ffi/bindings.h"
-#include "ffi/registration.h"
+#include "ffi/common.h"
 #include "kernels/low_latency.h"
 #include "runtime/registry.h"
 #include "runtime/side_stream.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace deep_ep_jax {
 namespace {
@@ -22,19 +18,78 @@ namespace {
 using low_latency::DispatchLayout;
 using low_latency::Peers;
 
-std::string Str(int64_t v) { return std::to_string(v); }
+// What each target binds (ffi/registration.h). A whole operation binds its
+// send half's arguments then its receive half's. keep_alive: an overlapped
+// send's inputs, unused by the receive: XLA keeps them until it, as the send
+// may read them until the join.
+#define LL_DISPATCH_SEND_ARGS(ARG) \
+  ARG(ffi::AnyBuffer, x)           \
+  ARG(ffi::Buffer<ffi::S32>, topk_idx)
+#define LL_DISPATCH_SEND_ATTRS(ATTR) \
+  ATTR(int64_t, buffer_id)           \
+  ATTR(int64_t, num_experts)         \
+  ATTR(int64_t, max_tokens)          \
+  ATTR(bool, use_fp8)                \
+  ATTR(bool, round_scale)            \
+  ATTR(int64_t, timeout_ns)
+#define LL_DISPATCH_RECV_RETS(RET)                                   \
+  RET(ffi::AnyBuffer, recv_x)                                        \
+  RET(ffi::Buffer<ffi::F32>, recv_scales) /* [1] unused when bf16 */ \
+  RET(ffi::Buffer<ffi::S32>, recv_count)                             \
+  RET(ffi::Buffer<ffi::S32>, recv_src_rank)                          \
+  RET(ffi::Buffer<ffi::S32>, recv_src_token)                         \
+  RET(ffi::Buffer<ffi::S32>, recv_src_topk)
+#define LL_COMBINE_SEND_ARGS(ARG)            \
+  ARG(ffi::AnyBuffer, x)                     \
+  ARG(ffi::Buffer<ffi::S32>, recv_count)     \
+  ARG(ffi::Buffer<ffi::S32>, recv_src_rank)  \
+  ARG(ffi::Buffer<ffi::S32>, recv_src_token) \
+  ARG(ffi::Buffer<ffi::S32>, recv_src_topk)
+#define LL_COMBINE_RECV_ARGS(ARG)      \
+  ARG(ffi::Buffer<ffi::S32>, topk_idx) \
+  ARG(ffi::Buffer<ffi::F32>, topk_weights)
 
-ffi::Error Invalid(const char* fn, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(fn) + ": " + what);
-}
+#define LL_DISPATCH_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
+  LL_DISPATCH_SEND_ARGS(ARG)                             \
+  RET(ffi::Buffer<ffi::S32>, token)                      \
+  LL_DISPATCH_SEND_ATTRS(ATTR)                           \
+  ATTR(int64_t, max_blocks)
+#define LL_DISPATCH_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::S32>, token)                      \
+  REMAINING_ARGS(keep_alive)                             \
+  LL_DISPATCH_RECV_RETS(RET)                             \
+  ATTR(int64_t, buffer_id)                               \
+  ATTR(int64_t, num_topk)                                \
+  ATTR(int64_t, timeout_ns)
+#define LL_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  LL_DISPATCH_SEND_ARGS(ARG)                        \
+  LL_DISPATCH_RECV_RETS(RET)                        \
+  LL_DISPATCH_SEND_ATTRS(ATTR)
+#define LL_COMBINE_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
+  LL_COMBINE_SEND_ARGS(ARG)                             \
+  RET(ffi::Buffer<ffi::S32>, token)                     \
+  ATTR(int64_t, buffer_id)                              \
+  ATTR(int64_t, num_topk)                               \
+  ATTR(int64_t, timeout_ns)                             \
+  ATTR(int64_t, max_blocks)
+#define LL_COMBINE_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::S32>, token)                     \
+  LL_COMBINE_RECV_ARGS(ARG)                             \
+  REMAINING_ARGS(keep_alive)                            \
+  RET(ffi::AnyBuffer, out)                              \
+  ATTR(int64_t, buffer_id)                              \
+  ATTR(int64_t, timeout_ns)
+#define LL_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  LL_COMBINE_SEND_ARGS(ARG)                        \
+  LL_COMBINE_RECV_ARGS(ARG)                        \
+  RET(ffi::AnyBuffer, out)                         \
+  ATTR(int64_t, buffer_id)                         \
+  ATTR(int64_t, timeout_ns)
 
 // This device's view of the buffer's low-latency region.
 ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t timeout_ns, Peers* peers) {
-  const DeviceState* state = FindDeviceState(buffer_id, device);
-  if (state == nullptr) {
-    return Invalid(fn, "buffer " + Str(buffer_id) + " does not exist on device " + Str(device) +
-                           " (destroyed, or made for other devices)");
-  }
+  const DeviceState* state = nullptr;
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, &state));
   if (state->low_latency.local == nullptr) {
     return Invalid(fn, "the buffer has no low-latency region; create it with low_latency_mode=True");
   }
@@ -80,20 +135,6 @@ ffi::Error CheckFits(const char* fn, size_t needed, const Peers& peers) {
   return ffi::Error::Success();
 }
 
-ffi::Error Launched(const char* fn, cudaError_t err) {
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": launch failed: " + cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-bool IsShape(ffi::Span<const int64_t> dims, std::initializer_list<int64_t> want) {
-  if (dims.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want) {
-    if (dims[i++] != w) return false;
-  }
-  return true;
-}
-
 // Checks shared by both halves of dispatch: shapes the kernels can handle.
 ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_topk, int64_t hidden,
                                int64_t num_experts, int64_t max_tokens, int num_ranks, bool fp8) {
@@ -126,25 +167,19 @@ ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuf
                                const ffi::Buffer<ffi::S32>& topk_idx, int64_t buffer_id, int64_t num_experts,
                                int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns,
                                low_latency::DispatchSendArgs* args) {
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
-  const auto x_dims = x.dimensions();
-  const auto idx_dims = topk_idx.dimensions();
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+  const Dims x_dims = x.dimensions(), idx_dims = topk_idx.dimensions();
   if (x.element_type() != ffi::BF16 || x_dims.size() != 2) return Invalid(fn, "x must be bf16 [T, H]");
   if (idx_dims.size() != 2 || idx_dims[0] != x_dims[0]) return Invalid(fn, "topk_idx must be int32 [T, K]");
   const int64_t num_tokens = x_dims[0], hidden = x_dims[1], num_topk = idx_dims[1];
   const int num_ranks = args->peers.num_ranks;
-  if (auto err = CheckDispatchShapes(fn, num_tokens, num_topk, hidden, num_experts, max_tokens, num_ranks, use_fp8);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckDispatchShapes(fn, num_tokens, num_topk, hidden, num_experts, max_tokens, num_ranks, use_fp8));
   args->layout =
       low_latency::MakeDispatchLayout(num_ranks, num_experts / num_ranks, max_tokens, num_topk, hidden, use_fp8);
-  if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
-  if (auto err = CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args->layout.row_bytes),
-                            args->peers);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFits(fn, args->layout.bytes, args->peers));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckStage(fn, low_latency::DispatchStageBytes(max_tokens, num_topk, args->layout.row_bytes), args->peers));
   args->x = x.untyped_data();
   args->topk_idx = topk_idx.typed_data();
   args->token = nullptr;
@@ -163,9 +198,9 @@ ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::
                                ffi::ResultBuffer<ffi::S32>& recv_src_rank, ffi::ResultBuffer<ffi::S32>& recv_src_token,
                                ffi::ResultBuffer<ffi::S32>& recv_src_topk, int64_t buffer_id, int64_t num_topk,
                                int64_t timeout_ns, low_latency::DispatchRecvArgs* args) {
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
   const int num_ranks = args->peers.num_ranks;
-  const auto dims = recv_x->dimensions();
+  const Dims dims = recv_x->dimensions();
   const bool fp8 = recv_x->element_type() == ffi::F8E4M3FN;
   if ((!fp8 && recv_x->element_type() != ffi::BF16) || dims.size() != 3 || dims[1] % num_ranks != 0) {
     return Invalid(fn, "recv_x must be float8_e4m3fn or bf16 [E/R, R*M, H]");
@@ -179,12 +214,10 @@ ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::
       !IsShape(recv_src_topk->dimensions(), {num_local, rows})) {
     return Invalid(fn, "recv_count must be int32 [E/R] and the handle arrays int32 [E/R, R*M]");
   }
-  if (auto err = CheckDispatchShapes(fn, 0, num_topk, hidden, num_local * num_ranks, max_tokens, num_ranks, fp8);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckDispatchShapes(fn, 0, num_topk, hidden, num_local * num_ranks, max_tokens, num_ranks, fp8));
   args->layout = low_latency::MakeDispatchLayout(num_ranks, num_local, max_tokens, num_topk, hidden, fp8);
-  if (auto err = CheckFits(fn, args->layout.bytes, args->peers); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFits(fn, args->layout.bytes, args->peers));
   args->token = nullptr;
   args->recv_x = recv_x->untyped_data();
   args->recv_scales = fp8 ? recv_scales->typed_data() : nullptr;
@@ -205,15 +238,16 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
                               const ffi::Buffer<ffi::S32>& recv_src_token, const ffi::Buffer<ffi::S32>& recv_src_topk,
                               int64_t buffer_id, int64_t num_topk, int64_t timeout_ns,
                               low_latency::CombineSendArgs* args) {
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
   const int num_ranks = args->peers.num_ranks;
-  const auto dims = x.dimensions();
+  const Dims dims = x.dimensions();
   if (x.element_type() != ffi::BF16 || dims.size() != 3 || dims[1] % num_ranks != 0) {
     return Invalid(fn, "x must be bf16 [E/R, R*M, H]");
   }
   const int64_t num_local = dims[0], rows = dims[1], hidden = dims[2], max_tokens = rows / num_ranks;
   if (!IsShape(recv_count.dimensions(), {num_local}) || !IsShape(recv_src_rank.dimensions(), {num_local, rows}) ||
-      !IsShape(recv_src_token.dimensions(), {num_local, rows}) || !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
+      !IsShape(recv_src_token.dimensions(), {num_local, rows}) ||
+      !IsShape(recv_src_topk.dimensions(), {num_local, rows})) {
     return Invalid(fn, "the handle must hold recv_count int32 [E/R] and int32 [E/R, R*M] arrays matching x");
   }
   if (hidden < 8 || hidden % 8 != 0) return Invalid(fn, "hidden (" + Str(hidden) + ") must be a multiple of 8");
@@ -221,13 +255,9 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
     return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) +
                            "] and E/R (" + Str(num_local) + ") <= " + Str(low_latency::kMaxExperts));
   }
-  if (auto err = CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args->peers); err.failure()) {
-    return err;
-  }
-  if (auto err = CheckStage(fn, low_latency::CombineStageBytes(num_ranks, max_tokens, num_topk, hidden), args->peers);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args->peers));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckStage(fn, low_latency::CombineStageBytes(num_ranks, max_tokens, num_topk, hidden), args->peers));
   args->x = x.untyped_data();
   args->recv_count = recv_count.typed_data();
   args->recv_src_rank = recv_src_rank.typed_data();
@@ -244,9 +274,8 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
 ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<ffi::S32>& topk_idx,
                               const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out,
                               int64_t buffer_id, int64_t timeout_ns, low_latency::CombineRecvArgs* args) {
-  if (auto err = FindPeers(fn, buffer_id, device, timeout_ns, &args->peers); err.failure()) return err;
-  const auto idx_dims = topk_idx.dimensions();
-  const auto out_dims = out->dimensions();
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+  const Dims idx_dims = topk_idx.dimensions(), out_dims = out->dimensions();
   if (idx_dims.size() != 2 || !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
     return Invalid(fn, "topk_idx and topk_weights must be [T, K]");
   }
@@ -257,9 +286,7 @@ ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<
   if (num_topk < 1 || num_topk > low_latency::kMaxTopk) {
     return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "]");
   }
-  if (auto err = CheckFits(fn, low_latency::CombineBytes(num_tokens, num_topk, hidden), args->peers); err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFits(fn, low_latency::CombineBytes(num_tokens, num_topk, hidden), args->peers));
   args->token = nullptr;
   args->topk_idx = topk_idx.typed_data();
   args->topk_weights = topk_weights.typed_data();
@@ -270,74 +297,40 @@ ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error CheckToken(const char* fn, ffi::Span<const int64_t> dims) {
+ffi::Error CheckToken(const char* fn, Dims dims) {
   return IsShape(dims, {1}) ? ffi::Error::Success() : Invalid(fn, "the token must be int32 [1]");
 }
 
 // ---------------------------------------------------------------------------
-// Overlapped halves (Config.low_latency_overlap_sms > 0, runtime/side_stream.h):
-// a send runs on the side stream forked from XLA's; its receive joins it. Every
-// other launch on the buffer first checks that no such send is pending, since
-// the side stream runs unordered with XLA's stream until the join.
+// Overlapped halves (Config.low_latency_overlap_sms > 0): runtime/side_stream.h
+// holds the policy; this reports its refusals and CUDA failures.
 
-ffi::Error CudaStatus(const char* fn, const char* what, cudaError_t err) {
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string(fn) + ": " + what + ": " + cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
-// Where a send half runs: XLA's stream, or the side stream forked from it.
-ffi::Error SendStream(const char* fn, int device, cudaStream_t xla, bool overlapped, cudaStream_t* stream) {
-  *stream = xla;
-  return overlapped ? CudaStatus(fn, "forking the side stream", ForkSideStream(device, xla, stream))
-                    : ffi::Error::Success();
-}
-
-// After an overlapped send's launch: its receive (same token) joins it.
-ffi::Error RecordSend(const char* fn, int device, int64_t buffer_id, const int* token, bool overlapped) {
-  return overlapped ? CudaStatus(fn, "recording the send", RecordSideSend(device, buffer_id, token))
-                    : ffi::Error::Success();
-}
-
-// Before a receive: XLA's stream waits for its overlapped send.
-ffi::Error JoinSend(const char* fn, int device, int64_t buffer_id, const int* token, cudaStream_t xla, bool overlapped) {
-  if (!overlapped) return ffi::Error::Success();
-  bool found = false;
-  if (auto err = CudaStatus(fn, "joining the send", JoinSideSend(device, buffer_id, token, xla, &found));
-      err.failure()) {
-    return err;
+ffi::Error SideStreamError(const char* fn, const SideStreamStatus& status) {
+  switch (status.code) {
+    case SideStreamStatus::kOk:
+      return ffi::Error::Success();
+    case SideStreamStatus::kRefused:
+      return Invalid(fn, status.message);
+    case SideStreamStatus::kCudaError:
+      break;
   }
-  if (!found) {
-    return Invalid(fn, "no overlapped send of this buffer is pending for this token (was the send made with a "
-                       "buffer whose config.low_latency_overlap_sms differs?)");
-  }
-  return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(fn) + ": " + status.message);
 }
 
-// Before every other launch on the buffer (an overlapped send excepted).
-ffi::Error CheckNoPendingSend(const char* fn, int device, int64_t buffer_id) {
-  const int pending = PendingSideSends(device, buffer_id);
-  if (pending == 0) return ffi::Error::Success();
-  return Invalid(fn, Str(pending) + " overlapped send(s) of this buffer still wait for their receive; with "
-                     "config.low_latency_overlap_sms, receive them before any other low-latency operation of the "
-                     "buffer");
-}
-
-// The shared tail of the send halves: the token, the pending-send check, then
-// the launch on XLA's stream or (overlapped) on the side stream.
+// The shared tail of the send halves: the token, then the launch on XLA's
+// stream (refused while an overlapped send is pending) or, overlapped, on the
+// side stream.
 template <bool kOverlapped, typename Args>
 ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buffer_id,
                       ffi::ResultBuffer<ffi::S32>& token, int64_t max_blocks, Args& args,
                       cudaError_t (*launch)(const Args&, int, cudaStream_t)) {
-  if (auto err = CheckToken(fn, token->dimensions()); err.failure()) return err;
-  if (!kOverlapped) {
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token->dimensions()));
+  cudaStream_t stream;
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginSend(device, buffer_id, xla, kOverlapped, &stream)));
   args.token = token->typed_data();
   args.max_blocks = int(max_blocks);
-  cudaStream_t stream;
-  if (auto err = SendStream(fn, device, xla, kOverlapped, &stream); err.failure()) return err;
-  if (auto err = Launched(fn, launch(args, device, stream)); err.failure()) return err;
-  return RecordSend(fn, device, buffer_id, args.token, kOverlapped);
+  DEEP_EP_JAX_RETURN_IF_ERROR(Launched(fn, launch(args, device, stream)));
+  return SideStreamError(fn, EndSend(device, buffer_id, args.token, kOverlapped));
 }
 
 // ---------------------------------------------------------------------------
@@ -345,65 +338,38 @@ ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buff
 // compatible) and overlapped (kOverlapped; not, as they fork and join streams).
 
 template <bool kOverlapped>
-ffi::Error DispatchSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id, int64_t num_experts,
-                        int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns, int64_t max_blocks) {
+ffi::Error DispatchSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_SEND)) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
-  if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                     round_scale, timeout_ns, &args);
-      err.failure()) {
-    return err;
-  }
-  return LaunchSend<kOverlapped>(fn, device, xla, buffer_id, token, max_blocks, args,
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
+                                                  use_fp8, round_scale, timeout_ns, &args));
+  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
 
-// keep_alive: an overlapped send's inputs, unused here: XLA keeps them until
-// this call, as the send may read them until the join.
 template <bool kOverlapped>
-ffi::Error DispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token,
-                        ffi::RemainingArgs /*keep_alive*/, ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
-                        ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> recv_src_token,
-                        ffi::ResultBuffer<ffi::S32> recv_src_topk, int64_t buffer_id, int64_t num_topk,
-                        int64_t timeout_ns) {
+ffi::Error DispatchRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_RECV)) {
   constexpr const char* fn = "low_latency_dispatch_recv";
   low_latency::DispatchRecvArgs args{};
-  if (auto err = PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank, recv_src_token,
-                                     recv_src_topk, buffer_id, num_topk, timeout_ns, &args);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
+                                                  recv_src_token, recv_src_topk, buffer_id, num_topk, timeout_ns,
+                                                  &args));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
   args.token = token.typed_data();
-  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
-  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
   return Launched(fn, LaunchersFor(args.peers).dispatch_recv(args, device, stream));
 }
 
-ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
-                    ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
-                    ffi::ResultBuffer<ffi::S32> recv_src_token, ffi::ResultBuffer<ffi::S32> recv_src_topk,
-                    int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8, bool round_scale,
-                    int64_t timeout_ns) {
+ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH)) {
   constexpr const char* fn = "low_latency_dispatch";
-  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
-  if (auto err = PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                     round_scale, timeout_ns, &send);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank, recv_src_token,
-                                     recv_src_topk, buffer_id, send.num_topk, timeout_ns, &recv);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
+                                                  use_fp8, round_scale, timeout_ns, &send));
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
+                                                  recv_src_token, recv_src_topk, buffer_id, send.num_topk,
+                                                  timeout_ns, &recv));
   if (recv.layout.bytes != send.layout.bytes || recv.fp8 != send.fp8 || recv.max_tokens != send.max_tokens) {
     return Invalid(fn, "the outputs do not match the inputs' shapes");
   }
@@ -411,60 +377,38 @@ ffi::Error Dispatch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::
 }
 
 template <bool kOverlapped>
-ffi::Error CombineSend(cudaStream_t xla, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
-                       ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
-                       ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token, int64_t buffer_id,
-                       int64_t num_topk, int64_t timeout_ns, int64_t max_blocks) {
+ffi::Error CombineSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_SEND)) {
   constexpr const char* fn = "low_latency_combine_send";
   low_latency::CombineSendArgs args{};
-  if (auto err = PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token, recv_src_topk,
-                                    buffer_id, num_topk, timeout_ns, &args);
-      err.failure()) {
-    return err;
-  }
-  return LaunchSend<kOverlapped>(fn, device, xla, buffer_id, token, max_blocks, args,
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
+                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, &args));
+  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, max_blocks, args,
                                  LaunchersFor(args.peers).combine_send);
 }
 
 template <bool kOverlapped>
-ffi::Error CombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
-                       ffi::Buffer<ffi::F32> topk_weights, ffi::RemainingArgs /*keep_alive, as DispatchRecv*/,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id, int64_t timeout_ns) {
+ffi::Error CombineRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_RECV)) {
   constexpr const char* fn = "low_latency_combine_recv";
   low_latency::CombineRecvArgs args{};
-  if (auto err = PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &args);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = CheckToken(fn, token.dimensions()); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &args));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
   args.token = token.typed_data();
-  if (auto err = JoinSend(fn, device, buffer_id, args.token, stream, kOverlapped); err.failure()) return err;
-  if (!kOverlapped) {  // an overlapped one may receive while the next overlapped send is out
-    if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
   return Launched(fn, LaunchersFor(args.peers).combine_recv(args, device, stream));
 }
 
-ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
-                   ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
-                   ffi::Buffer<ffi::S32> recv_src_topk, ffi::Buffer<ffi::S32> topk_idx,
-                   ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out, int64_t buffer_id,
-                   int64_t timeout_ns) {
+ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE)) {
   constexpr const char* fn = "low_latency_combine";
-  if (auto err = CheckNoPendingSend(fn, device, buffer_id); err.failure()) return err;
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::CombineSendArgs send{};
   low_latency::CombineRecvArgs recv{};
-  const auto idx_dims = topk_idx.dimensions();
+  const Dims idx_dims = topk_idx.dimensions();
   const int64_t num_topk = idx_dims.size() == 2 ? idx_dims[1] : 0;
-  if (auto err = PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token, recv_src_topk,
-                                    buffer_id, num_topk, timeout_ns, &send);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &recv);
-      err.failure()) {
-    return err;
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
+                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, &send));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &recv));
   if (recv.hidden != send.hidden || recv.num_tokens > send.max_tokens) {
     return Invalid(fn, "the output must be bf16 [T, H] with T <= M and H of x");
   }
@@ -473,105 +417,26 @@ ffi::Error Combine(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::B
 
 }  // namespace
 
-// Arguments, results and attributes of each half; a whole operation binds
-// its send half's arguments then its receive half's.
-#define DEEP_EP_JAX_DISPATCH_SEND_ARGS \
-  .Arg<ffi::AnyBuffer>()        /* x */ \
-  .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */
-#define DEEP_EP_JAX_DISPATCH_SEND_ATTRS \
-  .Attr<int64_t>("buffer_id")           \
-  .Attr<int64_t>("num_experts")         \
-  .Attr<int64_t>("max_tokens")          \
-  .Attr<bool>("use_fp8")                \
-  .Attr<bool>("round_scale")            \
-  .Attr<int64_t>("timeout_ns")
-#define DEEP_EP_JAX_DISPATCH_RECV_RETS                                   \
-  .Ret<ffi::AnyBuffer>()        /* recv_x */                             \
-  .Ret<ffi::Buffer<ffi::F32>>() /* recv_scales ([1] unused when bf16) */ \
-  .Ret<ffi::Buffer<ffi::S32>>() /* recv_count */                         \
-  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_rank */                      \
-  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_token */                     \
-  .Ret<ffi::Buffer<ffi::S32>>() /* recv_src_topk */
-#define DEEP_EP_JAX_COMBINE_SEND_ARGS                 \
-  .Arg<ffi::AnyBuffer>()        /* x */              \
-  .Arg<ffi::Buffer<ffi::S32>>() /* recv_count */     \
-  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_rank */  \
-  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_token */ \
-  .Arg<ffi::Buffer<ffi::S32>>() /* recv_src_topk */
-#define DEEP_EP_JAX_COMBINE_RECV_ARGS \
-  .Arg<ffi::Buffer<ffi::S32>>() /* topk_idx */ \
-  .Arg<ffi::Buffer<ffi::F32>>() /* topk_weights */
-
-// The split halves' bindings, for both flavours.
-#define DEEP_EP_JAX_DISPATCH_SEND_BINDING                                                \
-  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS            \
-      .Ret<ffi::Buffer<ffi::S32>>() /* token */                                          \
-      DEEP_EP_JAX_DISPATCH_SEND_ATTRS.Attr<int64_t>("max_blocks")
-#define DEEP_EP_JAX_DISPATCH_RECV_BINDING                                                \
-  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE.Arg<ffi::Buffer<ffi::S32>>() /* token */ \
-      .RemainingArgs() /* keep_alive */                                                  \
-      DEEP_EP_JAX_DISPATCH_RECV_RETS                                                     \
-      .Attr<int64_t>("buffer_id")                                                        \
-      .Attr<int64_t>("num_topk")                                                         \
-      .Attr<int64_t>("timeout_ns")
-#define DEEP_EP_JAX_COMBINE_SEND_BINDING                                       \
-  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS   \
-      .Ret<ffi::Buffer<ffi::S32>>() /* token */                                \
-      .Attr<int64_t>("buffer_id")                                              \
-      .Attr<int64_t>("num_topk")                                               \
-      .Attr<int64_t>("timeout_ns")                                             \
-      .Attr<int64_t>("max_blocks")
-#define DEEP_EP_JAX_COMBINE_RECV_BINDING                                                 \
-  ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE.Arg<ffi::Buffer<ffi::S32>>() /* token */ \
-      DEEP_EP_JAX_COMBINE_RECV_ARGS                                                      \
-      .RemainingArgs() /* keep_alive */                                                  \
-      .Ret<ffi::AnyBuffer>() /* out */                                                   \
-      .Attr<int64_t>("buffer_id")                                                        \
-      .Attr<int64_t>("timeout_ns")
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, DispatchSend<false>, DEEP_EP_JAX_DISPATCH_SEND_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, DispatchRecv<false>, DEEP_EP_JAX_DISPATCH_RECV_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, CombineSend<false>, DEEP_EP_JAX_COMBINE_SEND_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, CombineRecv<false>, DEEP_EP_JAX_COMBINE_RECV_BINDING,
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendOverlappedHandler, DispatchSend<true>,
-                              DEEP_EP_JAX_DISPATCH_SEND_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvOverlappedHandler, DispatchRecv<true>,
-                              DEEP_EP_JAX_DISPATCH_RECV_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendOverlappedHandler, CombineSend<true>,
-                              DEEP_EP_JAX_COMBINE_SEND_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvOverlappedHandler, CombineRecv<true>,
-                              DEEP_EP_JAX_COMBINE_RECV_BINDING);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, Dispatch,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_DISPATCH_SEND_ARGS
-                                  DEEP_EP_JAX_DISPATCH_RECV_RETS DEEP_EP_JAX_DISPATCH_SEND_ATTRS,
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, Combine,
-                              ffi::Ffi::Bind() DEEP_EP_JAX_STREAM_AND_DEVICE DEEP_EP_JAX_COMBINE_SEND_ARGS
-                                  DEEP_EP_JAX_COMBINE_RECV_ARGS
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Attr<int64_t>("buffer_id")
-                                  .Attr<int64_t>("timeout_ns"),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send", LowLatencyDispatchSendHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv", LowLatencyDispatchRecvHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch", LowLatencyDispatchHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine", LowLatencyCombineHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send_overlapped",
-                                LowLatencyDispatchSendOverlappedHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv_overlapped",
-                                LowLatencyDispatchRecvOverlappedHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_send_overlapped",
-                                LowLatencyCombineSendOverlappedHandler);
-DEEP_EP_JAX_REGISTER_FFI_TARGET("deep_ep_jax_low_latency_combine_recv_overlapped",
-                                LowLatencyCombineRecvOverlappedHandler);
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send", LowLatencyDispatchSendHandler, DispatchSend<false>,
+                       LL_DISPATCH_SEND, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv", LowLatencyDispatchRecvHandler, DispatchRecv<false>,
+                       LL_DISPATCH_RECV, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch", LowLatencyDispatchHandler, Dispatch, LL_DISPATCH,
+                       {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler, CombineSend<false>,
+                       LL_COMBINE_SEND, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler, CombineRecv<false>,
+                       LL_COMBINE_RECV, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine", LowLatencyCombineHandler, Combine, LL_COMBINE,
+                       {ffi::Traits::kCmdBufferCompatible});
+// Overlapped: not command-buffer compatible, as they fork and join streams.
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send_overlapped", LowLatencyDispatchSendOverlappedHandler,
+                       DispatchSend<true>, LL_DISPATCH_SEND, {});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv_overlapped", LowLatencyDispatchRecvOverlappedHandler,
+                       DispatchRecv<true>, LL_DISPATCH_RECV, {});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_send_overlapped", LowLatencyCombineSendOverlappedHandler,
+                       CombineSend<true>, LL_COMBINE_SEND, {});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_recv_overlapped", LowLatencyCombineRecvOverlappedHandler,
+                       CombineRecv<true>, LL_COMBINE_RECV, {});
 
 }  // namespace deep_ep_jax

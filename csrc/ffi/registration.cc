@@ -4,8 +4,8 @@ namespace deep_ep_jax {
 
 // A function-local static, so registrars in other files' static initialisers
 // can use it whatever the initialisation order.
-std::map<std::string, FfiHandler*>& FfiTargets() {
-  static std::map<std::string, FfiHandler*> targets;
+std::map<std::string, FfiTarget>& FfiTargets() {
+  static std::map<std::string, FfiTarget> targets;
   return targets;
 }
 

@@ -2,7 +2,9 @@
 
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace deep_ep_jax {
@@ -39,8 +41,8 @@ cudaError_t TakeEvent(int device, DeviceSide& side, cudaEvent_t* event) {
   return OnDevice(device, [&] { return cudaEventCreateWithFlags(event, cudaEventDisableTiming); });
 }
 
-}  // namespace
-
+// Makes this device's side stream (created on first use) wait for the work
+// enqueued on `xla` so far; returns it in *side_stream.
 cudaError_t ForkSideStream(int device, cudaStream_t xla, cudaStream_t* side_stream) {
   std::lock_guard<std::mutex> lock(mutex);
   DeviceSide& side = sides[device];
@@ -57,6 +59,7 @@ cudaError_t ForkSideStream(int device, cudaStream_t xla, cudaStream_t* side_stre
   return err;
 }
 
+// After a send's launch on the side stream: remembers it under (buffer, key).
 cudaError_t RecordSideSend(int device, int64_t buffer_id, const void* key) {
   std::lock_guard<std::mutex> lock(mutex);
   DeviceSide& side = sides[device];
@@ -74,6 +77,8 @@ cudaError_t RecordSideSend(int device, int64_t buffer_id, const void* key) {
   return cudaSuccess;
 }
 
+// Makes `xla` wait for the send remembered under (buffer, key) and forgets
+// it; *found is false (and nothing happens) if there is none.
 cudaError_t JoinSideSend(int device, int64_t buffer_id, const void* key, cudaStream_t xla, bool* found) {
   std::lock_guard<std::mutex> lock(mutex);
   DeviceSide& side = sides[device];
@@ -86,6 +91,7 @@ cudaError_t JoinSideSend(int device, int64_t buffer_id, const void* key, cudaStr
   return err;
 }
 
+// Sends of the buffer forked on this device and not joined yet.
 int PendingSideSends(int device, int64_t buffer_id) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = sides.find(device);
@@ -93,6 +99,48 @@ int PendingSideSends(int device, int64_t buffer_id) {
   int n = 0;
   for (const auto& entry : it->second.pending) n += std::get<0>(entry.first) == buffer_id;
   return n;
+}
+
+SideStreamStatus Refused(std::string message) { return {SideStreamStatus::kRefused, std::move(message)}; }
+
+SideStreamStatus CudaStatus(const char* what, cudaError_t err) {
+  if (err == cudaSuccess) return {};
+  return {SideStreamStatus::kCudaError, std::string(what) + ": " + cudaGetErrorString(err)};
+}
+
+}  // namespace
+
+SideStreamStatus CheckNoPendingSend(int device, int64_t buffer_id) {
+  const int pending = PendingSideSends(device, buffer_id);
+  if (pending == 0) return {};
+  return Refused(std::to_string(pending) +
+                 " overlapped send(s) of this buffer still wait for their receive; with "
+                 "config.low_latency_overlap_sms, receive them before any other low-latency operation of the buffer");
+}
+
+SideStreamStatus BeginSend(int device, int64_t buffer_id, cudaStream_t xla, bool overlapped, cudaStream_t* stream) {
+  *stream = xla;
+  if (!overlapped) return CheckNoPendingSend(device, buffer_id);
+  return CudaStatus("forking the side stream", ForkSideStream(device, xla, stream));
+}
+
+SideStreamStatus EndSend(int device, int64_t buffer_id, const void* token, bool overlapped) {
+  if (!overlapped) return {};
+  return CudaStatus("recording the send", RecordSideSend(device, buffer_id, token));
+}
+
+SideStreamStatus BeginReceive(int device, int64_t buffer_id, const void* token, cudaStream_t xla, bool overlapped) {
+  if (!overlapped) return CheckNoPendingSend(device, buffer_id);
+  bool found = false;
+  if (SideStreamStatus status = CudaStatus("joining the send", JoinSideSend(device, buffer_id, token, xla, &found));
+      !status.ok()) {
+    return status;
+  }
+  if (!found) {
+    return Refused("no overlapped send of this buffer is pending for this token (was the send made with a buffer "
+                   "whose config.low_latency_overlap_sms differs?)");
+  }
+  return {};
 }
 
 void ForgetSideSends(int64_t buffer_id) {

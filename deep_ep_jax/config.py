@@ -23,6 +23,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+# Channels per FP8 scale: FP8 rows [T, H] come with float32 scales [T, H // FP8_BLOCK]
+# (the API's contract; the CUDA extension's own value is checked equal when its
+# FFI targets are registered).
+FP8_BLOCK = 128
+
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))

@@ -11,7 +11,7 @@ DeepEP's case: 128 tokens per rank, hidden 7168, top-8 of 288 experts, FP8
 dispatch, bf16 combine. DeepEP V1 on the same 2x H200: dispatch 28.5 us,
 combine 39.9 us; with the send/recv split 20.0 + 8.1 us and 32.5 + 9.6 us.
 
-Timing (DESIGN.md section 3): a jitted shard_map call costs ~300 us of host
+Timing (docs/design.md): a jitted shard_map call costs ~300 us of host
 time and each custom call ~8 us of launch, so each measurement runs one
 jitted program holding a chain of n operations (each one's input depending
 on the previous one's output through a one-element update) and one of 2n;
@@ -226,7 +226,7 @@ def make_buffer(mesh, backend, case, overlap_sms=0):
                   num_experts=case.num_experts)
     if backend == "xla":
         return deep_ep_jax.Buffer(mesh, AXIS, backend="xla", **common)
-    from deep_ep_jax.backends.cuda_low_latency import low_latency_region_bytes
+    from deep_ep_jax.backends.cuda.sizes import low_latency_region_bytes
 
     region = low_latency_region_bytes(num_ranks, case.num_experts, case.hidden, case.num_tokens, num_topk=case.topk)
     return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=1 << 20, num_rdma_bytes=region,

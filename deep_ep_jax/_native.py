@@ -1,23 +1,20 @@
 """Access to the CUDA extension `deep_ep_jax._C`, loaded lazily.
 
 Importing this module does not import the extension; nothing here fails on a
-machine without CUDA: `unavailable_reason()` says why the CUDA backend cannot
-run, or None when it can.
+machine without CUDA: `load_error()` says why the extension cannot be
+imported, `unavailable_reason()` why the CUDA backend cannot run (None when
+it can).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import threading
 
 BUILD_HINT = (
     'build it with a CUDA toolkit (nvcc) visible: `pip install -e ".[test]"` '
     "(or offline: `pip install --no-build-isolation --no-deps -e .`, or `python setup.py build_ext --inplace`)"
 )
-
-_register_lock = threading.Lock()
-_registered = False
 
 
 @functools.cache
@@ -29,12 +26,24 @@ def _load():
         return None, f"the extension deep_ep_jax._C is not built ({e}); {BUILD_HINT}"
 
 
+def load_error() -> str | None:
+    """Why `deep_ep_jax._C` cannot be imported (and how to build it), or None."""
+    return _load()[1]
+
+
 def extension():
     """The `deep_ep_jax._C` module; raises ImportError saying how to build it."""
     module, reason = _load()
     if module is None:
         raise ImportError(reason)
     return module
+
+
+@functools.cache
+def limits() -> dict:
+    """The CUDA kernels' limits, `_C.limits()`: "max_ranks", "control_bytes",
+    "fp8_block", "max_blocks", ... (needs the extension)."""
+    return dict(extension().limits())
 
 
 def _arch_matches(compiled: list[str], compute_capability: str) -> bool:
@@ -79,21 +88,6 @@ def unavailable_reason() -> str | None:
                 f"{capability.replace('.', '')}"
             )
     return None
-
-
-def register_ffi_targets() -> None:
-    """Registers every FFI handler of the extension with XLA for CUDA, once."""
-    global _registered
-    if _registered:
-        return
-    import jax
-
-    with _register_lock:
-        if _registered:
-            return
-        for name, capsule in extension().ffi_targets().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-        _registered = True
 
 
 def build_summary() -> str:

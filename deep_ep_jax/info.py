@@ -11,15 +11,14 @@ from __future__ import annotations
 import glob
 import importlib
 import importlib.metadata
-import inspect
 import os
 import platform
 import shutil
 import subprocess
 import sys
 
-# DeepEP's standard cases (DESIGN.md section 3).
-NORMAL_CASE = dict(num_tokens=4096, hidden=7168, num_experts=256, num_topk=8)
+# DeepEP's standard cases (docs/design.md).
+NORMAL_CASE = dict(num_tokens=4096, hidden=7168, num_topk=8)
 LOW_LATENCY_CASE = dict(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=288, num_topk=8)
 
 
@@ -47,30 +46,38 @@ def find_nvshmem():
     return None
 
 
-def _call_size_hint(fn, case, num_ranks):
-    """Calls a size-hint function, passing the parameters it names from the case."""
-    from deep_ep_jax.config import Config
-
-    known = dict(case, num_ranks=num_ranks, config=Config(), num_max_tokens=case.get("num_tokens"))
-    kwargs = {}
-    for name, param in inspect.signature(fn).parameters.items():
-        if name in known and known[name] is not None:
-            kwargs[name] = known[name]
-        elif param.default is inspect.Parameter.empty:
-            raise TypeError(f"{fn.__name__} needs {name!r}, which the report does not know")
-    return int(fn(**kwargs))
-
-
-def _size_hint(module_name, fn_name, case, num_ranks):
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        return f"unknown ({module_name}.{fn_name} not available: {e})"
-    try:
-        num_bytes = _call_size_hint(fn, case, num_ranks)
-    except Exception as e:  # a report: show the problem, go on
-        return f"unknown ({type(e).__name__}: {e})"
+def _mib(num_bytes):
     return f"{num_bytes / 2**20:.1f} MiB per GPU ({num_bytes} bytes)"
+
+
+def _case(case):
+    return ", ".join(f"{k}={v}" for k, v in case.items())
+
+
+def print_buffer_sizes():
+    """The Buffer sizes of the standard cases, from the extension's layout functions."""
+    from deep_ep_jax import _native
+
+    reason = _native.load_error()
+    if reason:
+        print("needs the CUDA extension deep_ep_jax._C, which computes them (not importable here: see above)")
+        return
+    from deep_ep_jax.backends.cuda import sizes
+
+    tokens, hidden, topk = NORMAL_CASE["num_tokens"], NORMAL_CASE["hidden"], NORMAL_CASE["num_topk"]
+    for num_ranks in (2, 8):
+        direct = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=False)
+        staged = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=True)
+        print(f"normal ({_case(NORMAL_CASE)}, R={num_ranks}): {_mib(direct)}; "
+              f"staged (one process per GPU): {_mib(staged)}")
+    for num_ranks, num_nodes in ((2, 2), (8, 2)):
+        size = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens, topk)
+        print(f"normal across hosts ({_case(NORMAL_CASE)}, R={num_ranks}, {num_nodes} hosts): {_mib(size)}")
+    case = LOW_LATENCY_CASE
+    for num_ranks in (2, 8):
+        size = sizes.low_latency_region_bytes(num_ranks, case["num_experts"], case["hidden"],
+                                              case["num_max_dispatch_tokens_per_rank"], case["num_topk"])
+        print(f"low latency ({_case(case)}, R={num_ranks}): {_mib(size)}")
 
 
 def main():
@@ -150,16 +157,7 @@ def main():
         print(f'Buffer(backend="auto") -> "xla" ({reason})')
 
     _section("buffer sizes for the standard cases")
-    for num_ranks in (2, 8):
-        case = ", ".join(f"{k}={v}" for k, v in NORMAL_CASE.items())
-        hint = _size_hint("deep_ep_jax.backends.cuda_normal", "normal_region_bytes", NORMAL_CASE, num_ranks)
-        print(f"normal ({case}, R={num_ranks}): {hint}")
-    for num_ranks in (2, 8):
-        case = ", ".join(f"{k}={v}" for k, v in LOW_LATENCY_CASE.items())
-        hint = _size_hint(
-            "deep_ep_jax.backends.cuda_low_latency", "low_latency_region_bytes", LOW_LATENCY_CASE, num_ranks
-        )
-        print(f"low latency ({case}, R={num_ranks}): {hint}")
+    print_buffer_sizes()
     print(
         "XLA preallocates 75% of GPU memory; if a Buffer does not fit, set XLA_PYTHON_CLIENT_MEM_FRACTION "
         "(e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax."

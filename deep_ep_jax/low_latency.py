@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from deep_ep_jax import validation as v
+from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.handle import LowLatencyHandle
 
 
@@ -46,8 +47,8 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
         )
     if num_tokens > max_tokens:
         raise ValueError(f"{fn}: x has {num_tokens} tokens, more than num_max_dispatch_tokens_per_rank={max_tokens}")
-    if use_fp8 and hidden % v.FP8_BLOCK:
-        raise ValueError(f"{fn}: use_fp8 needs hidden to be a multiple of {v.FP8_BLOCK}, got {hidden}")
+    if use_fp8 and hidden % FP8_BLOCK:
+        raise ValueError(f"{fn}: use_fp8 needs hidden to be a multiple of {FP8_BLOCK}, got {hidden}")
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
         v.raise_if_any(buffer, [(bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")])

@@ -1,7 +1,7 @@
 """Normal mode (training, prefill): layout, dispatch, combine, and gradients.
 
 The wrapper owns shapes, validation and gradients; the backend only moves
-data. Gradients follow DESIGN.md: the backward of dispatch is a combine of
+data. Gradients follow docs/design.md: the backward of dispatch is a combine of
 the gradients, the backward of combine is a dispatch along the handle's
 layout (no count exchange). Both are shared by every backend.
 """

@@ -21,7 +21,7 @@ import weakref
 
 import jax
 
-from deep_ep_jax import multiprocess
+from deep_ep_jax import _native, multiprocess
 
 UID_KEY = "deep_ep_jax/nvshmem/uid"
 XLA_NVSHMEM_FLAG = "--xla_gpu_experimental_enable_nvshmem"
@@ -52,12 +52,10 @@ def unavailable_reason() -> str | None:
             f"XLA's own NVSHMEM is on ({XLA_NVSHMEM_FLAG} in XLA_FLAGS); deep_ep_jax would start a second "
             f"NVSHMEM runtime in the same process. Remove the flag, or use Buffer(..., backend='xla')"
         )
-    from deep_ep_jax import _native
-
-    module, reason = _native._load()
-    if module is None:
+    reason = _native.load_error()
+    if reason:
         return reason
-    if not getattr(module, "with_nvshmem", False):
+    if not getattr(_native.extension(), "with_nvshmem", False):
         return (
             "deep_ep_jax._C was built without NVSHMEM: install nvidia-nvshmem-cu13 (or set NVSHMEM_HOME) and "
             "rebuild (`python setup.py build_ext --inplace`; DEEP_EP_JAX_NO_NVSHMEM must not be 1)"
@@ -99,8 +97,6 @@ def initialize(device: int, needed_bytes: int, timeout_s: float) -> None:
         reason = unavailable_reason()
         if reason:
             raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
-        from deep_ep_jax import _native
-
         ext = _native.extension()
         if HEAP_ENV not in os.environ:  # the user's setting wins
             os.environ[HEAP_ENV] = str(heap_bytes(needed_bytes))
@@ -142,7 +138,5 @@ def _finalize_at_exit() -> None:
             print(f"deep_ep_jax: at exit, destroying {buffer!r} failed ({type(e).__name__}: {e}); "
                   f"NVSHMEM is not finalized")
     if clean and _initialized_device is not None:
-        from deep_ep_jax import _native
-
         _native.extension().nvshmem_finalize()
         _initialized_device = None

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deep_ep_jax.config import FP8_BLOCK
+
 FP8_DTYPE = jnp.float8_e4m3fn
-FP8_BLOCK = 128
 
 
 def check_buffer(buffer, fn):

@@ -1,8 +1,9 @@
 """Test setup: 8 virtual CPU devices for the CPU suite; GPU tests marked.
 
 CPU tests build their meshes from jax.devices("cpu"), so they run the same on
-a GPU host. Tests marked `gpu` need CUDA GPUs and the built extension; they
-are skipped elsewhere with the reason.
+a GPU host. Tests marked `gpu` need CUDA GPUs and the built extension; tests
+marked `extension` need only the extension (its sizes and limits, on CPU).
+Both are skipped elsewhere with the reason.
 """
 
 import os
@@ -19,6 +20,7 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs and the built extension")
+    config.addinivalue_line("markers", "extension: needs the built extension deep_ep_jax._C (no GPU)")
 
 
 def _gpu_skip_reason():
@@ -34,6 +36,13 @@ def _gpu_skip_reason():
 
 
 def pytest_collection_modifyitems(config, items):
+    from deep_ep_jax import _native
+
+    reason = _native.load_error()
+    if reason:
+        for item in items:
+            if item.get_closest_marker("extension"):
+                item.add_marker(pytest.mark.skip(reason=reason))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

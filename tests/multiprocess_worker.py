@@ -171,11 +171,11 @@ def case_normal():
 
 def case_low_latency():
     import test_low_latency_gpu as suite
-    from deep_ep_jax.backends import cuda_low_latency as cll
+    from deep_ep_jax.backends.cuda import sizes
 
     mesh = _gpu_mesh()
     num_ranks = mesh.shape[AXIS]
-    region = cll.low_latency_region_bytes(
+    region = sizes.low_latency_region_bytes(
         num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
     )
     cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
@@ -250,11 +250,11 @@ def _internode_mesh():
 
 def case_internode_low_latency():
     import test_low_latency_gpu as suite
-    from deep_ep_jax.backends import cuda_low_latency as cll
+    from deep_ep_jax.backends.cuda import sizes
 
     mesh = _internode_mesh()
     num_ranks = mesh.shape[AXIS]
-    region = cll.low_latency_region_bytes(
+    region = sizes.low_latency_region_bytes(
         num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
     )
     cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, hidden=suite.MAX_HIDDEN,
@@ -283,13 +283,13 @@ def case_internode_normal():
     single-host suite's comparisons, bit for bit (handle, rows, padding,
     combine's rank-ordered float32 sums), on poisoned outputs, fresh data."""
     import test_normal_gpu as suite
-    from deep_ep_jax.backends import cuda_internode
+    from deep_ep_jax.backends.cuda import sizes
 
     mesh = _internode_mesh()
     num_ranks = mesh.shape[AXIS]
     # The suite's largest shapes: 1024 tokens of hidden 4096, 333 of 7168 (top-k <= 9).
-    region = max(cuda_internode.internode_region_bytes(num_ranks, num_ranks, 7168, 333),
-                 cuda_internode.internode_region_bytes(num_ranks, num_ranks, 4096, 1024))
+    region = max(sizes.internode_region_bytes(num_ranks, num_ranks, 7168, 333),
+                 sizes.internode_region_bytes(num_ranks, num_ranks, 4096, 1024))
     cuda = dej.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region)
     xla = dej.Buffer(mesh, AXIS, backend="xla")
     assert cuda.backend == "cuda" and cuda.spans_hosts and cuda.num_nodes == num_ranks and not cuda.ipc, cuda

@@ -1,4 +1,4 @@
-"""The contract of DESIGN.md section 1 written as plain numpy loops, to check
+"""The contract of docs/design.md written as plain numpy loops, to check
 the reference backend against something independent of it. Global view:
 arrays are [R, T, ...] (rank r's shard at index r)."""
 

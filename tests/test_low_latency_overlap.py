@@ -1,6 +1,8 @@
 """The overlapped low-latency halves (Config.low_latency_overlap_sms) as they
 lower, checked on the CPU: their custom calls, the send's SM limit, and the
-receive taking the send's inputs so that XLA keeps them alive."""
+receive taking the send's inputs so that XLA keeps them alive. Lowering
+needs the extension (the trace-time checks ask it for sizes and limits), not
+a GPU."""
 
 import re
 import types
@@ -10,16 +12,17 @@ import jax.numpy as jnp
 import pytest
 
 import deep_ep_jax as dej
-from deep_ep_jax import _native
-from deep_ep_jax.backends import cuda_low_latency as cll
+from deep_ep_jax.backends.cuda import low_latency as cll
+from deep_ep_jax.backends.cuda import sizes
 
 NUM_RANKS, NUM_EXPERTS, M, K, H = 2, 16, 8, 4, 256
+extension = pytest.mark.extension
 
 
 def _buffer(overlap_sms):
-    region = cll.low_latency_region_bytes(NUM_RANKS, NUM_EXPERTS, H, M, num_topk=K)
+    region = sizes.low_latency_region_bytes(NUM_RANKS, NUM_EXPERTS, H, M, num_topk=K)
     return types.SimpleNamespace(num_ranks=NUM_RANKS, buffer_id=1, backend="cuda", num_rdma_bytes=region,
-                                 config=dej.Config(low_latency_overlap_sms=overlap_sms))
+                                 spans_hosts=False, config=dej.Config(low_latency_overlap_sms=overlap_sms))
 
 
 def _step(send_buffer, recv_buffer):
@@ -47,9 +50,9 @@ def _custom_calls(text):
     return calls
 
 
+@extension
 @pytest.mark.parametrize("overlap_sms", [0, 16])
-def test_halves_lower_to_their_flavour(monkeypatch, overlap_sms):
-    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)  # lowering only: no extension needed
+def test_halves_lower_to_their_flavour(overlap_sms):
     buffer = _buffer(overlap_sms)
     text = jax.jit(_step(buffer, buffer)).lower(*_ARGS).as_text()
     suffix = "_overlapped" if overlap_sms else ""
@@ -64,8 +67,8 @@ def test_halves_lower_to_their_flavour(monkeypatch, overlap_sms):
     assert combine_recv_operands == (3 + 5 if overlap_sms else 3)
 
 
-def test_receive_of_the_other_flavour_is_refused(monkeypatch):
-    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)
+@extension
+def test_receive_of_the_other_flavour_is_refused():
     with pytest.raises(ValueError, match="overlapped .* receive with the buffer that sent"):
         jax.jit(_step(_buffer(16), _buffer(0))).lower(*_ARGS)
 
@@ -78,10 +81,21 @@ def test_config_bounds(monkeypatch):
         dej.Config(low_latency_overlap_sms=-1)
 
 
-def test_overlap_places_compute_between_the_halves(monkeypatch):
+@extension
+def test_region_checks():
+    """A region of the hint's size passes the trace-time checks of its
+    shapes; a quarter of it is refused, naming the size function."""
+    buffer = _buffer(0)
+    jax.jit(_step(buffer, buffer)).lower(*_ARGS)
+    small = types.SimpleNamespace(**dict(vars(buffer), num_rdma_bytes=buffer.num_rdma_bytes // 4))
+    with pytest.raises(ValueError, match="too small .*sizes.low_latency_region_bytes"):
+        jax.jit(_step(small, small)).lower(*_ARGS)
+
+
+@extension
+def test_overlap_places_compute_between_the_halves():
     """low_latency_overlap ties the compute to the send's result and the
     receive to the compute's, so XLA cannot move it before or after them."""
-    monkeypatch.setattr(_native, "register_ffi_targets", lambda: None)
     buffer = _buffer(16)
 
     def step(x, idx, w, y):

@@ -1,7 +1,8 @@
 """EP groups across hosts, the Python side, without GPUs: which ranks share a
 host, the refusals (XLA's own NVSHMEM, several GPUs per process, no NVSHMEM
-in the build, hosts of unequal sizes), the send-area size, and internode
-normal mode's region sizes and trace-time checks."""
+in the build, hosts of unequal sizes), and (with the extension built, whose
+layout functions give the sizes) the send area's and internode normal mode's
+region sizes and trace-time checks."""
 
 import types
 
@@ -12,8 +13,9 @@ import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import _native, multiprocess, nvshmem, testing
-from deep_ep_jax.backends import cuda_internode as cin
-from deep_ep_jax.backends import cuda_low_latency as cll
+from deep_ep_jax.backends.cuda import internode, lifecycle, low_latency, sizes
+
+extension = pytest.mark.extension
 
 AXIS = "ep"
 
@@ -52,9 +54,9 @@ def _xla_buffer(num_ranks, **kwargs):
 
 def test_buffer_decides_hosts_from_config():
     buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=4))
-    assert buffer._group_nodes(False) == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    assert lifecycle.group_nodes(buffer, False) == [[0, 0, 0, 0, 1, 1, 1, 1]]
     buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=None))
-    assert buffer._group_nodes(False) == [[0] * 8]
+    assert lifecycle.group_nodes(buffer, False) == [[0] * 8]
 
 
 # Refusals --------------------------------------------------------------------
@@ -83,9 +85,10 @@ def test_refuses_xla_nvshmem(monkeypatch):
 
 
 def test_refuses_a_build_without_nvshmem(monkeypatch):
-    monkeypatch.setattr(_native, "_load", lambda: (types.SimpleNamespace(with_nvshmem=False), None))
+    monkeypatch.setattr(_native, "load_error", lambda: None)
+    monkeypatch.setattr(_native, "extension", lambda: types.SimpleNamespace(with_nvshmem=False))
     assert "built without NVSHMEM" in nvshmem.unavailable_reason()
-    monkeypatch.setattr(_native, "_load", lambda: (None, "the extension deep_ep_jax._C is not built"))
+    monkeypatch.setattr(_native, "load_error", lambda: "the extension deep_ep_jax._C is not built")
     assert "not built" in nvshmem.unavailable_reason()
 
 
@@ -93,9 +96,9 @@ def test_refuses_several_gpus_per_process():
     """One process driving 8 devices told they are 2 hosts of 4: NVSHMEM has one PE per process."""
     buffer = _xla_buffer(8, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8, hidden=256,
                          config=dej.Config(gpus_per_host=4))
-    nodes = buffer._group_nodes(False)
+    nodes = lifecycle.group_nodes(buffer, False)
     with pytest.raises(NotImplementedError, match="one PE, so one GPU, per process"):
-        buffer._allocate_nvshmem(buffer._groups(), nodes, None, None)
+        lifecycle.allocate_nvshmem(buffer, lifecycle.groups(buffer), nodes, None, None)
     nvshmem.check_one_gpu_per_process(list(buffer.mesh.devices.flat)[:1])  # one device: fine
 
 
@@ -105,10 +108,10 @@ def test_refuses_hosts_of_unequal_sizes(monkeypatch):
     buffer = _xla_buffer(4)
     monkeypatch.setattr(nvshmem, "check_one_gpu_per_process", lambda devices: None)
     with pytest.raises(NotImplementedError, match=r"same number of GPUs .* got \[3, 1\]"):
-        buffer._allocate_nvshmem(buffer._groups(), [[0, 0, 0, 1]], None, None)
-    assert cin.check_nodes([0, 0, 1, 1]) == 2
-    assert cin.check_nodes([0, 1, 0, 1]) == 2
-    assert cin.check_nodes([0]) == 1
+        lifecycle.allocate_nvshmem(buffer, lifecycle.groups(buffer), [[0, 0, 0, 1]], None, None)
+    assert internode.check_nodes([0, 0, 1, 1]) == 2
+    assert internode.check_nodes([0, 1, 0, 1]) == 2
+    assert internode.check_nodes([0]) == 1
 
 
 def _fake_internode_buffer(num_ranks, num_nodes, num_nvl_bytes):
@@ -117,90 +120,112 @@ def _fake_internode_buffer(num_ranks, num_nodes, num_nvl_bytes):
                                  num_nvl_bytes=num_nvl_bytes, config=dej.Config(), spans_hosts=True)
 
 
-def test_internode_trace_checks_region_size():
-    num_ranks, num_tokens, hidden, topk, num_experts = 2, 64, 256, 4, 8
-    need = cin.dispatch_region_bytes(num_tokens, num_tokens * num_ranks, topk, (2 * hidden, 0), num_ranks)
-    buffer = _fake_internode_buffer(num_ranks, num_ranks, need - 1)
-    x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
+def _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts, dtype=jnp.bfloat16):
+    x = jax.ShapeDtypeStruct((num_tokens, hidden), dtype)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
+    return jax.eval_shape(lambda x, idx, w: internode.dispatch(
+        (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer), x, idx, w)
 
-    def trace(buffer):
-        return jax.eval_shape(lambda x, idx, w: cin.dispatch(
-            (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer), x, idx, w)
 
+@extension
+def test_internode_trace_checks_region_size():
+    num_ranks, num_tokens, hidden, topk, num_experts = 2, 64, 256, 4, 8
+    need = _native.extension().internode_dispatch_region_bytes(
+        num_tokens, num_tokens * num_ranks, topk, 2 * hidden, 0, num_ranks, num_ranks)
+    recv_xs, _, _, handle = _trace_dispatch(_fake_internode_buffer(num_ranks, num_ranks, need), num_tokens, hidden,
+                                            topk, num_experts)
+    assert recv_xs[0].shape == (num_tokens * num_ranks, hidden) and handle.send_pos.shape == (num_tokens, num_ranks)
+    buffer = _fake_internode_buffer(num_ranks, num_ranks, need - 1)
     with pytest.raises(ValueError, match=f"needs {need} bytes .* num_nvl_bytes={need - 1}"):
-        trace(buffer)
+        _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts)
     with pytest.raises(ValueError, match="bf16 or FP8"):
-        jax.eval_shape(lambda x, idx, w: cin.dispatch((x.astype(jnp.float32),), idx, w, num_experts=num_experts,
-                                                      num_worst_tokens=None, buffer=buffer), x, idx, w)
+        _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts, dtype=jnp.float32)
     with pytest.raises(ValueError, match="at most 8 ranks"):
-        trace(_fake_internode_buffer(16, 2, need))
+        _trace_dispatch(_fake_internode_buffer(16, 2, need), num_tokens, hidden, topk, 16)
 
 
-def test_internode_region_bytes():
-    """The layout mirror: control bytes, landing area, packets staged and
-    received per host (dispatch); slots per (rank, token) and staged rows (combine)."""
-    num_ranks, num_nodes, hidden, num_tokens, topk = 2, 2, 7168, 4096, 8
+@extension
+def test_internode_region_hint():
+    """The hint holds the calls of its shapes (bf16 and FP8 dispatch, combine,
+    top-k up to 16) and grows with hidden, tokens and hosts."""
+    ext = _native.extension()
+    num_ranks, num_nodes, hidden, num_tokens = 4, 2, 7168, 512
     rows = num_ranks * num_tokens
-    packet = 2 * hidden + 16 * ((4 * 9 + 8 * topk + 15) // 16)
-    dispatch = cin.dispatch_region_bytes(num_tokens, rows, topk, (2 * hidden, 0), num_nodes)
-    assert dispatch >= cin.CONTROL_BYTES + rows * 2 * hidden + (1 + num_nodes) * num_tokens * packet
-    assert dispatch % cin.ALIGN == 0
-    combine = cin.combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks)
-    assert combine >= cin.CONTROL_BYTES + 2 * rows * (2 * hidden + 4 * topk)
-    size = cin.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens, topk)
-    assert size == max(dispatch, combine, cin.dispatch_region_bytes(
-        num_tokens, rows, topk, (hidden, hidden // 128 * 4), num_nodes))
-    # More hosts: more packets received; the default hint is the standard case.
-    assert cin.internode_region_bytes(8, 8, hidden, num_tokens) > cin.internode_region_bytes(8, 2, hidden, num_tokens)
-    assert cin.internode_region_bytes(2, 2) == cin.internode_region_bytes(2, 2, 7168, 4096, cin.DEFAULT_TOPK)
+    size = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens)
+    for topk in (1, 8, 16):
+        for row, scales in ((2 * hidden, 0), (hidden, hidden // 128 * 4)):
+            assert ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks,
+                                                       num_nodes) <= size
+        assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks) <= size
+    # A Buffer with the hint passes the trace-time check of such a dispatch.
+    _trace_dispatch(_fake_internode_buffer(num_ranks, num_nodes, size), num_tokens, hidden, 16, 8 * num_ranks)
+    assert size >= num_tokens * num_ranks * 2 * hidden  # at least the received bf16 rows
+    assert sizes.internode_region_bytes(num_ranks, num_nodes, 2 * hidden, num_tokens) > size
+    assert sizes.internode_region_bytes(num_ranks, num_nodes, hidden, 2 * num_tokens) > size
+    assert sizes.internode_region_bytes(8, 8, hidden, num_tokens) > sizes.internode_region_bytes(8, 2, hidden,
+                                                                                                  num_tokens)
+    assert sizes.internode_region_bytes(2, 2) == sizes.internode_region_bytes(2, 2, 7168, 4096, sizes.DEFAULT_TOPK)
 
 
-def test_cuda_normal_switches_to_internode(monkeypatch):
-    from deep_ep_jax.backends import cuda_normal
+def test_buffer_holds_the_ops_of_its_path():
+    """The path is chosen when the Buffer is made, not per call: the internode
+    operations for an EP group across hosts, the intranode ones otherwise."""
+    from deep_ep_jax import buffer as buffer_module
+    from deep_ep_jax.backends import reference
+    from deep_ep_jax.backends.cuda import intranode, layout
 
-    calls = []
-    monkeypatch.setattr(cin, "dispatch", lambda *a, **k: calls.append("dispatch"))
-    monkeypatch.setattr(cin, "cached_dispatch", lambda *a, **k: calls.append("cached_dispatch"))
-    monkeypatch.setattr(cin, "combine", lambda *a, **k: calls.append("combine"))
-    buffer = _fake_internode_buffer(2, 2, 1 << 30)
-    cuda_normal.dispatch(None, None, None, num_experts=8, num_worst_tokens=None, buffer=buffer)
-    cuda_normal.cached_dispatch(None, None, None, buffer=buffer)
-    cuda_normal.combine(None, None, None, buffer=buffer)
-    assert calls == ["dispatch", "cached_dispatch", "combine"]
+    across = buffer_module._ops("cuda", spans_hosts=True)
+    assert (across.dispatch, across.cached_dispatch, across.combine) == (
+        internode.dispatch, internode.cached_dispatch, internode.combine)
+    one_host = buffer_module._ops("cuda", spans_hosts=False)
+    assert (one_host.dispatch, one_host.cached_dispatch, one_host.combine) == (
+        intranode.dispatch, intranode.cached_dispatch, intranode.combine)
+    for ops in (across, one_host):
+        assert ops.get_dispatch_layout is layout.get_dispatch_layout
+        assert ops.low_latency_dispatch_send is low_latency.low_latency_dispatch_send
+    assert _xla_buffer(2).ops.dispatch is reference.dispatch
 
 
 # Sizes -------------------------------------------------------------------------
 
 
+@extension
 def test_send_area_holds_dispatch_and_combine_staging():
+    """The send area stages a dispatch's rows (one per (token, k)) or a
+    combine's (one per (source, token, k)); sized for top-k 16 by default."""
     num_ranks, hidden, max_tokens, topk = 4, 7168, 128, 8
-    size = cll.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=topk)
+    size = sizes.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=topk)
     assert size >= max_tokens * topk * 2 * hidden  # dispatch: a bf16 row per (token, k)
     assert size >= num_ranks * max_tokens * topk * hidden * 2  # combine: per (source, token, k)
-    assert size % 256 == 0
-    default = cll.low_latency_send_bytes(num_ranks, hidden, max_tokens)
-    assert default == cll.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=cll.DEFAULT_HINT_TOPK)
+    assert sizes.low_latency_send_bytes(num_ranks, hidden, 2 * max_tokens, num_topk=topk) > size
+    assert sizes.low_latency_send_bytes(num_ranks, 2 * hidden, max_tokens, num_topk=topk) > size
+    default = sizes.low_latency_send_bytes(num_ranks, hidden, max_tokens)
+    assert default == sizes.low_latency_send_bytes(num_ranks, hidden, max_tokens, num_topk=sizes.DEFAULT_TOPK)
     with pytest.raises(ValueError, match="hidden"):
-        cll.low_latency_send_bytes(num_ranks, None, max_tokens)
+        sizes.low_latency_send_bytes(num_ranks, None, max_tokens)
 
 
+@extension
 def test_low_latency_region_holds_dispatch_and_combine():
-    """The size hint covers both operations: a dispatch holds one row per
-    (source, token), whatever the top-k; a combine one bf16 row per (token, k)."""
+    """The size hint covers what the calls check: each half holds a dispatch
+    (bf16 or FP8) or a combine of these shapes."""
+    ext = _native.extension()
     hidden, max_tokens, num_experts = 7168, 128, 288
     for num_ranks, topk in ((2, 8), (8, 8), (8, 1), (2, 16)):
-        region = cll.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
-        half = cll._half_bytes(region)
+        region = sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
+        half = ext.low_latency_half_bytes(region)
         for fp8 in (True, False):
-            need = cll._dispatch_half_bytes(num_ranks, num_experts // num_ranks, max_tokens, topk, hidden, fp8)
+            need = ext.low_latency_dispatch_half_bytes(num_ranks, num_experts // num_ranks, max_tokens, topk, hidden,
+                                                       fp8)
             assert need <= half
-            assert need >= num_ranks * max_tokens * cll._row_bytes(hidden, fp8)  # each token once per source
-        assert cll._combine_half_bytes(max_tokens, topk, hidden) <= half
-    # DeepEP's decode case: the combine's rows size it (the dispatch no longer sends M * K rows per source).
-    region = cll.low_latency_region_bytes(2, num_experts, hidden, max_tokens, num_topk=8)
-    assert cll._half_bytes(region) < cll._combine_half_bytes(max_tokens, 8, hidden) + (1 << 20)
+        assert ext.low_latency_combine_half_bytes(max_tokens, topk, hidden) <= half
+        assert half >= max_tokens * topk * hidden * 2  # a combine: a bf16 row per (token, k)
+        assert sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, 2 * max_tokens, num_topk=topk) > region
+    # num_experts None sizes for the kernels' most experts.
+    most = sizes.low_latency_region_bytes(8, None, hidden, max_tokens, num_topk=8)
+    assert most >= sizes.low_latency_region_bytes(8, _native.limits()["low_latency_max_experts"], hidden, max_tokens,
+                                                  num_topk=8)
 
 
 def test_heap_bytes():
@@ -211,9 +236,9 @@ def test_heap_bytes():
 
 def test_one_process_never_spans_hosts_by_hostname():
     buffer = _xla_buffer(4)
-    assert buffer._group_nodes(False) == [[0, 0, 0, 0]]
+    assert lifecycle.group_nodes(buffer, False) == [[0, 0, 0, 0]]
     assert not buffer.spans_hosts
-    assert np.asarray(buffer._groups()).shape == (1, 4)
+    assert np.asarray(lifecycle.groups(buffer)).shape == (1, 4)
     assert jax.process_count() == 1
 
 

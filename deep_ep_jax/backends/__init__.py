@@ -1,13 +1,18 @@
 """Backends: the same per-rank operations, in pure JAX or as CUDA custom calls.
 
-Every function here runs per rank, inside `jax.shard_map` over
+A Buffer picks its backend once, when it is made, and holds the operations it
+runs as `buffer.ops` (an `Ops`): those of `deep_ep_jax.backends.reference`,
+or of the CUDA modules `deep_ep_jax.backends.cuda.layout`, `.intranode` (an
+EP group on one host) or `.internode` (across hosts), and `.low_latency`.
+
+Every operation runs per rank, inside `jax.shard_map` over
 `buffer.axis_name`. The public API (`deep_ep_jax.normal`,
 `deep_ep_jax.low_latency`) validates arguments, sanitises `topk_idx` (ids out
 of [0, E) become -1) and owns gradients; a backend only moves data. Rows are
 passed as tuples: `(x,)` for bf16 [T, H], or `(x_fp8 [T, H], scales f32
 [T, H // 128])` for an FP8 pair; received rows come back in the same form.
 
-A backend module provides:
+The operations (a backend module defines each under its name):
 
   get_dispatch_layout(topk_idx, *, num_experts, buffer)
       -> (num_tokens_per_rank i32 [R], num_tokens_per_expert i32 [E],
@@ -35,3 +40,36 @@ The semantics (row order, padding, summation order) are those of
 `deep_ep_jax.backends.reference`, the oracle: a CUDA result must equal it bit
 for bit (FP8 quantisation included).
 """
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """The per-rank operations of one Buffer, bound when it is made."""
+
+    get_dispatch_layout: Callable
+    dispatch: Callable
+    cached_dispatch: Callable
+    combine: Callable
+    low_latency_dispatch_send: Callable
+    low_latency_dispatch_recv: Callable
+    low_latency_dispatch: Callable
+    low_latency_combine_send: Callable
+    low_latency_combine_recv: Callable
+    low_latency_combine: Callable
+
+    @classmethod
+    def of(cls, *modules) -> Ops:
+        """Each operation from the one module of `modules` that defines it."""
+        ops = {}
+        for field in dataclasses.fields(cls):
+            found = [m for m in modules if hasattr(m, field.name)]
+            if len(found) != 1:
+                names = [m.__name__ for m in found]
+                raise TypeError(f"Ops.of: {field.name} must be defined by exactly one module, found {names}")
+            ops[field.name] = getattr(found[0], field.name)
+        return cls(**ops)

@@ -1,4 +1,4 @@
-"""The reference backend: the contract of DESIGN.md section 1 in pure JAX.
+"""The reference backend: the contract of docs/design.md in pure JAX.
 
 It is the oracle for the CUDA kernels and the XLA baseline in benchmarks, so
 it is written the way plain XLA runs fastest: fixed-capacity
@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_BLOCK = 128  # channels per FP8 scale
 
 
 # --------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_buffer_registry_lifecycle(mesh):
     """The runtime under the Buffer: create/destroy bookkeeping, clear errors,
     and rollback of a failed allocation (nothing leaks)."""
     from deep_ep_jax import _native
-    from deep_ep_jax.backends import cuda
+    from deep_ep_jax.backends.cuda import lifecycle as cuda
 
     ext = _native.extension()
     groups = [[d.local_hardware_id for d in mesh.devices.flat]]

@@ -20,9 +20,9 @@ import pytest
 from jax import lax
 
 import deep_ep_jax
-from deep_ep_jax import testing
-from deep_ep_jax.backends import cuda_low_latency as cll
+from deep_ep_jax import _native, testing
 from deep_ep_jax.backends import reference
+from deep_ep_jax.backends.cuda import sizes
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +41,7 @@ def mesh():
 
 def _cuda_buffer(mesh, config=None):
     num_ranks = mesh.shape[AXIS]
-    region = cll.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)
+    region = sizes.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)
     return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
                               num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_nvl_bytes=1 << 20,
                               num_rdma_bytes=region, config=config)
@@ -476,7 +476,7 @@ def test_trace_time_errors(mesh, buffers):
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank"):
         trace(cuda, 9, 256, 4, max_tokens=8)
     with pytest.raises(ValueError, match="top-k"):
-        trace(cuda, 8, 256, cll.MAX_TOPK + 1)
+        trace(cuda, 8, 256, _native.limits()["low_latency_max_topk"] + 1)
     small = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=64,
                                num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20)
     try:

@@ -8,7 +8,8 @@ allocator is handed freed arrays of the outputs' sizes filled with poison,
 which it tends to give back for the outputs, and every case runs twice with
 different data, so rows the kernels do not write show up as mismatches.
 
-The last tests run on CPU: the trace-time checks and the size hint.
+The last tests run on CPU, with the extension built (it gives the sizes):
+the trace-time checks and the size hint.
 """
 
 import functools
@@ -20,8 +21,9 @@ import pytest
 from jax import lax
 
 import deep_ep_jax
-from deep_ep_jax import testing
-from deep_ep_jax.backends import cuda_normal, reference
+from deep_ep_jax import _native, testing
+from deep_ep_jax.backends import reference
+from deep_ep_jax.backends.cuda import intranode, sizes
 
 AXIS = "ep"
 gpu = pytest.mark.gpu
@@ -251,7 +253,7 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
     num_ranks = mesh.shape[AXIS]
     config = deep_ep_jax.Config(num_sms=num_sms, chunk_tokens=chunk_tokens)
     # Sized for the largest call (no hidden=: the calls' hidden sizes differ).
-    region = cuda_normal.staged_region_bytes(num_ranks * 333, (2 * 2048, 0), 8, 333)
+    region = _native.extension().staged_region_bytes(num_ranks * 333, 2 * 2048, 0, 8, 333)
     cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region, config=config)
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
@@ -284,7 +286,7 @@ def test_staged_exact_region(mesh, monkeypatch):
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, topk, rows = 300, 2048, 8, 500
     config = deep_ep_jax.Config(chunk_tokens=1)
-    need = cuda_normal.staged_region_bytes(rows, (2 * hidden, 0), topk, num_tokens)
+    need = _native.extension().staged_region_bytes(rows, 2 * hidden, 0, topk, num_tokens)
     cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=need, config=config)
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
@@ -464,25 +466,28 @@ def test_command_buffers(mesh, buffers):
 
 
 class _FakeBuffer:
-    def __init__(self, num_ranks=2, num_nvl_bytes=1 << 16, config=None):
+    def __init__(self, num_ranks=2, num_nvl_bytes=1 << 16, config=None, staged=False):
         self.buffer_id = 1
         self.num_ranks = num_ranks
         self.axis_name = AXIS
         self.config = config or deep_ep_jax.Config()
         self.backend = "cuda"
         self.num_nvl_bytes = num_nvl_bytes
+        self.staged = staged
+        self.ipc = False
 
 
 def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
     idx = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.int32)
     w = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.float32)
     return jax.eval_shape(
-        lambda x, idx, w: cuda_normal.dispatch((x,), idx, w, num_experts=num_experts,
-                                               num_worst_tokens=num_worst_tokens, buffer=buffer), x, idx, w)
+        lambda x, idx, w: intranode.dispatch((x,), idx, w, num_experts=num_experts,
+                                             num_worst_tokens=num_worst_tokens, buffer=buffer), x, idx, w)
 
 
-def test_trace_checks_cpu(monkeypatch):
-    monkeypatch.setattr(deep_ep_jax._native, "register_ffi_targets", lambda: None)
+@pytest.mark.extension
+def test_trace_checks_cpu():
+    staged_region_bytes = _native.extension().staged_region_bytes
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
     recv_xs, recv_idx, recv_w, handle = _trace_dispatch(_FakeBuffer(), x)
     assert recv_xs[0].shape == (32, 256) and recv_idx.shape == (32, 4) and handle.send_pos.shape == (16, 2)
@@ -495,26 +500,28 @@ def test_trace_checks_cpu(monkeypatch):
         _trace_dispatch(_FakeBuffer(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
     with pytest.raises(ValueError, match="experts per rank|at most 4096"):
         _trace_dispatch(_FakeBuffer(), x, num_experts=2 * 5000)
-    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(), x)
+        _trace_dispatch(_FakeBuffer(staged=True), x)
     # 32 rows of 512 bytes, top-k 4, records for 16 tokens in chunks of Config.chunk_tokens.
     chunks = -(-16 // deep_ep_jax.Config().chunk_tokens)
-    need = cuda_normal.staged_region_bytes(32, (512, 0), 4, chunks)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need), x)
+    need = staged_region_bytes(32, 512, 0, 4, chunks)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need, staged=True), x)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1), x)
-    # chunk_tokens 1: a record per token.
+        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1, staged=True), x)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1), x)  # not staged: rows go to XLA's buffers
+    # chunk_tokens 1: a record per token, more than chunks of 2.
     one = deep_ep_jax.Config(chunk_tokens=1)
+    one_need = staged_region_bytes(32, 512, 0, 4, 16)
+    assert one_need > need
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need, config=one), x)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=cuda_normal.staged_region_bytes(32, (512, 0), 4, 16), config=one), x)
+        _trace_dispatch(_FakeBuffer(num_nvl_bytes=one_need - 1, config=one, staged=True), x)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=one_need, config=one, staged=True), x)
     # Combine needs no chunk records.
-    combine_need = cuda_normal.staged_region_bytes(32, (512, 0), 4, 0)
+    combine_need = staged_region_bytes(32, 512, 0, 4, 0)
     assert combine_need < need
-    _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need), 16, 32, 256, 4)
+    _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need, staged=True), 16, 32, 256, 4)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need - 1), 16, 32, 256, 4)
+        _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need - 1, staged=True), 16, 32, 256, 4)
 
 
 def _trace_combine(buffer, num_tokens, num_rows, hidden, topk):
@@ -533,20 +540,28 @@ def _trace_combine(buffer, num_tokens, num_rows, hidden, topk):
     )
     x = jax.ShapeDtypeStruct((num_rows, hidden), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((num_rows, topk), jnp.float32)
-    out, out_w = jax.eval_shape(lambda x, w, h: cuda_normal.combine(x, w, h, buffer=buffer), x, w, handle)
+    out, out_w = jax.eval_shape(lambda x, w, h: intranode.combine(x, w, h, buffer=buffer), x, w, handle)
     assert out.shape == (num_tokens, hidden) and out_w.shape == (num_tokens, topk)
 
 
-def test_region_hint_cpu(monkeypatch):
-    config = deep_ep_jax.Config()
-    monkeypatch.delenv("DEEP_EP_JAX_STAGED", raising=False)
-    assert cuda_normal.normal_region_bytes(2, None, None, config) == cuda_normal.CONTROL_BYTES
-    monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
-    staged = cuda_normal.normal_region_bytes(2, None, None, config)
-    assert staged >= cuda_normal.CONTROL_BYTES + 2 * 4096 * 7168 * 2
-    assert cuda_normal.normal_region_bytes(2, 2048, 100, config) < staged
-    # Room for a dispatch of 100 tokens per rank with any chunk_tokens (records for chunks of 1), top-k up to 16.
-    assert cuda_normal.normal_region_bytes(2, 2048, 100, config) >= cuda_normal.staged_region_bytes(
-        200, (4096, 0), 16, 100)
-    assert cuda_normal.staged_region_bytes(200, (4096, 0), 16, 100) > cuda_normal.staged_region_bytes(
-        200, (4096, 0), 16, 0)
+@pytest.mark.extension
+def test_region_hint_cpu():
+    """Direct rows need only the control block; staged, the hint holds a
+    bf16 or FP8 dispatch of its shapes with any chunk_tokens and top-k up to
+    16, and grows with hidden and tokens."""
+    staged_region_bytes = _native.extension().staged_region_bytes
+    assert sizes.normal_region_bytes(2, staged=False) == _native.limits()["control_bytes"]
+    standard = sizes.normal_region_bytes(2, staged=True)
+    assert standard >= 2 * 4096 * 7168 * 2  # the standard case's received bf16 rows
+    hint = sizes.normal_region_bytes(2, 2048, 100, staged=True)
+    assert hint < standard
+    for chunks in (100, 50, 1):  # chunk_tokens 1, 2, 100
+        for topk in (1, 16):
+            assert staged_region_bytes(200, 4096, 0, topk, chunks) <= hint
+            assert staged_region_bytes(200, 2048, 2048 // 128 * 4, topk, chunks) <= hint
+    assert sizes.normal_region_bytes(2, 4096, 100, staged=True) > hint
+    assert sizes.normal_region_bytes(2, 2048, 200, staged=True) > hint
+    # A Buffer with the hint passes the trace-time check of such a dispatch.
+    x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
+    _trace_dispatch(_FakeBuffer(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
+                    topk=16, num_experts=32)

@@ -1,0 +1,265 @@
+"""A CUDA Buffer's memory, from allocation to destruction.
+
+On one host, both regions are plain cudaMalloc memory (not XLA's) on every
+device of the axis, registered under an integer id that the custom calls
+carry; with peers in other processes (one process per GPU) they are traded
+as CUDA IPC handles through the jax.distributed key-value store. An EP group
+across hosts has its regions (and a send area) in NVSHMEM's symmetric heap
+(`deep_ep_jax.nvshmem`). The extension's FFI targets are registered with XLA
+before the first Buffer is made.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+
+from deep_ep_jax import _native, multiprocess, nvshmem
+from deep_ep_jax.backends.cuda import internode, intranode, layout, low_latency, sizes
+from deep_ep_jax.config import FP8_BLOCK
+
+_register_lock = threading.Lock()
+_registered = False
+
+
+# FFI targets -------------------------------------------------------------------
+
+
+def declared_ffi_outputs() -> dict:
+    """{FFI target: names of its results} as this package calls them."""
+    return {t.name: t.results for module in (layout, intranode, internode, low_latency) for t in module.TARGETS}
+
+
+def check_ffi_outputs(declared: dict, built: dict) -> None:
+    """Raises RuntimeError unless every declared target is built with the same results, in order."""
+    problems = []
+    for name, results in sorted(declared.items()):
+        if name not in built:
+            problems.append(f"{name}: not in the extension")
+        elif tuple(built[name]) != tuple(results):
+            problems.append(f"{name}: the extension returns {list(built[name])}, Python expects {list(results)}")
+    if problems:
+        raise RuntimeError(
+            "deep_ep_jax._C does not match this Python package (rebuild the extension from the same checkout): "
+            + "; ".join(problems)
+        )
+
+
+def check_fp8_block(limits: dict) -> None:
+    if limits["fp8_block"] != FP8_BLOCK:
+        raise RuntimeError(
+            f"deep_ep_jax._C scales FP8 rows per {limits['fp8_block']} channels, the Python API per {FP8_BLOCK} "
+            f"(deep_ep_jax.config.FP8_BLOCK); rebuild the extension from the same checkout"
+        )
+
+
+def register_ffi_targets() -> None:
+    """Registers every FFI handler of the extension with XLA for CUDA, once,
+    after checking that the extension returns what this package expects."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        ext = _native.extension()
+        check_ffi_outputs(declared_ffi_outputs(), ext.ffi_outputs())
+        check_fp8_block(_native.limits())
+        for name, capsule in ext.ffi_targets().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+        _registered = True
+
+
+def check_config(config, limits: dict) -> None:
+    """The launch configuration within the kernels' bounds."""
+    for name, value, bound in (("num_sms", config.num_sms, limits["max_blocks"]),
+                               ("num_warps", config.num_warps, limits["max_warps"]),
+                               ("low_latency_overlap_sms", config.low_latency_overlap_sms, limits["max_blocks"])):
+        if value > bound:
+            raise ValueError(f"Config.{name} must be <= {bound} for the CUDA kernels, got {value}")
+
+
+# The extension's buffer registry -------------------------------------------------
+
+
+def create_buffer(groups, normal_bytes, low_latency_bytes) -> int:
+    """Allocates both regions on every device of each group (local device
+    ordinals, in rank order) and returns the buffer id the custom calls carry."""
+    groups = [[int(device) for device in group] for group in groups]
+    return _native.extension().create_buffer(groups, int(normal_bytes), int(low_latency_bytes))
+
+
+def create_ipc_buffer(groups, normal_bytes, low_latency_bytes):
+    """One process per GPU: allocates both regions on this process's devices
+    (groups: local ordinal per rank, -1 for other processes' ranks). Returns
+    (buffer id, [IPC handle bytes per local device, in group order])."""
+    groups = [[int(device) for device in group] for group in groups]
+    buffer_id, handles = _native.extension().create_ipc_buffer(groups, int(normal_bytes), int(low_latency_bytes))
+    return buffer_id, list(handles)
+
+
+def create_nvshmem_buffer(device, rank, pes, nodes, normal_bytes, low_latency_bytes, send_bytes) -> int:
+    """An EP group across hosts: the normal region (none when 0), the
+    low-latency region of `rank` (this process's `device`) and its send area
+    in NVSHMEM's symmetric heap. Collective over all processes. pes[r]: PE of
+    rank r; nodes[r]: its host index (ranks of this rank's host are reached
+    through mapped memory, the others through NVSHMEM's transports)."""
+    return _native.extension().create_nvshmem_buffer(
+        int(device), int(rank), [int(p) for p in pes], [int(n) for n in nodes], int(normal_bytes),
+        int(low_latency_bytes), int(send_bytes),
+    )
+
+
+def synchronize_buffer(buffer_id) -> None:
+    _native.extension().synchronize_buffer(int(buffer_id))
+
+
+def destroy_buffer(buffer_id) -> None:
+    _native.extension().destroy_buffer(int(buffer_id))
+
+
+# A Buffer's memory -----------------------------------------------------------------
+
+
+def device_grid(buffer):
+    """The mesh's devices as [group, rank]: one EP group per index of the
+    other mesh axes, in rank order."""
+    axis = buffer.mesh.axis_names.index(buffer.axis_name)
+    return np.moveaxis(buffer.mesh.devices, axis, -1).reshape(-1, buffer.num_ranks)
+
+
+def groups(buffer):
+    """Local CUDA ordinal of each rank of each EP group, -1 for a device of another process."""
+    me = jax.process_index()
+    return [[d.local_hardware_id if d.process_index == me else -1 for d in row] for row in device_grid(buffer)]
+
+
+def group_nodes(buffer, spans_processes):
+    """Node (host) index of each rank of each EP group: from the processes'
+    hostnames (traded when the mesh spans processes), cut further by
+    Config.gpus_per_host."""
+    if spans_processes:
+        hosts = multiprocess.hostnames(buffer.config.timeout_s)
+    else:
+        hosts = {jax.process_index(): "localhost"}
+    return [
+        multiprocess.group_nodes([hosts[d.process_index] for d in row], buffer.config.gpus_per_host)
+        for row in device_grid(buffer)
+    ]
+
+
+def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
+    """Gives a CUDA Buffer its memory (collective when the mesh spans
+    processes: every process makes the same Buffers in the same order). Sets
+    its buffer_id, num_nvl_bytes, num_rdma_bytes, ipc, staged, spans_hosts,
+    num_nodes, num_send_bytes and store_key."""
+    register_ffi_targets()
+    check_config(buffer.config, _native.limits())
+    all_groups = groups(buffer)
+    mine = [g for g in all_groups if any(d >= 0 for d in g)]  # groups with devices of this process
+    spans_processes = multiprocess.spans_processes(buffer.mesh.devices.flat)
+    if spans_processes:
+        # Advanced on every process alike, so keys agree.
+        buffer.store_key = multiprocess.next_buffer_name()
+    # Decided from what every process knows alike, so all take the same path.
+    nodes = group_nodes(buffer, spans_processes)
+    buffer.spans_hosts = any(len(set(n)) > 1 for n in nodes)
+    if buffer.spans_hosts:
+        allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes)
+        return
+    buffer.ipc = any(-1 in g for g in mine)
+    if buffer.ipc and any(sum(d >= 0 for d in g) != 1 for g in mine):
+        raise NotImplementedError(
+            "Buffer(backend='cuda'): an EP group that spans processes must have exactly one device of "
+            "each process (one process per GPU); this process has several devices in such a group"
+        )
+    buffer.staged = buffer.ipc or intranode.staged_requested()
+    buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(buffer.num_ranks, buffer.hidden,
+                                                                      staged=buffer.staged)
+    if buffer.low_latency_mode:
+        buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
+            buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
+        )
+    if not buffer.ipc:  # every group this process touches is all its own
+        buffer.buffer_id = create_buffer(mine, buffer.num_nvl_bytes, buffer.num_rdma_bytes)
+        return
+    buffer.buffer_id, handles = create_ipc_buffer(all_groups, buffer.num_nvl_bytes, buffer.num_rdma_bytes)
+    try:
+        _open_ipc_peers(buffer, all_groups, handles)
+    except BaseException:
+        destroy_buffer(buffer.buffer_id)
+        buffer.buffer_id = None
+        raise
+
+
+def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes) -> None:
+    """The normal and low-latency regions in NVSHMEM's symmetric heap
+    (collective: every process of the mesh makes the Buffer)."""
+    devices = list(buffer.mesh.devices.flat)
+    nvshmem.check_one_gpu_per_process(devices)
+    if {d.process_index for d in devices} != set(range(jax.process_count())):
+        raise NotImplementedError(
+            "Buffer(backend='cuda'): an EP group across hosts uses NVSHMEM, whose PEs are all jax processes; "
+            "the mesh must hold a device of every process"
+        )
+    g, r = next((g, r) for g, row in enumerate(all_groups) for r, d in enumerate(row) if d >= 0)
+    device = all_groups[g][r]
+    buffer.num_nodes = internode.check_nodes(nodes[g])
+    reason = nvshmem.unavailable_reason()
+    if reason:
+        raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
+    # The normal region: internode normal mode (the RDMA and NVLink stages).
+    buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(buffer.num_ranks, buffer.num_nodes,
+                                                                         buffer.hidden)
+    if buffer.low_latency_mode:
+        buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
+            buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
+        )
+        buffer.num_send_bytes = sizes.low_latency_send_bytes(buffer.num_ranks, buffer.hidden,
+                                                             buffer.num_max_dispatch_tokens_per_rank)
+    nvshmem.initialize(device, buffer.num_nvl_bytes + buffer.num_rdma_bytes + buffer.num_send_bytes,
+                       buffer.config.timeout_s)
+    pes = [d.process_index for d in device_grid(buffer)[g]]
+    buffer.buffer_id = create_nvshmem_buffer(device, r, pes, nodes[g], buffer.num_nvl_bytes, buffer.num_rdma_bytes,
+                                             buffer.num_send_bytes)
+    nvshmem.track(buffer)
+
+
+def _open_ipc_peers(buffer, all_groups, handles):
+    """Trades IPC handles with the other processes of our groups and maps theirs."""
+    grid = device_grid(buffer)
+    local_ranks = [(g, r) for g, row in enumerate(all_groups) for r, d in enumerate(row) if d >= 0]
+    local = dict(zip(local_ranks, handles))
+    remote = {
+        (g, r): grid[g][r].process_index
+        for g, row in enumerate(all_groups)
+        if any(d >= 0 for d in row)
+        for r, d in enumerate(row)
+        if d < 0
+    }
+    received = multiprocess.exchange(buffer.store_key, local, remote, buffer.config.timeout_s)
+    everything = {**local, **received}
+    table = [[everything.get((g, r), b"") for r in range(buffer.num_ranks)] for g in range(len(all_groups))]
+    # handles[group][rank]: bytes, ignored for local ranks.
+    _native.extension().open_ipc_peers(int(buffer.buffer_id), [[bytes(h) for h in group] for group in table])
+
+
+def destroy(buffer) -> None:
+    """Frees the Buffer's memory. With peers in other processes, waits until
+    every process's work on it is done first (collective)."""
+    if not buffer.ipc and not buffer.spans_hosts:
+        destroy_buffer(buffer.buffer_id)
+        return
+    if buffer.spans_hosts:
+        nvshmem.untrack(buffer)
+    # Peers may still read or write our regions: wait until every
+    # process's work is done before any memory goes.
+    try:
+        synchronize_buffer(buffer.buffer_id)
+        multiprocess.barrier(f"{buffer.store_key}/destroy", buffer.config.timeout_s)
+    except BaseException:
+        # NVSHMEM's free is collective: with a process missing it would wait forever; leave the memory.
+        if not buffer.spans_hosts:
+            destroy_buffer(buffer.buffer_id)
+        raise
+    destroy_buffer(buffer.buffer_id)

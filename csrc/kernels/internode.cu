@@ -20,8 +20,6 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 constexpr int kFinishThreads = 1024;
 constexpr int kCopyThreads = 512;
-constexpr size_t kAlign = 256;  // arrays of the landing area
-constexpr size_t kPacketAlign = 16;
 
 enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
 
@@ -46,8 +44,6 @@ struct Control {
   int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
 static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
-
-__host__ __device__ constexpr size_t Align(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // Where things are in a region: the same offsets on every rank (same shapes,
 // symmetric heap), so a rank addresses a peer's region with its own offsets.
@@ -74,7 +70,7 @@ Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
-    offset = Align(offset + bytes, kAlign);
+    offset = AlignUp(offset + bytes, kRegionAlign);
     return at;
   };
   for (int i = 0; i < kMaxRowArrays; ++i) L.row_bytes[i] = s.row_bytes[i];
@@ -84,14 +80,14 @@ Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
     L.topk_weights = take(N * K * sizeof(float));
     L.src_idx = take(N * sizeof(int));
     L.packet_row[0] = 0;
-    L.packet_row[1] = Align(size_t(s.row_bytes[0]), kPacketAlign);
-    L.packet_meta = L.packet_row[1] + Align(size_t(s.row_bytes[1]), kPacketAlign);
-    L.packet_bytes = L.packet_meta + Align(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kPacketAlign);
+    L.packet_row[1] = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
+    L.packet_meta = L.packet_row[1] + AlignUp(size_t(s.row_bytes[1]), kVectorBytes);
+    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
     L.send = take(T * L.packet_bytes);
     L.rdma_recv = take(size_t(num_nodes) * T * L.packet_bytes);
   } else {
-    L.combine_packet_weights = Align(size_t(s.row_bytes[0]), kPacketAlign);
-    L.combine_packet_bytes = L.combine_packet_weights + Align(K * sizeof(float), kPacketAlign);
+    L.combine_packet_weights = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
+    L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
     L.combine_slots = take(size_t(num_ranks) * T * L.combine_packet_bytes);
     L.combine_send = take(N * L.combine_packet_bytes);
   }

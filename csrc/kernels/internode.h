@@ -35,15 +35,17 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/limits.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
 namespace internode {
 
-constexpr int kMaxBlocks = 132;         // upper bound of Config.num_sms
-constexpr int kMaxWarps = 16;           // warps per block
-constexpr int kMaxLocalExperts = 4096;  // shared-memory histogram
-constexpr int kMaxRowArrays = 2;        // bf16 rows, or FP8 rows + float32 scales
+// The normal-mode limits (common/limits.h), also as internode::kX.
+using deep_ep_jax::kMaxBlocks;
+using deep_ep_jax::kMaxLocalExperts;
+using deep_ep_jax::kMaxRowArrays;
+using deep_ep_jax::kMaxWarps;
 
 // Launch knobs, the same on every rank.
 struct LaunchConfig {

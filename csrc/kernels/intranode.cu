@@ -24,7 +24,6 @@ namespace {
 
 constexpr int kNotifyThreads = 1024;  // notify: one block, a slice of tokens per thread
 constexpr int kFinishThreads = 1024;  // finish: one block
-constexpr size_t kStagingAlign = 256;
 // Staged dispatch: a chunk record's rows are copied by items of at most this
 // many rows (one warp each), so a large chunk_tokens still spreads the copy.
 constexpr int kCopyItemRows = 4;
@@ -825,8 +824,6 @@ RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
   return state.ipc ? Rebased(b, state.normal.local, nullptr) : b;
 }
 
-size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
-
 // The staging area of a region after the control bytes (StagedRegionBytes).
 struct Staging {
   RankBuffers buffers;  // null when laid out without a region
@@ -839,7 +836,7 @@ Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kM
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
-    offset = AlignUp(offset + bytes);
+    offset = AlignUp(offset + bytes, kRegionAlign);
     return at;
   };
   auto address = [region](size_t at) { return region == nullptr ? nullptr : region + at; };

@@ -280,7 +280,7 @@ __device__ void quantize_row(const uint4* row, int hidden, bool round_scale, cha
 }
 
 size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
-  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), 16) +
+  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), kVectorBytes) +
          (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
@@ -309,7 +309,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
   int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
   int* scratch = before + num_experts;
-  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), 16);
+  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), kVectorBytes);
 
   Control* control = tr.control();
   const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);

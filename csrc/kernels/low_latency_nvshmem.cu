@@ -38,7 +38,7 @@ struct NvshmemTransport {
       return;
     }
     const int num_warps = count / 32, warp = index / 32, lane = index % 32;
-    const size_t chunk = AlignUp((num_bytes + num_warps - 1) / num_warps, 16);
+    const size_t chunk = AlignUp((num_bytes + num_warps - 1) / num_warps, kVectorBytes);
     const size_t begin = min(num_bytes, size_t(warp) * chunk);
     const size_t n = min(num_bytes, begin + chunk) - begin;
     if (n == 0) return;  // the whole warp alike

@@ -10,7 +10,7 @@
 
 #include <cstddef>
 
-#include "kernels/common.cuh"
+#include "kernels/device.cuh"
 #include "kernels/internode.h"
 
 namespace deep_ep_jax {
@@ -119,7 +119,7 @@ struct Group {
 
   // An int of rank r's control block: a store over NVLink, or an NVSHMEM put
   // (offsets are the same in every region).
-  __device__ void put_int(int r, const int* mine, int value) const {
+  __device__ void PutInt(int r, const int* mine, int value) const {
     if (here(r)) {
       *reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())) = value;
     } else {
@@ -128,20 +128,14 @@ struct Group {
   }
   // A flag of rank r's control block, after everything this thread wrote or
   // put before (callers fence/quiet first).
-  __device__ void signal(int r, const int* mine, int value) const {
+  __device__ void Signal(int r, const int* mine, int value) const {
     if (here(r)) {
-      st_release_sys(reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())), value);
+      StoreReleaseSys(reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())), value);
     } else {
       nvshmem_int_atomic_set(const_cast<int*>(mine), value, pes[r]);
     }
   }
 };
-
-__device__ __forceinline__ int LoadVolatile(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
 
 // Completes this thread's NVSHMEM operations and makes its stores visible
 // system-wide: after it, a flag may announce them.
@@ -247,12 +241,12 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int peer = threadIdx.x;
   if (peer < R) {
     if (dispatch) {
-      for (int d = 0; d < R; ++d) g.put_int(peer, &control->counts[seq & 1][me][d], totals[d]);
+      for (int d = 0; d < R; ++d) g.PutInt(peer, &control->counts[seq & 1][me][d], totals[d]);
     }
-    for (int b = 0; b < g.num_nodes; ++b) g.put_int(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
+    for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
     CompleteWrites();
-    g.signal(peer, &control->ready[me], seq);
-    wait_at_least(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
+    g.Signal(peer, &control->ready[me], seq);
+    WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
                   peer, -1);
   }
   __syncthreads();
@@ -387,7 +381,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
   CompleteWrites();
   __syncthreads();
   // Every forwarder of this rank's packets hears from every block, sent or not.
-  if (int(threadIdx.x) < R && g.forwards_for(threadIdx.x)) g.signal(threadIdx.x, &control->rdma_done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R && g.forwards_for(threadIdx.x)) g.Signal(threadIdx.x, &control->rdma_done[me][blockIdx.x], seq);
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
@@ -400,7 +394,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
     const int src = i / num_blocks, block = i % num_blocks;
     if (g.forwards_for(src)) {
-      wait_at_least(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
+      WaitAtLeast(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
                     me, src, block);
     }
   }
@@ -438,7 +432,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   }
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < R && g.here(threadIdx.x)) g.signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R && g.here(threadIdx.x)) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
 }
 
 // ---------------------------------------------------------------------------
@@ -459,7 +453,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
     if (g.here(src)) {
-      wait_at_least(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+      WaitAtLeast(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
                     src, block);
     }
   }
@@ -564,7 +558,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   }
   CompleteWrites();
   __syncthreads();
-  if (int(threadIdx.x) < R) g.signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
@@ -574,7 +568,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   const int seq = LoadVolatile(&control->seq);
   const int num_blocks = gridDim.x;  // the send kernel's grid too
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
-    wait_at_least(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
+    WaitAtLeast(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
                   "combined rows of a block", me, i / num_blocks, i % num_blocks);
   }
   __syncthreads();

@@ -15,7 +15,7 @@
 
 #include <algorithm>
 
-#include "kernels/common.cuh"
+#include "kernels/device.cuh"
 #include "kernels/intranode.h"
 
 namespace deep_ep_jax {
@@ -84,25 +84,6 @@ __device__ __forceinline__ Control* ControlOf(const Group& g, int rank) {
   return reinterpret_cast<Control*>(g.regions[rank]);
 }
 
-// Peers write these between kernels: read around the (incoherent) L1.
-__device__ __forceinline__ int LoadVolatile(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ RankBuffers LoadVolatile(const RankBuffers* p) {
-  static_assert(sizeof(RankBuffers) % sizeof(uint64_t) == 0, "RankBuffers is a list of pointers");
-  RankBuffers b;
-  const uint64_t* src = reinterpret_cast<const uint64_t*>(p);
-  uint64_t* dst = reinterpret_cast<uint64_t*>(&b);
-#pragma unroll
-  for (int i = 0; i < int(sizeof(RankBuffers) / sizeof(uint64_t)); ++i) {
-    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(dst[i]) : "l"(src + i));
-  }
-  return b;
-}
-
 // Peers in other processes (IPC) cannot use this process's pointers: each rank
 // publishes its buffers as offsets into its own normal region (staged mode,
 // so they all lie there; null stays null as offsets are >= kControlBytes),
@@ -119,7 +100,7 @@ __host__ __device__ __forceinline__ RankBuffers Rebased(RankBuffers b, const cha
 
 // Rank r's published buffers as addresses valid on this device.
 __device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Control* control, int r) {
-  const RankBuffers b = LoadVolatile(&control->buffers[r]);
+  const RankBuffers b = LoadVolatileWords(&control->buffers[r]);
   return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
@@ -151,37 +132,6 @@ __device__ __forceinline__ void ClearSync(const SyncClear& clear) {
   __threadfence_system();  // before the ready flags, which follow a __syncthreads
 }
 
-// Staged copies: coherent loads (peers write the staging area while the
-// kernel runs; the read-only path is not coherent), no L1 allocation.
-__device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ int LoadNoAllocate(const int* p) {
-  int v;
-  asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// Inputs are never written while a kernel runs: read-only path, no L1 allocation.
-__device__ __forceinline__ int4 LoadStreaming(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ int LoadStreaming(const int* p) {
-  int v;
-  asm volatile("ld.global.nc.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 // Publishes this rank's buffers (and, for dispatch, its per-destination token
 // counts) into every peer's control bytes, then waits for every peer's.
 // Threads r < num_ranks each serve peer r.
@@ -194,8 +144,8 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
     for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
   }
   remote->buffers[g.rank] = mine;
-  st_release_sys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
-  wait_at_least(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
+  StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
+  WaitAtLeast(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
                 g.rank, peer, -1);
 }
 
@@ -204,7 +154,7 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
 __device__ void SignalDone(const Group& g, int seq, int block) {
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
+  if (int(threadIdx.x) < g.num_ranks) StoreReleaseSys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
 }
 
 // ---------------------------------------------------------------------------
@@ -342,12 +292,6 @@ __device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, in
     for (int t = begin; t < end; ++t) fn(t);
   });
 }
-
-// Staged copies read peers' rows with coherent loads that skip L1.
-struct NoAllocateLoad {
-  template <typename Vec>
-  __device__ __forceinline__ Vec operator()(const Vec* p) const { return LoadNoAllocate(p); }
-};
 
 // Staged copies: rows [first_row, first_row + num_rows) of every array
 // present on both sides (row arrays, ids, weights, source indices), src ->
@@ -543,7 +487,7 @@ __device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk
   ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
   record->first = first;
   record->count = count;
-  st_release_sys(&record->flag, seq);
+  StoreReleaseSys(&record->flag, seq);
 }
 
 // Staged dispatch, copy role (a warp per item): copies the peers' landed rows
@@ -564,7 +508,7 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
     const ChunkRecord* record = RecordOf(g, a.sync, g.rank, src, chunk);
     // Lane 0 acquires the flag; __syncwarp orders the other lanes' loads after it.
     if (lane == 0) {
-      wait_at_least(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
+      WaitAtLeast(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
                     g.rank, src, chunk);
     }
     __syncwarp();
@@ -702,7 +646,7 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
     __syncthreads();  // every thread's row stores before thread 0's (cumulative) release
     if (threadIdx.x == 0) {
       int* flags = reinterpret_cast<int*>(g.regions[s] + a.sync.row_flags) + me * num_flags;
-      st_release_sys(&flags[chunk], seq);
+      StoreReleaseSys(&flags[chunk], seq);
     }
   }
 }
@@ -721,7 +665,7 @@ __device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs&
       ready_chunk = pos / kStagedCopyRows;
       const int* flag = reinterpret_cast<const int*>(g.regions[g.rank] + a.sync.row_flags) +
                         r * NumRowFlags(a.num_rows) + ready_chunk;
-      wait_at_least(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
+      WaitAtLeast(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
     }
   }
   __syncwarp();
@@ -795,7 +739,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   const int seq = LoadVolatile(&control->seq);
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
-    wait_at_least(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+    WaitAtLeast(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
                   src, block);
   }
   __syncthreads();

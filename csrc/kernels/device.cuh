@@ -141,6 +141,22 @@ __device__ __forceinline__ void StridedCopy(Vec* dst, const Vec* src, Index n, i
   }
 }
 
+// StridedCopy of num_bytes (a multiple of 4): 16-byte vectors when both
+// pointers and the size allow it, else 4-byte words (rows of FP8 scales or
+// top-k entries may be multiples of 4 bytes only).
+template <int kUnroll, typename Load = PlainLoad>
+__device__ __forceinline__ void StridedCopyBytes(void* dst, const void* src, int64_t num_bytes, int first, int stride,
+                                                 Load load = {}) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(num_bytes);
+  if (bits % sizeof(int4) == 0) {
+    StridedCopy<kUnroll>(static_cast<int4*>(dst), static_cast<const int4*>(src), num_bytes / int64_t(sizeof(int4)),
+                         first, stride, load);
+  } else {
+    StridedCopy<kUnroll>(static_cast<int*>(dst), static_cast<const int*>(src), num_bytes / int64_t(sizeof(int)), first,
+                         stride, load);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Routing.
 

@@ -144,32 +144,6 @@ __device__ __forceinline__ void CompleteWrites() {
   nvshmem_quiet();
 }
 
-// Copies num_bytes (a multiple of 4) with a warp; 16-byte vectors when both
-// sides allow it. Plain loads: sources may have been written by peers.
-__device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t num_bytes, int lane) {
-  if (num_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    constexpr int kUnroll = 4;
-    const int64_t n = num_bytes / 16;
-    for (int64_t base = lane; base < n; base += kWarpSize * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kWarpSize < n) v[u] = s[base + u * kWarpSize];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kWarpSize < n) d[base + u * kWarpSize] = v[u];
-      }
-    }
-  } else {
-    const int* s = reinterpret_cast<const int*>(src);
-    int* d = reinterpret_cast<int*>(dst);
-    for (int64_t i = lane; i < num_bytes / 4; i += kWarpSize) d[i] = s[i];
-  }
-}
-
 // ---------------------------------------------------------------------------
 // Step 1: layout, count exchange (the call's barrier), final rows.
 
@@ -311,8 +285,10 @@ __device__ void DeliverRow(const Group& g, const MoveArgs& a, int dest, int row,
                            int src_token, const int* topk, const float* weights, int lane) {
   const Layout& L = a.L;
   char* base = g.regions[dest];
+#pragma unroll
   for (int i = 0; i < kMaxRowArrays; ++i) {
-    if (L.row_bytes[i] > 0) WarpCopy(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane);
+    if (L.row_bytes[i] == 0) continue;
+    StridedCopyBytes<4>(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane, kWarpSize);
   }
   int* idx_out = reinterpret_cast<int*>(base + L.topk_idx) + int64_t(row) * L.num_topk;
   float* w_out = reinterpret_cast<float*>(base + L.topk_weights) + int64_t(row) * L.num_topk;
@@ -353,8 +329,9 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
     for (int b = 0; b < g.num_nodes; ++b) remote |= b != g.node_of[me] && node_pos[b] >= 0;
     if (remote) {
       char* packet = g.local() + L.send + int64_t(t) * L.packet_bytes;
+#pragma unroll
       for (int i = 0; i < kMaxRowArrays; ++i) {
-        if (L.row_bytes[i] > 0) WarpCopy(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane);
+        if (L.row_bytes[i] > 0) StridedCopyBytes<4>(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane, kWarpSize);
       }
       int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
       if (lane == 0) meta[0] = t;
@@ -545,7 +522,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
     const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;
     // This host: store straight into the source's slot; others: stage, then put.
     char* dst = g.here(src) ? g.regions[src] + slot : g.local() + L.combine_send + int64_t(i) * L.combine_packet_bytes;
-    WarpCopy(dst, row, row_bytes, lane);
+    StridedCopyBytes<4>(dst, row, row_bytes, lane, kWarpSize);
     if (w != nullptr) {
       float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];

@@ -295,24 +295,15 @@ __device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, in
 
 // Staged copies: rows [first_row, first_row + num_rows) of every array
 // present on both sides (row arrays, ids, weights, source indices), src ->
-// dst at the same row indices, by `stride` threads from thread `first`.
-// 16-byte vectors where both sides allow, else 4-byte words (every row is a
-// multiple of 4 bytes).
+// dst at the same row indices, by `stride` threads from thread `first`, with
+// coherent loads (peers write the staging area while the kernel runs).
 __device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const int64_t (&row_bytes)[kMaxRowArrays],
                          int num_topk, int first_row, int num_rows, int first, int stride) {
   auto copy = [&](void* to_array, const void* from_array, int64_t bytes_per_row) {
     if (to_array == nullptr || from_array == nullptr || bytes_per_row == 0) return;
     const int64_t offset = int64_t(first_row) * bytes_per_row, num_bytes = int64_t(num_rows) * bytes_per_row;
-    char* to = static_cast<char*>(to_array) + offset;
-    const char* from = static_cast<const char*>(from_array) + offset;
-    const uintptr_t bits = reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from) | uintptr_t(num_bytes);
-    if (bits % sizeof(int4) == 0) {
-      StridedCopy<8>(reinterpret_cast<int4*>(to), reinterpret_cast<const int4*>(from),
-                     num_bytes / int64_t(sizeof(int4)), first, stride, NoAllocateLoad{});
-    } else {
-      StridedCopy<8>(reinterpret_cast<int*>(to), reinterpret_cast<const int*>(from), num_bytes / int64_t(sizeof(int)),
-                     first, stride, NoAllocateLoad{});
-    }
+    StridedCopyBytes<8>(static_cast<char*>(to_array) + offset, static_cast<const char*>(from_array) + offset, num_bytes,
+                        first, stride, NoAllocateLoad{});
   };
   for (int i = 0; i < kMaxRowArrays; ++i) copy(dst.rows[i], src.rows[i], row_bytes[i]);
   copy(dst.topk_idx, src.topk_idx, int64_t(num_topk) * sizeof(int));
@@ -323,10 +314,19 @@ __device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const i
 // ---------------------------------------------------------------------------
 // Dispatch step 2: rows to their destinations.
 
-// One warp copies a row of n vectors to every non-null destination, with
-// kUnroll loads in flight per lane.
-template <int kRanks, int kUnroll, typename Vec>
-__device__ __forceinline__ void WarpCopyRow(const Vec* src, Vec* const (&dst)[kRanks], int n, int lane) {
+// One warp copies a token's row (num_bytes, a multiple of sizeof(Vec)) to
+// every non-null destination, with kUnroll loads in flight per lane. Not
+// StridedCopy: each vector is loaded once (x is an input: read-only path)
+// and stored to up to kRanks ranks.
+template <int kRanks, typename Vec>
+__device__ __forceinline__ void WarpCopyRowToRanks(const char* src_bytes, char* const (&dst_bytes)[kRanks],
+                                                   int64_t num_bytes, int lane) {
+  constexpr int kUnroll = 8;
+  const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
+  Vec* dst[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) dst[r] = reinterpret_cast<Vec*>(dst_bytes[r]);
+  const int n = int(num_bytes / sizeof(Vec));
   for (int base = lane; base < n; base += kWarpSize * kUnroll) {
     Vec v[kUnroll];
 #pragma unroll
@@ -344,15 +344,6 @@ __device__ __forceinline__ void WarpCopyRow(const Vec* src, Vec* const (&dst)[kR
       }
     }
   }
-}
-
-template <int kRanks, typename Vec>
-__device__ __forceinline__ void WarpCopyRowTo(const char* src, char* const (&dst)[kRanks], int64_t num_bytes,
-                                              int lane) {
-  Vec* typed[kRanks];
-#pragma unroll
-  for (int r = 0; r < kRanks; ++r) typed[r] = reinterpret_cast<Vec*>(dst[r]);
-  WarpCopyRow<kRanks, 8>(reinterpret_cast<const Vec*>(src), typed, int(num_bytes / sizeof(Vec)), lane);
 }
 
 struct SendArgs {
@@ -424,9 +415,9 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
     for (int r = 0; r < kRanks; ++r) dst[r] = pos[r] >= 0 ? dest[r].rows[i] + pos[r] * bytes : nullptr;
     const char* src = a.x[i] + t * bytes;
     if (bytes % sizeof(int4) == 0) {
-      WarpCopyRowTo<kRanks, int4>(src, dst, bytes, lane);
+      WarpCopyRowToRanks<kRanks, int4>(src, dst, bytes, lane);
     } else {
-      WarpCopyRowTo<kRanks, int>(src, dst, bytes, lane);
+      WarpCopyRowToRanks<kRanks, int>(src, dst, bytes, lane);
     }
   }
 

@@ -65,7 +65,9 @@ __host__ __device__ inline size_t FreedFlag(int half, int destination) {
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
-// one being `index`.
+// one being `index`. StridedCopy in 16-byte vectors without
+// StridedCopyBytes's alignment test: every row and offset of this mode's
+// layouts is a multiple of kVectorBytes, so the decode path skips the test.
 __device__ __forceinline__ void Copy16(void* dst, const void* src, size_t num_bytes, int index, int count) {
   StridedCopy<8>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), int(num_bytes / 16), index, count);
 }

@@ -192,43 +192,46 @@ __device__ __forceinline__ void BlockBincount(const int* ids, const int* num_row
 }
 
 // Exclusive prefix sum over the block's threads, in thread order, of each of
-// the num_ranks counters in `values`; the block totals land in `totals`. A
-// caller that reuses warp_sums right after must __syncthreads() first.
-__device__ __forceinline__ void BlockExclusiveScan(int (&values)[kMaxRanks], int num_ranks,
-                                                   int* warp_sums /* [32][kMaxRanks] */, int* totals /* [kMaxRanks] */) {
+// the first num_counters counters in `values`; the block totals land in
+// `totals`. warp_sums: kWarpSize * kCounters ints of shared memory, totals:
+// kCounters. A caller that reuses warp_sums right after must __syncthreads()
+// first.
+template <int kCounters>
+__device__ __forceinline__ void BlockExclusiveScan(int (&values)[kCounters], int num_counters, int* warp_sums,
+                                                   int* totals) {
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int num_warps = blockDim.x / kWarpSize;
-  int inclusive[kMaxRanks];
+  int inclusive[kCounters];
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    int x = r < num_ranks ? values[r] : 0;
+  for (int r = 0; r < kCounters; ++r) {
+    int x = r < num_counters ? values[r] : 0;
 #pragma unroll
     for (int d = 1; d < kWarpSize; d <<= 1) {
       const int y = __shfl_up_sync(0xffffffffu, x, d);
       if (lane >= d) x += y;
     }
     inclusive[r] = x;
-    if (lane == kWarpSize - 1) warp_sums[warp * kMaxRanks + r] = x;
+    if (lane == kWarpSize - 1) warp_sums[warp * kCounters + r] = x;
   }
   __syncthreads();
   if (warp == 0) {
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      const int own = lane < num_warps ? warp_sums[lane * kMaxRanks + r] : 0;
+    for (int r = 0; r < kCounters; ++r) {
+      const int own = lane < num_warps ? warp_sums[lane * kCounters + r] : 0;
       int x = own;
 #pragma unroll
       for (int d = 1; d < kWarpSize; d <<= 1) {
         const int y = __shfl_up_sync(0xffffffffu, x, d);
         if (lane >= d) x += y;
       }
-      if (lane < num_warps) warp_sums[lane * kMaxRanks + r] = x - own;
+      if (lane < num_warps) warp_sums[lane * kCounters + r] = x - own;
       if (lane == kWarpSize - 1) totals[r] = x;
     }
   }
   __syncthreads();
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < num_ranks) values[r] = inclusive[r] - values[r] + warp_sums[warp * kMaxRanks + r];
+  for (int r = 0; r < kCounters; ++r) {
+    if (r < num_counters) values[r] = inclusive[r] - values[r] + warp_sums[warp * kCounters + r];
   }
 }
 

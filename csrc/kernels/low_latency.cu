@@ -38,7 +38,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kScanScratch = 33;  // ints of shared memory BlockExclusiveScanInPlace needs
+constexpr int kScanScratch = kWarpSize + 1;  // BlockExclusiveScanInPlace: a sum per warp, the total
 constexpr float kFp8Max = 448.0f;
 
 enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3, kNumKernels = 4 };
@@ -122,38 +122,19 @@ __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
 
 // In-place exclusive prefix sum of data[0, n) by the whole block; data[n - 1]
 // ends up as the sum of the first n - 1 entries (callers pass one extra entry
-// to get the total). scratch: kScanScratch ints of shared memory.
+// to get the total). Each thread scans a slice; BlockExclusiveScan offsets
+// the slices. scratch: kScanScratch ints of shared memory.
 __device__ void BlockExclusiveScanInPlace(int* data, int n, int* scratch) {
   const int per_thread = (n + blockDim.x - 1) / blockDim.x;
   const int begin = min(n, int(threadIdx.x) * per_thread);
   const int end = min(n, begin + per_thread);
-  int sum = 0;
-  for (int i = begin; i < end; ++i) sum += data[i];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int inclusive = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += v;
-  }
-  if (lane == 31) scratch[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int total = lane < num_warps ? scratch[lane] : 0;
-    int prefix = total;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, prefix, o);
-      if (lane >= o) prefix += v;
-    }
-    if (lane < num_warps) scratch[lane] = prefix - total;  // exclusive, per warp
-  }
-  __syncthreads();
-  int running = scratch[warp] + inclusive - sum;
+  int running[1] = {0};
+  for (int i = begin; i < end; ++i) running[0] += data[i];
+  BlockExclusiveScan(running, 1, scratch, scratch + kWarpSize);
   for (int i = begin; i < end; ++i) {
     const int v = data[i];
-    data[i] = running;
-    running += v;
+    data[i] = running[0];
+    running[0] += v;
   }
   __syncthreads();
 }

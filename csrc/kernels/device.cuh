@@ -1,8 +1,9 @@
 // Device helpers shared by every kernel family, each written once: the
 // memory accesses with their PTX qualifiers (volatile, acquire and release
 // at system scope, loads that skip L1), spin-waits that fail loudly (rank,
-// mode, counter) instead of hanging, the strided copy, block-wide counting
-// and scans, and bf16 sums in float32.
+// mode, counter) instead of hanging, the strided copies, block-wide counting
+// and scans, and bf16 sums in float32. Kernel files keep only what one
+// family needs.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -65,7 +65,7 @@ struct Shapes {
 
 // Bytes of the normal region (control included) that dispatch / cached
 // dispatch / combine of these shapes need, for num_ranks ranks on num_nodes
-// hosts. Mirrored by deep_ep_jax/backends/cuda_internode.py.
+// hosts. Python gets them from the _C module (module.cc).
 size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes);
 size_t CombineRegionBytes(const Shapes& s, int num_ranks);
 

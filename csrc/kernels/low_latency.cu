@@ -46,7 +46,10 @@ enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRe
 // The first bytes of the region. Flags hold "operation number + 1", so the
 // zeroed start state means "nothing yet" and no flag is ever reset.
 struct Control {
-  int seq;  // number of the next operation (dispatch or combine) on this buffer
+  // Number of the next operation (dispatch or combine) on this buffer. The
+  // send phases read it through a C++ volatile pointer: device.cuh's
+  // LoadVolatile (asm) would change how nvcc compiles the dispatch send loop.
+  int seq;
   int pad0[31];
   int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
   int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here

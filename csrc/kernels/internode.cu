@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
     CompleteWrites();
     g.Signal(peer, &control->ready[me], seq);
     WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
-                  peer, -1);
+                peer, -1);
   }
   __syncthreads();
   if (a.mode == kCombine) return;
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
     const int src = i / num_blocks, block = i % num_blocks;
     if (g.forwards_for(src)) {
       WaitAtLeast(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
-                    me, src, block);
+                  me, src, block);
     }
   }
   if (threadIdx.x == 0) {
@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
     const int src = i / a.num_blocks, block = i % a.num_blocks;
     if (g.here(src)) {
       WaitAtLeast(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                    src, block);
+                  src, block);
     }
   }
   __syncthreads();
@@ -546,7 +546,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   const int num_blocks = gridDim.x;  // the send kernel's grid too
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
     WaitAtLeast(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
-                  "combined rows of a block", me, i / num_blocks, i % num_blocks);
+                "combined rows of a block", me, i / num_blocks, i % num_blocks);
   }
   __syncthreads();
 

@@ -146,7 +146,7 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
   remote->buffers[g.rank] = mine;
   StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
   WaitAtLeast(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
-                g.rank, peer, -1);
+              g.rank, peer, -1);
 }
 
 // Once every thread of the block is done with the peers' memory, tells each
@@ -500,7 +500,7 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
     // Lane 0 acquires the flag; __syncwarp orders the other lanes' loads after it.
     if (lane == 0) {
       WaitAtLeast(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
-                    g.rank, src, chunk);
+                  g.rank, src, chunk);
     }
     __syncwarp();
     const int count = LoadVolatile(&record->count) - piece * kCopyItemRows;
@@ -731,7 +731,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
     WaitAtLeast(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                  src, block);
+                src, block);
   }
   __syncthreads();
   if (a.num_recv_tokens_per_expert == nullptr) return;

@@ -35,7 +35,8 @@
 namespace deep_ep_jax {
 namespace intranode {
 
-// The normal-mode limits (common/limits.h), also as intranode::kX.
+// The normal-mode limits live in common/limits.h; declared here as well so
+// that intranode::kMaxBlocks and the like name them too.
 using deep_ep_jax::kMaxBlocks;
 using deep_ep_jax::kMaxLocalExperts;
 using deep_ep_jax::kMaxRowArrays;

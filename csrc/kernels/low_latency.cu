@@ -171,7 +171,7 @@ __device__ __forceinline__ int FindSegment(const int* starts, int n, int value) 
 // one pass over the values for both. One shared atomic per distinct value per
 // warp, so skewed routing does not serialise.
 __device__ void BlockHistogram(const int* values, int n, int num_bins, int* bins, int n_below = 0,
-                                int* bins_below = nullptr) {
+                               int* bins_below = nullptr) {
   for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
     int v = i < n ? values[i] : -1;
@@ -355,7 +355,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
     __syncthreads();
     // All rows per expert, and those of the tokens before this block's first.
     BlockHistogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
-                    min(first_token, a.num_tokens) * num_topk, before);
+                   min(first_token, a.num_tokens) * num_topk, before);
     __syncthreads();
     BlockExclusiveScanInPlace(expert_start, num_experts + 1, scratch);
     if (blockIdx.x == 0) {
@@ -382,7 +382,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
       const int dst = e / num_local;
       const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
       tr.PutInt(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
-                 t * num_topk + k);
+                t * num_topk + k);
     }
   }
 

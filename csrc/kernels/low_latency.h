@@ -29,9 +29,9 @@
 namespace deep_ep_jax {
 namespace low_latency {
 
-// common/limits.h declares this mode's limits (kMaxTopk, kMaxExperts,
-// kMaxSharedBytes) in this namespace; these shared ones are reachable as
-// low_latency::X too.
+// This mode's limits (kMaxTopk, kMaxExperts, kMaxSharedBytes) are in this
+// namespace in common/limits.h; the shared ones below are declared here as
+// well so that low_latency::kFp8Block and the like name them too.
 using deep_ep_jax::AlignUp;
 using deep_ep_jax::kFp8Block;
 

@@ -10,7 +10,7 @@
 
 #include <cstddef>
 
-#include "kernels/common.cuh"
+#include "kernels/device.cuh"
 #include "kernels/internode.h"
 
 namespace deep_ep_jax {
@@ -20,8 +20,6 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 constexpr int kFinishThreads = 1024;
 constexpr int kCopyThreads = 512;
-constexpr size_t kAlign = 256;  // arrays of the landing area
-constexpr size_t kPacketAlign = 16;
 
 enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
 
@@ -46,8 +44,6 @@ struct Control {
   int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
 static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
-
-__host__ __device__ constexpr size_t Align(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // Where things are in a region: the same offsets on every rank (same shapes,
 // symmetric heap), so a rank addresses a peer's region with its own offsets.
@@ -74,7 +70,7 @@ Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
-    offset = Align(offset + bytes, kAlign);
+    offset = AlignUp(offset + bytes, kRegionAlign);
     return at;
   };
   for (int i = 0; i < kMaxRowArrays; ++i) L.row_bytes[i] = s.row_bytes[i];
@@ -84,14 +80,14 @@ Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
     L.topk_weights = take(N * K * sizeof(float));
     L.src_idx = take(N * sizeof(int));
     L.packet_row[0] = 0;
-    L.packet_row[1] = Align(size_t(s.row_bytes[0]), kPacketAlign);
-    L.packet_meta = L.packet_row[1] + Align(size_t(s.row_bytes[1]), kPacketAlign);
-    L.packet_bytes = L.packet_meta + Align(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kPacketAlign);
+    L.packet_row[1] = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
+    L.packet_meta = L.packet_row[1] + AlignUp(size_t(s.row_bytes[1]), kVectorBytes);
+    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
     L.send = take(T * L.packet_bytes);
     L.rdma_recv = take(size_t(num_nodes) * T * L.packet_bytes);
   } else {
-    L.combine_packet_weights = Align(size_t(s.row_bytes[0]), kPacketAlign);
-    L.combine_packet_bytes = L.combine_packet_weights + Align(K * sizeof(float), kPacketAlign);
+    L.combine_packet_weights = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
+    L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
     L.combine_slots = take(size_t(num_ranks) * T * L.combine_packet_bytes);
     L.combine_send = take(N * L.combine_packet_bytes);
   }
@@ -123,7 +119,7 @@ struct Group {
 
   // An int of rank r's control block: a store over NVLink, or an NVSHMEM put
   // (offsets are the same in every region).
-  __device__ void put_int(int r, const int* mine, int value) const {
+  __device__ void PutInt(int r, const int* mine, int value) const {
     if (here(r)) {
       *reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())) = value;
     } else {
@@ -132,52 +128,20 @@ struct Group {
   }
   // A flag of rank r's control block, after everything this thread wrote or
   // put before (callers fence/quiet first).
-  __device__ void signal(int r, const int* mine, int value) const {
+  __device__ void Signal(int r, const int* mine, int value) const {
     if (here(r)) {
-      st_release_sys(reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())), value);
+      StoreReleaseSys(reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())), value);
     } else {
       nvshmem_int_atomic_set(const_cast<int*>(mine), value, pes[r]);
     }
   }
 };
 
-__device__ __forceinline__ int LoadVolatile(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 // Completes this thread's NVSHMEM operations and makes its stores visible
 // system-wide: after it, a flag may announce them.
 __device__ __forceinline__ void CompleteWrites() {
   __threadfence_system();
   nvshmem_quiet();
-}
-
-// Copies num_bytes (a multiple of 4) with a warp; 16-byte vectors when both
-// sides allow it. Plain loads: sources may have been written by peers.
-__device__ __forceinline__ void WarpCopy(char* dst, const char* src, int64_t num_bytes, int lane) {
-  if (num_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
-    const int4* s = reinterpret_cast<const int4*>(src);
-    int4* d = reinterpret_cast<int4*>(dst);
-    constexpr int kUnroll = 4;
-    const int64_t n = num_bytes / 16;
-    for (int64_t base = lane; base < n; base += kWarpSize * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kWarpSize < n) v[u] = s[base + u * kWarpSize];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (base + u * kWarpSize < n) d[base + u * kWarpSize] = v[u];
-      }
-    }
-  } else {
-    const int* s = reinterpret_cast<const int*>(src);
-    int* d = reinterpret_cast<int*>(dst);
-    for (int64_t i = lane; i < num_bytes / 4; i += kWarpSize) d[i] = s[i];
-  }
 }
 
 // ---------------------------------------------------------------------------
@@ -251,13 +215,13 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int peer = threadIdx.x;
   if (peer < R) {
     if (dispatch) {
-      for (int d = 0; d < R; ++d) g.put_int(peer, &control->counts[seq & 1][me][d], totals[d]);
+      for (int d = 0; d < R; ++d) g.PutInt(peer, &control->counts[seq & 1][me][d], totals[d]);
     }
-    for (int b = 0; b < g.num_nodes; ++b) g.put_int(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
+    for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
     CompleteWrites();
-    g.signal(peer, &control->ready[me], seq);
-    wait_at_least(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
-                  peer, -1);
+    g.Signal(peer, &control->ready[me], seq);
+    WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
+                peer, -1);
   }
   __syncthreads();
   if (a.mode == kCombine) return;
@@ -321,8 +285,10 @@ __device__ void DeliverRow(const Group& g, const MoveArgs& a, int dest, int row,
                            int src_token, const int* topk, const float* weights, int lane) {
   const Layout& L = a.L;
   char* base = g.regions[dest];
+#pragma unroll
   for (int i = 0; i < kMaxRowArrays; ++i) {
-    if (L.row_bytes[i] > 0) WarpCopy(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane);
+    if (L.row_bytes[i] == 0) continue;
+    StridedCopyBytes<4>(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane, kWarpSize);
   }
   int* idx_out = reinterpret_cast<int*>(base + L.topk_idx) + int64_t(row) * L.num_topk;
   float* w_out = reinterpret_cast<float*>(base + L.topk_weights) + int64_t(row) * L.num_topk;
@@ -363,8 +329,9 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
     for (int b = 0; b < g.num_nodes; ++b) remote |= b != g.node_of[me] && node_pos[b] >= 0;
     if (remote) {
       char* packet = g.local() + L.send + int64_t(t) * L.packet_bytes;
+#pragma unroll
       for (int i = 0; i < kMaxRowArrays; ++i) {
-        if (L.row_bytes[i] > 0) WarpCopy(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane);
+        if (L.row_bytes[i] > 0) StridedCopyBytes<4>(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane, kWarpSize);
       }
       int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
       if (lane == 0) meta[0] = t;
@@ -391,7 +358,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
   CompleteWrites();
   __syncthreads();
   // Every forwarder of this rank's packets hears from every block, sent or not.
-  if (int(threadIdx.x) < R && g.forwards_for(threadIdx.x)) g.signal(threadIdx.x, &control->rdma_done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R && g.forwards_for(threadIdx.x)) g.Signal(threadIdx.x, &control->rdma_done[me][blockIdx.x], seq);
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
@@ -404,8 +371,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
     const int src = i / num_blocks, block = i % num_blocks;
     if (g.forwards_for(src)) {
-      wait_at_least(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
-                    me, src, block);
+      WaitAtLeast(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
+                  me, src, block);
     }
   }
   if (threadIdx.x == 0) {
@@ -442,7 +409,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   }
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < R && g.here(threadIdx.x)) g.signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R && g.here(threadIdx.x)) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
 }
 
 // ---------------------------------------------------------------------------
@@ -463,8 +430,8 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
     if (g.here(src)) {
-      wait_at_least(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                    src, block);
+      WaitAtLeast(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+                  src, block);
     }
   }
   __syncthreads();
@@ -555,7 +522,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
     const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;
     // This host: store straight into the source's slot; others: stage, then put.
     char* dst = g.here(src) ? g.regions[src] + slot : g.local() + L.combine_send + int64_t(i) * L.combine_packet_bytes;
-    WarpCopy(dst, row, row_bytes, lane);
+    StridedCopyBytes<4>(dst, row, row_bytes, lane, kWarpSize);
     if (w != nullptr) {
       float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
@@ -568,7 +535,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   }
   CompleteWrites();
   __syncthreads();
-  if (int(threadIdx.x) < R) g.signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  if (int(threadIdx.x) < R) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
@@ -578,8 +545,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   const int seq = LoadVolatile(&control->seq);
   const int num_blocks = gridDim.x;  // the send kernel's grid too
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
-    wait_at_least(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
-                  "combined rows of a block", me, i / num_blocks, i % num_blocks);
+    WaitAtLeast(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
+                "combined rows of a block", me, i / num_blocks, i % num_blocks);
   }
   __syncthreads();
 

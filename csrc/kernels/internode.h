@@ -35,15 +35,18 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/limits.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
 namespace internode {
 
-constexpr int kMaxBlocks = 132;         // upper bound of Config.num_sms
-constexpr int kMaxWarps = 16;           // warps per block
-constexpr int kMaxLocalExperts = 4096;  // shared-memory histogram
-constexpr int kMaxRowArrays = 2;        // bf16 rows, or FP8 rows + float32 scales
+// The normal-mode limits live in common/limits.h; declared here as well so
+// that internode::kMaxBlocks and the like name them too.
+using deep_ep_jax::kMaxBlocks;
+using deep_ep_jax::kMaxLocalExperts;
+using deep_ep_jax::kMaxRowArrays;
+using deep_ep_jax::kMaxWarps;
 
 // Launch knobs, the same on every rank.
 struct LaunchConfig {
@@ -63,7 +66,7 @@ struct Shapes {
 
 // Bytes of the normal region (control included) that dispatch / cached
 // dispatch / combine of these shapes need, for num_ranks ranks on num_nodes
-// hosts. Mirrored by deep_ep_jax/backends/cuda_internode.py.
+// hosts. Python gets them from the _C module (module.cc).
 size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes);
 size_t CombineRegionBytes(const Shapes& s, int num_ranks);
 

@@ -15,7 +15,7 @@
 
 #include <algorithm>
 
-#include "kernels/common.cuh"
+#include "kernels/device.cuh"
 #include "kernels/intranode.h"
 
 namespace deep_ep_jax {
@@ -24,7 +24,6 @@ namespace {
 
 constexpr int kNotifyThreads = 1024;  // notify: one block, a slice of tokens per thread
 constexpr int kFinishThreads = 1024;  // finish: one block
-constexpr size_t kStagingAlign = 256;
 // Staged dispatch: a chunk record's rows are copied by items of at most this
 // many rows (one warp each), so a large chunk_tokens still spreads the copy.
 constexpr int kCopyItemRows = 4;
@@ -85,25 +84,6 @@ __device__ __forceinline__ Control* ControlOf(const Group& g, int rank) {
   return reinterpret_cast<Control*>(g.regions[rank]);
 }
 
-// Peers write these between kernels: read around the (incoherent) L1.
-__device__ __forceinline__ int LoadVolatile(const int* p) {
-  int v;
-  asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ RankBuffers LoadVolatile(const RankBuffers* p) {
-  static_assert(sizeof(RankBuffers) % sizeof(uint64_t) == 0, "RankBuffers is a list of pointers");
-  RankBuffers b;
-  const uint64_t* src = reinterpret_cast<const uint64_t*>(p);
-  uint64_t* dst = reinterpret_cast<uint64_t*>(&b);
-#pragma unroll
-  for (int i = 0; i < int(sizeof(RankBuffers) / sizeof(uint64_t)); ++i) {
-    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(dst[i]) : "l"(src + i));
-  }
-  return b;
-}
-
 // Peers in other processes (IPC) cannot use this process's pointers: each rank
 // publishes its buffers as offsets into its own normal region (staged mode,
 // so they all lie there; null stays null as offsets are >= kControlBytes),
@@ -120,7 +100,7 @@ __host__ __device__ __forceinline__ RankBuffers Rebased(RankBuffers b, const cha
 
 // Rank r's published buffers as addresses valid on this device.
 __device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Control* control, int r) {
-  const RankBuffers b = LoadVolatile(&control->buffers[r]);
+  const RankBuffers b = LoadVolatileWords(&control->buffers[r]);
   return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
@@ -152,37 +132,6 @@ __device__ __forceinline__ void ClearSync(const SyncClear& clear) {
   __threadfence_system();  // before the ready flags, which follow a __syncthreads
 }
 
-// Staged copies: coherent loads (peers write the staging area while the
-// kernel runs; the read-only path is not coherent), no L1 allocation.
-__device__ __forceinline__ int4 LoadNoAllocate(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ int LoadNoAllocate(const int* p) {
-  int v;
-  asm volatile("ld.global.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
-// Inputs are never written while a kernel runs: read-only path, no L1 allocation.
-__device__ __forceinline__ int4 LoadStreaming(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ int LoadStreaming(const int* p) {
-  int v;
-  asm volatile("ld.global.nc.L1::no_allocate.s32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-}
-
 // Publishes this rank's buffers (and, for dispatch, its per-destination token
 // counts) into every peer's control bytes, then waits for every peer's.
 // Threads r < num_ranks each serve peer r.
@@ -195,9 +144,9 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
     for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
   }
   remote->buffers[g.rank] = mine;
-  st_release_sys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
-  wait_at_least(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
-                g.rank, peer, -1);
+  StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
+  WaitAtLeast(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
+              g.rank, peer, -1);
 }
 
 // Once every thread of the block is done with the peers' memory, tells each
@@ -205,7 +154,7 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
 __device__ void SignalDone(const Group& g, int seq, int block) {
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < g.num_ranks) st_release_sys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
+  if (int(threadIdx.x) < g.num_ranks) StoreReleaseSys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
 }
 
 // ---------------------------------------------------------------------------
@@ -344,32 +293,17 @@ __device__ __forceinline__ void ForEachToken(int* next_chunk, int num_tokens, in
   });
 }
 
-// Staged copies read peers' rows with coherent loads that skip L1.
-struct NoAllocateLoad {
-  template <typename Vec>
-  __device__ __forceinline__ Vec operator()(const Vec* p) const { return LoadNoAllocate(p); }
-};
-
 // Staged copies: rows [first_row, first_row + num_rows) of every array
 // present on both sides (row arrays, ids, weights, source indices), src ->
-// dst at the same row indices, by `stride` threads from thread `first`.
-// 16-byte vectors where both sides allow, else 4-byte words (every row is a
-// multiple of 4 bytes).
+// dst at the same row indices, by `stride` threads from thread `first`, with
+// coherent loads (peers write the staging area while the kernel runs).
 __device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const int64_t (&row_bytes)[kMaxRowArrays],
                          int num_topk, int first_row, int num_rows, int first, int stride) {
   auto copy = [&](void* to_array, const void* from_array, int64_t bytes_per_row) {
     if (to_array == nullptr || from_array == nullptr || bytes_per_row == 0) return;
     const int64_t offset = int64_t(first_row) * bytes_per_row, num_bytes = int64_t(num_rows) * bytes_per_row;
-    char* to = static_cast<char*>(to_array) + offset;
-    const char* from = static_cast<const char*>(from_array) + offset;
-    const uintptr_t bits = reinterpret_cast<uintptr_t>(to) | reinterpret_cast<uintptr_t>(from) | uintptr_t(num_bytes);
-    if (bits % sizeof(int4) == 0) {
-      StridedCopy<8>(reinterpret_cast<int4*>(to), reinterpret_cast<const int4*>(from),
-                     num_bytes / int64_t(sizeof(int4)), first, stride, NoAllocateLoad{});
-    } else {
-      StridedCopy<8>(reinterpret_cast<int*>(to), reinterpret_cast<const int*>(from), num_bytes / int64_t(sizeof(int)),
-                     first, stride, NoAllocateLoad{});
-    }
+    StridedCopyBytes<8>(static_cast<char*>(to_array) + offset, static_cast<const char*>(from_array) + offset, num_bytes,
+                        first, stride, NoAllocateLoad{});
   };
   for (int i = 0; i < kMaxRowArrays; ++i) copy(dst.rows[i], src.rows[i], row_bytes[i]);
   copy(dst.topk_idx, src.topk_idx, int64_t(num_topk) * sizeof(int));
@@ -380,10 +314,19 @@ __device__ void CopyRows(const RankBuffers& dst, const RankBuffers& src, const i
 // ---------------------------------------------------------------------------
 // Dispatch step 2: rows to their destinations.
 
-// One warp copies a row of n vectors to every non-null destination, with
-// kUnroll loads in flight per lane.
-template <int kRanks, int kUnroll, typename Vec>
-__device__ __forceinline__ void WarpCopyRow(const Vec* src, Vec* const (&dst)[kRanks], int n, int lane) {
+// One warp copies a token's row (num_bytes, a multiple of sizeof(Vec)) to
+// every non-null destination, with kUnroll loads in flight per lane. Not
+// StridedCopy: each vector is loaded once (x is an input: read-only path)
+// and stored to up to kRanks ranks.
+template <int kRanks, typename Vec>
+__device__ __forceinline__ void WarpCopyRowToRanks(const char* src_bytes, char* const (&dst_bytes)[kRanks],
+                                                   int64_t num_bytes, int lane) {
+  constexpr int kUnroll = 8;
+  const Vec* src = reinterpret_cast<const Vec*>(src_bytes);
+  Vec* dst[kRanks];
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) dst[r] = reinterpret_cast<Vec*>(dst_bytes[r]);
+  const int n = int(num_bytes / sizeof(Vec));
   for (int base = lane; base < n; base += kWarpSize * kUnroll) {
     Vec v[kUnroll];
 #pragma unroll
@@ -401,15 +344,6 @@ __device__ __forceinline__ void WarpCopyRow(const Vec* src, Vec* const (&dst)[kR
       }
     }
   }
-}
-
-template <int kRanks, typename Vec>
-__device__ __forceinline__ void WarpCopyRowTo(const char* src, char* const (&dst)[kRanks], int64_t num_bytes,
-                                              int lane) {
-  Vec* typed[kRanks];
-#pragma unroll
-  for (int r = 0; r < kRanks; ++r) typed[r] = reinterpret_cast<Vec*>(dst[r]);
-  WarpCopyRow<kRanks, 8>(reinterpret_cast<const Vec*>(src), typed, int(num_bytes / sizeof(Vec)), lane);
 }
 
 struct SendArgs {
@@ -481,9 +415,9 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
     for (int r = 0; r < kRanks; ++r) dst[r] = pos[r] >= 0 ? dest[r].rows[i] + pos[r] * bytes : nullptr;
     const char* src = a.x[i] + t * bytes;
     if (bytes % sizeof(int4) == 0) {
-      WarpCopyRowTo<kRanks, int4>(src, dst, bytes, lane);
+      WarpCopyRowToRanks<kRanks, int4>(src, dst, bytes, lane);
     } else {
-      WarpCopyRowTo<kRanks, int>(src, dst, bytes, lane);
+      WarpCopyRowToRanks<kRanks, int>(src, dst, bytes, lane);
     }
   }
 
@@ -544,7 +478,7 @@ __device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk
   ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
   record->first = first;
   record->count = count;
-  st_release_sys(&record->flag, seq);
+  StoreReleaseSys(&record->flag, seq);
 }
 
 // Staged dispatch, copy role (a warp per item): copies the peers' landed rows
@@ -565,8 +499,8 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
     const ChunkRecord* record = RecordOf(g, a.sync, g.rank, src, chunk);
     // Lane 0 acquires the flag; __syncwarp orders the other lanes' loads after it.
     if (lane == 0) {
-      wait_at_least(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
-                    g.rank, src, chunk);
+      WaitAtLeast(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
+                  g.rank, src, chunk);
     }
     __syncwarp();
     const int count = LoadVolatile(&record->count) - piece * kCopyItemRows;
@@ -703,7 +637,7 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
     __syncthreads();  // every thread's row stores before thread 0's (cumulative) release
     if (threadIdx.x == 0) {
       int* flags = reinterpret_cast<int*>(g.regions[s] + a.sync.row_flags) + me * num_flags;
-      st_release_sys(&flags[chunk], seq);
+      StoreReleaseSys(&flags[chunk], seq);
     }
   }
 }
@@ -722,7 +656,7 @@ __device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs&
       ready_chunk = pos / kStagedCopyRows;
       const int* flag = reinterpret_cast<const int*>(g.regions[g.rank] + a.sync.row_flags) +
                         r * NumRowFlags(a.num_rows) + ready_chunk;
-      wait_at_least(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
+      WaitAtLeast(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
     }
   }
   __syncwarp();
@@ -796,8 +730,8 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   const int seq = LoadVolatile(&control->seq);
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
-    wait_at_least(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                  src, block);
+    WaitAtLeast(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+                src, block);
   }
   __syncthreads();
   if (a.num_recv_tokens_per_expert == nullptr) return;
@@ -825,8 +759,6 @@ RankBuffers Publishable(const DeviceState& state, const RankBuffers& b) {
   return state.ipc ? Rebased(b, state.normal.local, nullptr) : b;
 }
 
-size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
-
 // The staging area of a region after the control bytes (StagedRegionBytes).
 struct Staging {
   RankBuffers buffers;  // null when laid out without a region
@@ -839,7 +771,7 @@ Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kM
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
-    offset = AlignUp(offset + bytes);
+    offset = AlignUp(offset + bytes, kRegionAlign);
     return at;
   };
   auto address = [region](size_t at) { return region == nullptr ? nullptr : region + at; };

@@ -29,15 +29,18 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/limits.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
 namespace intranode {
 
-constexpr int kMaxBlocks = 132;         // upper bound of Config.num_sms
-constexpr int kMaxWarps = 16;           // warps per block of the move kernels
-constexpr int kMaxLocalExperts = 4096;  // num_experts / num_ranks (shared-memory histogram)
-constexpr int kMaxRowArrays = 2;        // bf16 rows, or FP8 rows + their float32 scales
+// The normal-mode limits live in common/limits.h; declared here as well so
+// that intranode::kMaxBlocks and the like name them too.
+using deep_ep_jax::kMaxBlocks;
+using deep_ep_jax::kMaxLocalExperts;
+using deep_ep_jax::kMaxRowArrays;
+using deep_ep_jax::kMaxWarps;
 
 // A rank's buffers that its peers access in one call: where its received rows
 // land (dispatch), or where its rows are read from (combine: rows[0] and

@@ -12,7 +12,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTokensPerTile = 128;
-constexpr int kMaxBlocks = 264;  // two waves' worth on an H100/H200 is plenty for T <= 64k
+constexpr int kMaxGridBlocks = 264;  // two waves' worth on an H100/H200 is plenty for T <= 64k
 
 __device__ __forceinline__ bool IsValidExpert(int expert, int num_experts) {
   return expert >= 0 && expert < num_experts;
@@ -72,7 +72,7 @@ cudaError_t LaunchGetDispatchLayout(const int* topk_idx, int num_tokens, int num
   err = cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream);
   if (err != cudaSuccess || num_tokens == 0) return err;
 
-  const int num_blocks = int(std::min<int64_t>((int64_t(num_tokens) + kTokensPerTile - 1) / kTokensPerTile, kMaxBlocks));
+  const int num_blocks = int(std::min<int64_t>((int64_t(num_tokens) + kTokensPerTile - 1) / kTokensPerTile, kMaxGridBlocks));
   const size_t shared_bytes = sizeof(int) * size_t(num_experts + num_ranks);
   GetDispatchLayoutKernel<<<num_blocks, kThreads, shared_bytes, stream>>>(
       topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,

@@ -3,10 +3,9 @@
 
 #include <cuda_runtime.h>
 
-namespace deep_ep_jax {
+#include "common/limits.h"  // kMaxLayoutBins
 
-// Largest num_experts + num_ranks the per-block shared-memory histograms hold.
-constexpr int kMaxLayoutBins = 12 * 1024;
+namespace deep_ep_jax {
 
 // topk_idx int32 [num_tokens, num_topk]; expert e lives on rank
 // e / (num_experts / num_ranks); ids outside [0, num_experts) are ignored.

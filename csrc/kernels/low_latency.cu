@@ -29,7 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/common.cuh"
+#include "kernels/device.cuh"
 #include "kernels/low_latency.h"
 
 namespace deep_ep_jax {
@@ -38,7 +38,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
-constexpr int kScanScratch = 33;  // ints of shared memory block_exclusive_scan needs
+constexpr int kScanScratch = kWarpSize + 1;  // BlockExclusiveScanInPlace: a sum per warp, the total
 constexpr float kFp8Max = 448.0f;
 
 enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3, kNumKernels = 4 };
@@ -46,7 +46,10 @@ enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRe
 // The first bytes of the region. Flags hold "operation number + 1", so the
 // zeroed start state means "nothing yet" and no flag is ever reset.
 struct Control {
-  int seq;  // number of the next operation (dispatch or combine) on this buffer
+  // Number of the next operation (dispatch or combine) on this buffer. The
+  // send phases read it through a C++ volatile pointer: device.cuh's
+  // LoadVolatile (asm) would change how nvcc compiles the dispatch send loop.
+  int seq;
   int pad0[31];
   int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
   int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here
@@ -65,8 +68,10 @@ __host__ __device__ inline size_t FreedFlag(int half, int destination) {
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
-// one being `index`.
-__device__ __forceinline__ void copy16(void* dst, const void* src, size_t num_bytes, int index, int count) {
+// one being `index`. StridedCopy in 16-byte vectors without
+// StridedCopyBytes's alignment test: every row and offset of this mode's
+// layouts is a multiple of kVectorBytes, so the decode path skips the test.
+__device__ __forceinline__ void Copy16(void* dst, const void* src, size_t num_bytes, int index, int count) {
   StridedCopy<8>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), int(num_bytes / 16), index, count);
 }
 
@@ -82,36 +87,36 @@ struct NvlinkTransport {
   // Copies local bytes to `offset` of rank's region (a cooperative group of
   // whole warps). stage_offset: where a transport that needs registered
   // memory as the source (NVSHMEM) stages them first; unused here.
-  __device__ void put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
+  __device__ void Put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
                       size_t /*stage_offset*/ = 0) const {
-    copy16(p.regions[rank] + offset, src, num_bytes, index, count);
+    Copy16(p.regions[rank] + offset, src, num_bytes, index, count);
   }
-  __device__ void put_int(int rank, size_t offset, int value) const {
+  __device__ void PutInt(int rank, size_t offset, int value) const {
     *reinterpret_cast<int*>(p.regions[rank] + offset) = value;
   }
   // After it, this thread's puts are visible to every rank.
-  __device__ void fence() const { __threadfence_system(); }
+  __device__ void Fence() const { __threadfence_system(); }
   // Release store of a flag in rank's control block.
-  __device__ void signal(int rank, size_t offset, int value) const {
-    st_release_sys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
+  __device__ void Signal(int rank, size_t offset, int value) const {
+    StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
   }
   // Waits until a flag of this rank's control block has reached `target`
-  // (wrap-around safe, as wait_at_least otherwise: times out loudly).
-  __device__ void wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
+  // (wrap-around safe, as WaitAtLeast otherwise: times out loudly).
+  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
     const int* flag = reinterpret_cast<const int*>(local() + offset);
-    if (reached(ld_acquire_sys(flag), target)) return;
-    const uint64_t start = global_timer_ns();
-    while (!reached(ld_acquire_sys(flag), target)) {
-      if (global_timer_ns() - start > p.timeout_ns) {
+    if (Reached(LoadAcquireSys(flag), target)) return;
+    const uint64_t start = GlobalTimerNs();
+    while (!Reached(LoadAcquireSys(flag), target)) {
+      if (GlobalTimerNs() - start > p.timeout_ns) {
         printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
                "value %d, expected %d\n",
-               mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, ld_acquire_sys(flag), target);
+               mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
         __trap();
       }
     }
   }
   // Sequence numbers wrap around after 2^32 operations; compare differences.
-  __device__ static bool reached(int value, int target) { return int(unsigned(value) - unsigned(target)) >= 0; }
+  __device__ static bool Reached(int value, int target) { return int(unsigned(value) - unsigned(target)) >= 0; }
 };
 
 __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
@@ -120,38 +125,19 @@ __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
 
 // In-place exclusive prefix sum of data[0, n) by the whole block; data[n - 1]
 // ends up as the sum of the first n - 1 entries (callers pass one extra entry
-// to get the total). scratch: kScanScratch ints of shared memory.
-__device__ void block_exclusive_scan(int* data, int n, int* scratch) {
+// to get the total). Each thread scans a slice; BlockExclusiveScan offsets
+// the slices. scratch: kScanScratch ints of shared memory.
+__device__ void BlockExclusiveScanInPlace(int* data, int n, int* scratch) {
   const int per_thread = (n + blockDim.x - 1) / blockDim.x;
   const int begin = min(n, int(threadIdx.x) * per_thread);
   const int end = min(n, begin + per_thread);
-  int sum = 0;
-  for (int i = begin; i < end; ++i) sum += data[i];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-  int inclusive = sum;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, o);
-    if (lane >= o) inclusive += v;
-  }
-  if (lane == 31) scratch[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int total = lane < num_warps ? scratch[lane] : 0;
-    int prefix = total;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, prefix, o);
-      if (lane >= o) prefix += v;
-    }
-    if (lane < num_warps) scratch[lane] = prefix - total;  // exclusive, per warp
-  }
-  __syncthreads();
-  int running = scratch[warp] + inclusive - sum;
+  int running[1] = {0};
+  for (int i = begin; i < end; ++i) running[0] += data[i];
+  BlockExclusiveScan(running, 1, scratch, scratch + kWarpSize);
   for (int i = begin; i < end; ++i) {
     const int v = data[i];
-    data[i] = running;
-    running += v;
+    data[i] = running[0];
+    running[0] += v;
   }
   __syncthreads();
 }
@@ -160,7 +146,7 @@ __device__ void block_exclusive_scan(int* data, int n, int* scratch) {
 // outnumber rows, 2 or 4 warps (of one block) share a row. Calls
 // fn(row, index, count): this thread is `index` of the `count` copying it.
 template <typename Fn>
-__device__ __forceinline__ void for_each_row(int num_rows, Fn fn) {
+__device__ __forceinline__ void ForEachRow(int num_rows, Fn fn) {
   const int num_warps = gridDim.x * kWarps;
   const int ratio = num_warps / max(1, num_rows);
   const int warps_per_row = ratio >= 4 ? 4 : ratio >= 2 ? 2 : 1;
@@ -171,7 +157,7 @@ __device__ __forceinline__ void for_each_row(int num_rows, Fn fn) {
 }
 
 // Index of the last entry <= value in the non-decreasing starts[0, n), given starts[0] <= value.
-__device__ __forceinline__ int find_segment(const int* starts, int n, int value) {
+__device__ __forceinline__ int FindSegment(const int* starts, int n, int value) {
   int lo = 0, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -184,8 +170,8 @@ __device__ __forceinline__ int find_segment(const int* starts, int n, int value)
 // and, when bins_below is given, bins_below[e] += the same over [0, n_below):
 // one pass over the values for both. One shared atomic per distinct value per
 // warp, so skewed routing does not serialise.
-__device__ void block_histogram(const int* values, int n, int num_bins, int* bins, int n_below = 0,
-                                int* bins_below = nullptr) {
+__device__ void BlockHistogram(const int* values, int n, int num_bins, int* bins, int n_below = 0,
+                               int* bins_below = nullptr) {
   for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
     int v = i < n ? values[i] : -1;
@@ -207,9 +193,9 @@ __device__ void block_histogram(const int* values, int n, int num_bins, int* bin
 // phase's own writes stay on this GPU (the kernel's end publishes them), so it
 // skips the system fence, which would wait for them to drain.
 template <typename Transport>
-__device__ bool last_block(const Transport& tr, int* blocks_done, bool puts) {
+__device__ bool LastBlock(const Transport& tr, int* blocks_done, bool puts) {
   __shared__ int is_last;
-  if (puts) tr.fence();
+  if (puts) tr.Fence();
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();  // the block's loads (consumed before the barrier) and puts before its count
@@ -221,11 +207,11 @@ __device__ bool last_block(const Transport& tr, int* blocks_done, bool puts) {
   return is_last;
 }
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float Bf16Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 // Smallest power of two >= s, exactly (s is a positive normal float here).
-__device__ __forceinline__ float ceil_pow2(float s) {
+__device__ __forceinline__ float CeilPow2(float s) {
   const uint32_t bits = __float_as_uint(s);
   uint32_t exponent = bits & 0x7f800000u;
   if (bits & 0x007fffffu) exponent += 0x00800000u;
@@ -237,13 +223,13 @@ __device__ __forceinline__ float ceil_pow2(float s) {
 // multiply by its float32 reciprocal), and lowers float32 division to
 // div.full.f32 (-nvptx-prec-divf32=1), so 1 / scale uses the same instruction.
 constexpr float kInvFp8Max = 1.0f / kFp8Max;
-__device__ __forceinline__ float div_full(float a, float b) {
+__device__ __forceinline__ float DivFull(float a, float b) {
   float r;
   asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
 
-__device__ __forceinline__ uint32_t fp8x2(float a, float b, float inv_scale) {
+__device__ __forceinline__ uint32_t Fp8x2(float a, float b, float inv_scale) {
   float2 v;
   v.x = fminf(fmaxf(__fmul_rn(a, inv_scale), -kFp8Max), kFp8Max);
   v.y = fminf(fmaxf(__fmul_rn(b, inv_scale), -kFp8Max), kFp8Max);
@@ -252,27 +238,27 @@ __device__ __forceinline__ uint32_t fp8x2(float a, float b, float inv_scale) {
 
 // Quantises bf16 row [H] into staging: FP8 [H] then float scales [H / 128].
 // Thread i takes 8 channels; 16 consecutive threads share one scale.
-__device__ void quantize_row(const uint4* row, int hidden, bool round_scale, char* staging) {
+__device__ void QuantizeRow(const uint4* row, int hidden, bool round_scale, char* staging) {
   const int units = hidden / 8;
   float* scales = reinterpret_cast<float*>(staging + hidden);
   for (int base = 0; base < units; base += blockDim.x) {  // uniform: whole warps shuffle
     const int u = base + threadIdx.x;
     const bool active = u < units;  // units % 16 == 0, so a 16-lane group is all in or all out
     const uint4 raw = active ? row[u] : make_uint4(0, 0, 0, 0);
-    const float v[8] = {bf16_lo(raw.x), bf16_hi(raw.x), bf16_lo(raw.y), bf16_hi(raw.y),
-                        bf16_lo(raw.z), bf16_hi(raw.z), bf16_lo(raw.w), bf16_hi(raw.w)};
+    const float v[8] = {Bf16Lo(raw.x), Bf16Hi(raw.x), Bf16Lo(raw.y), Bf16Hi(raw.y),
+                        Bf16Lo(raw.z), Bf16Hi(raw.z), Bf16Lo(raw.w), Bf16Hi(raw.w)};
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
     for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float scale = __fmul_rn(fmaxf(amax, 1e-4f), kInvFp8Max);
-    if (round_scale) scale = ceil_pow2(scale);
-    const float inv_scale = div_full(1.0f, scale);
+    if (round_scale) scale = CeilPow2(scale);
+    const float inv_scale = DivFull(1.0f, scale);
     if (active) {
       uint2 q;
-      q.x = fp8x2(v[0], v[1], inv_scale) | (fp8x2(v[2], v[3], inv_scale) << 16);
-      q.y = fp8x2(v[4], v[5], inv_scale) | (fp8x2(v[6], v[7], inv_scale) << 16);
+      q.x = Fp8x2(v[0], v[1], inv_scale) | (Fp8x2(v[2], v[3], inv_scale) << 16);
+      q.y = Fp8x2(v[4], v[5], inv_scale) | (Fp8x2(v[6], v[7], inv_scale) << 16);
       reinterpret_cast<uint2*>(staging)[u] = q;
       if ((u & 15) == 0) scales[u / 16] = scale;
     }
@@ -280,7 +266,7 @@ __device__ void quantize_row(const uint4* row, int hidden, bool round_scale, cha
 }
 
 size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
-  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), 16) +
+  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), kVectorBytes) +
          (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
@@ -296,12 +282,12 @@ size_t DispatchRecvSharedBytes(int num_rows_lists) {
 
 // Asks L2 for this thread's share of a row before other work, so the row's
 // first loads do not wait on HBM.
-__device__ __forceinline__ void prefetch_row(const uint4* row, int units) {
+__device__ __forceinline__ void PrefetchRow(const uint4* row, int units) {
   for (int u = threadIdx.x; u < units; u += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + u));
 }
 
 template <typename Transport, bool kFp8>
-__device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int* smem) {
+__device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -309,7 +295,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
   int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
   int* scratch = before + num_experts;
-  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), 16);
+  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), kVectorBytes);
 
   Control* control = tr.control();
   const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
@@ -326,12 +312,12 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   const bool active = first_token < a.num_tokens || blockIdx.x == 0;
   // The first token's quantisation needs no buffer: it hides the wait below.
   if (first_token < a.num_tokens) {
-    if (kFp8) quantize_row(token_row(first_token), hidden, a.round_scale, staging);
-    else prefetch_row(token_row(first_token), hidden / 8);
+    if (kFp8) QuantizeRow(token_row(first_token), hidden, a.round_scale, staging);
+    else PrefetchRow(token_row(first_token), hidden / 8);
   }
   // Every destination must have read this half of operation op - 2.
   if (active && threadIdx.x < num_ranks) {
-    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
+    tr.Wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
             "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
   }
   __syncthreads();
@@ -343,7 +329,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     const uint4* row = token_row(t);
-    if (kFp8 && t != first_token) quantize_row(row, hidden, a.round_scale, staging);
+    if (kFp8 && t != first_token) QuantizeRow(row, hidden, a.round_scale, staging);
     __syncthreads();
     const uint32_t dests = TokenRankMask(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local);
     const int num_dests = __popc(dests);
@@ -355,7 +341,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
       uint32_t rest = dests;
       for (int j = 0; j < i; ++j) rest &= rest - 1;  // drop the first i destinations
-      tr.put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
+      tr.Put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);
     }
     __syncthreads();  // staging is reused by the next token
@@ -368,23 +354,23 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
     for (int i = threadIdx.x; i < num_experts; i += blockDim.x) before[i] = 0;
     __syncthreads();
     // All rows per expert, and those of the tokens before this block's first.
-    block_histogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
-                    min(first_token, a.num_tokens) * num_topk, before);
+    BlockHistogram(a.topk_idx, a.num_tokens * num_topk, num_experts, expert_start,
+                   min(first_token, a.num_tokens) * num_topk, before);
     __syncthreads();
-    block_exclusive_scan(expert_start, num_experts + 1, scratch);
+    BlockExclusiveScanInPlace(expert_start, num_experts + 1, scratch);
     if (blockIdx.x == 0) {
       for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
         const int dst = e / num_local;
         const size_t offset =
             half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
-        tr.put_int(dst, offset, expert_start[e + 1] - expert_start[e]);
+        tr.PutInt(dst, offset, expert_start[e + 1] - expert_start[e]);
       }
     }
   }
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     if (t != first_token) {  // `before` moves on by the tokens since the previous one
       __syncthreads();
-      block_histogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
+      BlockHistogram(a.topk_idx + size_t(t - gridDim.x) * num_topk, int(gridDim.x) * num_topk, num_experts, before);
       __syncthreads();
     }
     const int* experts = a.topk_idx + size_t(t) * num_topk;
@@ -395,13 +381,13 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
       for (int j = 0; j < k; ++j) slot += experts[j] == e;
       const int dst = e / num_local;
       const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
-      tr.put_int(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
-                 t * num_topk + k);
+      tr.PutInt(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
+                t * num_topk + k);
     }
   }
 
-  if (last_block(tr, &control->blocks_done[kDispatchSend][0], true)) {
-    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+  if (LastBlock(tr, &control->blocks_done[kDispatchSend][0], true)) {
+    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
       if (a.token != nullptr) *a.token = int(op);
@@ -411,7 +397,7 @@ __device__ __forceinline__ unsigned dispatch_send(const DispatchSendArgs& a, int
 }
 
 template <typename Transport, bool kFp8>
-__device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigned op, int* smem) {
+__device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, unsigned op, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -426,7 +412,7 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
   const DispatchLayout& layout = a.layout;
 
   if (threadIdx.x < num_ranks) {
-    tr.wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
+    tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
   }
   __syncthreads();
 
@@ -438,8 +424,8 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
   }
   if (threadIdx.x == 0) row_start[num_lists] = seg_start[num_lists] = 0;
   __syncthreads();
-  block_exclusive_scan(row_start, num_lists + 1, scratch);
-  block_exclusive_scan(seg_start, num_lists + 1, scratch);
+  BlockExclusiveScanInPlace(row_start, num_lists + 1, scratch);
+  BlockExclusiveScanInPlace(seg_start, num_lists + 1, scratch);
   auto expert_count = [&](int e) {
     return min(row_start[(e + 1) * num_ranks] - row_start[e * num_ranks], rows_per_expert);
   };
@@ -456,8 +442,8 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
   }
 
   const int* infos = reinterpret_cast<const int*>(half_base + layout.infos_offset);
-  for_each_row(row_start[num_lists], [&](int f, int index, int count) {
-    const int list = find_segment(row_start, num_lists, f);
+  ForEachRow(row_start[num_lists], [&](int f, int index, int count) {
+    const int list = FindSegment(row_start, num_lists, f);
     const int e = list / num_ranks, src = list % num_ranks;
     const int j = f - row_start[list];
     const int out = row_start[list] - row_start[e * num_ranks] + j;
@@ -469,12 +455,12 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
     const char* from = half_base + layout.rows_offset + (size_t(src) * layout.max_tokens + t) * layout.row_bytes;
     const size_t dst_row = size_t(e) * rows_per_expert + out;
     if (kFp8) {
-      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, count);
+      Copy16(static_cast<char*>(a.recv_x) + dst_row * hidden, from, hidden, index, count);
       const float* scales = reinterpret_cast<const float*>(from + hidden);
       const int num_scales = hidden / kFp8Block;
       for (int i = index; i < num_scales; i += count) a.recv_scales[dst_row * num_scales + i] = scales[i];
     } else {
-      copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, count);
+      Copy16(static_cast<char*>(a.recv_x) + dst_row * hidden * 2, from, size_t(hidden) * 2, index, count);
     }
     if (index == 0) {
       a.recv_src_rank[dst_row] = src;
@@ -483,13 +469,13 @@ __device__ __forceinline__ void dispatch_recv(const DispatchRecvArgs& a, unsigne
     }
   });
 
-  if (last_block(tr, &tr.control()->blocks_done[kDispatchRecv][0], false)) {
-    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+  if (LastBlock(tr, &tr.control()->blocks_done[kDispatchRecv][0], false)) {
+    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
   }
 }
 
 template <typename Transport>
-__device__ __forceinline__ unsigned combine_send(const CombineSendArgs& a, int* smem) {
+__device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, int* smem) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
@@ -505,28 +491,28 @@ __device__ __forceinline__ unsigned combine_send(const CombineSendArgs& a, int* 
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) row_start[e] = min(max(a.recv_count[e], 0), rows_per_expert);
   if (threadIdx.x == 0) row_start[num_local] = 0;
   __syncthreads();
-  block_exclusive_scan(row_start, num_local + 1, scratch);
+  BlockExclusiveScanInPlace(row_start, num_local + 1, scratch);
 
   // Every source must have read this half of operation op - 2.
   if (threadIdx.x < num_ranks) {
-    tr.wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency combine send",
+    tr.Wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency combine send",
             "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
   }
   __syncthreads();
 
   const size_t row_bytes = size_t(hidden) * 2;
-  for_each_row(row_start[num_local], [&](int f, int index, int count) {
-    const int e = find_segment(row_start, num_local, f);
+  ForEachRow(row_start[num_local], [&](int f, int index, int count) {
+    const int e = FindSegment(row_start, num_local, f);
     const size_t row = size_t(e) * rows_per_expert + (f - row_start[e]);
     const int src = a.recv_src_rank[row], t = a.recv_src_token[row], k = a.recv_src_topk[row];
     if (src < 0 || src >= num_ranks || t < 0 || t >= a.max_tokens || k < 0 || k >= num_topk) return;
     const char* from = static_cast<const char*>(a.x) + row * row_bytes;
-    tr.put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count,
+    tr.Put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count,
            ((size_t(src) * a.max_tokens + t) * num_topk + k) * row_bytes);
   });
 
-  if (last_block(tr, &control->blocks_done[kCombineSend][0], true)) {
-    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+  if (LastBlock(tr, &control->blocks_done[kCombineSend][0], true)) {
+    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       control->seq = int(op + 1u);
       if (a.token != nullptr) *a.token = int(op);
@@ -536,7 +522,7 @@ __device__ __forceinline__ unsigned combine_send(const CombineSendArgs& a, int* 
 }
 
 template <typename Transport>
-__device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned op) {
+__device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsigned op) {
   const Transport tr{a.peers};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_topk = a.num_topk, hidden = a.hidden;
@@ -544,7 +530,7 @@ __device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned 
   const char* rows = tr.local() + HalfOffset(a.peers, half);
 
   if (threadIdx.x < num_ranks) {
-    tr.wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency combine recv", "the ready flag", threadIdx.x, int(op));
+    tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency combine recv", "the ready flag", threadIdx.x, int(op));
   }
   __syncthreads();
 
@@ -573,8 +559,8 @@ __device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned 
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {  // in k order, skipping k with no expert
         if (!((valid >> c) & 1u)) continue;
-        const float v[8] = {bf16_lo(y[c].x), bf16_hi(y[c].x), bf16_lo(y[c].y), bf16_hi(y[c].y),
-                            bf16_lo(y[c].z), bf16_hi(y[c].z), bf16_lo(y[c].w), bf16_hi(y[c].w)};
+        const float v[8] = {Bf16Lo(y[c].x), Bf16Hi(y[c].x), Bf16Lo(y[c].y), Bf16Hi(y[c].y),
+                            Bf16Lo(y[c].z), Bf16Hi(y[c].z), Bf16Lo(y[c].w), Bf16Hi(y[c].w)};
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(w[c], v[i]));
       }
@@ -589,8 +575,8 @@ __device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned 
     reinterpret_cast<uint4*>(a.out)[i] = packed;
   }
 
-  if (last_block(tr, &tr.control()->blocks_done[kCombineRecv][0], false)) {
-    if (threadIdx.x < num_ranks) tr.signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+  if (LastBlock(tr, &tr.control()->blocks_done[kCombineRecv][0], false)) {
+    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
   }
 }
 
@@ -598,38 +584,38 @@ __device__ __forceinline__ void combine_recv(const CombineRecvArgs& a, unsigned 
 template <typename Transport, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
   extern __shared__ __align__(16) int smem[];
-  dispatch_send<Transport, kFp8>(a, smem);
+  DispatchSendPhase<Transport, kFp8>(a, smem);
 }
 
 template <typename Transport, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
   extern __shared__ __align__(16) int smem[];
-  dispatch_recv<Transport, kFp8>(a, unsigned(*a.token), smem);
+  DispatchRecvPhase<Transport, kFp8>(a, unsigned(*a.token), smem);
 }
 
 template <typename Transport, bool kFp8>
 __global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchSendArgs send, DispatchRecvArgs recv) {
   extern __shared__ __align__(16) int smem[];
-  const unsigned op = dispatch_send<Transport, kFp8>(send, smem);
+  const unsigned op = DispatchSendPhase<Transport, kFp8>(send, smem);
   __syncthreads();  // shared memory changes hands
-  dispatch_recv<Transport, kFp8>(recv, op, smem);
+  DispatchRecvPhase<Transport, kFp8>(recv, op, smem);
 }
 
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
   extern __shared__ __align__(16) int smem[];
-  combine_send<Transport>(a, smem);
+  CombineSendPhase<Transport>(a, smem);
 }
 
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
-  combine_recv<Transport>(a, unsigned(*a.token));
+  CombineRecvPhase<Transport>(a, unsigned(*a.token));
 }
 
 template <typename Transport>
 __global__ void __launch_bounds__(kThreads) CombineKernel(CombineSendArgs send, CombineRecvArgs recv) {
   extern __shared__ __align__(16) int smem[];
-  combine_recv<Transport>(recv, combine_send<Transport>(send, smem));
+  CombineRecvPhase<Transport>(recv, CombineSendPhase<Transport>(send, smem));
 }
 
 // Launchers, for a transport. Decode runs alone, so the kernels take every SM

@@ -15,7 +15,7 @@
 // by (token, k), and the receiver copies the row out once per pair. Combine,
 // in the source's half: row t * K + k holds the expert output for (token t,
 // slot k), bf16 [H].
-// Sizes are mirrored by deep_ep_jax/backends/cuda_low_latency.py.
+// Python gets these sizes from the _C module (module.cc), never re-derives them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,20 +23,21 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/limits.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
 namespace low_latency {
 
-constexpr int kFp8Block = 128;     // channels per FP8 scale
-constexpr int kMaxTopk = 64;       // top-k slots per token a call may use
-constexpr int kMaxExperts = 2048;  // shared-memory histograms of the send kernel
-
-__host__ __device__ inline size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+// This mode's limits (kMaxTopk, kMaxExperts, kMaxSharedBytes) are in this
+// namespace in common/limits.h; the shared ones below are declared here as
+// well so that low_latency::kFp8Block and the like name them too.
+using deep_ep_jax::AlignUp;
+using deep_ep_jax::kFp8Block;
 
 // Bytes of one dispatched row in a half: FP8 data then its float scales, or bf16.
 inline size_t DispatchRowBytes(int64_t hidden, bool fp8) {
-  return fp8 ? AlignUp(size_t(hidden) + size_t(hidden / kFp8Block) * 4, 16) : size_t(hidden) * 2;
+  return fp8 ? AlignUp(size_t(hidden) + size_t(hidden / kFp8Block) * 4, kVectorBytes) : size_t(hidden) * 2;
 }
 
 // Byte offsets inside one half (all 16-byte aligned), for one call's shapes.
@@ -56,8 +57,8 @@ inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t num_local_ex
   l.capacity = max_tokens * num_topk;
   l.max_tokens = max_tokens;
   l.counts_offset = 0;
-  l.infos_offset = AlignUp(size_t(num_ranks * num_local_experts) * 4, 16);
-  l.rows_offset = l.infos_offset + AlignUp(size_t(num_ranks * l.capacity) * 4, 16);
+  l.infos_offset = AlignUp(size_t(num_ranks * num_local_experts) * 4, kVectorBytes);
+  l.rows_offset = l.infos_offset + AlignUp(size_t(num_ranks * l.capacity) * 4, kVectorBytes);
   l.row_bytes = DispatchRowBytes(hidden, fp8);
   l.bytes = l.rows_offset + size_t(num_ranks * max_tokens) * l.row_bytes;
   return l;
@@ -70,7 +71,7 @@ inline size_t CombineBytes(int64_t max_tokens, int64_t num_topk, int64_t hidden)
 
 // Usable bytes of each half of a region of `region_bytes`.
 inline size_t HalfBytes(size_t region_bytes) {
-  return region_bytes < kControlBytes ? 0 : (region_bytes - kControlBytes) / 2 / 256 * 256;
+  return region_bytes < kControlBytes ? 0 : (region_bytes - kControlBytes) / 2 / kRegionAlign * kRegionAlign;
 }
 
 // What every kernel needs about the region and this device's place in it.
@@ -149,7 +150,6 @@ struct CombineRecvArgs {
 
 // Dynamic shared memory the kernels need (must stay <= kMaxSharedBytes).
 size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
-constexpr size_t kMaxSharedBytes = 48 * 1024;
 
 // The kernels of one transport. Each only enqueues work on `stream`; no host
 // synchronisation. dispatch and combine run both halves in one launch.

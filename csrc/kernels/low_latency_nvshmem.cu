@@ -31,24 +31,24 @@ struct NvshmemTransport {
   // A cooperative group of whole warps: each warp stages its share of the
   // bytes in the send area (the source of an RDMA write must be registered
   // memory; x and shared memory are not) and puts it with one warp call.
-  __device__ void put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
+  __device__ void Put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
                       size_t stage_offset) const {
     if (mapped(rank)) {
-      copy16(p.regions[rank] + offset, src, num_bytes, index, count);
+      Copy16(p.regions[rank] + offset, src, num_bytes, index, count);
       return;
     }
     const int num_warps = count / 32, warp = index / 32, lane = index % 32;
-    const size_t chunk = AlignUp((num_bytes + num_warps - 1) / num_warps, 16);
+    const size_t chunk = AlignUp((num_bytes + num_warps - 1) / num_warps, kVectorBytes);
     const size_t begin = min(num_bytes, size_t(warp) * chunk);
     const size_t n = min(num_bytes, begin + chunk) - begin;
     if (n == 0) return;  // the whole warp alike
     char* stage = local() + p.send_offset + stage_offset + begin;
-    copy16(stage, static_cast<const char*>(src) + begin, n, lane, 32);
+    Copy16(stage, static_cast<const char*>(src) + begin, n, lane, 32);
     __threadfence();  // the staged bytes before the transport reads them
     __syncwarp();
     nvshmemx_putmem_nbi_warp(local() + offset + begin, stage, n, p.pes[rank]);
   }
-  __device__ void put_int(int rank, size_t offset, int value) const {
+  __device__ void PutInt(int rank, size_t offset, int value) const {
     if (mapped(rank)) {
       *reinterpret_cast<int*>(p.regions[rank] + offset) = value;
     } else {
@@ -57,22 +57,22 @@ struct NvshmemTransport {
   }
   // After it, this thread's stores and puts are complete everywhere: nvshmem_quiet
   // completes the NVSHMEM operations (the caller's at least), the fence the stores.
-  __device__ void fence() const {
+  __device__ void Fence() const {
     __threadfence_system();
     nvshmem_quiet();
   }
-  // Every block's puts completed before the last block signals (fence()), so
+  // Every block's puts completed before the last block signals (Fence()), so
   // the flag may travel separately from the data.
-  __device__ void signal(int rank, size_t offset, int value) const {
+  __device__ void Signal(int rank, size_t offset, int value) const {
     if (mapped(rank)) {
-      st_release_sys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
+      StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
     } else {
       nvshmem_int_atomic_set(reinterpret_cast<int*>(local() + offset), value, p.pes[rank]);
     }
   }
   // Flags land in this rank's own control block whatever the transport.
-  __device__ void wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
-    NvlinkTransport{p}.wait(offset, target, mode, counter, peer, op);
+  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
+    NvlinkTransport{p}.Wait(offset, target, mode, counter, peer, op);
   }
 };
 

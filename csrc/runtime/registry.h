@@ -13,12 +13,9 @@
 #include <string>
 #include <vector>
 
-namespace deep_ep_jax {
+#include "common/limits.h"  // kMaxRanks, kControlBytes
 
-constexpr int kMaxRanks = 8;
-// Each region starts with this many zeroed bytes of control data (signals,
-// sequence numbers, pointer slots) owned by that mode's kernels.
-constexpr size_t kControlBytes = size_t(1) << 16;
+namespace deep_ep_jax {
 
 // One mode's memory on one device, and its peers' as mapped on this device.
 struct Region {

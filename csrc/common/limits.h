@@ -1,0 +1,64 @@
+// Every limit and shared size constant of the extension, written once, for
+// host and device code alike (kernels, runtime, FFI handlers, the pybind11
+// module). Plain constexpr: nvcc's --expt-relaxed-constexpr lets device code
+// use AlignUp too.
+//
+// (Not csrc/limits.h: with -Icsrc that name would hide the C library's
+// <limits.h> from every header that includes it.)
+#pragma once
+
+#include <cstddef>
+
+namespace deep_ep_jax {
+
+// Ranks of one EP group. Control blocks, DeviceState and kernel arguments
+// keep one slot per rank in fixed arrays (no allocation), and rank masks are
+// 32-bit words.
+constexpr int kMaxRanks = 8;
+
+// Bytes of zeroed control data at the start of each region (flags, sequence
+// numbers, published pointers), owned by that mode's kernels; each mode's
+// Control struct is checked to fit.
+constexpr size_t kControlBytes = size_t(1) << 16;
+
+// Arrays laid out inside a region (normal-mode staging and landing areas,
+// low-latency halves) start at multiples of this.
+constexpr size_t kRegionAlign = 256;
+
+// The widest copy vector (int4): rows and packets inside the layouts are
+// padded to it, so their copies use 16-byte accesses.
+constexpr size_t kVectorBytes = 16;
+
+// n rounded up to a multiple of a.
+constexpr size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Channels per FP8 scale: FP8 rows travel with float32 scales [T, H / kFp8Block]
+// (the public contract; the Python API checks its own constant against it).
+constexpr int kFp8Block = 128;
+
+// Normal mode (intranode and internode kernels).
+// Upper bound of Config.num_sms: the done flags keep one slot per (rank, block).
+constexpr int kMaxBlocks = 132;
+// Upper bound of Config.num_warps: the move kernels' __launch_bounds__.
+constexpr int kMaxWarps = 16;
+// num_experts / num_ranks: the finish kernel's shared-memory histogram.
+constexpr int kMaxLocalExperts = 4096;
+// Row arrays a token carries: bf16 rows, or FP8 rows and their float32 scales.
+constexpr int kMaxRowArrays = 2;
+
+// get_dispatch_layout: num_experts + num_ranks, its per-block shared-memory
+// histograms (48 KiB, the default dynamic shared memory limit).
+constexpr int kMaxLayoutBins = 12 * 1024;
+
+// Low-latency mode.
+namespace low_latency {
+// Top-k slots per token a low-latency call may use.
+constexpr int kMaxTopk = 64;
+// Experts of a low-latency call: the send kernel's shared-memory histograms.
+constexpr int kMaxExperts = 2048;
+// Dynamic shared memory of a low-latency kernel (SharedBytesNeeded): the
+// default per-block limit, so launches need no opt-in.
+constexpr size_t kMaxSharedBytes = 48 * 1024;
+}  // namespace low_latency
+
+}  // namespace deep_ep_jax

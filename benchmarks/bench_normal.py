@@ -14,7 +14,7 @@ bytes of the rows a rank receives (local rows included; FP8 counts data and
 scales; combine counts the same rows as the bf16 dispatch) over the time of
 one operation, averaged over ranks.
 
-Timing (DESIGN.md section 3): a jitted call costs ~300 us of host time, so
+Timing (docs/design.md section 3): a jitted call costs ~300 us of host time, so
 each measurement runs one jitted program holding a chain of n operations,
 each one's input depending on the previous one's output (one element
 updated), and a chain of 2n; the time per operation is the difference

@@ -1,7 +1,7 @@
 """Timing shared by the benchmarks.
 
 `chain_seconds`: wall-clock seconds per operation from two jitted chains of n
-and 2n operations (DESIGN.md section 3: the difference cancels the fixed host
+and 2n operations (docs/design.md section 3: the difference cancels the fixed host
 cost of a call). `kernel_events` / `kernel_durations`: kernels' times, read
 from a JAX profile (CUPTI) of one run; `span_per_op`: the device's time per
 operation of a profiled chain. `environment`: what a result was measured on."""

@@ -89,7 +89,7 @@ size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_byte
                                       CountArg(fn, "num_chunks", num_chunks));
 }
 
-// internode.cu is built with NVSHMEM only (an EP group across hosts needs it).
+// The internode layout is header code: its sizes are known in a build without NVSHMEM too.
 size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t row_bytes,
                                     int64_t scale_bytes, int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_dispatch_region_bytes";
@@ -97,12 +97,7 @@ size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_
                                  CountArg(fn, "num_topk", num_topk),
                                  {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
-#ifdef DEEP_EP_JAX_WITH_NVSHMEM
   return internode::DispatchRegionBytes(shapes, ranks, nodes);
-#else
-  (void)shapes, (void)ranks, (void)nodes;
-  throw std::runtime_error(std::string(fn) + ": deep_ep_jax._C was built without NVSHMEM");
-#endif
 }
 
 size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
@@ -111,12 +106,7 @@ size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t
   const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
                                  CountArg(fn, "num_topk", num_topk), {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks);
-#ifdef DEEP_EP_JAX_WITH_NVSHMEM
   return internode::CombineRegionBytes(shapes, ranks);
-#else
-  (void)shapes, (void)ranks;
-  throw std::runtime_error(std::string(fn) + ": deep_ep_jax._C was built without NVSHMEM");
-#endif
 }
 
 size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,

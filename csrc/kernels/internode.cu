@@ -45,56 +45,6 @@ struct Control {
 };
 static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
 
-// Where things are in a region: the same offsets on every rank (same shapes,
-// symmetric heap), so a rank addresses a peer's region with its own offsets.
-struct Layout {
-  int num_tokens, num_worst_tokens, num_topk;
-  int64_t row_bytes[kMaxRowArrays];
-  // Dispatch landing area (N rows, in the contract's order).
-  size_t rows[kMaxRowArrays], topk_idx, topk_weights, src_idx;
-  // Dispatch packets: staged here (T), received from each host (num_nodes * T).
-  size_t send, rdma_recv;
-  // A packet: rows, then metadata (source token, final row on every rank, top-k ids, weights).
-  size_t packet_bytes, packet_row[kMaxRowArrays], packet_meta;
-  // Combine: slots [rank][token] of (row, weights) here; staged sends (N).
-  size_t combine_slots, combine_send, combine_packet_bytes, combine_packet_weights;
-  size_t end;
-};
-
-Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
-  Layout L{};
-  L.num_tokens = s.num_tokens;
-  L.num_worst_tokens = s.num_worst_tokens;
-  L.num_topk = s.num_topk;
-  const size_t T = size_t(s.num_tokens), N = size_t(s.num_worst_tokens), K = size_t(s.num_topk);
-  size_t offset = kControlBytes;
-  auto take = [&](size_t bytes) {
-    const size_t at = offset;
-    offset = AlignUp(offset + bytes, kRegionAlign);
-    return at;
-  };
-  for (int i = 0; i < kMaxRowArrays; ++i) L.row_bytes[i] = s.row_bytes[i];
-  if (!combine) {
-    for (int i = 0; i < kMaxRowArrays; ++i) L.rows[i] = take(N * size_t(s.row_bytes[i]));
-    L.topk_idx = take(N * K * sizeof(int));
-    L.topk_weights = take(N * K * sizeof(float));
-    L.src_idx = take(N * sizeof(int));
-    L.packet_row[0] = 0;
-    L.packet_row[1] = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
-    L.packet_meta = L.packet_row[1] + AlignUp(size_t(s.row_bytes[1]), kVectorBytes);
-    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
-    L.send = take(T * L.packet_bytes);
-    L.rdma_recv = take(size_t(num_nodes) * T * L.packet_bytes);
-  } else {
-    L.combine_packet_weights = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
-    L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
-    L.combine_slots = take(size_t(num_ranks) * T * L.combine_packet_bytes);
-    L.combine_send = take(N * L.combine_packet_bytes);
-  }
-  L.end = offset;
-  return L;
-}
-
 // The EP group as seen from this rank.
 struct Group {
   char* regions[kMaxRanks];  // this host's ranks' regions mapped here; null for other hosts
@@ -607,11 +557,7 @@ NotifyArgs MakeNotify(int mode, int num_tokens) {
 
 }  // namespace
 
-size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes) {
-  return MakeLayout(s, num_ranks, num_nodes, false).end;
-}
 
-size_t CombineRegionBytes(const Shapes& s, int num_ranks) { return MakeLayout(s, num_ranks, 1, true).end; }
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream) {

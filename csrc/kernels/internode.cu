@@ -204,7 +204,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   BlockExclusiveScan(node_offset, g.num_nodes, warp_sums, node_totals);
 
   if (threadIdx.x == 0) {
-    shared_seq = LoadVolatile(&control->seq) + 1;
+    shared_seq = NextSeq(LoadVolatile(&control->seq));  // wrapping (device.cuh)
     control->seq = shared_seq;
   }
   __syncthreads();

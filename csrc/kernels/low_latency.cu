@@ -101,12 +101,12 @@ struct NvlinkTransport {
     StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
   }
   // Waits until a flag of this rank's control block has reached `target`
-  // (wrap-around safe, as WaitAtLeast otherwise: times out loudly).
+  // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly).
   __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
     const int* flag = reinterpret_cast<const int*>(local() + offset);
-    if (Reached(LoadAcquireSys(flag), target)) return;
+    if (SeqReached(LoadAcquireSys(flag), target)) return;
     const uint64_t start = GlobalTimerNs();
-    while (!Reached(LoadAcquireSys(flag), target)) {
+    while (!SeqReached(LoadAcquireSys(flag), target)) {
       if (GlobalTimerNs() - start > p.timeout_ns) {
         printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
                "value %d, expected %d\n",
@@ -115,8 +115,6 @@ struct NvlinkTransport {
       }
     }
   }
-  // Sequence numbers wrap around after 2^32 operations; compare differences.
-  __device__ static bool Reached(int value, int target) { return int(unsigned(value) - unsigned(target)) >= 0; }
 };
 
 __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {

@@ -613,6 +613,21 @@ size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes) {
 
 size_t CombineRegionBytes(const Shapes& s, int num_ranks) { return MakeLayout(s, num_ranks, 1, true).end; }
 
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (int& flag : control.ready) flag = seq;
+  for (auto& flags : control.rdma_done) {
+    for (int& flag : flags) flag = seq;
+  }
+  for (auto& flags : control.done) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
+
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream) {
   const bool cached = p.topk_idx == nullptr;

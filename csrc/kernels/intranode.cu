@@ -910,6 +910,18 @@ size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays
   return StagingLayout(nullptr, num_rows, row_bytes, num_topk, num_chunks).end;
 }
 
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (int& flag : control.ready) flag = seq;
+  for (auto& flags : control.done) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
+
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream) {
   if (state.ipc && !c.staged) return cudaErrorInvalidValue;  // peers reach only the regions

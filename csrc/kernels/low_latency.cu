@@ -703,6 +703,22 @@ size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
 }
 
 const Launchers& NvlinkLaunchers() { return LaunchersWith<NvlinkTransport>::Table(); }
+
+// seq is the next operation's number; flags hold "operation number + 1", so
+// after operations [0, seq) every ready and freed flag holds seq.
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (auto& flags : control.ready) {
+    for (int& flag : flags) flag = seq;
+  }
+  for (auto& flags : control.freed) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 
 }  // namespace low_latency

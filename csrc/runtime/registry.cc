@@ -433,6 +433,17 @@ const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal) {
   return it == device_states.end() ? nullptr : &it->second;
 }
 
+std::vector<DeviceState> DeviceStatesOf(int64_t buffer_id) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffer_devices.find(buffer_id);
+  if (it == buffer_devices.end()) {
+    throw std::invalid_argument("deep_ep_jax: buffer " + std::to_string(buffer_id) + " does not exist");
+  }
+  std::vector<DeviceState> states;
+  for (int device : it->second) states.push_back(device_states.at({buffer_id, device}));
+  return states;
+}
+
 int NumLiveBuffers() {
   std::shared_lock<std::shared_mutex> lock(registry_mutex);
   return int(buffer_devices.size());

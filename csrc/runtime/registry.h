@@ -88,6 +88,9 @@ void DestroyBuffer(int64_t buffer_id);
 void SynchronizeBuffer(int64_t buffer_id);
 // nullptr when the buffer does not exist on that device.
 const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal);
+// Copies of the buffer's states on this process's devices (test hooks);
+// std::invalid_argument when the buffer does not exist.
+std::vector<DeviceState> DeviceStatesOf(int64_t buffer_id);
 // Number of live buffers (for lifecycle tests).
 int NumLiveBuffers();
 // SMs of a device, asked once per device (132, an H100/H200's, if the query fails).

@@ -81,7 +81,10 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
 // instead of cudaFree. Returns the buffer id.
 int64_t RegisterExternalBuffer(DeviceState state, std::function<void()> release);
 
-// Closes opened IPC mappings, synchronises each device and frees its regions.
+// Synchronises every device of the buffer, then closes its opened IPC
+// mappings and frees its regions: no device's memory goes while another
+// device of the buffer may still write into it (a low-latency receive
+// signals its peers at its very end).
 void DestroyBuffer(int64_t buffer_id);
 // Waits for all work on the buffer's devices (before a cross-process barrier
 // that precedes DestroyBuffer, so no peer still accesses memory being freed).

@@ -270,6 +270,44 @@ py::tuple CreateIpcBufferPy(const std::vector<std::vector<int>>& groups, size_t 
   return py::make_tuple(buffer.buffer_id, handles);
 }
 
+// Test hook: rewrites the control blocks of the buffer's regions on this
+// process's devices (normal and low-latency) as if `seq` calls had run in
+// each mode, so that a test can run calls across the 2^31 and 2^32 wraps of
+// the sequence numbers. seq in [-2^31, 2^32), taken modulo 2^32. Synchronises
+// the devices first; with peers in other processes, every process must have
+// synchronised and met at a barrier before, and meet again after (no peer
+// may write a flag meanwhile).
+void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
+  if (seq < int64_t(INT32_MIN) || seq > int64_t(UINT32_MAX)) {
+    throw std::invalid_argument("set_sequence_for_testing: seq must be in [-2^31, 2^32), got " + std::to_string(seq));
+  }
+  const int value = int(uint32_t(seq));
+  SynchronizeBuffer(buffer_id);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
+    cudaError_t err = cudaSetDevice(s.device_ordinal);
+    if (err == cudaSuccess && s.normal.local != nullptr) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+      err = s.nvshmem ? internode::SetSequenceForTesting(s.normal.local, value)
+                      : intranode::SetSequenceForTesting(s.normal.local, value);
+#else
+      err = intranode::SetSequenceForTesting(s.normal.local, value);
+#endif
+    }
+    if (err == cudaSuccess && s.low_latency.local != nullptr) {
+      err = low_latency::SetSequenceForTesting(s.low_latency.local, value);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(previous);
+      throw std::runtime_error(std::string("set_sequence_for_testing on device ") +
+                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
+    }
+  }
+  cudaSetDevice(previous);
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -322,6 +360,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("synchronize_buffer", &SynchronizeBuffer, py::arg("buffer_id"), py::call_guard<py::gil_scoped_release>(),
         "Waits for all work on the buffer's devices");
   m.def("num_live_buffers", &NumLiveBuffers);
+  m.def("set_sequence_for_testing", &SetSequenceForTesting, py::arg("buffer_id"), py::arg("seq"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Test hook: every sequence number of the buffer (normal and low-latency, this process's devices) and its "
+        "flags set as if `seq` calls had run (seq in [-2^31, 2^32), modulo 2^32); synchronises the devices first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

@@ -16,6 +16,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   internode_normal       with DEEP_EP_JAX_GPUS_PER_HOST=1: CUDA normal mode across hosts
                (internode kernels over NVSHMEM) vs the xla backend
+  wrap         CUDA normal (staged) and low-latency mode across the sequence numbers'
+               2^31 and 2^32 wraps vs the xla backend (tests/gpu/test_wrap_gpu.py)
+  internode_wrap         with DEEP_EP_JAX_GPUS_PER_HOST=1: the same over NVSHMEM
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -330,6 +333,40 @@ def case_internode_normal():
     cuda.destroy()
 
 
+def _check_across_wraps(suite, mesh, buffers, what):
+    for wrap in suite.WRAPS:
+        for crossing in range(suite.NORMAL_CALLS):
+            suite.check_normal_across_wrap(mesh, buffers, wrap, crossing)
+        log(f"{what} normal mode across {wrap}: ok")
+        for crossing in range(suite.LL_CALLS):
+            for split in (False, True):
+                suite.check_low_latency_across_wrap(mesh, buffers, wrap, crossing, split)
+        log(f"{what} low-latency mode across {wrap}: ok")
+
+
+def case_wrap():
+    import test_wrap_gpu as suite
+
+    mesh = _gpu_mesh()
+    cuda = suite.cuda_buffer(mesh)
+    assert cuda.backend == "cuda" and cuda.ipc and cuda.staged, cuda
+    _check_across_wraps(suite, mesh, (cuda, suite.xla_buffer(mesh)), "CUDA IPC")
+    cuda.destroy()
+
+
+def case_internode_wrap():
+    import test_wrap_gpu as suite
+    from deep_ep_jax.backends.cuda import sizes
+
+    mesh = _internode_mesh()
+    num_ranks = mesh.shape[AXIS]
+    region = sizes.internode_region_bytes(num_ranks, num_ranks, suite.HIDDEN, suite.NUM_TOKENS)
+    cuda = suite.cuda_buffer(mesh, num_nvl_bytes=region)
+    assert cuda.backend == "cuda" and cuda.spans_hosts and not cuda.ipc, cuda
+    _check_across_wraps(suite, mesh, (cuda, suite.xla_buffer(mesh)), "NVSHMEM")
+    cuda.destroy()
+
+
 CASES = {
     "reference": case_reference,
     "exchange": case_exchange,
@@ -340,6 +377,8 @@ CASES = {
     "hosts": case_hosts,
     "internode_low_latency": case_internode_low_latency,
     "internode_normal": case_internode_normal,
+    "wrap": case_wrap,
+    "internode_wrap": case_internode_wrap,
 }
 
 

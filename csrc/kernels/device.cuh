@@ -90,13 +90,30 @@ __device__ __forceinline__ int LoadStreaming(const int* p) {
   return v;
 }
 
-// Spins until *flag >= target. After timeout_ns prints what it waited for
-// and traps, so the XLA call fails with an error instead of hanging.
+// ---------------------------------------------------------------------------
+// Sequence numbers. Each mode counts its calls in 32 bits, which wrap after
+// 2^32 calls (2^31 as signed int): increments are unsigned, and a flag has
+// reached a target when it is at most 2^31 - 1 calls past it, so comparisons
+// hold across the wrap. A flag reset for a call must hold a value before the
+// call's number (its predecessor, PreviousSeq), never a fixed 0, which would
+// read as reached once the numbers pass 2^31.
+
+__device__ __forceinline__ bool SeqReached(int value, int target) {
+  return int(unsigned(value) - unsigned(target)) >= 0;
+}
+
+__device__ __forceinline__ int NextSeq(int seq) { return int(unsigned(seq) + 1u); }
+
+__device__ __forceinline__ int PreviousSeq(int seq) { return int(unsigned(seq) - 1u); }
+
+// Spins until *flag has reached target (SeqReached: wrap-safe *flag >=
+// target). After timeout_ns prints what it waited for and traps, so the XLA
+// call fails with an error instead of hanging.
 __device__ __forceinline__ void WaitAtLeast(const int* flag, int target, uint64_t timeout_ns, const char* mode,
                                             const char* counter, int rank, int peer, int channel) {
-  if (LoadAcquireSys(flag) >= target) return;
+  if (SeqReached(LoadAcquireSys(flag), target)) return;
   const uint64_t start = GlobalTimerNs();
-  while (LoadAcquireSys(flag) < target) {
+  while (!SeqReached(LoadAcquireSys(flag), target)) {
     if (GlobalTimerNs() - start > timeout_ns) {
       printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (channel %d): "
              "value %d, expected >= %d\n",

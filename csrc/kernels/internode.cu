@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   BlockExclusiveScan(node_offset, g.num_nodes, warp_sums, node_totals);
 
   if (threadIdx.x == 0) {
-    shared_seq = LoadVolatile(&control->seq) + 1;
+    shared_seq = NextSeq(LoadVolatile(&control->seq));  // wrapping (device.cuh)
     control->seq = shared_seq;
   }
   __syncthreads();
@@ -558,6 +558,21 @@ NotifyArgs MakeNotify(int mode, int num_tokens) {
 }  // namespace
 
 
+
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (int& flag : control.ready) flag = seq;
+  for (auto& flags : control.rdma_done) {
+    for (int& flag : flags) flag = seq;
+  }
+  for (auto& flags : control.done) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream) {

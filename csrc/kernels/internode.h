@@ -160,6 +160,12 @@ struct CombineParams {
   float* out_weights;  // [T, K] or null
 };
 
+// Test hook (_C.set_sequence_for_testing): rewrites `region`'s control block
+// as if `seq` calls had run (the sequence number, and every flag that holds
+// one), so a test can start just below a wrap. The region's device and every
+// peer must be idle. Blocking (cudaMemcpy).
+cudaError_t SetSequenceForTesting(char* region, int seq);
+
 // Only enqueue work on `stream` (state.nvshmem with a normal region).
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream);

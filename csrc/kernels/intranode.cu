@@ -104,31 +104,35 @@ __device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Contr
   return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
-// First thing of every call, by one thread: the call's sequence number, and
-// fresh work counters for the move kernel.
+// First thing of every call, by one thread: the call's sequence number
+// (wrapping, device.cuh), and fresh work counters for the move kernel.
 __device__ __forceinline__ int BeginCall(Control* control) {
-  const int seq = LoadVolatile(&control->seq) + 1;
+  const int seq = NextSeq(LoadVolatile(&control->seq));
   control->seq = seq;
   control->next_chunk = 0;
   control->next_copy = 0;
   return seq;
 }
 
-// Staged mode: zeroes the flags this rank's peers (dispatch) or this rank
+// Staged mode: resets the flags this rank's peers (dispatch) or this rank
 // (combine) will raise in this rank's region during the call, before the
 // ready flags let the peers in. Their place depends on the call's shapes, so
-// it may hold another call's rows; 0 is below every sequence number. The
-// region is free: the previous call's finish saw every peer done with it.
-// Every thread of the block, before the __syncthreads that precedes
-// PublishAndWait.
+// it may hold another call's rows or flags; they get PreviousSeq(seq), which
+// is before seq whatever its value (0 would read as reached once the
+// numbers pass 2^31). The region is free: the previous call's finish saw
+// every peer done with it. Every thread of the block, after BeginCall's
+// number is shared and before the __syncthreads that precedes PublishAndWait.
 struct SyncClear {
   int4* begin;
   int num_vectors;
 };
 
-__device__ __forceinline__ void ClearSync(const SyncClear& clear) {
+__device__ __forceinline__ void ClearSync(const SyncClear& clear, int seq) {
   if (clear.num_vectors == 0) return;
-  for (int i = threadIdx.x; i < clear.num_vectors; i += blockDim.x) clear.begin[i] = make_int4(0, 0, 0, 0);
+  const int before = PreviousSeq(seq);
+  for (int i = threadIdx.x; i < clear.num_vectors; i += blockDim.x) {
+    clear.begin[i] = make_int4(before, before, before, before);
+  }
   __threadfence_system();  // before the ready flags, which follow a __syncthreads
 }
 
@@ -201,10 +205,11 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   }
   BlockExclusiveScan(offset, num_ranks, warp_sums, totals);
 
-  ClearSync(a.clear);
   if (threadIdx.x == 0) shared_seq = BeginCall(control);
   __syncthreads();
   const int seq = shared_seq;
+  ClearSync(a.clear, seq);
+  __syncthreads();  // every thread's clears before the ready flags
   if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
   PublishAndWait(g, seq, a.landing, totals, kDispatch, a.timeout_ns);
   if (int(threadIdx.x) < num_ranks) {
@@ -253,10 +258,12 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 __global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear, int mode,
                                                                uint64_t timeout_ns) {
   __shared__ int shared_seq;
-  ClearSync(clear);
   if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank));
   __syncthreads();
-  PublishAndWait(g, shared_seq, mine, nullptr, mode, timeout_ns);
+  const int seq = shared_seq;
+  ClearSync(clear, seq);
+  __syncthreads();  // every thread's clears before the ready flags
+  PublishAndWait(g, seq, mine, nullptr, mode, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------
@@ -794,7 +801,7 @@ RankBuffers ChooseLanding(const RankBuffers& xla_buffers, const Staging& staging
 }
 
 // Staged mode: the flags of this rank's region that its notify (or publish)
-// kernel zeroes (ClearSync): dispatch, the chunk records of every source;
+// kernel resets (ClearSync): dispatch, the chunk records of every source;
 // combine, the row flags (rounded up to int4, inside the area's alignment).
 SyncClear RecordsToClear(const DeviceState& state, const Staging& staging, bool staged) {
   if (!staged) return SyncClear{nullptr, 0};
@@ -901,6 +908,18 @@ RankBuffers RowsAndWeights(RankBuffers b, bool with_weights) {
 
 size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks) {
   return StagingLayout(nullptr, num_rows, row_bytes, num_topk, num_chunks).end;
+}
+
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (int& flag : control.ready) flag = seq;
+  for (auto& flags : control.done) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
 }
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,

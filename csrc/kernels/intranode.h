@@ -116,6 +116,12 @@ __host__ __device__ inline int64_t NumChunks(int64_t num_tokens, int64_t chunk_t
 constexpr int kStagedCopyRows = 32;
 size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks);
 
+// Test hook (_C.set_sequence_for_testing): rewrites `region`'s control block
+// as if `seq` calls had run (the sequence number, and every flag that holds
+// one), so a test can start just below a wrap. The region's device and every
+// peer must be idle. Blocking (cudaMemcpy).
+cudaError_t SetSequenceForTesting(char* region, int seq);
+
 // Only enqueue work on `stream`.
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& config,
                            cudaStream_t stream);

@@ -101,12 +101,12 @@ struct NvlinkTransport {
     StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
   }
   // Waits until a flag of this rank's control block has reached `target`
-  // (wrap-around safe, as WaitAtLeast otherwise: times out loudly).
+  // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly).
   __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
     const int* flag = reinterpret_cast<const int*>(local() + offset);
-    if (Reached(LoadAcquireSys(flag), target)) return;
+    if (SeqReached(LoadAcquireSys(flag), target)) return;
     const uint64_t start = GlobalTimerNs();
-    while (!Reached(LoadAcquireSys(flag), target)) {
+    while (!SeqReached(LoadAcquireSys(flag), target)) {
       if (GlobalTimerNs() - start > p.timeout_ns) {
         printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
                "value %d, expected %d\n",
@@ -115,8 +115,6 @@ struct NvlinkTransport {
       }
     }
   }
-  // Sequence numbers wrap around after 2^32 operations; compare differences.
-  __device__ static bool Reached(int value, int target) { return int(unsigned(value) - unsigned(target)) >= 0; }
 };
 
 __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
@@ -705,6 +703,22 @@ size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
 }
 
 const Launchers& NvlinkLaunchers() { return LaunchersWith<NvlinkTransport>::Table(); }
+
+// seq is the next operation's number; flags hold "operation number + 1", so
+// after operations [0, seq) every ready and freed flag holds seq.
+cudaError_t SetSequenceForTesting(char* region, int seq) {
+  Control control;
+  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
+  if (err != cudaSuccess) return err;
+  control.seq = seq;
+  for (auto& flags : control.ready) {
+    for (int& flag : flags) flag = seq;
+  }
+  for (auto& flags : control.freed) {
+    for (int& flag : flags) flag = seq;
+  }
+  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 
 }  // namespace low_latency

@@ -151,6 +151,12 @@ struct CombineRecvArgs {
 // Dynamic shared memory the kernels need (must stay <= kMaxSharedBytes).
 size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
 
+// Test hook (_C.set_sequence_for_testing): rewrites `region`'s control block
+// as if `seq` calls had run (the sequence number, and every flag that holds
+// one), so a test can start just below a wrap. The region's device and every
+// peer must be idle. Blocking (cudaMemcpy).
+cudaError_t SetSequenceForTesting(char* region, int seq);
+
 // The kernels of one transport. Each only enqueues work on `stream`; no host
 // synchronisation. dispatch and combine run both halves in one launch.
 struct Launchers {

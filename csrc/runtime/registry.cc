@@ -104,7 +104,8 @@ void EnablePeerAccess(int device, int peer) {
 }
 
 // Synchronises each device, then frees its regions. Best effort: used both by
-// DestroyBuffer and to roll back a failed CreateBuffer.
+// DestroyBuffer (which has synchronised every device first) and to roll back
+// a failed CreateBuffer (no kernel has run).
 void FreeStates(const std::vector<DeviceState>& states) {
   for (const DeviceState& s : states) {
     int previous = 0;
@@ -400,13 +401,15 @@ void DestroyBuffer(int64_t buffer_id) {
       external_releases.erase(external);
     }
   }
-  // Outside the lock: a device synchronisation can take a while. Peers'
-  // mappings are closed before our own memory goes.
-  for (const auto& [device, ptrs] : mappings) {
-    SynchronizeDevice(device);
-    CloseMappings(device, ptrs);
-  }
-  FreeStates(states);  // synchronises each device first
+  // Outside the lock: a device synchronisation can take a while. Every
+  // device first, before anything is freed: a device being idle does not
+  // mean its peers are (a peer's low-latency receive writes its "freed" flag
+  // into this device's region as its last step). Across processes, Python
+  // barriers every process after synchronising, before this.
+  for (const DeviceState& s : states) SynchronizeDevice(s.device_ordinal);
+  // Peers' mappings are closed before our own memory goes.
+  for (const auto& [device, ptrs] : mappings) CloseMappings(device, ptrs);
+  FreeStates(states);
   ForgetSideSends(buffer_id);  // overlapped sends never received (a refused program's)
   if (release) release();
 }
@@ -431,6 +434,17 @@ const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal) {
   std::shared_lock<std::shared_mutex> lock(registry_mutex);
   auto it = device_states.find({buffer_id, device_ordinal});
   return it == device_states.end() ? nullptr : &it->second;
+}
+
+std::vector<DeviceState> DeviceStatesOf(int64_t buffer_id) {
+  std::shared_lock<std::shared_mutex> lock(registry_mutex);
+  auto it = buffer_devices.find(buffer_id);
+  if (it == buffer_devices.end()) {
+    throw std::invalid_argument("deep_ep_jax: buffer " + std::to_string(buffer_id) + " does not exist");
+  }
+  std::vector<DeviceState> states;
+  for (int device : it->second) states.push_back(device_states.at({buffer_id, device}));
+  return states;
 }
 
 int NumLiveBuffers() {

@@ -81,13 +81,19 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
 // instead of cudaFree. Returns the buffer id.
 int64_t RegisterExternalBuffer(DeviceState state, std::function<void()> release);
 
-// Closes opened IPC mappings, synchronises each device and frees its regions.
+// Synchronises every device of the buffer, then closes its opened IPC
+// mappings and frees its regions: no device's memory goes while another
+// device of the buffer may still write into it (a low-latency receive
+// signals its peers at its very end).
 void DestroyBuffer(int64_t buffer_id);
 // Waits for all work on the buffer's devices (before a cross-process barrier
 // that precedes DestroyBuffer, so no peer still accesses memory being freed).
 void SynchronizeBuffer(int64_t buffer_id);
 // nullptr when the buffer does not exist on that device.
 const DeviceState* FindDeviceState(int64_t buffer_id, int device_ordinal);
+// Copies of the buffer's states on this process's devices (test hooks);
+// std::invalid_argument when the buffer does not exist.
+std::vector<DeviceState> DeviceStatesOf(int64_t buffer_id);
 // Number of live buffers (for lifecycle tests).
 int NumLiveBuffers();
 // SMs of a device, asked once per device (132, an H100/H200's, if the query fails).

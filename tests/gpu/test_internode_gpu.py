@@ -72,3 +72,10 @@ def test_normal_mode_over_nvshmem():
     # Its own processes: NVSHMEM's heap is sized by the first Buffer of a process.
     code, output = _launch(["internode_normal"], timeout=280)
     _assert_cases_ok(code, output, ["internode_normal"])
+
+
+def test_sequence_wrap_over_nvshmem():
+    """Normal and low-latency mode across the 2^31 and 2^32 wraps of the
+    sequence numbers (tests/gpu/test_wrap_gpu.py's checks), in its own processes."""
+    code, output = _launch(["internode_wrap"], timeout=280)
+    _assert_cases_ok(code, output, ["internode_wrap"])

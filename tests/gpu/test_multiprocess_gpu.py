@@ -61,6 +61,13 @@ def test_low_latency_across_processes():
     _assert_cases_ok(code, output, ["low_latency"])
 
 
+def test_sequence_wrap_across_processes():
+    """Normal (staged) and low-latency mode across the 2^31 and 2^32 wraps
+    of the sequence numbers (tests/gpu/test_wrap_gpu.py's checks)."""
+    code, output, _ = _launch(["wrap"], timeout=280)
+    _assert_cases_ok(code, output, ["wrap"])
+
+
 def test_outputs_identical_across_deployments():
     """Dispatch/combine outputs for fixed inputs are bit-identical in every
     process of a one-process-per-GPU run and in this process driving all GPUs."""

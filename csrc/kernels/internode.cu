@@ -340,8 +340,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
         meta[1 + kMaxRanks + k] = topk != nullptr ? topk[k] : -1;
         reinterpret_cast<float*>(meta + 1 + kMaxRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
       }
-      __threadfence_system();  // the staged bytes before the transport reads them
-      __syncwarp();
+      FenceStagedForWarpPut();
       for (int b = 0; b < g.num_nodes; ++b) {
         if (b == g.node_of[me] || node_pos[b] < 0) continue;
         const int f = g.forwarder(b);
@@ -528,8 +527,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
     }
     if (!g.here(src)) {
-      __threadfence_system();
-      __syncwarp();
+      FenceStagedForWarpPut();
       nvshmemx_putmem_nbi_warp(g.local() + slot, dst, L.combine_packet_bytes, g.pes[src]);
     }
   }

@@ -11,6 +11,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   digest       prints a digest of dispatch/combine outputs for fixed inputs (determinism across deployments)
   kill         CUDA dispatch/combine in a loop; the last rank kills itself midway,
                the others must fail with the kernels' timeout message
+  launch_mismatch  each process launches a different number of blocks (Config.num_sms):
+               every rank must fail at once with the kernels' launch-mismatch message
+               (one host: intranode kernels; with DEEP_EP_JAX_GPUS_PER_HOST=1: internode)
   hosts        the hostname exchange and the host decision (CPU or GPU)
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
@@ -223,14 +226,51 @@ def case_kill():
                 os.kill(os.getpid(), signal.SIGKILL)
             jax.block_until_ready(run(x, idx, w))
     except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
-        log(f"failed as expected after {i} calls: {type(e).__name__}: {str(e)[:500]}")
-        # Skip jax.distributed's shutdown barrier, which would wait for the dead
-        # process; flush C stdio first (the kernels' printf goes through it).
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-        os._exit(17)
+        _exit_after_trap(f"failed as expected after {i} calls: {type(e).__name__}: {str(e)[:500]}")
     log("NO TIMEOUT")
+
+
+def _exit_after_trap(message):
+    """Logs, then exits with status 17, skipping jax.distributed's shutdown
+    barrier, which would wait for dead or trapped processes; flushes C stdio
+    first (the kernels' printf goes through it)."""
+    import ctypes
+
+    log(message)
+    ctypes.CDLL(None).fflush(None)
+    os._exit(17)
+
+
+def case_launch_mismatch():
+    """Peers wait for each other's blocks by index, so every rank must launch
+    the same grid. Here each process asks for another Config.num_sms: the
+    first call must fail on every rank with the kernels' message naming both
+    counts and ranks, well before the timeout."""
+    from deep_ep_jax.backends.cuda import sizes
+
+    mesh = _gpu_mesh()
+    num_ranks, num_tokens, num_experts, hidden = mesh.shape[AXIS], 64, 4 * mesh.shape[AXIS], 512
+    config = dej.Config(num_sms=4 + 2 * jax.process_index(), timeout_s=60)
+    kwargs = {}
+    if config.gpus_per_host == 1:  # emulated hosts: the internode kernels
+        kwargs["num_nvl_bytes"] = sizes.internode_region_bytes(num_ranks, num_ranks, hidden, num_tokens)
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda", config=config, **kwargs)
+    log(f"buffer {buffer}, num_sms {config.num_sms}")
+    idx, w = dt.make_routing(0, num_ranks * num_tokens, num_experts, 2, num_ranks)
+    x = dt.random_rows(1, (num_ranks * num_tokens, hidden))
+
+    def roundtrip(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        out, _ = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+        return out
+
+    run = _per_rank(roundtrip, mesh, AXIS)  # not gathered: the failing call must not meet in collectives
+    start = time.time()
+    try:
+        jax.block_until_ready(run(x, jnp.asarray(idx), jnp.asarray(w)))
+    except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
+        _exit_after_trap(f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}")
+    log("NO LAUNCH MISMATCH ERROR")
 
 
 def case_hosts():
@@ -336,6 +376,7 @@ CASES = {
     "normal": case_normal,
     "low_latency": case_low_latency,
     "kill": case_kill,
+    "launch_mismatch": case_launch_mismatch,
     "digest": case_digest,
     "hosts": case_hosts,
     "internode_low_latency": case_internode_low_latency,

@@ -40,6 +40,7 @@ struct Control {
   // (the next call's barrier needs this rank).
   int counts[2][kMaxRanks][kMaxRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
   int node_counts[2][kMaxRanks][kMaxRanks];  // [.][src][node]: tokens src sends to host `node`
+  int num_blocks[2][kMaxRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
   int rdma_done[kMaxRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
   int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
@@ -149,6 +150,7 @@ __device__ __forceinline__ void CompleteWrites() {
 
 struct NotifyArgs {
   int mode;
+  int num_blocks;  // of the move kernels: peers wait for each other's blocks by index
   const int* topk_idx;         // dispatch
   const int* cached_send_pos;  // cached dispatch
   int num_tokens, num_topk, num_experts, num_worst_tokens;
@@ -211,17 +213,20 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int seq = shared_seq;
   if (dispatch && int(threadIdx.x) < R) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
 
-  // Thread `peer` publishes this rank's counts to peer, then waits for peer's.
+  // Thread `peer` publishes this rank's counts and grid to peer, then waits for peer's (and checks its grid).
   const int peer = threadIdx.x;
   if (peer < R) {
     if (dispatch) {
       for (int d = 0; d < R; ++d) g.PutInt(peer, &control->counts[seq & 1][me][d], totals[d]);
     }
     for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
+    g.PutInt(peer, &control->num_blocks[seq & 1][me], a.num_blocks);
     CompleteWrites();
     g.Signal(peer, &control->ready[me], seq);
     WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
                 peer, -1);
+    CheckPeerLaunch(a.num_blocks, LoadVolatile(&control->num_blocks[seq & 1][peer]), ModeName(a.mode),
+                    "blocks (Config.num_sms)", me, peer);
   }
   __syncthreads();
   if (a.mode == kCombine) return;
@@ -596,9 +601,10 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   return g;
 }
 
-NotifyArgs MakeNotify(int mode, int num_tokens) {
+NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c) {
   NotifyArgs n{};
   n.mode = mode;
+  n.num_blocks = c.num_blocks;
   n.num_tokens = num_tokens;
   return n;
 }
@@ -621,7 +627,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   const int threads = c.num_warps * kWarpSize;
   const int experts_per_rank = cached ? 0 : p.num_experts / state.num_ranks;
 
-  NotifyArgs notify = MakeNotify(mode, p.num_tokens);
+  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c);
   notify.topk_idx = p.topk_idx;
   notify.cached_send_pos = p.cached_send_pos;
   notify.num_topk = p.num_topk;
@@ -671,7 +677,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state, c);
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
-  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0));
+  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0, c));
   const CombineArgs args{p.x, p.topk_weights, p.send_pos, p.num_recv_tokens, p.recv_src_idx, p.recv_src_rank,
                          p.out, p.out_weights, L};
   const int threads = c.num_warps * kWarpSize;

@@ -19,6 +19,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   internode_normal       with DEEP_EP_JAX_GPUS_PER_HOST=1: CUDA normal mode across hosts
                (internode kernels over NVSHMEM) vs the xla backend
+  internode_handler_checks  with DEEP_EP_JAX_GPUS_PER_HOST=1: the internode FFI handlers,
+               called past the Python wrapper, refuse shapes their kernels cannot take
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -370,6 +372,58 @@ def case_internode_normal():
     cuda.destroy()
 
 
+def case_internode_handler_checks():
+    """The internode handlers make the one-host handlers' checks (csrc/ffi/common.h):
+    called through jax.ffi directly, past the wrapper's trace-time checks,
+    shapes the kernels cannot take fail in the handler with a message naming
+    the target, before any launch (so no peer is waited for)."""
+    from deep_ep_jax.backends.cuda import common, internode, sizes
+
+    mesh = _internode_mesh()
+    num_ranks, num_tokens = mesh.shape[AXIS], 64
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda",
+                        num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_ranks, 1024, num_tokens))
+    assert buffer.spans_hosts, buffer
+    max_local = common.limit("max_local_experts")
+
+    def dispatch(xs, num_experts, topk=2):
+        idx = jnp.zeros((num_tokens, topk), jnp.int32)
+        w = jnp.ones((num_tokens, topk), jnp.float32)
+        out_types = dict(common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
+                         node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
+        return internode.DISPATCH(out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
+                                  num_experts=np.int64(num_experts), **common.launch_attrs(buffer))
+
+    def combine(hidden):
+        rows = num_tokens * num_ranks
+        out_types = dict(out=jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
+                         out_weights=jax.ShapeDtypeStruct((num_tokens, 0), jnp.float32))
+        return internode.COMBINE(out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
+                                 jnp.zeros((num_tokens, num_ranks), jnp.int32), jnp.zeros((), jnp.int32),
+                                 jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
+                                 **common.launch_attrs(buffer))
+
+    bf16 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.bfloat16),)
+    fp8 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.float8_e4m3fn),
+                          jnp.zeros((num_tokens, max(1, hidden // 128)), jnp.float32))
+    cases = [
+        ("experts per rank", lambda: dispatch(bf16(512), num_ranks * (max_local + 1)),
+         f"at most {max_local} experts per rank"),
+        ("bf16 hidden", lambda: dispatch(bf16(100), 4 * num_ranks), "multiple of 8"),
+        ("FP8 hidden", lambda: dispatch(fp8(192), 4 * num_ranks), "multiple of 128"),
+        ("combine hidden", lambda: combine(100), "multiple of 8"),
+    ]
+    for name, call, expected in cases:
+        try:
+            jax.block_until_ready(jax.jit(call)())  # on this process's GPU: the buffer's device
+        except Exception as e:  # XLA's runtime error carrying the handler's message
+            assert "deep_ep_jax_internode_" in str(e) and expected in str(e), (name, str(e)[:1000])
+            log(f"internode handler refuses {name}: ok ({str(e)[:200]})")
+        else:
+            raise AssertionError(f"the internode handler accepted {name}")
+    buffer.destroy()
+
+
 CASES = {
     "reference": case_reference,
     "exchange": case_exchange,
@@ -381,6 +435,7 @@ CASES = {
     "hosts": case_hosts,
     "internode_low_latency": case_internode_low_latency,
     "internode_normal": case_internode_normal,
+    "internode_handler_checks": case_internode_handler_checks,
 }
 
 

@@ -459,7 +459,8 @@ struct CopyOutArgs {
 // Valid rows from the landing area; padding: ids -1, weights 0, sources -1.
 __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutArgs a) {
   const Layout& L = a.L;
-  const int num_recv = *a.num_recv_tokens;
+  // Cached dispatch reads num_recv_tokens from the user's handle: clipped to the rows.
+  const int num_recv = max(0, min(*a.num_recv_tokens, L.num_worst_tokens));
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const char* base = g.local();
   for (int i = 0; i < kMaxRowArrays; ++i) {
@@ -516,11 +517,14 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
-  const int num_recv = *a.num_recv_tokens;
+  // The handle's arrays come from the user: rows past x and entries naming
+  // no rank or token are skipped, never written out of bounds.
+  const int num_recv = min(*a.num_recv_tokens, L.num_worst_tokens);
   const int64_t row_bytes = L.row_bytes[0];
 
   for (int i = warp; i < num_recv; i += num_warps) {
     const int src = a.recv_src_rank[i], token = a.recv_src_idx[i];
+    if (src < 0 || src >= R || token < 0 || token >= L.num_tokens) continue;
     const size_t slot = L.combine_slots + (size_t(me) * L.num_tokens + token) * L.combine_packet_bytes;
     const char* row = reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes;
     const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;

@@ -74,6 +74,13 @@ def test_normal_mode_over_nvshmem():
     _assert_cases_ok(code, output, ["internode_normal"])
 
 
+def test_handlers_refuse_bad_shapes():
+    """The internode handlers, called past the Python wrapper (whose checks
+    would refuse first), refuse shapes the kernels cannot take with a message."""
+    code, output = _launch(["internode_handler_checks"], timeout=200)
+    _assert_cases_ok(code, output, ["internode_handler_checks"])
+
+
 def test_launch_mismatch_fails_with_a_message():
     """Processes with different Config.num_sms: the internode kernels report
     the mismatch at once on every rank (test_multiprocess_gpu has the check)."""

@@ -11,6 +11,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   digest       prints a digest of dispatch/combine outputs for fixed inputs (determinism across deployments)
   kill         CUDA dispatch/combine in a loop; the last rank kills itself midway,
                the others must fail with the kernels' timeout message
+  launch_mismatch  each process launches a different number of blocks (Config.num_sms):
+               every rank must fail at once with the kernels' launch-mismatch message
+               (one host: intranode kernels; with DEEP_EP_JAX_GPUS_PER_HOST=1: internode)
   hosts        the hostname exchange and the host decision (CPU or GPU)
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
@@ -19,6 +22,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   wrap         CUDA normal (staged) and low-latency mode across the sequence numbers'
                2^31 and 2^32 wraps vs the xla backend (tests/gpu/test_wrap_gpu.py)
   internode_wrap         with DEEP_EP_JAX_GPUS_PER_HOST=1: the same over NVSHMEM
+  internode_handler_checks  with DEEP_EP_JAX_GPUS_PER_HOST=1: the internode FFI handlers,
+               called past the Python wrapper, refuse shapes their kernels cannot take
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -226,14 +231,51 @@ def case_kill():
                 os.kill(os.getpid(), signal.SIGKILL)
             jax.block_until_ready(run(x, idx, w))
     except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
-        log(f"failed as expected after {i} calls: {type(e).__name__}: {str(e)[:500]}")
-        # Skip jax.distributed's shutdown barrier, which would wait for the dead
-        # process; flush C stdio first (the kernels' printf goes through it).
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-        os._exit(17)
+        _exit_after_trap(f"failed as expected after {i} calls: {type(e).__name__}: {str(e)[:500]}")
     log("NO TIMEOUT")
+
+
+def _exit_after_trap(message):
+    """Logs, then exits with status 17, skipping jax.distributed's shutdown
+    barrier, which would wait for dead or trapped processes; flushes C stdio
+    first (the kernels' printf goes through it)."""
+    import ctypes
+
+    log(message)
+    ctypes.CDLL(None).fflush(None)
+    os._exit(17)
+
+
+def case_launch_mismatch():
+    """Peers wait for each other's blocks by index, so every rank must launch
+    the same grid. Here each process asks for another Config.num_sms: the
+    first call must fail on every rank with the kernels' message naming both
+    counts and ranks, well before the timeout."""
+    from deep_ep_jax.backends.cuda import sizes
+
+    mesh = _gpu_mesh()
+    num_ranks, num_tokens, num_experts, hidden = mesh.shape[AXIS], 64, 4 * mesh.shape[AXIS], 512
+    config = dej.Config(num_sms=4 + 2 * jax.process_index(), timeout_s=60)
+    kwargs = {}
+    if config.gpus_per_host == 1:  # emulated hosts: the internode kernels
+        kwargs["num_nvl_bytes"] = sizes.internode_region_bytes(num_ranks, num_ranks, hidden, num_tokens)
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda", config=config, **kwargs)
+    log(f"buffer {buffer}, num_sms {config.num_sms}")
+    idx, w = dt.make_routing(0, num_ranks * num_tokens, num_experts, 2, num_ranks)
+    x = dt.random_rows(1, (num_ranks * num_tokens, hidden))
+
+    def roundtrip(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        out, _ = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+        return out
+
+    run = _per_rank(roundtrip, mesh, AXIS)  # not gathered: the failing call must not meet in collectives
+    start = time.time()
+    try:
+        jax.block_until_ready(run(x, jnp.asarray(idx), jnp.asarray(w)))
+    except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
+        _exit_after_trap(f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}")
+    log("NO LAUNCH MISMATCH ERROR")
 
 
 def case_hosts():
@@ -367,18 +409,72 @@ def case_internode_wrap():
     cuda.destroy()
 
 
+def case_internode_handler_checks():
+    """The internode handlers make the one-host handlers' checks (csrc/ffi/common.h):
+    called through jax.ffi directly, past the wrapper's trace-time checks,
+    shapes the kernels cannot take fail in the handler with a message naming
+    the target, before any launch (so no peer is waited for)."""
+    from deep_ep_jax.backends.cuda import common, internode, sizes
+
+    mesh = _internode_mesh()
+    num_ranks, num_tokens = mesh.shape[AXIS], 64
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda",
+                        num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_ranks, 1024, num_tokens))
+    assert buffer.spans_hosts, buffer
+    max_local = common.limit("max_local_experts")
+
+    def dispatch(xs, num_experts, topk=2):
+        idx = jnp.zeros((num_tokens, topk), jnp.int32)
+        w = jnp.ones((num_tokens, topk), jnp.float32)
+        out_types = dict(common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
+                         node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
+        return internode.DISPATCH(out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
+                                  num_experts=np.int64(num_experts), **common.launch_attrs(buffer))
+
+    def combine(hidden):
+        rows = num_tokens * num_ranks
+        out_types = dict(out=jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
+                         out_weights=jax.ShapeDtypeStruct((num_tokens, 0), jnp.float32))
+        return internode.COMBINE(out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
+                                 jnp.zeros((num_tokens, num_ranks), jnp.int32), jnp.zeros((), jnp.int32),
+                                 jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
+                                 **common.launch_attrs(buffer))
+
+    bf16 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.bfloat16),)
+    fp8 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.float8_e4m3fn),
+                          jnp.zeros((num_tokens, max(1, hidden // 128)), jnp.float32))
+    cases = [
+        ("experts per rank", lambda: dispatch(bf16(512), num_ranks * (max_local + 1)),
+         f"at most {max_local} experts per rank"),
+        ("bf16 hidden", lambda: dispatch(bf16(100), 4 * num_ranks), "multiple of 8"),
+        ("FP8 hidden", lambda: dispatch(fp8(192), 4 * num_ranks), "multiple of 128"),
+        ("combine hidden", lambda: combine(100), "multiple of 8"),
+    ]
+    for name, call, expected in cases:
+        try:
+            jax.block_until_ready(jax.jit(call)())  # on this process's GPU: the buffer's device
+        except Exception as e:  # XLA's runtime error carrying the handler's message
+            assert "deep_ep_jax_internode_" in str(e) and expected in str(e), (name, str(e)[:1000])
+            log(f"internode handler refuses {name}: ok ({str(e)[:200]})")
+        else:
+            raise AssertionError(f"the internode handler accepted {name}")
+    buffer.destroy()
+
+
 CASES = {
     "reference": case_reference,
     "exchange": case_exchange,
     "normal": case_normal,
     "low_latency": case_low_latency,
     "kill": case_kill,
+    "launch_mismatch": case_launch_mismatch,
     "digest": case_digest,
     "hosts": case_hosts,
     "internode_low_latency": case_internode_low_latency,
     "internode_normal": case_internode_normal,
     "wrap": case_wrap,
     "internode_wrap": case_internode_wrap,
+    "internode_handler_checks": case_internode_handler_checks,
 }
 
 

@@ -59,9 +59,12 @@ def test_halves_lower_to_their_flavour(overlap_sms):
     calls = _custom_calls(text)
     assert [c[0] for c in calls] == [f"deep_ep_jax_low_latency_{half}{suffix}" for half in
                                      ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
-    (_, _, send_attrs), (_, recv_operands, _), (_, _, combine_send_attrs), (_, combine_recv_operands, _) = calls
+    (_, _, send_attrs), (_, recv_operands, _), (_, _, combine_send_attrs), calls_recv = calls
+    _, combine_recv_operands, combine_recv_attrs = calls_recv
     assert f"max_blocks = {overlap_sms} : i64" in send_attrs
     assert f"max_blocks = {overlap_sms} : i64" in combine_send_attrs
+    # The receive skips top-k ids outside [0, E) itself: it is told E.
+    assert f"num_experts = {NUM_EXPERTS} : i64" in combine_recv_attrs
     # The token, then (overlapped) the send's inputs: x and topk_idx; x and the handle's four arrays.
     assert recv_operands == (1 + 2 if overlap_sms else 1)
     assert combine_recv_operands == (3 + 5 if overlap_sms else 3)

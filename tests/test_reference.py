@@ -237,3 +237,32 @@ def test_low_latency_halves_with_overlap_match_whole_operations():
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     zs = np.asarray(z).reshape(num_ranks, 16, 16)
     np.testing.assert_allclose(np.asarray(z2).reshape(zs.shape), 2 * np.tanh(zs @ zs.transpose(0, 2, 1)), atol=1e-5)
+
+
+def test_low_latency_backend_treats_ids_outside_range_as_none():
+    """The reference backend itself (buffer.ops, past the wrapper's
+    sanitising) treats top-k ids outside [0, E) as -1 in combine as dispatch
+    does (docs/design.md, section 1): the same results as the sanitised ids."""
+    num_ranks, max_tokens, num_experts, topk = 2, 8, 8, 4
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
+    idx, w = dt.make_routing(12, num_ranks * max_tokens, num_experts, topk, num_ranks, "random")
+    bad = idx.copy()
+    bad[::2, 1] = num_experts
+    bad[1::3, 2] = num_experts + 5
+    bad[::5, 3] = -7
+    clean = np.where((bad >= 0) & (bad < num_experts), bad, -1)
+    x = dt.random_rows(13, (num_ranks * max_tokens, H))
+    kw = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts, use_fp8=False,
+              round_scale=False)
+
+    def round_trip(x, idx, w):
+        recv_xs, count, handle = buffer.ops.low_latency_dispatch(x, idx, **kw)
+        y = (recv_xs[0].astype(jnp.float32) * 1.5).astype(jnp.bfloat16)
+        return count, buffer.ops.low_latency_combine(y, idx, w, handle, buffer=buffer)
+
+    run = dt.per_rank(round_trip, mesh, "ep")
+    got = run(x, jnp.asarray(bad), jnp.asarray(w))
+    want = run(x, jnp.asarray(clean), jnp.asarray(w))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

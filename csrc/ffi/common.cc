@@ -1,5 +1,7 @@
 #include "ffi/common.h"
 
+#include <climits>
+
 namespace deep_ep_jax {
 
 std::string ShapeString(Dims dims) {
@@ -51,6 +53,139 @@ ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int
   }
   if (timeout_ns <= 0) return Invalid(fn, "timeout_ns must be positive");
   return ffi::Error::Success();
+}
+
+ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_ranks, int64_t max_per_rank,
+                           int64_t max_total) {
+  if (num_experts <= 0 || num_experts % num_ranks != 0) {
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be a positive multiple of the " + Str(num_ranks) +
+                           " ranks");
+  }
+  if (num_experts / num_ranks > max_per_rank) {
+    return Invalid(fn, "at most " + Str(max_per_rank) + " experts per rank, got " + Str(num_experts / num_ranks));
+  }
+  if (num_experts > max_total) return Invalid(fn, "at most " + Str(max_total) + " experts, got " + Str(num_experts));
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Normal mode.
+
+namespace {
+
+// x and x_scales as row arrays of num_rows rows; sets the hidden size.
+ffi::Error CheckRows(const char* fn, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t num_rows,
+                     RowArrays* rows, int64_t* hidden) {
+  const Dims dims = x.dimensions();
+  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
+  if (!fp8 && x.element_type() != ffi::DataType::BF16) return Invalid(fn, "x must be bf16 or float8_e4m3fn");
+  if (dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(dims));
+  *hidden = dims[1];
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x", dims, {num_rows, *hidden}));
+  if (fp8 && *hidden % kFp8Block != 0) {
+    return Invalid(fn, "FP8 hidden must be a multiple of " + Str(kFp8Block) + ", got " + Str(*hidden));
+  }
+  if (!fp8) DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, *hidden));
+  if (scales.element_type() != ffi::DataType::F32) return Invalid(fn, "x_scales must be float32");
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "x_scales", scales.dimensions(), {num_rows, fp8 ? *hidden / kFp8Block : 0}));
+  rows->data[0] = static_cast<const char*>(x.untyped_data());
+  rows->row_bytes[0] = *hidden * (fp8 ? 1 : 2);
+  rows->data[1] = static_cast<const char*>(scales.untyped_data());
+  rows->row_bytes[1] = fp8 ? *hidden / kFp8Block * int64_t(sizeof(float)) : 0;
+  return ffi::Error::Success();
+}
+
+// Received rows mirror the inputs: x's dtype, num_rows rows.
+ffi::Error CheckReceivedRows(const char* fn, const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                             ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
+                             const NormalShapes& s) {
+  if (recv_x->element_type() != x.element_type()) return Invalid(fn, "recv_x must have x's dtype");
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_x", recv_x->dimensions(), {s.num_rows, s.hidden}));
+  return ExpectShape(fn, "recv_x_scales", recv_x_scales->dimensions(), {s.num_rows, x_scales.dimensions()[1]});
+}
+
+}  // namespace
+
+ffi::Error CheckBf16Hidden(const char* fn, int64_t hidden) {
+  if (hidden % 8 == 0) return ffi::Error::Success();
+  return Invalid(fn, "bf16 hidden must be a multiple of 8 (16-byte rows), got " + Str(hidden));
+}
+
+ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ranks) {
+  if (s.num_tokens * num_ranks <= INT_MAX && s.num_tokens * s.num_topk <= INT_MAX &&
+      s.num_rows * s.num_topk <= INT_MAX) {
+    return ffi::Error::Success();
+  }
+  return Invalid(fn, "too many tokens for 32-bit row indices");
+}
+
+ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s,
+                         RowArrays* rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
+                             DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM)) {
+  const Dims idx_dims = topk_idx.dimensions(), rows_dims = recv_topk_idx->dimensions();
+  if (idx_dims.size() != 2) return Invalid(fn, "topk_idx must be [tokens, topk], got " + ShapeString(idx_dims));
+  s->num_tokens = idx_dims[0];
+  s->num_topk = idx_dims[1];
+  s->num_rows = rows_dims.size() == 2 ? rows_dims[0] : -1;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRows(fn, x, x_scales, s->num_tokens, rows, &s->hidden));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", topk_weights.dimensions(), {s->num_tokens, s->num_topk}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckNumExperts(fn, num_experts, num_ranks, kMaxLocalExperts, INT_MAX));
+  if (s->num_rows < 1) return Invalid(fn, "num_worst_tokens must be >= 1");
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRowIndices(fn, *s, num_ranks));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckReceivedRows(fn, x, x_scales, recv_x, recv_x_scales, *s));
+  const int64_t T = s->num_tokens, N = s->num_rows, K = s->num_topk, R = num_ranks;
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_topk_idx", rows_dims, {N, K}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_topk_weights", recv_topk_weights->dimensions(), {N, K}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "is_token_in_rank", is_token_in_rank->dimensions(), {T, R}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_tokens_per_rank", num_tokens_per_rank->dimensions(), {R}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "rank_prefix_matrix", rank_prefix_matrix->dimensions(), {R, R}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", send_pos->dimensions(), {T, R}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_idx", recv_src_idx->dimensions(), {N}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_rank", recv_src_rank->dimensions(), {N}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens->dimensions(), {}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(),
+                                          {num_experts / R}));
+  return ExpectShape(fn, "num_dropped_tokens", num_dropped_tokens->dimensions(), {});
+}
+
+ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s,
+                               RowArrays* rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
+                                   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM)) {
+  const Dims pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions(), recv_dims = recv_x->dimensions();
+  if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));
+  if (w_dims.size() != 2) return Invalid(fn, "topk_weights must be [tokens, topk] (topk 0 when absent)");
+  if (recv_dims.size() != 2) return Invalid(fn, "recv_x must be [rows, hidden]");
+  s->num_tokens = pos_dims[0];
+  s->num_topk = w_dims[1];
+  s->num_rows = recv_dims[0];
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRows(fn, x, x_scales, s->num_tokens, rows, &s->hidden));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", pos_dims, {s->num_tokens, num_ranks}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", w_dims, {s->num_tokens, s->num_topk}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens.dimensions(), {}));
+  if (s->num_rows < 1) return Invalid(fn, "recv_x must have at least one row");
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRowIndices(fn, *s, num_ranks));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckReceivedRows(fn, x, x_scales, recv_x, recv_x_scales, *s));
+  return ExpectShape(fn, "recv_topk_weights", recv_topk_weights->dimensions(), {s->num_rows, s->num_topk});
+}
+
+ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(
+    DEEP_EP_JAX_PARAM) DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_RET_PARAM)) {
+  const Dims x_dims = x.dimensions(), pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions();
+  if (x_dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(x_dims));
+  if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));
+  if (w_dims.size() != 2) return Invalid(fn, "topk_weights must be [rows, topk] (topk 0 when absent)");
+  s->num_rows = x_dims[0];
+  s->hidden = x_dims[1];
+  s->num_tokens = pos_dims[0];
+  s->num_topk = w_dims[1];
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, s->hidden));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", pos_dims, {s->num_tokens, num_ranks}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", w_dims, {s->num_rows, s->num_topk}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens.dimensions(), {}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {s->num_tokens, s->hidden}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out_weights", out_weights->dimensions(), {s->num_tokens, s->num_topk}));
+  return CheckRowIndices(fn, *s, num_ranks);
 }
 
 }  // namespace deep_ep_jax

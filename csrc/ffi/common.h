@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "common/limits.h"
 #include "ffi/registration.h"
 #include "runtime/registry.h"
 
@@ -38,8 +39,17 @@ ffi::Error FindBuffer(const char* fn, int64_t buffer_id, int device, const Devic
 // Normal mode's launch knobs against the kernels' bounds.
 ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int64_t num_warps, int max_warps,
                             int64_t timeout_ns);
+// num_experts: a positive multiple of the ranks, at most max_per_rank on each
+// rank and max_total in all (the kernels' shared-memory histograms).
+ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_ranks, int64_t max_per_rank,
+                           int64_t max_total);
 
 }  // namespace deep_ep_jax
+
+// The handler's arguments named in a target list, as call arguments (after
+// others: each comes with its leading comma), e.g.
+// CheckDispatch(fn, ... DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_NAME)).
+#define DEEP_EP_JAX_NAME(type, name) , name
 
 // Returns from the enclosing handler the error of `expr` if it failed.
 #define DEEP_EP_JAX_RETURN_IF_ERROR(expr)                                   \
@@ -91,9 +101,52 @@ ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int
 #define DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET) \
   RET(ffi::Buffer<ffi::BF16>, out)           \
   RET(ffi::Buffer<ffi::F32>, out_weights)
-// Launch knobs of both paths (cuda_normal.py's _launch_attrs; the one-host
-// kernels also take chunk_tokens and staged).
+// Launch knobs of both paths (backends/cuda/common.py's launch_attrs; the
+// one-host kernels also take chunk_tokens and staged).
 #define DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \
   ATTR(int64_t, num_sms)                      \
   ATTR(int64_t, num_warps)                    \
   ATTR(int64_t, timeout_ns)
+
+namespace deep_ep_jax {
+
+// Normal mode: the checks both paths make of the parts they share, so a
+// handler never launches on shapes its kernels cannot index (each path then
+// checks its own arrays and its region). Row arrays: x bf16 [rows, H] (H % 8
+// == 0: 16-byte rows) or FP8 e4m3 [rows, H] (H % 128 == 0) with x_scales
+// float32 [rows, H / 128] ([rows, 0] for bf16).
+struct NormalShapes {
+  int64_t num_tokens;  // T
+  int64_t num_rows;    // N, the received rows
+  int64_t num_topk;    // K (0 when no weights travel)
+  int64_t hidden;      // H
+};
+// Row arrays as pointers and bytes per row (0 when absent).
+struct RowArrays {
+  const char* data[kMaxRowArrays];
+  int64_t row_bytes[kMaxRowArrays];
+};
+// Into a kernel's parameters.
+inline void SetRowArrays(const RowArrays& rows, const char* (&data)[kMaxRowArrays],
+                         int64_t (&row_bytes)[kMaxRowArrays]) {
+  for (int i = 0; i < kMaxRowArrays; ++i) {
+    data[i] = rows.data[i];
+    row_bytes[i] = rows.row_bytes[i];
+  }
+}
+
+// Bytes of a combine's bf16 rows: whole 16-byte vectors.
+ffi::Error CheckBf16Hidden(const char* fn, int64_t hidden);
+// Every row index the kernels compute fits their 32-bit ints.
+ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ranks);
+
+ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s,
+                         RowArrays* rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
+                             DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM));
+ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s,
+                               RowArrays* rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
+                                   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM));
+ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(
+    DEEP_EP_JAX_PARAM) DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_RET_PARAM));
+
+}  // namespace deep_ep_jax

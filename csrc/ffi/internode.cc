@@ -1,8 +1,9 @@
 // XLA FFI handlers of normal mode for an EP group across hosts (kernels/
 // internode.h): dispatch, cached dispatch (combine's backward) and combine.
-// Shapes are checked at trace time (deep_ep_jax/backends/cuda_internode.py);
-// here: the buffer, the region's size, then launch. Counts stay on the device
-// and every call is the same launch sequence: command-buffer compatible.
+// Shapes are checked at trace time (deep_ep_jax/backends/cuda/internode.py)
+// and again here, with the checks the one-host handlers make (ffi/common.h),
+// then the region's size; then launch. Counts stay on the device and every
+// call is the same launch sequence: command-buffer compatible.
 // Without NVSHMEM in the build the handlers exist (same targets everywhere)
 // and fail with a message.
 #include <cuda_runtime.h>
@@ -16,8 +17,6 @@
 
 namespace deep_ep_jax {
 namespace {
-
-using internode::kMaxRowArrays;
 
 // What each target binds (ffi/registration.h), after the shared parts of
 // normal mode (ffi/common.h); node_pos is the kernels' scratch.
@@ -68,18 +67,6 @@ ffi::Error CheckRegion(const char* fn, const DeviceState& state, size_t needed) 
   return ffi::Error::Success();
 }
 
-// Rows of x and of its scales (0 bytes for bf16).
-void RowArrays(const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, const char* data[kMaxRowArrays],
-               int64_t row_bytes[kMaxRowArrays]) {
-  const auto dims = x.dimensions();
-  const auto scale_dims = scales.dimensions();
-  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
-  data[0] = static_cast<const char*>(x.untyped_data());
-  row_bytes[0] = dims[1] * (fp8 ? 1 : 2);
-  data[1] = static_cast<const char*>(scales.untyped_data());
-  row_bytes[1] = scale_dims[1] * int64_t(sizeof(float));
-}
-
 size_t DispatchBytes(const DeviceState& state, const internode::DispatchParams& p) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   const internode::Shapes s{p.num_tokens, p.num_worst_tokens, p.num_topk, {p.row_bytes[0], p.row_bytes[1]}};
@@ -105,14 +92,20 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  NormalShapes s{};
+  RowArrays rows{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
+                                            DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_NAME)
+                                                DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
-  RowArrays(x, x_scales, p.x, p.row_bytes);
+  SetRowArrays(rows, p.x, p.row_bytes);
   p.topk_idx = topk_idx.typed_data();
   p.topk_weights = topk_weights.typed_data();
-  p.num_tokens = int(topk_idx.dimensions()[0]);
-  p.num_topk = int(topk_idx.dimensions()[1]);
+  p.num_tokens = int(s.num_tokens);
+  p.num_topk = int(s.num_topk);
   p.num_experts = int(num_experts);
-  p.num_worst_tokens = int(recv_src_idx->dimensions()[0]);
+  p.num_worst_tokens = int(s.num_rows);
   p.is_token_in_rank = is_token_in_rank->typed_data();
   p.num_tokens_per_rank = num_tokens_per_rank->typed_data();
   p.rank_prefix_matrix = rank_prefix_matrix->typed_data();
@@ -136,15 +129,21 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  NormalShapes s{};
+  RowArrays rows{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
+                                                  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_NAME)
+                                                      DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
-  RowArrays(x, x_scales, p.x, p.row_bytes);
-  const int num_topk = int(topk_weights.dimensions()[1]);
+  SetRowArrays(rows, p.x, p.row_bytes);
+  const int num_topk = int(s.num_topk);
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
   p.cached_send_pos = send_pos.typed_data();
   p.cached_num_recv_tokens = num_recv_tokens.typed_data();
-  p.num_tokens = int(send_pos.dimensions()[0]);
+  p.num_tokens = int(s.num_tokens);
   p.num_topk = num_topk;
-  p.num_worst_tokens = int(recv_x->dimensions()[0]);
+  p.num_worst_tokens = int(s.num_rows);
   p.node_pos = node_pos->typed_data();
   p.recv_x[0] = static_cast<char*>(recv_x->untyped_data());
   p.recv_x[1] = static_cast<char*>(recv_x_scales->untyped_data());
@@ -158,23 +157,28 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  NormalShapes s{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
+                                               DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_idx", recv_src_idx.dimensions(), {s.num_rows}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_rank", recv_src_rank.dimensions(), {s.num_rows}));
   internode::CombineParams p{};
-  const int num_topk = int(topk_weights.dimensions()[1]);
+  const int num_topk = int(s.num_topk);
   p.x = reinterpret_cast<const uint16_t*>(x.typed_data());
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
   p.send_pos = send_pos.typed_data();
   p.num_recv_tokens = num_recv_tokens.typed_data();
   p.recv_src_idx = recv_src_idx.typed_data();
   p.recv_src_rank = recv_src_rank.typed_data();
-  p.num_tokens = int(send_pos.dimensions()[0]);
-  p.hidden = int(x.dimensions()[1]);
+  p.num_tokens = int(s.num_tokens);
+  p.hidden = int(s.hidden);
   p.num_topk = num_topk;
-  p.num_worst_tokens = int(x.dimensions()[0]);
+  p.num_worst_tokens = int(s.num_rows);
   p.out = reinterpret_cast<uint16_t*>(out->typed_data());
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-  const internode::Shapes s{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, internode::CombineRegionBytes(s, state->num_ranks)));
+  const internode::Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, internode::CombineRegionBytes(shapes, state->num_ranks)));
   return Launched(fn, internode::LaunchCombine(*state, p, config, stream));
 #else
   (void)p;

@@ -64,29 +64,6 @@ ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sm
   return ffi::Error::Success();
 }
 
-// x and x_scales as row arrays of num_rows rows: pointers and bytes per row,
-// and the hidden size.
-ffi::Error CheckRows(const char* fn, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t num_rows,
-                     const char* data[kMaxRowArrays], int64_t row_bytes[kMaxRowArrays], int64_t* hidden) {
-  const Dims dims = x.dimensions();
-  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
-  if (!fp8 && x.element_type() != ffi::DataType::BF16) return Invalid(fn, "x must be bf16 or float8_e4m3fn");
-  if (dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(dims));
-  *hidden = dims[1];
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x", dims, {num_rows, *hidden}));
-  if (fp8 && *hidden % 128 != 0) return Invalid(fn, "FP8 hidden must be a multiple of 128, got " + Str(*hidden));
-  if (!fp8 && *hidden % 8 != 0) {
-    return Invalid(fn, "bf16 hidden must be a multiple of 8 (16-byte rows), got " + Str(*hidden));
-  }
-  if (scales.element_type() != ffi::DataType::F32) return Invalid(fn, "x_scales must be float32");
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x_scales", scales.dimensions(), {num_rows, fp8 ? *hidden / 128 : 0}));
-  data[0] = static_cast<const char*>(x.untyped_data());
-  row_bytes[0] = *hidden * (fp8 ? 1 : 2);
-  data[1] = static_cast<const char*>(scales.untyped_data());
-  row_bytes[1] = fp8 ? *hidden / 128 * int64_t(sizeof(float)) : 0;
-  return ffi::Error::Success();
-}
-
 // Staged calls land rows in the normal region: it must hold this call's.
 // num_chunks: the chunk records per source a dispatch needs, ceil(tokens /
 // chunk_tokens); 0 for combine.
@@ -101,13 +78,6 @@ ffi::Error CheckStagedRegion(const char* fn, const DeviceState& state, const Lau
                          "; create the Buffer with a larger num_nvl_bytes");
 }
 
-ffi::Error CheckRowIndices(const char* fn, int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t num_ranks) {
-  if (num_tokens * num_ranks <= INT_MAX && num_tokens * num_topk <= INT_MAX && num_rows * num_topk <= INT_MAX) {
-    return ffi::Error::Success();
-  }
-  return Invalid(fn, "too many tokens for 32-bit row indices");
-}
-
 // ---------------------------------------------------------------------------
 
 ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
@@ -118,54 +88,21 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
       Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
-  const Dims idx_dims = topk_idx.dimensions();
-  if (idx_dims.size() != 2) return Invalid(fn, "topk_idx must be [tokens, topk], got " + ShapeString(idx_dims));
-  const int64_t num_tokens = idx_dims[0], num_topk = idx_dims[1];
-  const int64_t num_rows = recv_topk_idx->dimensions().size() == 2 ? recv_topk_idx->dimensions()[0] : -1;
-  const int64_t experts_per_rank = num_experts / num_ranks;
+  NormalShapes s{};
+  RowArrays rows{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, num_ranks, num_experts, &s, &rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(
+      DEEP_EP_JAX_NAME) DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, rows.row_bytes, s.num_topk,
+                                                intranode::NumChunks(s.num_tokens, config.chunk_tokens)));
 
   intranode::DispatchParams p{};
-  int64_t hidden = 0;
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRows(fn, x, x_scales, num_tokens, p.x, p.row_bytes, &hidden));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", topk_weights.dimensions(), {num_tokens, num_topk}));
-  if (num_experts <= 0 || num_experts % num_ranks != 0) {
-    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be a positive multiple of the " + Str(num_ranks) +
-                           " ranks");
-  }
-  if (experts_per_rank > intranode::kMaxLocalExperts) {
-    return Invalid(fn, "at most " + Str(intranode::kMaxLocalExperts) + " experts per rank, got " +
-                           Str(experts_per_rank));
-  }
-  if (num_rows < 1) return Invalid(fn, "num_worst_tokens must be >= 1");
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRowIndices(fn, num_tokens, num_rows, num_topk, num_ranks));
-  if (recv_x->element_type() != x.element_type()) return Invalid(fn, "recv_x must have x's dtype");
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_x", recv_x->dimensions(), {num_rows, hidden}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "recv_x_scales", recv_x_scales->dimensions(), {num_rows, x_scales.dimensions()[1]}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_topk_idx", recv_topk_idx->dimensions(), {num_rows, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "recv_topk_weights", recv_topk_weights->dimensions(), {num_rows, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "is_token_in_rank", is_token_in_rank->dimensions(), {num_tokens, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_tokens_per_rank", num_tokens_per_rank->dimensions(), {num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "rank_prefix_matrix", rank_prefix_matrix->dimensions(), {num_ranks, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", send_pos->dimensions(), {num_tokens, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_idx", recv_src_idx->dimensions(), {num_rows}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_rank", recv_src_rank->dimensions(), {num_rows}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens->dimensions(), {}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(),
-                                          {experts_per_rank}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_dropped_tokens", num_dropped_tokens->dimensions(), {}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, num_rows, p.row_bytes, num_topk,
-                                                intranode::NumChunks(num_tokens, config.chunk_tokens)));
-
+  SetRowArrays(rows, p.x, p.row_bytes);
   p.topk_idx = topk_idx.typed_data();
   p.topk_weights = topk_weights.typed_data();
-  p.num_tokens = int(num_tokens);
-  p.num_topk = int(num_topk);
+  p.num_tokens = int(s.num_tokens);
+  p.num_topk = int(s.num_topk);
   p.num_experts = int(num_experts);
-  p.num_worst_tokens = int(num_rows);
+  p.num_worst_tokens = int(s.num_rows);
   p.is_token_in_rank = is_token_in_rank->typed_data();
   p.num_tokens_per_rank = num_tokens_per_rank->typed_data();
   p.rank_prefix_matrix = rank_prefix_matrix->typed_data();
@@ -190,34 +127,22 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
       Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
-  const Dims pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions(), recv_dims = recv_x->dimensions();
-  if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));
-  if (w_dims.size() != 2) return Invalid(fn, "topk_weights must be [tokens, topk] (topk 0 when absent)");
-  if (recv_dims.size() != 2) return Invalid(fn, "recv_x must be [rows, hidden]");
-  const int64_t num_tokens = pos_dims[0], num_topk = w_dims[1], num_rows = recv_dims[0];
+  NormalShapes s{};
+  RowArrays rows{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, num_ranks, &s, &rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(
+      DEEP_EP_JAX_NAME) DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, rows.row_bytes, s.num_topk,
+                                                intranode::NumChunks(s.num_tokens, config.chunk_tokens)));
 
   intranode::CachedDispatchParams p{};
-  int64_t hidden = 0;
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRows(fn, x, x_scales, num_tokens, p.x, p.row_bytes, &hidden));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", pos_dims, {num_tokens, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", w_dims, {num_tokens, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens.dimensions(), {}));
-  if (recv_x->element_type() != x.element_type()) return Invalid(fn, "recv_x must have x's dtype");
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_x", recv_dims, {num_rows, hidden}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "recv_x_scales", recv_x_scales->dimensions(), {num_rows, x_scales.dimensions()[1]}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "recv_topk_weights", recv_topk_weights->dimensions(), {num_rows, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRowIndices(fn, num_tokens, num_rows, num_topk, num_ranks));
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, num_rows, p.row_bytes, num_topk,
-                                                intranode::NumChunks(num_tokens, config.chunk_tokens)));
-
+  SetRowArrays(rows, p.x, p.row_bytes);
+  const int64_t num_topk = s.num_topk;
   p.topk_weights = num_topk > 0 ? topk_weights.typed_data() : nullptr;
   p.send_pos = send_pos.typed_data();
   p.num_recv_tokens = num_recv_tokens.typed_data();
-  p.num_tokens = int(num_tokens);
+  p.num_tokens = int(s.num_tokens);
   p.num_topk = int(num_topk);
-  p.num_worst_tokens = int(num_rows);
+  p.num_worst_tokens = int(s.num_rows);
   p.recv.rows[0] = static_cast<char*>(recv_x->untyped_data());
   p.recv.rows[1] = static_cast<char*>(recv_x_scales->untyped_data());
   p.recv.topk_weights = num_topk > 0 ? recv_topk_weights->typed_data() : nullptr;
@@ -232,22 +157,14 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
       Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
-  const Dims x_dims = x.dimensions(), pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions();
-  if (x_dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(x_dims));
-  if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));
-  if (w_dims.size() != 2) return Invalid(fn, "topk_weights must be [rows, topk] (topk 0 when absent)");
-  const int64_t num_rows = x_dims[0], hidden = x_dims[1], num_tokens = pos_dims[0], num_topk = w_dims[1];
-  if (hidden % 8 != 0) return Invalid(fn, "bf16 hidden must be a multiple of 8 (16-byte rows), got " + Str(hidden));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "send_pos", pos_dims, {num_tokens, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "topk_weights", w_dims, {num_rows, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens.dimensions(), {}));
+  NormalShapes s{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
+                                               DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));
   DEEP_EP_JAX_RETURN_IF_ERROR(
       ExpectShape(fn, "rank_prefix_matrix", rank_prefix_matrix.dimensions(), {num_ranks, num_ranks}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {num_tokens, hidden}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out_weights", out_weights->dimensions(), {num_tokens, num_topk}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRowIndices(fn, num_tokens, num_rows, num_topk, num_ranks));
-  const int64_t row_bytes[kMaxRowArrays] = {hidden * 2, 0};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, num_rows, row_bytes, num_topk, 0));
+  const int64_t row_bytes[kMaxRowArrays] = {s.hidden * 2, 0};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, row_bytes, s.num_topk, 0));
+  const int64_t num_topk = s.num_topk;
 
   intranode::CombineParams p{};
   p.x = x.typed_data();
@@ -255,10 +172,10 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   p.send_pos = send_pos.typed_data();
   p.num_recv_tokens = num_recv_tokens.typed_data();
   p.rank_prefix_matrix = rank_prefix_matrix.typed_data();
-  p.num_tokens = int(num_tokens);
-  p.hidden = int(hidden);
+  p.num_tokens = int(s.num_tokens);
+  p.hidden = int(s.hidden);
   p.num_topk = int(num_topk);
-  p.num_worst_tokens = int(num_rows);
+  p.num_worst_tokens = int(s.num_rows);
   p.out = out->typed_data();
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
   return Launched(fn, intranode::LaunchCombine(*state, p, config, stream));

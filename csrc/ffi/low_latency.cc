@@ -78,12 +78,14 @@ using low_latency::Peers;
   REMAINING_ARGS(keep_alive)                            \
   RET(ffi::AnyBuffer, out)                              \
   ATTR(int64_t, buffer_id)                              \
+  ATTR(int64_t, num_experts)                            \
   ATTR(int64_t, timeout_ns)
 #define LL_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
   LL_COMBINE_SEND_ARGS(ARG)                        \
   LL_COMBINE_RECV_ARGS(ARG)                        \
   RET(ffi::AnyBuffer, out)                         \
   ATTR(int64_t, buffer_id)                         \
+  ATTR(int64_t, num_experts)                       \
   ATTR(int64_t, timeout_ns)
 
 // This device's view of the buffer's low-latency region.
@@ -138,10 +140,8 @@ ffi::Error CheckFits(const char* fn, size_t needed, const Peers& peers) {
 // Checks shared by both halves of dispatch: shapes the kernels can handle.
 ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_topk, int64_t hidden,
                                int64_t num_experts, int64_t max_tokens, int num_ranks, bool fp8) {
-  if (num_experts < 1 || num_experts % num_ranks != 0 || num_experts > low_latency::kMaxExperts) {
-    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be a multiple of num_ranks (" + Str(num_ranks) +
-                           ") and <= " + Str(low_latency::kMaxExperts));
-  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckNumExperts(fn, num_experts, num_ranks, low_latency::kMaxExperts, low_latency::kMaxExperts));
   if (hidden < low_latency::kFp8Block || hidden % low_latency::kFp8Block != 0) {
     return Invalid(fn, "hidden (" + Str(hidden) + ") must be a positive multiple of 128");
   }
@@ -273,8 +273,11 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
 
 ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<ffi::S32>& topk_idx,
                               const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out,
-                              int64_t buffer_id, int64_t timeout_ns, low_latency::CombineRecvArgs* args) {
+                              int64_t buffer_id, int64_t num_experts, int64_t timeout_ns,
+                              low_latency::CombineRecvArgs* args) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckNumExperts(fn, num_experts, args->peers.num_ranks, low_latency::kMaxExperts,
+                                              low_latency::kMaxExperts));
   const Dims idx_dims = topk_idx.dimensions(), out_dims = out->dimensions();
   if (idx_dims.size() != 2 || !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
     return Invalid(fn, "topk_idx and topk_weights must be [T, K]");
@@ -294,6 +297,7 @@ ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<
   args->num_tokens = int(num_tokens);
   args->num_topk = int(num_topk);
   args->hidden = int(hidden);
+  args->num_experts = int(num_experts);
   return ffi::Error::Success();
 }
 
@@ -391,7 +395,7 @@ ffi::Error CombineRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_RECV)) {
   constexpr const char* fn = "low_latency_combine_recv";
   low_latency::CombineRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &args));
+      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts, timeout_ns, &args));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
   args.token = token.typed_data();
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
@@ -408,9 +412,13 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
                                                  recv_src_topk, buffer_id, num_topk, timeout_ns, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, timeout_ns, &recv));
+      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts, timeout_ns, &recv));
   if (recv.hidden != send.hidden || recv.num_tokens > send.max_tokens) {
     return Invalid(fn, "the output must be bf16 [T, H] with T <= M and H of x");
+  }
+  if (num_experts != int64_t(send.num_local_experts) * send.peers.num_ranks) {
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be x's experts per rank (" +
+                           Str(send.num_local_experts) + ") times the " + Str(send.peers.num_ranks) + " ranks");
   }
   return Launched(fn, LaunchersFor(send.peers).combine(send, recv, device, stream));
 }

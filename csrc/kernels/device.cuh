@@ -123,6 +123,37 @@ __device__ __forceinline__ void WaitAtLeast(const int* flag, int target, uint64_
   }
 }
 
+// Peers meet by block index (done flags per block), so every rank must launch
+// the same grid; each publishes its count with its ready flag and checks its
+// peers' here, after acquiring their flag. A mismatch (another
+// Config.num_sms in another process, GPUs with different SM counts, MIG
+// slices) prints both counts and ranks and traps, as a timeout does, instead
+// of hanging or racing.
+__device__ __forceinline__ void CheckPeerLaunch(int mine, int theirs, const char* mode, const char* what, int rank,
+                                                int peer) {
+  if (theirs == mine) return;
+  printf("deep_ep_jax launch mismatch: %s rank %d launched %d %s, peer %d launched %d; every rank must launch the "
+         "same (equal Config.num_sms on every process, GPUs with equal SM counts)\n",
+         mode, rank, mine, what, peer, theirs);
+  __trap();
+}
+
+// Before a warp's NVSHMEM put (nvshmemx_*_warp) of bytes its lanes have just
+// written to the send area, by every lane. The transport reads that source
+// after the put is posted: the NIC by DMA from GPU memory (IBGDA, or the
+// proxy thread's post), NVSHMEM's peer-to-peer path by the warp's own loads.
+// Both read GPU memory at GPU scope, so GPU scope is what the stores need:
+// NVSHMEM itself fences a put's source at GPU scope, and at system scope only
+// when the source is in host memory (the send area is in the symmetric heap,
+// GPU memory). A fence orders only the calling thread's stores, hence every
+// lane fences before __syncwarp hands over to the lane that posts the put. A
+// system fence would also wait for the warp's earlier NVLink stores to drain.
+// Visibility at the target comes later: nvshmem_quiet, then the flag.
+__device__ __forceinline__ void FenceStagedForWarpPut() {
+  __threadfence();
+  __syncwarp();
+}
+
 // ---------------------------------------------------------------------------
 // Copies.
 

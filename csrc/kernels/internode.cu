@@ -40,6 +40,7 @@ struct Control {
   // (the next call's barrier needs this rank).
   int counts[2][kMaxRanks][kMaxRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
   int node_counts[2][kMaxRanks][kMaxRanks];  // [.][src][node]: tokens src sends to host `node`
+  int num_blocks[2][kMaxRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
   int rdma_done[kMaxRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
   int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
@@ -99,6 +100,7 @@ __device__ __forceinline__ void CompleteWrites() {
 
 struct NotifyArgs {
   int mode;
+  int num_blocks;  // of the move kernels: peers wait for each other's blocks by index
   const int* topk_idx;         // dispatch
   const int* cached_send_pos;  // cached dispatch
   int num_tokens, num_topk, num_experts, num_worst_tokens;
@@ -161,17 +163,20 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int seq = shared_seq;
   if (dispatch && int(threadIdx.x) < R) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
 
-  // Thread `peer` publishes this rank's counts to peer, then waits for peer's.
+  // Thread `peer` publishes this rank's counts and grid to peer, then waits for peer's (and checks its grid).
   const int peer = threadIdx.x;
   if (peer < R) {
     if (dispatch) {
       for (int d = 0; d < R; ++d) g.PutInt(peer, &control->counts[seq & 1][me][d], totals[d]);
     }
     for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
+    g.PutInt(peer, &control->num_blocks[seq & 1][me], a.num_blocks);
     CompleteWrites();
     g.Signal(peer, &control->ready[me], seq);
     WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
                 peer, -1);
+    CheckPeerLaunch(a.num_blocks, LoadVolatile(&control->num_blocks[seq & 1][peer]), ModeName(a.mode),
+                    "blocks (Config.num_sms)", me, peer);
   }
   __syncthreads();
   if (a.mode == kCombine) return;
@@ -290,8 +295,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
         meta[1 + kMaxRanks + k] = topk != nullptr ? topk[k] : -1;
         reinterpret_cast<float*>(meta + 1 + kMaxRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
       }
-      __threadfence_system();  // the staged bytes before the transport reads them
-      __syncwarp();
+      FenceStagedForWarpPut();
       for (int b = 0; b < g.num_nodes; ++b) {
         if (b == g.node_of[me] || node_pos[b] < 0) continue;
         const int f = g.forwarder(b);
@@ -405,7 +409,8 @@ struct CopyOutArgs {
 // Valid rows from the landing area; padding: ids -1, weights 0, sources -1.
 __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutArgs a) {
   const Layout& L = a.L;
-  const int num_recv = *a.num_recv_tokens;
+  // Cached dispatch reads num_recv_tokens from the user's handle: clipped to the rows.
+  const int num_recv = max(0, min(*a.num_recv_tokens, L.num_worst_tokens));
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   const char* base = g.local();
   for (int i = 0; i < kMaxRowArrays; ++i) {
@@ -462,11 +467,14 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
-  const int num_recv = *a.num_recv_tokens;
+  // The handle's arrays come from the user: rows past x and entries naming
+  // no rank or token are skipped, never written out of bounds.
+  const int num_recv = min(*a.num_recv_tokens, L.num_worst_tokens);
   const int64_t row_bytes = L.row_bytes[0];
 
   for (int i = warp; i < num_recv; i += num_warps) {
     const int src = a.recv_src_rank[i], token = a.recv_src_idx[i];
+    if (src < 0 || src >= R || token < 0 || token >= L.num_tokens) continue;
     const size_t slot = L.combine_slots + (size_t(me) * L.num_tokens + token) * L.combine_packet_bytes;
     const char* row = reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes;
     const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;
@@ -478,8 +486,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
     }
     if (!g.here(src)) {
-      __threadfence_system();
-      __syncwarp();
+      FenceStagedForWarpPut();
       nvshmemx_putmem_nbi_warp(g.local() + slot, dst, L.combine_packet_bytes, g.pes[src]);
     }
   }
@@ -548,9 +555,10 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   return g;
 }
 
-NotifyArgs MakeNotify(int mode, int num_tokens) {
+NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c) {
   NotifyArgs n{};
   n.mode = mode;
+  n.num_blocks = c.num_blocks;
   n.num_tokens = num_tokens;
   return n;
 }
@@ -584,7 +592,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   const int threads = c.num_warps * kWarpSize;
   const int experts_per_rank = cached ? 0 : p.num_experts / state.num_ranks;
 
-  NotifyArgs notify = MakeNotify(mode, p.num_tokens);
+  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c);
   notify.topk_idx = p.topk_idx;
   notify.cached_send_pos = p.cached_send_pos;
   notify.num_topk = p.num_topk;
@@ -634,7 +642,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state, c);
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
-  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0));
+  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0, c));
   const CombineArgs args{p.x, p.topk_weights, p.send_pos, p.num_recv_tokens, p.recv_src_idx, p.recv_src_rank,
                          p.out, p.out_weights, L};
   const int threads = c.num_warps * kWarpSize;

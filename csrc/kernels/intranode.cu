@@ -46,6 +46,7 @@ struct Control {
   int next_chunk;                    // work counter of the move kernel (reset by each call)
   int next_copy;                     // work counter of the staged copy role (reset by each call)
   int ready[kMaxRanks];              // [src]: src published its counts and buffers here
+  int move_blocks[kMaxRanks];        // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
   int done[kMaxRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
   int counts[kMaxRanks][kMaxRanks];  // [src][dst]: tokens src sends to dst (dispatch)
   RankBuffers buffers[kMaxRanks];    // [src]: src's buffers for this call
@@ -136,11 +137,13 @@ __device__ __forceinline__ void ClearSync(const SyncClear& clear, int seq) {
   __threadfence_system();  // before the ready flags, which follow a __syncthreads
 }
 
-// Publishes this rank's buffers (and, for dispatch, its per-destination token
-// counts) into every peer's control bytes, then waits for every peer's.
+// Publishes this rank's buffers, its move blocks (and, for dispatch, its
+// per-destination token counts) into every peer's control bytes, then waits
+// for every peer's and checks that the peer launched as many move blocks:
+// each finish kernel waits for the done flags of the peers' blocks by index.
 // Threads r < num_ranks each serve peer r.
-__device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine, const int* counts, int mode,
-                               uint64_t timeout_ns) {
+__device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine, const int* counts,
+                               int num_move_blocks, int mode, uint64_t timeout_ns) {
   const int peer = threadIdx.x;
   if (peer >= g.num_ranks) return;
   Control* remote = ControlOf(g, peer);
@@ -148,9 +151,13 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
     for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
   }
   remote->buffers[g.rank] = mine;
+  remote->move_blocks[g.rank] = num_move_blocks;
   StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
-  WaitAtLeast(&ControlOf(g, g.rank)->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)",
-              g.rank, peer, -1);
+  Control* control = ControlOf(g, g.rank);
+  WaitAtLeast(&control->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)", g.rank, peer,
+              -1);
+  CheckPeerLaunch(num_move_blocks, LoadVolatile(&control->move_blocks[peer]), ModeName(mode), "move blocks", g.rank,
+                  peer);
 }
 
 // Once every thread of the block is done with the peers' memory, tells each
@@ -175,6 +182,7 @@ struct NotifyArgs {
   int* num_dropped_tokens;
   RankBuffers landing;
   SyncClear clear;  // staged: this rank's chunk records
+  int num_move_blocks;
   uint64_t timeout_ns;
 };
 
@@ -211,7 +219,7 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   ClearSync(a.clear, seq);
   __syncthreads();  // every thread's clears before the ready flags
   if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
-  PublishAndWait(g, seq, a.landing, totals, kDispatch, a.timeout_ns);
+  PublishAndWait(g, seq, a.landing, totals, a.num_move_blocks, kDispatch, a.timeout_ns);
   if (int(threadIdx.x) < num_ranks) {
     for (int dst = 0; dst < num_ranks; ++dst) counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
   }
@@ -255,15 +263,15 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 
 // Cached dispatch and combine, step 1: publish buffers, wait for the peers'.
 // One warp, or a block of kNotifyThreads in staged mode (to clear the flags).
-__global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear, int mode,
-                                                               uint64_t timeout_ns) {
+__global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear,
+                                                               int num_move_blocks, int mode, uint64_t timeout_ns) {
   __shared__ int shared_seq;
   if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank));
   __syncthreads();
   const int seq = shared_seq;
   ClearSync(clear, seq);
   __syncthreads();  // every thread's clears before the ready flags
-  PublishAndWait(g, seq, mine, nullptr, mode, timeout_ns);
+  PublishAndWait(g, seq, mine, nullptr, num_move_blocks, mode, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------
@@ -821,7 +829,8 @@ SyncClear RowFlagsToClear(const DeviceState& state, const Staging& staging, int6
 // `copy` take the staged copy role. Staged mode gives the copy role as many
 // blocks as the move role, at least a quarter of the SMs, and keeps the two
 // within the SMs (fewer move blocks when Config.num_sms leaves no room), so
-// they all run at once. Every rank computes the same split (same device).
+// they all run at once. Every rank must compute the same split (GPUs with
+// equal SM counts): the notify kernel checks it (CheckPeerLaunch).
 struct Blocks {
   int move, copy;
 };
@@ -867,9 +876,9 @@ void LaunchFinish(const Group& g, FinishArgs a, int mode, const Blocks& b, const
 }
 
 // The publish kernel: one warp, or a block that clears the staged flags.
-void LaunchPublish(const Group& g, const RankBuffers& mine, const SyncClear& clear, int mode, const LaunchConfig& c,
-                   cudaStream_t stream) {
-  PublishKernel<<<1, c.staged ? kNotifyThreads : kWarpSize, 0, stream>>>(g, mine, clear, mode, c.timeout_ns);
+void LaunchPublish(const Group& g, const RankBuffers& mine, const SyncClear& clear, int mode, const Blocks& b,
+                   const LaunchConfig& c, cudaStream_t stream) {
+  PublishKernel<<<1, c.staged ? kNotifyThreads : kWarpSize, 0, stream>>>(g, mine, clear, b.move, mode, c.timeout_ns);
 }
 
 // What dispatch and cached dispatch send alike: rows, weights, layout, and
@@ -935,7 +944,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
                     p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
                     p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, Publishable(state, landing),
-                    RecordsToClear(state, staging, c.staged), c.timeout_ns};
+                    RecordsToClear(state, staging, c.staged), blocks.move, c.timeout_ns};
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
   SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);
@@ -972,7 +981,8 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
                                         NumChunks(p.num_tokens, c.chunk_tokens));
   const RankBuffers recv = RowsAndWeights(p.recv, with_weights);
   const RankBuffers landing = RowsAndWeights(ChooseLanding(recv, staging, c.staged), with_weights);
-  LaunchPublish(g, Publishable(state, landing), RecordsToClear(state, staging, c.staged), kCachedDispatch, c, stream);
+  LaunchPublish(g, Publishable(state, landing), RecordsToClear(state, staging, c.staged), kCachedDispatch, blocks, c,
+                stream);
 
   SendArgs send = CommonSendArgs(p, c, kCachedDispatch, blocks, staging);
   send.recv_topk_weights = recv.topk_weights;
@@ -1002,7 +1012,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   // Staged: the copy role of the combine kernel fills the staging area after
   // this; peers wait for its row flags (cleared here) before reading.
   LaunchPublish(g, Publishable(state, sources), RowFlagsToClear(state, staging, p.num_worst_tokens, c.staged), kCombine,
-                c, stream);
+                blocks, c, stream);
 
   CombineArgs combine{};
   combine.send_pos = p.send_pos;

@@ -12,7 +12,8 @@
 //   combine send: puts every received row's expert output back into its
 //     source's half at row (token * K + k).
 //   combine recv: waits for every rank's "ready" flag and sums, per token,
-//     weight_k * row_k over k in order in float32 (no FMA), as the reference.
+//     weight_k * row_k over k in order in float32 (no FMA), as the reference,
+//     over the k whose expert id is in [0, E) (the ids dispatch sent).
 //
 // The split API runs each phase as its own kernel; a whole dispatch or combine
 // runs its two phases in one cooperative kernel.
@@ -548,7 +549,8 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
         const int slot = t * num_topk + k0 + c;
         y[c] = make_uint4(0, 0, 0, 0);
         w[c] = 0.0f;
-        if (k0 + c < num_topk && a.topk_idx[slot] >= 0) {
+        const int e = k0 + c < num_topk ? a.topk_idx[slot] : -1;
+        if (e >= 0 && e < a.num_experts) {  // as dispatch: ids outside [0, E) name no expert
           valid |= 1u << c;
           w[c] = a.topk_weights[slot];
           y[c] = reinterpret_cast<const uint4*>(rows + size_t(slot) * hidden * 2)[u];

@@ -146,6 +146,7 @@ struct CombineRecvArgs {
   const float* topk_weights;  // [T, K]
   void* out;                  // bf16 [T, H]
   int num_tokens, num_topk, hidden;
+  int num_experts;  // ids outside [0, num_experts) name no expert, as in dispatch
 };
 
 // Dynamic shared memory the kernels need (must stay <= kMaxSharedBytes).

@@ -44,8 +44,7 @@ struct NvshmemTransport {
     if (n == 0) return;  // the whole warp alike
     char* stage = local() + p.send_offset + stage_offset + begin;
     Copy16(stage, static_cast<const char*>(src) + begin, n, lane, 32);
-    __threadfence();  // the staged bytes before the transport reads them
-    __syncwarp();
+    FenceStagedForWarpPut();
     nvshmemx_putmem_nbi_warp(local() + offset + begin, stage, n, p.pes[rank]);
   }
   __device__ void PutInt(int rank, size_t offset, int value) const {

@@ -292,7 +292,9 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
 def low_latency_combine_recv(pending, *, buffer):
     num_tokens, topk = pending.topk_idx.shape
     experts_per_rank = pending.num_experts // buffer.num_ranks
-    owner = jnp.where(pending.topk_idx >= 0, pending.topk_idx // experts_per_rank, 0)
+    # Ids outside [0, E) name no expert, as in dispatch (the wrapper sanitises them; this backend need not rely on it).
+    valid = (pending.topk_idx >= 0) & (pending.topk_idx < pending.num_experts)
+    owner = jnp.where(valid, pending.topk_idx // experts_per_rank, 0)
     tokens = jnp.arange(num_tokens)
     y = pending.back[owner, tokens[:, None], jnp.arange(topk)[None, :]].astype(jnp.float32)  # [T, K, H]
     # The barrier keeps XLA from fusing multiply and add into an FMA, which
@@ -300,7 +302,7 @@ def low_latency_combine_recv(pending, *, buffer):
     terms = lax.optimization_barrier(pending.topk_weights[:, :, None] * y)
     acc = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
     for k in range(topk):
-        acc = acc + jnp.where(pending.topk_idx[:, k : k + 1] >= 0, terms[:, k], 0.0)
+        acc = acc + jnp.where(valid[:, k : k + 1], terms[:, k], 0.0)
     return acc.astype(jnp.bfloat16)
 
 

@@ -33,7 +33,7 @@ def _nvshmem_skip_reason():
     return nvshmem.unavailable_reason()
 
 
-def _launch(cases, *, timeout):
+def _launch(cases, *, timeout, extra=()):
     reason = _nvshmem_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -45,7 +45,7 @@ def _launch(cases, *, timeout):
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(NUM_PROCESSES), "--all-gpus-visible",
-           "--timeout", str(timeout - 15), "--", WORKER, *cases]
+           "--timeout", str(timeout - 15), *extra, "--", WORKER, *cases]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr
 
@@ -79,3 +79,19 @@ def test_sequence_wrap_over_nvshmem():
     sequence numbers (tests/gpu/test_wrap_gpu.py's checks), in its own processes."""
     code, output = _launch(["internode_wrap"], timeout=280)
     _assert_cases_ok(code, output, ["internode_wrap"])
+
+
+def test_handlers_refuse_bad_shapes():
+    """The internode handlers, called past the Python wrapper (whose checks
+    would refuse first), refuse shapes the kernels cannot take with a message."""
+    code, output = _launch(["internode_handler_checks"], timeout=200)
+    _assert_cases_ok(code, output, ["internode_handler_checks"])
+
+
+def test_launch_mismatch_fails_with_a_message():
+    """Processes with different Config.num_sms: the internode kernels report
+    the mismatch at once on every rank (test_multiprocess_gpu has the check)."""
+    from test_multiprocess_gpu import assert_launch_mismatch_reported
+
+    code, output = _launch(["launch_mismatch"], timeout=200, extra=["--keep-going"])
+    assert_launch_mismatch_reported(code, output, NUM_PROCESSES)

@@ -394,6 +394,58 @@ def test_duplicates_and_overflow(mesh, buffers):
     assert got[1][0, 0] == num_ranks * num_tokens
 
 
+def _backend_round_trip(buffer, x, idx, w, *, num_experts, max_tokens, split, seed):
+    """dispatch -> expert outputs -> combine through buffer.ops, the backend
+    itself: unlike the public API, nothing sanitises idx first."""
+    ops, kwargs = buffer.ops, dict(num_experts=num_experts, num_max_dispatch_tokens_per_rank=max_tokens,
+                                   use_fp8=False, round_scale=False, buffer=buffer)
+    if split:
+        xs, count, handle = ops.low_latency_dispatch_recv(ops.low_latency_dispatch_send(x, idx, **kwargs),
+                                                          buffer=buffer)
+    else:
+        xs, count, handle = ops.low_latency_dispatch(x, idx, **kwargs)
+    y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
+    if split:
+        out = ops.low_latency_combine_recv(ops.low_latency_combine_send(y, idx, w, handle, buffer=buffer),
+                                           buffer=buffer)
+    else:
+        out = ops.low_latency_combine(y, idx, w, handle, buffer=buffer)
+    return xs, count, handle, out, y
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_kernels_treat_ids_outside_range_as_none(mesh, buffers, split):
+    """Top-k ids outside [0, E) name no expert in every kernel (docs/design.md,
+    section 1), whatever reaches them: dispatch drops them, and combine must
+    skip them too. Called through the backend (no sanitising), a round trip
+    with ids E, E + 5 and -7 equals the reference's on the sanitised ids. A
+    round trip with valid ids first leaves rows in every combine slot, so a
+    combine that read the slot of an id >= E would add a stale row."""
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts, topk = 64, 512, 8 * num_ranks, 4
+    x, idx, w = _inputs(41, mesh, num_tokens, hidden, num_experts, topk, "random")
+    bad = np.asarray(idx).copy()
+    bad[::2, 1] = num_experts
+    bad[1::3, 2] = num_experts + 5
+    bad[::5, 3] = -7
+    bad = jnp.asarray(bad)
+    kwargs = dict(num_experts=num_experts, max_tokens=MAX_TOKENS, split=split, seed=5)
+
+    def two_rounds(buffer, x, idx, bad, w):
+        first = _backend_round_trip(buffer, x, idx, w, **kwargs)
+        x, _ = lax.optimization_barrier((x, first[3]))  # the second round after the first
+        return _backend_round_trip(buffer, x, bad, w, **kwargs)
+
+    def reference(buffer, x, idx, bad, w):
+        return _step(buffer, x, bad, w, num_experts=num_experts, max_tokens=MAX_TOKENS, use_fp8=False, seed=5)
+
+    cuda, xla = buffers
+    got = jax.tree.map(np.asarray, testing.per_rank(functools.partial(two_rounds, cuda), mesh, AXIS)(x, idx, bad, w))
+    want = jax.tree.map(np.asarray, testing.per_rank(functools.partial(reference, xla), mesh, AXIS)(x, idx, bad, w))
+    _assert_dispatch_equal(got[:3], want[:3])
+    _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (bad, w, num_experts)))
+
+
 def test_many_calls_in_fori_loop(mesh, split_buffers):
     """250 dispatch -> combine steps in a jitted fori_loop (command buffers on
     by default): routing shifts and data changes every step, each step's

@@ -96,3 +96,23 @@ def test_dead_peer_process_times_out_with_a_message():
     assert "deep_ep_jax timeout" in text and "rank 0" in text and f"peer {victim}" in text, output[-4000:]
     assert "failed as expected" in text, output[-4000:]
     assert elapsed < 200, elapsed
+
+
+def assert_launch_mismatch_reported(code, output, num_processes):
+    """Every rank failed at its first call with the kernels' launch-mismatch
+    message naming itself and a peer, not with a timeout (tests/multiprocess_worker.py
+    case launch_mismatch, also used by test_internode_gpu)."""
+    assert code != 0, output[-4000:]
+    assert "NO LAUNCH MISMATCH ERROR" not in output and "deep_ep_jax timeout" not in output, output[-4000:]
+    for rank in range(num_processes):
+        text = "\n".join(line for line in output.splitlines() if line.startswith(f"[rank {rank}]"))
+        assert "deep_ep_jax launch mismatch" in text and f"rank {rank} launched" in text, output[-4000:]
+        assert "failed as expected" in text, output[-4000:]
+
+
+def test_launch_mismatch_fails_with_a_message():
+    """Processes with different Config.num_sms (as GPUs with different SM
+    counts would be): intranode kernels (staged) report the mismatch at once."""
+    code, output, elapsed = _launch(["launch_mismatch"], timeout=200, extra=["--keep-going"])
+    assert_launch_mismatch_reported(code, output, _num_processes())
+    assert elapsed < 150, elapsed

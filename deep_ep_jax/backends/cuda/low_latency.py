@@ -82,6 +82,7 @@ class CombinePending:
     topk_idx: jax.Array  # int32 [T, K]
     topk_weights: jax.Array  # float32 [T, K]
     hidden: int = dataclasses.field(metadata=dict(static=True))
+    num_experts: int = dataclasses.field(metadata=dict(static=True))  # ids outside [0, E) name no expert
     keep_alive: tuple = ()  # as DispatchPending's
 
 
@@ -265,6 +266,11 @@ def _check_combine(x, topk_idx, buffer, fn):
     return num_topk
 
 
+def _num_experts(x, buffer):
+    """E of a combine, from x [E/R, R*M, H]: the receive skips top-k ids outside [0, E), as dispatch did."""
+    return int(x.shape[0]) * buffer.num_ranks
+
+
 def _handle_arrays(handle):
     return (handle.recv_count, handle.recv_src_rank, handle.recv_src_token, handle.recv_src_topk)
 
@@ -276,7 +282,7 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     out = _call(_half(COMBINE_SEND, buffer), _TOKEN_TYPE, inputs, buffer, num_topk=np.int64(num_topk),
                 max_blocks=np.int64(overlap_sms))
     return CombinePending(out["token"], topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32),
-                          int(x.shape[2]), keep_alive=inputs if overlap_sms else ())
+                          int(x.shape[2]), _num_experts(x, buffer), keep_alive=inputs if overlap_sms else ())
 
 
 def low_latency_combine_recv(pending, *, buffer):
@@ -288,7 +294,8 @@ def low_latency_combine_recv(pending, *, buffer):
     _check_pending(pending, buffer, "low_latency_combine_recv")
     num_tokens = pending.topk_idx.shape[0]
     out = _call(_half(COMBINE_RECV, buffer), dict(out=jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16)),
-                (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive, buffer)
+                (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive, buffer,
+                num_experts=np.int64(pending.num_experts))
     return out["out"]
 
 
@@ -297,5 +304,5 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     _check_combine(x, topk_idx, buffer, "low_latency_combine")
     out = _call(COMBINE, dict(out=jax.ShapeDtypeStruct((topk_idx.shape[0], x.shape[2]), jnp.bfloat16)),
                 (x,) + _handle_arrays(handle) + (topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32)),
-                buffer)
+                buffer, num_experts=np.int64(_num_experts(x, buffer)))
     return out["out"]

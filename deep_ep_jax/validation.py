@@ -6,6 +6,8 @@ given, so a user can fix the call without reading our code.
 
 from __future__ import annotations
 
+from typing import Any, Union
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,12 @@ import numpy as np
 from deep_ep_jax.config import FP8_BLOCK
 
 FP8_DTYPE = jnp.float8_e4m3fn
+
+# Types of the public API. Rows: bf16 [T, H], or an FP8 pair (float8_e4m3fn
+# [T, H], float32 scales [T, H // 128]).
+Rows = Union[jax.Array, tuple[jax.Array, jax.Array]]
+# What a low-latency send half returns for its receive half (backend-specific).
+Pending = Any
 
 
 def check_buffer(buffer, fn):

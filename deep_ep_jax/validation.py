@@ -61,9 +61,12 @@ def _shape_dtype(a, fn, name):
     return tuple(a.shape), jnp.dtype(a.dtype)
 
 
-def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
-    """x is [T, H] in an allowed dtype, or an FP8 pair (data, scales).
-    Returns (rows as a tuple, T, H)."""
+def check_tokens(x, buffer, fn, *, allow_fp8=True):
+    """x is bf16 [T, H], or (where allow_fp8) an FP8 pair (data, scales).
+    Returns (rows as a tuple, T, H).
+
+    The same rule on every backend, so that a model prototyped on the xla
+    backend (CPU) runs unchanged on the kernels, which move bf16 rows only."""
     if isinstance(x, (tuple, list)):
         if not allow_fp8:
             raise TypeError(f"{fn}: x must be one array here, not a pair")
@@ -82,9 +85,12 @@ def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
         xs = tuple(x)
     else:
         shape, dtype = _shape_dtype(x, fn, "x")
-        if dtype not in [jnp.dtype(a) for a in allowed]:
-            names = ", ".join(jnp.dtype(a).name for a in allowed)
-            raise TypeError(f"{fn}: x must be {names}{' or an FP8 pair' if allow_fp8 else ''}, got {dtype}")
+        if dtype != jnp.bfloat16:
+            pair = " or an FP8 pair (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128])"
+            raise TypeError(
+                f"{fn}: x must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
+                f"(cast with x.astype(jnp.bfloat16); every backend takes the same dtypes)"
+            )
         if len(shape) != 2:
             raise ValueError(f"{fn}: x must be [tokens, hidden], got shape {shape}")
         xs = (x,)
@@ -97,7 +103,7 @@ def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
 def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
     """Returns K. topk_weights may be None."""
     shape, dtype = _shape_dtype(topk_idx, fn, "topk_idx")
-    if not jnp.issubdtype(dtype, jnp.integer):
+    if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
     if len(shape) != 2 or shape[0] != num_tokens:
         raise ValueError(f"{fn}: topk_idx must be [{num_tokens}, topk], got shape {shape}")
@@ -116,7 +122,6 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
 def sanitize_topk_idx(topk_idx, num_experts):
     """Expert ids outside [0, num_experts) become -1, so they can never cause
     an out-of-bounds write. Returns (clean ids, whether any were bad)."""
-    topk_idx = topk_idx.astype(jnp.int32)
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     return jnp.where(bad, -1, topk_idx), bad.any()
 

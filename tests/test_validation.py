@@ -51,11 +51,40 @@ def test_dispatch_bad_arrays(mesh, buffer, make, error, match):
         _trace(mesh, _dispatch(buffer), *make(*_inputs()))
 
 
-def test_dtype_message_lists_what_is_allowed(mesh):
-    # The xla backend also takes float32 rows (the kernels: bf16 only).
-    x, idx, w = _inputs(jnp.int32)
-    with pytest.raises(TypeError, match="x must be bfloat16, float32 or an FP8 pair, got int32"):
-        _trace(mesh, _dispatch(dej.Buffer(mesh, "ep", backend="xla")), x, idx, w)
+# The dtype rules are the kernels', checked before any backend, so a model
+# prototyped on the xla backend cannot break on the CUDA one.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.int32])
+def test_rows_must_be_bf16(mesh, buffer, dtype):
+    x, idx, w = _inputs(dtype)
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError, match=rf"dispatch: x must be bfloat16 or an FP8 pair .*, got {name}"):
+        _trace(mesh, _dispatch(buffer), x, idx, w)
+
+    def combine_rows_of(x, idx, w):
+        recv_x, _, _, handle = dej.dispatch(x.astype(jnp.bfloat16), idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x.astype(dtype), handle, buffer=buffer)
+
+    with pytest.raises(TypeError, match=rf"combine: x must be bfloat16, got {name}"):
+        _trace(mesh, combine_rows_of, x, idx, w)
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    with pytest.raises(TypeError, match=rf"low_latency_dispatch: x must be bfloat16, got {name}"):
+        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int16, jnp.uint32, jnp.float32])
+def test_topk_idx_must_be_int32(mesh, buffer, dtype):
+    x, idx, w = _inputs()
+    idx = idx.astype(dtype)
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError, match=f"dispatch: topk_idx must be int32, got {name}"):
+        _trace(mesh, _dispatch(buffer), x, idx, w)
+    with pytest.raises(TypeError, match=f"get_dispatch_layout: topk_idx must be int32, got {name}"):
+        _trace(mesh, lambda idx: dej.get_dispatch_layout(idx, num_experts=E, buffer=buffer), idx)
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    with pytest.raises(TypeError, match=f"low_latency_dispatch: topk_idx must be int32, got {name}"):
+        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
 
 
 def test_num_experts_not_divisible(mesh, buffer):

@@ -1,4 +1,5 @@
-"""Trace-time argument checks shared by the public functions.
+"""Argument checks shared by the public functions, and the run-time checks
+of `Config(checks=True)`.
 
 Every error names the function, the argument, what was expected and what was
 given, so a user can fix the call without reading our code.
@@ -6,7 +7,11 @@ given, so a user can fix the call without reading our code.
 
 from __future__ import annotations
 
-from typing import Any, Union
+import atexit
+import functools
+import logging
+import threading
+from typing import Any, Callable, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -126,19 +131,103 @@ def sanitize_topk_idx(topk_idx, num_experts):
     return jnp.where(bad, -1, topk_idx), bad.any()
 
 
+class CheckError(ValueError):
+    """`Config(checks=True)` found bad data at run time: expert ids outside
+    [-1, num_experts), or rows dropped past `num_worst_tokens`."""
+
+
+# Run-time failures wait here while a `checked` call runs, to be raised by it
+# once, cleanly, in the caller's thread; otherwise the callback raises itself.
+_lock = threading.Lock()
+_num_checked_calls = 0
+_failures: list[str] = []
+_raised_outside_checked = False
+
+
+class _DropCheckErrorLogs(logging.Filter):
+    """JAX logs a traceback per rank for an exception raised in a callback;
+    a CheckError's message already says everything."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], CheckError))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_DropCheckErrorLogs())
+
+
+@atexit.register  # after JAX's own handlers at import, so it runs before them
+def _forget_failed_checks():
+    """At exit, JAX waits again on the tokens of every program with a host
+    callback and prints a failed one's error twice more; after a CheckError
+    already raised, forget them (JAX internals: skipped if they change)."""
+    if _raised_outside_checked:
+        try:
+            from jax._src import dispatch
+
+            dispatch.runtime_tokens.clear()
+        except Exception:
+            pass
+
+
 def raise_if_any(buffer, failures):
-    """Check mode: raise on the host when any rank saw a failure.
+    """Check mode: report on the host when any rank saw a failure.
 
     failures: [(traced bool, message)]. The flags are summed over the axis so
-    that every rank raises at the same point, after its last collective, and
-    no rank is left waiting for a peer that stopped.
+    that every rank (every process) sees the same failures at the same point,
+    after its last collective, and no rank is left waiting for a peer that
+    stopped. Under `checked` the failures are recorded and raised by it;
+    otherwise the callback raises, and the program fails with a JaxRuntimeError
+    whose last line is the CheckError.
     """
     flags = jax.lax.psum(jnp.stack([f.astype(jnp.int32) for f, _ in failures]), buffer.axis_name)
     messages = [m for _, m in failures]
+    num_ranks = buffer.num_ranks
 
-    def _raise(flags):
-        bad = [m for m, f in zip(messages, flags) if f]
-        if bad:
-            raise ValueError("; ".join(bad))
+    def _report(flags):
+        bad = [f"{m} (on {int(n)} of {num_ranks} ranks)" for m, n in zip(messages, flags) if n]
+        if not bad:
+            return
+        global _raised_outside_checked
+        with _lock:
+            if _num_checked_calls:
+                _failures.extend(b for b in bad if b not in _failures)  # every rank reports the same
+                return
+            _raised_outside_checked = True
+        raise CheckError("; ".join(bad))
 
-    jax.debug.callback(_raise, flags)
+    jax.debug.callback(_report, flags)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checked(fn: F) -> F:
+    """Wraps fn (a jitted step, say) so that the run-time checks of
+    `Config(checks=True)` raise one `CheckError` naming the problem, from this
+    call, after fn's results are ready (rather than a JaxRuntimeError from
+    wherever the results are next used).
+
+        step = deep_ep_jax.checked(jax.jit(step))
+        step(params, batch)   # CheckError: dispatch: topk_idx holds expert ids outside [-1, 256) (on 1 of 8 ranks)
+
+    Waits for fn's results (block_until_ready): a debugging aid, like checks.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        global _num_checked_calls
+        with _lock:
+            _num_checked_calls += 1
+        try:
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            jax.effects_barrier()  # every check's callback has run
+        finally:
+            with _lock:
+                _num_checked_calls -= 1
+                found = list(_failures)
+                _failures.clear()
+        if found:
+            raise CheckError("; ".join(found))
+        return out
+
+    return run  # type: ignore[return-value]

@@ -1,5 +1,9 @@
 """Bad input fails at trace time with a clear error naming the argument."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,13 +228,60 @@ def test_low_latency_bad_arguments(mesh):
 def test_checks_mode_raises_on_bad_data(mesh):
     buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True))
     x, idx, w = _inputs()
-    f = dt.per_rank(_dispatch(buffer), mesh, "ep")
-    jax.block_until_ready(f(x, idx, w))  # good data passes
-    with pytest.raises(Exception, match=r"topk_idx holds expert ids outside \[-1, 8\)"):
-        jax.block_until_ready(f(x, idx.at[3, 1].set(E + 5), w))
-    g = dt.per_rank(_dispatch(buffer, num_worst_tokens=4), mesh, "ep")
-    with pytest.raises(Exception, match="more rows arrived than num_worst_tokens=4"):
-        jax.block_until_ready(g(x, idx, w))
+    f = dej.checked(dt.per_rank(_dispatch(buffer), mesh, "ep"))
+    f(x, idx, w)  # good data passes
+    with pytest.raises(dej.CheckError) as error:
+        f(x, idx.at[3, 1].set(E + 5).at[30, 0].set(-2), w)
+    # One error, one line: every rank reports it, once.
+    assert str(error.value) == "dispatch: topk_idx holds expert ids outside [-1, 8) (on 2 of 4 ranks)"
+    g = dej.checked(dt.per_rank(_dispatch(buffer, num_worst_tokens=4), mesh, "ep"))
+    with pytest.raises(dej.CheckError, match=r"dispatch: more rows arrived than num_worst_tokens=4; .* of 4 ranks\)$"):
+        g(x, idx, w)
+    f(x, idx, w)  # nothing left over from the failures
+
+
+def test_checks_mode_layout_and_low_latency(mesh):
+    config = dej.Config(checks=True)
+    x, idx, _ = _inputs()
+    bad = idx.at[0, 0].set(E)
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=config)
+    layout = dej.checked(dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=E, buffer=buffer), mesh, "ep"))
+    layout(idx)
+    with pytest.raises(dej.CheckError, match=r"^get_dispatch_layout: topk_idx holds expert ids outside \[-1, 8\)"):
+        layout(bad)
+    ll = dej.Buffer(mesh, "ep", backend="xla", config=config, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    dispatch = dej.checked(dt.per_rank(lambda x, i: dej.low_latency_dispatch(
+        x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), mesh, "ep"))
+    dispatch(x, idx)
+    with pytest.raises(dej.CheckError, match=r"^low_latency_dispatch: topk_idx holds expert ids outside \[-1, 8\)"):
+        dispatch(x, bad)
+
+
+def test_checks_mode_without_checked_raises_quietly(tmp_path):
+    """Unwrapped, the program fails with JAX's error, whose last line is the
+    CheckError: no traceback per rank, none at exit."""
+    script = tmp_path / "unwrapped.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "import deep_ep_jax as dej\n"
+        "from deep_ep_jax import testing as dt\n"
+        "mesh = dt.ep_mesh(8, platform='cpu')\n"
+        "buffer = dej.Buffer(mesh, 'ep', backend='xla', config=dej.Config(checks=True))\n"
+        "idx = jnp.full((64, 2), 99, jnp.int32)\n"
+        "f = dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=16, buffer=buffer), mesh, 'ep')\n"
+        "try:\n"
+        "    jax.block_until_ready(f(idx))\n"
+        "except Exception as e:\n"
+        "    print('RAISED', type(e).__name__, str(e).splitlines()[-1])\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dej.__file__)))  # deep_ep_jax, installed or not
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    want = "CheckError: get_dispatch_layout: topk_idx holds expert ids outside [-1, 16) (on 8 of 8 ranks)"
+    assert f"RAISED JaxRuntimeError {want}" in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 def test_out_of_range_ids_are_ignored_without_checks(mesh, buffer):

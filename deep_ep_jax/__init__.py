@@ -18,14 +18,17 @@ from deep_ep_jax.low_latency import (
     low_latency_overlap,
 )
 from deep_ep_jax.normal import combine, dispatch, get_dispatch_layout
+from deep_ep_jax.validation import CheckError, checked
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "CheckError",
     "Config",
     "DispatchHandle",
     "LowLatencyHandle",
+    "checked",
     "combine",
     "dispatch",
     "get_dispatch_layout",

@@ -65,18 +65,18 @@ class Buffer:
 
     def __init__(
         self,
-        mesh,
-        axis_name,
+        mesh: jax.sharding.Mesh,
+        axis_name: str,
         *,
-        backend="auto",
-        num_nvl_bytes=None,
-        num_rdma_bytes=None,
-        low_latency_mode=False,
-        num_max_dispatch_tokens_per_rank=None,
-        hidden=None,
-        num_experts=None,
-        config=None,
-    ):
+        backend: str = "auto",
+        num_nvl_bytes: int | None = None,
+        num_rdma_bytes: int | None = None,
+        low_latency_mode: bool = False,
+        num_max_dispatch_tokens_per_rank: int | None = None,
+        hidden: int | None = None,
+        num_experts: int | None = None,
+        config: Config | None = None,
+    ) -> None:
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
@@ -133,7 +133,7 @@ class Buffer:
 
     # Lifecycle ------------------------------------------------------------
 
-    def destroy(self):
+    def destroy(self) -> None:
         """Frees the device memory. Calls that use the buffer afterwards fail."""
         if self._destroyed:
             return
@@ -143,17 +143,17 @@ class Buffer:
 
             lifecycle.destroy(self)
 
-    def __enter__(self):
+    def __enter__(self) -> Buffer:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.destroy()
 
-    def check_alive(self, fn_name):
+    def check_alive(self, fn_name: str) -> None:
         if self._destroyed:
             raise RuntimeError(f"{fn_name}: the Buffer was destroyed; create a new one")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"Buffer(axis={self.axis_name!r}, num_ranks={self.num_ranks}, backend={self.backend!r}, "
             f"low_latency_mode={self.low_latency_mode}, spans_hosts={self.spans_hosts}, id={self.buffer_id})"

@@ -64,6 +64,15 @@ def print_buffer_sizes():
         return
     from deep_ep_jax.backends.cuda import sizes
 
+    print(
+        "Device memory a CUDA Buffer allocates on each GPU, for DeepEP's standard cases (R ranks):\n"
+        "  normal: its normal-mode region (num_nvl_bytes). In one process the rows go straight into\n"
+        "    XLA's buffers, so only a control block; staged (one process per GPU) it holds the rows.\n"
+        "  normal across hosts: the region in NVSHMEM's symmetric heap (EP groups spanning hosts).\n"
+        "  low latency: its low-latency region (num_rdma_bytes, with low_latency_mode=True).\n"
+        "A Buffer sizes itself from its hidden= (and num_max_dispatch_tokens_per_rank=) hints, for top-k up to 16;\n"
+        "num_nvl_bytes= / num_rdma_bytes= override."
+    )
     tokens, hidden, topk = NORMAL_CASE["num_tokens"], NORMAL_CASE["hidden"], NORMAL_CASE["num_topk"]
     for num_ranks in (2, 8):
         direct = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=False)
@@ -99,6 +108,10 @@ def main():
     for d in devices:
         extra = f", compute capability {d.compute_capability}" if hasattr(d, "compute_capability") else ""
         print(f"{d.id}: {d.platform} {d.device_kind} (process {d.process_index}{extra})")
+    has_gpu = any(d.platform in ("gpu", "cuda") for d in devices)
+    if not has_gpu:
+        print("No GPU here: JAX sees no CUDA device. The xla backend (pure JAX) runs on any device; the CUDA "
+              "kernels need NVIDIA GPUs (and a CUDA build of jax, e.g. jax[cuda13]).")
 
     _section("CUDA extension")
     print(_native.build_summary())
@@ -109,9 +122,13 @@ def main():
 
     if module is not None:
         info = module.device_info()
-        print(f"CUDA compiled: {info['cuda_version_compiled']}, driver supports: {info['driver_cuda_version']}")
-        if info["error"]:
-            print(f"CUDA runtime: {info['error']}")
+        if info["driver_cuda_version"] == "none" and not info["devices"]:
+            print(f"CUDA compiled: {info['cuda_version_compiled']}; no NVIDIA driver or GPU on this host "
+                  f"(CUDA says: {info['error'] or 'no devices'})")
+        else:
+            print(f"CUDA compiled: {info['cuda_version_compiled']}, driver supports: {info['driver_cuda_version']}")
+            if info["error"]:
+                print(f"CUDA runtime: {info['error']}")
         for dev in info["devices"]:
             print(
                 f"GPU {dev['ordinal']}: {dev['name']}, sm_{dev['compute_capability'].replace('.', '')}, "
@@ -146,8 +163,11 @@ def main():
     print(f"nvidia-nvshmem-cu13 {found[0]}: {found[1]}" if found else "not found (pip install nvidia-nvshmem-cu13)")
     from deep_ep_jax import nvshmem
 
-    why_not = nvshmem.unavailable_reason()
-    print("EP groups across hosts: " + ("available" if why_not is None else f"unavailable: {why_not}"))
+    if not has_gpu:
+        print("EP groups across hosts: need GPUs (none here)")
+    else:
+        why_not = nvshmem.unavailable_reason()
+        print("EP groups across hosts: " + ("available" if why_not is None else f"unavailable: {why_not}"))
 
     _section("backend")
     reason = _native.unavailable_reason()
@@ -158,10 +178,11 @@ def main():
 
     _section("buffer sizes for the standard cases")
     print_buffer_sizes()
-    print(
-        "XLA preallocates 75% of GPU memory; if a Buffer does not fit, set XLA_PYTHON_CLIENT_MEM_FRACTION "
-        "(e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax."
-    )
+    if has_gpu:
+        print(
+            "XLA preallocates 75% of GPU memory; if a Buffer does not fit, set XLA_PYTHON_CLIENT_MEM_FRACTION "
+            "(e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false before importing jax."
+        )
 
 
 if __name__ == "__main__":

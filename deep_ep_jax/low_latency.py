@@ -17,13 +17,18 @@ it waited for; it never corrupts data.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from deep_ep_jax import validation as v
+from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.handle import LowLatencyHandle
+from deep_ep_jax.validation import Pending, Rows
 
 
 def _check_mode(buffer, fn):
@@ -66,8 +71,15 @@ def _dispatch_results(recv_xs, recv_count, handle):
 
 
 def low_latency_dispatch_send(
-    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
-):
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    buffer: Buffer,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+) -> Pending:
     """Send half of `low_latency_dispatch`; returns a pending value for
     `low_latency_dispatch_recv`."""
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
@@ -75,15 +87,22 @@ def low_latency_dispatch_send(
     return buffer.ops.low_latency_dispatch_send(*args, **kwargs)
 
 
-def low_latency_dispatch_recv(pending, *, buffer):
+def low_latency_dispatch_recv(pending: Pending, *, buffer: Buffer) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Receive half: returns (recv_x, recv_count, handle)."""
     _check_mode(buffer, "low_latency_dispatch_recv")
     return _dispatch_results(*buffer.ops.low_latency_dispatch_recv(pending, buffer=buffer))
 
 
 def low_latency_dispatch(
-    x, topk_idx, *, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True, round_scale=False
-):
+    x: jax.Array,
+    topk_idx: jax.Array,
+    *,
+    buffer: Buffer,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Per rank: x bf16 [T, H] (T <= M), topk_idx int32 [T, K].
 
     Returns (recv_x, recv_count, handle): recv_x bf16 [E/R, R*M, H], or with
@@ -124,20 +143,24 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     return x, topk_idx, topk_weights, handle
 
 
-def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
+def low_latency_combine_send(
+    x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle, *, buffer: Buffer
+) -> Pending:
     """Send half of `low_latency_combine`; returns a pending value for
     `low_latency_combine_recv`."""
     args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine_send")
     return buffer.ops.low_latency_combine_send(*args, buffer=buffer)
 
 
-def low_latency_combine_recv(pending, *, buffer):
+def low_latency_combine_recv(pending: Pending, *, buffer: Buffer) -> jax.Array:
     """Receive half: returns bf16 [T, H]."""
     _check_mode(buffer, "low_latency_combine_recv")
     return buffer.ops.low_latency_combine_recv(pending, buffer=buffer)
 
 
-def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
+def low_latency_combine(
+    x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, handle: LowLatencyHandle, *, buffer: Buffer
+) -> jax.Array:
     """Per rank: x bf16 [E/R, R*M, H] expert outputs in the dispatch's rows.
     Returns bf16 [T, H]: out[t] = sum over k of topk_weights[t, k] * the
     output of expert topk_idx[t, k] for token t, reduced in float32 in k
@@ -147,7 +170,7 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     return buffer.ops.low_latency_combine(*args, buffer=buffer)
 
 
-def low_latency_overlap(pending, fn, *args):
+def low_latency_overlap(pending: Pending, fn: Callable[..., Any], *args: Any) -> tuple[Pending, Any]:
     """Runs fn(*args) between the send that returned `pending` and its
     receive; returns (pending for the receive, fn's result).
 

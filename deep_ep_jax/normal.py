@@ -15,15 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import validation as v
+from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.handle import DispatchHandle
+from deep_ep_jax.validation import Rows
 
 
-def _row_dtypes(buffer):
-    # The kernels move bf16 rows; the reference also takes float32 (CPU models).
-    return (jnp.bfloat16,) if buffer.backend == "cuda" else (jnp.bfloat16, jnp.float32)
-
-
-def get_dispatch_layout(topk_idx, *, num_experts, buffer):
+def get_dispatch_layout(
+    topk_idx: jax.Array, *, num_experts: int, buffer: Buffer
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per rank: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32
     [E], is_token_in_rank bool [T, R]) for `topk_idx` int32 [T, K]."""
     fn = "get_dispatch_layout"
@@ -37,7 +36,15 @@ def get_dispatch_layout(topk_idx, *, num_experts, buffer):
     return layout
 
 
-def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens=None):
+def dispatch(
+    x: Rows,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    *,
+    num_experts: int,
+    buffer: Buffer,
+    num_worst_tokens: int | None = None,
+) -> tuple[Rows, jax.Array, jax.Array, DispatchHandle]:
     """Sends each token once to every rank owning one of its experts.
 
     Per rank, inside `shard_map` over `buffer.axis_name`:
@@ -54,7 +61,7 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens
     fn = "dispatch"
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    xs, num_tokens, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer))
+    xs, num_tokens, _ = v.check_tokens(x, buffer, fn)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
@@ -72,9 +79,11 @@ def dispatch(x, topk_idx, topk_weights, *, num_experts, buffer, num_worst_tokens
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
 
 
-def combine(x, handle, topk_weights=None, *, buffer):
+def combine(
+    x: jax.Array, handle: DispatchHandle, topk_weights: jax.Array | None = None, *, buffer: Buffer
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Inverse of dispatch: out[t] = sum over the ranks that received token t
-    of their row for it, in float32 in rank order, as x's dtype [T, H].
+    of their row for it, in float32 in rank order, as bf16 [T, H].
 
     x: bf16 [N, H] (rows as dispatch returned them; weight expert outputs
     before combining). With topk_weights float32 [N, K], also returns their
@@ -84,7 +93,7 @@ def combine(x, handle, topk_weights=None, *, buffer):
     v.check_buffer(buffer, fn)
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch returned, got {type(handle).__name__}")
-    (x,), num_rows, _ = v.check_tokens(x, buffer, fn, allowed=_row_dtypes(buffer), allow_fp8=False)
+    (x,), num_rows, _ = v.check_tokens(x, buffer, fn, allow_fp8=False)
     if num_rows != handle.num_worst_tokens:
         raise ValueError(f"{fn}: x must have the handle's {handle.num_worst_tokens} rows, got {num_rows}")
     if topk_weights is not None:

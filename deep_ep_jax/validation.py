@@ -1,10 +1,17 @@
-"""Trace-time argument checks shared by the public functions.
+"""Argument checks shared by the public functions, and the run-time checks
+of `Config(checks=True)`.
 
 Every error names the function, the argument, what was expected and what was
 given, so a user can fix the call without reading our code.
 """
 
 from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import threading
+from typing import Any, Callable, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +20,12 @@ import numpy as np
 from deep_ep_jax.config import FP8_BLOCK
 
 FP8_DTYPE = jnp.float8_e4m3fn
+
+# Types of the public API. Rows: bf16 [T, H], or an FP8 pair (float8_e4m3fn
+# [T, H], float32 scales [T, H // 128]).
+Rows = Union[jax.Array, tuple[jax.Array, jax.Array]]
+# What a low-latency send half returns for its receive half (backend-specific).
+Pending = Any
 
 
 def check_buffer(buffer, fn):
@@ -53,9 +66,12 @@ def _shape_dtype(a, fn, name):
     return tuple(a.shape), jnp.dtype(a.dtype)
 
 
-def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
-    """x is [T, H] in an allowed dtype, or an FP8 pair (data, scales).
-    Returns (rows as a tuple, T, H)."""
+def check_tokens(x, buffer, fn, *, allow_fp8=True):
+    """x is bf16 [T, H], or (where allow_fp8) an FP8 pair (data, scales).
+    Returns (rows as a tuple, T, H).
+
+    The same rule on every backend, so that a model prototyped on the xla
+    backend (CPU) runs unchanged on the kernels, which move bf16 rows only."""
     if isinstance(x, (tuple, list)):
         if not allow_fp8:
             raise TypeError(f"{fn}: x must be one array here, not a pair")
@@ -74,9 +90,12 @@ def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
         xs = tuple(x)
     else:
         shape, dtype = _shape_dtype(x, fn, "x")
-        if dtype not in [jnp.dtype(a) for a in allowed]:
-            names = ", ".join(jnp.dtype(a).name for a in allowed)
-            raise TypeError(f"{fn}: x must be {names}{' or an FP8 pair' if allow_fp8 else ''}, got {dtype}")
+        if dtype != jnp.bfloat16:
+            pair = " or an FP8 pair (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128])"
+            raise TypeError(
+                f"{fn}: x must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
+                f"(cast with x.astype(jnp.bfloat16); every backend takes the same dtypes)"
+            )
         if len(shape) != 2:
             raise ValueError(f"{fn}: x must be [tokens, hidden], got shape {shape}")
         xs = (x,)
@@ -89,7 +108,7 @@ def check_tokens(x, buffer, fn, *, allowed=(jnp.bfloat16,), allow_fp8=True):
 def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
     """Returns K. topk_weights may be None."""
     shape, dtype = _shape_dtype(topk_idx, fn, "topk_idx")
-    if not jnp.issubdtype(dtype, jnp.integer):
+    if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
     if len(shape) != 2 or shape[0] != num_tokens:
         raise ValueError(f"{fn}: topk_idx must be [{num_tokens}, topk], got shape {shape}")
@@ -108,24 +127,107 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
 def sanitize_topk_idx(topk_idx, num_experts):
     """Expert ids outside [0, num_experts) become -1, so they can never cause
     an out-of-bounds write. Returns (clean ids, whether any were bad)."""
-    topk_idx = topk_idx.astype(jnp.int32)
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     return jnp.where(bad, -1, topk_idx), bad.any()
 
 
+class CheckError(ValueError):
+    """`Config(checks=True)` found bad data at run time: expert ids outside
+    [-1, num_experts), or rows dropped past `num_worst_tokens`."""
+
+
+# Run-time failures wait here while a `checked` call runs, to be raised by it
+# once, cleanly, in the caller's thread; otherwise the callback raises itself.
+_lock = threading.Lock()
+_num_checked_calls = 0
+_failures: list[str] = []
+_raised_outside_checked = False
+
+
+class _DropCheckErrorLogs(logging.Filter):
+    """JAX logs a traceback per rank for an exception raised in a callback;
+    a CheckError's message already says everything."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], CheckError))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_DropCheckErrorLogs())
+
+
+@atexit.register  # after JAX's own handlers at import, so it runs before them
+def _forget_failed_checks():
+    """At exit, JAX waits again on the tokens of every program with a host
+    callback and prints a failed one's error twice more; after a CheckError
+    already raised, forget them (JAX internals: skipped if they change)."""
+    if _raised_outside_checked:
+        try:
+            from jax._src import dispatch
+
+            dispatch.runtime_tokens.clear()
+        except Exception:
+            pass
+
+
 def raise_if_any(buffer, failures):
-    """Check mode: raise on the host when any rank saw a failure.
+    """Check mode: report on the host when any rank saw a failure.
 
     failures: [(traced bool, message)]. The flags are summed over the axis so
-    that every rank raises at the same point, after its last collective, and
-    no rank is left waiting for a peer that stopped.
+    that every rank (every process) sees the same failures at the same point,
+    after its last collective, and no rank is left waiting for a peer that
+    stopped. Under `checked` the failures are recorded and raised by it;
+    otherwise the callback raises, and the program fails with a JaxRuntimeError
+    whose last line is the CheckError.
     """
     flags = jax.lax.psum(jnp.stack([f.astype(jnp.int32) for f, _ in failures]), buffer.axis_name)
     messages = [m for _, m in failures]
+    num_ranks = buffer.num_ranks
 
-    def _raise(flags):
-        bad = [m for m, f in zip(messages, flags) if f]
-        if bad:
-            raise ValueError("; ".join(bad))
+    def _report(flags):
+        bad = [f"{m} (on {int(n)} of {num_ranks} ranks)" for m, n in zip(messages, flags) if n]
+        if not bad:
+            return
+        global _raised_outside_checked
+        with _lock:
+            if _num_checked_calls:
+                _failures.extend(b for b in bad if b not in _failures)  # every rank reports the same
+                return
+            _raised_outside_checked = True
+        raise CheckError("; ".join(bad))
 
-    jax.debug.callback(_raise, flags)
+    jax.debug.callback(_report, flags)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checked(fn: F) -> F:
+    """Wraps fn (a jitted step, say) so that the run-time checks of
+    `Config(checks=True)` raise one `CheckError` naming the problem, from this
+    call, after fn's results are ready (rather than a JaxRuntimeError from
+    wherever the results are next used).
+
+        step = deep_ep_jax.checked(jax.jit(step))
+        step(params, batch)   # CheckError: dispatch: topk_idx holds expert ids outside [-1, 256) (on 1 of 8 ranks)
+
+    Waits for fn's results (block_until_ready): a debugging aid, like checks.
+    """
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        global _num_checked_calls
+        with _lock:
+            _num_checked_calls += 1
+        try:
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            jax.effects_barrier()  # every check's callback has run
+        finally:
+            with _lock:
+                _num_checked_calls -= 1
+                found = list(_failures)
+                _failures.clear()
+        if found:
+            raise CheckError("; ".join(found))
+        return out
+
+    return run  # type: ignore[return-value]

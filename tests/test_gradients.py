@@ -1,5 +1,7 @@
 """Gradients through dispatch and combine (custom_vjp) against jax.grad of the
-same MoE maths written densely on one device."""
+same MoE maths written densely on one device (in float32: the rows cross
+dispatch and combine as bf16, as the contract says, so they agree to bf16's
+precision)."""
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +21,16 @@ def _sharded_loss(buffer, num_experts, num_worst_tokens=None):
             x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
         )
         local = jnp.clip(recv_idx, 0)  # -1 slots carry weight 0
-        h = jnp.einsum("nh,nkhf->nkf", recv_x, experts[local])
+        h = jnp.einsum("nh,nkhf->nkf", recv_x.astype(jnp.float32), experts[local])
         rows = jnp.einsum("nk,nkf->nf", recv_w, jnp.tanh(h))
-        out, out_w = dej.combine(rows, handle, recv_w, buffer=buffer)
-        return jax.lax.psum(jnp.sum(out * probe) + jnp.sum(out_w * probe[:, :1] ** 2), "ep")
+        out, out_w = dej.combine(rows.astype(jnp.bfloat16), handle, recv_w, buffer=buffer)
+        return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * probe) + jnp.sum(out_w * probe[:, :1] ** 2), "ep")
 
     return jax.jit(jax.shard_map(per_rank, mesh=buffer.mesh, in_specs=P("ep"), out_specs=P(), check_vma=False))
 
 
 def _dense_loss(x, idx, w, experts, probe):
+    x = x.astype(jnp.float32)
     valid = idx >= 0
     h = jnp.einsum("th,tkhf->tkf", x, experts[jnp.clip(idx, 0)])
     w = jnp.where(valid, w, 0.0)
@@ -43,16 +46,19 @@ def test_grad_matches_dense(num_ranks, kind):
     buffer = dej.Buffer(mesh, "ep", backend="xla")
     idx, w = dt.make_routing(11, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx, w = jnp.asarray(idx), jnp.asarray(w)
-    x = dt.random_rows(12, (num_ranks * num_tokens, H), jnp.float32)
+    x = dt.random_rows(12, (num_ranks * num_tokens, H))  # bf16, as the contract says
     experts = dt.random_rows(13, (num_experts, H, F), jnp.float32) * 0.3
     probe = dt.random_rows(14, (num_ranks * num_tokens, F), jnp.float32)
 
     loss = _sharded_loss(buffer, num_experts)
     value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
     want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
-    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    np.testing.assert_allclose(value, want_value, rtol=2e-2)
+    assert grads[0].dtype == jnp.bfloat16
     for got, want, name in zip(grads, want_grads, ("x", "topk_weights", "experts")):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        # A few bf16 roundings on the way: relative to the gradient's scale.
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=name)
 
 
 def test_grad_bf16_rows():

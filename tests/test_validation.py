@@ -1,5 +1,9 @@
 """Bad input fails at trace time with a clear error naming the argument."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,11 +55,40 @@ def test_dispatch_bad_arrays(mesh, buffer, make, error, match):
         _trace(mesh, _dispatch(buffer), *make(*_inputs()))
 
 
-def test_dtype_message_lists_what_is_allowed(mesh):
-    # The xla backend also takes float32 rows (the kernels: bf16 only).
-    x, idx, w = _inputs(jnp.int32)
-    with pytest.raises(TypeError, match="x must be bfloat16, float32 or an FP8 pair, got int32"):
-        _trace(mesh, _dispatch(dej.Buffer(mesh, "ep", backend="xla")), x, idx, w)
+# The dtype rules are the kernels', checked before any backend, so a model
+# prototyped on the xla backend cannot break on the CUDA one.
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.int32])
+def test_rows_must_be_bf16(mesh, buffer, dtype):
+    x, idx, w = _inputs(dtype)
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError, match=rf"dispatch: x must be bfloat16 or an FP8 pair .*, got {name}"):
+        _trace(mesh, _dispatch(buffer), x, idx, w)
+
+    def combine_rows_of(x, idx, w):
+        recv_x, _, _, handle = dej.dispatch(x.astype(jnp.bfloat16), idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x.astype(dtype), handle, buffer=buffer)
+
+    with pytest.raises(TypeError, match=rf"combine: x must be bfloat16, got {name}"):
+        _trace(mesh, combine_rows_of, x, idx, w)
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    with pytest.raises(TypeError, match=rf"low_latency_dispatch: x must be bfloat16, got {name}"):
+        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int16, jnp.uint32, jnp.float32])
+def test_topk_idx_must_be_int32(mesh, buffer, dtype):
+    x, idx, w = _inputs()
+    idx = idx.astype(dtype)
+    name = jnp.dtype(dtype).name
+    with pytest.raises(TypeError, match=f"dispatch: topk_idx must be int32, got {name}"):
+        _trace(mesh, _dispatch(buffer), x, idx, w)
+    with pytest.raises(TypeError, match=f"get_dispatch_layout: topk_idx must be int32, got {name}"):
+        _trace(mesh, lambda idx: dej.get_dispatch_layout(idx, num_experts=E, buffer=buffer), idx)
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    with pytest.raises(TypeError, match=f"low_latency_dispatch: topk_idx must be int32, got {name}"):
+        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
 
 
 def test_num_experts_not_divisible(mesh, buffer):
@@ -195,13 +228,60 @@ def test_low_latency_bad_arguments(mesh):
 def test_checks_mode_raises_on_bad_data(mesh):
     buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True))
     x, idx, w = _inputs()
-    f = dt.per_rank(_dispatch(buffer), mesh, "ep")
-    jax.block_until_ready(f(x, idx, w))  # good data passes
-    with pytest.raises(Exception, match=r"topk_idx holds expert ids outside \[-1, 8\)"):
-        jax.block_until_ready(f(x, idx.at[3, 1].set(E + 5), w))
-    g = dt.per_rank(_dispatch(buffer, num_worst_tokens=4), mesh, "ep")
-    with pytest.raises(Exception, match="more rows arrived than num_worst_tokens=4"):
-        jax.block_until_ready(g(x, idx, w))
+    f = dej.checked(dt.per_rank(_dispatch(buffer), mesh, "ep"))
+    f(x, idx, w)  # good data passes
+    with pytest.raises(dej.CheckError) as error:
+        f(x, idx.at[3, 1].set(E + 5).at[30, 0].set(-2), w)
+    # One error, one line: every rank reports it, once.
+    assert str(error.value) == "dispatch: topk_idx holds expert ids outside [-1, 8) (on 2 of 4 ranks)"
+    g = dej.checked(dt.per_rank(_dispatch(buffer, num_worst_tokens=4), mesh, "ep"))
+    with pytest.raises(dej.CheckError, match=r"dispatch: more rows arrived than num_worst_tokens=4; .* of 4 ranks\)$"):
+        g(x, idx, w)
+    f(x, idx, w)  # nothing left over from the failures
+
+
+def test_checks_mode_layout_and_low_latency(mesh):
+    config = dej.Config(checks=True)
+    x, idx, _ = _inputs()
+    bad = idx.at[0, 0].set(E)
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=config)
+    layout = dej.checked(dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=E, buffer=buffer), mesh, "ep"))
+    layout(idx)
+    with pytest.raises(dej.CheckError, match=r"^get_dispatch_layout: topk_idx holds expert ids outside \[-1, 8\)"):
+        layout(bad)
+    ll = dej.Buffer(mesh, "ep", backend="xla", config=config, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    dispatch = dej.checked(dt.per_rank(lambda x, i: dej.low_latency_dispatch(
+        x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), mesh, "ep"))
+    dispatch(x, idx)
+    with pytest.raises(dej.CheckError, match=r"^low_latency_dispatch: topk_idx holds expert ids outside \[-1, 8\)"):
+        dispatch(x, bad)
+
+
+def test_checks_mode_without_checked_raises_quietly(tmp_path):
+    """Unwrapped, the program fails with JAX's error, whose last line is the
+    CheckError: no traceback per rank, none at exit."""
+    script = tmp_path / "unwrapped.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "import deep_ep_jax as dej\n"
+        "from deep_ep_jax import testing as dt\n"
+        "mesh = dt.ep_mesh(8, platform='cpu')\n"
+        "buffer = dej.Buffer(mesh, 'ep', backend='xla', config=dej.Config(checks=True))\n"
+        "idx = jnp.full((64, 2), 99, jnp.int32)\n"
+        "f = dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=16, buffer=buffer), mesh, 'ep')\n"
+        "try:\n"
+        "    jax.block_until_ready(f(idx))\n"
+        "except Exception as e:\n"
+        "    print('RAISED', type(e).__name__, str(e).splitlines()[-1])\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(dej.__file__)))  # deep_ep_jax, installed or not
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    want = "CheckError: get_dispatch_layout: topk_idx holds expert ids outside [-1, 16) (on 8 of 8 ranks)"
+    assert f"RAISED JaxRuntimeError {want}" in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 def test_out_of_range_ids_are_ignored_without_checks(mesh, buffer):

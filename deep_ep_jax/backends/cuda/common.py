@@ -139,6 +139,20 @@ def scales_or_empty(xs, num_tokens):
     return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
 
 
+def dispatch_call(target: FfiTarget, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, attrs,
+                  scratch_types=None):
+    """The dispatch of either path (internode adds its scratch results): rows
+    (and scales), top-k ids and weights in; (recv_xs, recv_topk_idx,
+    recv_topk_weights or None, handle) out."""
+    num_tokens, num_topk = topk_idx.shape
+    weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
+    out_types = dict(dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts),
+                     **(scratch_types or {}))
+    out = target(out_types, xs[0], scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
+                 jnp.asarray(weights, jnp.float32), num_experts=np.int64(num_experts), **attrs)
+    return dispatch_results(out, xs, topk_weights)
+
+
 def cached_dispatch_call(target: FfiTarget, xs, topk_weights, handle, attrs, scratch_types=None):
     """The cached dispatch of either path (internode adds its scratch
     results): rows (and scales), weights, the handle's send positions and

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import common
@@ -73,12 +72,8 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
     common.check_num_experts(fn, num_experts, num_ranks)
-    weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
-    out_types = common.dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts)
-    out = DISPATCH(dict(out_types, **_node_pos(num_tokens, buffer)),
-                   xs[0], common.scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
-                   jnp.asarray(weights, jnp.float32), num_experts=np.int64(num_experts), **common.launch_attrs(buffer))
-    return common.dispatch_results(out, xs, topk_weights)
+    return common.dispatch_call(DISPATCH, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
+                                common.launch_attrs(buffer), scratch_types=_node_pos(num_tokens, buffer))
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):

@@ -72,11 +72,8 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_num_experts(fn, num_experts, num_ranks)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
-    weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
-    out = DISPATCH(common.dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts),
-                   xs[0], common.scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
-                   jnp.asarray(weights, jnp.float32), num_experts=np.int64(num_experts), **_attrs(buffer))
-    return common.dispatch_results(out, xs, topk_weights)
+    return common.dispatch_call(DISPATCH, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
+                                _attrs(buffer))
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):

@@ -146,8 +146,12 @@ def _half(targets, buffer):
     return overlapped if buffer.config.low_latency_overlap_sms else on_stream
 
 
-def _check_pending(pending, buffer, fn):
-    """A receive must be of the same flavour as its send (overlapped or not)."""
+def _check_pending(pending, kind, buffer, fn):
+    """A receive takes what its own kind of CUDA send returned, of the same
+    flavour (overlapped or not)."""
+    if not isinstance(pending, kind):
+        send = fn.replace("_recv", "_send")
+        raise TypeError(f"{fn}: pending must come from the CUDA {send}, got {type(pending).__name__}")
     if bool(pending.keep_alive) != bool(buffer.config.low_latency_overlap_sms):
         raise ValueError(
             f"{fn}: the send was {'' if pending.keep_alive else 'not '}overlapped but this buffer's "
@@ -227,12 +231,7 @@ def low_latency_dispatch_send(
 
 
 def low_latency_dispatch_recv(pending, *, buffer):
-    if not isinstance(pending, DispatchPending):
-        raise TypeError(
-            f"low_latency_dispatch_recv: pending must come from the CUDA low_latency_dispatch_send, "
-            f"got {type(pending).__name__}"
-        )
-    _check_pending(pending, buffer, "low_latency_dispatch_recv")
+    _check_pending(pending, DispatchPending, buffer, "low_latency_dispatch_recv")
     out = _call(_half(DISPATCH_RECV, buffer), _dispatch_out_types(pending, buffer),
                 (pending.token,) + pending.keep_alive, buffer, num_topk=np.int64(pending.num_topk))
     return _dispatch_results(pending, out)
@@ -286,12 +285,7 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
 
 
 def low_latency_combine_recv(pending, *, buffer):
-    if not isinstance(pending, CombinePending):
-        raise TypeError(
-            f"low_latency_combine_recv: pending must come from the CUDA low_latency_combine_send, "
-            f"got {type(pending).__name__}"
-        )
-    _check_pending(pending, buffer, "low_latency_combine_recv")
+    _check_pending(pending, CombinePending, buffer, "low_latency_combine_recv")
     num_tokens = pending.topk_idx.shape[0]
     out = _call(_half(COMBINE_RECV, buffer), dict(out=jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16)),
                 (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive, buffer,

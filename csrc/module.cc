@@ -308,6 +308,36 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
   cudaSetDevice(previous);
 }
 
+// Test hook: marks the buffer's regions on this process's devices as if a
+// call were running there (normal and low-latency), so that the next call
+// stops as overlapping (kernels/device.cuh, EnterCall). Synchronises first.
+void MarkCallRunningForTesting(int64_t buffer_id) {
+  SynchronizeBuffer(buffer_id);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
+    cudaError_t err = cudaSetDevice(s.device_ordinal);
+    if (err == cudaSuccess && s.normal.local != nullptr) {
+#ifdef DEEP_EP_JAX_WITH_NVSHMEM
+      err = s.nvshmem ? internode::MarkCallRunningForTesting(s.normal.local)
+                      : intranode::MarkCallRunningForTesting(s.normal.local);
+#else
+      err = intranode::MarkCallRunningForTesting(s.normal.local);
+#endif
+    }
+    if (err == cudaSuccess && s.low_latency.local != nullptr) {
+      err = low_latency::MarkCallRunningForTesting(s.low_latency.local);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(previous);
+      throw std::runtime_error(std::string("mark_call_running_for_testing on device ") +
+                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
+    }
+  }
+  cudaSetDevice(previous);
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -364,6 +394,10 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: every sequence number of the buffer (normal and low-latency, this process's devices) and its "
         "flags set as if `seq` calls had run (seq in [-2^31, 2^32), modulo 2^32); synchronises the devices first");
+  m.def("mark_call_running_for_testing", &MarkCallRunningForTesting, py::arg("buffer_id"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Test hook: the buffer's regions on this process's devices marked as if a call were running there, so the "
+        "next call stops as overlapping; synchronises the devices first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

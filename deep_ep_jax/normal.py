@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from deep_ep_jax import ordering
 from deep_ep_jax import validation as v
 from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.handle import DispatchHandle
@@ -72,7 +73,9 @@ def dispatch(
             f"got {num_worst_tokens!r}"
         )
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
-    recv_xs, recv_idx, recv_w, handle = _dispatch(xs, topk_weights, topk_idx, num_experts, int(num_worst_tokens), buffer)
+    (recv_xs, recv_idx, recv_w, handle), order = _dispatch(xs, topk_weights, topk_idx, ordering.take(buffer), num_experts,
+                                                           int(num_worst_tokens), buffer)
+    ordering.put(buffer, order)
     if buffer.config.checks:
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
         v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)])
@@ -100,7 +103,8 @@ def combine(
         shape, dtype = tuple(topk_weights.shape), jnp.dtype(topk_weights.dtype)
         if dtype != jnp.float32 or len(shape) != 2 or shape[0] != num_rows:
             raise TypeError(f"{fn}: topk_weights must be float32 [{num_rows}, topk], got {dtype} {shape}")
-    out, out_w = _combine(x, topk_weights, handle, buffer)
+    (out, out_w), order = _combine(x, topk_weights, handle, ordering.take(buffer), buffer)
+    ordering.put(buffer, order)
     return out if topk_weights is None else (out, out_w)
 
 
@@ -109,24 +113,35 @@ def _bad_ids_message(fn, num_experts):
 
 
 # Gradients -----------------------------------------------------------------
+#
+# The custom_vjp functions take the Buffer's order state and return the next
+# one (deep_ep_jax.ordering): their bodies may be traced apart from the
+# caller, and the chain of calls must run through them. The backward rules
+# run in the caller's trace and take the state there.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _dispatch(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer):
-    return buffer.ops.dispatch(
+def _ordered(buffer, order, op):
+    """op()'s results and the Buffer's order state after it, op's calls chained after `order`."""
+    ordering.put(buffer, order)
+    return op(), ordering.take(buffer)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
+    return _ordered(buffer, order, lambda: buffer.ops.dispatch(
         xs, topk_idx, topk_weights, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
-    )
+    ))
 
 
-def _dispatch_fwd(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer):
-    out = _dispatch(xs, topk_weights, topk_idx, num_experts, num_worst_tokens, buffer)
-    _, recv_idx, _, handle = out
+def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
+    out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer)
+    (_, recv_idx, _, handle), _ = out
     return out, (handle, recv_idx, xs[0].shape)
 
 
 def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
     handle, recv_idx, x_shape = residuals
-    g_recv_xs, _, g_recv_w, _ = cotangents
+    (g_recv_xs, _, g_recv_w, _), _ = cotangents
     # Weights of experts on other ranks arrive as constant zeros.
     g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
     if len(g_recv_xs) == 1:
@@ -136,30 +151,30 @@ def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
         rows = jnp.zeros((num_worst_tokens, x_shape[1]), jnp.bfloat16)
         _, g_w = buffer.ops.combine(rows, g_recv_w, handle, buffer=buffer)
         g_xs = tuple(jnp.zeros_like(g) for g in g_recv_xs)
-    return g_xs, g_w, None
+    return g_xs, g_w, None, None
 
 
 _dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _combine(x, topk_weights, handle, buffer):
-    return buffer.ops.combine(x, topk_weights, handle, buffer=buffer)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _combine(x, topk_weights, handle, order, buffer):
+    return _ordered(buffer, order, lambda: buffer.ops.combine(x, topk_weights, handle, buffer=buffer))
 
 
-def _combine_fwd(x, topk_weights, handle, buffer):
-    return _combine(x, topk_weights, handle, buffer), handle
+def _combine_fwd(x, topk_weights, handle, order, buffer):
+    return _combine(x, topk_weights, handle, order, buffer), handle
 
 
 def _combine_bwd(buffer, handle, cotangents):
-    g_out, g_out_w = cotangents
+    (g_out, g_out_w), _ = cotangents
     (g_x,), g_w = buffer.ops.cached_dispatch((g_out,), g_out_w, handle, buffer=buffer)
     # Padding rows did not contribute to the output.
     valid = handle.recv_src_idx >= 0
     g_x = jnp.where(valid[:, None], g_x, jnp.zeros((), g_x.dtype))
     if g_w is not None:
         g_w = jnp.where(valid[:, None], g_w, 0.0)
-    return g_x, g_w, jax.tree.map(lambda _: None, handle)
+    return g_x, g_w, jax.tree.map(lambda _: None, handle), None
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)

@@ -428,14 +428,14 @@ def case_internode_handler_checks():
         w = jnp.ones((num_tokens, topk), jnp.float32)
         out_types = dict(common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
                          node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
-        return internode.DISPATCH(out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
+        return internode.DISPATCH(buffer, out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
                                   num_experts=np.int64(num_experts), **common.launch_attrs(buffer))
 
     def combine(hidden):
         rows = num_tokens * num_ranks
         out_types = dict(out=jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
                          out_weights=jax.ShapeDtypeStruct((num_tokens, 0), jnp.float32))
-        return internode.COMBINE(out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
+        return internode.COMBINE(buffer, out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
                                  jnp.zeros((num_tokens, num_ranks), jnp.int32), jnp.zeros((), jnp.int32),
                                  jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
                                  **common.launch_attrs(buffer))

@@ -24,8 +24,10 @@ def test_declared_results():
     declared = lifecycle.declared_ffi_outputs()
     targets = [t for m in (layout, intranode, internode, low_latency) for t in m.TARGETS]
     assert len(declared) == len(targets) == 17  # each of csrc/ffi/*.cc, once
-    assert declared["deep_ep_jax_dispatch"][4:] == tuple(f for f in dej.DispatchHandle.__dataclass_fields__)
-    assert declared["deep_ep_jax_internode_dispatch"] == declared["deep_ep_jax_dispatch"] + ("node_pos",)
+    assert declared["deep_ep_jax_dispatch"][4:-1] == tuple(f for f in dej.DispatchHandle.__dataclass_fields__)
+    for name, results in declared.items():  # every call that communicates returns its Buffer's order state last
+        assert (results[-1] == "order_out") == (name != "deep_ep_jax_get_dispatch_layout"), name
+    assert declared["deep_ep_jax_internode_dispatch"] == declared["deep_ep_jax_dispatch"][:-1] + ("node_pos", "order_out")
     for name, results in declared.items():
         assert len(set(results)) == len(results), name
         if name.endswith("_overlapped"):  # the same results as the half on XLA's stream
@@ -60,7 +62,7 @@ def test_launch_bounds_are_the_kernels():
 def test_ffi_target_results_by_name():
     target = common.FfiTarget("deep_ep_jax_test", ("a", "b"))
     with pytest.raises(TypeError, match=r"out_types names \['a'\], the target returns \('a', 'b'\)"):
-        target(dict(a=jax.ShapeDtypeStruct((1,), jnp.int32)))
+        target(None, dict(a=jax.ShapeDtypeStruct((1,), jnp.int32)))
 
 
 def test_ops_of_modules():

@@ -65,9 +65,10 @@ def test_halves_lower_to_their_flavour(overlap_sms):
     assert f"max_blocks = {overlap_sms} : i64" in combine_send_attrs
     # The receive skips top-k ids outside [0, E) itself: it is told E.
     assert f"num_experts = {NUM_EXPERTS} : i64" in combine_recv_attrs
-    # The token, then (overlapped) the send's inputs: x and topk_idx; x and the handle's four arrays.
-    assert recv_operands == (1 + 2 if overlap_sms else 1)
-    assert combine_recv_operands == (3 + 5 if overlap_sms else 3)
+    # The order state and the token, then (overlapped) the send's inputs: x and topk_idx; x and the handle's
+    # four arrays.
+    assert recv_operands == (2 + 2 if overlap_sms else 2)
+    assert combine_recv_operands == (4 + 5 if overlap_sms else 4)
 
 
 @extension
@@ -108,12 +109,13 @@ def test_overlap_places_compute_between_the_halves():
         return cll.low_latency_dispatch_recv(pending, buffer=buffer), z
 
     text = jax.jit(step).lower(*_ARGS).as_text()
-    send = re.search(r"(%\d+) = stablehlo.custom_call @deep_ep_jax_low_latency_dispatch_send", text).group(1)
+    send = re.search(r"(%\d+):2 = stablehlo.custom_call @deep_ep_jax_low_latency_dispatch_send", text).group(1)
+    send += "#0"  # its token (then its order state)
     first, second = re.findall(r"(%\d+):\d+ = stablehlo.optimization_barrier (.*) :", text)
     assert send in first[1].split(", ")  # the compute's inputs wait for the send ...
     dot = re.search(r"stablehlo.dot_general (%\S+),", text).group(1)
     assert dot.startswith(first[0] + "#")  # ... the compute reads them ...
     tanh = re.search(r"(%\d+) = stablehlo.tanh", text).group(1)
     assert tanh in second[1].split(", ")  # ... and the receive waits for its result
-    recv = re.search(r"custom_call @deep_ep_jax_low_latency_dispatch_recv_overlapped\((%[^,)]+)", text).group(1)
+    recv = re.search(r"custom_call @deep_ep_jax_low_latency_dispatch_recv_overlapped\(%[^,)]+, (%[^,)]+)", text).group(1)
     assert recv.startswith(second[0] + "#")

@@ -36,6 +36,14 @@ ffi::Error Launched(const char* fn, cudaError_t err) {
   return ffi::Error::Internal(std::string(fn) + ": launch failed: " + cudaGetErrorString(err));
 }
 
+ffi::Error CheckCallOrder(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
+                          CallOrder* call) {
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "order", order.dimensions(), {1}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "order_out", order_out->dimensions(), {1}));
+  *call = CallOrder{order.typed_data(), order_out->typed_data()};
+  return ffi::Error::Success();
+}
+
 ffi::Error FindBuffer(const char* fn, int64_t buffer_id, int device, const DeviceState** state) {
   *state = FindDeviceState(buffer_id, device);
   if (*state != nullptr) return ffi::Error::Success();

@@ -15,6 +15,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "common/call_order.h"
 #include "common/limits.h"
 #include "ffi/registration.h"
 #include "runtime/registry.h"
@@ -36,6 +37,9 @@ ffi::Error Launched(const char* fn, cudaError_t err);
 
 // The buffer's state on this device (*state), or Invalid when it has none.
 ffi::Error FindBuffer(const char* fn, int64_t buffer_id, int device, const DeviceState** state);
+// The order state's operand and result as int32 [1], as the kernels' CallOrder.
+ffi::Error CheckCallOrder(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
+                          CallOrder* call);
 // Normal mode's launch knobs against the kernels' bounds.
 ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int64_t num_warps, int max_warps,
                             int64_t timeout_ns);
@@ -101,6 +105,10 @@ ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_rank
 #define DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET) \
   RET(ffi::Buffer<ffi::BF16>, out)           \
   RET(ffi::Buffer<ffi::F32>, out_weights)
+// Every target that communicates takes its Buffer's order state first and
+// returns it last, aliased (common/call_order.h).
+#define DEEP_EP_JAX_ORDER_ARG(ARG) ARG(ffi::Buffer<ffi::S32>, order)
+#define DEEP_EP_JAX_ORDER_RET(RET) RET(ffi::Buffer<ffi::S32>, order_out)
 // Launch knobs of both paths (backends/cuda/common.py's launch_attrs; the
 // one-host kernels also take chunk_tokens and staged).
 #define DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \

@@ -21,29 +21,36 @@ namespace {
 // What each target binds (ffi/registration.h), after the shared parts of
 // normal mode (ffi/common.h); node_pos is the kernels' scratch.
 #define INTERNODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                               \
   DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
   DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
   RET(ffi::Buffer<ffi::S32>, node_pos)                     \
+  DEEP_EP_JAX_ORDER_RET(RET)                               \
   ATTR(int64_t, buffer_id)                                 \
   ATTR(int64_t, num_experts)                               \
   DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
 #define INTERNODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                                      \
   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
   RET(ffi::Buffer<ffi::S32>, node_pos)                            \
+  DEEP_EP_JAX_ORDER_RET(RET)                                      \
   ATTR(int64_t, buffer_id)                                        \
   DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
 #define INTERNODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                              \
   DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
   ARG(ffi::Buffer<ffi::S32>, recv_src_idx)                \
   ARG(ffi::Buffer<ffi::S32>, recv_src_rank)               \
   DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
+  DEEP_EP_JAX_ORDER_RET(RET)                              \
   ATTR(int64_t, buffer_id)                                \
   DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
 
 // The buffer's state on this device (an NVSHMEM buffer with a normal region) and the launch knobs.
-ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps,
-                   int64_t timeout_ns, const DeviceState** state, internode::LaunchConfig* config) {
+ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
+                   int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
+                   const DeviceState** state, internode::LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   if (!(*state)->nvshmem || (*state)->normal.local == nullptr) {
     return Invalid(fn, "the buffer is not an NVSHMEM buffer with a normal region (an EP group across hosts)");
@@ -54,7 +61,7 @@ ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sm
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckLaunchKnobs(fn, num_sms, internode::kMaxBlocks, num_warps, internode::kMaxWarps, timeout_ns));
   *config = internode::LaunchConfig{int(num_sms), int(num_warps), uint64_t(timeout_ns)};
-  return ffi::Error::Success();
+  return CheckCallOrder(fn, order, order_out, &config->order);
 }
 
 ffi::Error CheckRegion(const char* fn, const DeviceState& state, size_t needed) {
@@ -91,7 +98,7 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   constexpr const char* fn = "deep_ep_jax_internode_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
@@ -128,7 +135,7 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   constexpr const char* fn = "deep_ep_jax_internode_cached_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
@@ -156,7 +163,7 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   constexpr const char* fn = "deep_ep_jax_internode_combine";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
                                                DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));

@@ -29,29 +29,35 @@ using intranode::kMaxRowArrays;
   ATTR(int64_t, chunk_tokens)           \
   ATTR(int64_t, staged)
 #define INTRANODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                               \
   DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
   DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
+  DEEP_EP_JAX_ORDER_RET(RET)                               \
   ATTR(int64_t, buffer_id)                                 \
   ATTR(int64_t, num_experts)                               \
   INTRANODE_LAUNCH_ATTRS(ATTR)
 #define INTRANODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                                      \
   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
+  DEEP_EP_JAX_ORDER_RET(RET)                                      \
   ATTR(int64_t, buffer_id)                                        \
   INTRANODE_LAUNCH_ATTRS(ATTR)
 #define INTRANODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                              \
   DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
   ARG(ffi::Buffer<ffi::S32>, rank_prefix_matrix)          \
   DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
+  DEEP_EP_JAX_ORDER_RET(RET)                              \
   ATTR(int64_t, buffer_id)                                \
   INTRANODE_LAUNCH_ATTRS(ATTR)
 
 // The buffer's state on this device (with a normal region) and the launch
 // knobs. Multi-process buffers (state->ipc) are always staged: peers in other
 // processes reach only the Buffer's regions, never XLA's buffers.
-ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps,
-                   int64_t timeout_ns, int64_t chunk_tokens, int64_t staged, const DeviceState** state,
-                   LaunchConfig* config) {
+ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
+                   int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
+                   int64_t chunk_tokens, int64_t staged, const DeviceState** state, LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   if ((*state)->normal.local == nullptr) return Invalid(fn, "buffer " + Str(buffer_id) + " has no normal-mode region");
   DEEP_EP_JAX_RETURN_IF_ERROR(
@@ -61,7 +67,7 @@ ffi::Error Prepare(const char* fn, int64_t buffer_id, int device, int64_t num_sm
   }
   *config = LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns),
                          staged != 0 || (*state)->ipc};
-  return ffi::Error::Success();
+  return CheckCallOrder(fn, order, order_out, &config->order);
 }
 
 // Staged calls land rows in the normal region: it must hold this call's.
@@ -85,7 +91,7 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -124,7 +130,7 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -154,7 +160,7 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};

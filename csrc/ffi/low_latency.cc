@@ -50,40 +50,52 @@ using low_latency::Peers;
   ARG(ffi::Buffer<ffi::F32>, topk_weights)
 
 #define LL_DISPATCH_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                             \
   LL_DISPATCH_SEND_ARGS(ARG)                             \
   RET(ffi::Buffer<ffi::S32>, token)                      \
+  DEEP_EP_JAX_ORDER_RET(RET)                             \
   LL_DISPATCH_SEND_ATTRS(ATTR)                           \
   ATTR(int64_t, max_blocks)
 #define LL_DISPATCH_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                             \
   ARG(ffi::Buffer<ffi::S32>, token)                      \
   REMAINING_ARGS(keep_alive)                             \
   LL_DISPATCH_RECV_RETS(RET)                             \
+  DEEP_EP_JAX_ORDER_RET(RET)                             \
   ATTR(int64_t, buffer_id)                               \
   ATTR(int64_t, num_topk)                                \
   ATTR(int64_t, timeout_ns)
 #define LL_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                        \
   LL_DISPATCH_SEND_ARGS(ARG)                        \
   LL_DISPATCH_RECV_RETS(RET)                        \
+  DEEP_EP_JAX_ORDER_RET(RET)                        \
   LL_DISPATCH_SEND_ATTRS(ATTR)
 #define LL_COMBINE_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                            \
   LL_COMBINE_SEND_ARGS(ARG)                             \
   RET(ffi::Buffer<ffi::S32>, token)                     \
+  DEEP_EP_JAX_ORDER_RET(RET)                            \
   ATTR(int64_t, buffer_id)                              \
   ATTR(int64_t, num_topk)                               \
   ATTR(int64_t, timeout_ns)                             \
   ATTR(int64_t, max_blocks)
 #define LL_COMBINE_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                            \
   ARG(ffi::Buffer<ffi::S32>, token)                     \
   LL_COMBINE_RECV_ARGS(ARG)                             \
   REMAINING_ARGS(keep_alive)                            \
   RET(ffi::AnyBuffer, out)                              \
+  DEEP_EP_JAX_ORDER_RET(RET)                            \
   ATTR(int64_t, buffer_id)                              \
   ATTR(int64_t, num_experts)                            \
   ATTR(int64_t, timeout_ns)
 #define LL_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
+  DEEP_EP_JAX_ORDER_ARG(ARG)                       \
   LL_COMBINE_SEND_ARGS(ARG)                        \
   LL_COMBINE_RECV_ARGS(ARG)                        \
   RET(ffi::AnyBuffer, out)                         \
+  DEEP_EP_JAX_ORDER_RET(RET)                       \
   ATTR(int64_t, buffer_id)                         \
   ATTR(int64_t, num_experts)                       \
   ATTR(int64_t, timeout_ns)
@@ -326,9 +338,12 @@ ffi::Error SideStreamError(const char* fn, const SideStreamStatus& status) {
 // side stream.
 template <bool kOverlapped, typename Args>
 ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buffer_id,
-                      ffi::ResultBuffer<ffi::S32>& token, int64_t max_blocks, Args& args,
+                      ffi::ResultBuffer<ffi::S32>& token, const CallOrder& order, int64_t max_blocks, Args& args,
                       cudaError_t (*launch)(const Args&, int, cudaStream_t)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token->dimensions()));
+  // Overlapped, the send may run after XLA's next calls, which read and
+  // write the order state: it takes none (its tag names its kind only).
+  args.order = kOverlapped ? CallOrder{nullptr, nullptr} : order;
   cudaStream_t stream;
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginSend(device, buffer_id, xla, kOverlapped, &stream)));
   args.token = token->typed_data();
@@ -345,9 +360,11 @@ template <bool kOverlapped>
 ffi::Error DispatchSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_SEND)) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
+  CallOrder call{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
                                                   use_fp8, round_scale, timeout_ns, &args));
-  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, max_blocks, args,
+  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
 
@@ -358,6 +375,8 @@ ffi::Error DispatchRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_RECV)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
                                                   recv_src_token, recv_src_topk, buffer_id, num_topk, timeout_ns,
                                                   &args));
+  CallOrder call{};  // the position passes through: the send took this operation's
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
   args.token = token.typed_data();
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
@@ -369,6 +388,7 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
                                                   use_fp8, round_scale, timeout_ns, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
@@ -384,9 +404,11 @@ template <bool kOverlapped>
 ffi::Error CombineSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_SEND)) {
   constexpr const char* fn = "low_latency_combine_send";
   low_latency::CombineSendArgs args{};
+  CallOrder call{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
                                                  recv_src_topk, buffer_id, num_topk, timeout_ns, &args));
-  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, max_blocks, args,
+  return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).combine_send);
 }
 
@@ -396,6 +418,8 @@ ffi::Error CombineRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_RECV)) {
   low_latency::CombineRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
       PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts, timeout_ns, &args));
+  CallOrder call{};  // the position passes through: the send took this operation's
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
   args.token = token.typed_data();
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
@@ -409,6 +433,7 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE)) {
   low_latency::CombineRecvArgs recv{};
   const Dims idx_dims = topk_idx.dimensions();
   const int64_t num_topk = idx_dims.size() == 2 ? idx_dims[1] : 0;
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
                                                  recv_src_topk, buffer_id, num_topk, timeout_ns, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(

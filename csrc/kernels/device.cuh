@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "common/call_order.h"
 #include "common/limits.h"
 
 namespace deep_ep_jax {
@@ -137,6 +138,58 @@ __device__ __forceinline__ void CheckPeerLaunch(int mine, int theirs, const char
          mode, rank, mine, what, peer, theirs);
   __trap();
 }
+
+// ---------------------------------------------------------------------------
+// Calls of one Buffer (common/call_order.h): one at a time on each device, at
+// the same position of the chain on every rank. Both checks print what they
+// found and trap, as a timeout does.
+
+__device__ __forceinline__ const char* CallKindName(int kind) {
+  switch (kind) {
+    case kDispatchCall: return "dispatch";
+    case kCachedDispatchCall: return "cached_dispatch";
+    case kCombineCall: return "combine";
+    case kLowLatencyDispatchCall: return "low-latency dispatch";
+    case kLowLatencyCombineCall: return "low-latency combine";
+    default: return "unknown call";
+  }
+}
+
+// By the one thread of the call that publishes its tag: takes the call's
+// position, writes the next one to XLA's result, returns the tag.
+// Without an order (an overlapped low-latency send, which runs beside XLA's
+// stream and must not touch XLA's buffers) the tag names the kind only.
+__device__ __forceinline__ int TakeCallTag(const CallOrder& order, int kind) {
+  if (order.position == nullptr) return kind;
+  const int position = *order.position;
+  *order.next_position = position + 1;
+  return position * kNumCallKinds + kind;
+}
+
+// A peer's tag against this rank's, once the peer's flag for this call (its
+// sequence number) has been acquired.
+__device__ __forceinline__ void CheckPeerCall(int mine, int theirs, int rank, int peer) {
+  if (theirs == mine) return;
+  printf("deep_ep_jax call order mismatch: rank %d is at call %d (%s) of its program on this Buffer, peer %d at "
+         "call %d (%s): the ranks ran the Buffer's calls in different orders (see docs/design.md, \"Calls of one "
+         "Buffer\")\n",
+         rank, mine / kNumCallKinds, CallKindName(mine % kNumCallKinds), peer, theirs / kNumCallKinds,
+         CallKindName(theirs % kNumCallKinds));
+  __trap();
+}
+
+// First and last thing of a call on this device (one thread each): *active
+// is 1 while a call of the Buffer runs here.
+__device__ __forceinline__ void EnterCall(int* active, int kind, int rank) {
+  if (atomicExch(active, 1) == 0) return;
+  printf("deep_ep_jax overlapping calls: a %s entered on rank %d while another call of the same Buffer was still "
+         "running there; calls of one Buffer must run one at a time (see docs/design.md, \"Calls of one "
+         "Buffer\")\n",
+         CallKindName(kind), rank);
+  __trap();
+}
+
+__device__ __forceinline__ void LeaveCall(int* active) { atomicExch(active, 0); }
 
 // Before a warp's NVSHMEM put (nvshmemx_*_warp) of bytes its lanes have just
 // written to the send area, by every lane. The transport reads that source

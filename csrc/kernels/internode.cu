@@ -21,7 +21,7 @@ constexpr int kNotifyThreads = 1024;
 constexpr int kFinishThreads = 1024;
 constexpr int kCopyThreads = 512;
 
-enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
+enum Mode : int { kDispatch = kDispatchCall, kCachedDispatch = kCachedDispatchCall, kCombine = kCombineCall };
 
 __device__ const char* ModeName(int mode) {
   return mode == kDispatch ? "internode dispatch" : mode == kCachedDispatch ? "internode cached_dispatch"
@@ -33,7 +33,8 @@ __device__ const char* ModeName(int mode) {
 // NVSHMEM puts and atomic sets), this rank only reads them.
 struct Control {
   int seq;  // calls so far on this rank (every rank makes the same calls)
-  int pad[31];
+  int active;  // 1 while a call runs on this device (EnterCall)
+  int pad[30];
   int ready[kMaxRanks];                    // [src]: src entered this call; its counts below are here
   // [parity of seq][src][...]: a peer may already publish the next call's
   // counts while this rank still reads this call's, never two calls ahead
@@ -41,6 +42,7 @@ struct Control {
   int counts[2][kMaxRanks][kMaxRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
   int node_counts[2][kMaxRanks][kMaxRanks];  // [.][src][node]: tokens src sends to host `node`
   int num_blocks[2][kMaxRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
+  int calls[2][kMaxRanks];                   // [.][src]: src's call tag (CheckPeerCall)
   int rdma_done[kMaxRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
   int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
@@ -111,6 +113,7 @@ struct NotifyArgs {
   int* node_pos;
   int* num_recv_tokens;
   int* num_dropped_tokens;
+  CallOrder order;
 };
 
 __device__ __forceinline__ uint32_t RankMaskOf(const Group& g, const NotifyArgs& a, int t) {
@@ -133,7 +136,7 @@ __device__ __forceinline__ uint32_t NodeMaskOf(const Group& g, uint32_t rank_mas
 __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyArgs a) {
   __shared__ int warp_sums[kWarpSize * kMaxRanks];
   __shared__ int totals[kMaxRanks], node_totals[kMaxRanks], first_row[kMaxRanks];
-  __shared__ int shared_seq;
+  __shared__ int shared_seq, shared_tag;
   const int R = g.num_ranks, me = g.rank;
   const bool dispatch = a.mode == kDispatch;
   Control* control = g.control();
@@ -156,11 +159,13 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   BlockExclusiveScan(node_offset, g.num_nodes, warp_sums, node_totals);
 
   if (threadIdx.x == 0) {
+    EnterCall(&control->active, a.mode, me);
+    shared_tag = TakeCallTag(a.order, a.mode);
     shared_seq = NextSeq(LoadVolatile(&control->seq));  // wrapping (device.cuh)
     control->seq = shared_seq;
   }
   __syncthreads();
-  const int seq = shared_seq;
+  const int seq = shared_seq, tag = shared_tag;
   if (dispatch && int(threadIdx.x) < R) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
 
   // Thread `peer` publishes this rank's counts and grid to peer, then waits for peer's (and checks its grid).
@@ -171,10 +176,12 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
     }
     for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
     g.PutInt(peer, &control->num_blocks[seq & 1][me], a.num_blocks);
+    g.PutInt(peer, &control->calls[seq & 1][me], tag);
     CompleteWrites();
     g.Signal(peer, &control->ready[me], seq);
     WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
                 peer, -1);
+    CheckPeerCall(tag, LoadVolatile(&control->calls[seq & 1][peer]), me, peer);
     CheckPeerLaunch(a.num_blocks, LoadVolatile(&control->num_blocks[seq & 1][peer]), ModeName(a.mode),
                     "blocks (Config.num_sms)", me, peer);
   }
@@ -536,6 +543,10 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   }
 }
 
+// Last of every call: the next call may enter (EnterCall). Its own launch:
+// the calls end with kernels of many blocks that read this rank's region.
+__global__ void LeaveKernel(Group g) { LeaveCall(&g.control()->active); }
+
 // ---------------------------------------------------------------------------
 // Host side.
 
@@ -558,6 +569,7 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
 NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c) {
   NotifyArgs n{};
   n.mode = mode;
+  n.order = c.order;
   n.num_blocks = c.num_blocks;
   n.num_tokens = num_tokens;
   return n;
@@ -567,11 +579,17 @@ NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c) {
 
 
 
+cudaError_t MarkCallRunningForTesting(char* region) {
+  const int running = 1;
+  return cudaMemcpy(region + offsetof(Control, active), &running, sizeof(running), cudaMemcpyHostToDevice);
+}
+
 cudaError_t SetSequenceForTesting(char* region, int seq) {
   Control control;
   cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
   if (err != cudaSuccess) return err;
   control.seq = seq;
+  control.active = 0;
   for (int& flag : control.ready) flag = seq;
   for (auto& flags : control.rdma_done) {
     for (int& flag : flags) flag = seq;
@@ -634,6 +652,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   copy.L = L;
   // Nothing of this call overlaps the copy: it takes every SM.
   CopyOutKernel<<<DeviceSmCount(state.device_ordinal), kCopyThreads, 0, stream>>>(g, copy);
+  LeaveKernel<<<1, 1, 0, stream>>>(g);
   return cudaGetLastError();
 }
 
@@ -648,6 +667,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const int threads = c.num_warps * kWarpSize;
   CombineSendKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
   CombineRecvKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+  LeaveKernel<<<1, 1, 0, stream>>>(g);
   return cudaGetLastError();
 }
 

@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/call_order.h"
 #include "common/limits.h"
 #include "runtime/registry.h"
 
@@ -53,6 +54,7 @@ struct LaunchConfig {
   int num_blocks;
   int num_warps;
   uint64_t timeout_ns;
+  CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
 };
 
 // Shapes of one call: they fix the region's layout (identical on every rank,
@@ -165,6 +167,9 @@ struct CombineParams {
 // one), so a test can start just below a wrap. The region's device and every
 // peer must be idle. Blocking (cudaMemcpy).
 cudaError_t SetSequenceForTesting(char* region, int seq);
+// Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
+// were running on its device, so the next call stops as overlapping. Blocking.
+cudaError_t MarkCallRunningForTesting(char* region);
 
 // Only enqueue work on `stream` (state.nvshmem with a normal region).
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,

@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstddef>
 
 #include "kernels/device.cuh"
 #include "kernels/intranode.h"
@@ -33,11 +34,9 @@ __host__ __device__ __forceinline__ int64_t NumRowFlags(int64_t num_rows) {
   return (num_rows + kStagedCopyRows - 1) / kStagedCopyRows;
 }
 
-enum Mode : int { kDispatch = 0, kCachedDispatch = 1, kCombine = 2 };
+enum Mode : int { kDispatch = kDispatchCall, kCachedDispatch = kCachedDispatchCall, kCombine = kCombineCall };
 
-__device__ const char* ModeName(int mode) {
-  return mode == kDispatch ? "dispatch" : mode == kCachedDispatch ? "cached_dispatch" : "combine";
-}
+__device__ const char* ModeName(int mode) { return CallKindName(mode); }
 
 // The control bytes at the start of every rank's normal region. Peers write
 // into it; flags hold the sequence number of the call that set them.
@@ -45,6 +44,8 @@ struct Control {
   int seq;                           // sequence number of the latest call on this device
   int next_chunk;                    // work counter of the move kernel (reset by each call)
   int next_copy;                     // work counter of the staged copy role (reset by each call)
+  int active;                        // 1 while a call runs on this device (EnterCall)
+  int calls[kMaxRanks];              // [src]: src's call tag (CheckPeerCall), published with its ready flag
   int ready[kMaxRanks];              // [src]: src published its counts and buffers here
   int move_blocks[kMaxRanks];        // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
   int done[kMaxRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
@@ -105,9 +106,12 @@ __device__ __forceinline__ RankBuffers LoadPublished(const Group& g, const Contr
   return g.ipc ? Rebased(b, nullptr, g.regions[r]) : b;
 }
 
-// First thing of every call, by one thread: the call's sequence number
-// (wrapping, device.cuh), and fresh work counters for the move kernel.
-__device__ __forceinline__ int BeginCall(Control* control) {
+// First thing of every call, by one thread: no other call of the Buffer
+// running here, the call's tag (*tag), its sequence number (wrapping,
+// device.cuh), and fresh work counters for the move kernel.
+__device__ __forceinline__ int BeginCall(Control* control, const CallOrder& order, int mode, int rank, int* tag) {
+  EnterCall(&control->active, mode, rank);
+  *tag = TakeCallTag(order, mode);
   const int seq = NextSeq(LoadVolatile(&control->seq));
   control->seq = seq;
   control->next_chunk = 0;
@@ -137,12 +141,13 @@ __device__ __forceinline__ void ClearSync(const SyncClear& clear, int seq) {
   __threadfence_system();  // before the ready flags, which follow a __syncthreads
 }
 
-// Publishes this rank's buffers, its move blocks (and, for dispatch, its
-// per-destination token counts) into every peer's control bytes, then waits
-// for every peer's and checks that the peer launched as many move blocks:
-// each finish kernel waits for the done flags of the peers' blocks by index.
-// Threads r < num_ranks each serve peer r.
-__device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine, const int* counts,
+// Publishes this rank's buffers, its move blocks, its call tag (and, for
+// dispatch, its per-destination token counts) into every peer's control
+// bytes, then waits for every peer's and checks that the peer is at the same
+// call and launched as many move blocks: each finish kernel waits for the
+// done flags of the peers' blocks by index. Threads r < num_ranks each serve
+// peer r.
+__device__ void PublishAndWait(const Group& g, int seq, int tag, const RankBuffers& mine, const int* counts,
                                int num_move_blocks, int mode, uint64_t timeout_ns) {
   const int peer = threadIdx.x;
   if (peer >= g.num_ranks) return;
@@ -152,10 +157,12 @@ __device__ void PublishAndWait(const Group& g, int seq, const RankBuffers& mine,
   }
   remote->buffers[g.rank] = mine;
   remote->move_blocks[g.rank] = num_move_blocks;
+  remote->calls[g.rank] = tag;
   StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
   Control* control = ControlOf(g, g.rank);
   WaitAtLeast(&control->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)", g.rank, peer,
               -1);
+  CheckPeerCall(tag, LoadVolatile(&control->calls[peer]), g.rank, peer);
   CheckPeerLaunch(num_move_blocks, LoadVolatile(&control->move_blocks[peer]), ModeName(mode), "move blocks", g.rank,
                   peer);
 }
@@ -184,13 +191,14 @@ struct NotifyArgs {
   SyncClear clear;  // staged: this rank's chunk records
   int num_move_blocks;
   uint64_t timeout_ns;
+  CallOrder order;
 };
 
 __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, NotifyArgs a) {
   __shared__ int warp_sums[kWarpSize * kMaxRanks];
   __shared__ int totals[kMaxRanks];
   __shared__ int counts[kMaxRanks][kMaxRanks];  // [src][dst]
-  __shared__ int shared_seq;
+  __shared__ int shared_seq, shared_tag;
   const int num_ranks = g.num_ranks, me = g.rank;
   const int num_tokens = a.num_tokens, num_topk = a.num_topk;
   const int experts_per_rank = a.num_experts / num_ranks;
@@ -213,13 +221,13 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   }
   BlockExclusiveScan(offset, num_ranks, warp_sums, totals);
 
-  if (threadIdx.x == 0) shared_seq = BeginCall(control);
+  if (threadIdx.x == 0) shared_seq = BeginCall(control, a.order, kDispatch, me, &shared_tag);
   __syncthreads();
   const int seq = shared_seq;
   ClearSync(a.clear, seq);
   __syncthreads();  // every thread's clears before the ready flags
   if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
-  PublishAndWait(g, seq, a.landing, totals, a.num_move_blocks, kDispatch, a.timeout_ns);
+  PublishAndWait(g, seq, shared_tag, a.landing, totals, a.num_move_blocks, kDispatch, a.timeout_ns);
   if (int(threadIdx.x) < num_ranks) {
     for (int dst = 0; dst < num_ranks; ++dst) counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
   }
@@ -264,14 +272,15 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 // Cached dispatch and combine, step 1: publish buffers, wait for the peers'.
 // One warp, or a block of kNotifyThreads in staged mode (to clear the flags).
 __global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear,
-                                                               int num_move_blocks, int mode, uint64_t timeout_ns) {
-  __shared__ int shared_seq;
-  if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank));
+                                                               int num_move_blocks, int mode, uint64_t timeout_ns,
+                                                               CallOrder order) {
+  __shared__ int shared_seq, shared_tag;
+  if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank), order, mode, g.rank, &shared_tag);
   __syncthreads();
   const int seq = shared_seq;
   ClearSync(clear, seq);
   __syncthreads();  // every thread's clears before the ready flags
-  PublishAndWait(g, seq, mine, nullptr, num_move_blocks, mode, timeout_ns);
+  PublishAndWait(g, seq, shared_tag, mine, nullptr, num_move_blocks, mode, timeout_ns);
 }
 
 // ---------------------------------------------------------------------------
@@ -749,6 +758,9 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
                 src, block);
   }
   __syncthreads();
+  // Every peer is done with this rank's memory: the next call may enter (the
+  // histogram below reads only this call's XLA buffers).
+  if (threadIdx.x == 0) LeaveCall(&control->active);
   if (a.num_recv_tokens_per_expert == nullptr) return;
 
   // Slots holding each local expert, over the valid rows (as the reference's bincount).
@@ -878,7 +890,8 @@ void LaunchFinish(const Group& g, FinishArgs a, int mode, const Blocks& b, const
 // The publish kernel: one warp, or a block that clears the staged flags.
 void LaunchPublish(const Group& g, const RankBuffers& mine, const SyncClear& clear, int mode, const Blocks& b,
                    const LaunchConfig& c, cudaStream_t stream) {
-  PublishKernel<<<1, c.staged ? kNotifyThreads : kWarpSize, 0, stream>>>(g, mine, clear, b.move, mode, c.timeout_ns);
+  PublishKernel<<<1, c.staged ? kNotifyThreads : kWarpSize, 0, stream>>>(g, mine, clear, b.move, mode, c.timeout_ns,
+                                                                         c.order);
 }
 
 // What dispatch and cached dispatch send alike: rows, weights, layout, and
@@ -919,11 +932,17 @@ size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays
   return StagingLayout(nullptr, num_rows, row_bytes, num_topk, num_chunks).end;
 }
 
+cudaError_t MarkCallRunningForTesting(char* region) {
+  const int running = 1;
+  return cudaMemcpy(region + offsetof(Control, active), &running, sizeof(running), cudaMemcpyHostToDevice);
+}
+
 cudaError_t SetSequenceForTesting(char* region, int seq) {
   Control control;
   cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
   if (err != cudaSuccess) return err;
   control.seq = seq;
+  control.active = 0;
   for (int& flag : control.ready) flag = seq;
   for (auto& flags : control.done) {
     for (int& flag : flags) flag = seq;
@@ -944,7 +963,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
                     p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
                     p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, Publishable(state, landing),
-                    RecordsToClear(state, staging, c.staged), blocks.move, c.timeout_ns};
+                    RecordsToClear(state, staging, c.staged), blocks.move, c.timeout_ns, c.order};
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
   SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/call_order.h"
 #include "common/limits.h"
 #include "runtime/registry.h"
 
@@ -59,6 +60,7 @@ struct LaunchConfig {
   int chunk_tokens;  // consecutive tokens a warp takes from the work counter at a time
   uint64_t timeout_ns;
   bool staged;  // land rows in the normal region and copy them locally (fallback)
+  CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
 };
 
 struct DispatchParams {
@@ -121,6 +123,9 @@ size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays
 // one), so a test can start just below a wrap. The region's device and every
 // peer must be idle. Blocking (cudaMemcpy).
 cudaError_t SetSequenceForTesting(char* region, int seq);
+// Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
+// were running on its device, so the next call stops as overlapping. Blocking.
+cudaError_t MarkCallRunningForTesting(char* region);
 
 // Only enqueue work on `stream`.
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& config,

@@ -51,11 +51,13 @@ struct Control {
   // send phases read it through a C++ volatile pointer: device.cuh's
   // LoadVolatile (asm) would change how nvcc compiles the dispatch send loop.
   int seq;
-  int pad0[31];
+  int sending;  // 1 while a send phase runs on this device (EnterCall)
+  int pad0[30];
   int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
   int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here
   int pad1[32 - 2 * kMaxRanks];
   int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
+  int calls[2][kMaxRanks];  // [half][source]: source's call tag for that op (CheckPeerCall)
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 
@@ -66,6 +68,9 @@ __host__ __device__ inline size_t ReadyFlag(int half, int source) {
 }
 __host__ __device__ inline size_t FreedFlag(int half, int destination) {
   return kFreedOffset + sizeof(int) * (half * kMaxRanks + destination);
+}
+__host__ __device__ inline size_t CallTagSlot(int half, int source) {
+  return offsetof(Control, calls) + sizeof(int) * (half * kMaxRanks + source);
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
@@ -206,6 +211,35 @@ __device__ bool LastBlock(const Transport& tr, int* blocks_done, bool puts) {
   return is_last;
 }
 
+// Send phases, by block 0 (always launched, never without work): enters the
+// call on this device and takes its tag (common/call_order.h) into *tag.
+template <typename Transport>
+__device__ __forceinline__ void BeginSend(const Transport& tr, const CallOrder& order, int kind, int* tag) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    EnterCall(&tr.control()->sending, kind, tr.p.rank);
+    *tag = TakeCallTag(order, kind);
+  }
+}
+
+// Send phases, by block 0 once every destination has freed this half: the
+// call's tag into each destination's slot for it, before the ready flags
+// (LastBlock's fence orders it before them).
+template <typename Transport>
+__device__ __forceinline__ void PublishCallTag(const Transport& tr, int half, int tag) {
+  if (blockIdx.x == 0 && int(threadIdx.x) < tr.p.num_ranks) tr.PutInt(threadIdx.x, CallTagSlot(half, tr.p.rank), tag);
+}
+
+// Receive phases, after every source's ready flag and a __syncthreads: each
+// source sent this op from the same call as this rank.
+template <typename Transport>
+__device__ __forceinline__ void CheckCallTags(const Transport& tr, int half) {
+  if (int(threadIdx.x) >= tr.p.num_ranks) return;
+  const char* local = tr.local();
+  CheckPeerCall(LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, tr.p.rank))),
+                LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, threadIdx.x))), tr.p.rank,
+                threadIdx.x);
+}
+
 __device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float Bf16Hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -297,6 +331,8 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), kVectorBytes);
 
   Control* control = tr.control();
+  __shared__ int call_tag;
+  BeginSend(tr, a.order, kLowLatencyDispatchCall, &call_tag);
   const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
   const int half = op & 1;
   const size_t half_offset = HalfOffset(a.peers, half);
@@ -320,6 +356,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
             "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
   }
   __syncthreads();
+  PublishCallTag(tr, half, call_tag);
 
   // The rows first: a token's row goes once to each rank that owns one of its
   // experts (not once per expert: a quarter of the NVLink bytes at top-8 over
@@ -388,6 +425,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   if (LastBlock(tr, &control->blocks_done[kDispatchSend][0], true)) {
     if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
+      LeaveCall(&control->sending);
       control->seq = int(op + 1u);
       if (a.token != nullptr) *a.token = int(op);
     }
@@ -414,6 +452,7 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
     tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
   }
   __syncthreads();
+  CheckCallTags(tr, half);
 
   const int* counts = reinterpret_cast<const int*>(half_base + layout.counts_offset);  // [source][expert]
   for (int i = threadIdx.x; i < num_lists; i += blockDim.x) {
@@ -483,6 +522,8 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
   int* scratch = row_start + num_local + 1;
 
   Control* control = tr.control();
+  __shared__ int call_tag;
+  BeginSend(tr, a.order, kLowLatencyCombineCall, &call_tag);
   const unsigned op = *reinterpret_cast<volatile unsigned*>(&control->seq);
   const int half = op & 1;
   const size_t half_offset = HalfOffset(a.peers, half);
@@ -498,6 +539,7 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
             "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
   }
   __syncthreads();
+  PublishCallTag(tr, half, call_tag);
 
   const size_t row_bytes = size_t(hidden) * 2;
   ForEachRow(row_start[num_local], [&](int f, int index, int count) {
@@ -513,6 +555,7 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
   if (LastBlock(tr, &control->blocks_done[kCombineSend][0], true)) {
     if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
+      LeaveCall(&control->sending);
       control->seq = int(op + 1u);
       if (a.token != nullptr) *a.token = int(op);
     }
@@ -532,6 +575,7 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
     tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency combine recv", "the ready flag", threadIdx.x, int(op));
   }
   __syncthreads();
+  CheckCallTags(tr, half);
 
   // One thread per (token, 8 channels): out = sum over k in order of w_k * y_k.
   const int units = hidden / 8;
@@ -720,6 +764,11 @@ cudaError_t SetSequenceForTesting(char* region, int seq) {
     for (int& flag : flags) flag = seq;
   }
   return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+}
+
+cudaError_t MarkCallRunningForTesting(char* region) {
+  const int running = 1;
+  return cudaMemcpy(region + offsetof(Control, sending), &running, sizeof(running), cudaMemcpyHostToDevice);
 }
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 

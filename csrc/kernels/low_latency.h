@@ -111,6 +111,7 @@ struct DispatchSendArgs {
   int num_tokens, num_topk, hidden, num_experts, max_tokens;
   bool fp8, round_scale;
   int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
+  CallOrder order;  // null in an overlapped send (common/call_order.h)
 };
 
 struct DispatchRecvArgs {
@@ -137,6 +138,7 @@ struct CombineSendArgs {
   int* token;  // null in a whole combine
   int num_local_experts, max_tokens, num_topk, hidden;
   int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
+  CallOrder order;  // null in an overlapped send (common/call_order.h)
 };
 
 struct CombineRecvArgs {
@@ -157,6 +159,9 @@ size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
 // one), so a test can start just below a wrap. The region's device and every
 // peer must be idle. Blocking (cudaMemcpy).
 cudaError_t SetSequenceForTesting(char* region, int seq);
+// Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
+// were running on its device, so the next call stops as overlapping. Blocking.
+cudaError_t MarkCallRunningForTesting(char* region);
 
 // The kernels of one transport. Each only enqueues work on `stream`; no host
 // synchronisation. dispatch and combine run both halves in one launch.

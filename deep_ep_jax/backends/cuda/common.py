@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax import _native
+from deep_ep_jax import _native, ordering
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.handle import DispatchHandle
 
@@ -26,21 +26,62 @@ def limit(name: str) -> int:
 @dataclasses.dataclass(frozen=True)
 class FfiTarget:
     """An FFI target of the extension and the names of its results, in order
-    (checked against `_C.ffi_outputs()` when the targets are registered)."""
+    (checked against `_C.ffi_outputs()` when the targets are registered).
+
+    An `ordered` target communicates: it takes its Buffer's order state first
+    and returns it last, aliased (`deep_ep_jax.ordering`), so XLA runs the
+    Buffer's calls one after another in program order."""
 
     name: str
     results: tuple
     has_side_effect: bool = False
     vmap_method: str | None = None
+    ordered: bool = True
 
-    def __call__(self, out_types: dict, *args, **attrs) -> dict:
-        """Calls the target. out_types: {result name: jax.ShapeDtypeStruct};
-        returns {result name: array}."""
+    @property
+    def all_results(self) -> tuple:
+        """Every result the target returns, the order state's included."""
+        return self.results + (("order_out",) if self.ordered else ())
+
+    def __call__(self, buffer, out_types: dict, *args, **attrs) -> dict:
+        """Calls the target for `buffer`. out_types: {result name:
+        jax.ShapeDtypeStruct}; returns {result name: array}."""
         if sorted(out_types) != sorted(self.results):
             raise TypeError(f"{self.name}: out_types names {sorted(out_types)}, the target returns {self.results}")
-        call = jax.ffi.ffi_call(self.name, tuple(out_types[r] for r in self.results),
-                                has_side_effect=self.has_side_effect, vmap_method=self.vmap_method)
-        return dict(zip(self.results, call(*args, **attrs)))
+        types = tuple(out_types[r] for r in self.results)
+        aliases = None
+        if self.ordered:
+            args = (ordering.take(buffer),) + args
+            types += (jax.ShapeDtypeStruct((1,), jnp.int32),)
+            aliases = {0: len(types) - 1}
+        call = jax.ffi.ffi_call(self.name, types, has_side_effect=self.has_side_effect,
+                                vmap_method=self.vmap_method, input_output_aliases=aliases)
+        outputs = dict(zip(self.all_results, _varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))))
+        if self.ordered:
+            ordering.put(buffer, outputs.pop("order_out"))
+        return outputs
+
+
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over (jax.typeof(x).vma; manual_axis_type.varying before jax 0.11)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def _varying_like(outputs, inputs, axis_name):
+    """A custom call's results typed as varying over the EP axis and every axis
+    an input varies over, as shard_map's check_vma=True expects (XLA's FFI
+    call leaves its results unvarying): they differ per rank."""
+    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)  # empty outside shard_map
+    axes = frozenset().union(*(_varying_axes(x) for x in inputs)) | (manual & {axis_name})
+    cast = []
+    for out in outputs:
+        missing = tuple(sorted(axes - _varying_axes(out)))
+        cast.append(jax.lax.pcast(out, missing, to="varying") if missing else out)
+    return cast
 
 
 # Normal mode: results of both paths (internode adds scratch after them) -------
@@ -139,7 +180,7 @@ def scales_or_empty(xs, num_tokens):
     return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
 
 
-def dispatch_call(target: FfiTarget, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, attrs,
+def dispatch_call(target: FfiTarget, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, attrs,
                   scratch_types=None):
     """The dispatch of either path (internode adds its scratch results): rows
     (and scales), top-k ids and weights in; (recv_xs, recv_topk_idx,
@@ -148,12 +189,12 @@ def dispatch_call(target: FfiTarget, xs, topk_idx, topk_weights, num_experts, nu
     weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
     out_types = dict(dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts),
                      **(scratch_types or {}))
-    out = target(out_types, xs[0], scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
+    out = target(buffer, out_types, xs[0], scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
                  jnp.asarray(weights, jnp.float32), num_experts=np.int64(num_experts), **attrs)
     return dispatch_results(out, xs, topk_weights)
 
 
-def cached_dispatch_call(target: FfiTarget, xs, topk_weights, handle, attrs, scratch_types=None):
+def cached_dispatch_call(target: FfiTarget, buffer, xs, topk_weights, handle, attrs, scratch_types=None):
     """The cached dispatch of either path (internode adds its scratch
     results): rows (and scales), weights, the handle's send positions and
     received-row count in; (received rows (and scales), received weights or
@@ -169,13 +210,13 @@ def cached_dispatch_call(target: FfiTarget, xs, topk_weights, handle, attrs, scr
         recv_topk_weights=jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
         **(scratch_types or {}),
     )
-    out = target(out_types, x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
+    out = target(buffer, out_types, x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
                  **attrs)
     recv_xs = (out["recv_x"],) if len(xs) == 1 else (out["recv_x"], out["recv_x_scales"])
     return recv_xs, (None if topk_weights is None else out["recv_topk_weights"])
 
 
-def combine_call(target: FfiTarget, x, topk_weights, num_tokens, handle_arrays, attrs):
+def combine_call(target: FfiTarget, buffer, x, topk_weights, num_tokens, handle_arrays, attrs):
     """The combine of either path: x and the weights, then the path's handle
     arrays in; (out bf16 [T, H], reduced weights f32 [T, K] or None) out."""
     num_rows, hidden = x.shape
@@ -185,5 +226,5 @@ def combine_call(target: FfiTarget, x, topk_weights, num_tokens, handle_arrays, 
         out=jax.ShapeDtypeStruct((num_tokens, hidden), x.dtype),
         out_weights=jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.float32),
     )
-    out = target(out_types, x, jnp.asarray(weights, jnp.float32), *handle_arrays, **attrs)
+    out = target(buffer, out_types, x, jnp.asarray(weights, jnp.float32), *handle_arrays, **attrs)
     return out["out"], (None if topk_weights is None else out["out_weights"])

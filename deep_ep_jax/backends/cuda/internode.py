@@ -72,7 +72,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
     common.check_num_experts(fn, num_experts, num_ranks)
-    return common.dispatch_call(DISPATCH, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
+    return common.dispatch_call(DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
                                 common.launch_attrs(buffer), scratch_types=_node_pos(num_tokens, buffer))
 
 
@@ -85,7 +85,7 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     shape = dict(num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
-    return common.cached_dispatch_call(CACHED_DISPATCH, xs, topk_weights, handle, common.launch_attrs(buffer),
+    return common.cached_dispatch_call(CACHED_DISPATCH, buffer, xs, topk_weights, handle, common.launch_attrs(buffer),
                                        scratch_types=_node_pos(num_tokens, buffer))
 
 
@@ -101,4 +101,4 @@ def combine(x, topk_weights, handle, *, buffer):
                                                               buffer.num_ranks)
     _check_region(fn, buffer, need, **shape)
     handle_arrays = (handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
-    return common.combine_call(COMBINE, x, topk_weights, num_tokens, handle_arrays, common.launch_attrs(buffer))
+    return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, common.launch_attrs(buffer))

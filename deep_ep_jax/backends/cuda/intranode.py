@@ -72,7 +72,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_num_experts(fn, num_experts, num_ranks)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
-    return common.dispatch_call(DISPATCH, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
+    return common.dispatch_call(DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
                                 _attrs(buffer))
 
 
@@ -84,7 +84,7 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     row_bytes = common.row_bytes(fn, xs)
     common.check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
-    return common.cached_dispatch_call(CACHED_DISPATCH, xs, topk_weights, handle, _attrs(buffer))
+    return common.cached_dispatch_call(CACHED_DISPATCH, buffer, xs, topk_weights, handle, _attrs(buffer))
 
 
 def combine(x, topk_weights, handle, *, buffer):
@@ -96,4 +96,4 @@ def combine(x, topk_weights, handle, *, buffer):
     common.check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, 0)
     handle_arrays = (handle.send_pos, handle.num_recv_tokens, jnp.asarray(handle.rank_prefix_matrix, jnp.int32))
-    return common.combine_call(COMBINE, x, topk_weights, num_tokens, handle_arrays, _attrs(buffer))
+    return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, _attrs(buffer))

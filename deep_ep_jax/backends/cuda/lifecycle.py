@@ -29,7 +29,7 @@ _registered = False
 
 def declared_ffi_outputs() -> dict:
     """{FFI target: names of its results} as this package calls them."""
-    return {t.name: t.results for module in (layout, intranode, internode, low_latency) for t in module.TARGETS}
+    return {t.name: t.all_results for module in (layout, intranode, internode, low_latency) for t in module.TARGETS}
 
 
 def check_ffi_outputs(declared: dict, built: dict) -> None:

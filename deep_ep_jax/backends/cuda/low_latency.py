@@ -161,7 +161,7 @@ def _check_pending(pending, kind, buffer, fn):
 
 
 def _call(target, out_types, args, buffer, **attrs):
-    return target(out_types, *args, buffer_id=np.int64(buffer.buffer_id),
+    return target(buffer, out_types, *args, buffer_id=np.int64(buffer.buffer_id),
                   timeout_ns=np.int64(buffer.config.timeout_ns), **attrs)
 
 

@@ -9,7 +9,9 @@ parallel, into one shared module linked against the static CUDA runtime.
   python setup.py build_ext --inplace           # offline, incremental, no install
 
 Environment (all but MAX_JOBS read by build_tools/discover.py, which bazel/configure.py uses too):
-  CUDA_HOME                  CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH)
+  CUDA_HOME                  CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH, else the
+                             CUDA 13 pip wheels: nvidia-cuda-nvcc & co., as jax[cuda13] or .[cuda] install them)
+  DEEP_EP_JAX_NO_SYSTEM_CUDA=1  skip /usr/local/cuda and PATH (CUDA_HOME or the pip wheels only)
   DEEP_EP_JAX_CUDA_ARCHS     architectures, e.g. "90", "90;100", "90a", "90+PTX" (default: sources.bzl)
   DEEP_EP_JAX_NO_CUDA=1      install the pure-Python package even when nvcc is present
   NVSHMEM_HOME               NVSHMEM with include/ and lib/ (else the nvidia-nvshmem-cu13 wheel, if installed)
@@ -79,7 +81,7 @@ class NvccBuildExt(build_ext):
 
     def build_extension(self, ext):
         start = time.time()
-        nvcc = discover.nvcc()
+        nvcc, nvcc_from = discover.find_nvcc()
         gencode, arch_names = gencode_flags(discover.cuda_archs() or SOURCES["CUDA_ARCHS"])
         common = include_flags()
         nvshmem, why_not = discover.nvshmem()
@@ -158,7 +160,7 @@ class NvccBuildExt(build_ext):
             link_files = objects + [dlink, device_lib]
         cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + link_inputs + ["-o", out]
         run_if_stale(cmd, out, link_files, "nvcc link")
-        print(f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} "
+        print(f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} (from {nvcc_from}) "
               f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s); "
               + (f"NVSHMEM from {nvshmem}" if nvshmem else f"without NVSHMEM: {why_not}"))
 
@@ -168,7 +170,8 @@ def extensions():
         print("deep_ep_jax: DEEP_EP_JAX_NO_CUDA=1, installing the pure-Python package (xla backend only)")
         return []
     if discover.nvcc() is None:
-        print("deep_ep_jax: nvcc not found (set CUDA_HOME), installing the pure-Python package (xla backend only)")
+        print("deep_ep_jax: nvcc not found (set CUDA_HOME, or install the CUDA 13 nvcc wheels first: "
+              'pip install "jax[cuda13]" or "deep_ep_jax[cuda]"), installing the pure-Python package (xla backend only)')
         return []
     # The sources are listed for setuptools' checks; NvccBuildExt compiles them.
     sources = [s for s in SOURCES["CUDA_SOURCES"] + SOURCES["CXX_SOURCES"] if os.path.exists(os.path.join(ROOT, s))]

@@ -7,8 +7,8 @@ moves (new venv, new CUDA, new DEEP_EP_JAX_CUDA_ARCHS):
   python bazel/configure.py
 
 It looks where setup.py looks, through the same build_tools/discover.py, and
-reads the same environment (see setup.py): CUDA_HOME, DEEP_EP_JAX_CUDA_ARCHS,
-NVSHMEM_HOME, DEEP_EP_JAX_NO_NVSHMEM.
+reads the same environment (see setup.py): CUDA_HOME, DEEP_EP_JAX_NO_SYSTEM_CUDA,
+DEEP_EP_JAX_CUDA_ARCHS, NVSHMEM_HOME, DEEP_EP_JAX_NO_NVSHMEM.
 """
 
 import os
@@ -28,7 +28,8 @@ def find_config():
     try:
         nvcc = discover.nvcc()
         if nvcc is None:
-            sys.exit("configure: nvcc not found; set CUDA_HOME to the CUDA toolkit")
+            sys.exit("configure: nvcc not found; set CUDA_HOME to the CUDA toolkit "
+                     "(or install NVIDIA's CUDA 13 pip wheels: pip install -e \".[cuda]\")")
         nvshmem, why_not = discover.nvshmem()
         return {
             "PYTHON": sys.executable,

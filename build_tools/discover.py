@@ -1,5 +1,5 @@
 """Finds what building deep_ep_jax's CUDA extension needs on this machine:
-nvcc, the Python, XLA FFI and pybind11 headers, NVSHMEM, and the CUDA
+nvcc (a CUDA toolkit, or NVIDIA's CUDA 13 pip wheels), the Python, XLA FFI and pybind11 headers, NVSHMEM, and the CUDA
 architectures asked for. setup.py and bazel/configure.py both ask here, so the
 two builds look in the same places and read the environment (listed in
 setup.py's docstring) the same way.
@@ -35,16 +35,77 @@ def cuda_disabled():
 
 
 def nvcc():
-    """nvcc's absolute path, from CUDA_HOME, else /usr/local/cuda, else PATH; None if none."""
+    """nvcc's absolute path (see find_nvcc); None if none."""
+    found = find_nvcc()
+    return found[0] if found else None
+
+
+def find_nvcc():
+    """(nvcc's absolute path, where it came from), or None. Looked for in
+    CUDA_HOME, else /usr/local/cuda, else PATH, else the CUDA 13 pip wheels
+    (site-packages/nvidia/cu13, which `jax[cuda13]` and deep_ep_jax[cuda]
+    install). DEEP_EP_JAX_NO_SYSTEM_CUDA=1 skips /usr/local/cuda and PATH.
+    Raises NotFound for a wheel nvcc whose companion wheels are missing."""
     candidates = []
     if os.environ.get("CUDA_HOME"):
-        candidates.append(os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"))
-    candidates.append("/usr/local/cuda/bin/nvcc")
-    candidates.append(shutil.which("nvcc"))
-    for path in candidates:
-        if path and os.path.isfile(path) and os.access(path, os.X_OK):
-            return os.path.abspath(path)
+        candidates.append((os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc"), "CUDA_HOME"))
+    if os.environ.get("DEEP_EP_JAX_NO_SYSTEM_CUDA") != "1":
+        candidates.append(("/usr/local/cuda/bin/nvcc", "/usr/local/cuda"))
+        candidates.append((shutil.which("nvcc"), "PATH"))
+    for path, where in candidates:
+        if path and _is_executable(path):
+            return os.path.abspath(path), where
+    for nvidia in _nvidia_wheel_dirs():
+        root = os.path.join(nvidia, "cu13")
+        if _is_executable(os.path.join(root, "bin", "nvcc")):
+            _check_cuda_wheels(root)
+            return os.path.join(root, "bin", "nvcc"), "the nvidia-cuda-nvcc wheel"
     return None
+
+
+# What the build needs from the CUDA 13 wheels besides nvcc (nvidia-cuda-nvcc):
+# a file each wheel installs under nvidia/cu13, and the wheel. nvcc's own
+# nvcc.profile points it at these (nvvm/, include/, include/cccl/, lib/).
+CUDA_WHEEL_FILES = {
+    "nvvm/bin/cicc": "nvidia-nvvm",
+    "include/crt/host_config.h": "nvidia-cuda-crt",
+    "include/cuda_runtime.h": "nvidia-cuda-runtime",
+    "lib/libcudart_static.a": "nvidia-cuda-runtime",
+    "include/nv/target": "nvidia-cuda-cccl",
+}
+
+
+def _check_cuda_wheels(root):
+    missing = sorted({wheel for path, wheel in CUDA_WHEEL_FILES.items()
+                      if not os.path.exists(os.path.join(root, path))})
+    if missing:
+        raise NotFound(f"nvcc found in {root} (the nvidia-cuda-nvcc wheel) without {', '.join(missing)}: "
+                       f'pip install "deep_ep_jax[cuda]" (or {" ".join(missing)}), '
+                       "set CUDA_HOME to a CUDA toolkit, or set DEEP_EP_JAX_NO_CUDA=1")
+
+
+def _is_executable(path):
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _nvidia_wheel_dirs():
+    """The site-packages/nvidia directories NVIDIA's wheels install into: this
+    Python's, and the target environment's, which pip's isolated build does
+    not put on the path (sys.prefix is still the target's)."""
+    dirs = []
+    try:
+        import nvidia  # a namespace package, shared by NVIDIA's wheels
+
+        dirs += list(nvidia.__path__)
+    except ImportError:
+        pass
+    for key in ("purelib", "platlib"):
+        dirs.append(os.path.join(sysconfig.get_paths()[key], "nvidia"))
+    unique = []
+    for d in dirs:
+        if os.path.isdir(d) and os.path.realpath(d) not in map(os.path.realpath, unique):
+            unique.append(d)
+    return unique
 
 
 def cuda_archs():
@@ -95,17 +156,8 @@ def nvshmem():
             raise NotFound(f"NVSHMEM_HOME={home} is not NVSHMEM: it needs include/nvshmem.h, "
                            "lib/libnvshmem_device.a and lib/libnvshmem_host.so* (or unset NVSHMEM_HOME)")
         return os.path.abspath(home), None
-    candidates = []
-    try:
-        import nvidia.nvshmem  # the nvidia-nvshmem-cu13 wheel (a namespace package)
-
-        candidates += list(nvidia.nvshmem.__path__)
-    except ImportError:
-        pass
-    # pip's isolated build does not see the target environment's packages; look there too.
-    for key in ("purelib", "platlib"):
-        candidates.append(os.path.join(sysconfig.get_paths()[key], "nvidia", "nvshmem"))
-    for home in candidates:
+    for nvidia in _nvidia_wheel_dirs():
+        home = os.path.join(nvidia, "nvshmem")  # the nvidia-nvshmem-cu13 wheel
         if _is_nvshmem(home):
             return os.path.abspath(home), None
     return None, "NVSHMEM not found (pip install nvidia-nvshmem-cu13, or set NVSHMEM_HOME)"

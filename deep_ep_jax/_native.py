@@ -12,7 +12,8 @@ import functools
 import importlib
 
 BUILD_HINT = (
-    'build it with a CUDA toolkit (nvcc) visible: `pip install -e ".[test]"` '
+    "build it with a CUDA toolkit (nvcc) visible, or with NVIDIA's CUDA 13 pip wheels installed first "
+    '(`pip install -e ".[cuda]"`): `pip install -e ".[test]"` '
     "(or offline: `pip install --no-build-isolation --no-deps -e .`, or `python setup.py build_ext --inplace`)"
 )
 

@@ -108,9 +108,12 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def bf16_bits(a):
-    """float32 -> the bits (uint16) of the nearest bfloat16, ties to even."""
-    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    """finite float32 -> the bits (uint16) of the nearest bfloat16, ties to even."""
+    bits = np.asarray(a, np.float32).view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += bits  # + 0x8000 at most: stays below 2^32 for finite values
+    rounded += 0x7FFF
+    return (rounded >> 16).astype(np.uint16)
 
 
 def fp8_scales(x, round_scale=False):

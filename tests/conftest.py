@@ -1,9 +1,17 @@
 """Test setup: 8 virtual CPU devices for the CPU suite; GPU tests marked.
 
 CPU tests build their meshes from jax.devices("cpu"), so they run the same on
-a GPU host. Tests marked `gpu` need CUDA GPUs and the built extension; tests
-marked `extension` need only the extension (its sizes and limits, on CPU).
-Both are skipped elsewhere with the reason.
+a GPU host. Tests marked `gpu` need 2 CUDA GPUs and the built extension;
+tests marked `extension` need only the extension (its sizes and limits, on
+CPU).
+
+A GPU test never passes by skipping where it could run: on a host where JAX
+sees CUDA GPUs, an extension that does not load (or does not run there) fails
+every `gpu` and `extension` test with the reason. They are skipped, with the
+reason, only where the hardware lacks what they need: no CUDA GPU (CI's CPU
+machines), or fewer GPUs than the test needs. With DEEP_EP_JAX_REQUIRE_GPU=1
+(scripts/device_run.sh sets it) every skip of a `gpu` test is a failure, so a
+device run cannot be green by skipping.
 """
 
 import os
@@ -17,36 +25,68 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+REQUIRE_GPU_ENV = "DEEP_EP_JAX_REQUIRE_GPU"
+MIN_GPUS = 2
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA GPUs and the built extension")
     config.addinivalue_line("markers", "extension: needs the built extension deep_ep_jax._C (no GPU)")
 
 
-def _gpu_skip_reason():
+def gpu_required() -> bool:
+    return os.environ.get(REQUIRE_GPU_ENV, "").strip() not in ("", "0")
+
+
+def cuda_gpus():
     try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        return "no CUDA GPU visible to JAX"
-    if len(gpus) < 2:
-        return f"needs at least 2 GPUs, found {len(gpus)}"
+        return jax.devices("gpu")
+    except RuntimeError:  # no CUDA plugin, or no device
+        return []
+
+
+def verdict(marker):
+    """What to do with a test marked `marker` ("gpu" or "extension") here:
+    (None, None) to run it, ("skip", why) or ("fail", why)."""
     from deep_ep_jax import _native
 
-    return _native.unavailable_reason()
-
-
-def pytest_collection_modifyitems(config, items):
-    from deep_ep_jax import _native
-
-    reason = _native.load_error()
+    if marker == "extension":
+        reason = _native.load_error()
+        if reason is None:
+            return None, None
+        gpus = cuda_gpus()
+        if gpus or gpu_required():
+            return "fail", f"JAX sees {len(gpus)} CUDA GPU(s) but the extension does not load: {reason}"
+        return "skip", reason
+    gpus = cuda_gpus()
+    if not gpus:
+        why = f"no CUDA GPU visible to JAX (devices: {sorted({d.platform for d in jax.devices()})})"
+        return ("fail", f"{REQUIRE_GPU_ENV}=1 but {why}") if gpu_required() else ("skip", why)
+    reason = _native.unavailable_reason()
     if reason:
-        for item in items:
-            if item.get_closest_marker("extension"):
-                item.add_marker(pytest.mark.skip(reason=reason))
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if not gpu_items:
-        return
-    reason = _gpu_skip_reason()
-    if reason:
-        for item in gpu_items:
-            item.add_marker(pytest.mark.skip(reason=reason))
+        return "fail", f"JAX sees {len(gpus)} CUDA GPU(s) but the CUDA backend cannot run: {reason}"
+    if len(gpus) < MIN_GPUS:
+        why = f"needs at least {MIN_GPUS} GPUs, found {len(gpus)}"
+        return ("fail", f"{REQUIRE_GPU_ENV}=1 but it {why}") if gpu_required() else ("skip", why)
+    return None, None
+
+
+def pytest_runtest_setup(item):
+    for marker in ("gpu", "extension"):
+        if item.get_closest_marker(marker):
+            action, why = verdict(marker)
+            if action == "fail":
+                pytest.fail(why, pytrace=False)
+            if action == "skip":
+                pytest.skip(why)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With DEEP_EP_JAX_REQUIRE_GPU=1, a `gpu` test that skips itself fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and gpu_required() and item.get_closest_marker("gpu") and not hasattr(report, "wasxfail"):
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_GPU_ENV}=1: a gpu test must not skip, but this one did: {why}"

@@ -61,14 +61,101 @@ def combine(y, received, num_tokens):
 
 def low_latency_dispatch(x, idx, num_experts, max_tokens):
     """x [R, T, H], idx [R, T, K] -> per rank: list per local expert of
-    (source rank, token, k) in contract order."""
-    num_ranks, num_tokens, topk = idx.shape
+    (source rank, token, k) in contract order, at most R * max_tokens each
+    (the rest are dropped)."""
+    num_ranks = idx.shape[0]
     epr = num_experts // num_ranks
-    out = []
-    for r in range(num_ranks):
-        experts = []
-        for e in range(epr):
-            g = r * epr + e
-            experts.append([(s, t, k) for s in range(num_ranks) for t in range(num_tokens) for k in range(topk) if idx[s, t, k] == g])
-        out.append(experts)
+    out = [[[] for _ in range(epr)] for _ in range(num_ranks)]
+    for s, tokens in enumerate(np.asarray(idx).tolist()):  # source rank, then token, then k
+        for t, row in enumerate(tokens):
+            for k, e in enumerate(row):
+                if 0 <= e < num_experts:
+                    out[e // epr][e % epr].append((s, t, k))
+    return [[slots[: num_ranks * max_tokens] for slots in experts] for experts in out]
+
+
+def low_latency_combine(y, received, idx, w, num_experts):
+    """y [R, E/R, R*M, H]: each rank's expert outputs in its received rows
+    (low_latency_dispatch()'s order); idx/w [R, T, K]. Returns float32
+    [R(source), T, H]: acc = 0, then for k in order with idx in [0, E),
+    acc += w * float32(row), the product rounded to float32 before the add
+    (numpy never fuses them)."""
+    where = {}
+    for r, experts in enumerate(received):
+        for e, slots in enumerate(experts):
+            for i, slot in enumerate(slots):
+                where[slot] = (r, e, i)
+    num_ranks, num_tokens, topk = idx.shape
+    out = np.zeros((num_ranks, num_tokens, y.shape[-1]), np.float32)
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            acc = np.zeros(y.shape[-1], np.float32)
+            for k in range(topk):
+                if not 0 <= idx[s, t, k] < num_experts:
+                    continue
+                r, e, i = where[(s, t, k)]  # a dropped row (KeyError): combine is undefined then
+                term = np.float32(w[s, t, k]) * y[r, e, i].astype(np.float32)
+                acc = acc + term
+            out[s, t] = acc
     return out
+
+
+# --------------------------------------------------------------------------
+# Number formats, written from their definitions (no ml_dtypes, no jax).
+
+FP8_BLOCK = 128  # channels per scale
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def bf16_bits(a):
+    """finite float32 -> the bits (uint16) of the nearest bfloat16, ties to even."""
+    bits = np.asarray(a, np.float32).view(np.uint32)
+    rounded = (bits >> 16) & 1
+    rounded += bits  # + 0x8000 at most: stays below 2^32 for finite values
+    rounded += 0x7FFF
+    return (rounded >> 16).astype(np.uint16)
+
+
+def fp8_scales(x, round_scale=False):
+    """x [..., H] (bf16 values) -> float32 scales [..., H / 128]: per block of
+    128 channels max(amax, 1e-4) times float32(1 / 448), both steps rounded
+    to float32; with round_scale, the power of two at or above that."""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4))
+    scale = amax * (np.float32(1.0) / np.float32(FP8_MAX))
+    if round_scale:
+        # A float32's log2 is an integer exactly when it is a power of two, and
+        # otherwise far from one at float64 precision: ceil is exact.
+        scale = np.exp2(np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
+    return scale.astype(np.float32)
+
+
+def e4m3_round(v):
+    """float32 values in [-448, 448] -> the nearest float8_e4m3fn values
+    (ties to even), as float32: 3 mantissa bits, exponents from -6 (below
+    2^-6, subnormal steps of 2^-9). The sign of zero is kept."""
+    v = np.asarray(v, np.float64)
+    _, exponent = np.frexp(v)  # |v| in [2^(exponent-1), 2^exponent)
+    step = np.ldexp(1.0, np.maximum(exponent - 1, -6) - 3)
+    return (np.round(v / step) * step).astype(np.float32)  # np.round: ties to even; exact in float64
+
+
+def fp8_values(x, scales, inverse_ulps=0):
+    """The FP8 values (as float32) of x [..., H] given its scales:
+    e4m3(clip(x * inv, -448, 448)), inv = float32(1 / scale) (IEEE), or
+    moved by `inverse_ulps` float32 steps (to bound a kernel whose 1 / scale
+    is an approximate division)."""
+    x = np.asarray(x, np.float32)
+    inv = np.float32(1.0) / np.asarray(scales, np.float32)
+    for _ in range(abs(inverse_ulps)):
+        inv = np.nextafter(inv, np.float32(np.inf if inverse_ulps > 0 else 0.0)).astype(np.float32)
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    scaled = np.clip(blocks * inv[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX))
+    return e4m3_round(scaled).reshape(x.shape)
+
+
+def quantize_fp8(x, round_scale=False):
+    """x [..., H] (bf16 values) -> (FP8 values as float32 [..., H], float32 scales [..., H / 128])."""
+    scales = fp8_scales(x, round_scale)
+    return fp8_values(x, scales), scales

@@ -9,6 +9,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import deep_ep_jax as dej
 import oracle
 from deep_ep_jax import testing as dt
+from deep_ep_jax.backends import reference
 
 H = 256
 
@@ -145,20 +146,25 @@ def test_two_dimensional_mesh():
         assert int(np.asarray(num_recv)[group * 4 : (group + 1) * 4].sum()) == sent
 
 
-@pytest.mark.parametrize("use_fp8", [False, True])
-@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
-def test_low_latency_contract(use_fp8, kind):
+@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
+def test_low_latency_contract(use_fp8, round_scale, kind):
+    """Dispatch and combine against tests/oracle.py, bit for bit: rows (FP8
+    values and scales as the oracle quantises them), handles, combine sums."""
     num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
     mesh = dt.ep_mesh(num_ranks, platform="cpu")
     buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
-    idx, w = dt.make_routing(5, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
-    x = dt.random_rows(6, (num_ranks * num_tokens, H))
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
     epr = num_experts // num_ranks
-    y = dt.random_rows(7, (num_ranks * epr, num_ranks * max_tokens, H))
+    y = dt.random_rows(seed + 2, (num_ranks * epr, num_ranks * max_tokens, H))
 
     def step(x, idx, w, y):
         recv_x, count, handle = dej.low_latency_dispatch(
-            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts, use_fp8=use_fp8
+            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts,
+            use_fp8=use_fp8, round_scale=round_scale,
         )
         out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, out
@@ -167,10 +173,8 @@ def test_low_latency_contract(use_fp8, kind):
     xs, idxs, ws = _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks)
     expected = oracle.low_latency_dispatch(xs, idxs, num_experts, max_tokens)
     if use_fp8:
-        data, scales = recv_x
-        rows = np.asarray(dej.backends.reference.dequantize_fp8(data, scales))
-    else:
-        rows = np.asarray(recv_x, np.float32)
+        data, scales = (np.asarray(a, np.float32) for a in recv_x)
+        want_data, want_scales = oracle.quantize_fp8(xs, round_scale)
     for r in range(num_ranks):
         for e in range(epr):
             slots = expected[r][e]
@@ -182,32 +186,82 @@ def test_low_latency_contract(use_fp8, kind):
             np.testing.assert_array_equal(handle.recv_src_token[r, e, :n], tok)
             np.testing.assert_array_equal(handle.recv_src_topk[r, e, :n], [k for _, _, k in slots])
             assert (handle.recv_src_rank[r, e, n:] == -1).all()
-            if n:
-                want = xs[src, tok]
-                if use_fp8:  # within FP8 rounding: 2^-3 relative of each block's max
-                    amax = np.abs(want.reshape(n, -1, 128)).max(-1, keepdims=True)
-                    err = np.abs(rows[r, e, :n].reshape(n, -1, 128) - want.reshape(n, -1, 128))
-                    assert (err <= amax / 16 + 1e-6).all()
-                else:
-                    np.testing.assert_array_equal(rows[r, e, :n], want)
-    # Combine: sum over k, in order, of weight * the expert's row for the token.
+            if use_fp8:
+                _assert_bits_equal(data[r, e, :n], want_data[src, tok], f"FP8 values of rank {r} expert {e}")
+                _assert_bits_equal(scales[r, e, :n], want_scales[src, tok], f"scales of rank {r} expert {e}")
+            else:
+                _assert_bits_equal(np.asarray(recv_x[r, e, :n], np.float32), xs[src, tok], f"rows of {r}, {e}")
+    if kind == "one_expert":
+        assert int(count[0, 0]) == num_ranks * num_tokens
+    if kind == "rank_empty":
+        assert (np.asarray(count[-1]) == 0).all()
     ys = np.asarray(y, np.float32).reshape(num_ranks, epr, num_ranks * max_tokens, H)
-    want = np.zeros((num_ranks, num_tokens, H), np.float32)
-    for s in range(num_ranks):
-        for t in range(num_tokens):
-            acc = np.zeros(H, np.float32)
-            for k in range(topk):
-                g = idxs[s, t, k]
-                if g < 0:
-                    continue
-                r, e = divmod(g, epr)
-                p = expected[r][e].index((s, t, k))
-                acc = acc + np.float32(ws[s, t, k]) * ys[r, e, p]
-            want[s, t] = acc
-    np.testing.assert_allclose(
-        np.asarray(out, np.float32).reshape(want.shape), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32),
-        rtol=1e-2, atol=1e-2,
-    )
+    want = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)
+    _assert_bits_equal(np.asarray(out).view(np.uint16).reshape(want.shape), oracle.bf16_bits(want), "combine")
+
+
+def _assert_bits_equal(got, want, what):
+    """Equal bit patterns (so -0 differs from 0, and NaN equals itself)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    bad = np.argwhere(got.view(bits) != want.view(bits))
+    assert not len(bad), f"{what}: {len(bad)} of {got.size} differ, first at {bad[0].tolist()}: " \
+                         f"{got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+
+
+def _wide_range_rows(rng, shape):
+    """bf16 rows whose 128-channel blocks span magnitudes 1e-9..1e4, with an
+    all-zero block (scale floor 1e-4), tiny blocks (subnormal FP8) and
+    blocks whose maximum is a power of two (round_scale's exact case)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    blocks = x.reshape(shape[:-1] + (-1, 128))
+    blocks *= np.exp(rng.uniform(np.log(1e-9), np.log(1e4), blocks.shape[:-1]))[..., None].astype(np.float32)
+    blocks[0, 0] = 0.0
+    blocks[1, 1] *= np.float32(1e-6)
+    blocks[2, 2, 5] = np.float32(448.0 * 2.0**-3)
+    blocks[2, 2] = np.clip(blocks[2, 2], -56.0, 56.0)
+    return jnp.asarray(x, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_quantize_fp8_matches_oracle(round_scale):
+    """The reference backend's quantiser, jitted on CPU, equals the oracle's
+    bit for bit (values and scales), over a wide range of magnitudes."""
+    x = _wide_range_rows(np.random.default_rng(), (64, 1024))
+    data, scales = jax.jit(reference.quantize_fp8, static_argnums=1)(x, round_scale)
+    want_data, want_scales = oracle.quantize_fp8(np.asarray(x, np.float32), round_scale)
+    _assert_bits_equal(np.asarray(scales), want_scales, "scales")
+    _assert_bits_equal(np.asarray(data.astype(jnp.float32)), want_data, "FP8 values")
+    assert (want_data == 0).mean() < 0.5 and (np.abs(want_data) == 448).any()  # the data really spans FP8
+    if round_scale:
+        assert (want_scales.view(np.uint32) & 0x007FFFFF == 0).all()
+
+
+def test_oracle_e4m3_rounding_agrees_with_ml_dtypes():
+    """The oracle's own FP8 rounding, checked on every bf16 value in [-448,
+    448] and on float32 values around each FP8 rounding midpoint."""
+    import ml_dtypes
+
+    every_bf16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    values = every_bf16[np.abs(every_bf16) <= 448]
+    grid = np.unique(np.abs(values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)))
+    mid = ((grid[1:].astype(np.float64) + grid[:-1]) / 2).astype(np.float32)  # exact: few mantissa bits
+    near = np.concatenate([mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    values = np.concatenate([values, near, -near])
+    want = values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    _assert_bits_equal(oracle.e4m3_round(values), want, "e4m3 rounding")
+
+
+def test_oracle_bf16_rounding_agrees_with_ml_dtypes():
+    import ml_dtypes
+
+    rng = np.random.default_rng()
+    values = np.concatenate([rng.standard_normal(1 << 16).astype(np.float32) * np.float32(1e3),
+                             ((rng.integers(0, 1 << 16, 1 << 12, dtype=np.uint32) << 16) | 0x8000).view(np.float32)])
+    values = values[np.isfinite(values)]  # the second half: exact ties
+    want = values.astype(ml_dtypes.bfloat16).view(np.uint16)
+    _assert_bits_equal(oracle.bf16_bits(values), want, "bf16 rounding")
 
 
 def test_low_latency_halves_with_overlap_match_whole_operations():

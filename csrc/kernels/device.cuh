@@ -273,6 +273,11 @@ __device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk,
   return mask;
 }
 
+// A row of a handle's send positions (send_pos: the token's row at a rank,
+// -1 for none). A hand-made handle may hold any int: rows outside [0,
+// num_rows) count as not sent, so no kernel writes or reads out of bounds.
+__device__ __forceinline__ int HandleRow(int pos, int num_rows) { return pos < num_rows ? pos : -1; }
+
 // ---------------------------------------------------------------------------
 // Block-wide counting and scans.
 

@@ -121,7 +121,9 @@ __device__ __forceinline__ uint32_t RankMaskOf(const Group& g, const NotifyArgs&
     return TokenRankMask(a.topk_idx + int64_t(t) * a.num_topk, a.num_topk, a.num_experts, a.num_experts / g.num_ranks);
   }
   uint32_t mask = 0;
-  for (int r = 0; r < g.num_ranks; ++r) mask |= uint32_t(a.cached_send_pos[int64_t(t) * g.num_ranks + r] >= 0) << r;
+  for (int r = 0; r < g.num_ranks; ++r) {
+    mask |= uint32_t(HandleRow(a.cached_send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens) >= 0) << r;
+  }
   return mask;
 }
 
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       }
       int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
       if (lane == 0) meta[0] = t;
-      if (lane < kMaxRanks) meta[1 + lane] = lane < R ? pos[lane] : -1;
+      if (lane < kMaxRanks) meta[1 + lane] = lane < R ? HandleRow(pos[lane], L.num_worst_tokens) : -1;
       for (int k = lane; k < L.num_topk; k += kWarpSize) {
         meta[1 + kMaxRanks + k] = topk != nullptr ? topk[k] : -1;
         reinterpret_cast<float*>(meta + 1 + kMaxRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
@@ -312,7 +314,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
     }
     // This host: straight into the destinations' landing areas.
     for (int r = 0; r < R; ++r) {
-      if (g.here(r) && pos[r] >= 0) DeliverRow(g, a, r, pos[r], rows, t, topk, weights, lane);
+      const int row = HandleRow(pos[r], L.num_worst_tokens);
+      if (g.here(r) && row >= 0) DeliverRow(g, a, r, row, rows, t, topk, weights, lane);
     }
   }
 
@@ -528,7 +531,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
     for (int v = lane; v < num_vectors; v += kWarpSize) {
       float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int r = 0; r < R; ++r) {
-        if (pos[r] >= 0) AddBf16x8(acc, reinterpret_cast<const int4*>(slot(r))[v]);
+        if (HandleRow(pos[r], L.num_worst_tokens) >= 0) AddBf16x8(acc, reinterpret_cast<const int4*>(slot(r))[v]);
       }
       out[v] = PackBf16x8(acc);
     }
@@ -536,7 +539,9 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
     for (int k = lane; k < L.num_topk; k += kWarpSize) {
       float acc = 0.0f;
       for (int r = 0; r < R; ++r) {
-        if (pos[r] >= 0) acc += reinterpret_cast<const float*>(slot(r) + L.combine_packet_weights)[k];
+        if (HandleRow(pos[r], L.num_worst_tokens) >= 0) {
+          acc += reinterpret_cast<const float*>(slot(r) + L.combine_packet_weights)[k];
+        }
       }
       a.out_weights[int64_t(t) * L.num_topk + k] = acc;
     }

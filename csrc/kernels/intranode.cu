@@ -428,7 +428,9 @@ template <int kRanks>
 __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, const RankBuffers* dest, int t, int lane) {
   int pos[kRanks];
 #pragma unroll
-  for (int r = 0; r < kRanks; ++r) pos[r] = r < g.num_ranks ? a.send_pos[int64_t(t) * g.num_ranks + r] : -1;
+  for (int r = 0; r < kRanks; ++r) {
+    pos[r] = r < g.num_ranks ? HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens) : -1;
+  }
 
 #pragma unroll
   for (int i = 0; i < kMaxRowArrays; ++i) {
@@ -488,7 +490,7 @@ __device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk
   int first = 0, count = 0;
   if (r < g.num_ranks && r != g.rank) {
     for (int t = begin; t < end; ++t) {
-      const int pos = a.send_pos[int64_t(t) * g.num_ranks + r];
+      const int pos = HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens);
       if (pos < 0) continue;  // not for r, or dropped (then so are the later tokens)
       if (count++ == 0) first = pos;
     }
@@ -675,7 +677,7 @@ __device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs&
                                               int lane) {
   const int r = lane;
   if (r < g.num_ranks && r != g.rank) {
-    const int pos = a.send_pos[int64_t(t) * g.num_ranks + r];
+    const int pos = HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_rows);
     if (pos >= 0 && pos / kStagedCopyRows != ready_chunk) {
       ready_chunk = pos / kStagedCopyRows;
       const int* flag = reinterpret_cast<const int*>(g.regions[g.rank] + a.sync.row_flags) +
@@ -697,7 +699,7 @@ __device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& 
   const int4* src[kRanks];
 #pragma unroll
   for (int r = 0; r < kRanks; ++r) {
-    pos[r] = r < g.num_ranks ? a.send_pos[int64_t(t) * g.num_ranks + r] : -1;
+    pos[r] = r < g.num_ranks ? HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_rows) : -1;
     src[r] = pos[r] >= 0 ? reinterpret_cast<const int4*>(sources[r].rows[0] + pos[r] * row_bytes) : nullptr;
   }
   WarpReduceRow<kRanks, kUnroll>(src, reinterpret_cast<int4*>(a.out + int64_t(t) * a.hidden), a.hidden / 8, lane);

@@ -12,6 +12,7 @@ The last tests run on CPU, with the extension built (it gives the sizes):
 the trace-time checks and the size hint.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -235,6 +236,51 @@ def test_staged_fallback(mesh, monkeypatch):
                      kind="random", fp8=fp8)
             run_case((cuda, xla), mesh, seed=6, num_tokens=300, hidden=2048, topk=8, num_experts=16 * num_ranks,
                      kind="one_expert", fp8=fp8, num_worst_tokens=100)
+    finally:
+        cuda.destroy()
+
+
+@gpu
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
+    """A hand-made handle may name rows past num_worst_tokens: the cached
+    dispatch and combine kernels treat them as not sent (no write or read out
+    of bounds), exactly as the same handle with -1 there."""
+    if staged:
+        monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
+    num_ranks, num_tokens, hidden, topk = mesh.shape[AXIS], 96, 1024, 4
+    num_experts = 8 * num_ranks
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden)
+    try:
+        idx, w = testing.make_routing(41, num_ranks * num_tokens, num_experts, topk, num_ranks)
+        x = testing.random_rows(42, (num_ranks * num_tokens, hidden))
+        num_rows = num_tokens * num_ranks
+
+        def run(x, idx, w):
+            _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=cuda)
+            sent = handle.send_pos >= 0
+            # Every third sent row of the handle moved out of range, by 0 .. 2 * N.
+            bad = sent & (jnp.arange(handle.send_pos.size).reshape(handle.send_pos.shape) % 3 == 0)
+            wild = dataclasses.replace(handle, send_pos=jnp.where(bad, num_rows + handle.send_pos * 2, handle.send_pos))
+            dropped = dataclasses.replace(handle, send_pos=jnp.where(bad, -1, handle.send_pos))
+            rows = testing.random_rows(43, (num_rows, hidden))
+            outs = []
+            for h in (wild, dropped):
+                (recv,), _ = cuda.ops.cached_dispatch((x,), None, h, buffer=cuda)
+                outs += [recv, deep_ep_jax.combine(rows, h, buffer=cuda)]
+            return tuple(outs) + (dropped.send_pos, bad.sum())
+
+        recv_wild, out_wild, recv_dropped, out_dropped, send_pos, num_bad = testing.per_rank(run, mesh, AXIS)(
+            x, jnp.asarray(idx), jnp.asarray(w))
+        assert int(np.asarray(num_bad).sum()) > 0
+        assert_bits_equal(out_wild, out_dropped, "combine of out-of-range rows")
+        # Cached dispatch: every row the handles still send is the source's token, under both handles.
+        x_rows, send_pos = bits(x).reshape(num_ranks, num_tokens, hidden), np.asarray(send_pos)
+        wild_rows, dropped_rows = bits(recv_wild), bits(recv_dropped)
+        for src, t, dst in zip(*np.nonzero(send_pos >= 0)):
+            row = send_pos[src, t, dst]
+            np.testing.assert_array_equal(wild_rows[dst, row], x_rows[src, t])
+            np.testing.assert_array_equal(dropped_rows[dst, row], x_rows[src, t])
     finally:
         cuda.destroy()
 

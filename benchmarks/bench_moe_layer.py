@@ -147,10 +147,10 @@ def layer_fn(args, mesh, buffer, capacity):
         return lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer, **impl)
     num_local = args.experts // mesh.shape["expert"]
     tokens, experts = P(("data", "expert")), P("expert")
-    local = ml.shard_map(
+    local = jax.shard_map(
         lambda x, idx, w, wi, wo: ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo,
                                                 impl=args.impl, capacity=capacity),
-        mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
+        mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
     )
 
     def apply(x, r, wi, wo):

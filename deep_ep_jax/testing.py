@@ -57,10 +57,10 @@ def ep_mesh(num_ranks, axis_name="ep", platform=None):
     return Mesh(np.array(devices[:num_ranks]), (axis_name,))
 
 
-def per_rank(fn, mesh, axis_name, *, jit=True):
+def per_rank(fn, mesh, axis_name, *, jit=True, check_vma=False):
     """Runs fn(*args) per rank under shard_map: every argument is split along
     its leading axis; every output comes back stacked, [R, ...] (so scalars
-    and handles work too)."""
+    and handles work too). check_vma=True is shard_map's default."""
 
     def body(*args):
         out = fn(*args)
@@ -68,7 +68,7 @@ def per_rank(fn, mesh, axis_name, *, jit=True):
 
     def run(*args):
         in_specs = jax.tree.map(lambda _: P(axis_name), args)
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(axis_name), check_vma=False)
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(axis_name), check_vma=check_vma)
         return mapped(*args)
 
     return jax.jit(run) if jit else run

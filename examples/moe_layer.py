@@ -28,18 +28,6 @@ from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax import Buffer, combine, dispatch
 
-try:  # jax >= 0.7
-    from jax import shard_map as _shard_map
-
-    def shard_map(f, mesh, in_specs, out_specs):
-        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-except ImportError:  # older jax
-    from jax.experimental.shard_map import shard_map as _shard_map
-
-    def shard_map(f, mesh, in_specs, out_specs):
-        return _shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
 
 def use_fast_ragged_dot() -> bool:
     """On GPUs, lower ragged_dot to JAX's Pallas-Triton grouped matmul.
@@ -277,9 +265,9 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     topk_idx, topk_weights, aux_loss = route(x, router_kernel, top_k, normalize)
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
-    per_rank = shard_map(
+    per_rank = jax.shard_map(
         lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl, capacity=capacity),
-        mesh,
+        mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
     )

@@ -35,7 +35,7 @@ def main():
     topk_weights = jnp.asarray(rng.random((num_ranks * TOKENS, TOPK)), jnp.float32)
 
     @jax.jit
-    @jax.shard_map(mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False)
+    @jax.shard_map(mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     def roundtrip(x, topk_idx, topk_weights):
         # Each rank receives the tokens routed to its experts...
         recv_x, recv_topk_idx, recv_topk_weights, handle = dispatch(

@@ -167,15 +167,16 @@ def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=Fa
     return xs, count, handle, out, y
 
 
-def _run_both(mesh, buffers, fn, *args, **kwargs):
+def _run_both(mesh, buffers, fn, *args, check_vma=False, **kwargs):
     """fn(buffer, *args) per rank on the CUDA and the xla backends: (got, want)."""
     cuda, xla = buffers
-    run_cuda = testing.per_rank(functools.partial(fn, cuda, **kwargs), mesh, AXIS)
+    run_cuda = testing.per_rank(functools.partial(fn, cuda, **kwargs), mesh, AXIS, check_vma=check_vma)
     if cuda.backend == "cuda":  # really the kernels (not a fallback)
         text = run_cuda.lower(*args).as_text()
         assert "deep_ep_jax_low_latency_dispatch" in text or "deep_ep_jax_low_latency_combine" in text
     got = jax.tree.map(np.asarray, run_cuda(*args))
-    want = jax.tree.map(np.asarray, testing.per_rank(functools.partial(fn, xla, **kwargs), mesh, AXIS)(*args))
+    want = jax.tree.map(np.asarray, testing.per_rank(functools.partial(fn, xla, **kwargs), mesh, AXIS,
+                                                     check_vma=check_vma)(*args))
     return got, want
 
 
@@ -370,6 +371,18 @@ def test_split_halves(mesh, split_buffers):
     got, want = _run_both(mesh, split_buffers, functools.partial(_step, split=True), x, idx, w, **kwargs)
     _assert_dispatch_equal(got[:3], want[:3])
     _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (idx, w, 16 * num_ranks)))
+
+
+def test_split_halves_under_shard_map_defaults(mesh, split_buffers):
+    """shard_map's default check_vma=True, as users write it: both flavours of
+    the halves type-check and equal the reference."""
+    num_ranks = mesh.shape[AXIS]
+    x, idx, w = _inputs(23, mesh, 64, 1024, 8 * num_ranks, 4, "random")
+    kwargs = dict(num_experts=8 * num_ranks, max_tokens=MAX_TOKENS, use_fp8=False, seed=5)
+    got, want = _run_both(mesh, split_buffers, functools.partial(_step, split=True), x, idx, w, check_vma=True,
+                          **kwargs)
+    _assert_dispatch_equal(got[:3], want[:3])
+    _assert_combine_equal(got[3], want[3])
 
 
 def test_duplicates_and_overflow(mesh, buffers):

@@ -367,7 +367,7 @@ def test_staged_many_calls(mesh, monkeypatch):
 # Gradients ------------------------------------------------------------------------
 
 
-def _moe_exact_grads(buffer, mesh, num_experts):
+def _moe_exact_grads(buffer, mesh, num_experts, check_vma=False):
     """A MoE step whose expert math is exact in any evaluation order (scaling
     by powers of two), so the gradients must agree bit for bit."""
 
@@ -381,7 +381,7 @@ def _moe_exact_grads(buffer, mesh, num_experts):
 
         return jax.grad(loss, argnums=(0, 1))(x, w)
 
-    return testing.per_rank(fn, mesh, AXIS)
+    return testing.per_rank(fn, mesh, AXIS, check_vma=check_vma)
 
 
 def _moe_matmul_grads(buffer, mesh, num_experts):
@@ -420,6 +420,25 @@ def test_gradients_exact(mesh, buffers, kind):
     probe_w = jnp.asarray(np.random.default_rng(4).standard_normal(w.shape, np.float32))
     got = _moe_exact_grads(cuda, mesh, num_experts)(x, w, idx, probe, probe_w)
     want = _moe_exact_grads(xla, mesh, num_experts)(x, w, idx, probe, probe_w)
+    assert_bits_equal(got[0], want[0], "grad x")
+    assert_bits_equal(got[1], want[1], "grad topk_weights")
+    assert np.abs(np.asarray(got[0], np.float32)).sum() > 0
+
+
+@gpu
+def test_gradients_under_shard_map_defaults(mesh, buffers):
+    """shard_map's default check_vma=True, as users write it: the custom
+    calls' results vary over the EP axis, so the gradients type-check and
+    equal the reference's bit for bit."""
+    cuda, xla = buffers
+    num_ranks = mesh.shape[AXIS]
+    num_tokens, hidden, num_experts = 160, 1024, 8 * num_ranks
+    x = testing.random_rows(11, (num_ranks * num_tokens, hidden))
+    idx, w = routing(12, num_ranks, num_tokens, num_experts, 4, "random")
+    probe = testing.random_rows(13, (num_ranks * num_tokens, hidden)).astype(jnp.float32)
+    probe_w = jnp.asarray(np.random.default_rng(14).standard_normal(w.shape, np.float32))
+    got = _moe_exact_grads(cuda, mesh, num_experts, check_vma=True)(x, w, idx, probe, probe_w)
+    want = _moe_exact_grads(xla, mesh, num_experts, check_vma=True)(x, w, idx, probe, probe_w)
     assert_bits_equal(got[0], want[0], "grad x")
     assert_bits_equal(got[1], want[1], "grad topk_weights")
     assert np.abs(np.asarray(got[0], np.float32)).sum() > 0

@@ -16,6 +16,9 @@ them without touching code:
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
                              of one GPU each on one machine
+
+Unset or empty means the default; a value that does not parse is a ValueError
+naming the variable.
 """
 
 from __future__ import annotations

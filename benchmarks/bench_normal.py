@@ -20,6 +20,14 @@ each one's input depending on the previous one's output (one element
 updated), and a chain of 2n; the time per operation is the difference
 divided by n, which cancels the fixed cost of a call. Repeated for the median
 and the p10/p90 spread. Inputs are random bf16 rows, never zeros.
+
+Every operation of a chain does the whole work, on both backends: each has a
+routing of its own (each rank's tokens permuted afresh, so every operation
+receives the same rows: the bandwidth formula holds), each combine the handle
+of its own dispatch, and every output of a dispatch is used. With one routing
+for the whole chain XLA would compute the xla backend's routing-dependent
+exchanges once per chain, and it would drop an unused exchange (the FP8
+scales').
 """
 
 from __future__ import annotations
@@ -62,21 +70,38 @@ def make_inputs(case: Case, num_ranks: int, seed: int = 0):
     return dict(x=x, x_fp8=tuple(reference.quantize_fp8(x)), idx=jnp.asarray(idx), w=jnp.asarray(w), y=y)
 
 
-def _uses_all(recv_x, recv_idx, recv_w, handle):
+def op_routings(case: Case, num_ranks: int, inputs, num_ops: int, seed: int = 1):
+    """[(topk_idx, topk_weights)] for each operation of a chain: each rank's
+    tokens permuted afresh, so that no two operations share a layout, while
+    every one receives exactly the rows of inputs["idx"]."""
+    rng = np.random.default_rng(seed)
+    idx, w = np.asarray(inputs["idx"]), np.asarray(inputs["w"])
+    routings = []
+    for _ in range(num_ops):
+        order = np.concatenate([r * case.num_tokens + rng.permutation(case.num_tokens) for r in range(num_ranks)])
+        routings.append((jnp.asarray(idx[order]), jnp.asarray(w[order])))
+    return routings
+
+
+def dispatch_handles(buffer, mesh, case: Case, x, routings):
+    """The handle of a dispatch of x along each routing ([R, ...] per field: per_rank's stacking)."""
+    run = testing.per_rank(
+        lambda x, idx, w: deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)[3], mesh, AXIS)
+    return [run(x, idx, w) for idx, w in routings]
+
+
+def _uses_all(outputs):
     """[1, 1] depending on every output of a dispatch (after an optimization
     barrier, so XLA must compute them whole)."""
-    rows = recv_x[0] if isinstance(recv_x, tuple) else recv_x
-    return (rows[:1, :1].astype(jnp.float32) + recv_w[:1, :1] + recv_idx[:1, :1]
-            + handle.recv_src_idx[0] + handle.num_recv_tokens_per_expert[0])
+    return sum(leaf.reshape(-1)[:1].astype(jnp.float32) for leaf in jax.tree.leaves(outputs))[None]
 
 
 def dispatch_chain(buffer, mesh, case: Case, length: int, fp8: bool):
-    def fn(x, idx, w):
-        for _ in range(length):
+    def fn(x, routings):
+        for idx, w in routings[:length]:
             outputs = deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)
             # The barrier keeps XLA from computing only the slices used below.
-            recv_x, recv_idx, recv_w, handle = lax.optimization_barrier(outputs)
-            value = _uses_all(recv_x, recv_idx, recv_w, handle)
+            value = _uses_all(lax.optimization_barrier(outputs))
             x = (touch(x[0], value), x[1]) if fp8 else touch(x, value)
         return value  # depends on every dispatch of the chain
 
@@ -84,9 +109,9 @@ def dispatch_chain(buffer, mesh, case: Case, length: int, fp8: bool):
 
 
 def combine_chain(buffer, mesh, case: Case, length: int):
-    def fn(x, idx, w, y):
-        _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)
-        for _ in range(length):
+    def fn(y, handles):
+        for handle in handles[:length]:
+            handle = jax.tree.map(lambda a: a[0], handle)  # this rank's [1, ...] -> [...]
             out = lax.optimization_barrier(deep_ep_jax.combine(y, handle, buffer=buffer))
             y = touch(y, out[:1, :1])
         return out[0, 0]
@@ -94,12 +119,15 @@ def combine_chain(buffer, mesh, case: Case, length: int):
     return testing.per_rank(fn, mesh, AXIS)
 
 
-def chain_args(op, inputs):
+def chain_args(op, buffer, mesh, case, inputs, num_ops):
+    """The arguments of both chains of op: inputs, and a routing (or, for
+    combine, a dispatch's handle) for each of num_ops operations."""
+    routings = op_routings(case, buffer.num_ranks, inputs, num_ops)
     if op == "dispatch_bf16":
-        return inputs["x"], inputs["idx"], inputs["w"]
+        return inputs["x"], routings
     if op == "dispatch_fp8":
-        return inputs["x_fp8"], inputs["idx"], inputs["w"]
-    return inputs["x"], inputs["idx"], inputs["w"], inputs["y"]
+        return inputs["x_fp8"], routings
+    return inputs["y"], dispatch_handles(buffer, mesh, case, inputs["x"], routings)
 
 
 def make_chain(op, buffer, mesh, case, length):
@@ -111,7 +139,7 @@ def make_chain(op, buffer, mesh, case, length):
 def time_per_op(op, buffer, mesh, case, inputs, *, length, repeats):
     """Seconds per operation, one sample per repeat: (time of a 2n chain -
     time of an n chain) / n."""
-    args = chain_args(op, inputs)
+    args = chain_args(op, buffer, mesh, case, inputs, 2 * length)
     short, long = make_chain(op, buffer, mesh, case, length), make_chain(op, buffer, mesh, case, 2 * length)
     return chain_seconds(short, long, args, length, repeats), long, args
 

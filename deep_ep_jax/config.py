@@ -16,6 +16,9 @@ them without touching code:
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
                              of one GPU each on one machine
+
+Unset or empty means the default; a value that does not parse is a ValueError
+naming the variable.
 """
 
 from __future__ import annotations
@@ -29,21 +32,39 @@ import os
 FP8_BLOCK = 128
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+def _env(name: str, default, parse, what: str):
+    """The variable parsed, or default when unset or empty; a value that does
+    not parse is an error naming the variable."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    try:
+        return parse(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not {what}") from None
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    return _env(name, default, int, "an integer")
 
 
 def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name, default))
+    return _env(name, default, float, "a number")
 
 
 def _env_optional_int(name: str) -> int | None:
-    value = os.environ.get(name, "").strip()
-    return int(value) if value else None
+    return _env_int(name, None)
+
+
+def _parse_bool(value: str) -> bool:
+    for result, spellings in ((True, ("1", "true", "yes", "on")), (False, ("0", "false", "no", "off"))):
+        if value.lower() in spellings:
+            return result
+    raise ValueError(value)
 
 
 def _env_bool(name: str, default: bool) -> bool:
-    return os.environ.get(name, "1" if default else "0").lower() in ("1", "true", "yes", "on")
+    return _env(name, default, _parse_bool, "one of 1/true/yes/on or 0/false/no/off")
 
 
 @dataclasses.dataclass(frozen=True)

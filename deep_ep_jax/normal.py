@@ -136,11 +136,11 @@ def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, 
 def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
     out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer)
     (_, recv_idx, _, handle), _ = out
-    return out, (handle, recv_idx, xs[0].shape)
+    return out, (handle, recv_idx)
 
 
 def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
-    handle, recv_idx, x_shape = residuals
+    handle, recv_idx = residuals
     (g_recv_xs, _, g_recv_w, _), _ = cotangents
     # Weights of experts on other ranks arrive as constant zeros.
     g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
@@ -148,9 +148,10 @@ def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
         g_x, g_w = buffer.ops.combine(g_recv_xs[0], g_recv_w, handle, buffer=buffer)
         g_xs = (g_x,)
     else:  # FP8 rows carry no gradient; the weights still do.
-        rows = jnp.zeros((num_worst_tokens, x_shape[1]), jnp.bfloat16)
+        rows = jnp.zeros((num_worst_tokens, g_recv_xs[0].shape[1]), jnp.bfloat16)
         _, g_w = buffer.ops.combine(rows, g_recv_w, handle, buffer=buffer)
-        g_xs = tuple(jnp.zeros_like(g) for g in g_recv_xs)
+        num_tokens = handle.is_token_in_rank.shape[0]  # the inputs' rows, [T, ...]
+        g_xs = tuple(jnp.zeros((num_tokens,) + g.shape[1:], g.dtype) for g in g_recv_xs)
     return g_xs, g_w, None, None
 
 

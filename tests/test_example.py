@@ -178,6 +178,20 @@ def test_training_example_loss_falls(tmp_path):
     assert plot.stat().st_size > 0
 
 
+def test_quickstart_runs():
+    """examples/quickstart.py on 8 virtual CPU devices: the xla backend, and
+    its own check against one-device maths passes."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--cpu"], env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    assert "8 x cpu devices, backend=xla" in lines, run.stdout
+    assert "combine(expert(dispatch(x))) vs one-device maths: max abs error 0.0" in lines, run.stdout
+    assert lines[-1] == "OK", run.stdout
+
+
 def _random_recv(seed, num_rows, num_valid, num_local):
     """Received rows as dispatch leaves them: -1 slots, NaN padding rows."""
     rng = np.random.default_rng(seed)

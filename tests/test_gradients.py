@@ -1,7 +1,8 @@
 """Gradients through dispatch and combine (custom_vjp) against jax.grad of the
 same MoE maths written densely on one device (in float32: the rows cross
 dispatch and combine as bf16, as the contract says, so they agree to bf16's
-precision)."""
+precision). Also FP8 rows (no gradient for them, the weights still have
+one) and rows dropped past num_worst_tokens (no gradient through them)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.backends import reference
 
 H, F = 16, 8
 
@@ -21,7 +23,8 @@ def _sharded_loss(buffer, num_experts, num_worst_tokens=None):
             x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
         )
         local = jnp.clip(recv_idx, 0)  # -1 slots carry weight 0
-        h = jnp.einsum("nh,nkhf->nkf", recv_x.astype(jnp.float32), experts[local])
+        recv_rows = reference.dequantize_fp8(*recv_x) if isinstance(recv_x, tuple) else recv_x.astype(jnp.float32)
+        h = jnp.einsum("nh,nkhf->nkf", recv_rows, experts[local])
         rows = jnp.einsum("nk,nkf->nf", recv_w, jnp.tanh(h))
         out, out_w = dej.combine(rows.astype(jnp.bfloat16), handle, recv_w, buffer=buffer)
         return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * probe) + jnp.sum(out_w * probe[:, :1] ** 2), "ep")
@@ -36,6 +39,13 @@ def _dense_loss(x, idx, w, experts, probe):
     w = jnp.where(valid, w, 0.0)
     out = jnp.einsum("tk,tkf->tf", w, jnp.tanh(h))
     return jnp.sum(out * probe) + jnp.sum(w * probe[:, :1] ** 2)
+
+
+def _assert_grads_close(grads, want_grads, names):
+    for got, want, name in zip(grads, want_grads, names):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        # A few bf16 roundings on the way: relative to the gradient's scale.
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=name)
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
@@ -55,10 +65,77 @@ def test_grad_matches_dense(num_ranks, kind):
     want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
     np.testing.assert_allclose(value, want_value, rtol=2e-2)
     assert grads[0].dtype == jnp.bfloat16
-    for got, want, name in zip(grads, want_grads, ("x", "topk_weights", "experts")):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        # A few bf16 roundings on the way: relative to the gradient's scale.
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=name)
+    _assert_grads_close(grads, want_grads, ("x", "topk_weights", "experts"))
+
+
+@pytest.mark.parametrize("kind", ["random", "minus_one"])
+def test_grad_fp8_rows(kind):
+    """FP8 rows carry no gradient (zeros of the pair's shapes and dtypes);
+    the weights and the experts get the dense maths' gradients, with x the
+    dequantised FP8 rows."""
+    num_ranks, num_tokens, num_experts, topk, hidden = 4, 8, 16, 3, 256  # FP8 needs hidden % 128 == 0
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = dt.make_routing(31, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    idx, w = jnp.asarray(idx), jnp.asarray(w)
+    x = reference.quantize_fp8(dt.random_rows(32, (num_ranks * num_tokens, hidden)))
+    experts = dt.random_rows(33, (num_experts, hidden, F), jnp.float32) * 0.1
+    probe = dt.random_rows(34, (num_ranks * num_tokens, F), jnp.float32)
+
+    loss = _sharded_loss(buffer, num_experts)
+    value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
+    dense_x = reference.dequantize_fp8(*x)
+    want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(2, 3))(dense_x, idx, w, experts, probe)
+    np.testing.assert_allclose(value, want_value, rtol=2e-2)
+    (g_data, g_scales), g_w, g_experts = grads
+    assert g_data.dtype == jnp.float8_e4m3fn and g_data.shape == x[0].shape
+    assert g_scales.dtype == jnp.float32 and g_scales.shape == x[1].shape
+    assert not np.asarray(g_data, np.float32).any() and not np.asarray(g_scales).any()
+    assert np.abs(np.asarray(g_w)).max() > 0
+    _assert_grads_close((g_w, g_experts), want_grads, ("topk_weights", "experts"))
+
+
+def _without_dropped_slots(idx, num_experts, num_ranks, num_worst_tokens):
+    """idx [R*T, K] with -1 in the slots whose row was dropped: a rank
+    receives rows by source rank, then token, and keeps its first
+    num_worst_tokens."""
+    experts_per_rank = num_experts // num_ranks
+    idx = np.array(idx).reshape(num_ranks, -1, idx.shape[-1])
+    received = np.zeros(num_ranks, int)
+    for s in range(num_ranks):
+        for t in range(idx.shape[1]):
+            row = idx[s, t]
+            for r in sorted({int(e) // experts_per_rank for e in row if 0 <= e < num_experts}):
+                received[r] += 1
+                if received[r] > num_worst_tokens:
+                    row[(row >= 0) & (row // experts_per_rank == r)] = -1
+    return idx.reshape(-1, idx.shape[-1])
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert"])
+def test_grad_with_dropped_rows(kind):
+    """Rows dropped past num_worst_tokens contribute nothing forward and get
+    no gradient: the gradients equal the dense maths' with those slots -1."""
+    num_ranks, num_tokens, num_experts, topk = 4, 12, 16, 3
+    num_worst_tokens = 9  # fewer than most ranks receive (one_expert: rank 0 gets all 48)
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = dt.make_routing(41, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    kept = _without_dropped_slots(idx, num_experts, num_ranks, num_worst_tokens)
+    assert (kept != idx).any() and (kept >= 0).any()  # some rows dropped, some kept
+    x = dt.random_rows(42, (num_ranks * num_tokens, H))
+    experts = dt.random_rows(43, (num_experts, H, F), jnp.float32) * 0.3
+    probe = dt.random_rows(44, (num_ranks * num_tokens, F), jnp.float32)
+    idx, kept, w = jnp.asarray(idx), jnp.asarray(kept), jnp.asarray(w)
+
+    loss = _sharded_loss(buffer, num_experts, num_worst_tokens)
+    value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
+    want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(0, 2, 3))(x, kept, w, experts, probe)
+    np.testing.assert_allclose(value, want_value, rtol=2e-2)
+    _assert_grads_close(grads, want_grads, ("x", "topk_weights", "experts"))
+    # Slots of dropped rows: exactly zero gradient.
+    dropped = np.asarray((kept < 0) & (idx >= 0))
+    assert (np.asarray(grads[1])[dropped] == 0).all()
 
 
 def test_grad_bf16_rows():

@@ -77,6 +77,21 @@ def test_receive_of_the_other_flavour_is_refused():
         jax.jit(_step(_buffer(16), _buffer(0))).lower(*_ARGS)
 
 
+@extension
+@pytest.mark.parametrize("send_sms, recv_sms", [(16, 0), (0, 16)])
+def test_combine_receive_of_the_other_flavour_is_refused(send_sms, recv_sms):
+    def step(x, idx, w, y):
+        _, _, handle = cll.low_latency_dispatch(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
+                                                use_fp8=True, round_scale=False, buffer=_buffer(0))
+        pending = cll.low_latency_combine_send(y, idx, w, handle, buffer=_buffer(send_sms))
+        return cll.low_latency_combine_recv(pending, buffer=_buffer(recv_sms))
+
+    was = "" if send_sms else "not "
+    with pytest.raises(ValueError, match=f"^low_latency_combine_recv: the send was {was}overlapped but this buffer's "
+                                         f"config.low_latency_overlap_sms is {recv_sms}; receive with the buffer"):
+        jax.jit(step).lower(*_ARGS)
+
+
 def test_config_bounds(monkeypatch):
     assert dej.Config().low_latency_overlap_sms == 0
     monkeypatch.setenv("DEEP_EP_JAX_LL_OVERLAP_SMS", "20")

@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -262,6 +263,44 @@ def test_oracle_bf16_rounding_agrees_with_ml_dtypes():
     values = values[np.isfinite(values)]  # the second half: exact ties
     want = values.astype(ml_dtypes.bfloat16).view(np.uint16)
     _assert_bits_equal(oracle.bf16_bits(values), want, "bf16 rounding")
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_low_latency_fp8_rows_and_scales(round_scale):
+    """Each valid FP8 row equals a numpy quantisation of its source token:
+    scales amax / 448 per 128 channels, or with round_scale the power of two
+    at or above that; values x * (1 / scale) rounded to float8_e4m3fn."""
+    num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 7, 16, 3
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
+    idx, _ = dt.make_routing(14, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    # Channels over nine decades, so that the blocks' scales differ widely.
+    x = dt.random_rows(15, (num_ranks * num_tokens, H), jnp.float32) * np.logspace(-6, 3, H, dtype=np.float32)
+    x = x.astype(jnp.bfloat16)
+
+    def step(x, idx):
+        return dej.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens,
+                                        num_experts=num_experts, use_fp8=True, round_scale=round_scale)
+
+    (data, scales), count, handle = jax.tree.map(np.asarray, dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx)))
+    blocks = np.asarray(x, np.float32).reshape(num_ranks, num_tokens, H // 128, 128)
+    want_scales = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4)) * np.float32(1 / 448)
+    if round_scale:
+        mantissa, exponent = np.frexp(want_scales)
+        powers = np.ldexp(np.float32(1), np.where(mantissa == 0.5, exponent - 1, exponent)).astype(np.float32)
+        assert (powers >= want_scales).all() and (powers < 2 * want_scales).all()
+        want_scales = powers
+    # x times 1 / scale (not x / scale, which rounds differently at ties), as the kernels.
+    inverse = (np.float32(1) / want_scales).astype(np.float32)
+    want_data = np.clip(blocks * inverse[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+
+    r, e, j = np.nonzero(np.arange(num_ranks * max_tokens)[None, None, :] < count[:, :, None])
+    assert len(r) > 0
+    s, t = handle.recv_src_rank[r, e, j], handle.recv_src_token[r, e, j]
+    np.testing.assert_array_equal(scales[r, e, j].view(np.uint32), want_scales[s, t].view(np.uint32))
+    np.testing.assert_array_equal(data[r, e, j].view(np.uint8), want_data[s, t].reshape(len(r), H).view(np.uint8))
+    if round_scale:
+        assert (scales[r, e, j].view(np.uint32) & 0x007FFFFF == 0).all(), "scales are not powers of two"
 
 
 def test_low_latency_halves_with_overlap_match_whole_operations():

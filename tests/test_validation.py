@@ -225,6 +225,83 @@ def test_low_latency_bad_arguments(mesh):
         _trace(mesh, bad_combine, x[: R * M], idx[: R * M], _inputs()[2][: R * M])
 
 
+def test_num_experts_differs_from_the_buffers(mesh):
+    """A Buffer made with num_experts checks every call against it."""
+    x, idx, w = _inputs()
+    buffer = dej.Buffer(mesh, "ep", backend="xla", num_experts=E)
+    _trace(mesh, _dispatch(buffer), x, idx, w)  # the buffer's own number passes
+    message = f"num_experts is {2 * E} but the buffer was made for {E}"
+    with pytest.raises(ValueError, match=f"^dispatch: {message}"):
+        _trace(mesh, _dispatch(buffer, num_experts=2 * E), x, idx, w)
+    with pytest.raises(ValueError, match=f"^get_dispatch_layout: {message}"):
+        _trace(mesh, lambda idx: dej.get_dispatch_layout(idx, num_experts=2 * E, buffer=buffer), idx)
+    ll = dej.Buffer(mesh, "ep", backend="xla", num_experts=E, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    for send in (dej.low_latency_dispatch, dej.low_latency_dispatch_send):
+        with pytest.raises(ValueError, match=f"^{send.__name__}: {message}"):
+            _trace(mesh, lambda x, idx, send=send: send(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
+                                                        num_experts=2 * E), x, idx)
+
+
+def _swap(position, value):
+    """Combine arguments (y, topk_idx, topk_weights, handle) with one replaced by value(old)."""
+    return lambda args: tuple(value(a) if i == position else a for i, a in enumerate(args))
+
+
+# Per rank: y [E/R = 2, R*M = 32, H], topk_idx and topk_weights [T = 8, K = 2].
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (_swap(3, lambda h: {"recv_count": h.recv_count}), TypeError, "handle must be the LowLatencyHandle"),
+        (_swap(0, lambda y: y.astype(jnp.float32)), TypeError, "x must be bfloat16, got float32"),
+        (_swap(0, lambda y: y[:, :-1]), ValueError,
+         r"x must be \[2, 32, hidden\] \(the dispatch's rows\), got \(2, 31, 256\)"),
+        (_swap(0, lambda y: y[None]), ValueError, r"x must be \[2, 32, hidden\]"),
+        (_swap(0, lambda y: jnp.concatenate([y, y], -1)), ValueError,
+         "x has hidden 512 but the buffer was made for hidden 256"),
+        (_swap(2, lambda w: None), TypeError, "topk_weights is required"),
+        (_swap(2, lambda w: w[:, :1]), ValueError, "topk_weights must have topk_idx's shape"),
+        (_swap(2, lambda w: w.astype(jnp.bfloat16)), TypeError, "topk_weights must be float32"),
+        (_swap(1, lambda i: i.astype(jnp.int16)), TypeError, "topk_idx must be int32, got int16"),
+        (_swap(1, lambda i: i[:, 0]), ValueError, r"topk_idx must be \[8, topk\], got shape \(8,\)"),
+        (lambda args: (args[0], jnp.concatenate([args[1]] * 2), jnp.concatenate([args[2]] * 2), args[3]), ValueError,
+         "topk_idx has 16 tokens, more than the dispatch's maximum 8"),
+    ],
+)
+@pytest.mark.parametrize("combine", [dej.low_latency_combine, dej.low_latency_combine_send])
+def test_low_latency_combine_bad_arguments(mesh, combine, change, error, match):
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T, hidden=H)
+    x, idx, w = _inputs()
+
+    def fn(x, idx, w):
+        recv_x, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
+                                                     num_experts=E, use_fp8=False)
+        return combine(*change((recv_x, idx, w, handle)), buffer=ll)
+
+    with pytest.raises(error, match=f"^{combine.__name__}: ({match})"):
+        _trace(mesh, fn, x, idx, w)
+
+
+def test_low_latency_combine_needs_a_low_latency_buffer(mesh):
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    normal = dej.Buffer(mesh, "ep", backend="xla")
+    x, idx, w = _inputs()
+
+    def fn(combine_buffer, recv_buffer):
+        def run(x, idx, w):
+            recv_x, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
+                                                         num_experts=E, use_fp8=False)
+            pending = dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=combine_buffer)
+            return dej.low_latency_combine_recv(pending, buffer=recv_buffer)
+        return run
+
+    _trace(mesh, fn(ll, ll), x, idx, w)
+    made_without = "the buffer was made without low_latency_mode=True"
+    with pytest.raises(ValueError, match=f"^low_latency_combine_send: {made_without}"):
+        _trace(mesh, fn(normal, ll), x, idx, w)
+    with pytest.raises(ValueError, match=f"^low_latency_combine_recv: {made_without}"):
+        _trace(mesh, fn(ll, normal), x, idx, w)
+
+
 def test_checks_mode_raises_on_bad_data(mesh):
     buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True))
     x, idx, w = _inputs()

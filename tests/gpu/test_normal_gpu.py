@@ -14,6 +14,11 @@ the trace-time checks and the size hint.
 
 import dataclasses
 import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,7 @@ from deep_ep_jax.backends import reference
 from deep_ep_jax.backends.cuda import intranode, sizes
 
 AXIS = "ep"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
 
 
@@ -496,35 +502,133 @@ def test_1000_calls_in_fori_loop(mesh, buffers):
         assert_bits_equal(g, wv, name)
 
 
-@gpu
-def test_command_buffers(mesh, buffers):
-    """A jitted step with XLA's default flags (command buffers on): a chain
-    dispatch -> expert -> combine -> dispatch -> combine, same answer as the
-    reference, twice in a row (graph replay)."""
-    cuda, xla = buffers
+# The chain of test_command_buffers, in this module so that its worker
+# processes run the very same program on the very same inputs.
+CHAIN_TOKENS, CHAIN_HIDDEN, CHAIN_TOPK = 512, 2048, 8
+CHAIN_KINDS = ("random", "one_expert", "minus_one", "rank_empty")  # one per execution: counts change every replay
+
+
+def chain_runner(buffer, mesh):
+    """dispatch -> expert -> combine, three times, jitted (one program)."""
+    num_experts = 16 * mesh.shape[AXIS]
+
+    def command_buffer_chain(x, idx, w):
+        h = x
+        for _ in range(3):
+            recv_x, _, recv_w, handle = deep_ep_jax.dispatch(h, idx, w, num_experts=num_experts, buffer=buffer)
+            y = (recv_x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+            h, _ = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
+        return h
+
+    spec = jax.sharding.PartitionSpec(AXIS)
+    return jax.jit(jax.shard_map(command_buffer_chain, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+
+def chain_inputs(mesh, seed, kind):
     num_ranks = mesh.shape[AXIS]
-    num_experts = 16 * num_ranks
+    x = testing.random_rows(seed, (num_ranks * CHAIN_TOKENS, CHAIN_HIDDEN))
+    return (x,) + routing(seed, num_ranks, CHAIN_TOKENS, 16 * num_ranks, CHAIN_TOPK, kind)
 
-    def make(buffer):
-        def fn(x, idx, w):
-            h = x
-            for _ in range(3):
-                recv_x, _, recv_w, handle = deep_ep_jax.dispatch(h, idx, w, num_experts=num_experts, buffer=buffer)
-                y = (recv_x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
-                h, _ = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
-            return h
 
-        return testing.per_rank(fn, mesh, AXIS)
+# Runs the chain in a process of its own, with the XLA_FLAGS it is given:
+# argv = tests/gpu, output folder, seeds. Saves each output's bits and the
+# number of deep_ep_jax custom calls in the compiled program.
+CHAIN_WORKER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, numpy as np
+import deep_ep_jax, test_normal_gpu as t
 
-    run_cuda, run_xla = make(cuda), make(xla)
-    for seed in range(2):
-        x = testing.random_rows(seed, (num_ranks * 512, 2048))
-        idx, w = routing(seed, num_ranks, 512, num_experts, 8, "random")
-        got, want = run_cuda(x, idx, w), run_xla(x, idx, w)
-        assert_bits_equal(got, want, "chain output")
-    text = run_cuda.lower(x, idx, w).compile().as_text()
-    in_graph = "command_buffer" in text
-    print(f"deep_ep_jax custom calls inside an XLA command buffer: {in_graph}")
+mesh = t.testing.ep_mesh(len(jax.devices("gpu")), t.AXIS, platform="gpu")
+buffer = deep_ep_jax.Buffer(mesh, t.AXIS, backend="cuda")
+seeds = [int(s) for s in sys.argv[3:]]
+runs = [t.chain_inputs(mesh, seed, kind) for seed, kind in zip(seeds, t.CHAIN_KINDS)]
+compiled = t.chain_runner(buffer, mesh).lower(*runs[0]).compile()  # one compilation, every execution its replay
+for seed, args in zip(seeds, runs):
+    np.save(f"{sys.argv[2]}/out_{seed}.npy", np.asarray(compiled(*args)).view(np.uint16))
+print("deep_ep_jax custom calls:", compiled.as_text().count('custom_call_target="deep_ep_jax_'))
+buffer.destroy()
+"""
+
+
+def _thunk_lines(text):
+    """[(indent, kind)] of the thunk lines of an XLA thunk sequence dump:
+    indent, an optional 'NNN: ' id, then the kind (kCommandBuffer, kCustomCall, ...)."""
+    lines = [re.match(r"( *)(?:-?\d+: )?(k[A-Z]\w*)", line) for line in text.splitlines()]
+    return [(len(m.group(1)), m.group(2)) for m in lines if m]
+
+
+def custom_calls_in_command_buffers(dump_dir):
+    """(custom-call thunks inside command buffers, outside them) over the
+    thunk sequences XLA dumped (per module, the one after its thunk passes,
+    which form the command buffers, if it wrote one)."""
+    dumps = {}
+    for path in sorted(pathlib.Path(dump_dir).glob("*thunk_sequence*.txt")):
+        module = path.name.split(".thunk_sequence")[0]
+        if module not in dumps or "after_thunk_passes" in path.name:
+            dumps[module] = path
+    inside = outside = 0
+    for path in dumps.values():
+        lines = _thunk_lines(path.read_text())
+        top = min((indent for indent, _ in lines), default=0)
+        in_buffer = False
+        for indent, kind in lines:
+            if indent == top:
+                in_buffer = kind == "kCommandBuffer"
+            if kind == "kCustomCall":
+                if in_buffer and indent > top:
+                    inside += 1
+                else:
+                    outside += 1
+    return inside, outside, sorted(p.name for p in dumps.values())
+
+
+def _run_chain_worker(tmp_path, name, xla_flags, seeds):
+    out = tmp_path / name
+    dump = out / "dump"
+    dump.mkdir(parents=True)
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds most of the memory
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                         f"--xla_dump_hlo_module_re=.*command_buffer_chain.* {xla_flags}")
+    result = subprocess.run([sys.executable, "-c", CHAIN_WORKER, str(ROOT / "tests" / "gpu"), str(out)]
+                            + [str(s) for s in seeds], capture_output=True, text=True, env=env, timeout=300,
+                            check=False)
+    assert result.returncode == 0, f"{name} worker failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    num_calls = int(re.search(r"deep_ep_jax custom calls: (\d+)", result.stdout).group(1))
+    outputs = {seed: np.load(out / f"out_{seed}.npy") for seed in seeds}
+    return outputs, num_calls, custom_calls_in_command_buffers(dump)
+
+
+@gpu
+def test_command_buffers(mesh, buffers, tmp_path):
+    """With command buffers on for custom calls, the jitted chain's
+    dispatches and combines are all captured into CUDA graphs (XLA's thunk
+    dump shows them inside kCommandBuffer thunks); with command buffers off,
+    none is. Both give the reference's bits on every execution, each with
+    fresh inputs and routing (replays of the graph are where state left by
+    an earlier call, e.g. stale flags, would show)."""
+    _, xla = buffers
+    seeds = [int(s) for s in np.random.default_rng().integers(1 << 30, size=len(CHAIN_KINDS))]
+    graph, graph_calls, graph_dump = _run_chain_worker(
+        tmp_path, "graph", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+        seeds)
+    plain, plain_calls, plain_dump = _run_chain_worker(tmp_path, "plain", "--xla_gpu_enable_command_buffer=", seeds)
+    reference = chain_runner(xla, mesh)
+    for seed, kind in zip(seeds, CHAIN_KINDS):
+        want = np.asarray(reference(*chain_inputs(mesh, seed, kind))).view(np.uint16)
+        for name, got in (("inside a CUDA graph", graph[seed]), ("outside CUDA graphs", plain[seed])):
+            bad = np.argwhere(got != want)
+            assert not len(bad), f"seed {seed} ({kind}), {name}: {len(bad)} values differ, first {bad[:4].tolist()}"
+    assert graph_calls == plain_calls == 6, (graph_calls, plain_calls)  # 3 dispatches, 3 combines
+    inside, outside, dumps = graph_dump
+    assert inside >= graph_calls and outside == 0, (
+        f"command buffers on: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}")
+    # The same count without command buffers: the check above tells the two apart.
+    inside, outside, dumps = plain_dump
+    assert inside == 0 and outside >= plain_calls, (
+        f"command buffers off: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}")
 
 
 # CPU: trace-time checks and the size hint ---------------------------------------

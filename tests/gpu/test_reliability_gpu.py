@@ -44,11 +44,16 @@ def _roundtrip(buffer, num_experts):
     return fn
 
 
-def _assert_bitwise_equal(a, b):
+def _assert_bitwise_equal(a, b, what=""):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+        assert x.dtype == y.dtype and x.shape == y.shape, what
+        np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=what)
+
+
+def _fresh_seed():
+    """A new seed every run (named in the failure messages, to reproduce one)."""
+    return int(np.random.default_rng().integers(1 << 30))
 
 
 def _assert_same_values(a, b):
@@ -70,34 +75,43 @@ def _valid_rows_only(outputs):
 
 
 def test_determinism_normal(mesh):
-    """The same inputs give bit-identical outputs, call after call and in
-    differently compiled programs."""
+    """The same inputs give bit-identical outputs: in separate executions of
+    one program, and in another program that runs two round trips (the
+    second on the first's output, with another routing) and returns both,
+    so that neither can be compiled away or merged with the other."""
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, num_experts = 1024, 4096, 64
+    seed = _fresh_seed()
     buffer = dej.Buffer(mesh, AXIS, backend="cuda")
-    idx, w = dt.make_routing(1, num_ranks * num_tokens, num_experts, 8, num_ranks)
-    x = dt.random_rows(2, (num_ranks * num_tokens, hidden))
-    args = (x, jnp.asarray(idx), jnp.asarray(w))
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, 8, num_ranks)
+    idx2, w2 = dt.make_routing(seed + 1, num_ranks * num_tokens, num_experts, 8, num_ranks, "minus_one")
+    x = dt.random_rows(seed + 2, (num_ranks * num_tokens, hidden))
+    idx, w, idx2, w2 = (jnp.asarray(a) for a in (idx, w, idx2, w2))
     f = dt.per_rank(_roundtrip(buffer, num_experts), mesh, AXIS)
-    first = _valid_rows_only(f(*args))
-    for _ in range(3):
-        _assert_bitwise_equal(first, _valid_rows_only(f(*args)))
+    first = _valid_rows_only(f(x, idx, w))
+    for repeat in range(3):
+        _assert_bitwise_equal(first, _valid_rows_only(f(x, idx, w)), f"seed {seed}: execution {repeat + 2}")
 
-    def doubled(x, idx, w):  # another program: two round trips, the second's output kept
-        _roundtrip(buffer, num_experts)(x, idx, w)
-        return _roundtrip(buffer, num_experts)(x, idx, w)
+    def two_round_trips(x, idx, w, idx2, w2):
+        once = _roundtrip(buffer, num_experts)(x, idx, w)
+        return once, _roundtrip(buffer, num_experts)(once[4], idx2, w2)  # once[4]: the combined rows
 
-    _assert_bitwise_equal(first, _valid_rows_only(dt.per_rank(doubled, mesh, AXIS)(*args)))
+    once, twice = dt.per_rank(two_round_trips, mesh, AXIS)(x, idx, w, idx2, w2)
+    _assert_bitwise_equal(first, _valid_rows_only(once), f"seed {seed}: first round trip of the other program")
+    combined = jnp.asarray(first[4]).reshape(num_ranks * num_tokens, hidden)
+    _assert_bitwise_equal(_valid_rows_only(f(combined, idx2, w2)), _valid_rows_only(twice),
+                          f"seed {seed}: second round trip of the other program")
     buffer.destroy()
 
 
 def test_determinism_low_latency(mesh):
     num_ranks = mesh.shape[AXIS]
     max_tokens, hidden, num_experts = 128, 2048, 16 * num_ranks
+    seed = _fresh_seed()
     buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
                         num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
-    idx, w = dt.make_routing(3, num_ranks * max_tokens, num_experts, 8, num_ranks)
-    x = dt.random_rows(4, (num_ranks * max_tokens, hidden))
+    idx, w = dt.make_routing(seed, num_ranks * max_tokens, num_experts, 8, num_ranks)
+    x = dt.random_rows(seed + 1, (num_ranks * max_tokens, hidden))
 
     def fn(x, idx, w):
         recv_x, count, handle = dej.low_latency_dispatch(
@@ -109,14 +123,16 @@ def test_determinism_low_latency(mesh):
     args = (x, jnp.asarray(idx), jnp.asarray(w))
     first = f(*args)
     count = np.asarray(first[1])
-    for _ in range(3):
+    for repeat in range(3):
         again = f(*args)
-        np.testing.assert_array_equal(count, np.asarray(again[1]))
-        _assert_bitwise_equal(first[2], again[2])  # handle
-        _assert_bitwise_equal(first[3], again[3])  # combined output
+        what = f"seed {seed}: execution {repeat + 2}"
+        np.testing.assert_array_equal(count, np.asarray(again[1]), err_msg=what)
+        _assert_bitwise_equal(first[2], again[2], f"{what}, handle")
+        _assert_bitwise_equal(first[3], again[3], f"{what}, combined output")
         valid = np.arange(first[0][0].shape[2])[None, None, :] < count[:, :, None]
         for a, b in zip(first[0], again[0]):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint8)[valid], np.asarray(b).view(np.uint8)[valid])
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8)[valid], np.asarray(b).view(np.uint8)[valid],
+                                          err_msg=f"{what}, received rows")
     buffer.destroy()
 
 

@@ -56,7 +56,8 @@ class FfiTarget:
             aliases = {0: len(types) - 1}
         call = jax.ffi.ffi_call(self.name, types, has_side_effect=self.has_side_effect,
                                 vmap_method=self.vmap_method, input_output_aliases=aliases)
-        outputs = dict(zip(self.all_results, _varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))))
+        results = _varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))
+        outputs = dict(zip(self.all_results, results))
         if self.ordered:
             ordering.put(buffer, outputs.pop("order_out"))
         return outputs
@@ -210,8 +211,8 @@ def cached_dispatch_call(target: FfiTarget, buffer, xs, topk_weights, handle, at
         recv_topk_weights=jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
         **(scratch_types or {}),
     )
-    out = target(buffer, out_types, x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos, handle.num_recv_tokens,
-                 **attrs)
+    out = target(buffer, out_types, x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos,
+                 handle.num_recv_tokens, **attrs)
     recv_xs = (out["recv_x"],) if len(xs) == 1 else (out["recv_x"], out["recv_x_scales"])
     return recv_xs, (None if topk_weights is None else out["recv_topk_weights"])
 

@@ -73,8 +73,9 @@ def dispatch(
             f"got {num_worst_tokens!r}"
         )
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
-    (recv_xs, recv_idx, recv_w, handle), order = _dispatch(xs, topk_weights, topk_idx, ordering.take(buffer), num_experts,
-                                                           int(num_worst_tokens), buffer)
+    outputs, order = _dispatch(xs, topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens),
+                               buffer)
+    recv_xs, recv_idx, recv_w, handle = outputs
     ordering.put(buffer, order)
     if buffer.config.checks:
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"

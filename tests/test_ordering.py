@@ -112,8 +112,8 @@ def test_low_latency_halves_and_normal_calls_share_the_chain():
     x = dt.random_rows(6, (R * T, H))
 
     def step(x, idx, w):
-        pending = dej.low_latency_dispatch_send(x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T, use_fp8=False,
-                                                buffer=buffer)
+        pending = dej.low_latency_dispatch_send(x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T,
+                                                use_fp8=False, buffer=buffer)
         recv_x, _, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
         pending = dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer)
         out = dej.low_latency_combine_recv(pending, buffer=buffer)

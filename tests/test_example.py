@@ -112,9 +112,9 @@ def test_moe_ffn_matches_dense(kind):
     probe = dt.random_rows(7, (num_tokens, H), jnp.float32)
 
     tokens, experts = P(("data", "expert")), P("expert")
-    sharded = ml.shard_map(
+    sharded = jax.shard_map(  # shard_map's defaults (check_vma=True), as the example
         lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts),
-        mesh,
+        mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
     )

@@ -93,9 +93,15 @@ class Worker:
         sharding = self.jax.sharding.NamedSharding(self.mesh, self.jax.sharding.PartitionSpec("ep"))
         return self.jax.device_put(a, sharding)
 
-    def rows(self, shape, dtype=None):
-        """Fresh standard normal rows (bf16 unless dtype), split over the ranks."""
-        return self.put(self.rng.standard_normal(shape, np.float32).astype(dtype or self.jnp.bfloat16))
+    def rows(self, shape, dtype=None, wide=False):
+        """Fresh standard normal rows (bf16 unless dtype), split over the ranks.
+        wide: half the values +-2^24, which cancel in sums; a small value added
+        while such a sum is large is lost, so float32 sums in another order
+        come out different (what checks a summation order)."""
+        a = self.rng.standard_normal(shape, np.float32)
+        if wide:
+            a = np.where(self.rng.random(shape) < 0.5, np.sign(a) * np.float32(1 << 24), a)
+        return self.put(a.astype(dtype or self.jnp.bfloat16))
 
     def routing(self, num_experts, kind, num_tokens=TOKENS):
         seed = int(self.rng.integers(1 << 30))
@@ -123,7 +129,7 @@ class Worker:
             for kind in kinds:
                 idx, w = self.routing(num_experts, kind)
                 x = self.rows((R * TOKENS, HIDDEN))
-                y = self.rows((R * rows, HIDDEN))
+                y = self.rows((R * rows, HIDDEN), wide=True)
                 outs = run(x, idx, w, y)
                 self.check_normal(num_experts, rows, kind, (x, idx, w, y), outs)
             print(f"normal num_worst_tokens={worst}: {', '.join(kinds)} ok", flush=True)
@@ -218,7 +224,7 @@ class Worker:
             idx, w = self.routing(num_experts, kind)
             x = self.rows((R * TOKENS, HIDDEN))
             y = self.rows((R * rows, HIDDEN))
-            p = self.rows((R * rows, HIDDEN), jnp.float32)
+            p = self.rows((R * rows, HIDDEN), jnp.float32, wide=True)
             q = self.rows((R * rows, TOPK), jnp.float32)
             g = self.rows((R * TOKENS, HIDDEN), jnp.float32)
             s = self.rows((R * TOKENS, TOPK), jnp.float32)
@@ -269,9 +275,11 @@ class Worker:
             run = self.dt.per_rank(step, self.mesh, "ep")
             kinds = self.dt.ROUTING_KINDS if not use_fp8 else ("random", "one_expert", "minus_one")
             for kind in kinds:
-                idx, w = self.routing(num_experts, kind, num_tokens)
+                idx, _ = self.routing(num_experts, kind, num_tokens)
+                # Weights that multiply exactly, so that the sum's order shows through wide rows.
+                w = self.put(self.rng.choice(np.float32([0.5, 1, 2]), (R * num_tokens, TOPK)))
                 x = self.rows((R * num_tokens, HIDDEN))
-                y = self.rows((R * epr, R * max_tokens, HIDDEN))
+                y = self.rows((R * epr, R * max_tokens, HIDDEN), wide=True)
                 recv_x, count, handle, out = run(x, idx, w, y)
                 xs, idxs, ws = _shards(x, R), _shards(idx, R), _shards(w, R)
                 expected = oracle.low_latency_dispatch(xs, idxs, num_experts, max_tokens)

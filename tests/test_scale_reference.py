@@ -315,6 +315,8 @@ class Worker:
                 np.testing.assert_array_equal(_np(out), _bf16(want), err_msg=f"{kind} fp8={use_fp8}")
                 if kind == "one_expert":
                     assert count[0, 0] == R * num_tokens and count.sum() == R * num_tokens
+                if kind == "rank_empty":
+                    assert (count[-1] == 0).all() and count.sum() > 0
             print(f"low_latency fp8={use_fp8}: {', '.join(kinds)} ok", flush=True)
 
 

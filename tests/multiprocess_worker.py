@@ -291,7 +291,6 @@ def case_shared_gpu():
     check the case itself."""
     import oracle
     from jax.sharding import NamedSharding, PartitionSpec
-    from test_scale_reference import low_latency_combine_oracle
 
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     num_ranks = jax.device_count()
@@ -326,8 +325,12 @@ def case_shared_gpu():
                                  kind)
         return idx, w, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
 
-    def bf16_rows(shape):
-        return rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
+    def bf16_rows(shape, wide=False):
+        # wide: half the values +-2^24, which cancel in sums, so that a sum in another order comes out different.
+        a = rng.standard_normal(shape, np.float32)
+        if wide:
+            a = np.where(rng.random(shape) < 0.5, np.sign(a) * np.float32(1 << 24), a)
+        return a.astype(jnp.bfloat16)
 
     def normal(x, idx, w, y):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
@@ -336,7 +339,7 @@ def case_shared_gpu():
 
     for kind in dt.ROUTING_KINDS:
         idx, w, idxs, ws = routing(kind)
-        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden))
+        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden), True)
         recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(normal, *map(put, (x, idx, w, y)))
         expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
                                    num_experts, num_ranks * num_tokens)
@@ -386,9 +389,11 @@ def case_shared_gpu():
             return recv_x, count, handle, out
 
         for kind in ("random", "one_expert", "rank_empty", "minus_one"):
-            idx, w, idxs, ws = routing(kind)
+            idx, _, idxs, _ = routing(kind)
+            w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
+            ws = w.reshape(idxs.shape)
             x = bf16_rows((num_ranks * num_tokens, hidden))
-            y = bf16_rows((num_experts, num_ranks * num_tokens, hidden))
+            y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
             recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
             if use_fp8:
                 data, scales = recv_x
@@ -411,8 +416,8 @@ def case_shared_gpu():
                     assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
                 else:
                     np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
-            ys = y.astype(np.float32).reshape(num_ranks, epr * num_ranks * num_tokens, hidden)
-            combined = low_latency_combine_oracle(ys, idxs, ws, expected, num_experts)[rank]
+            ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
+            combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
             np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
             log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
     buffer.destroy()

@@ -311,32 +311,14 @@ class Worker:
                             assert (err <= amax / 16 + 1e-6).all(), what
                         else:
                             np.testing.assert_array_equal(rows[r, e, :n], want, err_msg=what)
-                want = low_latency_combine_oracle(_shards(y, R), idxs, ws, expected, num_experts)
+                ys = _np(y).reshape(R, epr, R * max_tokens, HIDDEN)
+                want = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)
                 np.testing.assert_array_equal(_np(out), _bf16(want), err_msg=f"{kind} fp8={use_fp8}")
                 if kind == "one_expert":
                     assert count[0, 0] == R * num_tokens and count.sum() == R * num_tokens
                 if kind == "rank_empty":
                     assert (count[-1] == 0).all() and count.sum() > 0
             print(f"low_latency fp8={use_fp8}: {', '.join(kinds)} ok", flush=True)
-
-
-def low_latency_combine_oracle(ys, idxs, ws, expected, num_experts):
-    """ys [R, E/R * R*M, H] (each rank's expert outputs, rows as dispatched),
-    idxs/ws [R, T, K]. Per token: sum over k in order of w * its expert's row,
-    in float32 from 0.0 (k naming no expert skipped)."""
-    num_ranks, num_tokens, topk = idxs.shape
-    epr = num_experts // num_ranks
-    ys = ys.reshape(num_ranks, epr, -1, ys.shape[-1])
-    where = {slot: (r, e, p) for r in range(num_ranks) for e in range(epr) for p, slot in enumerate(expected[r][e])}
-    out = np.zeros((num_ranks, num_tokens, ys.shape[-1]), np.float32)
-    for s in range(num_ranks):
-        for t in range(num_tokens):
-            acc = np.zeros(ys.shape[-1], np.float32)
-            for k in range(topk):
-                if 0 <= idxs[s, t, k] < num_experts:
-                    acc = acc + np.float32(ws[s, t, k]) * ys[where[(s, t, k)]]
-            out[s, t] = acc
-    return out
 
 
 if __name__ == "__main__":

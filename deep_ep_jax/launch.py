@@ -2,13 +2,20 @@
 
     python -m deep_ep_jax.launch -n 2 [--] script.py args...
     python -m deep_ep_jax.launch -n 2 -- -m pytest tests/gpu/test_multiprocess_gpu.py
+    python -m deep_ep_jax.launch -n 16 --ranks-per-gpu 8 -- script.py   # 16 ranks on 2 GPUs
 
 Each process gets the environment `initialize()` reads (coordinator address
 on localhost with a free port, process id, number of processes) and, when
 GPUs are present, CUDA_VISIBLE_DEVICES set to one GPU (the i-th of the
 launcher's own CUDA_VISIBLE_DEVICES, if set); with --all-gpus-visible every
 process sees all of them and JAX uses only the i-th (NVSHMEM's peer-to-peer
-transport wants to see its peers' GPUs). NVLink multicast stays off
+transport wants to see its peers' GPUs). With --ranks-per-gpu K, process i
+gets GPU i // K instead, so N processes share ceil(N / K) GPUs (to run EP
+groups larger than the GPUs at hand): the processes of one GPU are
+time-sliced by the driver, so this checks correctness, not speed; GPU memory
+is not preallocated (XLA_PYTHON_CLIENT_PREALLOCATE=false unless set), and
+XLA's own collectives across processes do not work there (NCCL refuses two
+ranks on one GPU). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1). Output lines are prefixed with
 the rank. The launcher waits for all; when one fails it kills the others and
 exits with that process's status.
@@ -72,13 +79,15 @@ def _visible_gpus() -> list[str]:
     if visible is not None:
         return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False):
+def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False, ranks_per_gpu=1):
+    """The environment of process `rank`: the launcher's own, plus what
+    initialize() reads and its GPU (the (rank // ranks_per_gpu)-th of gpus)."""
     env = dict(os.environ)
     env[COORDINATOR_VAR] = address
     env[NUM_PROCESSES_VAR] = str(num_processes)
@@ -89,11 +98,16 @@ def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False):
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
         env["CUDA_VISIBLE_DEVICES"] = ""
-    elif gpus and all_gpus_visible:
+        return env
+    gpu = rank // ranks_per_gpu
+    if gpus and all_gpus_visible:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        env[LOCAL_DEVICE_VAR] = str(rank)  # an ordinal among the visible GPUs
+        env[LOCAL_DEVICE_VAR] = str(gpu)  # an ordinal among the visible GPUs
     elif gpus:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[rank]
+        env["CUDA_VISIBLE_DEVICES"] = gpus[gpu]
+    if gpus and ranks_per_gpu > 1:
+        # XLA's default (75% of the GPU per process) would leave nothing to the GPU's other processes.
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     return env
 
 
@@ -122,16 +136,26 @@ def _stop(procs, grace_s=5.0):
 
 
 def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=False, out=None,
-           all_gpus_visible=False) -> int:
+           all_gpus_visible=False, ranks_per_gpu=1) -> int:
     """Runs `python command...` in num_processes processes; returns 0 when all
     succeed, else the first failure's exit status (124 on timeout). A failure
-    stops the others, unless keep_going (then all run to their end)."""
+    stops the others, unless keep_going (then all run to their end).
+    Process i runs on GPU i // ranks_per_gpu."""
     out = out if out is not None else sys.stdout.buffer
+    if ranks_per_gpu < 1:
+        raise ValueError(f"deep_ep_jax.launch: ranks_per_gpu must be >= 1, got {ranks_per_gpu}")
     gpus = [] if cpu else _visible_gpus()
-    if gpus and len(gpus) < num_processes:
+    needed = -(-num_processes // ranks_per_gpu)  # GPUs: ceil(num_processes / ranks_per_gpu)
+    if ranks_per_gpu > 1 and not gpus:
         raise SystemExit(
-            f"deep_ep_jax.launch: {num_processes} processes need {num_processes} GPUs (one each), "
-            f"found {len(gpus)} ({','.join(gpus)}); use fewer processes, or --cpu"
+            f"deep_ep_jax.launch: --ranks-per-gpu {ranks_per_gpu} shares GPUs, but "
+            + ("--cpu uses none" if cpu else "no GPU was found (CUDA_VISIBLE_DEVICES, nvidia-smi -L)")
+        )
+    if gpus and len(gpus) < needed:
+        per = "one each" if ranks_per_gpu == 1 else f"{ranks_per_gpu} processes per GPU"
+        raise SystemExit(
+            f"deep_ep_jax.launch: {num_processes} processes need {needed} GPUs ({per}), "
+            f"found {len(gpus)} ({','.join(gpus)}); use fewer processes, --ranks-per-gpu, or --cpu"
         )
     address = f"127.0.0.1:{_free_port()}"
     lock = threading.Lock()
@@ -139,7 +163,7 @@ def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=Fals
     for rank in range(num_processes):
         p = subprocess.Popen(
             [sys.executable, *command],
-            env=_child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible),
+            env=_child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible, ranks_per_gpu),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -194,6 +218,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-going", action="store_true", help="when a process fails, let the others run on")
     parser.add_argument("--all-gpus-visible", action="store_true",
                         help="every process sees all GPUs and JAX uses the i-th (for NVSHMEM's peer-to-peer transport)")
+    parser.add_argument("--ranks-per-gpu", type=int, default=1, metavar="K",
+                        help="process i uses GPU i // K, so that N processes share ceil(N / K) GPUs; time-sliced: "
+                             "for correctness runs, not speed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -201,8 +228,12 @@ def main(argv=None) -> int:
         parser.error("give the script to run, e.g. `-n 2 -- script.py`")
     if args.num_processes < 1:
         parser.error("-n must be >= 1")
+    if args.ranks_per_gpu < 1:
+        parser.error("--ranks-per-gpu must be >= 1")
+    if args.cpu and args.ranks_per_gpu > 1:
+        parser.error("--ranks-per-gpu shares GPUs; --cpu uses none (give each process CPU devices with XLA_FLAGS)")
     return launch(args.num_processes, command, cpu=args.cpu, timeout_s=args.timeout, keep_going=args.keep_going,
-                  all_gpus_visible=args.all_gpus_visible)
+                  all_gpus_visible=args.all_gpus_visible, ranks_per_gpu=args.ranks_per_gpu)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                every rank must fail at once with the kernels' launch-mismatch message
                (one host: intranode kernels; with DEEP_EP_JAX_GPUS_PER_HOST=1: internode)
   hosts        the hostname exchange and the host decision (CPU or GPU)
+  shared_gpu   with launch --ranks-per-gpu K: CUDA normal and low-latency mode against
+               tests/oracle.py, each process checking its own rank (no XLA collective:
+               NCCL refuses two ranks on one GPU); with --cpu, the xla backend
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   internode_normal       with DEEP_EP_JAX_GPUS_PER_HOST=1: CUDA normal mode across hosts
@@ -278,6 +281,148 @@ def case_launch_mismatch():
     log("NO LAUNCH MISMATCH ERROR")
 
 
+def case_shared_gpu():
+    """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
+    backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
+    tests/oracle.py. XLA's collectives across processes go through NCCL, which
+    refuses two ranks on one GPU, so nothing here gathers: every process makes
+    the same global inputs (seeded by the launch's coordinator port) and
+    checks its own rank. On CPU (launch --cpu) it runs the xla backend, to
+    check the case itself."""
+    import oracle
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    num_ranks = jax.device_count()
+    assert len(jax.local_devices()) == 1, jax.local_devices()
+    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
+    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
+    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
+    epr = num_experts // num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens)
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    barriers = iter(range(1 << 30))
+    compiled = {}
+
+    def put(a):  # each process fills its own shard: nothing crosses processes
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    def mine(a):  # this rank's block of a per-rank output [R, ...], bf16 and FP8 as float32
+        a = np.asarray(a.addressable_shards[0].data)[0]
+        return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
+
+    def run(fn, *args):
+        if fn not in compiled:
+            compiled[fn] = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile()
+        # Every rank starts together: a kernel waiting for a peer that is still compiling would time out.
+        multiprocess.barrier(f"deep_ep_jax/test/shared_gpu/{next(barriers)}", buffer.config.timeout_s)
+        return jax.tree.map(mine, compiled[fn](*args))
+
+    def routing(kind):
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
+                                 kind)
+        return idx, w, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+
+    def bf16_rows(shape, wide=False):
+        # wide: half the values +-2^24, which cancel in sums, so that a sum in another order comes out different.
+        a = rng.standard_normal(shape, np.float32)
+        if wide:
+            a = np.where(rng.random(shape) < 0.5, np.sign(a) * np.float32(1 << 24), a)
+        return a.astype(jnp.bfloat16)
+
+    def normal(x, idx, w, y):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
+        return recv_x, recv_idx, recv_w, handle.recv_src_idx, handle.recv_src_rank, handle.num_recv_tokens, out, out_w
+
+    for kind in dt.ROUTING_KINDS:
+        idx, w, idxs, ws = routing(kind)
+        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden), True)
+        recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(normal, *map(put, (x, idx, w, y)))
+        expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
+                                   num_experts, num_ranks * num_tokens)
+        want, n = expected[rank], len(expected[rank]["x"])
+        assert int(num_recv) == n, (kind, int(num_recv), n)
+        np.testing.assert_array_equal(recv_x[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
+        np.testing.assert_array_equal(recv_idx[:n], np.reshape(want["idx"], (n, topk)), err_msg=kind)
+        np.testing.assert_array_equal(recv_w[:n], np.reshape(want["w"], (n, topk)), err_msg=kind)
+        np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
+        np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
+        ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
+        combined = oracle.combine(ys, expected, num_tokens)[rank]
+        np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
+        w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
+        for r in range(num_ranks):
+            w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
+        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens)[rank], err_msg=kind)
+        if kind == "rank_empty" and rank == num_ranks - 1:
+            assert n == 0
+        log(f"shared_gpu normal {kind}: ok")
+
+    def fp8(data, scales, idx, w):
+        (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,
+                                                              buffer=buffer)
+        return recv_data, recv_scales, handle.num_recv_tokens
+
+    for kind in ("random", "one_expert"):
+        idx, w, idxs, ws = routing(kind)
+        data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
+        scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
+        recv_data, recv_scales, num_recv = run(fp8, *map(put, (data, scales, idx, w)))
+        both = np.concatenate([data.astype(np.float32), scales], -1).reshape(num_ranks, num_tokens, -1)
+        want = oracle.dispatch(both, idxs, ws, num_experts, num_ranks * num_tokens)[rank]["x"]
+        n = len(want)
+        assert int(num_recv) == n, (kind, int(num_recv), n)
+        got = np.concatenate([recv_data[:n], recv_scales[:n]], -1)
+        np.testing.assert_array_equal(got, np.reshape(want, (n, both.shape[-1])), err_msg=kind)
+        log(f"shared_gpu fp8 {kind}: ok")
+
+    for use_fp8 in (False, True):
+
+        def low_latency(x, idx, w, y, use_fp8=use_fp8):
+            recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
+                                                             num_max_dispatch_tokens_per_rank=num_tokens,
+                                                             use_fp8=use_fp8)
+            out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
+            return recv_x, count, handle, out
+
+        for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+            idx, _, idxs, _ = routing(kind)
+            w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
+            ws = w.reshape(idxs.shape)
+            x = bf16_rows((num_ranks * num_tokens, hidden))
+            y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
+            recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
+            if use_fp8:
+                data, scales = recv_x
+                rows = (data.reshape(data.shape[:-1] + (-1, 128)) * scales[..., None]).reshape(data.shape)
+            else:
+                rows = recv_x
+            xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
+            expected = oracle.low_latency_dispatch(xs, idxs, num_experts, num_tokens)
+            for e, slots in enumerate(expected[rank]):
+                n, what = len(slots), f"{kind} fp8={use_fp8} expert {e}"
+                assert int(count[e]) == n, (what, int(count[e]), n)
+                if not n:
+                    continue
+                s, t, k = (np.array(v) for v in zip(*slots))
+                np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
+                np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
+                np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+                if use_fp8:  # within FP8 rounding: 2^-4 of each 128-block's largest magnitude
+                    amax = np.abs(xs[s, t].reshape(n, -1, 128)).max(-1, keepdims=True)
+                    assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
+                else:
+                    np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
+            ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
+            combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
+            np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
+            log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
+    buffer.destroy()
+
+
 def case_hosts():
     import socket
 
@@ -470,6 +615,7 @@ CASES = {
     "launch_mismatch": case_launch_mismatch,
     "digest": case_digest,
     "hosts": case_hosts,
+    "shared_gpu": case_shared_gpu,
     "internode_low_latency": case_internode_low_latency,
     "internode_normal": case_internode_normal,
     "wrap": case_wrap,

@@ -90,12 +90,18 @@ def remote_hosts_per_token(idx, nodes, num_experts):
                for s in range(idx.shape[0]) for t in range(idx.shape[1]))
 
 
-@pytest.mark.parametrize("num_hosts,gpus_per_host", [(2, 1), (2, 4), (4, 2), (8, 1), (3, 2)])
+# Groups of up to 8 ranks (the kernels' limit today), with 37 tokens per rank;
+# hosts of 8 GPUs up to 16 of them (128 ranks), with fewer tokens to stay quick.
+SMALL_GROUPS = [(2, 1, 37, 4), (2, 4, 37, 4), (4, 2, 37, 4), (8, 1, 37, 4), (3, 2, 37, 4)]
+LARGE_GROUPS = [(2, 8, 16, 8), (4, 8, 8, 8), (8, 8, 4, 8), (16, 8, 3, 8)]
+
+
+@pytest.mark.parametrize("num_hosts,gpus_per_host,num_tokens,topk", SMALL_GROUPS + LARGE_GROUPS)
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
 @pytest.mark.parametrize("fraction", [1.0, 0.3])
-def test_model_matches_contract(num_hosts, gpus_per_host, kind, fraction):
+def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind, fraction):
     num_ranks = num_hosts * gpus_per_host
-    num_tokens, topk, num_experts, hidden = 37, 4, 4 * num_ranks, 2
+    num_experts, hidden = 4 * num_ranks, 2
     rows = max(1, int(fraction * num_tokens * num_ranks))
     idx, w = testing.make_routing(num_ranks, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)

@@ -31,21 +31,21 @@ def _num_processes():
     return min(len(jax.devices("gpu")), 8)
 
 
-def _launch(cases, *, timeout, extra=()):
+def _launch(cases, *, timeout, extra=(), num_processes=None):
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # share the GPUs with this pytest process
     env.pop("XLA_FLAGS", None)  # conftest's CPU device count is not for the workers
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(_num_processes()), "--timeout", str(timeout - 15),
-           *extra, "--", WORKER, *cases]
+    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_processes or _num_processes()), "--timeout",
+           str(timeout - 15), *extra, "--", WORKER, *cases]
     start = time.time()
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr, time.time() - start
 
 
-def _assert_cases_ok(code, output, cases):
+def _assert_cases_ok(code, output, cases, num_processes=None):
     assert code == 0, output[-6000:]
-    n = _num_processes()
+    n = num_processes or _num_processes()
     for rank in range(n):
         for case in cases:
             assert f"[rank {rank}] process {rank}/{n}: CASE {case} OK" in output, output[-6000:]
@@ -59,6 +59,20 @@ def test_normal_mode_across_processes():
 def test_low_latency_across_processes():
     code, output, _ = _launch(["low_latency"], timeout=280)
     _assert_cases_ok(code, output, ["low_latency"])
+
+
+def test_processes_sharing_gpus():
+    """launch --ranks-per-gpu: 8 ranks (the kernels' limit) on the GPUs at
+    hand, at least 2 per GPU, time-sliced: CUDA IPC between processes of one
+    GPU and of different GPUs; each process checks its own rank's normal and
+    low-latency results against tests/oracle.py (worker case shared_gpu: no
+    XLA collective, which NCCL refuses with two ranks on one GPU)."""
+    num_gpus = len(jax.devices("gpu"))
+    ranks_per_gpu = max(2, 8 // num_gpus)
+    num_processes = min(8, num_gpus * ranks_per_gpu)
+    code, output, _ = _launch(["shared_gpu"], timeout=280, extra=["--ranks-per-gpu", str(ranks_per_gpu)],
+                              num_processes=num_processes)
+    _assert_cases_ok(code, output, ["shared_gpu"], num_processes)
 
 
 def test_sequence_wrap_across_processes():

@@ -69,8 +69,8 @@ class _Gathered:
         return self.fn.lower(*args)
 
 
-def gathered_per_rank(fn, mesh, axis_name, *, jit=True):
-    return _Gathered(_per_rank(fn, mesh, axis_name, jit=jit))
+def gathered_per_rank(fn, mesh, axis_name, *, jit=True, check_vma=False):
+    return _Gathered(_per_rank(fn, mesh, axis_name, jit=jit, check_vma=check_vma))
 
 
 # The single-process suites call testing.per_rank and read results with np.asarray.

@@ -123,11 +123,8 @@ void FreeStates(const std::vector<DeviceState>& states) {
 // normal region (normal_bytes > 0) is for intranode normal mode, whose
 // kernels serve one NVLink domain.
 void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remote, size_t normal_bytes) {
-  int device_count = 0;
-  Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
   if (groups.empty()) throw std::invalid_argument("deep_ep_jax: CreateBuffer needs at least one group");
-  std::set<int> seen;
-  for (const auto& group : groups) {
+  for (const auto& group : groups) {  // the sizes first: they need no GPU
     if (group.empty() || group.size() > size_t(kMaxGroupRanks)) {
       throw std::invalid_argument("deep_ep_jax: an EP group must have 1.." + std::to_string(kMaxGroupRanks) +
                                   " devices, got " + std::to_string(group.size()));
@@ -138,6 +135,11 @@ void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remo
                                   std::to_string(group.size()) + " (low-latency mode: " +
                                   std::to_string(kMaxGroupRanks) + "); create the buffer without a normal region");
     }
+  }
+  int device_count = 0;
+  Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
+  std::set<int> seen;
+  for (const auto& group : groups) {
     for (int device : group) {
       if (allow_remote && device == -1) continue;
       if (device < 0 || device >= device_count) {

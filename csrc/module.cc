@@ -58,7 +58,12 @@ static_assert(intranode::kMaxBlocks == internode::kMaxBlocks && intranode::kMaxW
 
 std::map<std::string, int64_t> Limits() {
   return {
-      {"max_ranks", kMaxRanks},
+      // Ranks of an EP group: low-latency mode serves any group up to
+      // max_group_ranks; normal mode one NVLink domain on one host, and for
+      // now the same number of ranks in all across hosts.
+      {"max_group_ranks", kMaxGroupRanks},
+      {"max_nvlink_ranks", kMaxNvlinkRanks},
+      {"max_internode_normal_ranks", kMaxInternodeNormalRanks},
       {"control_bytes", int64_t(kControlBytes)},
       {"max_local_experts", intranode::kMaxLocalExperts},
       {"fp8_block", low_latency::kFp8Block},
@@ -141,13 +146,23 @@ size_t LowLatencyRegionBytes(int64_t num_ranks, int64_t num_local_experts, int64
   return kControlBytes + 2 * low_latency::AlignUp(half, kHalfAlign);
 }
 
+// A combine's staged rows across hosts: one bf16 row per (source rank,
+// token, k), R * M * K * H * 2 bytes, the term of the send area that grows
+// with the group (low_latency::CombineStageBytes).
+size_t LowLatencyCombineStageBytes(int64_t num_ranks, int64_t hidden, int64_t max_tokens, int64_t num_topk) {
+  const char* fn = "low_latency_combine_stage_bytes";
+  return low_latency::CombineStageBytes(CountArg(fn, "num_ranks", num_ranks), CountArg(fn, "max_tokens", max_tokens),
+                                        CountArg(fn, "num_topk", num_topk), CountArg(fn, "hidden", hidden));
+}
+
 // The send area of a buffer across hosts: a dispatch's staged bf16 rows or a combine's.
 size_t LowLatencySendBytes(int64_t num_ranks, int64_t hidden, int64_t max_tokens, int64_t num_topk) {
   const char* fn = "low_latency_send_bytes";
-  const int ranks = CountArg(fn, "num_ranks", num_ranks), h = CountArg(fn, "hidden", hidden);
+  const int h = CountArg(fn, "hidden", hidden);
   const int m = CountArg(fn, "max_tokens", max_tokens), k = CountArg(fn, "num_topk", num_topk);
   const size_t dispatch = low_latency::DispatchStageBytes(m, k, low_latency::DispatchRowBytes(h, false));
-  return low_latency::AlignUp(std::max(dispatch, low_latency::CombineStageBytes(ranks, m, k, h)), kHalfAlign);
+  const size_t combine = LowLatencyCombineStageBytes(num_ranks, hidden, max_tokens, num_topk);
+  return low_latency::AlignUp(std::max(dispatch, combine), kHalfAlign);
 }
 
 size_t LowLatencyHalfBytes(int64_t region_bytes) {
@@ -155,9 +170,10 @@ size_t LowLatencyHalfBytes(int64_t region_bytes) {
   return low_latency::HalfBytes(size_t(region_bytes));
 }
 
-size_t LowLatencySharedBytes(int64_t num_experts, int64_t hidden, bool fp8) {
+size_t LowLatencySharedBytes(int64_t num_ranks, int64_t num_experts, int64_t hidden, bool fp8) {
   const char* fn = "low_latency_shared_bytes";
-  return low_latency::SharedBytesNeeded(CountArg(fn, "num_experts", num_experts), CountArg(fn, "hidden", hidden), fp8);
+  return low_latency::SharedBytesNeeded(CountArg(fn, "num_ranks", num_ranks), CountArg(fn, "num_experts", num_experts),
+                                        CountArg(fn, "hidden", hidden), fp8);
 }
 
 // ---------------------------------------------------------------------------
@@ -348,7 +364,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffi_outputs", &FfiOutputs, "dict: FFI target name -> the names of its results, in order");
   // Limits and sizes, from the code that lays the memory out (plain ints; ValueError for a negative or too large
   // argument).
-  m.def("limits", &Limits, "dict: the kernels' limits (max_ranks, control_bytes, fp8_block, ...)");
+  m.def("limits", &Limits,
+        "dict: the kernels' limits (max_group_ranks, max_nvlink_ranks, max_internode_normal_ranks, control_bytes, "
+        "fp8_block, ...)");
   m.def("staged_region_bytes", &StagedRegionBytes, py::arg("num_rows"), py::arg("row_bytes"), py::arg("scale_bytes"),
         py::arg("num_topk"), py::arg("num_chunks"),
         "Bytes of the normal region (control included) a staged call needs (num_chunks: ceil(tokens / chunk_tokens) "
@@ -371,8 +389,14 @@ PYBIND11_MODULE(_C, m) {
         "Bytes of a low-latency region whose halves hold a dispatch (bf16 rows) and a combine of these shapes");
   m.def("low_latency_send_bytes", &LowLatencySendBytes, py::arg("num_ranks"), py::arg("hidden"),
         py::arg("max_tokens"), py::arg("num_topk"),
-        "Bytes of the send area of a low-latency buffer across hosts for these shapes");
-  m.def("low_latency_shared_bytes", &LowLatencySharedBytes, py::arg("num_experts"), py::arg("hidden"), py::arg("fp8"),
+        "Bytes of the send area of a low-latency buffer across hosts for these shapes: the larger of a dispatch's "
+        "staged rows (M * K) and a combine's (low_latency_combine_stage_bytes: R * M * K * H * 2, which grows with "
+        "the group)");
+  m.def("low_latency_combine_stage_bytes", &LowLatencyCombineStageBytes, py::arg("num_ranks"), py::arg("hidden"),
+        py::arg("max_tokens"), py::arg("num_topk"),
+        "Bytes a low-latency combine across hosts stages its rows in: R * M * K * H * 2");
+  m.def("low_latency_shared_bytes", &LowLatencySharedBytes, py::arg("num_ranks"), py::arg("num_experts"),
+        py::arg("hidden"), py::arg("fp8"),
         "Dynamic shared memory the low-latency kernels need (at most limits()['low_latency_max_shared_bytes'])");
   m.def("create_buffer", &CreateBuffer, py::arg("groups"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
         py::call_guard<py::gil_scoped_release>(),

@@ -42,8 +42,9 @@ def extension():
 
 @functools.cache
 def limits() -> dict:
-    """The CUDA kernels' limits, `_C.limits()`: "max_ranks", "control_bytes",
-    "fp8_block", "max_blocks", ... (needs the extension)."""
+    """The CUDA kernels' limits, `_C.limits()`: "max_group_ranks" (low-latency
+    mode), "max_nvlink_ranks" and "max_internode_normal_ranks" (normal mode),
+    "control_bytes", "fp8_block", "max_blocks", ... (needs the extension)."""
     return dict(extension().limits())
 
 

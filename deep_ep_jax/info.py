@@ -20,6 +20,9 @@ import sys
 # DeepEP's standard cases (docs/design.md).
 NORMAL_CASE = dict(num_tokens=4096, hidden=7168, num_topk=8)
 LOW_LATENCY_CASE = dict(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_experts=288, num_topk=8)
+# Low-latency mode in large EP groups (across hosts): E = 256 experts, or one per rank beyond 256 ranks.
+LARGE_EP_CASE = {"num_max_dispatch_tokens_per_rank": 128, "hidden": 7168, "num_topk": 8}
+LARGE_EP_RANKS = (16, 32, 64, 128, 256)
 
 
 def _version(dist):
@@ -87,6 +90,34 @@ def print_buffer_sizes():
         size = sizes.low_latency_region_bytes(num_ranks, case["num_experts"], case["hidden"],
                                               case["num_max_dispatch_tokens_per_rank"], case["num_topk"])
         print(f"low latency ({_case(case)}, R={num_ranks}): {_mib(size)}")
+    print_large_ep_sizes()
+
+
+def large_ep_sizes(num_ranks) -> dict:
+    """Low-latency bytes per GPU of LARGE_EP_CASE at num_ranks ranks across
+    hosts, from the extension's size queries: the region, the send area, and
+    the combine's staged rows that dominate the send area."""
+    from deep_ep_jax import _native
+
+    ext = _native.extension()
+    m, h, k = (LARGE_EP_CASE[key] for key in ("num_max_dispatch_tokens_per_rank", "hidden", "num_topk"))
+    num_experts = max(256, num_ranks)
+    return {
+        "num_experts": num_experts,
+        "region": ext.low_latency_region_bytes(num_ranks, num_experts // num_ranks, h, m, k),
+        "send": ext.low_latency_send_bytes(num_ranks, h, m, k),
+        "combine_stage": ext.low_latency_combine_stage_bytes(num_ranks, h, m, k),
+    }
+
+
+def print_large_ep_sizes():
+    print(f"low latency across hosts ({_case(LARGE_EP_CASE)}, E=max(256, R)): region (num_rdma_bytes) + send area, "
+          f"where a combine stages R*M*K*H*2 bytes:")
+    for num_ranks in LARGE_EP_RANKS:
+        s = large_ep_sizes(num_ranks)
+        print(f"  EP {num_ranks}: region {_mib(s['region'])} + send area {s['send'] / 2**20:.1f} MiB "
+              f"(combine staging {s['combine_stage'] / 2**20:.1f} MiB) = {(s['region'] + s['send']) / 2**30:.2f} GiB "
+              f"per GPU")
 
 
 def main():

@@ -54,7 +54,7 @@ stage info "$PYTHON" -m deep_ep_jax.info
 for test_file in ${TEST_FILES:-tests/gpu/test_*.py}; do
   # Multi-process tests start GPU processes beside pytest's own: no preallocation there
   # (elsewhere preallocation stays on, so memory checks see only our allocations).
-  prealloc=true; [[ $test_file == *multiprocess* ]] && prealloc=false
+  prealloc=true; [[ $test_file == *multiprocess* || $test_file == *_scale_gpu* ]] && prealloc=false
   stage "$(basename "$test_file" .py)" env XLA_PYTHON_CLIENT_PREALLOCATE=$prealloc "$PYTHON" -m pytest -m gpu -q --timeout 300 "$test_file" "${pytest_args[@]}"
 done
 for bench in "${benches[@]}"; do

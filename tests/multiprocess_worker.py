@@ -20,6 +20,10 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
+  large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
+               DEEP_EP_JAX_GPUS_PER_HOST=8: CUDA low-latency mode at EP = the process
+               count (beyond normal mode's 8 ranks), hosts of 8 emulated over NVSHMEM,
+               each process checking its own rank as shared_gpu does
   internode_normal       with DEEP_EP_JAX_GPUS_PER_HOST=1: CUDA normal mode across hosts
                (internode kernels over NVSHMEM) vs the xla backend
   wrap         CUDA normal (staged) and low-latency mode across the sequence numbers'
@@ -423,6 +427,134 @@ def case_shared_gpu():
     buffer.destroy()
 
 
+def case_large_ep_low_latency():
+    """An EP group larger than normal mode serves (R = the process count,
+    e.g. 16 or 32), cut into hosts of DEEP_EP_JAX_GPUS_PER_HOST ranks that
+    reach each other over NVSHMEM, several processes per GPU (launch
+    --ranks-per-gpu, time-sliced): low-latency dispatch then combine, in one
+    kernel each and as split halves, bf16 and FP8, fresh random and skewed
+    routing. As in shared_gpu nothing is gathered (NCCL refuses two ranks on
+    one GPU): every process makes the same global inputs and checks its own
+    rank, bit for bit, against tests/oracle.py (routing, handle, bf16 rows,
+    combine) and the xla backend's FP8 quantisation run on its own GPU (FP8
+    rows and scales). On CPU (launch --cpu) it runs the xla backend, to
+    check the case itself."""
+    import oracle
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from deep_ep_jax.backends import reference
+
+    cuda = jax.default_backend() == "gpu"
+    num_ranks = jax.device_count()
+    assert len(jax.local_devices()) == 1, jax.local_devices()
+    mesh = dt.ep_mesh(num_ranks, AXIS, platform="gpu" if cuda else "cpu")
+    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
+    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    num_tokens, hidden, topk = 16, 1024, 4
+    num_experts = 2 * num_ranks
+    epr = num_experts // num_ranks
+    # Kernels of the processes of one GPU take turns: waits for a peer last long.
+    config = dej.Config(timeout_s=150)
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if cuda else "xla", hidden=hidden, num_experts=num_experts,
+                        low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens, config=config)
+    if cuda:
+        assert buffer.spans_hosts and buffer.num_nodes == -(-num_ranks // config.gpus_per_host), buffer
+        assert buffer.num_nvl_bytes == 0, "beyond normal mode's ranks the Buffer has no normal region"
+        log(f"{buffer}: {buffer.num_nodes} hosts, region {buffer.num_rdma_bytes} + send area "
+            f"{buffer.num_send_bytes} bytes")
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    barriers = iter(range(1 << 30))
+    compiled = {}
+
+    def put(a):  # each process fills its own shard: nothing crosses processes
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    def mine(a):  # this rank's block of a per-rank output [R, ...], bf16 and FP8 as float32
+        a = np.asarray(a.addressable_shards[0].data)[0]
+        return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
+
+    def run(fn, *args):
+        if fn not in compiled:
+            compiled[fn] = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile()
+        # Every rank starts together: a kernel waiting for a peer that is still compiling would time out.
+        multiprocess.barrier(f"deep_ep_jax/test/large_ep/{next(barriers)}", config.timeout_s)
+        return jax.tree.map(mine, compiled[fn](*args))
+
+    if cuda:  # normal mode says why it cannot run, at trace time
+        specs = [jax.ShapeDtypeStruct((num_ranks * num_tokens,) + shape, dtype)
+                 for shape, dtype in (((hidden,), jnp.bfloat16), ((topk,), jnp.int32), ((topk,), jnp.float32))]
+        try:
+            jax.eval_shape(_per_rank(lambda x, i, w: dej.dispatch(x, i, w, num_experts=num_experts, buffer=buffer)[0],
+                                     mesh, AXIS), *specs)
+        except ValueError as e:
+            assert f"normal mode supports at most 8 ranks in all across hosts (for now), the EP group has " \
+                   f"{num_ranks}" in str(e), str(e)
+        else:
+            raise AssertionError("normal mode traced beyond its ranks")
+
+    def bf16_rows(shape, wide=False):
+        # wide: half the values +-2^24, which cancel in sums, so that a sum in another order comes out different.
+        a = rng.standard_normal(shape, np.float32)
+        if wide:
+            a = np.where(rng.random(shape) < 0.5, np.sign(a) * np.float32(1 << 24), a)
+        return a.astype(jnp.bfloat16)
+
+    def whole(x, idx, w, y, use_fp8):
+        recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
+                                                         num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8)
+        return recv_x, count, handle, dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
+
+    def halves(x, idx, w, y, use_fp8):
+        pending = dej.low_latency_dispatch_send(x, idx, buffer=buffer, num_experts=num_experts,
+                                                num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8)
+        recv_x, count, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
+        pending = dej.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
+        return recv_x, count, handle, dej.low_latency_combine_recv(pending, buffer=buffer)
+
+    programs = {(name, use_fp8): (lambda x, idx, w, y, f=f, use_fp8=use_fp8: f(x, idx, w, y, use_fp8))
+                for name, f in (("whole", whole), ("halves", halves)) for use_fp8 in (False, True)}
+    quantize = jax.jit(reference.quantize_fp8)
+    for (name, use_fp8), program in programs.items():
+        for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+            what = f"{name} fp8={use_fp8} {kind}"
+            idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk,
+                                     num_ranks, kind)
+            w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
+            x = bf16_rows((num_ranks * num_tokens, hidden))
+            y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
+            recv_x, count, handle, out = run(program, *map(put, (x, idx, w, y)))
+            idxs, ws = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+            xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
+            if use_fp8:  # the xla backend's quantisation, on this process's device
+                data, scales = quantize(jax.device_put(x, jax.local_devices()[0]))
+                want_rows = (np.asarray(data).astype(np.float32).reshape(num_ranks, num_tokens, hidden),
+                             np.asarray(scales).reshape(num_ranks, num_tokens, -1))
+                got_rows = recv_x
+            else:
+                want_rows, got_rows = (xs,), (recv_x,)
+            expected = oracle.low_latency_dispatch(xs, idxs, num_experts, num_tokens)
+            for e, slots in enumerate(expected[rank]):
+                n = len(slots)
+                assert int(count[e]) == n, (what, e, int(count[e]), n)
+                for field in ("recv_src_rank", "recv_src_token", "recv_src_topk"):
+                    assert (getattr(handle, field)[e, n:] == -1).all(), (what, e, field)
+                if not n:
+                    continue
+                s, t, k = (np.array(v) for v in zip(*slots))
+                np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
+                np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
+                np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+                for got, want in zip(got_rows, want_rows):
+                    np.testing.assert_array_equal(got[e, :n], want[s, t], err_msg=what)
+            if kind == "rank_empty" and rank == num_ranks - 1:
+                assert not count.any(), what
+            ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
+            combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
+            np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=what)
+            log(f"large_ep R={num_ranks} {what}: ok")
+    buffer.destroy()
+
+
 def case_hosts():
     import socket
 
@@ -617,6 +749,7 @@ CASES = {
     "hosts": case_hosts,
     "shared_gpu": case_shared_gpu,
     "internode_low_latency": case_internode_low_latency,
+    "large_ep_low_latency": case_large_ep_low_latency,
     "internode_normal": case_internode_normal,
     "wrap": case_wrap,
     "internode_wrap": case_internode_wrap,

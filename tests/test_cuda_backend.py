@@ -15,8 +15,8 @@ from deep_ep_jax.backends import Ops, reference
 from deep_ep_jax.backends.cuda import common, internode, intranode, layout, lifecycle, low_latency
 from deep_ep_jax.config import FP8_BLOCK
 
-LIMITS = dict(max_ranks=8, control_bytes=1 << 16, max_local_experts=4096, fp8_block=128, low_latency_max_topk=64,
-              low_latency_max_experts=2048, low_latency_max_shared_bytes=48 * 1024, max_layout_bins=12288,
+LIMITS = dict(max_group_ranks=1024, max_nvlink_ranks=8, max_internode_normal_ranks=8, control_bytes=1 << 16,
+              max_local_experts=4096, fp8_block=128, low_latency_max_topk=64, low_latency_max_experts=2048, low_latency_max_shared_bytes=48 * 1024, max_layout_bins=12288,
               max_blocks=132, max_warps=16)
 
 
@@ -91,4 +91,4 @@ def test_the_extension_matches():
     limits = _native.limits()
     assert set(LIMITS) <= set(limits)
     assert limits["fp8_block"] == FP8_BLOCK
-    assert limits["max_ranks"] >= 2 and limits["control_bytes"] > 0
+    assert limits["max_group_ranks"] >= limits["max_nvlink_ranks"] >= 2 and limits["control_bytes"] > 0

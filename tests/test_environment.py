@@ -147,7 +147,7 @@ def test_launch_variables_reach_the_kernels(monkeypatch):
     monkeypatch.setenv("DEEP_EP_JAX_NUM_SMS", "7")
     monkeypatch.setenv("DEEP_EP_JAX_TIMEOUT_S", "2.5")
     buffer = types.SimpleNamespace(buffer_id=1, num_ranks=2, axis_name="ep", config=dej.Config(), backend="cuda",
-                                   num_nvl_bytes=1 << 16, staged=False, ipc=False)
+                                   num_nvl_bytes=1 << 16, staged=False, ipc=False, spans_hosts=False)
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
     idx, w = jax.ShapeDtypeStruct((16, 4), jnp.int32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
 

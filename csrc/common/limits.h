@@ -11,10 +11,21 @@
 
 namespace deep_ep_jax {
 
-// Ranks of one EP group. Control blocks, DeviceState and kernel arguments
-// keep one slot per rank in fixed arrays (no allocation), and rank masks are
-// 32-bit words.
-constexpr int kMaxRanks = 8;
+// Ranks of one EP group: the registry (DeviceState keeps per-rank vectors and
+// a device-side peer table), NVSHMEM buffers and low-latency mode (its
+// control block keeps 3 flags per rank and half, 24 KiB at 1024 ranks; a
+// token's destinations are a bit mask across one warp, 32 x 32 bits).
+constexpr int kMaxGroupRanks = 1024;
+
+// Ranks of one NVLink domain: intranode normal mode keeps one slot per rank
+// in fixed arrays (control block, kernel arguments) and rank masks in 32-bit
+// words.
+constexpr int kMaxNvlinkRanks = 8;
+
+// Internode normal mode: its control block and kernel arguments keep the
+// same fixed arrays over every rank of the group (not per host), so for now
+// the whole group, across hosts, has at most this many ranks.
+constexpr int kMaxInternodeNormalRanks = 8;
 
 // Bytes of zeroed control data at the start of each region (flags, sequence
 // numbers, published pointers), owned by that mode's kernels; each mode's

@@ -52,6 +52,10 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
                    const DeviceState** state, internode::LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
+  if ((*state)->num_ranks > kMaxInternodeNormalRanks) {
+    return Invalid(fn, "normal mode supports at most " + Str(kMaxInternodeNormalRanks) + " ranks in all across hosts, for now, the buffer has " +
+                           Str((*state)->num_ranks) + " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
+  }
   if (!(*state)->nvshmem || (*state)->normal.local == nullptr) {
     return Invalid(fn, "the buffer is not an NVSHMEM buffer with a normal region (an EP group across hosts)");
   }

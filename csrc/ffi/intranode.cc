@@ -59,6 +59,10 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
                    int64_t chunk_tokens, int64_t staged, const DeviceState** state, LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
+  if ((*state)->num_ranks > kMaxNvlinkRanks) {
+    return Invalid(fn, "normal mode supports at most " + Str(kMaxNvlinkRanks) + " ranks on one host (one NVLink domain), the buffer has " +
+                           Str((*state)->num_ranks) + " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
+  }
   if ((*state)->normal.local == nullptr) return Invalid(fn, "buffer " + Str(buffer_id) + " has no normal-mode region");
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckLaunchKnobs(fn, num_sms, intranode::kMaxBlocks, num_warps, intranode::kMaxWarps, timeout_ns));

@@ -107,13 +107,17 @@ ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t time
   if (state->low_latency.local == nullptr) {
     return Invalid(fn, "the buffer has no low-latency region; create it with low_latency_mode=True");
   }
-  for (int r = 0; r < state->num_ranks; ++r) peers->regions[r] = state->low_latency.peers[r];
+  if (state->device_peers == nullptr || (state->nvshmem && state->device_pes == nullptr)) {
+    return ffi::Error::Internal(std::string(fn) + ": the buffer's peer table is missing");
+  }
+  peers->regions = state->device_peers;
+  peers->pes = state->device_pes;
+  peers->local = state->low_latency.local;
   peers->rank = state->rank;
   peers->num_ranks = state->num_ranks;
   peers->half_bytes = low_latency::HalfBytes(state->low_latency.num_bytes);
   peers->timeout_ns = uint64_t(timeout_ns);
   peers->nvshmem = state->nvshmem;
-  for (int r = 0; r < state->num_ranks; ++r) peers->pes[r] = state->pes[r];
   peers->send_offset = state->low_latency.num_bytes;  // the send area follows the region
   peers->send_bytes = state->send_bytes;
 #ifndef DEEP_EP_JAX_WITH_NVSHMEM
@@ -164,9 +168,14 @@ ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_t
     return Invalid(fn, "tokens (" + Str(num_tokens) + ") must be <= num_max_dispatch_tokens_per_rank (" +
                            Str(max_tokens) + ")");
   }
-  if (low_latency::SharedBytesNeeded(int(num_experts), int(hidden), fp8) > low_latency::kMaxSharedBytes) {
-    return Invalid(fn, "num_experts (" + Str(num_experts) + ") and hidden (" + Str(hidden) +
-                           ") need more shared memory than the kernels use");
+  // A receiver counts the (token, k) pairs of every source in int.
+  if (int64_t(num_ranks) * max_tokens * num_topk > INT32_MAX / 2) {
+    return Invalid(fn, "ranks * num_max_dispatch_tokens_per_rank * top-k (" + Str(num_ranks) + " * " +
+                           Str(max_tokens) + " * " + Str(num_topk) + ") must be < 2^30 (32-bit row indices)");
+  }
+  if (low_latency::SharedBytesNeeded(num_ranks, int(num_experts), int(hidden), fp8) > low_latency::kMaxSharedBytes) {
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") and hidden (" + Str(hidden) + ") at " +
+                           Str(num_ranks) + " ranks need more shared memory than the kernels use");
   }
   return ffi::Error::Success();
 }

@@ -35,25 +35,25 @@ struct Control {
   int seq;  // calls so far on this rank (every rank makes the same calls)
   int active;  // 1 while a call runs on this device (EnterCall)
   int pad[30];
-  int ready[kMaxRanks];                    // [src]: src entered this call; its counts below are here
+  int ready[kMaxInternodeNormalRanks];                    // [src]: src entered this call; its counts below are here
   // [parity of seq][src][...]: a peer may already publish the next call's
   // counts while this rank still reads this call's, never two calls ahead
   // (the next call's barrier needs this rank).
-  int counts[2][kMaxRanks][kMaxRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
-  int node_counts[2][kMaxRanks][kMaxRanks];  // [.][src][node]: tokens src sends to host `node`
-  int num_blocks[2][kMaxRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
-  int calls[2][kMaxRanks];                   // [.][src]: src's call tag (CheckPeerCall)
-  int rdma_done[kMaxRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
-  int done[kMaxRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
+  int counts[2][kMaxInternodeNormalRanks][kMaxInternodeNormalRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
+  int node_counts[2][kMaxInternodeNormalRanks][kMaxInternodeNormalRanks];  // [.][src][node]: tokens src sends to host `node`
+  int num_blocks[2][kMaxInternodeNormalRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
+  int calls[2][kMaxInternodeNormalRanks];                   // [.][src]: src's call tag (CheckPeerCall)
+  int rdma_done[kMaxInternodeNormalRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
+  int done[kMaxInternodeNormalRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
 static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
 
 // The EP group as seen from this rank.
 struct Group {
-  char* regions[kMaxRanks];  // this host's ranks' regions mapped here; null for other hosts
-  int pes[kMaxRanks];
-  int node_of[kMaxRanks];   // host of each rank
-  int local_of[kMaxRanks];  // index of each rank among its host's ranks
+  char* regions[kMaxInternodeNormalRanks];  // this host's ranks' regions mapped here; null for other hosts
+  int pes[kMaxInternodeNormalRanks];
+  int node_of[kMaxInternodeNormalRanks];   // host of each rank
+  int local_of[kMaxInternodeNormalRanks];  // index of each rank among its host's ranks
   int rank, num_ranks, num_nodes;
   uint64_t timeout_ns;
 
@@ -136,8 +136,8 @@ __device__ __forceinline__ uint32_t NodeMaskOf(const Group& g, uint32_t rank_mas
 }
 
 __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyArgs a) {
-  __shared__ int warp_sums[kWarpSize * kMaxRanks];
-  __shared__ int totals[kMaxRanks], node_totals[kMaxRanks], first_row[kMaxRanks];
+  __shared__ int warp_sums[kWarpSize * kMaxInternodeNormalRanks];
+  __shared__ int totals[kMaxInternodeNormalRanks], node_totals[kMaxInternodeNormalRanks], first_row[kMaxInternodeNormalRanks];
   __shared__ int shared_seq, shared_tag;
   const int R = g.num_ranks, me = g.rank;
   const bool dispatch = a.mode == kDispatch;
@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int per_thread = (a.num_tokens + blockDim.x - 1) / blockDim.x;
   const int begin = min(a.num_tokens, int(threadIdx.x) * per_thread);
   const int end = min(a.num_tokens, begin + per_thread);
-  int rank_offset[kMaxRanks] = {}, node_offset[kMaxRanks] = {};
+  int rank_offset[kMaxInternodeNormalRanks] = {}, node_offset[kMaxInternodeNormalRanks] = {};
   for (int t = begin; t < end; ++t) {
     const uint32_t mask = RankMaskOf(g, a, t), nodes = NodeMaskOf(g, mask);
     for (int r = 0; r < R; ++r) {
@@ -299,10 +299,10 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       }
       int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
       if (lane == 0) meta[0] = t;
-      if (lane < kMaxRanks) meta[1 + lane] = lane < R ? HandleRow(pos[lane], L.num_worst_tokens) : -1;
+      if (lane < kMaxInternodeNormalRanks) meta[1 + lane] = lane < R ? HandleRow(pos[lane], L.num_worst_tokens) : -1;
       for (int k = lane; k < L.num_topk; k += kWarpSize) {
-        meta[1 + kMaxRanks + k] = topk != nullptr ? topk[k] : -1;
-        reinterpret_cast<float*>(meta + 1 + kMaxRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
+        meta[1 + kMaxInternodeNormalRanks + k] = topk != nullptr ? topk[k] : -1;
+        reinterpret_cast<float*>(meta + 1 + kMaxInternodeNormalRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
       }
       FenceStagedForWarpPut();
       for (int b = 0; b < g.num_nodes; ++b) {
@@ -326,7 +326,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
-  __shared__ int sources[kMaxRanks], starts[kMaxRanks + 1];
+  __shared__ int sources[kMaxInternodeNormalRanks], starts[kMaxInternodeNormalRanks + 1];
   const Layout& L = a.L;
   const int R = g.num_ranks, me = g.rank;
   Control* control = g.control();
@@ -347,14 +347,14 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
       starts[n++] = total;
       total += LoadVolatile(&control->node_counts[seq & 1][s][g.node_of[me]]);
     }
-    for (int j = n; j <= kMaxRanks; ++j) starts[j] = total;
+    for (int j = n; j <= kMaxInternodeNormalRanks; ++j) starts[j] = total;
   }
   __syncthreads();
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
-  const int total = starts[kMaxRanks];
+  const int total = starts[kMaxInternodeNormalRanks];
   for (int i = warp; i < total; i += num_warps) {
     int j = 0;
     while (starts[j + 1] <= i) ++j;
@@ -363,7 +363,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
     const int* meta = reinterpret_cast<const int*>(packet + L.packet_meta);
     const char* rows[kMaxRowArrays];
     for (int k = 0; k < kMaxRowArrays; ++k) rows[k] = packet + L.packet_row[k];
-    const int* topk = meta + 1 + kMaxRanks;
+    const int* topk = meta + 1 + kMaxInternodeNormalRanks;
     const float* weights = reinterpret_cast<const float*>(topk + L.num_topk);
     const int token = meta[0];
     for (int r = 0; r < R; ++r) {
@@ -557,7 +557,7 @@ __global__ void LeaveKernel(Group g) { LeaveCall(&g.control()->active); }
 
 Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   Group g{};
-  int seen[kMaxRanks] = {};
+  int seen[kMaxInternodeNormalRanks] = {};
   for (int r = 0; r < state.num_ranks; ++r) {
     g.regions[r] = state.normal.peers[r];
     g.pes[r] = state.pes[r];

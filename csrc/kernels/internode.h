@@ -1,7 +1,7 @@
 // Normal-mode (training / prefill) dispatch and combine for an EP group that
-// spans hosts: one process (one NVSHMEM PE) per GPU, R <= kMaxRanks ranks cut
-// into hosts ("nodes") of the same number of GPUs. docs/internode.md has the
-// design; in short:
+// spans hosts: one process (one NVSHMEM PE) per GPU, R <=
+// kMaxInternodeNormalRanks ranks cut into hosts ("nodes") of the same number
+// of GPUs. docs/internode.md has the design; in short:
 //
 // dispatch (hierarchical, as DeepEP's): a token crosses the network at most
 // once per destination host, to the GPU of that host with the sender's local
@@ -103,7 +103,7 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
     L.packet_row[0] = 0;
     L.packet_row[1] = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
     L.packet_meta = L.packet_row[1] + AlignUp(size_t(s.row_bytes[1]), kVectorBytes);
-    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
+    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxInternodeNormalRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
     L.send = take(T * L.packet_bytes);
     L.rdma_recv = take(size_t(num_nodes) * T * L.packet_bytes);
   } else {

@@ -45,12 +45,12 @@ struct Control {
   int next_chunk;                    // work counter of the move kernel (reset by each call)
   int next_copy;                     // work counter of the staged copy role (reset by each call)
   int active;                        // 1 while a call runs on this device (EnterCall)
-  int calls[kMaxRanks];              // [src]: src's call tag (CheckPeerCall), published with its ready flag
-  int ready[kMaxRanks];              // [src]: src published its counts and buffers here
-  int move_blocks[kMaxRanks];        // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
-  int done[kMaxRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
-  int counts[kMaxRanks][kMaxRanks];  // [src][dst]: tokens src sends to dst (dispatch)
-  RankBuffers buffers[kMaxRanks];    // [src]: src's buffers for this call
+  int calls[kMaxNvlinkRanks];              // [src]: src's call tag (CheckPeerCall), published with its ready flag
+  int ready[kMaxNvlinkRanks];              // [src]: src published its counts and buffers here
+  int move_blocks[kMaxNvlinkRanks];        // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
+  int done[kMaxNvlinkRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
+  int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]: tokens src sends to dst (dispatch)
+  RankBuffers buffers[kMaxNvlinkRanks];    // [src]: src's buffers for this call
 };
 static_assert(sizeof(Control) <= kControlBytes, "intranode Control exceeds the region's control bytes");
 
@@ -68,15 +68,15 @@ static_assert(sizeof(ChunkRecord) == sizeof(int4), "records are cleared as int4"
 // region (the same offsets on every rank: the layout depends only on the
 // call's shapes, which all ranks share).
 struct StagedSync {
-  size_t records;    // ChunkRecord [kMaxRanks][num_chunks] (dispatch)
-  size_t row_flags;  // int [kMaxRanks][NumRowFlags(num_rows)] (combine): [owner][chunk], raised by the owner
+  size_t records;    // ChunkRecord [kMaxNvlinkRanks][num_chunks] (dispatch)
+  size_t row_flags;  // int [kMaxNvlinkRanks][NumRowFlags(num_rows)] (combine): [owner][chunk], raised by the owner
                      // in the puller's region, so pullers poll local memory
   int num_chunks;
 };
 
 // The EP group as seen from this device: every rank's normal region.
 struct Group {
-  char* regions[kMaxRanks];
+  char* regions[kMaxNvlinkRanks];
   int rank;
   int num_ranks;
   bool ipc;  // peers in other processes: published buffers are offsets into the regions
@@ -195,9 +195,9 @@ struct NotifyArgs {
 };
 
 __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, NotifyArgs a) {
-  __shared__ int warp_sums[kWarpSize * kMaxRanks];
-  __shared__ int totals[kMaxRanks];
-  __shared__ int counts[kMaxRanks][kMaxRanks];  // [src][dst]
+  __shared__ int warp_sums[kWarpSize * kMaxNvlinkRanks];
+  __shared__ int totals[kMaxNvlinkRanks];
+  __shared__ int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]
   __shared__ int shared_seq, shared_tag;
   const int num_ranks = g.num_ranks, me = g.rank;
   const int num_tokens = a.num_tokens, num_topk = a.num_topk;
@@ -208,11 +208,11 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
   const int begin = min(num_tokens, int(threadIdx.x) * per_thread);
   const int end = min(num_tokens, begin + per_thread);
-  int offset[kMaxRanks] = {};
+  int offset[kMaxNvlinkRanks] = {};
   for (int t = begin; t < end; ++t) {
     const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kMaxNvlinkRanks; ++r) {
       if (r >= num_ranks) continue;
       const bool in_rank = (mask >> r) & 1u;
       a.is_token_in_rank[int64_t(t) * num_ranks + r] = in_rank;
@@ -250,14 +250,14 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   // A token's row at rank r: rows r receives from ranks before me, plus the
   // token's position among mine sent to r. Rows past num_worst_tokens drop.
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
+  for (int r = 0; r < kMaxNvlinkRanks; ++r) {
     if (r >= num_ranks) continue;
     for (int s = 0; s < me; ++s) offset[r] += counts[s][r];
   }
   for (int t = begin; t < end; ++t) {
     const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kMaxNvlinkRanks; ++r) {
       if (r >= num_ranks) continue;
       int pos = -1;
       if ((mask >> r) & 1u) {
@@ -402,15 +402,15 @@ __device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
   const int num_rows = a.num_worst_tokens, num_topk = a.num_topk;
   const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = a.num_move_blocks * blockDim.x;
   if (a.recv_src_rank != nullptr) {
-    int ends[kMaxRanks];  // rows from sources <= s end at ends[s]
+    int ends[kMaxNvlinkRanks];  // rows from sources <= s end at ends[s]
 #pragma unroll
-    for (int s = 0; s < kMaxRanks; ++s) ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
+    for (int s = 0; s < kMaxNvlinkRanks; ++s) ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
     for (int i = first; i < num_rows; i += stride) {
       int src = -1;
       if (i < num_recv) {
         src = 0;
 #pragma unroll
-        for (int s = 0; s < kMaxRanks; ++s) src += s < g.num_ranks && ends[s] <= i;
+        for (int s = 0; s < kMaxNvlinkRanks; ++s) src += s < g.num_ranks && ends[s] <= i;
       }
       a.recv_src_rank[i] = src;
     }
@@ -540,7 +540,7 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
 
 template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, SendArgs a) {
-  __shared__ RankBuffers dest[kMaxRanks];
+  __shared__ RankBuffers dest[kMaxNvlinkRanks];
   Control* control = ControlOf(g, g.rank);
   const int seq = LoadVolatile(&control->seq);
   const int lane = threadIdx.x % kWarpSize;
@@ -716,7 +716,7 @@ __device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& 
 
 template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineKernel(Group g, CombineArgs a) {
-  __shared__ RankBuffers sources[kMaxRanks];
+  __shared__ RankBuffers sources[kMaxNvlinkRanks];
   Control* control = ControlOf(g, g.rank);
   const int seq = LoadVolatile(&control->seq);
   if (int(blockIdx.x) < a.num_copy_blocks) {  // staged: copy role
@@ -775,7 +775,7 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
 
 Group MakeGroup(const DeviceState& state) {
   Group g{};
-  for (int r = 0; r < kMaxRanks; ++r) g.regions[r] = state.normal.peers[r];
+  for (int r = 0; r < state.num_ranks; ++r) g.regions[r] = state.normal.peers[r];  // num_ranks <= kMaxNvlinkRanks (FFI)
   g.rank = state.rank;
   g.num_ranks = state.num_ranks;
   g.ipc = state.ipc;
@@ -809,8 +809,8 @@ Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kM
   s.buffers.topk_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * num_topk * sizeof(int))));
   s.buffers.topk_weights = reinterpret_cast<float*>(address(take(size_t(num_rows) * num_topk * sizeof(float))));
   s.buffers.src_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * sizeof(int))));
-  s.sync.records = take(size_t(kMaxRanks) * size_t(num_chunks) * sizeof(ChunkRecord));
-  s.sync.row_flags = take(size_t(kMaxRanks) * size_t(NumRowFlags(num_rows)) * sizeof(int));
+  s.sync.records = take(size_t(kMaxNvlinkRanks) * size_t(num_chunks) * sizeof(ChunkRecord));
+  s.sync.row_flags = take(size_t(kMaxNvlinkRanks) * size_t(NumRowFlags(num_rows)) * sizeof(int));
   s.sync.num_chunks = int(num_chunks);
   s.end = offset;
   return s;

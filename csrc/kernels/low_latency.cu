@@ -38,6 +38,9 @@ namespace low_latency {
 namespace {
 
 constexpr int kThreads = 512;
+// Every launch runs one block per SM (the whole kernels are cooperative), so
+// ptxas may give a thread up to 128 registers rather than spill to fit two.
+constexpr int kBlocksPerSm = 1;
 constexpr int kWarps = kThreads / 32;
 constexpr int kScanScratch = kWarpSize + 1;  // BlockExclusiveScanInPlace: a sum per warp, the total
 constexpr float kFp8Max = 448.0f;
@@ -54,23 +57,26 @@ struct Control {
   int sending;  // 1 while a send phase runs on this device (EnterCall)
   int pad0[30];
   int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
-  int ready[2][kMaxRanks];  // [half][source]: source's rows of that op are all here
-  int pad1[32 - 2 * kMaxRanks];
-  int freed[2][kMaxRanks];  // [half][destination]: destination has read this rank's rows of that op
-  int calls[2][kMaxRanks];  // [half][source]: source's call tag for that op (CheckPeerCall)
+  // One slot per rank of the largest group (3 * 2 * 1024 ints: 24 KiB); each
+  // array starts on its own 128-byte line.
+  int ready[2][kMaxGroupRanks];  // [half][source]: source's rows of that op are all here
+  int freed[2][kMaxGroupRanks];  // [half][destination]: destination has read this rank's rows of that op
+  int calls[2][kMaxGroupRanks];  // [half][source]: source's call tag for that op (CheckPeerCall)
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
+static_assert(offsetof(Control, ready) % 128 == 0 && offsetof(Control, freed) % 128 == 0,
+              "flags written by peers start on their own lines");
 
 constexpr size_t kReadyOffset = offsetof(Control, ready);
 constexpr size_t kFreedOffset = offsetof(Control, freed);
 __host__ __device__ inline size_t ReadyFlag(int half, int source) {
-  return kReadyOffset + sizeof(int) * (half * kMaxRanks + source);
+  return kReadyOffset + sizeof(int) * (half * kMaxGroupRanks + source);
 }
 __host__ __device__ inline size_t FreedFlag(int half, int destination) {
-  return kFreedOffset + sizeof(int) * (half * kMaxRanks + destination);
+  return kFreedOffset + sizeof(int) * (half * kMaxGroupRanks + destination);
 }
 __host__ __device__ inline size_t CallTagSlot(int half, int source) {
-  return offsetof(Control, calls) + sizeof(int) * (half * kMaxRanks + source);
+  return offsetof(Control, calls) + sizeof(int) * (half * kMaxGroupRanks + source);
 }
 
 // Copies num_bytes (a multiple of 16) with `count` cooperating threads, this
@@ -81,30 +87,55 @@ __device__ __forceinline__ void Copy16(void* dst, const void* src, size_t num_by
   StridedCopy<8>(static_cast<uint4*>(dst), static_cast<const uint4*>(src), int(num_bytes / 16), index, count);
 }
 
+// A block's copy of Peers' tables, in its shared memory (PeerTableBytes).
+struct PeerTable {
+  char* const* regions;
+  const int* pes;
+};
+
+// Copies the peer tables into the start of the block's dynamic shared memory.
+// No barrier here: every phase passes a __syncthreads before its first put
+// or signal, which publishes the copy to the whole block.
+__device__ __forceinline__ PeerTable LoadPeerTable(const Peers& p, int* smem) {
+  char** regions = reinterpret_cast<char**>(smem);
+  int* pes = reinterpret_cast<int*>(reinterpret_cast<char*>(smem) + AlignUp(size_t(p.num_ranks) * sizeof(char*), kVectorBytes));
+  for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x) {
+    regions[r] = p.regions[r];
+    if (p.pes != nullptr) pes[r] = p.pes[r];
+  }
+  return PeerTable{regions, pes};
+}
+
+// What a phase may use of the dynamic shared memory: what follows the peer tables.
+__device__ __forceinline__ int* AfterPeerTable(int* smem, int num_ranks) {
+  return smem + PeerTableBytes(num_ranks) / sizeof(int);
+}
+
 // How this rank reaches the others. Over NVLink every rank's region is mapped
 // here, so a put is a store through a peer pointer. The kernels are templates
 // over the transport: low_latency_nvshmem.cu includes this file and builds
 // them again with one that reaches ranks on other hosts through NVSHMEM.
 struct NvlinkTransport {
   Peers p;
+  PeerTable peers;
 
-  __device__ char* local() const { return p.regions[p.rank]; }
+  __device__ char* local() const { return p.local; }
   __device__ Control* control() const { return reinterpret_cast<Control*>(local()); }
   // Copies local bytes to `offset` of rank's region (a cooperative group of
   // whole warps). stage_offset: where a transport that needs registered
   // memory as the source (NVSHMEM) stages them first; unused here.
   __device__ void Put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
                       size_t /*stage_offset*/ = 0) const {
-    Copy16(p.regions[rank] + offset, src, num_bytes, index, count);
+    Copy16(peers.regions[rank] + offset, src, num_bytes, index, count);
   }
   __device__ void PutInt(int rank, size_t offset, int value) const {
-    *reinterpret_cast<int*>(p.regions[rank] + offset) = value;
+    *reinterpret_cast<int*>(peers.regions[rank] + offset) = value;
   }
   // After it, this thread's puts are visible to every rank.
   __device__ void Fence() const { __threadfence_system(); }
   // Release store of a flag in rank's control block.
   __device__ void Signal(int rank, size_t offset, int value) const {
-    StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
+    StoreReleaseSys(reinterpret_cast<int*>(peers.regions[rank] + offset), value);
   }
   // Waits until a flag of this rank's control block has reached `target`
   // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly).
@@ -223,21 +254,23 @@ __device__ __forceinline__ void BeginSend(const Transport& tr, const CallOrder& 
 
 // Send phases, by block 0 once every destination has freed this half: the
 // call's tag into each destination's slot for it, before the ready flags
-// (LastBlock's fence orders it before them).
+// (LastBlock's fence orders it before them: each thread's tags, then its
+// fence).
 template <typename Transport>
 __device__ __forceinline__ void PublishCallTag(const Transport& tr, int half, int tag) {
-  if (blockIdx.x == 0 && int(threadIdx.x) < tr.p.num_ranks) tr.PutInt(threadIdx.x, CallTagSlot(half, tr.p.rank), tag);
+  if (blockIdx.x != 0) return;
+  for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) tr.PutInt(r, CallTagSlot(half, tr.p.rank), tag);
 }
 
 // Receive phases, after every source's ready flag and a __syncthreads: each
 // source sent this op from the same call as this rank.
 template <typename Transport>
 __device__ __forceinline__ void CheckCallTags(const Transport& tr, int half) {
-  if (int(threadIdx.x) >= tr.p.num_ranks) return;
   const char* local = tr.local();
-  CheckPeerCall(LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, tr.p.rank))),
-                LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, threadIdx.x))), tr.p.rank,
-                threadIdx.x);
+  for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
+    CheckPeerCall(LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, tr.p.rank))),
+                  LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, r))), tr.p.rank, r);
+  }
 }
 
 __device__ __forceinline__ float Bf16Lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -298,9 +331,14 @@ __device__ void QuantizeRow(const uint4* row, int hidden, bool round_scale, char
   }
 }
 
+// The dispatch send phase's shared ints (DispatchSendPhase has the layout);
+// the FP8 staging row follows them.
+__host__ __device__ inline size_t DispatchSendInts(int num_experts) {
+  return 2 * size_t(num_experts) + 1 + kScanScratch + 1 + kMaxTopk;
+}
+
 size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
-  return AlignUp(sizeof(int) * (2 * size_t(num_experts) + 1 + kScanScratch), kVectorBytes) +
-         (fp8 ? DispatchRowBytes(hidden, true) : 0);
+  return AlignUp(sizeof(int) * DispatchSendInts(num_experts), kVectorBytes) + (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
 size_t DispatchRecvSharedBytes(int num_rows_lists) {
@@ -319,16 +357,54 @@ __device__ __forceinline__ void PrefetchRow(const uint4* row, int units) {
   for (int u = threadIdx.x; u < units; u += blockDim.x) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + u));
 }
 
+// The distinct ranks that own one of the token's experts, ascending (the
+// order of TokenRankMask's bits), into dests[0, n); returns n in every lane.
+// By one whole warp: lane l keeps ranks [32 l, 32 l + 32) as a bit mask, and
+// a scan of the lanes' counts places each lane's ranks.
+static_assert(kMaxGroupRanks <= 32 * 32, "TokenDestinations keeps one 32-bit mask per lane");
+__device__ __forceinline__ int TokenDestinations(const int* topk, int num_topk, int num_experts, int experts_per_rank,
+                                                 int* dests) {
+  const int lane = threadIdx.x % 32;
+  uint32_t mask = 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int e = topk[k];
+    if (e >= 0 && e < num_experts) {
+      const int r = e / experts_per_rank;
+      if (r / 32 == lane) mask |= 1u << (r % 32);
+    }
+  }
+  const int count = __popc(mask);
+  int end = count;  // inclusive scan of the counts over the lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, end, o);
+    if (lane >= o) end += v;
+  }
+  int pos = end - count;
+  for (uint32_t m = mask; m != 0; m &= m - 1) dests[pos++] = lane * 32 + __ffs(m) - 1;
+  return __shfl_sync(0xffffffffu, end, 31);
+}
+
 template <typename Transport, bool kFp8>
-__device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a, int* smem) {
-  const Transport tr{a.peers};
+__device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a, const PeerTable& table, int* smem) {
+  const Transport tr{a.peers, table};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int num_local = num_experts / num_ranks;
   int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
   int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
   int* scratch = before + num_experts;
-  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * (2 * num_experts + 1 + kScanScratch), kVectorBytes);
+  int* token_dests = scratch + kScanScratch;  // [1 + kMaxTopk]: a token's destinations: count, then ranks
+  char* staging = reinterpret_cast<char*>(smem) + AlignUp(sizeof(int) * DispatchSendInts(num_experts), kVectorBytes);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The last warp lists a token's destinations before the barrier that
+  // precedes its puts (the first token's while warp 0 waits below).
+  constexpr int kListWarp = kWarps - 1;
+  auto list_destinations = [&](int t) {
+    const int n = TokenDestinations(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local,
+                                    token_dests + 1);
+    if (lane == 0) token_dests[0] = n;
+  };
 
   Control* control = tr.control();
   __shared__ int call_tag;
@@ -345,15 +421,18 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   // Blocks without a token (a whole kernel runs one block per SM) skip to the
   // end; block 0 always sends the counts.
   const bool active = first_token < a.num_tokens || blockIdx.x == 0;
-  // The first token's quantisation needs no buffer: it hides the wait below.
+  // The first token's quantisation and destinations need no buffer: they hide the wait below.
   if (first_token < a.num_tokens) {
     if (kFp8) QuantizeRow(token_row(first_token), hidden, a.round_scale, staging);
     else PrefetchRow(token_row(first_token), hidden / 8);
+    if (warp == kListWarp) list_destinations(first_token);
   }
   // Every destination must have read this half of operation op - 2.
-  if (active && threadIdx.x < num_ranks) {
-    tr.Wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency dispatch send",
-            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+  if (active) {
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      tr.Wait(FreedFlag(half, r), int(op - 1u), "low-latency dispatch send",
+              "the freed flag (more than two low-latency operations in flight?)", r, int(op));
+    }
   }
   __syncthreads();
   PublishCallTag(tr, half, call_tag);
@@ -362,25 +441,24 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   // experts (not once per expert: a quarter of the NVLink bytes at top-8 over
   // two ranks), at row (this rank, token), which needs no counting; so the
   // counting below overlaps their flight. The spare warps help with each copy.
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     const uint4* row = token_row(t);
-    if (kFp8 && t != first_token) QuantizeRow(row, hidden, a.round_scale, staging);
+    if (t != first_token) {
+      if (kFp8) QuantizeRow(row, hidden, a.round_scale, staging);
+      if (warp == kListWarp) list_destinations(t);
+    }
     __syncthreads();
-    const uint32_t dests = TokenRankMask(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local);
-    const int num_dests = __popc(dests);
+    const int num_dests = token_dests[0];
     const int warps_per_dest = max(1, kWarps / max(1, num_dests));
     const int num_groups = kWarps / warps_per_dest;
     const int group = warp / warps_per_dest, group_thread = (warp % warps_per_dest) * 32 + lane;
     const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
     const size_t row_offset = half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
     for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
-      uint32_t rest = dests;
-      for (int j = 0; j < i; ++j) rest &= rest - 1;  // drop the first i destinations
-      tr.Put(__ffs(rest) - 1, row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
+      tr.Put(token_dests[1 + i], row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);
     }
-    __syncthreads();  // staging is reused by the next token
+    __syncthreads();  // staging and token_dests are reused by the next token
   }
 
   // Then the lists: the counts per expert, and where each (token, k) stands in
@@ -423,7 +501,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   }
 
   if (LastBlock(tr, &control->blocks_done[kDispatchSend][0], true)) {
-    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       LeaveCall(&control->sending);
       control->seq = int(op + 1u);
@@ -434,8 +512,9 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
 }
 
 template <typename Transport, bool kFp8>
-__device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, unsigned op, int* smem) {
-  const Transport tr{a.peers};
+__device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, unsigned op, const PeerTable& table,
+                                                  int* smem) {
+  const Transport tr{a.peers, table};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int num_lists = num_local * num_ranks;  // (expert, source) row lists
@@ -448,8 +527,8 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   const char* half_base = tr.local() + HalfOffset(a.peers, half);
   const DispatchLayout& layout = a.layout;
 
-  if (threadIdx.x < num_ranks) {
-    tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency dispatch recv", "the ready flag", threadIdx.x, int(op));
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency dispatch recv", "the ready flag", r, int(op));
   }
   __syncthreads();
   CheckCallTags(tr, half);
@@ -508,13 +587,13 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   });
 
   if (LastBlock(tr, &tr.control()->blocks_done[kDispatchRecv][0], false)) {
-    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, FreedFlag(half, rank), int(op + 1u));
   }
 }
 
 template <typename Transport>
-__device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, int* smem) {
-  const Transport tr{a.peers};
+__device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, const PeerTable& table, int* smem) {
+  const Transport tr{a.peers, table};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int rows_per_expert = num_ranks * a.max_tokens;
@@ -534,9 +613,9 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
   BlockExclusiveScanInPlace(row_start, num_local + 1, scratch);
 
   // Every source must have read this half of operation op - 2.
-  if (threadIdx.x < num_ranks) {
-    tr.Wait(FreedFlag(half, threadIdx.x), int(op - 1u), "low-latency combine send",
-            "the freed flag (more than two low-latency operations in flight?)", threadIdx.x, int(op));
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    tr.Wait(FreedFlag(half, r), int(op - 1u), "low-latency combine send",
+            "the freed flag (more than two low-latency operations in flight?)", r, int(op));
   }
   __syncthreads();
   PublishCallTag(tr, half, call_tag);
@@ -553,7 +632,7 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
   });
 
   if (LastBlock(tr, &control->blocks_done[kCombineSend][0], true)) {
-    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, ReadyFlag(half, rank), int(op + 1u));
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       LeaveCall(&control->sending);
       control->seq = int(op + 1u);
@@ -564,15 +643,15 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, i
 }
 
 template <typename Transport>
-__device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsigned op) {
-  const Transport tr{a.peers};
+__device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsigned op, const PeerTable& table) {
+  const Transport tr{a.peers, table};
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_topk = a.num_topk, hidden = a.hidden;
   const int half = op & 1;
   const char* rows = tr.local() + HalfOffset(a.peers, half);
 
-  if (threadIdx.x < num_ranks) {
-    tr.Wait(ReadyFlag(half, threadIdx.x), int(op + 1u), "low-latency combine recv", "the ready flag", threadIdx.x, int(op));
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency combine recv", "the ready flag", r, int(op));
   }
   __syncthreads();
   CheckCallTags(tr, half);
@@ -620,46 +699,55 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
   }
 
   if (LastBlock(tr, &tr.control()->blocks_done[kCombineRecv][0], false)) {
-    if (threadIdx.x < num_ranks) tr.Signal(threadIdx.x, FreedFlag(half, rank), int(op + 1u));
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, FreedFlag(half, rank), int(op + 1u));
   }
 }
 
-// The kernels: halves (split API) and whole operations.
+// The kernels: halves (split API) and whole operations. Each block first
+// copies the peer tables into its shared memory; the phases get the rest.
 template <typename Transport, bool kFp8>
-__global__ void __launch_bounds__(kThreads) DispatchSendKernel(DispatchSendArgs a) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DispatchSendKernel(DispatchSendArgs a) {
   extern __shared__ __align__(16) int smem[];
-  DispatchSendPhase<Transport, kFp8>(a, smem);
-}
-
-template <typename Transport, bool kFp8>
-__global__ void __launch_bounds__(kThreads) DispatchRecvKernel(DispatchRecvArgs a) {
-  extern __shared__ __align__(16) int smem[];
-  DispatchRecvPhase<Transport, kFp8>(a, unsigned(*a.token), smem);
+  const PeerTable table = LoadPeerTable(a.peers, smem);
+  DispatchSendPhase<Transport, kFp8>(a, table, AfterPeerTable(smem, a.peers.num_ranks));
 }
 
 template <typename Transport, bool kFp8>
-__global__ void __launch_bounds__(kThreads) DispatchKernel(DispatchSendArgs send, DispatchRecvArgs recv) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DispatchRecvKernel(DispatchRecvArgs a) {
   extern __shared__ __align__(16) int smem[];
-  const unsigned op = DispatchSendPhase<Transport, kFp8>(send, smem);
-  __syncthreads();  // shared memory changes hands
-  DispatchRecvPhase<Transport, kFp8>(recv, op, smem);
+  const PeerTable table = LoadPeerTable(a.peers, smem);
+  DispatchRecvPhase<Transport, kFp8>(a, unsigned(*a.token), table, AfterPeerTable(smem, a.peers.num_ranks));
+}
+
+template <typename Transport, bool kFp8>
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) DispatchKernel(DispatchSendArgs send, DispatchRecvArgs recv) {
+  extern __shared__ __align__(16) int smem[];
+  const PeerTable table = LoadPeerTable(send.peers, smem);
+  int* rest = AfterPeerTable(smem, send.peers.num_ranks);
+  const unsigned op = DispatchSendPhase<Transport, kFp8>(send, table, rest);
+  __syncthreads();  // shared memory after the peer tables changes hands
+  DispatchRecvPhase<Transport, kFp8>(recv, op, table, rest);
 }
 
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) CombineSendKernel(CombineSendArgs a) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) CombineSendKernel(CombineSendArgs a) {
   extern __shared__ __align__(16) int smem[];
-  CombineSendPhase<Transport>(a, smem);
+  const PeerTable table = LoadPeerTable(a.peers, smem);
+  CombineSendPhase<Transport>(a, table, AfterPeerTable(smem, a.peers.num_ranks));
 }
 
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) CombineRecvKernel(CombineRecvArgs a) {
-  CombineRecvPhase<Transport>(a, unsigned(*a.token));
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) CombineRecvKernel(CombineRecvArgs a) {
+  extern __shared__ __align__(16) int smem[];
+  CombineRecvPhase<Transport>(a, unsigned(*a.token), LoadPeerTable(a.peers, smem));
 }
 
 template <typename Transport>
-__global__ void __launch_bounds__(kThreads) CombineKernel(CombineSendArgs send, CombineRecvArgs recv) {
+__global__ void __launch_bounds__(kThreads, kBlocksPerSm) CombineKernel(CombineSendArgs send, CombineRecvArgs recv) {
   extern __shared__ __align__(16) int smem[];
-  CombineRecvPhase<Transport>(recv, CombineSendPhase<Transport>(send, smem));
+  const PeerTable table = LoadPeerTable(send.peers, smem);
+  CombineRecvPhase<Transport>(recv, CombineSendPhase<Transport>(send, table, AfterPeerTable(smem, send.peers.num_ranks)),
+                              table);
 }
 
 // Launchers, for a transport. Decode runs alone, so the kernels take every SM
@@ -692,14 +780,16 @@ template <typename Transport>
 struct LaunchersWith {
   static cudaError_t DispatchSend(const DispatchSendArgs& args, int device, cudaStream_t stream) {
     const int grid = std::max(1, std::min(args.num_tokens, SendBlocks(args.max_blocks, device)));
-    const size_t shared = DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
+    const size_t shared =
+        PeerTableBytes(args.peers.num_ranks) + DispatchSendSharedBytes(args.num_experts, args.hidden, args.fp8);
     auto kernel = args.fp8 ? DispatchSendKernel<Transport, true> : DispatchSendKernel<Transport, false>;
     kernel<<<grid, kThreads, shared, stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t DispatchRecv(const DispatchRecvArgs& args, int device, cudaStream_t stream) {
-    const size_t shared = DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
+    const size_t shared =
+        PeerTableBytes(args.peers.num_ranks) + DispatchRecvSharedBytes(args.num_local_experts * args.peers.num_ranks);
     auto kernel = args.fp8 ? DispatchRecvKernel<Transport, true> : DispatchRecvKernel<Transport, false>;
     kernel<<<DeviceSmCount(device), kThreads, shared, stream>>>(args);
     return cudaGetLastError();
@@ -707,14 +797,15 @@ struct LaunchersWith {
 
   static cudaError_t Dispatch(const DispatchSendArgs& send, const DispatchRecvArgs& recv, int device,
                               cudaStream_t stream) {
-    const size_t shared = std::max(DispatchSendSharedBytes(send.num_experts, send.hidden, send.fp8),
+    const size_t shared = PeerTableBytes(send.peers.num_ranks) +
+                          std::max(DispatchSendSharedBytes(send.num_experts, send.hidden, send.fp8),
                                    DispatchRecvSharedBytes(recv.num_local_experts * recv.peers.num_ranks));
     auto kernel = send.fp8 ? DispatchKernel<Transport, true> : DispatchKernel<Transport, false>;
     return LaunchCooperative(kernel, DeviceSmCount(device), shared, stream, send, recv);
   }
 
   static size_t CombineSendShared(const CombineSendArgs& args) {
-    return sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
+    return PeerTableBytes(args.peers.num_ranks) + sizeof(int) * (size_t(args.num_local_experts) + 1 + kScanScratch);
   }
 
   static cudaError_t CombineSend(const CombineSendArgs& args, int device, cudaStream_t stream) {
@@ -724,7 +815,8 @@ struct LaunchersWith {
   }
 
   static cudaError_t CombineRecv(const CombineRecvArgs& args, int device, cudaStream_t stream) {
-    CombineRecvKernel<Transport><<<DeviceSmCount(device), kThreads, 0, stream>>>(args);
+    CombineRecvKernel<Transport><<<DeviceSmCount(device), kThreads, PeerTableBytes(args.peers.num_ranks), stream>>>(
+        args);
     return cudaGetLastError();
   }
 
@@ -744,8 +836,9 @@ struct LaunchersWith {
 // The NVLink build; low_latency_nvshmem.cu defines this macro and builds the
 // NVSHMEM launchers from the templates above instead.
 #ifndef DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
-size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8) {
-  return std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
+size_t SharedBytesNeeded(int num_ranks, int num_experts, int hidden, bool fp8) {
+  return PeerTableBytes(num_ranks) +
+         std::max(DispatchSendSharedBytes(num_experts, hidden, fp8), DispatchRecvSharedBytes(num_experts));
 }
 
 const Launchers& NvlinkLaunchers() { return LaunchersWith<NvlinkTransport>::Table(); }

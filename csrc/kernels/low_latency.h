@@ -75,8 +75,14 @@ inline size_t HalfBytes(size_t region_bytes) {
 }
 
 // What every kernel needs about the region and this device's place in it.
+// Groups have up to kMaxGroupRanks ranks, so the per-rank tables stay in
+// device memory (DeviceState::device_peers, device_pes) and each block copies
+// them into its shared memory once (PeerTableBytes, at the start of its
+// dynamic shared memory), instead of riding in the kernel arguments.
 struct Peers {
-  char* regions[kMaxRanks];  // low-latency region of each rank, mapped here
+  char* const* regions;  // [num_ranks]: low-latency region of each rank, mapped here
+  const int* pes;        // [num_ranks]: PE of each rank (NVSHMEM), else null
+  char* local;           // this rank's region (regions[rank])
   int rank;
   int num_ranks;
   size_t half_bytes;
@@ -87,14 +93,20 @@ struct Peers {
   // reads its source from registered memory), send_bytes at send_offset of
   // the region. Unused (false, 0) over NVLink.
   bool nvshmem;
-  int pes[kMaxRanks];
   size_t send_offset;
   size_t send_bytes;
 };
 
+// Shared memory of a block's copy of the peer tables: region pointers, then PEs.
+constexpr size_t PeerTableBytes(int num_ranks) {
+  return AlignUp(size_t(num_ranks) * sizeof(char*), kVectorBytes) + AlignUp(size_t(num_ranks) * sizeof(int), kVectorBytes);
+}
+
 // Send-area bytes the NVSHMEM kernels stage rows in: M * K slots for a
 // dispatch (a token uses one per destination rank, at most K), one per
-// (source rank, token, k) for a combine.
+// (source rank, token, k) for a combine: R * M * K bf16 rows, which grows
+// with the group (3.8 GB per GPU at R=256, M=128, K=8, H=7168). Only rows for
+// other hosts use their slots; a smaller staging scheme is future work.
 inline size_t DispatchStageBytes(int64_t max_tokens, int64_t num_topk, size_t row_bytes) {
   return size_t(max_tokens * num_topk) * row_bytes;
 }
@@ -152,7 +164,7 @@ struct CombineRecvArgs {
 };
 
 // Dynamic shared memory the kernels need (must stay <= kMaxSharedBytes).
-size_t SharedBytesNeeded(int num_experts, int hidden, bool fp8);
+size_t SharedBytesNeeded(int num_ranks, int num_experts, int hidden, bool fp8);
 
 // Test hook (_C.set_sequence_for_testing): rewrites `region`'s control block
 // as if `seq` calls had run (the sequence number, and every flag that holds

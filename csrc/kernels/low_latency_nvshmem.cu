@@ -23,10 +23,11 @@ namespace {
 // so a rank's region is addressed by this rank's own pointer plus its PE.
 struct NvshmemTransport {
   Peers p;
+  PeerTable peers;  // the block's copy in shared memory
 
-  __device__ char* local() const { return p.regions[p.rank]; }
+  __device__ char* local() const { return p.local; }
   __device__ Control* control() const { return reinterpret_cast<Control*>(local()); }
-  __device__ bool mapped(int rank) const { return p.regions[rank] != nullptr; }
+  __device__ bool mapped(int rank) const { return peers.regions[rank] != nullptr; }
 
   // A cooperative group of whole warps: each warp stages its share of the
   // bytes in the send area (the source of an RDMA write must be registered
@@ -34,7 +35,7 @@ struct NvshmemTransport {
   __device__ void Put(int rank, size_t offset, const void* src, size_t num_bytes, int index, int count,
                       size_t stage_offset) const {
     if (mapped(rank)) {
-      Copy16(p.regions[rank] + offset, src, num_bytes, index, count);
+      Copy16(peers.regions[rank] + offset, src, num_bytes, index, count);
       return;
     }
     const int num_warps = count / 32, warp = index / 32, lane = index % 32;
@@ -45,13 +46,13 @@ struct NvshmemTransport {
     char* stage = local() + p.send_offset + stage_offset + begin;
     Copy16(stage, static_cast<const char*>(src) + begin, n, lane, 32);
     FenceStagedForWarpPut();
-    nvshmemx_putmem_nbi_warp(local() + offset + begin, stage, n, p.pes[rank]);
+    nvshmemx_putmem_nbi_warp(local() + offset + begin, stage, n, peers.pes[rank]);
   }
   __device__ void PutInt(int rank, size_t offset, int value) const {
     if (mapped(rank)) {
-      *reinterpret_cast<int*>(p.regions[rank] + offset) = value;
+      *reinterpret_cast<int*>(peers.regions[rank] + offset) = value;
     } else {
-      nvshmem_int_p(reinterpret_cast<int*>(local() + offset), value, p.pes[rank]);
+      nvshmem_int_p(reinterpret_cast<int*>(local() + offset), value, peers.pes[rank]);
     }
   }
   // After it, this thread's stores and puts are complete everywhere: nvshmem_quiet
@@ -64,14 +65,14 @@ struct NvshmemTransport {
   // the flag may travel separately from the data.
   __device__ void Signal(int rank, size_t offset, int value) const {
     if (mapped(rank)) {
-      StoreReleaseSys(reinterpret_cast<int*>(p.regions[rank] + offset), value);
+      StoreReleaseSys(reinterpret_cast<int*>(peers.regions[rank] + offset), value);
     } else {
-      nvshmem_int_atomic_set(reinterpret_cast<int*>(local() + offset), value, p.pes[rank]);
+      nvshmem_int_atomic_set(reinterpret_cast<int*>(local() + offset), value, peers.pes[rank]);
     }
   }
   // Flags land in this rank's own control block whatever the transport.
   __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
-    NvlinkTransport{p}.Wait(offset, target, mode, counter, peer, op);
+    NvlinkTransport{p, peers}.Wait(offset, target, mode, counter, peer, op);
   }
 };
 

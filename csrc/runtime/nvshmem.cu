@@ -122,9 +122,15 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   if (!Initialized() || device != init_device) {
     throw std::runtime_error("deep_ep_jax: NVSHMEM is not initialised on device " + std::to_string(device));
   }
-  if (num_ranks < 1 || num_ranks > kMaxRanks || nodes.size() != pes.size() || rank < 0 || rank >= num_ranks) {
+  if (num_ranks < 1 || num_ranks > kMaxGroupRanks || nodes.size() != pes.size() || rank < 0 || rank >= num_ranks) {
     throw std::invalid_argument("deep_ep_jax: an NVSHMEM buffer's EP group must have 1.." +
-                                std::to_string(kMaxRanks) + " ranks, one PE and one host index each");
+                                std::to_string(kMaxGroupRanks) + " ranks, one PE and one host index each");
+  }
+  if (normal_bytes > 0 && num_ranks > kMaxInternodeNormalRanks) {
+    throw std::invalid_argument("deep_ep_jax: normal mode across hosts supports at most " +
+                                std::to_string(kMaxInternodeNormalRanks) + " ranks in all, the EP group has " +
+                                std::to_string(num_ranks) + " (low-latency mode: " + std::to_string(kMaxGroupRanks) +
+                                "); create the buffer without a normal region");
   }
   for (int n : nodes) {
     if (n < 0 || n >= num_ranks) throw std::invalid_argument("deep_ep_jax: host indices must be in [0, ranks)");
@@ -159,10 +165,12 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   s.normal.local = normal;
   s.normal.num_bytes = normal_bytes;
   s.send_bytes = send_bytes;
+  s.pes = pes;
+  s.nodes = nodes;
+  s.low_latency.peers.assign(num_ranks, nullptr);
+  s.normal.peers.assign(num_ranks, nullptr);
   int num_nodes = 0;
   for (int r = 0; r < num_ranks; ++r) {
-    s.pes[r] = pes[r];
-    s.nodes[r] = nodes[r];
     num_nodes = std::max(num_nodes, nodes[r] + 1);
     // Null (NVSHMEM's transports) for other hosts, and where NVSHMEM cannot map the peer.
     if (r == rank) {
@@ -185,6 +193,8 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
     }
   }
   s.num_nodes = num_nodes;
+  // As the mapping failure above: on failure the symmetric memory stays (its free is collective).
+  UploadPeerTable(s);
   return RegisterExternalBuffer(s, [device, local, normal] {
     cudaSetDevice(device);
     if (normal != nullptr) nvshmem_free(normal);  // collective

@@ -114,21 +114,32 @@ void FreeStates(const std::vector<DeviceState>& states) {
     cudaDeviceSynchronize();
     if (s.normal.local && !s.nvshmem) cudaFree(s.normal.local);  // else: its release frees it
     if (s.low_latency.local && !s.nvshmem) cudaFree(s.low_latency.local);  // else: its release frees it
+    if (s.device_peers) cudaFree(s.device_peers);  // device_pes lives in the same allocation
     cudaSetDevice(previous);
   }
 }
 
-// allow_remote: -1 marks a rank of another process (CreateIpcBuffer).
-void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remote) {
-  int device_count = 0;
-  Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
+// allow_remote: -1 marks a rank of another process (CreateIpcBuffer). A
+// normal region (normal_bytes > 0) is for intranode normal mode, whose
+// kernels serve one NVLink domain.
+void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remote, size_t normal_bytes) {
   if (groups.empty()) throw std::invalid_argument("deep_ep_jax: CreateBuffer needs at least one group");
-  std::set<int> seen;
-  for (const auto& group : groups) {
-    if (group.empty() || group.size() > size_t(kMaxRanks)) {
-      throw std::invalid_argument("deep_ep_jax: an EP group must have 1.." + std::to_string(kMaxRanks) +
+  for (const auto& group : groups) {  // the sizes first: they need no GPU
+    if (group.empty() || group.size() > size_t(kMaxGroupRanks)) {
+      throw std::invalid_argument("deep_ep_jax: an EP group must have 1.." + std::to_string(kMaxGroupRanks) +
                                   " devices, got " + std::to_string(group.size()));
     }
+    if (normal_bytes > 0 && group.size() > size_t(kMaxNvlinkRanks)) {
+      throw std::invalid_argument("deep_ep_jax: normal mode supports at most " + std::to_string(kMaxNvlinkRanks) +
+                                  " ranks on one host (one NVLink domain), the EP group has " +
+                                  std::to_string(group.size()) + " (low-latency mode: " +
+                                  std::to_string(kMaxGroupRanks) + "); create the buffer without a normal region");
+    }
+  }
+  int device_count = 0;
+  Check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
+  std::set<int> seen;
+  for (const auto& group : groups) {
     for (int device : group) {
       if (allow_remote && device == -1) continue;
       if (device < 0 || device >= device_count) {
@@ -192,9 +203,32 @@ int64_t Register(std::vector<DeviceState>& states) {
 
 }  // namespace
 
+void UploadPeerTable(DeviceState& s) {
+  if (s.low_latency.local == nullptr) return;  // no low-latency kernels run on it
+  const size_t n = size_t(s.num_ranks);
+  if (s.low_latency.peers.size() != n || (s.nvshmem && s.pes.size() != n)) {
+    throw std::logic_error("deep_ep_jax: UploadPeerTable: per-rank vectors of the wrong size");
+  }
+  DeviceGuard guard(s.device_ordinal);
+  const size_t pes_offset = AlignUp(n * sizeof(char*), kVectorBytes);
+  if (s.device_peers == nullptr) {
+    void* table = nullptr;
+    Check(cudaMalloc(&table, pes_offset + n * sizeof(int)),
+          "cudaMalloc of the peer table on device " + std::to_string(s.device_ordinal));
+    s.device_peers = static_cast<char**>(table);
+    s.device_pes = s.nvshmem ? reinterpret_cast<int*>(static_cast<char*>(table) + pes_offset) : nullptr;
+  }
+  Check(cudaMemcpy(s.device_peers, s.low_latency.peers.data(), n * sizeof(char*), cudaMemcpyHostToDevice),
+        "copying the peer table to device " + std::to_string(s.device_ordinal));
+  if (s.device_pes != nullptr) {
+    Check(cudaMemcpy(s.device_pes, s.pes.data(), n * sizeof(int), cudaMemcpyHostToDevice),
+          "copying the PE table to device " + std::to_string(s.device_ordinal));
+  }
+}
+
 int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
                      size_t low_latency_bytes) {
-  ValidateGroups(groups, /*allow_remote=*/false);
+  ValidateGroups(groups, /*allow_remote=*/false, normal_bytes);
   const size_t normal_region = RegionBytes(normal_bytes);
   const size_t low_latency_region = RegionBytes(low_latency_bytes);
 
@@ -215,6 +249,8 @@ int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_
         s.normal.local = AllocateZeroed(s.device_ordinal, normal_region, "normal-mode");
         s.low_latency.num_bytes = low_latency_region;
         s.low_latency.local = AllocateZeroed(s.device_ordinal, low_latency_region, "low-latency");
+        s.normal.peers.resize(group.size());
+        s.low_latency.peers.resize(group.size());
       }
       for (int device : group) {
         for (int peer : group) {
@@ -226,6 +262,7 @@ int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_
           states[i].normal.peers[rank] = states[first + rank].normal.local;
           states[i].low_latency.peers[rank] = states[first + rank].low_latency.local;
         }
+        UploadPeerTable(states[i]);
       }
     }
   } catch (...) {
@@ -238,7 +275,7 @@ int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_
 
 IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
                           size_t low_latency_bytes) {
-  ValidateGroups(groups, /*allow_remote=*/true);
+  ValidateGroups(groups, /*allow_remote=*/true, normal_bytes);
   for (const auto& group : groups) {
     if (std::count_if(group.begin(), group.end(), [](int d) { return d >= 0; }) > 1) {
       throw std::invalid_argument(
@@ -268,8 +305,11 @@ IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t no
         s.low_latency.local = AllocateZeroed(s.device_ordinal, low_latency_region, "low-latency");
         // Peers may write into the regions as soon as they get the handles.
         Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after zeroing on device " + std::to_string(s.device_ordinal));
+        s.normal.peers.assign(group.size(), nullptr);  // the others' come with OpenIpcPeers
+        s.low_latency.peers.assign(group.size(), nullptr);
         s.normal.peers[rank] = s.normal.local;
         s.low_latency.peers[rank] = s.low_latency.local;
+        UploadPeerTable(s);
         result.handles.push_back(ExportHandles(s));
       }
     }
@@ -301,8 +341,7 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
   // Open outside the lock; publish the pointers once every open succeeded.
   struct Opened {
     int device;
-    char* normal[kMaxRanks];
-    char* low_latency[kMaxRanks];
+    std::vector<char*> normal, low_latency;  // [rank], this device's own included
     std::vector<void*> mappings;
   };
   std::vector<Opened> opened;
@@ -318,7 +357,7 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
         if (group[rank] < 0) continue;
         const DeviceState* state = FindDeviceState(buffer_id, group[rank]);
         if (state == nullptr) throw std::invalid_argument("deep_ep_jax: OpenIpcPeers: the buffer was destroyed");
-        opened.push_back(Opened{group[rank], {}, {}, {}});
+        opened.push_back(Opened{group[rank], state->normal.peers, state->low_latency.peers, {}});
         Opened& o = opened.back();
         DeviceGuard guard(o.device);
         for (size_t peer = 0; peer < group.size(); ++peer) {
@@ -345,6 +384,14 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
         }
       }
     }
+    // The kernels' copy of the peers, before any call can use them.
+    for (const Opened& o : opened) {
+      const DeviceState* state = FindDeviceState(buffer_id, o.device);
+      if (state == nullptr) throw std::invalid_argument("deep_ep_jax: OpenIpcPeers: the buffer was destroyed");
+      DeviceState copy = *state;  // shares its device_peers, written in place
+      copy.low_latency.peers = o.low_latency;
+      UploadPeerTable(copy);
+    }
   } catch (...) {
     for (const Opened& o : opened) CloseMappings(o.device, o.mappings);
     throw;
@@ -353,11 +400,8 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
   std::unique_lock<std::shared_mutex> lock(registry_mutex);
   for (Opened& o : opened) {
     DeviceState& s = device_states.at({buffer_id, o.device});
-    for (int peer = 0; peer < s.num_ranks; ++peer) {
-      if (peer == s.rank) continue;
-      s.normal.peers[peer] = o.normal[peer];
-      s.low_latency.peers[peer] = o.low_latency[peer];
-    }
+    s.normal.peers = o.normal;
+    s.low_latency.peers = o.low_latency;
     std::vector<void*>& mappings = ipc_mappings[{buffer_id, o.device}];
     CloseMappings(o.device, mappings);  // opened before (a second call): replaced
     mappings = std::move(o.mappings);

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/limits.h"  // kMaxRanks, kControlBytes
+#include "common/limits.h"  // kMaxGroupRanks, kControlBytes
 
 namespace deep_ep_jax {
 
@@ -21,7 +21,7 @@ namespace deep_ep_jax {
 struct Region {
   char* local = nullptr;
   size_t num_bytes = 0;
-  char* peers[kMaxRanks] = {};  // peers[rank] == local; pass by value to kernels
+  std::vector<char*> peers;  // [num_ranks], peers[rank] == local
 };
 
 // Everything a handler needs about a buffer on one device.
@@ -42,11 +42,24 @@ struct DeviceState {
   // pes[r]. The normal region (internode normal mode, kernels/internode.h) is
   // there too, mapped (nvshmem_ptr) for the ranks of this host.
   bool nvshmem = false;
-  int pes[kMaxRanks] = {};
+  std::vector<int> pes;  // [num_ranks] (NVSHMEM buffers only)
   size_t send_bytes = 0;
-  int nodes[kMaxRanks] = {};  // host index of each rank (ranks of a host in rank order), 0..num_nodes-1
+  std::vector<int> nodes;  // [num_ranks] host index of each rank (ranks of a host in rank order), 0..num_nodes-1
   int num_nodes = 1;
+  // Device memory (one cudaMalloc, freed with the state) holding copies of
+  // low_latency.peers and pes, [num_ranks] each: the low-latency kernels
+  // serve every rank of groups of up to kMaxGroupRanks and read these (once
+  // per block) rather than arrays passed by value. Normal mode, at most
+  // kMaxNvlinkRanks ranks, passes its peers by value. Null without a
+  // low-latency region.
+  char** device_peers = nullptr;
+  int* device_pes = nullptr;  // null unless nvshmem
 };
+
+// (Re)writes s.device_peers / device_pes from s.low_latency.peers and s.pes
+// on s's device, allocating them on first use (blocking). Throws
+// std::runtime_error on failure. Nothing may run on the buffer meanwhile.
+void UploadPeerTable(DeviceState& s);
 
 // groups: device ordinals of each EP group (one group per index of the other
 // mesh axes); a device's rank is its position in its group. Allocates both

@@ -644,6 +644,7 @@ class _FakeBuffer:
         self.num_nvl_bytes = num_nvl_bytes
         self.staged = staged
         self.ipc = False
+        self.spans_hosts = False
 
 
 def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):

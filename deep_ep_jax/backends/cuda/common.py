@@ -23,6 +23,23 @@ def limit(name: str) -> int:
     return _native.limits()[name]
 
 
+def normal_mode_max_ranks(spans_hosts: bool) -> int:
+    """The most ranks normal mode serves: one NVLink domain on one host, and
+    for now as many in all across hosts (low-latency mode serves up to
+    `limit("max_group_ranks")`)."""
+    return limit("max_internode_normal_ranks" if spans_hosts else "max_nvlink_ranks")
+
+
+def normal_mode_rank_error(fn, num_ranks, spans_hosts) -> str | None:
+    """Why normal mode cannot serve an EP group of num_ranks ranks, or None."""
+    max_ranks = normal_mode_max_ranks(spans_hosts)
+    if num_ranks <= max_ranks:
+        return None
+    where = "in all across hosts (for now)" if spans_hosts else "on one host (one NVLink domain)"
+    return (f"{fn}: normal mode supports at most {max_ranks} ranks {where}, the EP group has {num_ranks} "
+            f"(low-latency mode: {limit('max_group_ranks')})")
+
+
 @dataclasses.dataclass(frozen=True)
 class FfiTarget:
     """An FFI target of the extension and the names of its results, in order
@@ -141,9 +158,9 @@ def launch_attrs(buffer) -> dict:
 
 
 def check_common(fn, buffer, *, num_tokens, num_rows, num_topk):
-    max_ranks = limit("max_ranks")
-    if buffer.num_ranks > max_ranks:
-        raise ValueError(f"{fn}: the CUDA kernels support at most {max_ranks} ranks, the buffer has {buffer.num_ranks}")
+    error = normal_mode_rank_error(fn, buffer.num_ranks, buffer.spans_hosts)
+    if error:
+        raise ValueError(error)
     if buffer.buffer_id is None:
         raise ValueError(f"{fn}: the buffer has no device memory (backend {buffer.backend!r}); use backend='cuda'")
     for what, value in (("tokens * ranks", num_tokens * buffer.num_ranks), ("tokens * topk", num_tokens * num_topk),

@@ -17,7 +17,14 @@ import jax
 import numpy as np
 
 from deep_ep_jax import _native, multiprocess, nvshmem
-from deep_ep_jax.backends.cuda import internode, intranode, layout, low_latency, sizes
+from deep_ep_jax.backends.cuda import (
+    common,
+    internode,
+    intranode,
+    layout,
+    low_latency,
+    sizes,
+)
 from deep_ep_jax.config import FP8_BLOCK
 
 _register_lock = threading.Lock()
@@ -77,6 +84,48 @@ def check_config(config, limits: dict) -> None:
                                ("low_latency_overlap_sms", config.low_latency_overlap_sms, limits["max_blocks"])):
         if value > bound:
             raise ValueError(f"Config.{name} must be <= {bound} for the CUDA kernels, got {value}")
+
+
+def check_group_size(num_ranks, limits: dict) -> None:
+    """An EP group no larger than any mode of the kernels serves (low-latency mode's)."""
+    if num_ranks > limits["max_group_ranks"]:
+        raise ValueError(
+            f"Buffer(backend='cuda'): an EP group has at most {limits['max_group_ranks']} ranks (low-latency mode; "
+            f"normal mode: {limits['max_nvlink_ranks']}), the mesh axis has {num_ranks}"
+        )
+
+
+def normal_mode_serves(num_ranks, spans_hosts, low_latency_mode) -> bool:
+    """Whether normal mode serves the EP group (its region is allocated only
+    then). Raises when it does not and low-latency mode is off: the Buffer
+    could run nothing."""
+    error = common.normal_mode_rank_error("Buffer(backend='cuda')", num_ranks, spans_hosts)
+    if error is None:
+        return True
+    if not low_latency_mode:
+        raise ValueError(f"{error}; create the Buffer with low_latency_mode=True to run low-latency calls "
+                         f"(normal-mode calls on it raise)")
+    return False
+
+
+def check_fits(parts: dict, total_bytes, device) -> None:
+    """Raises when a Buffer's memory on one GPU (parts: what -> bytes)
+    exceeds the GPU's `total_bytes`, naming the bytes. Sizes and totals are the
+    same on every process (same GPUs), so every process raises alike, before
+    any collective allocation."""
+    need = sum(parts.values())
+    if need <= total_bytes:
+        return
+    detail = ", ".join(f"{what}: {num_bytes} bytes" for what, num_bytes in parts.items() if num_bytes)
+    raise ValueError(
+        f"Buffer(backend='cuda'): needs {need} bytes ({need / 2**30:.1f} GiB) on each GPU ({detail}), more than "
+        f"GPU {device}'s {total_bytes} bytes; use a smaller num_max_dispatch_tokens_per_rank or hidden, or fewer "
+        f"ranks (the send area of an EP group across hosts stages a combine's rows, R * M * K * H * 2 bytes)"
+    )
+
+
+def _check_fits_device(parts: dict, device) -> None:
+    check_fits(parts, _native.extension().mem_get_info(int(device))[1], device)
 
 
 # The extension's buffer registry -------------------------------------------------
@@ -155,6 +204,7 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     num_nodes, num_send_bytes and store_key."""
     register_ffi_targets()
     check_config(buffer.config, _native.limits())
+    check_group_size(buffer.num_ranks, _native.limits())
     all_groups = groups(buffer)
     mine = [g for g in all_groups if any(d >= 0 for d in g)]  # groups with devices of this process
     spans_processes = multiprocess.spans_processes(buffer.mesh.devices.flat)
@@ -164,8 +214,9 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     # Decided from what every process knows alike, so all take the same path.
     nodes = group_nodes(buffer, spans_processes)
     buffer.spans_hosts = any(len(set(n)) > 1 for n in nodes)
+    normal = normal_mode_serves(buffer.num_ranks, buffer.spans_hosts, buffer.low_latency_mode)
     if buffer.spans_hosts:
-        allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes)
+        allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, normal)
         return
     buffer.ipc = any(-1 in g for g in mine)
     if buffer.ipc and any(sum(d >= 0 for d in g) != 1 for g in mine):
@@ -174,12 +225,16 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
             "each process (one process per GPU); this process has several devices in such a group"
         )
     buffer.staged = buffer.ipc or intranode.staged_requested()
-    buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(buffer.num_ranks, buffer.hidden,
-                                                                      staged=buffer.staged)
+    if normal:  # else no normal region: normal-mode calls raise at trace time
+        buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(buffer.num_ranks, buffer.hidden,
+                                                                          staged=buffer.staged)
     if buffer.low_latency_mode:
         buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
             buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
         )
+    for device in sorted({d for g in mine for d in g if d >= 0})[:1]:  # the same sizes on every device
+        _check_fits_device({"normal region": buffer.num_nvl_bytes, "low-latency region": buffer.num_rdma_bytes},
+                           device)
     if not buffer.ipc:  # every group this process touches is all its own
         buffer.buffer_id = create_buffer(mine, buffer.num_nvl_bytes, buffer.num_rdma_bytes)
         return
@@ -192,9 +247,10 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
         raise
 
 
-def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes) -> None:
-    """The normal and low-latency regions in NVSHMEM's symmetric heap
-    (collective: every process of the mesh makes the Buffer)."""
+def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, normal=True) -> None:
+    """The normal (when `normal` mode serves the group) and low-latency
+    regions in NVSHMEM's symmetric heap (collective: every process of the mesh
+    makes the Buffer)."""
     devices = list(buffer.mesh.devices.flat)
     nvshmem.check_one_gpu_per_process(devices)
     if {d.process_index for d in devices} != set(range(jax.process_count())):
@@ -204,19 +260,23 @@ def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes) -
         )
     g, r = next((g, r) for g, row in enumerate(all_groups) for r, d in enumerate(row) if d >= 0)
     device = all_groups[g][r]
-    buffer.num_nodes = internode.check_nodes(nodes[g])
+    # Internode normal mode needs hosts of equal size; low-latency mode does not.
+    buffer.num_nodes = internode.check_nodes(nodes[g]) if normal else max(nodes[g]) + 1
     reason = nvshmem.unavailable_reason()
     if reason:
         raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
     # The normal region: internode normal mode (the RDMA and NVLink stages).
-    buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(buffer.num_ranks, buffer.num_nodes,
-                                                                         buffer.hidden)
+    if normal:
+        buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(buffer.num_ranks, buffer.num_nodes,
+                                                                             buffer.hidden)
     if buffer.low_latency_mode:
         buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
             buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
         )
         buffer.num_send_bytes = sizes.low_latency_send_bytes(buffer.num_ranks, buffer.hidden,
                                                              buffer.num_max_dispatch_tokens_per_rank)
+    _check_fits_device({"normal region": buffer.num_nvl_bytes, "low-latency region": buffer.num_rdma_bytes,
+                        "low-latency send area": buffer.num_send_bytes}, device)
     nvshmem.initialize(device, buffer.num_nvl_bytes + buffer.num_rdma_bytes + buffer.num_send_bytes,
                        buffer.config.timeout_s)
     pes = [d.process_index for d in device_grid(buffer)[g]]

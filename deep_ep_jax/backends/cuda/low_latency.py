@@ -116,10 +116,10 @@ def _check_send_area(buffer, max_tokens, num_topk, hidden, fn):
 
 def _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn):
     num_ranks = buffer.num_ranks
-    max_ranks, max_topk = limit("max_ranks"), limit("low_latency_max_topk")
+    max_ranks, max_topk = limit("max_group_ranks"), limit("low_latency_max_topk")
     max_experts = limit("low_latency_max_experts")
     if num_ranks > max_ranks:
-        raise ValueError(f"{fn}: at most {max_ranks} ranks over NVLink, got {num_ranks}")
+        raise ValueError(f"{fn}: low-latency mode supports at most {max_ranks} ranks, the buffer has {num_ranks}")
     if jnp.dtype(x.dtype) != jnp.bfloat16 or x.ndim != 2:
         raise TypeError(f"{fn}: x must be bfloat16 [T, H], got {jnp.dtype(x.dtype)} {tuple(x.shape)}")
     num_tokens, hidden = x.shape
@@ -136,6 +136,11 @@ def _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn):
         raise ValueError(
             f"{fn}: num_experts must be a multiple of {num_ranks} ranks and <= {max_experts} for the CUDA "
             f"kernels, got {num_experts}"
+        )
+    if num_ranks * max_tokens * num_topk >= 2**30:
+        raise ValueError(
+            f"{fn}: ranks * num_max_dispatch_tokens_per_rank * top-k ({num_ranks} * {max_tokens} * {num_topk}) "
+            f"must be < 2^30 (the kernels count received rows in 32-bit ints)"
         )
     return num_tokens, hidden, num_topk
 
@@ -177,12 +182,12 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
     max_tokens = int(max_tokens)
     _, hidden, num_topk = _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn)
     ext = _native.extension()
-    shared = ext.low_latency_shared_bytes(num_experts, hidden, bool(use_fp8))
+    shared = ext.low_latency_shared_bytes(buffer.num_ranks, num_experts, hidden, bool(use_fp8))
     max_shared = limit("low_latency_max_shared_bytes")
     if shared > max_shared:
         raise ValueError(
-            f"{fn}: num_experts={num_experts} with hidden={hidden} needs more shared memory than the kernels use "
-            f"({shared} > {max_shared} bytes)"
+            f"{fn}: num_experts={num_experts} with hidden={hidden} at {buffer.num_ranks} ranks needs more shared "
+            f"memory than the kernels use ({shared} > {max_shared} bytes)"
         )
     num_local = num_experts // buffer.num_ranks
     needed = ext.low_latency_dispatch_half_bytes(buffer.num_ranks, num_local, max_tokens, num_topk, hidden,

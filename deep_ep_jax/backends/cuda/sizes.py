@@ -79,7 +79,9 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
 def low_latency_send_bytes(num_ranks, hidden, num_max_dispatch_tokens_per_rank, num_topk=None) -> int:
     """Send area of a Buffer across hosts (after its low-latency region in
     NVSHMEM's symmetric heap), where rows put to other hosts are staged: a
-    dispatch's or a combine's of these shapes (`num_topk` None: 16)."""
+    dispatch's or a combine's of these shapes (`num_topk` None: 16). A
+    combine stages one bf16 row per (source rank, token, k), R * M * K * H * 2
+    bytes (`_C.low_latency_combine_stage_bytes`), which grows with the group."""
     hidden, max_tokens, num_topk = _low_latency_shapes("low_latency_send_bytes", hidden,
                                                        num_max_dispatch_tokens_per_rank, num_topk)
     return _native.extension().low_latency_send_bytes(int(num_ranks), hidden, max_tokens, num_topk)

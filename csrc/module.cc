@@ -305,7 +305,7 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
     cudaError_t err = cudaSetDevice(s.device_ordinal);
     if (err == cudaSuccess && s.normal.local != nullptr) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-      err = s.nvshmem ? internode::SetSequenceForTesting(s.normal.local, value)
+      err = s.nvshmem ? internode::SetSequenceForTesting(s.normal.local, s.num_ranks, value)
                       : intranode::SetSequenceForTesting(s.normal.local, value);
 #else
       err = intranode::SetSequenceForTesting(s.normal.local, value);

@@ -22,10 +22,13 @@ constexpr int kMaxGroupRanks = 1024;
 // words.
 constexpr int kMaxNvlinkRanks = 8;
 
-// Internode normal mode: its control block and kernel arguments keep the
-// same fixed arrays over every rank of the group (not per host), so for now
-// the whole group, across hosts, has at most this many ranks.
-constexpr int kMaxInternodeNormalRanks = 8;
+// Internode normal mode: hosts of at most kMaxNvlinkRanks ranks each; its
+// synchronisation area is laid out per group (kernels/internode.h), its
+// kernels loop over ranks and hosts and keep per-rank tables in shared memory
+// (a few ints per rank), so the group is bounded by low-latency mode's limit.
+// Memory bounds it first: combine keeps a slot per (rank, token), R * T * 2H
+// bytes (_C.internode_combine_slot_bytes).
+constexpr int kMaxInternodeNormalRanks = kMaxGroupRanks;
 
 // Bytes of zeroed control data at the start of each region (flags, sequence
 // numbers, published pointers), owned by that mode's kernels; each mode's

@@ -52,12 +52,18 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
                    const DeviceState** state, internode::LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
-  if ((*state)->num_ranks > kMaxInternodeNormalRanks) {
-    return Invalid(fn, "normal mode supports at most " + Str(kMaxInternodeNormalRanks) + " ranks in all across hosts, for now, the buffer has " +
-                           Str((*state)->num_ranks) + " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
+  const DeviceState& s = **state;
+  if (s.num_ranks > kMaxInternodeNormalRanks) {
+    return Invalid(fn, "normal mode supports at most " + Str(kMaxInternodeNormalRanks) +
+                           " ranks in all across hosts, the buffer has " + Str(s.num_ranks));
   }
-  if (!(*state)->nvshmem || (*state)->normal.local == nullptr) {
+  if (!s.nvshmem || s.normal.local == nullptr || s.device_pes == nullptr || s.device_nodes == nullptr) {
     return Invalid(fn, "the buffer is not an NVSHMEM buffer with a normal region (an EP group across hosts)");
+  }
+  if (s.num_nodes < 1 || s.num_ranks % s.num_nodes != 0 || s.num_ranks / s.num_nodes > kMaxNvlinkRanks) {
+    return Invalid(fn, "normal mode across hosts needs hosts of equal size, at most " + Str(kMaxNvlinkRanks) +
+                           " ranks each; the buffer has " + Str(s.num_ranks) + " ranks on " + Str(s.num_nodes) +
+                           " hosts");
   }
 #ifndef DEEP_EP_JAX_WITH_NVSHMEM
   return Invalid(fn, "the extension was built without NVSHMEM");

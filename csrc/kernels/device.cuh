@@ -263,8 +263,7 @@ __device__ __forceinline__ void StridedCopyBytes(void* dst, const void* src, int
 // Routing.
 
 // Bit r is set when the token has an expert on rank r.
-static_assert(kMaxNvlinkRanks <= 32 && kMaxInternodeNormalRanks <= 32,
-              "TokenRankMask keeps one bit per rank in 32 bits: normal mode only");
+static_assert(kMaxNvlinkRanks <= 32, "TokenRankMask keeps one bit per rank in 32 bits: intranode normal mode only");
 __device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
   uint32_t mask = 0;
   for (int k = 0; k < num_topk; ++k) {

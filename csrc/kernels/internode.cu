@@ -9,6 +9,7 @@
 #include <nvshmemx.h>
 
 #include <cstddef>
+#include <vector>
 
 #include "kernels/device.cuh"
 #include "kernels/internode.h"
@@ -20,6 +21,11 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 constexpr int kFinishThreads = 1024;
 constexpr int kCopyThreads = 512;
+// Ranks or hosts one block-wide scan counts at a time (the notify kernel
+// scans R ranks and H hosts in pieces of this many, one bit each of a word).
+constexpr int kPiece = 32;
+constexpr int kMaxRanks = kMaxInternodeNormalRanks;
+static_assert(kMaxRanks % kPiece == 0, "shared per-rank arrays hold whole pieces (the scans write 32 totals)");
 
 enum Mode : int { kDispatch = kDispatchCall, kCachedDispatch = kCachedDispatchCall, kCombine = kCombineCall };
 
@@ -28,67 +34,81 @@ __device__ const char* ModeName(int mode) {
                                                                             : "internode combine";
 }
 
-// The first bytes of every rank's normal region. Flags hold the sequence
-// number of the call that set them; peers write them (stores over NVLink, or
-// NVSHMEM puts and atomic sets), this rank only reads them.
+// The first bytes of every rank's normal region; the flags and the counts
+// peers publish follow in the synchronisation area (Layout: records, ready,
+// rdma_done, done), sized by the group. Flags hold the sequence number of the
+// call that set them; peers write them (stores over NVLink, or NVSHMEM puts
+// and atomic sets), this rank only reads them.
 struct Control {
-  int seq;  // calls so far on this rank (every rank makes the same calls)
+  int seq;     // calls so far on this rank (every rank makes the same calls)
   int active;  // 1 while a call runs on this device (EnterCall)
-  int pad[30];
-  int ready[kMaxInternodeNormalRanks];                    // [src]: src entered this call; its counts below are here
-  // [parity of seq][src][...]: a peer may already publish the next call's
-  // counts while this rank still reads this call's, never two calls ahead
-  // (the next call's barrier needs this rank).
-  int counts[2][kMaxInternodeNormalRanks][kMaxInternodeNormalRanks];       // [.][src][dst]: tokens src sends to rank dst (dispatch)
-  int node_counts[2][kMaxInternodeNormalRanks][kMaxInternodeNormalRanks];  // [.][src][node]: tokens src sends to host `node`
-  int num_blocks[2][kMaxInternodeNormalRanks];              // [.][src]: src's grid of the move kernels (CheckPeerLaunch)
-  int calls[2][kMaxInternodeNormalRanks];                   // [.][src]: src's call tag (CheckPeerCall)
-  int rdma_done[kMaxInternodeNormalRanks][kMaxBlocks];    // [src][block]: src's packets for this forwarder have landed
-  int done[kMaxInternodeNormalRanks][kMaxBlocks];         // [src][block]: src finished writing into this region
 };
 static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
 
-// The EP group as seen from this rank.
+// The EP group as seen from this rank. Per-host arrays by value (a host has
+// at most kMaxNvlinkRanks ranks); per-rank tables in device memory
+// (DeviceState::device_pes, device_nodes), which the kernels that need them
+// per row copy to shared memory.
 struct Group {
-  char* regions[kMaxInternodeNormalRanks];  // this host's ranks' regions mapped here; null for other hosts
-  int pes[kMaxInternodeNormalRanks];
-  int node_of[kMaxInternodeNormalRanks];   // host of each rank
-  int local_of[kMaxInternodeNormalRanks];  // index of each rank among its host's ranks
-  int rank, num_ranks, num_nodes;
+  char* host_regions[kMaxNvlinkRanks];  // regions of this host's ranks, by index on the host, mapped here
+  int host_ranks[kMaxNvlinkRanks];      // their ranks
+  const int* pes;      // [R] PE of each rank
+  const int* node_of;  // [R] host of each rank
+  const int* local_of; // [R] index of each rank among its host's ranks
+  const int* rank_at;  // [H * G] rank of (host b, index j) at b * G + j
+  int rank, num_ranks, num_nodes, ranks_per_node, node, local;
   uint64_t timeout_ns;
 
-  __device__ char* local() const { return regions[rank]; }
-  __device__ Control* control() const { return reinterpret_cast<Control*>(local()); }
-  __device__ bool here(int r) const { return node_of[r] == node_of[rank]; }
-  // The rank that forwards this rank's packets on host `node` (same local index).
-  __device__ int forwarder(int node) const {
-    for (int q = 0; q < num_ranks; ++q) {
-      if (node_of[q] == node && local_of[q] == local_of[rank]) return q;
-    }
-    return -1;
-  }
-  // Ranks on other hosts whose packets this rank forwards (same local index).
-  __device__ bool forwards_for(int r) const { return !here(r) && local_of[r] == local_of[rank]; }
-
-  // An int of rank r's control block: a store over NVLink, or an NVSHMEM put
-  // (offsets are the same in every region).
-  __device__ void PutInt(int r, const int* mine, int value) const {
-    if (here(r)) {
-      *reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())) = value;
-    } else {
-      nvshmem_int_p(const_cast<int*>(mine), value, pes[r]);
-    }
-  }
-  // A flag of rank r's control block, after everything this thread wrote or
-  // put before (callers fence/quiet first).
-  __device__ void Signal(int r, const int* mine, int value) const {
-    if (here(r)) {
-      StoreReleaseSys(reinterpret_cast<int*>(regions[r] + (reinterpret_cast<const char*>(mine) - local())), value);
-    } else {
-      nvshmem_int_atomic_set(const_cast<int*>(mine), value, pes[r]);
-    }
+  __device__ char* local_region() const { return host_regions[local]; }
+  __device__ Control* control() const { return reinterpret_cast<Control*>(local_region()); }
+  // An int of this rank's region as the same offset in `region` (a mapped peer's).
+  __device__ int* In(char* region, const int* mine) const {
+    return reinterpret_cast<int*>(region + (reinterpret_cast<const char*>(mine) - local_region()));
   }
 };
+
+// Synchronisation area (kernels/internode.h, Layout).
+__device__ __forceinline__ int* Record(const Group& g, const Layout& L, int seq, int src) {
+  return reinterpret_cast<int*>(g.local_region() + L.records) + (size_t(seq & 1) * L.num_ranks + src) * L.record_ints;
+}
+__device__ __forceinline__ int* ReadyFlag(const Group& g, const Layout& L, int src) {
+  return reinterpret_cast<int*>(g.local_region() + L.ready) + src;
+}
+__device__ __forceinline__ int* RdmaDoneFlag(const Group& g, const Layout& L, int src_node, int block) {
+  return reinterpret_cast<int*>(g.local_region() + L.rdma_done) + size_t(src_node) * kMaxBlocks + block;
+}
+__device__ __forceinline__ int* DoneFlag(const Group& g, const Layout& L, int src, int block) {
+  return reinterpret_cast<int*>(g.local_region() + L.done) + size_t(src) * kMaxBlocks + block;
+}
+
+// A flag of a rank's region, after everything this thread wrote or put
+// before (callers fence/quiet first): a release store where the region is
+// mapped (this host), else an NVSHMEM atomic set.
+__device__ __forceinline__ void SignalAt(const Group& g, char* mapped, int pe, const int* mine, int value) {
+  if (mapped != nullptr) {
+    StoreReleaseSys(g.In(mapped, mine), value);
+  } else {
+    nvshmem_int_atomic_set(const_cast<int*>(mine), value, pe);
+  }
+}
+
+// Every rank's host, index and PE in shared memory, for kernels that address
+// any rank per row (combine). Ends with __syncthreads.
+struct PeerTable {
+  int node[kMaxRanks], local[kMaxRanks], pe[kMaxRanks];
+};
+__device__ void LoadPeerTable(const Group& g, PeerTable& t) {
+  for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x) {
+    t.node[r] = g.node_of[r];
+    t.local[r] = g.local_of[r];
+    t.pe[r] = g.pes[r];
+  }
+  __syncthreads();
+}
+// Rank r's region mapped here, or null for a rank of another host.
+__device__ __forceinline__ char* Mapped(const Group& g, const PeerTable& t, int r) {
+  return t.node[r] == g.node ? g.host_regions[t.local[r]] : nullptr;
+}
 
 // Completes this thread's NVSHMEM operations and makes its stores visible
 // system-wide: after it, a flag may announce them.
@@ -114,51 +134,100 @@ struct NotifyArgs {
   int* num_recv_tokens;
   int* num_dropped_tokens;
   CallOrder order;
+  Layout L;
 };
 
-__device__ __forceinline__ uint32_t RankMaskOf(const Group& g, const NotifyArgs& a, int t) {
+// Bit j: token t goes to rank r0 + j (j < kPiece).
+__device__ __forceinline__ uint32_t RankBits(const NotifyArgs& a, int num_ranks, int t, int r0) {
+  uint32_t bits = 0;
   if (a.mode == kDispatch) {
-    return TokenRankMask(a.topk_idx + int64_t(t) * a.num_topk, a.num_topk, a.num_experts, a.num_experts / g.num_ranks);
+    const int* topk = a.topk_idx + int64_t(t) * a.num_topk;
+    const int experts_per_rank = a.num_experts / num_ranks;
+    for (int k = 0; k < a.num_topk; ++k) {
+      const int e = topk[k];
+      if (e < 0 || e >= a.num_experts) continue;
+      const unsigned j = unsigned(e / experts_per_rank - r0);
+      if (j < unsigned(kPiece)) bits |= 1u << j;
+    }
+    return bits;
   }
-  uint32_t mask = 0;
-  for (int r = 0; r < g.num_ranks; ++r) {
-    mask |= uint32_t(HandleRow(a.cached_send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens) >= 0) << r;
-  }
-  return mask;
+  const int* pos = a.cached_send_pos + int64_t(t) * num_ranks;
+  const int n = min(kPiece, num_ranks - r0);
+  for (int j = 0; j < n; ++j) bits |= uint32_t(HandleRow(pos[r0 + j], a.num_worst_tokens) >= 0) << j;
+  return bits;
 }
 
-__device__ __forceinline__ uint32_t NodeMaskOf(const Group& g, uint32_t rank_mask) {
-  uint32_t mask = 0;
-  for (int r = 0; r < g.num_ranks; ++r) {
-    if ((rank_mask >> r) & 1u) mask |= 1u << g.node_of[r];
+// Bit j: token t goes to a rank of host b0 + j. node_of, rank_at: shared copies of the group's tables.
+__device__ __forceinline__ uint32_t NodeBits(const Group& g, const NotifyArgs& a, const int* node_of,
+                                             const int* rank_at, int t, int b0) {
+  uint32_t bits = 0;
+  if (a.mode == kDispatch) {
+    const int* topk = a.topk_idx + int64_t(t) * a.num_topk;
+    const int experts_per_rank = a.num_experts / g.num_ranks;
+    for (int k = 0; k < a.num_topk; ++k) {
+      const int e = topk[k];
+      if (e < 0 || e >= a.num_experts) continue;
+      const unsigned j = unsigned(node_of[e / experts_per_rank] - b0);
+      if (j < unsigned(kPiece)) bits |= 1u << j;
+    }
+    return bits;
   }
-  return mask;
+  const int* pos = a.cached_send_pos + int64_t(t) * g.num_ranks;
+  const int n = min(kPiece, g.num_nodes - b0), G = g.ranks_per_node;
+  for (int j = 0; j < n; ++j) {
+    bool in = false;
+    for (int l = 0; l < G; ++l) in |= HandleRow(pos[rank_at[(b0 + j) * G + l]], a.num_worst_tokens) >= 0;
+    bits |= uint32_t(in) << j;
+  }
+  return bits;
+}
+
+// This thread's tokens [begin, end), in pieces of kPiece ranks (or hosts):
+// per piece the exclusive offsets of this thread's first token among the
+// block's tokens to each (values), and the block's totals (totals + first).
+template <typename Bits>
+__device__ __forceinline__ void ScanPiece(int begin, int end, int first, int count, Bits bits_of, int (&values)[kPiece],
+                                          int* warp_sums, int* totals) {
+#pragma unroll
+  for (int j = 0; j < kPiece; ++j) values[j] = 0;
+  for (int t = begin; t < end; ++t) {
+    const uint32_t bits = bits_of(t);
+#pragma unroll
+    for (int j = 0; j < kPiece; ++j) values[j] += (bits >> j) & 1u;
+  }
+  BlockExclusiveScan(values, count, warp_sums, totals + first);
+  __syncthreads();  // the next scan reuses warp_sums
 }
 
 __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyArgs a) {
-  __shared__ int warp_sums[kWarpSize * kMaxInternodeNormalRanks];
-  __shared__ int totals[kMaxInternodeNormalRanks], node_totals[kMaxInternodeNormalRanks], first_row[kMaxInternodeNormalRanks];
+  __shared__ int warp_sums[kWarpSize * kPiece];
+  __shared__ int totals[kMaxRanks], node_totals[kMaxRanks], first_row[kMaxRanks], scratch[kPiece];
+  __shared__ int node_of[kMaxRanks], rank_at[kMaxRanks];
   __shared__ int shared_seq, shared_tag;
-  const int R = g.num_ranks, me = g.rank;
-  const bool dispatch = a.mode == kDispatch;
+  const Layout& L = a.L;
+  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
+  const bool dispatch = a.mode == kDispatch, moves = a.mode != kCombine;
   Control* control = g.control();
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    node_of[r] = g.node_of[r];
+    rank_at[r] = g.rank_at[r];
+  }
+  __syncthreads();
 
   // Each thread takes a contiguous slice of tokens: thread order is token order.
   const int per_thread = (a.num_tokens + blockDim.x - 1) / blockDim.x;
   const int begin = min(a.num_tokens, int(threadIdx.x) * per_thread);
   const int end = min(a.num_tokens, begin + per_thread);
-  int rank_offset[kMaxInternodeNormalRanks] = {}, node_offset[kMaxInternodeNormalRanks] = {};
-  for (int t = begin; t < end; ++t) {
-    const uint32_t mask = RankMaskOf(g, a, t), nodes = NodeMaskOf(g, mask);
-    for (int r = 0; r < R; ++r) {
-      if (dispatch) a.is_token_in_rank[int64_t(t) * R + r] = (mask >> r) & 1u;
-      rank_offset[r] += (mask >> r) & 1u;
-    }
-    for (int b = 0; b < g.num_nodes; ++b) node_offset[b] += (nodes >> b) & 1u;
+  int offset[kPiece];
+  // Counts: tokens to each rank (dispatch) and to each host.
+  for (int r0 = 0; dispatch && r0 < R; r0 += kPiece) {
+    ScanPiece(begin, end, r0, min(kPiece, R - r0), [&](int t) { return RankBits(a, R, t, r0); }, offset, warp_sums,
+              totals);
   }
-  BlockExclusiveScan(rank_offset, R, warp_sums, totals);
-  __syncthreads();  // the next scan reuses warp_sums
-  BlockExclusiveScan(node_offset, g.num_nodes, warp_sums, node_totals);
+  for (int b0 = 0; moves && b0 < H; b0 += kPiece) {
+    ScanPiece(begin, end, b0, min(kPiece, H - b0), [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); },
+              offset, warp_sums, node_totals);
+  }
 
   if (threadIdx.x == 0) {
     EnterCall(&control->active, a.mode, me);
@@ -168,61 +237,111 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   }
   __syncthreads();
   const int seq = shared_seq, tag = shared_tag;
-  if (dispatch && int(threadIdx.x) < R) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
 
-  // Thread `peer` publishes this rank's counts and grid to peer, then waits for peer's (and checks its grid).
-  const int peer = threadIdx.x;
-  if (peer < R) {
-    if (dispatch) {
-      for (int d = 0; d < R; ++d) g.PutInt(peer, &control->counts[seq & 1][me][d], totals[d]);
+  // This rank's record (tag, grid, counts), written here, then copied to the
+  // same place in every peer's region; then the ready flags.
+  int* mine = Record(g, L, seq, me);
+  for (int b = threadIdx.x; b < H; b += blockDim.x) mine[kRecordNodeCounts + b] = moves ? node_totals[b] : 0;
+  for (int d = threadIdx.x; dispatch && d < R; d += blockDim.x) {
+    mine[RecordRankCounts(R) + d] = totals[d];
+    a.num_tokens_per_rank[d] = totals[d];
+  }
+  if (threadIdx.x == 0) {
+    mine[kRecordCalls] = tag;
+    mine[kRecordBlocks] = a.num_blocks;
+  }
+  __threadfence();
+  __syncthreads();
+  const int record_ints = dispatch ? int(RecordRankCounts(R)) + R : int(kRecordNodeCounts) + H;
+  for (int peer = threadIdx.x; peer < R; peer += blockDim.x) {
+    char* mapped = node_of[peer] == g.node ? g.host_regions[g.local_of[peer]] : nullptr;
+    const int pe = g.pes[peer];
+    if (peer != me) {
+      if (mapped != nullptr) {
+        int* theirs = g.In(mapped, mine);
+        for (int i = 0; i < record_ints; ++i) theirs[i] = mine[i];
+      } else {
+        nvshmem_putmem(mine, mine, size_t(record_ints) * sizeof(int), pe);
+      }
     }
-    for (int b = 0; b < g.num_nodes; ++b) g.PutInt(peer, &control->node_counts[seq & 1][me][b], node_totals[b]);
-    g.PutInt(peer, &control->num_blocks[seq & 1][me], a.num_blocks);
-    g.PutInt(peer, &control->calls[seq & 1][me], tag);
     CompleteWrites();
-    g.Signal(peer, &control->ready[me], seq);
-    WaitAtLeast(&control->ready[peer], seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
+    SignalAt(g, mapped, pe, ReadyFlag(g, L, me), seq);
+  }
+  // Every thread publishes before any waits: a thread serving two peers must not wait on one before the other has it.
+  for (int peer = threadIdx.x; peer < R; peer += blockDim.x) {
+    WaitAtLeast(ReadyFlag(g, L, peer), seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
                 peer, -1);
-    CheckPeerCall(tag, LoadVolatile(&control->calls[seq & 1][peer]), me, peer);
-    CheckPeerLaunch(a.num_blocks, LoadVolatile(&control->num_blocks[seq & 1][peer]), ModeName(a.mode),
-                    "blocks (Config.num_sms)", me, peer);
+    const int* theirs = Record(g, L, seq, peer);
+    CheckPeerCall(tag, LoadVolatile(theirs + kRecordCalls), me, peer);
+    CheckPeerLaunch(a.num_blocks, LoadVolatile(theirs + kRecordBlocks), ModeName(a.mode), "blocks (Config.num_sms)",
+                    me, peer);
   }
   __syncthreads();
-  if (a.mode == kCombine) return;
+  if (!moves) return;
 
   if (dispatch) {
-    if (int(threadIdx.x) < R) {  // thread d: destination d's column
-      const int d = threadIdx.x;
+    for (int d = threadIdx.x; d < R; d += blockDim.x) {  // destination d's column
       int sum = 0;
       for (int s = 0; s < R; ++s) {
         if (s == me) first_row[d] = sum;
-        sum += LoadVolatile(&control->counts[seq & 1][s][d]);
+        sum += LoadVolatile(Record(g, L, seq, s) + RecordRankCounts(R) + d);
         a.rank_prefix_matrix[s * R + d] = sum;
-        if (d == me && s == R - 1) {
-          const int num_recv = min(sum, a.num_worst_tokens);
-          *a.num_recv_tokens = num_recv;
-          *a.num_dropped_tokens = sum - num_recv;
-        }
+      }
+      if (d == me) {
+        const int num_recv = min(sum, a.num_worst_tokens);
+        *a.num_recv_tokens = num_recv;
+        *a.num_dropped_tokens = sum - num_recv;
       }
     }
     __syncthreads();
   }
 
-  // Final rows (dispatch) and positions among the tokens sent to each host.
-  for (int t = begin; t < end; ++t) {
-    const uint32_t mask = RankMaskOf(g, a, t), nodes = NodeMaskOf(g, mask);
-    if (dispatch) {
-      for (int r = 0; r < R; ++r) {
-        const bool in = (mask >> r) & 1u;
-        const int row = first_row[r] + rank_offset[r];
-        a.send_pos[int64_t(t) * R + r] = in && row < a.num_worst_tokens ? row : -1;
-        rank_offset[r] += in;
+  // Final rows (dispatch), per piece of ranks: the offsets again, then each token's row.
+  for (int r0 = 0; dispatch && r0 < R; r0 += kPiece) {
+    const int n = min(kPiece, R - r0);
+    ScanPiece(begin, end, 0, n, [&](int t) { return RankBits(a, R, t, r0); }, offset, warp_sums, scratch);
+    for (int t = begin; t < end; ++t) {
+      const uint32_t bits = RankBits(a, R, t, r0);
+#pragma unroll
+      for (int j = 0; j < kPiece; ++j) {
+        if (j < n) {
+          const bool in = (bits >> j) & 1u;
+          const int row = first_row[r0 + j] + offset[j];
+          a.is_token_in_rank[int64_t(t) * R + r0 + j] = in;
+          a.send_pos[int64_t(t) * R + r0 + j] = in && row < a.num_worst_tokens ? row : -1;
+          offset[j] += in;
+        }
       }
     }
-    for (int b = 0; b < g.num_nodes; ++b) {
-      const bool in = (nodes >> b) & 1u;
-      a.node_pos[int64_t(t) * g.num_nodes + b] = in ? node_offset[b] : -1;
-      node_offset[b] += in;
+  }
+  // Positions among the tokens sent to each host.
+  for (int b0 = 0; b0 < H; b0 += kPiece) {
+    const int n = min(kPiece, H - b0);
+    ScanPiece(begin, end, 0, n, [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); }, offset, warp_sums,
+              scratch);
+    for (int t = begin; t < end; ++t) {
+      const uint32_t bits = NodeBits(g, a, node_of, rank_at, t, b0);
+#pragma unroll
+      for (int j = 0; j < kPiece; ++j) {
+        if (j < n) {
+          const bool in = (bits >> j) & 1u;
+          a.node_pos[int64_t(t) * H + b0 + j] = in ? offset[j] : -1;
+          offset[j] += in;
+        }
+      }
+    }
+  }
+  // Each packet's final rows on the ranks of its destination host, staged by
+  // host and position for the send kernel to put in one piece per host (this
+  // thread's own writes above: plain reads).
+  const int* pos_all = dispatch ? a.send_pos : a.cached_send_pos;
+  int* send_meta = reinterpret_cast<int*>(g.local_region() + L.send_meta);
+  for (int t = begin; t < end; ++t) {
+    for (int b = 0; b < H; ++b) {
+      const int p = a.node_pos[int64_t(t) * H + b];
+      if (b == g.node || p < 0) continue;
+      int* rows = send_meta + (size_t(b) * a.num_tokens + p) * G;
+      for (int l = 0; l < G; ++l) rows[l] = HandleRow(pos_all[int64_t(t) * R + rank_at[b * G + l]], a.num_worst_tokens);
     }
   }
 }
@@ -242,13 +361,14 @@ struct MoveArgs {
   Layout L;
 };
 
-// Token `src_token`'s row lands at `row` of rank `dest`'s landing area; top-k
-// ids become dest's local ids (-1 and weight 0 for experts elsewhere; cached
-// dispatch moves weights as they are).
-__device__ void DeliverRow(const Group& g, const MoveArgs& a, int dest, int row, const char* const (&rows)[kMaxRowArrays],
-                           int src_token, const int* topk, const float* weights, int lane) {
+// Token `src_token`'s row lands at `row` of the landing area of rank `dest`,
+// this host's rank of index `j`; top-k ids become dest's local ids (-1 and
+// weight 0 for experts elsewhere; cached dispatch moves weights as they are).
+__device__ void DeliverRow(const Group& g, const MoveArgs& a, int j, int dest, int row,
+                           const char* const (&rows)[kMaxRowArrays], int src_token, const int* topk,
+                           const float* weights, int lane) {
   const Layout& L = a.L;
-  char* base = g.regions[dest];
+  char* base = g.host_regions[j];
 #pragma unroll
   for (int i = 0; i < kMaxRowArrays; ++i) {
     if (L.row_bytes[i] == 0) continue;
@@ -271,109 +391,137 @@ __device__ void DeliverRow(const Group& g, const MoveArgs& a, int dest, int row,
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, MoveArgs a) {
+  __shared__ int forwarder_pe[kMaxRanks];  // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
-  const int R = g.num_ranks, me = g.rank;
+  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
+  for (int b = threadIdx.x; b < H; b += blockDim.x) forwarder_pe[b] = g.pes[g.rank_at[b * G + g.local]];
+  __syncthreads();
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
 
   for (int t = warp; t < L.num_tokens; t += num_warps) {
     const int* pos = a.send_pos + int64_t(t) * R;
-    const int* node_pos = a.node_pos + int64_t(t) * g.num_nodes;
+    const int* node_pos = a.node_pos + int64_t(t) * H;
     const int* topk = a.topk_idx != nullptr ? a.topk_idx + int64_t(t) * L.num_topk : nullptr;
     const float* weights = a.topk_weights != nullptr ? a.topk_weights + int64_t(t) * L.num_topk : nullptr;
     const char* rows[kMaxRowArrays];
     for (int i = 0; i < kMaxRowArrays; ++i) rows[i] = a.x[i] + int64_t(t) * L.row_bytes[i];
 
     // Other hosts: one packet, staged once (the source of a put must be in
-    // the symmetric heap), put to each host's forwarder.
+    // the symmetric heap), put to each host's forwarder (lanes look at 32 hosts at a time).
     bool remote = false;
-    for (int b = 0; b < g.num_nodes; ++b) remote |= b != g.node_of[me] && node_pos[b] >= 0;
-    if (remote) {
-      char* packet = g.local() + L.send + int64_t(t) * L.packet_bytes;
+    for (int b = lane; b < H; b += kWarpSize) remote |= b != g.node && node_pos[b] >= 0;
+    if (__any_sync(0xffffffffu, remote)) {
+      char* packet = g.local_region() + L.send + int64_t(t) * L.packet_bytes;
 #pragma unroll
       for (int i = 0; i < kMaxRowArrays; ++i) {
         if (L.row_bytes[i] > 0) StridedCopyBytes<4>(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane, kWarpSize);
       }
       int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
       if (lane == 0) meta[0] = t;
-      if (lane < kMaxInternodeNormalRanks) meta[1 + lane] = lane < R ? HandleRow(pos[lane], L.num_worst_tokens) : -1;
       for (int k = lane; k < L.num_topk; k += kWarpSize) {
-        meta[1 + kMaxInternodeNormalRanks + k] = topk != nullptr ? topk[k] : -1;
-        reinterpret_cast<float*>(meta + 1 + kMaxInternodeNormalRanks + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
+        meta[1 + k] = topk != nullptr ? topk[k] : -1;
+        reinterpret_cast<float*>(meta + 1 + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
       }
       FenceStagedForWarpPut();
-      for (int b = 0; b < g.num_nodes; ++b) {
-        if (b == g.node_of[me] || node_pos[b] < 0) continue;
-        const int f = g.forwarder(b);
-        const size_t slot = L.rdma_recv + (size_t(g.node_of[me]) * L.num_tokens + node_pos[b]) * L.packet_bytes;
-        nvshmemx_putmem_nbi_warp(g.local() + slot, packet, L.packet_bytes, g.pes[f]);
+      for (int b0 = 0; b0 < H; b0 += kWarpSize) {
+        const int b = b0 + lane;
+        const int p = b < H && b != g.node ? node_pos[b] : -1;
+        for (uint32_t hosts = __ballot_sync(0xffffffffu, p >= 0); hosts != 0; hosts &= hosts - 1) {
+          const int j = __ffs(hosts) - 1, position = __shfl_sync(0xffffffffu, p, j);
+          const size_t slot = L.rdma_recv + (size_t(g.node) * L.num_tokens + position) * L.packet_bytes;
+          nvshmemx_putmem_nbi_warp(g.local_region() + slot, packet, L.packet_bytes, forwarder_pe[b0 + j]);
+        }
       }
     }
     // This host: straight into the destinations' landing areas.
-    for (int r = 0; r < R; ++r) {
-      const int row = HandleRow(pos[r], L.num_worst_tokens);
-      if (g.here(r) && row >= 0) DeliverRow(g, a, r, row, rows, t, topk, weights, lane);
+    for (int j = 0; j < G; ++j) {
+      const int r = g.host_ranks[j], row = HandleRow(pos[r], L.num_worst_tokens);
+      if (row >= 0) DeliverRow(g, a, j, r, row, rows, t, topk, weights, lane);
     }
+  }
+  // The packets' final rows on each remote host's ranks (staged by the notify
+  // kernel), one put per host, after the same flag as the packets.
+  const size_t meta_row = size_t(G) * sizeof(int);
+  for (int b = warp; b < H; b += num_warps) {
+    const int n = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, me) + kRecordNodeCounts + b);
+    if (n == 0) continue;
+    char* from = g.local_region() + L.send_meta + size_t(b) * L.num_tokens * meta_row;
+    char* to = g.local_region() + L.rdma_meta + size_t(g.node) * L.num_tokens * meta_row;
+    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * meta_row, forwarder_pe[b]);
   }
 
   CompleteWrites();
   __syncthreads();
   // Every forwarder of this rank's packets hears from every block, sent or not.
-  if (int(threadIdx.x) < R && g.forwards_for(threadIdx.x)) g.Signal(threadIdx.x, &control->rdma_done[me][blockIdx.x], seq);
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    if (b != g.node) nvshmem_int_atomic_set(RdmaDoneFlag(g, L, g.node, blockIdx.x), seq, forwarder_pe[b]);
+  }
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
-  __shared__ int sources[kMaxInternodeNormalRanks], starts[kMaxInternodeNormalRanks + 1];
+  __shared__ int starts[kMaxRanks + 1];  // [source host]: packets from the hosts before it (H + 1 used)
   const Layout& L = a.L;
-  const int R = g.num_ranks, me = g.rank;
+  const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
   const int num_blocks = gridDim.x;
-  for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
-    const int src = i / num_blocks, block = i % num_blocks;
-    if (g.forwards_for(src)) {
-      WaitAtLeast(&control->rdma_done[src][block], seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block",
-                  me, src, block);
+  for (int i = threadIdx.x; i < H * num_blocks; i += blockDim.x) {
+    const int b = i / num_blocks, block = i % num_blocks;
+    if (b != g.node) {
+      WaitAtLeast(RdmaDoneFlag(g, L, b, block), seq, g.timeout_ns, ModeName(a.mode), "RDMA packets of a block", me,
+                  g.rank_at[b * G + g.local], block);
     }
   }
+  // Packets from each host: its sender's count, published in its record.
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    starts[b] = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank_at[b * G + g.local]) + kRecordNodeCounts + g.node);
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    int n = 0, total = 0;
-    for (int s = 0; s < R; ++s) {
-      if (!g.forwards_for(s)) continue;
-      sources[n] = s;
-      starts[n++] = total;
-      total += LoadVolatile(&control->node_counts[seq & 1][s][g.node_of[me]]);
+    int total = 0;
+    for (int b = 0; b < H; ++b) {
+      const int n = starts[b];
+      starts[b] = total;
+      total += n;
     }
-    for (int j = n; j <= kMaxInternodeNormalRanks; ++j) starts[j] = total;
+    starts[H] = total;
   }
   __syncthreads();
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
-  const int total = starts[kMaxInternodeNormalRanks];
+  const int total = starts[H];
   for (int i = warp; i < total; i += num_warps) {
-    int j = 0;
-    while (starts[j + 1] <= i) ++j;
-    const int src = sources[j];
-    const char* packet = g.local() + L.rdma_recv + (size_t(g.node_of[src]) * L.num_tokens + (i - starts[j])) * L.packet_bytes;
+    // The source host: the last with starts[b] <= i (hosts without packets share their successor's start).
+    int b = 0;
+    for (int hi = H - 1; b < hi;) {
+      const int mid = (b + hi + 1) / 2;
+      if (starts[mid] <= i) b = mid; else hi = mid - 1;
+    }
+    const size_t at = size_t(b) * L.num_tokens + (i - starts[b]);
+    const char* packet = g.local_region() + L.rdma_recv + at * L.packet_bytes;
+    const int* final_rows = reinterpret_cast<const int*>(g.local_region() + L.rdma_meta) + at * G;
     const int* meta = reinterpret_cast<const int*>(packet + L.packet_meta);
     const char* rows[kMaxRowArrays];
     for (int k = 0; k < kMaxRowArrays; ++k) rows[k] = packet + L.packet_row[k];
-    const int* topk = meta + 1 + kMaxInternodeNormalRanks;
+    const int* topk = meta + 1;
     const float* weights = reinterpret_cast<const float*>(topk + L.num_topk);
     const int token = meta[0];
-    for (int r = 0; r < R; ++r) {
-      const int row = meta[1 + r];
-      if (g.here(r) && row >= 0) DeliverRow(g, a, r, row, rows, token, topk, a.topk_weights != nullptr ? weights : nullptr, lane);
+    for (int j = 0; j < G; ++j) {
+      const int row = final_rows[j];
+      if (row >= 0) DeliverRow(g, a, j, g.host_ranks[j], row, rows, token, topk, a.topk_weights != nullptr ? weights : nullptr, lane);
     }
   }
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < R && g.here(threadIdx.x)) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  for (int j = threadIdx.x; j < G; j += blockDim.x) {
+    StoreReleaseSys(g.In(g.host_regions[j], DoneFlag(g, L, me, blockIdx.x)), seq);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -391,17 +539,15 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   __shared__ int histogram[kMaxLocalExperts];
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
-  for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
-    const int src = i / a.num_blocks, block = i % a.num_blocks;
-    if (g.here(src)) {
-      WaitAtLeast(&control->done[src][block], seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                  src, block);
-    }
+  for (int i = threadIdx.x; i < g.ranks_per_node * a.num_blocks; i += blockDim.x) {
+    const int src = g.host_ranks[i / a.num_blocks], block = i % a.num_blocks;
+    WaitAtLeast(DoneFlag(g, a.L, src, block), seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
+                src, block);
   }
   __syncthreads();
   if (a.num_recv_tokens_per_expert == nullptr) return;
   // Slots holding each local expert, over the landed rows' top-k ids.
-  BlockBincount(reinterpret_cast<const int*>(g.local() + a.L.topk_idx), a.num_recv_tokens, a.L.num_topk,
+  BlockBincount(reinterpret_cast<const int*>(g.local_region() + a.L.topk_idx), a.num_recv_tokens, a.L.num_topk,
                 a.experts_per_rank, histogram, a.num_recv_tokens_per_expert);
 }
 
@@ -418,11 +564,17 @@ struct CopyOutArgs {
 
 // Valid rows from the landing area; padding: ids -1, weights 0, sources -1.
 __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutArgs a) {
+  __shared__ int ends[kMaxRanks];  // rows from sources <= s end at ends[s] (this rank's column of the prefix matrix)
   const Layout& L = a.L;
+  const int R = g.num_ranks;
+  if (a.recv_src_rank != nullptr) {
+    for (int s = threadIdx.x; s < R; s += blockDim.x) ends[s] = a.rank_prefix_matrix[s * R + g.rank];
+  }
+  __syncthreads();
   // Cached dispatch reads num_recv_tokens from the user's handle: clipped to the rows.
   const int num_recv = max(0, min(*a.num_recv_tokens, L.num_worst_tokens));
   const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
-  const char* base = g.local();
+  const char* base = g.local_region();
   for (int i = 0; i < kMaxRowArrays; ++i) {
     if (a.recv_x[i] == nullptr || L.row_bytes[i] == 0) continue;
     const int64_t bytes = int64_t(num_recv) * L.row_bytes[i];
@@ -445,9 +597,13 @@ __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutAr
     if (a.recv_src_idx != nullptr) a.recv_src_idx[j] = j < num_recv ? src_idx[j] : -1;
     if (a.recv_src_rank != nullptr) {
       int src = -1;
-      if (j < num_recv) {
-        src = 0;
-        for (int s = 0; s < g.num_ranks; ++s) src += a.rank_prefix_matrix[s * g.num_ranks + g.rank] <= j;
+      if (j < num_recv) {  // sources whose rows end at or before row j (ends is non-decreasing)
+        int lo = 0, hi = R;
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (ends[mid] <= j) lo = mid + 1; else hi = mid;
+        }
+        src = lo;
       }
       a.recv_src_rank[j] = src;
     }
@@ -470,11 +626,13 @@ struct CombineArgs {
 };
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group g, CombineArgs a) {
+  __shared__ PeerTable peers;
   const Layout& L = a.L;
   const int R = g.num_ranks, me = g.rank;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
+  LoadPeerTable(g, peers);
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
   // The handle's arrays come from the user: rows past x and entries naming
@@ -489,30 +647,35 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
     const char* row = reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes;
     const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;
     // This host: store straight into the source's slot; others: stage, then put.
-    char* dst = g.here(src) ? g.regions[src] + slot : g.local() + L.combine_send + int64_t(i) * L.combine_packet_bytes;
+    char* mapped = Mapped(g, peers, src);
+    char* dst = mapped != nullptr ? mapped + slot : g.local_region() + L.combine_send + int64_t(i) * L.combine_packet_bytes;
     StridedCopyBytes<4>(dst, row, row_bytes, lane, kWarpSize);
     if (w != nullptr) {
       float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
     }
-    if (!g.here(src)) {
+    if (mapped == nullptr) {
       FenceStagedForWarpPut();
-      nvshmemx_putmem_nbi_warp(g.local() + slot, dst, L.combine_packet_bytes, g.pes[src]);
+      nvshmemx_putmem_nbi_warp(g.local_region() + slot, dst, L.combine_packet_bytes, peers.pe[src]);
     }
   }
   CompleteWrites();
   __syncthreads();
-  if (int(threadIdx.x) < R) g.Signal(threadIdx.x, &control->done[me][blockIdx.x], seq);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    SignalAt(g, Mapped(g, peers, r), peers.pe[r], DoneFlag(g, L, me, blockIdx.x), seq);
+  }
 }
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
+  // [warp][word]: bit r % 32 of word r / 32 when rank r holds the warp's token.
+  __shared__ uint32_t token_ranks[kMaxWarps][kMaxRanks / kWarpSize];
   const Layout& L = a.L;
   const int R = g.num_ranks, me = g.rank;
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
   const int num_blocks = gridDim.x;  // the send kernel's grid too
   for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
-    WaitAtLeast(&control->done[i / num_blocks][i % num_blocks], seq, g.timeout_ns, ModeName(kCombine),
+    WaitAtLeast(DoneFlag(g, L, i / num_blocks, i % num_blocks), seq, g.timeout_ns, ModeName(kCombine),
                 "combined rows of a block", me, i / num_blocks, i % num_blocks);
   }
   __syncthreads();
@@ -521,26 +684,37 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   const int num_vectors = int(L.row_bytes[0] / 16);
+  const int num_words = (R + kWarpSize - 1) / kWarpSize;
+  uint32_t* holders = token_ranks[threadIdx.x / kWarpSize];
   for (int t = warp; t < L.num_tokens; t += num_warps) {
     const int* pos = a.send_pos + int64_t(t) * R;
+    __syncwarp();  // the previous token's words are read
+    for (int c = 0; c < num_words; ++c) {
+      const int r = c * kWarpSize + lane;
+      const uint32_t word = __ballot_sync(0xffffffffu, r < R && HandleRow(pos[r], L.num_worst_tokens) >= 0);
+      if (lane == 0) holders[c] = word;
+    }
+    __syncwarp();
     auto slot = [&](int r) {
-      return g.local() + L.combine_slots + (size_t(r) * L.num_tokens + t) * L.combine_packet_bytes;
+      return g.local_region() + L.combine_slots + (size_t(r) * L.num_tokens + t) * L.combine_packet_bytes;
     };
     int4* out = reinterpret_cast<int4*>(a.out + int64_t(t) * (L.row_bytes[0] / 2));
     // The reference's order: 0.0, then + row of rank 0, 1, ... (ranks without the token skipped).
     for (int v = lane; v < num_vectors; v += kWarpSize) {
       float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (int r = 0; r < R; ++r) {
-        if (HandleRow(pos[r], L.num_worst_tokens) >= 0) AddBf16x8(acc, reinterpret_cast<const int4*>(slot(r))[v]);
+      for (int c = 0; c < num_words; ++c) {
+        for (uint32_t word = holders[c]; word != 0; word &= word - 1) {
+          AddBf16x8(acc, reinterpret_cast<const int4*>(slot(c * kWarpSize + __ffs(word) - 1))[v]);
+        }
       }
       out[v] = PackBf16x8(acc);
     }
     if (a.out_weights == nullptr) continue;
     for (int k = lane; k < L.num_topk; k += kWarpSize) {
       float acc = 0.0f;
-      for (int r = 0; r < R; ++r) {
-        if (HandleRow(pos[r], L.num_worst_tokens) >= 0) {
-          acc += reinterpret_cast<const float*>(slot(r) + L.combine_packet_weights)[k];
+      for (int c = 0; c < num_words; ++c) {
+        for (uint32_t word = holders[c]; word != 0; word &= word - 1) {
+          acc += reinterpret_cast<const float*>(slot(c * kWarpSize + __ffs(word) - 1) + L.combine_packet_weights)[k];
         }
       }
       a.out_weights[int64_t(t) * L.num_topk + k] = acc;
@@ -557,52 +731,55 @@ __global__ void LeaveKernel(Group g) { LeaveCall(&g.control()->active); }
 
 Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   Group g{};
-  int seen[kMaxInternodeNormalRanks] = {};
-  for (int r = 0; r < state.num_ranks; ++r) {
-    g.regions[r] = state.normal.peers[r];
-    g.pes[r] = state.pes[r];
-    g.node_of[r] = state.nodes[r];
-    g.local_of[r] = seen[state.nodes[r]]++;
-  }
+  const int R = state.num_ranks;
+  g.pes = state.device_pes;
+  g.node_of = state.device_nodes;
+  g.local_of = state.device_nodes + R;
+  g.rank_at = state.device_nodes + 2 * R;
   g.rank = state.rank;
-  g.num_ranks = state.num_ranks;
+  g.num_ranks = R;
   g.num_nodes = state.num_nodes;
+  g.ranks_per_node = R / state.num_nodes;  // hosts of equal size, at most kMaxNvlinkRanks (FFI)
+  g.node = state.nodes[state.rank];
+  int j = 0;
+  for (int r = 0; r < R && j < kMaxNvlinkRanks; ++r) {
+    if (state.nodes[r] != g.node) continue;
+    if (r == state.rank) g.local = j;
+    g.host_regions[j] = state.normal.peers[r];
+    g.host_ranks[j++] = r;
+  }
   g.timeout_ns = c.timeout_ns;
   return g;
 }
 
-NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c) {
+NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, const Layout& L) {
   NotifyArgs n{};
   n.mode = mode;
   n.order = c.order;
   n.num_blocks = c.num_blocks;
   n.num_tokens = num_tokens;
+  n.L = L;
   return n;
 }
 
 }  // namespace
-
-
 
 cudaError_t MarkCallRunningForTesting(char* region) {
   const int running = 1;
   return cudaMemcpy(region + offsetof(Control, active), &running, sizeof(running), cudaMemcpyHostToDevice);
 }
 
-cudaError_t SetSequenceForTesting(char* region, int seq) {
-  Control control;
-  cudaError_t err = cudaMemcpy(&control, region, sizeof(control), cudaMemcpyDeviceToHost);
-  if (err != cudaSuccess) return err;
-  control.seq = seq;
-  control.active = 0;
-  for (int& flag : control.ready) flag = seq;
-  for (auto& flags : control.rdma_done) {
-    for (int& flag : flags) flag = seq;
-  }
-  for (auto& flags : control.done) {
-    for (int& flag : flags) flag = seq;
-  }
-  return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+cudaError_t SetSequenceForTesting(char* region, int num_ranks, int seq) {
+  const Control control{seq, 0};
+  cudaError_t err = cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
+  // Every flag: ready [R], rdma_done and done [R][kMaxBlocks].
+  const Layout L = MakeLayout(Shapes{}, num_ranks, 1, true);
+  const std::vector<int> flags(size_t(num_ranks) * kMaxBlocks, seq);
+  const size_t flag_bytes = flags.size() * sizeof(int);
+  if (err == cudaSuccess) err = cudaMemcpy(region + L.ready, flags.data(), size_t(num_ranks) * sizeof(int), cudaMemcpyHostToDevice);
+  if (err == cudaSuccess) err = cudaMemcpy(region + L.rdma_done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
+  if (err == cudaSuccess) err = cudaMemcpy(region + L.done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
+  return err;
 }
 
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
@@ -615,7 +792,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   const int threads = c.num_warps * kWarpSize;
   const int experts_per_rank = cached ? 0 : p.num_experts / state.num_ranks;
 
-  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c);
+  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c, L);
   notify.topk_idx = p.topk_idx;
   notify.cached_send_pos = p.cached_send_pos;
   notify.num_topk = p.num_topk;
@@ -666,7 +843,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state, c);
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
-  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0, c));
+  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0, c, L));
   const CombineArgs args{p.x, p.topk_weights, p.send_pos, p.num_recv_tokens, p.recv_src_idx, p.recv_src_rank,
                          p.out, p.out_weights, L};
   const int threads = c.num_warps * kWarpSize;

@@ -68,32 +68,61 @@ struct Shapes {
 
 // Where things are in a region: the same offsets on every rank (same shapes,
 // symmetric heap), so a rank addresses a peer's region with its own offsets.
+// After the control bytes (sequence number, running flag) comes the
+// synchronisation area, sized by the group only (R ranks), so dispatch's and
+// combine's layouts share it; then the call's data.
 struct Layout {
   int num_tokens, num_worst_tokens, num_topk;
+  int num_ranks, ranks_per_node;  // R, G (every host holds G ranks)
   int64_t row_bytes[kMaxRowArrays];
+  // Synchronisation: records [2][R] (parity of seq, source) of record_ints
+  // ints: the source's call tag, its move grid, its tokens to each host
+  // (R slots, hosts <= R), its tokens to each rank (R); ready flags [R];
+  // rdma_done flags [R][kMaxBlocks] (source host, block); done flags
+  // [R][kMaxBlocks] (source rank, block).
+  size_t records, record_ints, ready, rdma_done, done, sync_end;
   // Dispatch landing area (N rows, in the contract's order).
   size_t rows[kMaxRowArrays], topk_idx, topk_weights, src_idx;
   // Dispatch packets: staged here (T), received from each host (num_nodes * T).
   size_t send, rdma_recv;
-  // A packet: rows, then metadata (source token, final row on every rank, top-k ids, weights).
+  // A packet: rows, then metadata (source token, top-k ids, weights).
   size_t packet_bytes, packet_row[kMaxRowArrays], packet_meta;
+  // The final rows of a packet's token on the G ranks of its destination
+  // host, [host][position among the tokens to that host][G] ints: staged
+  // here by the notify kernel (send_meta, by destination host), put in one
+  // piece per host, received from each host (rdma_meta, by source host).
+  size_t send_meta, rdma_meta;
   // Combine: slots [rank][token] of (row, weights) here; staged sends (N).
   size_t combine_slots, combine_send, combine_packet_bytes, combine_packet_weights;
   size_t end;
 };
+
+// Ints of one source's record in the synchronisation area (see Layout).
+constexpr size_t kRecordCalls = 0, kRecordBlocks = 1, kRecordNodeCounts = 2;
+constexpr size_t RecordInts(int num_ranks) { return AlignUp(kRecordNodeCounts + 2 * size_t(num_ranks), 4); }
+constexpr size_t RecordRankCounts(int num_ranks) { return kRecordNodeCounts + size_t(num_ranks); }
 
 inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
   Layout L{};
   L.num_tokens = s.num_tokens;
   L.num_worst_tokens = s.num_worst_tokens;
   L.num_topk = s.num_topk;
+  L.num_ranks = num_ranks;
+  L.ranks_per_node = num_nodes > 0 ? num_ranks / num_nodes : 0;
   const size_t T = size_t(s.num_tokens), N = size_t(s.num_worst_tokens), K = size_t(s.num_topk);
+  const size_t R = size_t(num_ranks);
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
     offset = AlignUp(offset + bytes, kRegionAlign);
     return at;
   };
+  L.record_ints = RecordInts(num_ranks);
+  L.records = take(2 * R * L.record_ints * sizeof(int));
+  L.ready = take(R * sizeof(int));
+  L.rdma_done = take(R * kMaxBlocks * sizeof(int));
+  L.done = take(R * kMaxBlocks * sizeof(int));
+  L.sync_end = offset;
   for (int i = 0; i < kMaxRowArrays; ++i) L.row_bytes[i] = s.row_bytes[i];
   if (!combine) {
     for (int i = 0; i < kMaxRowArrays; ++i) L.rows[i] = take(N * size_t(s.row_bytes[i]));
@@ -103,13 +132,16 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
     L.packet_row[0] = 0;
     L.packet_row[1] = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
     L.packet_meta = L.packet_row[1] + AlignUp(size_t(s.row_bytes[1]), kVectorBytes);
-    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) * (1 + kMaxInternodeNormalRanks) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
+    L.packet_bytes = L.packet_meta + AlignUp(sizeof(int) + (sizeof(int) + sizeof(float)) * K, kVectorBytes);
     L.send = take(T * L.packet_bytes);
     L.rdma_recv = take(size_t(num_nodes) * T * L.packet_bytes);
+    // H * T * G = T * R ints each.
+    L.send_meta = take(T * R * sizeof(int));
+    L.rdma_meta = take(T * R * sizeof(int));
   } else {
     L.combine_packet_weights = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
     L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
-    L.combine_slots = take(size_t(num_ranks) * T * L.combine_packet_bytes);
+    L.combine_slots = take(R * T * L.combine_packet_bytes);
     L.combine_send = take(N * L.combine_packet_bytes);
   }
   L.end = offset;
@@ -123,7 +155,17 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
 inline size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes) {
   return MakeLayout(s, num_ranks, num_nodes, false).end;
 }
+// Combine's layout does not depend on the hosts.
 inline size_t CombineRegionBytes(const Shapes& s, int num_ranks) { return MakeLayout(s, num_ranks, 1, true).end; }
+// The control bytes and the synchronisation area (records, flags): the part
+// of the region that grows with the group alone, ~ 16 R^2 + 1 KiB R bytes.
+inline size_t SyncBytes(int num_ranks) { return MakeLayout(Shapes{}, num_ranks, 1, true).sync_end; }
+// Combine's slots, one (row, weights) per (rank, token): R * T * (2H + 4K)
+// bytes rounded up, the part of a combine's region that grows with R * T.
+inline size_t CombineSlotBytes(const Shapes& s, int num_ranks) {
+  const Layout L = MakeLayout(s, num_ranks, 1, true);
+  return L.combine_send - L.combine_slots;
+}
 
 struct DispatchParams {
   const char* x[kMaxRowArrays];
@@ -166,7 +208,7 @@ struct CombineParams {
 // as if `seq` calls had run (the sequence number, and every flag that holds
 // one), so a test can start just below a wrap. The region's device and every
 // peer must be idle. Blocking (cudaMemcpy).
-cudaError_t SetSequenceForTesting(char* region, int seq);
+cudaError_t SetSequenceForTesting(char* region, int num_ranks, int seq);
 // Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
 // were running on its device, so the next call stops as overlapping. Blocking.
 cudaError_t MarkCallRunningForTesting(char* region);

@@ -135,6 +135,17 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   for (int n : nodes) {
     if (n < 0 || n >= num_ranks) throw std::invalid_argument("deep_ep_jax: host indices must be in [0, ranks)");
   }
+  if (normal_bytes > 0) {  // internode normal mode: hosts of equal size, each one NVLink domain
+    const int num_nodes = *std::max_element(nodes.begin(), nodes.end()) + 1;
+    for (int b = 0; b < num_nodes; ++b) {
+      const int size = int(std::count(nodes.begin(), nodes.end(), b));
+      if (size * num_nodes != num_ranks || size > kMaxNvlinkRanks) {
+        throw std::invalid_argument("deep_ep_jax: normal mode across hosts needs hosts of equal size, at most " +
+                                    std::to_string(kMaxNvlinkRanks) + " ranks each; host " + std::to_string(b) +
+                                    " has " + std::to_string(size) + " of " + std::to_string(num_ranks));
+      }
+    }
+  }
   if (pes[rank] != nvshmem_my_pe()) {
     throw std::invalid_argument("deep_ep_jax: rank " + std::to_string(rank) + " is PE " + std::to_string(pes[rank]) +
                                 ", but this process is PE " + std::to_string(nvshmem_my_pe()));
@@ -146,7 +157,8 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   if (normal_bytes > 0) {
     const size_t normal_region = std::max(normal_bytes, kControlBytes);
     try {
-      normal = AllocateZeroed(device, normal_region, kControlBytes, "normal-mode region");
+      // All of it: the synchronisation area after the control bytes grows with the group (kernels/internode.h).
+      normal = AllocateZeroed(device, normal_region, normal_region, "normal-mode region");
     } catch (...) {
       nvshmem_free(local);
       throw;

@@ -206,23 +206,38 @@ int64_t Register(std::vector<DeviceState>& states) {
 void UploadPeerTable(DeviceState& s) {
   if (s.low_latency.local == nullptr) return;  // no low-latency kernels run on it
   const size_t n = size_t(s.num_ranks);
-  if (s.low_latency.peers.size() != n || (s.nvshmem && s.pes.size() != n)) {
+  if (s.low_latency.peers.size() != n || (s.nvshmem && (s.pes.size() != n || s.nodes.size() != n))) {
     throw std::logic_error("deep_ep_jax: UploadPeerTable: per-rank vectors of the wrong size");
   }
   DeviceGuard guard(s.device_ordinal);
   const size_t pes_offset = AlignUp(n * sizeof(char*), kVectorBytes);
+  const size_t nodes_offset = pes_offset + AlignUp(n * sizeof(int), kVectorBytes);
   if (s.device_peers == nullptr) {
     void* table = nullptr;
-    Check(cudaMalloc(&table, pes_offset + n * sizeof(int)),
+    Check(cudaMalloc(&table, nodes_offset + 3 * n * sizeof(int)),
           "cudaMalloc of the peer table on device " + std::to_string(s.device_ordinal));
     s.device_peers = static_cast<char**>(table);
     s.device_pes = s.nvshmem ? reinterpret_cast<int*>(static_cast<char*>(table) + pes_offset) : nullptr;
+    s.device_nodes = s.nvshmem ? reinterpret_cast<int*>(static_cast<char*>(table) + nodes_offset) : nullptr;
   }
   Check(cudaMemcpy(s.device_peers, s.low_latency.peers.data(), n * sizeof(char*), cudaMemcpyHostToDevice),
         "copying the peer table to device " + std::to_string(s.device_ordinal));
   if (s.device_pes != nullptr) {
     Check(cudaMemcpy(s.device_pes, s.pes.data(), n * sizeof(int), cudaMemcpyHostToDevice),
           "copying the PE table to device " + std::to_string(s.device_ordinal));
+  }
+  if (s.device_nodes != nullptr) {
+    // node, local index, rank at (node, local index): see DeviceState.
+    std::vector<int> table(3 * n, -1), per_node(n, 0);
+    const int per_host = s.num_nodes > 0 ? s.num_ranks / s.num_nodes : 0;
+    for (size_t r = 0; r < n; ++r) {
+      const int node = s.nodes[r], local = per_node[size_t(node)]++;
+      table[r] = node;
+      table[n + r] = local;
+      if (local < per_host && size_t(node * per_host + local) < n) table[2 * n + size_t(node * per_host + local)] = int(r);
+    }
+    Check(cudaMemcpy(s.device_nodes, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice),
+          "copying the host table to device " + std::to_string(s.device_ordinal));
   }
 }
 

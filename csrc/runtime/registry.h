@@ -54,6 +54,11 @@ struct DeviceState {
   // low-latency region.
   char** device_peers = nullptr;
   int* device_pes = nullptr;  // null unless nvshmem
+  // NVSHMEM buffers: [3][num_ranks] ints in the same allocation: each rank's
+  // host (nodes), its index among its host's ranks, and the rank at
+  // (host b, index j) at b * (num_ranks / num_nodes) + j (-1 where hosts
+  // differ in size). Internode normal mode reads them (kernels/internode.cu).
+  int* device_nodes = nullptr;
 };
 
 // (Re)writes s.device_peers / device_pes from s.low_latency.peers and s.pes

@@ -59,8 +59,8 @@ static_assert(intranode::kMaxBlocks == internode::kMaxBlocks && intranode::kMaxW
 std::map<std::string, int64_t> Limits() {
   return {
       // Ranks of an EP group: low-latency mode serves any group up to
-      // max_group_ranks; normal mode one NVLink domain on one host, and for
-      // now the same number of ranks in all across hosts.
+      // max_group_ranks; normal mode one NVLink domain on one host, and up to
+      // max_internode_normal_ranks across hosts of at most max_nvlink_ranks.
       {"max_group_ranks", kMaxGroupRanks},
       {"max_nvlink_ranks", kMaxNvlinkRanks},
       {"max_internode_normal_ranks", kMaxInternodeNormalRanks},
@@ -102,7 +102,24 @@ size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_
                                  CountArg(fn, "num_topk", num_topk),
                                  {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
+  if (nodes < 1 || ranks % nodes != 0) {
+    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
+                                std::to_string(ranks) + " and " + std::to_string(nodes));
+  }
   return internode::DispatchRegionBytes(shapes, ranks, nodes);
+}
+
+// The parts of the internode region that grow with the group: control bytes
+// and synchronisation area (R alone), and combine's slots (R * T rows).
+size_t InternodeSyncBytes(int64_t num_ranks) {
+  return internode::SyncBytes(CountArg("internode_sync_bytes", "num_ranks", num_ranks));
+}
+
+size_t InternodeCombineSlotBytes(int64_t num_tokens, int64_t num_topk, int64_t hidden, int64_t num_ranks) {
+  const char* fn = "internode_combine_slot_bytes";
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), 0, CountArg(fn, "num_topk", num_topk),
+                                 {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
+  return internode::CombineSlotBytes(shapes, CountArg(fn, "num_ranks", num_ranks));
 }
 
 size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
@@ -377,6 +394,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("internode_combine_region_bytes", &InternodeCombineRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
         py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"),
         "Bytes of the normal region a combine across hosts needs (RuntimeError without NVSHMEM)");
+  m.def("internode_sync_bytes", &InternodeSyncBytes, py::arg("num_ranks"),
+        "Bytes at the start of every internode normal region: control bytes and the synchronisation area (each "
+        "source's counts, ready and done flags), which grows with the group");
+  m.def("internode_combine_slot_bytes", &InternodeCombineSlotBytes, py::arg("num_tokens"), py::arg("num_topk"),
+        py::arg("hidden"), py::arg("num_ranks"),
+        "Bytes of a combine's slots across hosts, one (row, weights) per (rank, token): R * T * (2H + 4K) rounded up");
   m.def("low_latency_half_bytes", &LowLatencyHalfBytes, py::arg("region_bytes"),
         "Usable bytes of each half of a low-latency region");
   m.def("low_latency_dispatch_half_bytes", &LowLatencyDispatchHalfBytes, py::arg("num_ranks"),

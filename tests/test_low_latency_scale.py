@@ -1,5 +1,6 @@
 """Large EP groups on CPU: the ranks each mode serves (low-latency mode up to
-1024, normal mode one NVLink domain and, for now, 8 across hosts), where a
+1024, normal mode one NVLink domain on one host and up to 1024 across hosts of
+at most 8: tests/test_internode_scale.py), where a
 too large group is refused (Buffer creation, trace time, the registry), and
 the low-latency sizes at 16..1024 ranks, from the extension's size queries
 against the layout of csrc/kernels/low_latency.h."""
@@ -38,26 +39,34 @@ def _align(n, a):
 def test_limits_name_each_mode():
     limits = _native.limits()
     assert "max_ranks" not in limits  # one limit per mode, none ambiguous
-    assert (limits["max_group_ranks"], limits["max_nvlink_ranks"], limits["max_internode_normal_ranks"]) == (1024, 8, 8)
+    assert (limits["max_group_ranks"], limits["max_nvlink_ranks"], limits["max_internode_normal_ranks"]) == (1024, 8, 1024)
 
 
 @extension
 def test_group_size_at_buffer_creation():
     limits = _native.limits()
     lifecycle.check_group_size(1024, limits)
-    with pytest.raises(ValueError, match=r"at most 1024 ranks \(low-latency mode; normal mode: 8\).* has 1025"):
+    with pytest.raises(ValueError, match=r"at most 1024 ranks \(low-latency mode; normal mode: 8 on one host, 1024 "
+                                         r"across hosts\).* has 1025"):
         lifecycle.check_group_size(1025, limits)
 
 
 @extension
-@pytest.mark.parametrize("spans_hosts, where", [(True, "in all across hosts"), (False, r"on one host \(one NVLink")])
-def test_normal_mode_serves_up_to_its_ranks(spans_hosts, where):
-    """A larger group gets no normal region; without low-latency mode its Buffer is refused when made."""
-    assert lifecycle.normal_mode_serves(8, spans_hosts, low_latency_mode=False)
-    assert not lifecycle.normal_mode_serves(16, spans_hosts, low_latency_mode=True)
-    with pytest.raises(ValueError, match=f"normal mode supports at most 8 ranks {where}.*the EP group has 16 "
-                                         r"\(low-latency mode: 1024\); create the Buffer with low_latency_mode=True"):
-        lifecycle.normal_mode_serves(16, spans_hosts, low_latency_mode=False)
+def test_normal_mode_serves_up_to_its_ranks():
+    """On one host a larger group gets no normal region; without low-latency
+    mode its Buffer is refused when made. Across hosts normal mode serves the
+    whole group."""
+    assert lifecycle.normal_mode_serves(8, False, low_latency_mode=False)
+    assert not lifecycle.normal_mode_serves(16, False, low_latency_mode=True)
+    with pytest.raises(ValueError, match=r"normal mode supports at most 8 ranks on one host \(one NVLink.*the EP "
+                                         r"group has 16 \(low-latency mode: 1024\); create the Buffer with "
+                                         r"low_latency_mode=True"):
+        lifecycle.normal_mode_serves(16, False, low_latency_mode=False)
+    for num_ranks in (16, 128, 1024):
+        assert lifecycle.normal_mode_serves(num_ranks, True, low_latency_mode=False)
+    assert common.normal_mode_rank_error("f", 1025, True) == ("f: normal mode supports at most 1024 ranks in all "
+                                                              "across hosts, the EP group has 1025 (low-latency "
+                                                              "mode: 1024)")
 
 
 def _fake_buffer(num_ranks, spans_hosts, **extra):
@@ -68,11 +77,11 @@ def _fake_buffer(num_ranks, spans_hosts, **extra):
 
 
 @extension
-@pytest.mark.parametrize("spans_hosts", [True, False])
-def test_normal_mode_calls_name_the_limit(spans_hosts):
+def test_normal_mode_calls_name_the_limit():
+    spans_hosts = False
     num_ranks, num_tokens, hidden, topk = 16, 8, 256, 2
     buffer = _fake_buffer(num_ranks, spans_hosts)
-    module = internode if spans_hosts else intranode
+    module = intranode
     x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)

@@ -29,7 +29,8 @@ TARGETS = (DISPATCH, CACHED_DISPATCH, COMBINE)
 def check_nodes(nodes) -> int:
     """The host index of each rank (0..H-1): every host must hold the same
     number of ranks (a token is forwarded by the GPU of the sender's local
-    index). Returns the number of hosts."""
+    index), at most one NVLink domain's (`max_nvlink_ranks`, 8: the kernels
+    keep a host's ranks in fixed arrays). Returns the number of hosts."""
     nodes = [int(n) for n in nodes]
     num_nodes = max(nodes) + 1
     sizes = [nodes.count(n) for n in range(num_nodes)]
@@ -38,6 +39,13 @@ def check_nodes(nodes) -> int:
             f"Buffer(backend='cuda'): internode normal mode needs the same number of GPUs of the EP group on every "
             f"host, got {sizes} (ranks per host); set Config.gpus_per_host / DEEP_EP_JAX_GPUS_PER_HOST to cut hosts "
             f"evenly"
+        )
+    max_per_host = common.limit("max_nvlink_ranks")
+    if sizes[0] > max_per_host:
+        raise NotImplementedError(
+            f"Buffer(backend='cuda'): internode normal mode serves hosts of at most {max_per_host} GPUs of the EP "
+            f"group (one NVLink domain), got {sizes[0]} per host; set Config.gpus_per_host / "
+            f"DEEP_EP_JAX_GPUS_PER_HOST to {max_per_host} or fewer"
         )
     return num_nodes
 

@@ -91,7 +91,8 @@ def check_group_size(num_ranks, limits: dict) -> None:
     if num_ranks > limits["max_group_ranks"]:
         raise ValueError(
             f"Buffer(backend='cuda'): an EP group has at most {limits['max_group_ranks']} ranks (low-latency mode; "
-            f"normal mode: {limits['max_nvlink_ranks']}), the mesh axis has {num_ranks}"
+            f"normal mode: {limits['max_nvlink_ranks']} on one host, {limits['max_internode_normal_ranks']} across "
+            f"hosts), the mesh axis has {num_ranks}"
         )
 
 
@@ -120,7 +121,9 @@ def check_fits(parts: dict, total_bytes, device) -> None:
     raise ValueError(
         f"Buffer(backend='cuda'): needs {need} bytes ({need / 2**30:.1f} GiB) on each GPU ({detail}), more than "
         f"GPU {device}'s {total_bytes} bytes; use a smaller num_max_dispatch_tokens_per_rank or hidden, or fewer "
-        f"ranks (the send area of an EP group across hosts stages a combine's rows, R * M * K * H * 2 bytes)"
+        f"ranks (the send area of an EP group across hosts stages a combine's rows, R * M * K * H * 2 bytes; normal "
+        f"mode across hosts keeps a combine slot per (rank, token), R * T * 2H bytes, T = 4096 unless "
+        f"num_nvl_bytes=deep_ep_jax.backends.cuda.sizes.internode_region_bytes(R, hosts, hidden, T))"
     )
 
 

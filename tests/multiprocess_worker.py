@@ -304,8 +304,13 @@ def case_shared_gpu():
     rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
     num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
     epr = num_experts // num_ranks
+    # Kernels of the processes of one GPU take turns: waits for a peer last long.
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens)
+                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
+                        config=dej.Config(timeout_s=150))
+    if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
+        assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
+        log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
     barriers = iter(range(1 << 30))
     compiled = {}
@@ -364,6 +369,27 @@ def case_shared_gpu():
         if kind == "rank_empty" and rank == num_ranks - 1:
             assert n == 0
         log(f"shared_gpu normal {kind}: ok")
+
+    def combine_grad(x, idx, w, y, ct):  # combine's backward: a cached dispatch of the cotangent
+        _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+
+        def loss(y):
+            return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) * ct).sum()
+
+        return jax.grad(loss)(y), handle.num_recv_tokens
+
+    for kind in ("random", "rank_empty"):
+        idx, w, idxs, ws = routing(kind)
+        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden))
+        ct = bf16_rows((num_ranks * num_tokens, hidden)).astype(np.float32)  # exact in bf16: moved as they are
+        grad_y, num_recv = run(combine_grad, *map(put, (x, idx, w, y, ct)))
+        want = oracle.dispatch(ct.reshape(num_ranks, num_tokens, hidden), idxs, ws, num_experts,
+                               num_ranks * num_tokens)[rank]
+        n = len(want["x"])
+        assert int(num_recv) == n, (kind, int(num_recv), n)
+        np.testing.assert_array_equal(grad_y[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
+        assert n == 0 or np.abs(grad_y[:n]).sum() > 0, kind
+        log(f"shared_gpu cached dispatch (combine's gradient) {kind}: ok")
 
     def fp8(data, scales, idx, w):
         (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,

@@ -102,6 +102,7 @@ def test_refuses_several_gpus_per_process():
     nvshmem.check_one_gpu_per_process(list(buffer.mesh.devices.flat)[:1])  # one device: fine
 
 
+@extension
 def test_refuses_hosts_of_unequal_sizes(monkeypatch):
     """Internode normal mode forwards through the GPU of the sender's local
     index on every host: hosts must hold the same number of ranks."""

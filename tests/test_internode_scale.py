@@ -1,0 +1,140 @@
+"""Internode normal mode at 16..128 ranks (and its 1024-rank limit) on CPU:
+the limits, the region sizes from the extension's size queries against the
+layout of csrc/kernels/internode.h written out here, trace-time shapes of
+dispatch, cached dispatch and combine, and a Buffer too large for its GPU
+failing at creation naming the bytes. The kernels run on GPUs in the worker
+case shared_gpu (tests/multiprocess_worker.py) with 16 processes."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import deep_ep_jax as dej
+from deep_ep_jax import _native
+from deep_ep_jax.backends.cuda import internode, lifecycle, sizes
+
+extension = pytest.mark.extension
+
+CONTROL, ALIGN, VECTOR, MAX_BLOCKS = 1 << 16, 256, 16, 132
+# (hosts, GPUs per host)
+GROUPS = [(2, 8), (4, 4), (4, 8), (8, 8), (16, 8), (128, 1)]
+
+
+def _align(n, a):
+    return -(-n // a) * a
+
+
+def _sync_bytes(num_ranks):
+    """Control bytes, records [2][R] of (tag, grid, R host counts, R rank counts), ready [R], rdma_done and done [R][132]."""
+    record = _align(2 + 2 * num_ranks, 4) * 4
+    return (CONTROL + _align(2 * num_ranks * record, ALIGN) + _align(4 * num_ranks, ALIGN)
+            + 2 * _align(4 * num_ranks * MAX_BLOCKS, ALIGN))
+
+
+def _dispatch_bytes(num_tokens, num_rows, topk, row, scales, num_ranks, num_nodes):
+    packet = _align(row, VECTOR) + _align(scales, VECTOR) + _align(4 + 8 * topk, VECTOR)  # no per-rank metadata
+    areas = [num_rows * row, num_rows * scales, num_rows * topk * 4, num_rows * topk * 4, num_rows * 4,
+             num_tokens * packet, num_nodes * num_tokens * packet,
+             num_tokens * num_ranks * 4, num_tokens * num_ranks * 4]  # final rows per host: staged, received
+    return _sync_bytes(num_ranks) + sum(_align(a, ALIGN) for a in areas)
+
+
+def _combine_slot_bytes(num_tokens, topk, hidden, num_ranks):
+    return _align(num_ranks * num_tokens * (_align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)), ALIGN)
+
+
+@extension
+def test_limits():
+    limits = _native.limits()
+    assert limits["max_internode_normal_ranks"] == limits["max_group_ranks"] == 1024
+    assert limits["max_nvlink_ranks"] == 8  # ranks per host
+
+
+@extension
+@pytest.mark.parametrize("num_nodes,per_host", GROUPS)
+def test_sizes(num_nodes, per_host):
+    ext = _native.extension()
+    num_ranks = num_nodes * per_host
+    num_tokens, topk, hidden = 96, 8, 512
+    rows = num_tokens * num_ranks
+    assert ext.internode_sync_bytes(num_ranks) == _sync_bytes(num_ranks)
+    for row, scales in ((2 * hidden, 0), (hidden, hidden // 128 * 4)):
+        assert ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes) == \
+            _dispatch_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes)
+    slots = _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
+    assert ext.internode_combine_slot_bytes(num_tokens, topk, hidden, num_ranks) == slots
+    staged = _align(rows * (_align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)), ALIGN)
+    assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks) == \
+        _sync_bytes(num_ranks) + slots + staged
+    hint = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens, topk)
+    assert hint == max(_dispatch_bytes(num_tokens, rows, topk, 2 * hidden, 0, num_ranks, num_nodes),
+                       ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks))
+
+
+@extension
+def test_sync_area_grows_with_the_group_only():
+    ext = _native.extension()
+    assert ext.internode_sync_bytes(8) < 80 * 1024  # today's groups: little beyond the control bytes
+    assert ext.internode_sync_bytes(128) < 512 * 1024
+    assert ext.internode_sync_bytes(1024) < 18 * 2**20
+    with pytest.raises(ValueError, match="multiple of num_nodes"):
+        ext.internode_dispatch_region_bytes(8, 8, 1, 16, 0, 12, 5)
+
+
+def _fake_buffer(num_ranks, num_nodes, num_nvl_bytes):
+    return types.SimpleNamespace(num_ranks=num_ranks, num_nodes=num_nodes, buffer_id=1, backend="cuda",
+                                 num_nvl_bytes=num_nvl_bytes, config=dej.Config(), spans_hosts=True, staged=False)
+
+
+@extension
+@pytest.mark.parametrize("num_nodes,per_host", [(2, 8), (16, 8)])
+def test_calls_trace_at_large_groups(num_nodes, per_host):
+    """Dispatch, its cached dispatch and combine trace with R-rank shapes on a Buffer sized by the hint."""
+    num_ranks = num_nodes * per_host
+    num_tokens, hidden, topk, num_experts = 16, 256, 4, 2 * num_ranks
+    buffer = _fake_buffer(num_ranks, num_nodes, sizes.internode_region_bytes(num_ranks, num_nodes, hidden,
+                                                                               num_tokens, topk))
+    x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
+    w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
+
+    def round_trip(x, idx, w):
+        recv_xs, _, recv_w, handle = internode.dispatch((x,), idx, w, num_experts=num_experts, num_worst_tokens=None,
+                                                        buffer=buffer)
+        again = internode.cached_dispatch((x,), w, handle, buffer=buffer)
+        out = internode.combine(recv_xs[0], recv_w, handle, buffer=buffer)
+        return recv_xs, handle, again, out
+
+    recv_xs, handle, again, out = jax.eval_shape(round_trip, x, idx, w)
+    rows = num_tokens * num_ranks
+    assert recv_xs[0].shape == (rows, hidden) and handle.send_pos.shape == (num_tokens, num_ranks)
+    assert handle.rank_prefix_matrix.shape == (num_ranks, num_ranks)
+    assert jax.tree.leaves(again)[0].shape == (rows, hidden)
+    assert jax.tree.leaves(out)[0].shape == (num_tokens, hidden)
+    need = _dispatch_bytes(num_tokens, rows, topk, 2 * hidden, 0, num_ranks, num_nodes)
+    small = _fake_buffer(num_ranks, num_nodes, need - 1)
+    with pytest.raises(ValueError, match=f"needs {need} bytes"):
+        jax.eval_shape(lambda x, idx, w: internode.dispatch((x,), idx, w, num_experts=num_experts,
+                                                            num_worst_tokens=None, buffer=small), x, idx, w)
+
+
+@extension
+def test_standard_case_memory_per_gpu():
+    """The standard case (4096 tokens per rank, hidden 7168, top-8): the
+    region per GPU is combine's, its slots (R * T rows) half of it, and a
+    Buffer that cannot fit fails at creation naming the bytes."""
+    ext = _native.extension()
+    previous = 0
+    for num_nodes in (2, 4, 8, 16):
+        num_ranks = 8 * num_nodes
+        region = sizes.internode_region_bytes(num_ranks, num_nodes, 7168, 4096, 8)
+        slots = ext.internode_combine_slot_bytes(4096, 8, 7168, num_ranks)
+        assert slots == _combine_slot_bytes(4096, 8, 7168, num_ranks)
+        assert 2 * slots <= region < 2 * slots + (1 << 20) and region > previous
+        previous = region
+    assert 14 * 2**30 < previous < 14.1 * 2**30  # 16 x 8
+    with pytest.raises(ValueError, match=rf"needs {previous} bytes .*normal region: {previous} bytes.*more than GPU "
+                                         r"0's .*R \* T \* 2H bytes"):
+        lifecycle.check_fits({"normal region": previous, "low-latency region": 0}, 10 * 2**30, device=0)

@@ -24,7 +24,12 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
     num_nodes = max(nodes) + 1
     epr = num_experts // num_ranks
     local = [sum(nodes[q] == nodes[r] for q in range(r)) for r in range(num_ranks)]
-    forwarder = {(b, local[r]): r for r in range(num_ranks) for b in [nodes[r]]}
+    per_host = num_ranks // num_nodes
+    # The kernels' host table (DeviceState::device_nodes): rank at (host b, index j) at b * G + j.
+    rank_at = [-1] * num_ranks
+    for r in range(num_ranks):
+        rank_at[nodes[r] * per_host + local[r]] = r
+    host_ranks = [rank_at[b * per_host:(b + 1) * per_host] for b in range(num_nodes)]
 
     # Notify: masks, counts, the exchange, final rows and per-host positions.
     in_rank = np.zeros((num_ranks, num_tokens, num_ranks), bool)
@@ -53,15 +58,21 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
         src_idx[dest, row] = t
 
     # Send: one packet per remote destination host, direct rows on this host.
+    # A packet carries no per-rank data: its token's final rows on the G ranks
+    # of its host travel in rdma_meta, staged by the notify kernel and put in
+    # one piece per host.
     rdma_recv = {}  # (forwarder, source host, position) -> (source rank, token)
+    rdma_meta = {}  # (forwarder, source host, position) -> final rows on the forwarder's host's ranks
     packets = 0
     for s in range(num_ranks):
         for t in range(num_tokens):
             for b in range(num_nodes):
                 if b != nodes[s] and node_pos[s, t, b] >= 0:
-                    key = (forwarder[(b, local[s])], nodes[s], node_pos[s, t, b])
+                    key = (rank_at[b * per_host + local[s]], nodes[s], node_pos[s, t, b])
                     assert key not in rdma_recv, f"receive slot {key} written twice"
                     rdma_recv[key] = (s, t)
+                    rdma_meta[key] = [send_pos[s, t, d] for d in host_ranks[b]]
+                    assert len(rdma_meta[key]) <= 8  # a host's ranks, never all R
                     packets += 1
             for d in range(num_ranks):
                 if nodes[d] == nodes[s] and send_pos[s, t, d] >= 0:
@@ -73,10 +84,11 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
                 continue
             for p in range(node_counts[s, nodes[f]]):
                 s_, t = rdma_recv.pop((f, nodes[s], p))
+                final_rows = rdma_meta.pop((f, nodes[s], p))
                 assert s_ == s
-                for d in range(num_ranks):
-                    if nodes[d] == nodes[f] and send_pos[s, t, d] >= 0:
-                        deliver(d, send_pos[s, t, d], s, t)
+                for d, row in zip(host_ranks[nodes[f]], final_rows):
+                    if row >= 0:
+                        deliver(d, row, s, t)
     assert not rdma_recv, "packets nobody forwarded"
     return landing, src_idx, packets
 
@@ -90,7 +102,7 @@ def remote_hosts_per_token(idx, nodes, num_experts):
                for s in range(idx.shape[0]) for t in range(idx.shape[1]))
 
 
-# Groups of up to 8 ranks (the kernels' limit today), with 37 tokens per rank;
+# Groups of up to 8 ranks, with 37 tokens per rank;
 # hosts of 8 GPUs up to 16 of them (128 ranks), with fewer tokens to stay quick.
 SMALL_GROUPS = [(2, 1, 37, 4), (2, 4, 37, 4), (4, 2, 37, 4), (8, 1, 37, 4), (3, 2, 37, 4)]
 LARGE_GROUPS = [(2, 8, 16, 8), (4, 8, 8, 8), (8, 8, 4, 8), (16, 8, 3, 8)]

@@ -1,7 +1,7 @@
 // Normal-mode (training / prefill) dispatch and combine for an EP group that
 // spans hosts: one process (one NVSHMEM PE) per GPU, R <=
 // kMaxInternodeNormalRanks ranks cut into hosts ("nodes") of the same number
-// of GPUs. docs/internode.md has the design; in short:
+// of GPUs, at most kMaxNvlinkRanks each. docs/internode.md has the design; in short:
 //
 // dispatch (hierarchical, as DeepEP's): a token crosses the network at most
 // once per destination host, to the GPU of that host with the sender's local
@@ -13,8 +13,9 @@
 //      here (prefix over earlier source ranks + position), so rows land in
 //      the contract's order with no sorting.
 //   2. send: a warp per token: stages a packet (row, scales, source token,
-//      final rows on every rank, top-k) in the send area and puts it to each
-//      remote host's forwarder; writes rows for this host's ranks directly.
+//      top-k) in the send area and puts it to each remote host's forwarder;
+//      the packets' final rows on that host's ranks (staged by notify) follow
+//      in one put per host; writes rows for this host's ranks directly.
 //   3. forward: waits for the packets from the same-index ranks of the other
 //      hosts and copies each to its destination ranks of this host.
 //   4. finish: waits until every rank of this host is done writing here,

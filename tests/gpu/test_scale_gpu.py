@@ -1,13 +1,19 @@
-"""Low-latency mode in EP groups larger than normal mode serves: EP 16 and
-EP 32 as 2 and 4 hosts of 8 ranks (DEEP_EP_JAX_GPUS_PER_HOST=8, so ranks of
-other hosts are reached over NVSHMEM), one process per rank spread over the
-GPUs at hand (launch --ranks-per-gpu; the kernels of the processes of one GPU
-are time-sliced, so this checks correctness, not speed). Dispatch then
-combine, in one kernel each and as split halves, bf16 and FP8, fresh random
-and skewed routing, each process checking its own rank bit for bit against
-tests/oracle.py and the xla backend's FP8 quantisation (worker case
-large_ep_low_latency in tests/multiprocess_worker.py). Each launch is also
-runnable by hand, e.g. EP 16 on 2 GPUs:
+"""EP groups beyond 8 ranks, one process per rank spread over the GPUs at
+hand (launch --ranks-per-gpu; the kernels of the processes of one GPU are
+time-sliced, so this checks correctness, not speed), hosts emulated with
+DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
+
+* low-latency mode at EP 16 and EP 32 as 2 and 4 hosts of 8: dispatch then
+  combine, in one kernel each and as split halves, bf16 and FP8, fresh random
+  and skewed routing, each process checking its own rank bit for bit against
+  tests/oracle.py and the xla backend's FP8 quantisation (worker case
+  large_ep_low_latency);
+* normal mode across hosts at 2 x 8, 4 x 4 and 4 x 8: dispatch, combine, a
+  cached dispatch (combine's gradient), bf16 and FP8 pairs, and low-latency
+  mode, against tests/oracle.py (worker case shared_gpu).
+
+No XLA collective runs across the processes: NCCL refuses two ranks on one
+GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
 
     DEEP_EP_JAX_GPUS_PER_HOST=8 NVSHMEM_REMOTE_TRANSPORT=none XLA_PYTHON_CLIENT_PREALLOCATE=false \\
         python -m deep_ep_jax.launch -n 16 --ranks-per-gpu 8 --all-gpus-visible -- \\
@@ -35,7 +41,7 @@ CASE = "large_ep_low_latency"
 RANKS_PER_HOST = 8
 
 
-def _launch(num_ranks, *, timeout):
+def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST):
     from deep_ep_jax import nvshmem
 
     # Not a skip: a GPU host runs these tests (conftest), and NVSHMEM belongs there; without it this is a failure.
@@ -47,13 +53,13 @@ def _launch(num_ranks, *, timeout):
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # many processes per GPU, and this pytest process
     env.pop("XLA_FLAGS", None)  # conftest's CPU device count is not for the workers
-    env["DEEP_EP_JAX_GPUS_PER_HOST"] = str(RANKS_PER_HOST)
+    env["DEEP_EP_JAX_GPUS_PER_HOST"] = str(ranks_per_host)
     # No RDMA NIC needed on one machine: NVSHMEM's peer-to-peer transport carries everything.
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     # Every process sees every GPU (NVSHMEM maps its peers'), JAX uses GPU rank // ranks_per_gpu.
     cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_ranks), "--ranks-per-gpu", str(ranks_per_gpu),
-           "--all-gpus-visible", "--timeout", str(timeout - 15), "--", WORKER, CASE]
+           "--all-gpus-visible", "--timeout", str(timeout - 15), "--", WORKER, case]
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr, time.time() - start
@@ -68,3 +74,14 @@ def test_low_latency_beyond_eight_ranks(num_ranks):
     # Every program and routing ran: 2 kernels' shapes x 2 formats x 4 routings, on every rank.
     assert output.count(f"large_ep R={num_ranks} ") == num_ranks * 16, output[-8000:]
     print(f"EP {num_ranks}: {elapsed:.0f} s")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 8), (4, 4), (4, 8)])
+def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
+    num_ranks = num_hosts * ranks_per_host
+    code, output, elapsed = _launch(num_ranks, timeout=280, case="shared_gpu", ranks_per_host=ranks_per_host)
+    assert code == 0, output[-8000:]
+    for rank in range(num_ranks):
+        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE shared_gpu OK" in output, output[-8000:]
+    assert f"shared_gpu R={num_ranks} on {num_hosts} hosts: normal region" in output, output[-8000:]
+    print(f"{num_hosts} x {ranks_per_host}: {elapsed:.0f} s")

@@ -82,7 +82,8 @@ def print_buffer_sizes():
         staged = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=True)
         print(f"normal ({_case(NORMAL_CASE)}, R={num_ranks}): {_mib(direct)}; "
               f"staged (one process per GPU): {_mib(staged)}")
-    for num_ranks, num_nodes in ((2, 2), (8, 2)):
+    # Hosts of 8 GPUs beyond 8 ranks; the NVSHMEM heap holds about twice the region.
+    for num_ranks, num_nodes in ((2, 2), (8, 2)) + tuple((r, r // 8) for r in LARGE_EP_RANKS if r <= 128):
         size = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens, topk)
         print(f"normal across hosts ({_case(NORMAL_CASE)}, R={num_ranks}, {num_nodes} hosts): {_mib(size)}")
     case = LOW_LATENCY_CASE

@@ -262,22 +262,24 @@ def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
         x = testing.random_rows(42, (num_ranks * num_tokens, hidden))
         num_rows = num_tokens * num_ranks
 
-        def run(x, idx, w):
+        # The combine's rows are an argument: a constant folded into the program would live in memory the
+        # peers cannot map (see the note on constants in docs/design.md).
+        def run(x, idx, w, rows):
             _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=cuda)
             sent = handle.send_pos >= 0
             # Every third sent row of the handle moved out of range, by 0 .. 2 * N.
             bad = sent & (jnp.arange(handle.send_pos.size).reshape(handle.send_pos.shape) % 3 == 0)
             wild = dataclasses.replace(handle, send_pos=jnp.where(bad, num_rows + handle.send_pos * 2, handle.send_pos))
             dropped = dataclasses.replace(handle, send_pos=jnp.where(bad, -1, handle.send_pos))
-            rows = testing.random_rows(43, (num_rows, hidden))
             outs = []
             for h in (wild, dropped):
                 (recv,), _ = cuda.ops.cached_dispatch((x,), None, h, buffer=cuda)
                 outs += [recv, deep_ep_jax.combine(rows, h, buffer=cuda)]
             return tuple(outs) + (dropped.send_pos, bad.sum())
 
+        rows = testing.random_rows(43, (num_ranks * num_rows, hidden))
         recv_wild, out_wild, recv_dropped, out_dropped, send_pos, num_bad = testing.per_rank(run, mesh, AXIS)(
-            x, jnp.asarray(idx), jnp.asarray(w))
+            x, jnp.asarray(idx), jnp.asarray(w), rows)
         assert int(np.asarray(num_bad).sum()) > 0
         assert_bits_equal(out_wild, out_dropped, "combine of out-of-range rows")
         # Cached dispatch: every row the handles still send is the source's token, under both handles.

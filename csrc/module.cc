@@ -303,6 +303,28 @@ py::tuple CreateIpcBufferPy(const std::vector<std::vector<int>>& groups, size_t 
   return py::make_tuple(buffer.buffer_id, handles);
 }
 
+// Runs a test hook on each of the buffer's regions on this process's
+// devices, after synchronising them: normal(state) on its normal region (one
+// host or across hosts), low_latency(state) on its low-latency region.
+template <typename Normal, typename LowLatency>
+void ForEachRegionForTesting(const char* hook, int64_t buffer_id, Normal normal, LowLatency low_latency) {
+  SynchronizeBuffer(buffer_id);
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
+    cudaError_t err = cudaSetDevice(s.device_ordinal);
+    if (err == cudaSuccess && s.normal.local != nullptr) err = normal(s);
+    if (err == cudaSuccess && s.low_latency.local != nullptr) err = low_latency(s);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(previous);
+      throw std::runtime_error(std::string(hook) + " on device " + std::to_string(s.device_ordinal) + ": " +
+                               cudaGetErrorString(err));
+    }
+  }
+  cudaSetDevice(previous);
+}
+
 // Test hook: rewrites the control blocks of the buffer's regions on this
 // process's devices (normal and low-latency) as if `seq` calls had run in
 // each mode, so that a test can run calls across the 2^31 and 2^32 wraps of
@@ -315,60 +337,30 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
     throw std::invalid_argument("set_sequence_for_testing: seq must be in [-2^31, 2^32), got " + std::to_string(seq));
   }
   const int value = int(uint32_t(seq));
-  SynchronizeBuffer(buffer_id);
-  int previous = 0;
-  cudaGetDevice(&previous);
-  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
-    cudaError_t err = cudaSetDevice(s.device_ordinal);
-    if (err == cudaSuccess && s.normal.local != nullptr) {
+  ForEachRegionForTesting(
+      "set_sequence_for_testing", buffer_id,
+      [value](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-      err = s.nvshmem ? internode::SetSequenceForTesting(s.normal.local, s.num_ranks, value)
-                      : intranode::SetSequenceForTesting(s.normal.local, value);
-#else
-      err = intranode::SetSequenceForTesting(s.normal.local, value);
+        if (s.nvshmem) return internode::SetSequenceForTesting(s.normal.local, s.num_ranks, value);
 #endif
-    }
-    if (err == cudaSuccess && s.low_latency.local != nullptr) {
-      err = low_latency::SetSequenceForTesting(s.low_latency.local, value);
-    }
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      cudaSetDevice(previous);
-      throw std::runtime_error(std::string("set_sequence_for_testing on device ") +
-                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
-    }
-  }
-  cudaSetDevice(previous);
+        return intranode::SetSequenceForTesting(s.normal.local, value);
+      },
+      [value](const DeviceState& s) { return low_latency::SetSequenceForTesting(s.low_latency.local, value); });
 }
 
 // Test hook: marks the buffer's regions on this process's devices as if a
 // call were running there (normal and low-latency), so that the next call
 // stops as overlapping (kernels/device.cuh, EnterCall). Synchronises first.
 void MarkCallRunningForTesting(int64_t buffer_id) {
-  SynchronizeBuffer(buffer_id);
-  int previous = 0;
-  cudaGetDevice(&previous);
-  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
-    cudaError_t err = cudaSetDevice(s.device_ordinal);
-    if (err == cudaSuccess && s.normal.local != nullptr) {
+  ForEachRegionForTesting(
+      "mark_call_running_for_testing", buffer_id,
+      [](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-      err = s.nvshmem ? internode::MarkCallRunningForTesting(s.normal.local)
-                      : intranode::MarkCallRunningForTesting(s.normal.local);
-#else
-      err = intranode::MarkCallRunningForTesting(s.normal.local);
+        if (s.nvshmem) return internode::MarkCallRunningForTesting(s.normal.local);
 #endif
-    }
-    if (err == cudaSuccess && s.low_latency.local != nullptr) {
-      err = low_latency::MarkCallRunningForTesting(s.low_latency.local);
-    }
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      cudaSetDevice(previous);
-      throw std::runtime_error(std::string("mark_call_running_for_testing on device ") +
-                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
-    }
-  }
-  cudaSetDevice(previous);
+        return intranode::MarkCallRunningForTesting(s.normal.local);
+      },
+      [](const DeviceState& s) { return low_latency::MarkCallRunningForTesting(s.low_latency.local); });
 }
 
 }  // namespace

@@ -22,7 +22,7 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
                DEEP_EP_JAX_GPUS_PER_HOST=8: CUDA low-latency mode at EP = the process
-               count (beyond normal mode's 8 ranks), hosts of 8 emulated over NVSHMEM,
+               count (beyond one host's 8 ranks), hosts of 8 emulated over NVSHMEM,
                each process checking its own rank as shared_gpu does
   internode_normal       with DEEP_EP_JAX_GPUS_PER_HOST=1: CUDA normal mode across hosts
                (internode kernels over NVSHMEM) vs the xla backend
@@ -285,6 +285,35 @@ def case_launch_mismatch():
     log("NO LAUNCH MISMATCH ERROR")
 
 
+def _own_rank_io(mesh, name, timeout_s):
+    """(put, run) for cases where processes share GPUs and nothing may cross
+    processes (NCCL refuses two ranks on one GPU): put(a) makes a global array
+    of which each process fills its own shard; run(fn, *args) runs fn per rank
+    (compiled once per fn) after a barrier, so no kernel waits on a peer that
+    is still compiling, and returns this rank's block of each output ([R, ...]
+    outputs; bf16 and FP8 as float32)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    barriers = iter(range(1 << 30))
+    compiled = {}
+
+    def put(a):
+        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+    def mine(a):
+        a = np.asarray(a.addressable_shards[0].data)[0]
+        return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
+
+    def run(fn, *args):
+        if fn not in compiled:
+            compiled[fn] = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile()
+        multiprocess.barrier(f"deep_ep_jax/test/{name}/{next(barriers)}", timeout_s)
+        return jax.tree.map(mine, compiled[fn](*args))
+
+    return put, run
+
+
 def case_shared_gpu():
     """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
     backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
@@ -294,7 +323,6 @@ def case_shared_gpu():
     checks its own rank. On CPU (launch --cpu) it runs the xla backend, to
     check the case itself."""
     import oracle
-    from jax.sharding import NamedSharding, PartitionSpec
 
     platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
     num_ranks = jax.device_count()
@@ -311,23 +339,7 @@ def case_shared_gpu():
     if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    barriers = iter(range(1 << 30))
-    compiled = {}
-
-    def put(a):  # each process fills its own shard: nothing crosses processes
-        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
-
-    def mine(a):  # this rank's block of a per-rank output [R, ...], bf16 and FP8 as float32
-        a = np.asarray(a.addressable_shards[0].data)[0]
-        return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
-
-    def run(fn, *args):
-        if fn not in compiled:
-            compiled[fn] = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile()
-        # Every rank starts together: a kernel waiting for a peer that is still compiling would time out.
-        multiprocess.barrier(f"deep_ep_jax/test/shared_gpu/{next(barriers)}", buffer.config.timeout_s)
-        return jax.tree.map(mine, compiled[fn](*args))
+    put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)
 
     def routing(kind):
         idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
@@ -454,8 +466,8 @@ def case_shared_gpu():
 
 
 def case_large_ep_low_latency():
-    """An EP group larger than normal mode serves (R = the process count,
-    e.g. 16 or 32), cut into hosts of DEEP_EP_JAX_GPUS_PER_HOST ranks that
+    """An EP group beyond one host's 8 ranks (R = the process count, e.g. 16
+    or 32), cut into hosts of DEEP_EP_JAX_GPUS_PER_HOST ranks that
     reach each other over NVSHMEM, several processes per GPU (launch
     --ranks-per-gpu, time-sliced): low-latency dispatch then combine, in one
     kernel each and as split halves, bf16 and FP8, fresh random and skewed
@@ -466,7 +478,6 @@ def case_large_ep_low_latency():
     rows and scales). On CPU (launch --cpu) it runs the xla backend, to
     check the case itself."""
     import oracle
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from deep_ep_jax.backends import reference
 
@@ -485,38 +496,9 @@ def case_large_ep_low_latency():
                         low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens, config=config)
     if cuda:
         assert buffer.spans_hosts and buffer.num_nodes == -(-num_ranks // config.gpus_per_host), buffer
-        assert buffer.num_nvl_bytes == 0, "beyond normal mode's ranks the Buffer has no normal region"
         log(f"{buffer}: {buffer.num_nodes} hosts, region {buffer.num_rdma_bytes} + send area "
             f"{buffer.num_send_bytes} bytes")
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    barriers = iter(range(1 << 30))
-    compiled = {}
-
-    def put(a):  # each process fills its own shard: nothing crosses processes
-        return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
-
-    def mine(a):  # this rank's block of a per-rank output [R, ...], bf16 and FP8 as float32
-        a = np.asarray(a.addressable_shards[0].data)[0]
-        return a.astype(np.float32) if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a
-
-    def run(fn, *args):
-        if fn not in compiled:
-            compiled[fn] = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile()
-        # Every rank starts together: a kernel waiting for a peer that is still compiling would time out.
-        multiprocess.barrier(f"deep_ep_jax/test/large_ep/{next(barriers)}", config.timeout_s)
-        return jax.tree.map(mine, compiled[fn](*args))
-
-    if cuda:  # normal mode says why it cannot run, at trace time
-        specs = [jax.ShapeDtypeStruct((num_ranks * num_tokens,) + shape, dtype)
-                 for shape, dtype in (((hidden,), jnp.bfloat16), ((topk,), jnp.int32), ((topk,), jnp.float32))]
-        try:
-            jax.eval_shape(_per_rank(lambda x, i, w: dej.dispatch(x, i, w, num_experts=num_experts, buffer=buffer)[0],
-                                     mesh, AXIS), *specs)
-        except ValueError as e:
-            assert f"normal mode supports at most 8 ranks in all across hosts (for now), the EP group has " \
-                   f"{num_ranks}" in str(e), str(e)
-        else:
-            raise AssertionError("normal mode traced beyond its ranks")
+    put, run = _own_rank_io(mesh, "large_ep", config.timeout_s)
 
     def bf16_rows(shape, wide=False):
         # wide: half the values +-2^24, which cancel in sums, so that a sum in another order comes out different.

@@ -108,7 +108,8 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   constexpr const char* fn = "deep_ep_jax_internode_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
@@ -145,7 +146,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   constexpr const char* fn = "deep_ep_jax_internode_cached_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
@@ -173,7 +175,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   constexpr const char* fn = "deep_ep_jax_internode_combine";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
   NormalShapes s{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
                                                DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));

@@ -60,8 +60,9 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
                    int64_t chunk_tokens, int64_t staged, const DeviceState** state, LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   if ((*state)->num_ranks > kMaxNvlinkRanks) {
-    return Invalid(fn, "normal mode supports at most " + Str(kMaxNvlinkRanks) + " ranks on one host (one NVLink domain), the buffer has " +
-                           Str((*state)->num_ranks) + " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
+    return Invalid(fn, "normal mode supports at most " + Str(kMaxNvlinkRanks) +
+                           " ranks on one host (one NVLink domain), the buffer has " + Str((*state)->num_ranks) +
+                           " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
   }
   if ((*state)->normal.local == nullptr) return Invalid(fn, "buffer " + Str(buffer_id) + " has no normal-mode region");
   DEEP_EP_JAX_RETURN_IF_ERROR(
@@ -95,7 +96,8 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
+              &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -134,7 +136,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
+              &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -164,7 +167,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
+              &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};

@@ -1,5 +1,7 @@
 #include "ffi/common.h"
 
+#include <cuda.h>
+
 #include <climits>
 
 namespace deep_ep_jax {
@@ -78,6 +80,52 @@ ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_rank
 
 // ---------------------------------------------------------------------------
 // Normal mode.
+
+namespace {
+
+using PointerGetAttribute = CUresult (*)(void* data, CUpointer_attribute attribute, CUdeviceptr ptr);
+
+// The driver's cuPointerGetAttribute, through the runtime (the module links
+// no libcuda); null if the driver lacks it.
+PointerGetAttribute DriverPointerGetAttribute() {
+  static const PointerGetAttribute fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return PointerGetAttribute(nullptr);
+    }
+    return reinterpret_cast<PointerGetAttribute>(f);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+// Memory XLA allocates can be shared: cuMemAlloc (legacy IPC), a
+// virtual-memory allocation made exportable (XLA's default), or a memory
+// pool (cuda_async). Module memory, where XLA keeps a program's constants,
+// is none of these, and peers reading it fail with an illegal address.
+ffi::Error CheckPeersCanRead(const char* fn, const char* what, const void* ptr) {
+  const PointerGetAttribute get = DriverPointerGetAttribute();
+  if (get == nullptr || ptr == nullptr) return ffi::Error::Success();  // nothing to ask: trust it
+  const CUdeviceptr p = reinterpret_cast<CUdeviceptr>(ptr);
+  int ipc = 0;
+  uint64_t handle_types = 0;
+  void* pool = nullptr;
+  if (get(&ipc, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) != CUDA_SUCCESS ||
+      get(&handle_types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, p) != CUDA_SUCCESS ||
+      get(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, p) != CUDA_SUCCESS) {
+    return ffi::Error::Success();  // an older driver: trust it
+  }
+  if (ipc || handle_types || pool) return ffi::Error::Success();
+  return Invalid(fn, std::string(what) +
+                         " is a constant of the compiled program (XLA keeps constants in module memory, which the "
+                         "other GPUs of a one-process EP group cannot read). Pass it to the jitted function as an "
+                         "argument, or compute it from one");
+}
 
 namespace {
 

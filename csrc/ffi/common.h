@@ -40,6 +40,10 @@ ffi::Error FindBuffer(const char* fn, int64_t buffer_id, int device, const Devic
 // The order state's operand and result as int32 [1], as the kernels' CallOrder.
 ffi::Error CheckCallOrder(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
                           CallOrder* call);
+// Success if other GPUs can read `ptr` (an XLA buffer the peers of a
+// direct-mode call read in place), or Invalid naming `what`: XLA keeps the
+// constants of a program in module memory, which other GPUs cannot map.
+ffi::Error CheckPeersCanRead(const char* fn, const char* what, const void* ptr);
 // Normal mode's launch knobs against the kernels' bounds.
 ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int64_t num_warps, int max_warps,
                             int64_t timeout_ns);

@@ -179,6 +179,10 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   const int64_t row_bytes[kMaxRowArrays] = {s.hidden * 2, 0};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, row_bytes, s.num_topk, 0));
   const int64_t num_topk = s.num_topk;
+  if (!config.staged) {  // the peers read x and the weights in place
+    DEEP_EP_JAX_RETURN_IF_ERROR(CheckPeersCanRead(fn, "x", x.untyped_data()));
+    if (num_topk > 0) DEEP_EP_JAX_RETURN_IF_ERROR(CheckPeersCanRead(fn, "topk_weights", topk_weights.untyped_data()));
+  }
 
   intranode::CombineParams p{};
   p.x = x.typed_data();

@@ -95,7 +95,7 @@ def routing(seed, num_ranks, num_tokens, num_experts, topk, kind):
     return jnp.asarray(idx), jnp.asarray(w)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def dispatch_combine_runner(buffer, mesh, num_experts, num_worst_tokens):
     """Per rank: dispatch, combine of fresh rows y with the received weights,
     and the backend's cached dispatch of x along the same handle."""
@@ -289,6 +289,42 @@ def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
             row = send_pos[src, t, dst]
             np.testing.assert_array_equal(wild_rows[dst, row], x_rows[src, t])
             np.testing.assert_array_equal(dropped_rows[dst, row], x_rows[src, t])
+    finally:
+        cuda.destroy()
+
+
+@gpu
+def test_combine_of_a_constant_fails_clearly(mesh):
+    """Direct mode's peers read combine's rows where XLA keeps them; rows XLA
+    folded into a constant of the program live in module memory the other GPU
+    cannot map. The call fails with a message naming x, not an illegal address,
+    and the same rows as an argument combine as the reference does."""
+    num_ranks, num_tokens, hidden, topk = mesh.shape[AXIS], 64, 512, 4
+    num_experts = 4 * num_ranks
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden)
+    try:
+        idx, w = testing.make_routing(51, num_ranks * num_tokens, num_experts, topk, num_ranks)
+        x = testing.random_rows(52, (num_ranks * num_tokens, hidden))
+        rows = np.asarray(testing.random_rows(53, (num_tokens * num_ranks, hidden)))  # bf16 numpy
+
+        def run(x, idx, w, *arg_rows):
+            _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=cuda)
+            # Without an argument: numpy rows captured by the program, a constant of it.
+            r = arg_rows[0] if arg_rows else jnp.asarray(rows)
+            return deep_ep_jax.combine(r, handle, buffer=cuda)
+
+        args = (x, jnp.asarray(idx), jnp.asarray(w))
+        with pytest.raises(Exception, match="x is a constant of the compiled program"):
+            np.asarray(testing.per_rank(run, mesh, AXIS)(*args))
+        per_rank_rows = jnp.tile(jnp.asarray(rows), (num_ranks, 1))
+        out = testing.per_rank(run, mesh, AXIS)(*args, per_rank_rows)
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+
+        def run_xla(x, idx, w, r):
+            _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=xla)
+            return deep_ep_jax.combine(r, handle, buffer=xla)
+
+        assert_bits_equal(out, testing.per_rank(run_xla, mesh, AXIS)(*args, per_rank_rows), "combine of argument rows")
     finally:
         cuda.destroy()
 
@@ -661,7 +697,7 @@ def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
 def test_trace_checks_cpu():
     staged_region_bytes = _native.extension().staged_region_bytes
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
-    recv_xs, recv_idx, recv_w, handle = _trace_dispatch(_FakeBuffer(), x)
+    recv_xs, recv_idx, _, handle = _trace_dispatch(_FakeBuffer(), x)
     assert recv_xs[0].shape == (32, 256) and recv_idx.shape == (32, 4) and handle.send_pos.shape == (16, 2)
     assert handle.num_recv_tokens_per_expert.shape == (4,)
     with pytest.raises(ValueError, match="multiple of 8"):

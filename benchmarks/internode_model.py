@@ -33,10 +33,11 @@ Time: each resource moves its bytes at line rate x an efficiency; on links
 slowest GPU counts. "serial" runs the kernels' steps one after another, as
 today's kernels do (dispatch: network puts beside the own-host NVLink stores,
 then the NVLink forward, then the copy out); "pipelined" overlaps them by
-chunk: time = the busiest resource + the fill and drain of one chunk (the
-other resources' time for one chunk), where a chunk is chunk_tokens tokens of
-each of the channels. Both add a fixed cost per call (count exchange, flags,
-launches). "bound": the busiest resource at line rate, no fixed cost.
+chunk: time = the busiest resource + the fill and drain of one chunk (its
+time through the serial steps, less its turn at the busiest resource), where
+a chunk is chunk_tokens tokens of each of the channels. Both add a fixed cost
+per call (count exchange, flags, launches). "bound": the busiest resource at
+line rate, no fixed cost.
 
 Bandwidth is DeepEP's formula (docs/design.md section 3): bytes of all rows a
 GPU receives, local ones included (FP8: data + scales; combine counts the

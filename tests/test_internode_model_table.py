@@ -240,3 +240,10 @@ def test_command_line():
     assert "| 3 x 2 | combine bf16, per host |" in table
     bad = subprocess.run(common[:2] + ["--configs", "2by8"], check=False, capture_output=True, text=True)
     assert bad.returncode != 0 and "HOSTSxGPUS" in bad.stderr
+
+
+def test_docs_table_is_the_scripts_output():
+    """docs/internode.md shows what `python benchmarks/internode_model.py` prints (seed 0)."""
+    docs = (BENCHMARKS.parent / "docs" / "internode.md").read_text()
+    table = im.markdown(im.run(im.Case(), im.Machine()))
+    assert table in docs, "regenerate the table in docs/internode.md: python benchmarks/internode_model.py"

@@ -241,7 +241,7 @@ def check_logits(got, want, backend: str, fp8: bool) -> bool:
     near-tie can pick another expert on one path and differ more: 2% of the
     sequences may."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    tolerance, scale = (0.02 if fp8 else 0.005), np.abs(want).max()
+    tolerance, scale = (0.03 if fp8 else 0.01), np.abs(want).max()
     error = np.abs(got - want).max(axis=1)
     within = error <= tolerance * scale
     allowed = int(np.ceil(0.02 * len(error)))

@@ -130,7 +130,8 @@ def test_grad_of_a_swiglu_loss():
     d_out = 2 * out
     d_act = oracle.input_grad(d_out, w_out, sizes)
     d_h = np.concatenate([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], axis=1)
-    want = (oracle.input_grad(d_h, w_in, sizes), oracle.weight_grad(x, d_h, sizes), oracle.weight_grad(act, d_out, sizes))
+    want = (oracle.input_grad(d_h, w_in, sizes), oracle.weight_grad(x, d_h, sizes),
+            oracle.weight_grad(act, d_out, sizes))
     for name, got, w in zip(("dx", "dw_in", "dw_out"), grads, want):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
 

@@ -7,6 +7,7 @@ All operations run per rank inside `jax.shard_map` over the buffer's axis.
 
 from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.config import Config
+from deep_ep_jax.grouped_gemm import grouped_matmul
 from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
 from deep_ep_jax.low_latency import (
     low_latency_combine,
@@ -32,6 +33,7 @@ __all__ = [
     "combine",
     "dispatch",
     "get_dispatch_layout",
+    "grouped_matmul",
     "low_latency_combine",
     "low_latency_combine_recv",
     "low_latency_combine_send",

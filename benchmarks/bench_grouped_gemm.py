@@ -1,0 +1,293 @@
+"""Grouped GEMM of the experts on one GPU: one expert SwiGLU
+(x [M, 7168] -> w_in [G, 7168, 4096] -> silu(gate) * up -> w_out [G, 2048, 7168])
+through deep_ep_jax.grouped_matmul, forward and forward + backward, with the
+Mosaic GPU kernels (impl="mgpu") beside jax.lax.ragged_dot (impl="xla", through
+JAX's Pallas-Triton grouped kernel: XLA's own GPU lowering is a dense dot over
+all G groups).
+
+    python benchmarks/bench_grouped_gemm.py            # the MoE benchmark's shapes, one rank
+    python benchmarks/bench_grouped_gemm.py --sweep    # first, the block sizes of each kernel
+    python benchmarks/bench_grouped_gemm.py --align 128 --json gemm.json
+
+Group sizes: random top-8 routing of 4096 tokens x 2 ranks over 256 experts,
+this rank's 128 experts (about 32768 pairs), each group rounded up to
+--align rows (the expert-major layout's alignment; the extra rows are zeros
+inside the group and computed). M, the static row count, is the sum rounded
+up to 128 unless --rows gives it (the Mosaic kernels' cost follows M, not the
+sum). Useful TFLOP/s count the routed pairs only: 2 * pairs * K * N per
+matmul, x3 for forward + backward.
+
+Timing (timing.chain_seconds): a jitted chain of n steps and one of 2n, each
+step's input depending on the previous step's output; time per step = the
+difference / n; median and p10-p90 over --repeats.
+
+--sweep times each Mosaic kernel alone (forward, input gradient, weight
+gradient; both matmuls' shapes summed) over a small grid of block sizes, in
+one jitted loop per configuration, checks each against the xla path, and
+prints the best, as a GroupedMatmulBlocks to paste into DEFAULT_BLOCKS; the
+SwiGLU is then timed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on our hosts
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import chain_seconds, environment, touch
+
+from deep_ep_jax import grouped_gemm as gg
+
+
+def routed_group_sizes(rng, tokens, ranks, experts, topk, align):
+    """(pairs per local expert, the same rounded up to align) of rank 0's experts."""
+    scores = rng.standard_normal((tokens * ranks, experts))
+    chosen = np.argpartition(-scores, topk, axis=1)[:, :topk]
+    counts = np.bincount(chosen.ravel(), minlength=experts)[: experts // ranks]
+    return counts.astype(np.int32), (-(-counts // align) * align).astype(np.int32)
+
+
+def make_inputs(key, num_rows, counts, sizes, hidden, ffn):
+    """x with zeros on every row that is not a routed pair, weights of unit-scale outputs, dy."""
+    kx, ki, ko, kd = jax.random.split(key, 4)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pair_rows = np.zeros(num_rows, bool)
+    for start, count in zip(starts, counts):
+        pair_rows[start:start + count] = True
+    x = jnp.where(pair_rows[:, None], jax.random.normal(kx, (num_rows, hidden), jnp.bfloat16), 0)
+    w_in = jax.random.normal(ki, (len(sizes), hidden, 2 * ffn), jnp.bfloat16) * jnp.bfloat16(hidden**-0.5)
+    w_out = jax.random.normal(ko, (len(sizes), ffn, hidden), jnp.bfloat16) * jnp.bfloat16(ffn**-0.5)
+    dy = jax.random.normal(kd, (num_rows, hidden), jnp.bfloat16)
+    return x, w_in, w_out, dy
+
+
+def swiglu(x, w_in, w_out, sizes, impl, blocks):
+    h = gg.grouped_matmul(x, w_in, sizes, impl=impl, block_sizes=blocks)
+    gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
+    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, impl=impl, block_sizes=blocks)
+
+
+def forward_step(impl, blocks):
+    def step(x, dy, w_in, w_out, sizes):
+        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, impl, blocks))
+        return touch(x, out[:1, :1]), dy
+    return step
+
+
+def forward_backward_step(impl, blocks):
+    def step(x, dy, w_in, w_out, sizes):
+        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, impl, blocks), x, w_in, w_out)
+        out, dx, dw_in, dw_out = lax.optimization_barrier((out, *vjp(dy)))
+        link = out[:1, :1] + dx[:1, :1] + dw_in[0, :1, :1] + dw_out[0, :1, :1]
+        # dy changes too: else XLA could hoist dy @ w_out^T out of the loop.
+        return touch(x, link), touch(dy, link)
+    return step
+
+
+def chain(step, length):
+    """One jitted program of `length` steps, each on the previous one's x and dy."""
+    def run(x, dy, *weights):
+        x, _ = lax.fori_loop(0, length, lambda _, carry: step(*carry, *weights), (x, dy))
+        return x[:1, :1]
+    return jax.jit(run)
+
+
+def time_step(step, inputs, length, repeats):
+    return chain_seconds(chain(step, length), chain(step, 2 * length), inputs, length, repeats)
+
+
+# Block-size sweep ---------------------------------------------------------------
+
+ROW_TILED = [(128, 128), (64, 256)]  # (block_m, block_n) of ragged_dot_mgpu
+SWEEP_GRIDS = {
+    "forward": [gg.KernelBlocks(m, n, 64, steps, gbn) for (m, n), steps, gbn
+                in itertools.product(ROW_TILED, (3, 5), (1, 8))],
+    "input_grad": [gg.KernelBlocks(m, n, 64, steps, gbn) for (m, n), steps, gbn
+                   in itertools.product(ROW_TILED, (3, 5), (1, 8))],
+    "weight_grad": [gg.KernelBlocks(m, n, k, steps, 4) for (m, n), k, steps
+                    in itertools.product([(128, 128), (64, 128)], (64, 128), (2, 4))],
+}
+
+
+def kernel_call(kernel, blocks, impl):
+    """fn([(a, b, sizes)] of both matmuls) -> [one kernel's output of each]: a is the
+    [M, *] operand the loop carries (x, or dy for the input gradient)."""
+    use_mgpu = impl == "mgpu"
+    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, x, w, sizes),
+           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, dy, w, sizes),
+           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, x, dy, sizes)}[kernel]
+    return lambda operands: [one(*ops) for ops in operands]
+
+
+def kernel_operands(key, kernel, num_rows, sizes, w_in, w_out):
+    """[(a, b, sizes)] of `kernel` for the SwiGLU's two matmuls, rows padded to 128 as the wrapper does."""
+    rows = -(-num_rows // 128) * 128
+    (_, hidden, ffn2), ffn = w_in.shape, w_out.shape[1]
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    x1, dy1 = jax.random.normal(k1, (rows, hidden), jnp.bfloat16), jax.random.normal(k2, (rows, ffn2), jnp.bfloat16)
+    x2, dy2 = jax.random.normal(k3, (rows, ffn), jnp.bfloat16), jax.random.normal(k4, (rows, hidden), jnp.bfloat16)
+    if kernel == "forward":
+        return [(x1, w_in, sizes), (x2, w_out, sizes)]
+    if kernel == "input_grad":
+        return [(dy1, w_in, sizes), (dy2, w_out, sizes)]
+    return [(x1, dy1, sizes), (x2, dy2, sizes)]
+
+
+def loop_seconds(fn, operands, length, repeats):
+    """(seconds per call of fn, fn(operands)) from one jitted program: fn once on the
+    operands, then a loop of `length` calls, each on the previous one's output
+    (the ~0.3 ms host cost of a call is a few % of calls of milliseconds each:
+    good enough to rank block sizes). One program: Mosaic kernels compile slowly."""
+    def run(operands):
+        def body(_, ops):
+            outs = lax.optimization_barrier(fn(ops))
+            return [(touch(a, out.reshape(-1)[:1].reshape(1, 1)), *rest) for (a, *rest), out in zip(ops, outs)]
+        return fn(operands), lax.fori_loop(0, length, body, operands)[0][0][:1, :1]
+    run = jax.jit(run)
+    outputs, _ = jax.block_until_ready(run(operands))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(operands))
+        samples.append((time.perf_counter() - t0) / (length + 1))
+    return float(np.median(samples)), outputs
+
+
+def sweep(key, num_rows, sizes, w_in, w_out, repeats):
+    """{kernel: best KernelBlocks}, each checked against the xla path (on the group rows)."""
+    total = int(sizes.sum())
+    sizes = jnp.asarray(sizes)
+    best = {}
+    for kernel, grid in SWEEP_GRIDS.items():
+        operands = kernel_operands(key, kernel, num_rows, sizes, w_in, w_out)
+        want = jax.jit(kernel_call(kernel, gg.DEFAULT_BLOCKS, "xla"))(operands)
+        if kernel != "weight_grad":  # the Mosaic kernels leave rows past the groups unwritten
+            want = [r[:total] for r in want]
+        print(f"\n| {kernel} blocks | ms (both matmuls) |\n|---|---|")
+        timed = []
+        for kb in grid:
+            blocks = dataclasses.replace(gg.DEFAULT_BLOCKS, **{kernel: kb})
+            try:
+                seconds, got = loop_seconds(kernel_call(kernel, blocks, "mgpu"), operands, 5, repeats)
+            except Exception as e:  # noqa: BLE001  (e.g. over the shared memory: not a candidate)
+                print(f"| {kb} | fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:100]} |")
+                continue
+            if kernel != "weight_grad":
+                got = [g[:total] for g in got]
+            err = max(float(relative_error(g, r)) for g, r in zip(got, want))
+            if err > 2e-2:
+                print(f"| {kb} | wrong: max error {err:.3g} of the largest value |")
+                continue
+            timed.append((seconds, kb))
+            print(f"| {kb} | {seconds * 1e3:.3f} |", flush=True)
+        if timed:
+            best[kernel] = min(timed, key=lambda t: t[0])[1]
+    return best
+
+
+@jax.jit
+def relative_error(got, want):
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6)
+
+
+# Main ---------------------------------------------------------------------------
+
+
+def use_triton_ragged_dot():
+    """Lowers jax.lax.ragged_dot to JAX's Pallas-Triton grouped matmul; False where it is missing."""
+    try:
+        from jax._src.lax.pallas_lowerings.gpu import ragged_dot  # noqa: F401
+    except ImportError:
+        return False
+    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--align", type=int, default=1, help="round each group up to this many rows")
+    p.add_argument("--rows", type=int, default=0, help="static M (default: the aligned sum rounded up to 128)")
+    p.add_argument("--impls", default="mgpu,xla", help="comma list of mgpu, xla")
+    p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
+    p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    env = environment()
+    hopper = gg.is_hopper_gpu()
+    impls = [i for i in args.impls.split(",") if i != "mgpu" or hopper]
+    if "mgpu" in args.impls and not hopper:
+        print("# no Hopper GPU here: impl=mgpu left out")
+    if "xla" in impls and env["platform"] == "gpu" and not use_triton_ragged_dot():
+        print("# no Pallas-Triton ragged_dot in this jax: impl=xla would be a dense dot over all groups; left out")
+        impls.remove("xla")
+
+    counts, sizes = routed_group_sizes(np.random.default_rng(args.seed), args.tokens, args.ranks, args.experts,
+                                       args.topk, args.align)
+    num_rows = args.rows or -(-int(sizes.sum()) // 128) * 128
+    if num_rows < sizes.sum():
+        p.error(f"--rows {num_rows} < {int(sizes.sum())} rows of the aligned groups")
+    pairs = int(counts.sum())
+    x, w_in, w_out, dy = make_inputs(jax.random.key(args.seed), num_rows, counts, sizes, args.hidden, args.ffn)
+    sizes_dev = jnp.asarray(sizes)
+    flops = 2 * pairs * args.hidden * 2 * args.ffn + 2 * pairs * args.ffn * args.hidden
+    print(f"# {env['devices'][0]}, jax {env['jax']}; {pairs} pairs in {len(sizes)} groups (sizes "
+          f"{sizes.min()}-{sizes.max()}, align {args.align}), M = {num_rows} rows; SwiGLU hidden {args.hidden}, "
+          f"ffn {args.ffn}; chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats")
+
+    blocks = gg.DEFAULT_BLOCKS
+    swept = {}
+    if args.sweep and "mgpu" in impls:
+        swept = sweep(jax.random.key(args.seed + 1), num_rows, sizes, w_in, w_out, args.repeats)
+        blocks = dataclasses.replace(blocks, **swept)
+        print(f"\n# best: {blocks}")
+
+    results = []
+    print("\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s |\n|---|---|---|---|---|")
+    outputs = {}
+    for impl in impls:
+        inputs = (x, dy, w_in, w_out, sizes_dev)
+        outputs[impl] = jax.jit(swiglu, static_argnums=(4, 5))(x, w_in, w_out, sizes_dev, impl, blocks)
+        for name, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
+                                                                     3 * flops)):
+            seconds = time_step(step(impl, blocks), inputs, args.chain, args.repeats)
+            p10, p50, p90 = np.percentile(seconds, [10, 50, 90])
+            results.append({"impl": impl, "op": name, "ms_median": p50 * 1e3, "ms_p10": p10 * 1e3,
+                            "ms_p90": p90 * 1e3, "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist()})
+            print(f"| {impl} | {name} | {p50 * 1e3:.3f} | {p10 * 1e3:.3f}-{p90 * 1e3:.3f} | "
+                  f"{work / p50 / 1e12:.1f} |", flush=True)
+    if len(outputs) == 2:
+        print(f"\n# mgpu vs xla output: max error {float(relative_error(outputs['mgpu'], outputs['xla'])):.2e} "
+              "of the largest value")
+    print(f"# {time.perf_counter() - start:.0f} s in all")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "args": vars(args), "pairs": pairs, "rows": num_rows, "sizes": sizes.tolist(),
+                       "blocks": dataclasses.asdict(blocks), "swept": sorted(swept), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Grouped matmul for the experts: y[m] = x[m] @ w[g(m)] over contiguous row groups.
+
+    y = grouped_matmul(x, w, group_sizes)     # x [M, K], w [G, K, N] -> y [M, N]
+
+Row m belongs to group g when offset[g] <= m < offset[g] + group_sizes[g]
+(offsets: the exclusive cumsum of group_sizes); rows past sum(group_sizes) are
+padding: their output rows are 0 and they get zero gradient. Products
+accumulate in float32; the output has x's dtype. Gradients (custom_vjp):
+dx = dy @ w[g]^T per group, dw[g] = x_g^T dy_g; group_sizes has none.
+
+impl="auto" runs JAX's Mosaic GPU kernels on a Hopper GPU (compute
+capability 9.x; `ragged_dot_mgpu` for y and dx, `transposed_ragged_dot_mgpu`
+for dw) when the shapes fit their tiles (see `mgpu_unsupported_reason`), and
+`jax.lax.ragged_dot` otherwise. impl="mgpu" or "xla" forces one; "mgpu" raises
+a ValueError where the shapes do not fit. Notes on the mgpu path:
+- The kernels leave rows past sum(group_sizes) unwritten: the wrapper masks
+  y and dx there (a select, fused by XLA into a neighbouring elementwise op
+  where there is one).
+- Their cost follows M, not sum(group_sizes): tiles past the last group still
+  run (and are thrown away). Keep M near the worst case you need.
+- M not a multiple of `row_multiple(blocks)` (128 by default) costs a padded
+  copy of x; make the expert-major layout's row count a multiple of it.
+- dw multiplies the padding rows of x just past the last group by zero: they
+  must hold finite values (zero them where they may hold NaN, as the padding
+  rows of `dispatch`'s output may).
+On a GPU, jax.lax.ragged_dot (the "xla" path) expands to a dense dot over all
+groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
+(`jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLS = ("auto", "mgpu", "xla")
+MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+    """Tiles of one Mosaic GPU kernel, under the kernels' own argument names."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    max_concurrent_steps: int
+    grid_block_n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedMatmulBlocks:
+    """Block sizes of the three kernel calls of one forward + backward."""
+
+    forward: KernelBlocks  # ragged_dot_mgpu: y = x @ w[g]
+    input_grad: KernelBlocks  # ragged_dot_mgpu(transpose_rhs=True): dx = dy @ w[g]^T
+    weight_grad: KernelBlocks  # transposed_ragged_dot_mgpu: dw[g] = x_g^T dy_g (its k runs over rows)
+
+
+# Not tuned yet: sizes from the kernels' own test grids that fit Hopper's
+# shared memory. benchmarks/bench_grouped_gemm.py --sweep finds the H200's.
+DEFAULT_BLOCKS = GroupedMatmulBlocks(
+    forward=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    input_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    weight_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+)
+
+
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None):
+    """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
+
+    Negative group sizes count as 0 and groups are cut at row M, so a bad
+    group_sizes never reads or writes past x and y. See the module docstring
+    for `impl` and `block_sizes`."""
+    blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
+    _validate(x, w, group_sizes, impl, blocks)
+    use_mgpu = _use_mgpu(impl, x, w, blocks)
+    num_rows = x.shape[0]
+    group_sizes = _clamp_group_sizes(group_sizes, num_rows)
+    # One vma for all three (shard_map): the custom_vjp's cotangents then match
+    # their primals, and a weight replicated over the axis gets its gradient summed.
+    x, w, group_sizes = _vary_together(x, w, group_sizes)
+    padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
+    if padded_rows != num_rows:
+        x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
+    y = _grouped_matmul(use_mgpu, blocks, x, w, group_sizes)[:num_rows]
+    # Outside the custom_vjp: its transpose also zeroes dy's padding rows.
+    return jnp.where(_valid_rows(num_rows, group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+
+
+def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
+    """The mgpu path pads x's rows to a multiple of this (every kernel's row tile)."""
+    return math.lcm(blocks.forward.block_m, blocks.input_grad.block_m, blocks.weight_grad.block_k)
+
+
+def mgpu_unsupported_reason(x_shape, w_shape, dtype, blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> str | None:
+    """Why the Mosaic GPU kernels cannot take these shapes, or None if they can.
+
+    They need 16-bit floats, K and N whole multiples of the tiles that split
+    them (each kernel stores and loads whole tiles along K and N), and rows."""
+    num_rows, k = x_shape
+    _, _, n = w_shape
+    if jnp.dtype(dtype) not in MGPU_DTYPES:
+        return f"dtype {jnp.dtype(dtype)} (the kernels take bfloat16 or float16)"
+    if num_rows == 0:
+        return "no rows"
+    f, dx, dw = blocks.forward, blocks.input_grad, blocks.weight_grad
+    for size, name, tile, tile_name in (
+        (k, "K", f.block_k, "forward.block_k"), (n, "N", f.block_n, "forward.block_n"),
+        (n, "N", dx.block_k, "input_grad.block_k"), (k, "K", dx.block_n, "input_grad.block_n"),
+        (k, "K", dw.block_m, "weight_grad.block_m"), (n, "N", dw.block_n, "weight_grad.block_n"),
+    ):
+        if size % tile:
+            return f"{name}={size} is not a multiple of {tile_name}={tile}"
+    return None
+
+
+def is_hopper_gpu(device=None) -> bool:
+    """Whether `device` (default jax.devices()[0]) is a CUDA GPU of compute capability 9.x."""
+    device = jax.devices()[0] if device is None else device
+    capability = str(getattr(device, "compute_capability", ""))
+    return device.platform == "gpu" and capability.startswith("9.")
+
+
+# Validation and choice --------------------------------------------------------
+
+
+def _validate(x, w, group_sizes, impl, blocks):
+    fn = "grouped_matmul"
+    if impl not in IMPLS:
+        raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(blocks, GroupedMatmulBlocks):
+        raise TypeError(f"{fn}: block_sizes must be a GroupedMatmulBlocks or None, got {type(blocks).__name__}")
+    for name, a, rank in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
+        if a.ndim != rank:
+            raise ValueError(f"{fn}: {name} must have rank {rank}, got shape {tuple(a.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype != w.dtype:
+        raise ValueError(f"{fn}: x and w must have the same floating dtype, got {x.dtype} and {w.dtype}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{fn}: group_sizes must be integers (int32), got {group_sizes.dtype}")
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"{fn}: x [M, K] and w [G, K, N] disagree on K: x {tuple(x.shape)}, w {tuple(w.shape)}")
+    if group_sizes.shape[0] != w.shape[0]:
+        raise ValueError(f"{fn}: group_sizes has {group_sizes.shape[0]} groups, w has {w.shape[0]} (G)")
+    if w.shape[0] == 0:
+        raise ValueError(f"{fn}: w needs at least one group, got shape {tuple(w.shape)}")
+
+
+def _use_mgpu(impl, x, w, blocks) -> bool:
+    if impl == "xla":
+        return False
+    reason = mgpu_unsupported_reason(x.shape, w.shape, x.dtype, blocks)
+    if impl == "mgpu":
+        if reason:
+            raise ValueError(f"grouped_matmul: impl='mgpu' cannot run: {reason}")
+        return True
+    return reason is None and is_hopper_gpu()
+
+
+def _clamp_group_sizes(group_sizes, num_rows):
+    """Sizes >= 0 whose groups end by row num_rows."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), num_rows)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+def _vary_together(*arrays):
+    """arrays, each marked varying over every shard_map axis any of them varies over."""
+    axes = set().union(*(_vma(a) for a in arrays))
+    return tuple(_vary_over(a, axes) for a in arrays)
+
+
+def _vma(a):
+    """The shard_map axes `a` varies over (none outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; before, aval.vma
+    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
+
+
+def _vary_over(a, axes):
+    """a marked varying over `axes`, as far as it is not yet."""
+    missing = tuple(sorted(set(axes) - _vma(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _valid_rows(num_rows, group_sizes):
+    return jnp.arange(num_rows, dtype=jnp.int32) < jnp.sum(group_sizes)
+
+
+# The custom_vjp and its kernels -----------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped_matmul(use_mgpu, blocks, x, w, group_sizes):
+    """y = x @ w[g] per group; rows past the groups hold anything (masked by the caller).
+    x, w and group_sizes vary over the same shard_map axes."""
+    return _forward(use_mgpu, blocks, x, w, group_sizes)
+
+
+def _grouped_matmul_fwd(use_mgpu, blocks, x, w, group_sizes):
+    return _forward(use_mgpu, blocks, x, w, group_sizes), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(use_mgpu, blocks, residuals, dy):
+    x, w, group_sizes = residuals
+    dx = _input_grad(use_mgpu, blocks, dy, w, group_sizes)
+    dx = jnp.where(_valid_rows(x.shape[0], group_sizes)[:, None], dx, jnp.zeros((), dx.dtype))
+    dw = _weight_grad(use_mgpu, blocks, x, dy, group_sizes)
+    # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
+    # may come in unvarying: type each cotangent as its primal.
+    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _forward(use_mgpu, blocks, x, w, group_sizes):
+    if use_mgpu:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        y = ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward))
+        return _vary_over(y, _vma(x))  # typed unvarying by the kernel (jax 0.10)
+    return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _input_grad(use_mgpu, blocks, dy, w, group_sizes):
+    """dx [M, K] = dy [M, N] @ w[g]^T, without materializing w^T."""
+    if use_mgpu:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
+        return ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
+                                          **dataclasses.asdict(blocks.input_grad))
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    return lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
+
+
+def _weight_grad(use_mgpu, blocks, x, dy, group_sizes):
+    """dw [G, K, N]: dw[g] = x_g^T dy_g, the rows contracted group by group."""
+    if use_mgpu:
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+
+        # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
+        with jax.numpy_dtype_promotion("standard"):
+            return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)

@@ -1,0 +1,189 @@
+"""grouped_matmul's Mosaic GPU path (impl="mgpu") on a Hopper GPU, at the MoE
+benchmark's shapes per rank: 32768 (row, expert) pairs in M = 33000 rows
+(the rest padding; not a multiple of 128, so the wrapper pads), G = 128 local
+experts, the SwiGLU's two matmuls (K=7168, N=4096 and K=2048, N=7168).
+
+Forward, dx and dw against impl="xla" on the whole arrays (jax.lax.ragged_dot
+through JAX's Pallas-Triton grouped kernel: XLA's own GPU lowering is a dense
+dot over all groups, 60 GB here) and against numpy in float64 on sampled rows
+and dw blocks (boundary rows of the groups, the biggest group, the first and
+last ones). Padding rows and empty groups must come out exactly zero. Group
+sizes: skewed loads with empty groups, and every row in one group.
+Then a small case per rank under shard_map on two GPUs.
+
+    pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v
+
+Fails (does not skip) on a GPU that is not a Hopper one: impl="auto" must pick
+the Mosaic GPU kernels there.
+"""
+
+import functools
+
+import grouped_gemm_oracle as oracle
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax import grouped_matmul, testing
+
+pytestmark = pytest.mark.gpu
+
+NUM_PAIRS, NUM_ROWS, NUM_GROUPS = 32768, 33000, 128
+LAYERS = {"w_in": (7168, 4096), "w_out": (2048, 7168)}  # (K, N): gate+up of ffn 2048, then down
+RTOL = 1e-2  # bf16 outputs of float32 sums: one bf16 rounding apart at most
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hopper():
+    device = jax.devices("gpu")[0]
+    if not gg.is_hopper_gpu(device):
+        pytest.fail(f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x); this is "
+                    f"{device.device_kind}, {getattr(device, 'compute_capability', '?')}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def triton_ragged_dot():
+    try:
+        from jax._src.lax.pallas_lowerings.gpu import ragged_dot  # noqa: F401
+    except ImportError as e:
+        pytest.fail(f"JAX's Pallas-Triton ragged_dot lowering is missing ({e}): impl='xla' would be a "
+                    "dense dot over all groups", pytrace=False)
+    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+    yield
+    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
+
+
+def routed_sizes(rng, kind):
+    """Group sizes of this rank's 128 experts for 32768 pairs: skewed loads
+    (Dirichlet, alpha 0.5) with four experts nobody picks (the first and the
+    last among them), or every pair in one expert."""
+    if kind == "all_in_one":
+        sizes = np.zeros(NUM_GROUPS, np.int64)
+        sizes[77] = NUM_PAIRS
+    else:
+        popularity = rng.dirichlet(np.full(NUM_GROUPS, 0.5))
+        popularity[[0, 31, 64, NUM_GROUPS - 1]] = 0
+        sizes = rng.multinomial(NUM_PAIRS, popularity / popularity.sum())
+    return sizes.astype(np.int32)
+
+
+def make_inputs(key, k, n):
+    """x [M, K], w [G, K, N], dy [M, N] in bf16, outputs of order 1; padding rows
+    of x and dy hold finite junk (1e3), which must not leak into any result."""
+    kx, kw, kd = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (NUM_ROWS, k), jnp.bfloat16)
+    w = jax.random.normal(kw, (NUM_GROUPS, k, n), jnp.bfloat16) * jnp.bfloat16(1 / np.sqrt(k))
+    dy = jax.random.normal(kd, (NUM_ROWS, n), jnp.bfloat16)
+    return x, w, dy
+
+
+def with_junk_padding(a, total):
+    rows = jnp.arange(a.shape[0])[:, None] >= total
+    return jnp.where(rows, jnp.asarray(1e3, a.dtype), a)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def forward_and_grads(x, w, sizes, dy, impl):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl), x, w)
+    return (y, *vjp(dy))
+
+
+@jax.jit
+def excess_error(got, want):
+    """max(|got - want| - RTOL |want|) / max|want|: <= RTOL when close."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return jnp.max(jnp.abs(got - want) - RTOL * jnp.abs(want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-6)
+
+
+def assert_close_numpy(got, want, what):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * max(np.abs(want).max(), 1e-6), err_msg=what)
+
+
+def sampled_groups(rng, sizes):
+    """Groups to check against numpy: the biggest, the first and last non-empty, three more."""
+    nonempty = np.flatnonzero(sizes)
+    picks = {int(np.argmax(sizes)), int(nonempty[0]), int(nonempty[-1])}
+    picks |= set(rng.choice(nonempty, min(3, len(nonempty)), replace=False).tolist())
+    return sorted(picks)
+
+
+def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what):
+    starts = oracle.offsets(sizes)
+    for g in sampled_groups(rng, sizes):
+        start, size = int(starts[g]), int(sizes[g])
+        # Its first and last two rows (where tiles straddle groups) and eight more.
+        rows = np.unique(np.concatenate([[start, start + 1, start + size - 2, start + size - 1],
+                                         rng.integers(start, start + size, 8)]).clip(start, start + size - 1))
+        xg, dyg, wg = (np.asarray(a, np.float64) for a in (x[rows], dy[rows], w[g]))
+        assert_close_numpy(y[rows], xg @ wg, f"{what}: y, group {g}, rows {rows.tolist()}")
+        assert_close_numpy(dx[rows], dyg @ wg.T, f"{what}: dx, group {g}, rows {rows.tolist()}")
+        # A 256 x 256 block of dw[g] over all the group's rows.
+        k0 = int(rng.integers(0, x.shape[1] - 256 + 1))
+        n0 = int(rng.integers(0, dy.shape[1] - 256 + 1))
+        x_block = np.asarray(x[start:start + size, k0:k0 + 256], np.float64)
+        dy_block = np.asarray(dy[start:start + size, n0:n0 + 256], np.float64)
+        assert_close_numpy(dw[g, k0:k0 + 256, n0:n0 + 256], x_block.T @ dy_block,
+                           f"{what}: dw[{g}] block at ({k0}, {n0}), {size} rows")
+
+
+@pytest.mark.parametrize("kind", ["routed", "all_in_one"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_mgpu_matches_xla_and_numpy(layer, kind, triton_ragged_dot):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    k, n = LAYERS[layer]
+    sizes = routed_sizes(rng, kind)
+    total = int(sizes.sum())
+    x, w, dy = make_inputs(jax.random.key(seed), k, n)
+    x, dy = with_junk_padding(x, total), with_junk_padding(dy, total)
+    what = f"{layer} {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
+
+    lowered = forward_and_grads.lower(x, w, sizes, dy, impl="auto").as_text()
+    assert lowered.count("custom_call @mosaic_gpu") == 3, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
+
+    got = forward_and_grads(x, w, sizes, dy, impl="mgpu")
+    want = forward_and_grads(x, w, sizes, dy, impl="xla")
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert g.shape == r.shape and g.dtype == r.dtype == jnp.bfloat16, (what, name, g.shape, g.dtype)
+        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
+        err = float(excess_error(g, r))
+        assert err <= RTOL, f"{what}: {name}, mgpu vs xla, max excess error {err:.3g} of the scale"
+    y, dx, dw = got
+    assert not bool(jnp.any(y[total:])), f"{what}: padding rows of y are not zero"
+    assert not bool(jnp.any(dx[total:])), f"{what}: dx of padding rows is not zero"
+    nonzero_groups = np.asarray(jnp.any(dw != 0, axis=(1, 2)))
+    assert not nonzero_groups[sizes == 0].any(), f"{what}: dw of empty groups is not zero"
+    check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
+
+
+def test_mgpu_per_rank_under_shard_map():
+    """Two GPUs, each its own experts and sizes (one all in one group, one
+    skewed with padding), shard_map with check_vma, against numpy."""
+    rng = np.random.default_rng()
+    num_ranks, num_rows, num_groups, k, n = 2, 4096, 8, 1024, 512
+    mesh = testing.ep_mesh(num_ranks, "ep", platform="gpu")
+    sizes = [np.array([0, 0, 3000, 0, 0, 0, 0, 0], np.int32),
+             np.array([700, 0, 1, 129, 1000, 0, 900, 1], np.int32)]
+    x = rng.standard_normal((num_ranks * num_rows, k)).astype(jnp.bfloat16)
+    w = (rng.standard_normal((num_ranks * num_groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    dy = rng.standard_normal((num_ranks * num_rows, n)).astype(jnp.bfloat16)
+
+    def per_rank(x, w, sizes, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl="mgpu"), x, w)
+        return (y, *vjp(dy))
+
+    run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    y, dx, dw = (np.asarray(a, np.float64) for a in run(x, w, np.concatenate(sizes), dy))
+    for r in range(num_ranks):
+        rows, groups = slice(r * num_rows, (r + 1) * num_rows), slice(r * num_groups, (r + 1) * num_groups)
+        what = f"rank {r}, sizes {sizes[r].tolist()}"
+        assert_close_numpy(y[rows], oracle.forward(x[rows], w[groups], sizes[r]), f"{what}: y")
+        assert_close_numpy(dx[rows], oracle.input_grad(dy[rows], w[groups], sizes[r]), f"{what}: dx")
+        assert_close_numpy(dw[groups], oracle.weight_grad(x[rows], dy[rows], sizes[r]), f"{what}: dw")
+        total = int(sizes[r].sum())
+        assert not y[rows][total:].any() and not dx[rows][total:].any(), f"{what}: padding rows"

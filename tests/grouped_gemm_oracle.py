@@ -1,0 +1,45 @@
+"""grouped_matmul's maths in plain numpy (float64 from the inputs' values), one
+group at a time, for tests/test_grouped_gemm.py and its GPU twin."""
+
+import numpy as np
+
+
+def offsets(sizes):
+    """Start row of each group: the exclusive cumsum of sizes."""
+    return np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+
+
+def forward(x, w, sizes, rows=None):
+    """y [M, N]: x[m] @ w[g(m)] on group rows, 0 past them. `rows` (optional)
+    limits the work to those row indices (the others stay 0)."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    y = np.zeros((x.shape[0], w.shape[2]))
+    for g, start in enumerate(offsets(sizes)):
+        sel = _rows_of(start, sizes[g], rows)
+        y[sel] = x[sel] @ w[g]
+    return y
+
+
+def input_grad(dy, w, sizes, rows=None):
+    """dx [M, K]: dy[m] @ w[g(m)]^T on group rows, 0 past them."""
+    dy, w = np.asarray(dy, np.float64), np.asarray(w, np.float64)
+    dx = np.zeros((dy.shape[0], w.shape[1]))
+    for g, start in enumerate(offsets(sizes)):
+        sel = _rows_of(start, sizes[g], rows)
+        dx[sel] = dy[sel] @ w[g].T
+    return dx
+
+
+def weight_grad(x, dy, sizes, groups=None):
+    """dw [G, K, N]: x_g^T dy_g; `groups` (optional) limits the work to those groups."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    dw = np.zeros((len(sizes), x.shape[1], dy.shape[1]))
+    for g, start in enumerate(offsets(sizes)):
+        if groups is None or g in groups:
+            dw[g] = x[start:start + sizes[g]].T @ dy[start:start + sizes[g]]
+    return dw
+
+
+def _rows_of(start, size, rows):
+    sel = np.arange(start, start + size)
+    return sel if rows is None else np.intersect1d(sel, rows)

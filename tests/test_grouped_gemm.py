@@ -1,0 +1,292 @@
+"""grouped_matmul on CPU (the jax.lax.ragged_dot path) against numpy maths
+group by group (tests/grouped_gemm_oracle.py): forward, dx and dw, with empty
+groups, one group holding every row, padding rows, G = 1, under jit, grad
+and shard_map on 8 CPU devices; bad arguments; and the Mosaic GPU path traced
+and lowered for a GPU (its shapes, custom_vjp and shard_map types), which
+needs no GPU."""
+
+import functools
+
+import grouped_gemm_oracle as oracle
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax import grouped_matmul, testing
+
+K, N = 32, 48
+# bf16 products with float32 sums: the output's rounding (2^-9 relative) dominates.
+RTOL = 1e-2
+
+
+def make_sizes(rng, kind, num_rows, num_groups):
+    """int32 group sizes of `kind`; their sum is num_rows unless kind says less."""
+    if kind == "all_in_one":
+        sizes = np.zeros(num_groups, np.int64)
+        sizes[rng.integers(num_groups)] = num_rows
+    elif kind == "all_empty":
+        sizes = np.zeros(num_groups, np.int64)
+    else:
+        total = num_rows if kind == "random" else int(rng.integers(1, num_rows))  # "padding": sum < M
+        cuts = np.sort(rng.integers(0, total + 1, num_groups - 1))
+        sizes = np.diff(np.concatenate([[0], cuts, [total]]))
+        if num_groups > 2:
+            sizes[rng.integers(num_groups)] += sizes[0]  # at least one empty group
+            sizes[0] = 0
+    return sizes.astype(np.int32)
+
+
+def make_inputs(rng, num_rows, num_groups, sizes):
+    """bf16 x, w, dy; x's and dy's padding rows hold large finite junk, which must not leak."""
+    x = rng.standard_normal((num_rows, K))
+    w = rng.standard_normal((num_groups, K, N)) / np.sqrt(K)
+    dy = rng.standard_normal((num_rows, N))
+    total = int(sizes.sum())
+    x[total:] = 1e4 * rng.standard_normal((num_rows - total, K))
+    dy[total:] = 1e4
+    return (np.asarray(a, ml_dtypes.bfloat16) for a in (x, w, dy))
+
+
+def assert_close(got, want, what):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    scale = max(np.abs(want).max(), 1e-3)
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale, err_msg=what)
+
+
+def forward_and_grads(impl="auto"):
+    """jitted (x, w, sizes, dy) -> (y, dx, dw): the forward and its vjp at dy."""
+
+    def run(x, w, sizes, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl), x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(run)
+
+
+def check_against_oracle(x, w, sizes, dy, y, dx, dw, what):
+    total = int(sizes.sum())
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype, what
+    assert_close(y, oracle.forward(x, w, sizes), f"{what}: y")
+    assert_close(dx, oracle.input_grad(dy, w, sizes), f"{what}: dx")
+    assert_close(dw, oracle.weight_grad(x, dy, sizes), f"{what}: dw")
+    # Exactly zero, not just small: padding rows and empty groups.
+    assert not np.asarray(y[total:], np.float32).any(), f"{what}: padding rows of y"
+    assert not np.asarray(dx[total:], np.float32).any(), f"{what}: dx of padding rows"
+    assert not np.asarray(dw[sizes == 0], np.float32).any(), f"{what}: dw of empty groups"
+
+
+@pytest.mark.parametrize("kind,num_groups", [
+    ("random", 6), ("all_in_one", 6), ("padding", 6), ("all_empty", 4), ("random", 1), ("padding", 1),
+])
+def test_matches_numpy(kind, num_groups):
+    rng = np.random.default_rng()
+    num_rows = int(rng.integers(40, 120))
+    sizes = make_sizes(rng, kind, num_rows, num_groups)
+    x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
+    y, dx, dw = forward_and_grads()(x, w, sizes, dy)
+    check_against_oracle(x, w, sizes, dy, y, dx, dw, f"{kind}, sizes {sizes.tolist()}")
+
+
+def test_float32_gradients_match_ragged_dot_autodiff():
+    """In float32, the custom_vjp against JAX's own derivative of ragged_dot."""
+    rng = np.random.default_rng()
+    num_rows, num_groups = 70, 5
+    sizes = make_sizes(rng, "padding", num_rows, num_groups)
+    x, w, dy = (np.asarray(a, np.float32) for a in make_inputs(rng, num_rows, num_groups, sizes))
+    x[sizes.sum():] = 0  # ragged_dot's own rule knows nothing of our padding rows
+    dy[sizes.sum():] = 0
+    _, dx, dw = forward_and_grads()(x, w, sizes, dy)
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes, precision="highest"), x, w)
+    want_dx, want_dw = vjp(dy)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_of_a_swiglu_loss():
+    """jax.grad through two grouped matmuls (the experts' SwiGLU) against numpy."""
+    rng = np.random.default_rng()
+    num_rows, num_groups, ffn = 64, 4, 16
+    sizes = make_sizes(rng, "padding", num_rows, num_groups)
+    x = np.asarray(rng.standard_normal((num_rows, K)), np.float32)
+    w_in = np.asarray(rng.standard_normal((num_groups, K, 2 * ffn)) / np.sqrt(K), np.float32)
+    w_out = np.asarray(rng.standard_normal((num_groups, ffn, K)) / np.sqrt(ffn), np.float32)
+
+    def loss(x, w_in, w_out):
+        gate, up = jnp.split(grouped_matmul(x, w_in, sizes), 2, axis=-1)
+        return jnp.sum(grouped_matmul(jax.nn.silu(gate) * up, w_out, sizes) ** 2)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w_in, w_out)
+    # numpy: forward, then the chain rule by hand.
+    h = oracle.forward(x, w_in, sizes)
+    gate, up = h[:, :ffn], h[:, ffn:]
+    sig = 1 / (1 + np.exp(-gate))
+    act = gate * sig * up
+    out = oracle.forward(act, w_out, sizes)
+    d_out = 2 * out
+    d_act = oracle.input_grad(d_out, w_out, sizes)
+    d_h = np.concatenate([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], axis=1)
+    want = (oracle.input_grad(d_h, w_in, sizes), oracle.weight_grad(x, d_h, sizes),
+            oracle.weight_grad(act, d_out, sizes))
+    for name, got, w in zip(("dx", "dw_in", "dw_out"), grads, want):
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
+
+
+def test_group_sizes_are_clamped():
+    """Negative sizes count as 0; groups past row M are cut at M."""
+    rng = np.random.default_rng()
+    num_rows, num_groups = 30, 4
+    given = np.array([-5, 20, 25, 7], np.int32)
+    used = np.array([0, 20, 10, 0], np.int32)
+    x, w, dy = make_inputs(rng, num_rows, num_groups, used)
+    y, dx, dw = forward_and_grads()(x, w, given, dy)
+    check_against_oracle(x, w, used, dy, y, dx, dw, "clamped sizes")
+
+
+def test_shard_map_per_rank():
+    """Per rank under shard_map (check_vma on) over 8 CPU devices: each rank its
+    own experts and sizes (one rank all in one group, one with no rows at all)."""
+    rng = np.random.default_rng()
+    num_ranks, num_rows, num_groups = 8, 48, 3
+    mesh = testing.ep_mesh(num_ranks, "ep", platform="cpu")
+    kinds = ["all_in_one", "all_empty"] + ["random", "padding"] * 3
+    sizes = [make_sizes(rng, kind, num_rows, num_groups) for kind in kinds]
+    inputs = [list(make_inputs(rng, num_rows, num_groups, s)) for s in sizes]
+    x, w, dy = (np.concatenate([a[i] for a in inputs]) for i in range(3))
+    run = jax.jit(jax.shard_map(forward_and_grads(), mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    y, dx, dw = run(x, w, np.concatenate(sizes), dy)
+    for r in range(num_ranks):
+        rows, groups = slice(r * num_rows, (r + 1) * num_rows), slice(r * num_groups, (r + 1) * num_groups)
+        check_against_oracle(*inputs[r][:2], sizes[r], inputs[r][2], y[rows], dx[rows], dw[groups],
+                             f"rank {r} ({kinds[r]}, sizes {sizes[r].tolist()})")
+
+
+def test_shard_map_replicated_weights_sum_their_gradient():
+    """Weights replicated over the axis: dw is the sum of every rank's x_g^T dy_g."""
+    rng = np.random.default_rng()
+    num_ranks, num_rows, num_groups = 8, 40, 3
+    mesh = testing.ep_mesh(num_ranks, "ep", platform="cpu")
+    sizes = [make_sizes(rng, "padding", num_rows, num_groups) for _ in range(num_ranks)]
+    x = np.asarray(rng.standard_normal((num_ranks * num_rows, K)), np.float32)
+    w = np.asarray(rng.standard_normal((num_groups, K, N)), np.float32)
+
+    def loss(x, w, sizes):
+        return jax.lax.psum(jnp.sum(grouped_matmul(x, w, sizes)), "ep")
+
+    grad = jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("ep"), P(), P("ep")), out_specs=P())
+    dw = jax.jit(grad)(x, w, np.concatenate(sizes))
+    want = sum(oracle.weight_grad(x[r * num_rows:(r + 1) * num_rows], np.ones((num_rows, N)), sizes[r])
+               for r in range(num_ranks))
+    np.testing.assert_allclose(dw, want, rtol=1e-5, atol=1e-4)
+
+
+# Choice of path and bad arguments ---------------------------------------------
+
+
+class FakeDevice:
+    def __init__(self, platform, compute_capability=None):
+        self.platform = platform
+        if compute_capability is not None:
+            self.compute_capability = compute_capability
+
+
+def test_hopper_detection():
+    assert gg.is_hopper_gpu(FakeDevice("gpu", "9.0"))
+    assert not gg.is_hopper_gpu(FakeDevice("gpu", "8.0"))
+    assert not gg.is_hopper_gpu(FakeDevice("gpu", "10.0"))
+    assert not gg.is_hopper_gpu(FakeDevice("cpu"))
+    assert not gg.is_hopper_gpu(jax.devices("cpu")[0])
+
+
+def test_mgpu_shape_rules():
+    ok = gg.mgpu_unsupported_reason((1000, 512), (4, 512, 256), jnp.bfloat16)
+    assert ok is None
+    assert "dtype" in gg.mgpu_unsupported_reason((1000, 512), (4, 512, 256), jnp.float32)
+    assert "K=500" in gg.mgpu_unsupported_reason((1000, 500), (4, 500, 256), jnp.bfloat16)
+    assert "N=200" in gg.mgpu_unsupported_reason((1000, 512), (4, 512, 200), jnp.bfloat16)
+    assert gg.row_multiple() == 128
+
+
+S = jax.ShapeDtypeStruct
+
+
+def bad_call(**overrides):
+    args = {"x": S((8, K), jnp.bfloat16), "w": S((3, K, N), jnp.bfloat16), "group_sizes": S((3,), jnp.int32)}
+    impl = overrides.pop("impl", "auto")
+    block_sizes = overrides.pop("block_sizes", None)
+    args.update(overrides)
+    return jax.jit(functools.partial(grouped_matmul, impl=impl, block_sizes=block_sizes)).trace(**args)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"x": S((8, 2, K), jnp.bfloat16)}, "x must have rank 2"),
+    ({"w": S((K, N), jnp.bfloat16)}, "w must have rank 3"),
+    ({"group_sizes": S((3, 1), jnp.int32)}, "group_sizes must have rank 1"),
+    ({"w": S((3, K, N), jnp.float32)}, "same floating dtype"),
+    ({"x": S((8, K), jnp.int32), "w": S((3, K, N), jnp.int32)}, "same floating dtype"),
+    ({"group_sizes": S((3,), jnp.float32)}, "group_sizes must be integers"),
+    ({"x": S((8, K + 1), jnp.bfloat16)}, "disagree on K"),
+    ({"group_sizes": S((4,), jnp.int32)}, "4 groups, w has 3"),
+    ({"w": S((0, K, N), jnp.bfloat16), "group_sizes": S((0,), jnp.int32)}, "at least one group"),
+    ({"impl": "cuda"}, "impl must be one of"),
+    ({"impl": "mgpu"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),
+    ({"impl": "mgpu", "x": S((8, K), jnp.float32), "w": S((3, K, N), jnp.float32)}, "cannot run: dtype"),
+])
+def test_bad_arguments(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        bad_call(**overrides)
+
+
+def test_bad_block_sizes():
+    with pytest.raises(TypeError, match="block_sizes must be a GroupedMatmulBlocks"):
+        bad_call(block_sizes={"block_m": 64})
+
+
+# The Mosaic GPU path, lowered for a GPU without one ------------------------------
+
+
+@pytest.fixture
+def gpu_core_count(monkeypatch):
+    """transposed_ragged_dot_mgpu reads jax.devices()[0].core_count while tracing: a GPU's SM count."""
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [type("FakeGpu", (), {"core_count": 132})()])
+
+
+def mosaic_calls(lowered):
+    return lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")
+
+
+def test_mgpu_path_lowers(gpu_core_count):
+    """impl="mgpu" traces and lowers for CUDA: the forward and both gradients as
+    three Mosaic GPU kernels, rows padded to a multiple of 128 (M = 1000)."""
+    x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def loss(x, w, sizes):
+        return jnp.sum(grouped_matmul(x, w, sizes, impl="mgpu").astype(jnp.float32) ** 2)  # dy needs y
+
+    fwd = jax.jit(functools.partial(grouped_matmul, impl="mgpu")).trace(x, w, sizes)
+    assert fwd.out_info.shape == (1000, 256) and fwd.out_info.dtype == jnp.bfloat16
+    assert mosaic_calls(fwd.lower(lowering_platforms=("cuda",))) == 1
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes)
+    assert mosaic_calls(grad.lower(lowering_platforms=("cuda",))) == 3
+
+
+def test_mgpu_path_lowers_under_shard_map(gpu_core_count):
+    """The same under shard_map with check_vma: the kernels' outputs get the right types."""
+    mesh = jax.sharding.AbstractMesh((2,), ("ep",), (jax.sharding.AxisType.Auto,))
+
+    def loss(x, w, sizes):
+        return jnp.sum(grouped_matmul(x, w, sizes, impl="mgpu").astype(jnp.float32) ** 2)  # dy needs y
+
+    for w_spec in (P("ep"), P()):  # local experts, and weights replicated over the axis
+        step = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("ep"), w_spec, P("ep")),
+                             out_specs=(P("ep"), w_spec))
+        args = (jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16),
+                jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
+        assert mosaic_calls(jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))) == 3

@@ -45,9 +45,10 @@ def cuda_gpus():
         return []
 
 
-def verdict(marker):
+def verdict(marker, min_gpus=MIN_GPUS):
     """What to do with a test marked `marker` ("gpu" or "extension") here:
-    (None, None) to run it, ("skip", why) or ("fail", why)."""
+    (None, None) to run it, ("skip", why) or ("fail", why). A gpu test needs
+    `min_gpus` GPUs (`@pytest.mark.gpu(min_gpus=1)`; default MIN_GPUS)."""
     from deep_ep_jax import _native
 
     if marker == "extension":
@@ -65,16 +66,17 @@ def verdict(marker):
     reason = _native.unavailable_reason()
     if reason:
         return "fail", f"JAX sees {len(gpus)} CUDA GPU(s) but the CUDA backend cannot run: {reason}"
-    if len(gpus) < MIN_GPUS:
-        why = f"needs at least {MIN_GPUS} GPUs, found {len(gpus)}"
+    if len(gpus) < min_gpus:
+        why = f"needs at least {min_gpus} GPUs, found {len(gpus)}"
         return ("fail", f"{REQUIRE_GPU_ENV}=1 but it {why}") if gpu_required() else ("skip", why)
     return None, None
 
 
 def pytest_runtest_setup(item):
     for marker in ("gpu", "extension"):
-        if item.get_closest_marker(marker):
-            action, why = verdict(marker)
+        mark = item.get_closest_marker(marker)
+        if mark:
+            action, why = verdict(marker, mark.kwargs.get("min_gpus", MIN_GPUS))
             if action == "fail":
                 pytest.fail(why, pytrace=False)
             if action == "skip":

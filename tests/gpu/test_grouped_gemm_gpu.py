@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from deep_ep_jax import grouped_gemm as gg
 from deep_ep_jax import grouped_matmul, testing
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(min_gpus=1)  # one GPU, but the shard_map case
 
 NUM_PAIRS, NUM_ROWS, NUM_GROUPS = 32768, 33000, 128
 LAYERS = {"w_in": (7168, 4096), "w_out": (2048, 7168)}  # (K, N): gate+up of ffn 2048, then down
@@ -161,6 +161,7 @@ def test_mgpu_matches_xla_and_numpy(layer, kind, triton_ragged_dot):
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
 
 
+@pytest.mark.gpu(min_gpus=2)
 def test_mgpu_per_rank_under_shard_map():
     """Two GPUs, each its own experts and sizes (one all in one group, one
     skewed with padding), shard_map with check_vma, against numpy."""

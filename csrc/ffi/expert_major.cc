@@ -49,7 +49,9 @@ ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
   if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts) {
     return Invalid(fn, "local experts must be in [1, " + Str(kMaxLocalExperts) + "], got " + Str(num_local_experts));
   }
-  if (alignment < 1) return Invalid(fn, "alignment must be positive, got " + Str(alignment));
+  if (alignment < 1 || alignment > INT_MAX) {
+    return Invalid(fn, "alignment must be in [1, INT_MAX], got " + Str(alignment));
+  }
   // Every row index the kernels compute, padding included, fits an int.
   if (num_rows > INT_MAX || num_pairs > INT_MAX || num_pairs + num_local_experts * (alignment - 1) > INT_MAX) {
     return Invalid(fn, "rows, pairs and padding must fit 32-bit row indices");

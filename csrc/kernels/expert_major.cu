@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kCountThreads)
   extern __shared__ int bins[];  // [num_local_experts]
   for (int e = threadIdx.x; e < num_local_experts; e += blockDim.x) bins[e] = 0;
   __syncthreads();
-  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < num_pairs; p += int64_t(gridDim.x) * blockDim.x) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; p < num_pairs; p += stride) {
     const int e = topk_idx[p];
     if (e >= 0 && e < num_local_experts) atomicAdd(&bins[e], 1);
   }

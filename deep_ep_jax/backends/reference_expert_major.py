@@ -80,5 +80,6 @@ def reduce_rows(expert_y, weights, layout):
     # and numpy): the barrier keeps them apart on GPU; on CPU, where barriers
     # are dropped before fusion, the loop does.
     terms = lax.optimization_barrier(jnp.where(has[:, :, None], terms, 0.0))
-    acc, _ = lax.scan(lambda acc, term: (acc + term, None), jnp.zeros_like(terms[0]), terms)  # zeros_like: the vma of terms
+    zeros = jnp.zeros_like(terms[0])  # typed like terms (varying over the same mesh axes)
+    acc, _ = lax.scan(lambda acc, term: (acc + term, None), zeros, terms)
     return acc.astype(expert_y.dtype)

@@ -28,7 +28,8 @@ def check_shapes(fn, *, num_local_experts, hidden, rows_dtype):
     """What the kernels need beyond the public contract, at trace time."""
     max_local = limit("max_local_experts")
     if num_local_experts > max_local:
-        raise ValueError(f"{fn}: num_local_experts must be <= {max_local} for the CUDA kernels, got {num_local_experts}")
+        raise ValueError(f"{fn}: num_local_experts must be <= {max_local} for the CUDA kernels, "
+                         f"got {num_local_experts}")
     if jnp.dtype(rows_dtype) == jnp.bfloat16 and hidden % 8:
         raise ValueError(f"{fn}: bf16 hidden must be a multiple of 8 (16-byte rows) for the CUDA kernels, got {hidden}")
 

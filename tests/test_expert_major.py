@@ -367,6 +367,55 @@ def test_cuda_branch_traces_on_cpu(monkeypatch):
         em._cuda_ops.cache_clear()
 
 
+@pytest.mark.extension
+def test_cuda_path_lowers_under_check_vma(monkeypatch):
+    """The whole path on the CUDA backend, gradients included, traced and
+    lowered on CPU with a stand-in CUDA Buffer (never run): the kernels'
+    calls are all there, with the expected operands and attributes."""
+    import re
+
+    from deep_ep_jax.backends import Ops
+    from deep_ep_jax.backends.cuda import intranode, layout, lifecycle, low_latency
+
+    monkeypatch.setattr(em._native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(lifecycle, "register_ffi_targets", lambda: None)
+    num_ranks, num_tokens, experts_per_rank, topk = 2, 8, 4, 2
+    num_experts = num_ranks * experts_per_rank
+    buffer = dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+    buffer.backend, buffer.buffer_id = "cuda", 7
+    buffer.ops = Ops.of(layout, intranode, low_latency)
+    idx, w = dt.make_routing(1, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    x = dt.random_rows(2, (num_ranks * num_tokens, H))
+
+    def loss(x, w, idx):
+        expert_x, layout_, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                      buffer=buffer, alignment=8)
+        out = dej.combine_expert_major(expert_x * 2, recv_w, layout_, handle, buffer=buffer)
+        return jnp.sum(out.astype(jnp.float32))
+
+    def step(x, w, idx):
+        return jax.grad(loss, argnums=(0, 1))(x, w, idx)
+
+    text = _per_rank(step, num_ranks).lower(x, jnp.asarray(w), jnp.asarray(idx)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(deep_ep_jax_\w+)\(([^)]*)\)(.*)", text)
+    names = [name for name, _, _ in calls]
+    for name, count in (("deep_ep_jax_expert_layout", 1), ("deep_ep_jax_expand_rows", 1),
+                        ("deep_ep_jax_reduce_rows", 2)):  # reduce: forward, and expand's backward
+        assert names.count(name) == count, names
+    attrs = {name: rest for name, _, rest in calls}
+    assert re.search(r"alignment = 8 : i64", attrs["deep_ep_jax_expert_layout"])
+    assert re.search(r"num_topk = 2 : i64", attrs["deep_ep_jax_expand_rows"])
+
+    # FP8 pairs: data and scales both through the expand target.
+    data, scales = reference.quantize_fp8(x)
+
+    def fp8_step(data, scales, idx):
+        return dej.expand((data, scales), idx, num_local_experts=experts_per_rank, backend="cuda")
+
+    text = _per_rank(fp8_step, num_ranks).lower(data, scales, jnp.asarray(idx % experts_per_rank)).as_text()
+    assert re.search(r"deep_ep_jax_expand_rows.*-> \(tensor<\d+x128xf8E4M3FN>, tensor<\d+x1xf32>\)", text)
+
+
 def test_trace_time_errors():
     x = jnp.zeros((6, H), jnp.bfloat16)
     idx = jnp.zeros((6, 2), jnp.int32)

@@ -11,6 +11,7 @@ CUDA_SOURCES = [
     "csrc/kernels/layout.cu",
     "csrc/kernels/intranode.cu",
     "csrc/kernels/low_latency.cu",
+    "csrc/kernels/expert_major.cu",
 ]
 
 # Host code: runtime, XLA FFI handlers, the pybind11 module.
@@ -23,6 +24,7 @@ CXX_SOURCES = [
     "csrc/ffi/intranode.cc",
     "csrc/ffi/low_latency.cc",
     "csrc/ffi/internode.cc",
+    "csrc/ffi/expert_major.cc",
     "csrc/module.cc",
 ]
 

@@ -1,14 +1,21 @@
 """deep_ep_jax: DeepEP's expert-parallel dispatch and combine for JAX.
 
     from deep_ep_jax import Buffer, dispatch, combine
+    from deep_ep_jax import dispatch_expert_major, combine_expert_major  # rows grouped by expert
 
 All operations run per rank inside `jax.shard_map` over the buffer's axis.
 """
 
 from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.config import Config
+from deep_ep_jax.expert_major import (
+    combine_expert_major,
+    dispatch_expert_major,
+    expand,
+    reduce,
+)
 from deep_ep_jax.grouped_gemm import grouped_matmul
-from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
+from deep_ep_jax.handle import DispatchHandle, ExpertLayout, LowLatencyHandle
 from deep_ep_jax.low_latency import (
     low_latency_combine,
     low_latency_combine_recv,
@@ -28,10 +35,14 @@ __all__ = [
     "CheckError",
     "Config",
     "DispatchHandle",
+    "ExpertLayout",
     "LowLatencyHandle",
     "checked",
     "combine",
+    "combine_expert_major",
     "dispatch",
+    "dispatch_expert_major",
+    "expand",
     "get_dispatch_layout",
     "grouped_matmul",
     "low_latency_combine",
@@ -41,4 +52,5 @@ __all__ = [
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
     "low_latency_overlap",
+    "reduce",
 ]

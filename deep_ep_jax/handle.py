@@ -42,3 +42,21 @@ class LowLatencyHandle:
     recv_src_rank: jax.Array  # int32 [E/R, R*M]: source rank of each row, -1 for padding
     recv_src_token: jax.Array  # int32 [E/R, R*M]: source token index, -1 for padding
     recv_src_topk: jax.Array  # int32 [E/R, R*M]: which top-k slot of the source token, -1 for padding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where `expand` put each (row, k) pair of a rank's received rows: N rows,
+    K top-k, L local experts, num_rows expert-major rows (docs/design.md,
+    "Expert-major rows")."""
+
+    group_sizes: jax.Array  # int32 [L]: rows of local expert e that hold a pair (drops excluded)
+    group_offsets: jax.Array  # int32 [L]: first row of expert e's group, a multiple of the alignment (<= num_rows)
+    pair_row: jax.Array  # int32 [N, K]: expert-major row of pair (n, k); -1 for no expert or dropped
+    row_pair: jax.Array  # int32 [num_rows]: the pair n * K + k each row holds; -1 for unused rows
+    num_dropped: jax.Array  # int32 []: pairs that did not fit in num_rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_pair.shape[0]

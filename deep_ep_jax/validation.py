@@ -66,42 +66,43 @@ def _shape_dtype(a, fn, name):
     return tuple(a.shape), jnp.dtype(a.dtype)
 
 
-def check_tokens(x, buffer, fn, *, allow_fp8=True):
-    """x is bf16 [T, H], or (where allow_fp8) an FP8 pair (data, scales).
-    Returns (rows as a tuple, T, H).
+def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
+    """x (the argument `name`) is bf16 [T, H], or (where allow_fp8) an FP8
+    pair (data, scales). Returns (rows as a tuple, T, H). buffer may be None
+    (no hidden size to check against).
 
     The same rule on every backend, so that a model prototyped on the xla
     backend (CPU) runs unchanged on the kernels, which move bf16 rows only."""
     if isinstance(x, (tuple, list)):
         if not allow_fp8:
-            raise TypeError(f"{fn}: x must be one array here, not a pair")
+            raise TypeError(f"{fn}: {name} must be one array here, not a pair")
         if len(x) != 2:
-            raise ValueError(f"{fn}: an FP8 x must be a pair (data, scales), got {len(x)} arrays")
-        (shape, dtype), (sshape, sdtype) = _shape_dtype(x[0], fn, "x[0]"), _shape_dtype(x[1], fn, "x[1]")
+            raise ValueError(f"{fn}: an FP8 {name} must be a pair (data, scales), got {len(x)} arrays")
+        (shape, dtype), (sshape, sdtype) = _shape_dtype(x[0], fn, f"{name}[0]"), _shape_dtype(x[1], fn, f"{name}[1]")
         if dtype != FP8_DTYPE:
-            raise TypeError(f"{fn}: FP8 data x[0] must be float8_e4m3fn, got {dtype}")
+            raise TypeError(f"{fn}: FP8 data {name}[0] must be float8_e4m3fn, got {dtype}")
         if len(shape) != 2:
-            raise ValueError(f"{fn}: FP8 data x[0] must be [tokens, hidden], got shape {shape}")
+            raise ValueError(f"{fn}: FP8 data {name}[0] must be [tokens, hidden], got shape {shape}")
         if shape[1] % FP8_BLOCK:
             raise ValueError(f"{fn}: FP8 hidden must be a multiple of {FP8_BLOCK}, got {shape[1]}")
         want = (shape[0], shape[1] // FP8_BLOCK)
         if sdtype != jnp.float32 or sshape != want:
-            raise TypeError(f"{fn}: FP8 scales x[1] must be float32 {want}, got {sdtype} {sshape}")
+            raise TypeError(f"{fn}: FP8 scales {name}[1] must be float32 {want}, got {sdtype} {sshape}")
         xs = tuple(x)
     else:
-        shape, dtype = _shape_dtype(x, fn, "x")
+        shape, dtype = _shape_dtype(x, fn, name)
         if dtype != jnp.bfloat16:
             pair = " or an FP8 pair (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128])"
             raise TypeError(
-                f"{fn}: x must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
-                f"(cast with x.astype(jnp.bfloat16); every backend takes the same dtypes)"
+                f"{fn}: {name} must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
+                f"(cast with {name}.astype(jnp.bfloat16); every backend takes the same dtypes)"
             )
         if len(shape) != 2:
-            raise ValueError(f"{fn}: x must be [tokens, hidden], got shape {shape}")
+            raise ValueError(f"{fn}: {name} must be [tokens, hidden], got shape {shape}")
         xs = (x,)
     num_tokens, hidden = shape
-    if buffer.hidden is not None and hidden != buffer.hidden:
-        raise ValueError(f"{fn}: x has hidden {hidden} but the buffer was made for hidden {buffer.hidden}")
+    if getattr(buffer, "hidden", None) is not None and hidden != buffer.hidden:
+        raise ValueError(f"{fn}: {name} has hidden {hidden} but the buffer was made for hidden {buffer.hidden}")
     return xs, num_tokens, hidden
 
 

@@ -100,6 +100,62 @@ def low_latency_combine(y, received, idx, w, num_experts):
     return out
 
 
+
+def expert_layout(idx, num_local_experts, alignment, num_rows):
+    """Expert-major rows of one rank: idx [N, K] local ids (others name no
+    expert) -> dict of group_sizes [L], group_offsets [L], pair_row [N, K]
+    (-1: no row), row_pair [num_rows] (n * K + k, -1: unused), num_dropped.
+    Groups in expert order, each at a multiple of alignment, pairs in (n, k)
+    order; rows past num_rows are dropped."""
+    num_tokens, topk = idx.shape
+    pairs = [[] for _ in range(num_local_experts)]
+    for n in range(num_tokens):
+        for k in range(topk):
+            if 0 <= idx[n, k] < num_local_experts:
+                pairs[idx[n, k]].append((n, k))
+    pair_row = np.full((num_tokens, topk), -1, np.int64)
+    row_pair = np.full(num_rows, -1, np.int64)
+    sizes, offsets = np.zeros(num_local_experts, np.int64), np.zeros(num_local_experts, np.int64)
+    start = dropped = 0
+    for e, group in enumerate(pairs):
+        offsets[e] = min(start, num_rows)
+        for i, (n, k) in enumerate(group):
+            if start + i < num_rows:
+                pair_row[n, k] = start + i
+                row_pair[start + i] = n * topk + k
+                sizes[e] += 1
+            else:
+                dropped += 1
+        start += -(-len(group) // alignment) * alignment
+    return {"group_sizes": sizes, "group_offsets": offsets, "pair_row": pair_row, "row_pair": row_pair,
+            "num_dropped": dropped}
+
+
+def expert_expand(x, row_pair, topk):
+    """x [N, H] (any dtype) -> [num_rows, H]: each used row's token row, 0 elsewhere."""
+    out = np.zeros((len(row_pair),) + x.shape[1:], x.dtype)
+    for i, p in enumerate(row_pair):
+        if p >= 0:
+            out[i] = x[p // topk]
+    return out
+
+
+def expert_reduce(y, w, pair_row):
+    """y [num_rows, H] expert outputs, w [N, K] float32 (None: plain sum) ->
+    float32 [N, H]: acc = 0, then for k in order with a row, acc += w * float32(row),
+    the product rounded to float32 before the add (numpy never fuses them)."""
+    num_tokens, topk = pair_row.shape
+    out = np.zeros((num_tokens, y.shape[1]), np.float32)
+    for n in range(num_tokens):
+        acc = np.zeros(y.shape[1], np.float32)
+        for k in range(topk):
+            if pair_row[n, k] < 0:
+                continue
+            row = y[pair_row[n, k]].astype(np.float32)
+            acc = acc + (row if w is None else np.float32(w[n, k]) * row)
+        out[n] = acc
+    return out
+
 # --------------------------------------------------------------------------
 # Number formats, written from their definitions (no ml_dtypes, no jax).
 

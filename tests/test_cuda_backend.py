@@ -12,7 +12,15 @@ import pytest
 import deep_ep_jax as dej
 from deep_ep_jax import _native
 from deep_ep_jax.backends import Ops, reference
-from deep_ep_jax.backends.cuda import common, internode, intranode, layout, lifecycle, low_latency
+from deep_ep_jax.backends.cuda import (
+    common,
+    expert_major,
+    internode,
+    intranode,
+    layout,
+    lifecycle,
+    low_latency,
+)
 from deep_ep_jax.config import FP8_BLOCK
 
 LIMITS = dict(max_group_ranks=1024, max_nvlink_ranks=8, max_internode_normal_ranks=8, control_bytes=1 << 16,
@@ -22,11 +30,12 @@ LIMITS = dict(max_group_ranks=1024, max_nvlink_ranks=8, max_internode_normal_ran
 
 def test_declared_results():
     declared = lifecycle.declared_ffi_outputs()
-    targets = [t for m in (layout, intranode, internode, low_latency) for t in m.TARGETS]
-    assert len(declared) == len(targets) == 17  # each of csrc/ffi/*.cc, once
+    targets = [t for m in (layout, intranode, internode, low_latency, expert_major) for t in m.TARGETS]
+    assert len(declared) == len(targets) == 20  # each of csrc/ffi/*.cc, once
     assert declared["deep_ep_jax_dispatch"][4:-1] == tuple(f for f in dej.DispatchHandle.__dataclass_fields__)
+    local = {"deep_ep_jax_get_dispatch_layout"} | {t.name for t in expert_major.TARGETS}
     for name, results in declared.items():  # every call that communicates returns its Buffer's order state last
-        assert (results[-1] == "order_out") == (name != "deep_ep_jax_get_dispatch_layout"), name
+        assert (results[-1] == "order_out") == (name not in local), name
     assert declared["deep_ep_jax_internode_dispatch"] == declared["deep_ep_jax_dispatch"][:-1] + ("node_pos", "order_out")
     for name, results in declared.items():
         assert len(set(results)) == len(results), name

@@ -19,6 +19,7 @@ import numpy as np
 from deep_ep_jax import _native, multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import (
     common,
+    expert_major,
     internode,
     intranode,
     layout,
@@ -36,7 +37,8 @@ _registered = False
 
 def declared_ffi_outputs() -> dict:
     """{FFI target: names of its results} as this package calls them."""
-    return {t.name: t.all_results for module in (layout, intranode, internode, low_latency) for t in module.TARGETS}
+    return {t.name: t.all_results for module in (layout, intranode, internode, low_latency, expert_major)
+            for t in module.TARGETS}
 
 
 def check_ffi_outputs(declared: dict, built: dict) -> None:

@@ -1,0 +1,132 @@
+// XLA FFI handlers of the expert-major rows (kernels/expert_major.h): local
+// targets, no Buffer, no peers; decode, validate, launch.
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "ffi/common.h"
+#include "kernels/expert_major.h"
+
+namespace deep_ep_jax {
+namespace {
+
+// What the targets bind (ffi/registration.h).
+#define EXPERT_LAYOUT(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::S32>, topk_idx)                \
+  RET(ffi::Buffer<ffi::S32>, group_sizes)             \
+  RET(ffi::Buffer<ffi::S32>, group_offsets)           \
+  RET(ffi::Buffer<ffi::S32>, pair_row)                \
+  RET(ffi::Buffer<ffi::S32>, row_pair)                \
+  RET(ffi::Buffer<ffi::S32>, num_dropped)             \
+  RET(ffi::Buffer<ffi::S32>, pair_counts)             \
+  ATTR(int64_t, alignment)
+
+#define EXPAND_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::AnyBuffer, x)                            \
+  ARG(ffi::AnyBuffer, x_scales)                     \
+  ARG(ffi::Buffer<ffi::S32>, row_pair)              \
+  RET(ffi::AnyBuffer, expert_x)                     \
+  RET(ffi::AnyBuffer, expert_x_scales)              \
+  ATTR(int64_t, num_topk)
+
+// weights [N, K] for the weighted sum, [N, 0] for the plain one.
+#define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
+  ARG(ffi::Buffer<ffi::F32>, weights)               \
+  ARG(ffi::Buffer<ffi::S32>, pair_row)              \
+  RET(ffi::Buffer<ffi::BF16>, out)
+
+ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
+  constexpr const char* fn = "expert_layout";
+  const Dims dims = topk_idx.dimensions();
+  if (dims.size() != 2) return Invalid(fn, "topk_idx must be [N, K], got " + ShapeString(dims));
+  const int64_t num_pairs = dims[0] * dims[1];
+  const Dims group_dims = group_sizes->dimensions(), row_dims = row_pair->dimensions();
+  if (group_dims.size() != 1 || row_dims.size() != 1) return Invalid(fn, "group_sizes and row_pair must be 1-D");
+  const int64_t num_local_experts = group_dims[0], num_rows = row_dims[0];
+  if (num_local_experts < 1 || num_local_experts > kMaxLocalExperts) {
+    return Invalid(fn, "local experts must be in [1, " + Str(kMaxLocalExperts) + "], got " + Str(num_local_experts));
+  }
+  if (alignment < 1 || alignment > INT_MAX) {
+    return Invalid(fn, "alignment must be in [1, INT_MAX], got " + Str(alignment));
+  }
+  // Every row index the kernels compute, padding included, fits an int.
+  if (num_rows > INT_MAX || num_pairs > INT_MAX || num_pairs + num_local_experts * (alignment - 1) > INT_MAX) {
+    return Invalid(fn, "rows, pairs and padding must fit 32-bit row indices");
+  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "group_offsets", group_offsets->dimensions(), {num_local_experts}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "pair_counts", pair_counts->dimensions(), {num_local_experts}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "pair_row", pair_row->dimensions(), {dims[0], dims[1]}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_dropped", num_dropped->dimensions(), {}));
+  return Launched(fn, LaunchExpertLayout(topk_idx.typed_data(), num_pairs, int(num_local_experts), alignment,
+                                         int(num_rows), pair_counts->typed_data(), group_sizes->typed_data(),
+                                         group_offsets->typed_data(), pair_row->typed_data(), row_pair->typed_data(),
+                                         num_dropped->typed_data(), stream));
+}
+
+ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
+  constexpr const char* fn = "expand_rows";
+  const Dims dims = x.dimensions();
+  if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
+  const int64_t num_src_rows = dims[0], hidden = dims[1];
+  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
+  if (!fp8 && x.element_type() != ffi::DataType::BF16) return Invalid(fn, "x must be bf16 or float8_e4m3fn");
+  if (fp8 && hidden % kFp8Block != 0) return Invalid(fn, "FP8 hidden must be a multiple of " + Str(kFp8Block));
+  if (!fp8) DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, hidden));
+  const int64_t num_scales = fp8 ? hidden / kFp8Block : 0;
+  if (x_scales.element_type() != ffi::DataType::F32 || expert_x_scales->element_type() != ffi::DataType::F32) {
+    return Invalid(fn, "x_scales and expert_x_scales must be float32");
+  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x_scales", x_scales.dimensions(), {num_src_rows, num_scales}));
+  const Dims row_dims = row_pair.dimensions();
+  if (row_dims.size() != 1 || row_dims[0] > INT_MAX) return Invalid(fn, "row_pair must be [rows] with rows <= INT_MAX");
+  const int64_t num_rows = row_dims[0];
+  if (num_topk < 1 || num_src_rows * num_topk > INT_MAX) {
+    return Invalid(fn, "num_topk must be positive with N * num_topk <= INT_MAX, got " + Str(num_topk));
+  }
+  if (expert_x->element_type() != x.element_type()) return Invalid(fn, "expert_x must have x's dtype");
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "expert_x", expert_x->dimensions(), {num_rows, hidden}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "expert_x_scales", expert_x_scales->dimensions(), {num_rows, num_scales}));
+  ExpandArrays arrays{};
+  arrays.src[0] = static_cast<const char*>(x.untyped_data());
+  arrays.dst[0] = static_cast<char*>(expert_x->untyped_data());
+  arrays.row_bytes[0] = hidden * (fp8 ? 1 : 2);
+  arrays.src[1] = static_cast<const char*>(x_scales.untyped_data());
+  arrays.dst[1] = static_cast<char*>(expert_x_scales->untyped_data());
+  arrays.row_bytes[1] = num_scales * int64_t(sizeof(float));
+  return Launched(fn, LaunchExpandRows(arrays, row_pair.typed_data(), int(num_rows), int(num_src_rows), int(num_topk),
+                                       stream));
+}
+
+ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
+  constexpr const char* fn = "reduce_rows";
+  const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
+  if (y_dims.size() != 2) return Invalid(fn, "expert_y must be [rows, H], got " + ShapeString(y_dims));
+  if (pair_dims.size() != 2) return Invalid(fn, "pair_row must be [N, K], got " + ShapeString(pair_dims));
+  const int64_t num_rows = y_dims[0], hidden = y_dims[1], num_tokens = pair_dims[0], num_topk = pair_dims[1];
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, hidden));
+  if (num_rows > INT_MAX || num_tokens * num_topk > INT_MAX) return Invalid(fn, "rows must fit 32-bit indices");
+  const bool weighted = IsShape(w_dims, {num_tokens, num_topk});
+  if (!weighted && !IsShape(w_dims, {num_tokens, 0})) {
+    return Invalid(fn, "weights must be [N, K] or [N, 0], got " + ShapeString(w_dims));
+  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {num_tokens, hidden}));
+  return Launched(fn, LaunchReduceRows(reinterpret_cast<const __nv_bfloat16*>(expert_y.typed_data()), int(num_rows),
+                                       weighted ? weights.typed_data() : nullptr, pair_row.typed_data(),
+                                       int(num_tokens), int(num_topk), int(hidden),
+                                       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
+}
+
+}  // namespace
+
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expert_layout", ExpertLayoutHandler, ComputeExpertLayout, EXPERT_LAYOUT,
+                       {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows", ExpandRowsHandler, ExpandRows, EXPAND_ROWS,
+                       {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
+                       {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace deep_ep_jax

@@ -1,0 +1,297 @@
+"""Expert-major rows: a rank's received rows regrouped by local expert, for a
+grouped GEMM, and reduced back per row (docs/design.md, "Expert-major rows").
+
+    expert_x, layout, recv_w, handle = dispatch_expert_major(
+        x, topk_idx, topk_weights, num_experts=E, buffer=buffer, alignment=128)
+    expert_y = experts(expert_x, layout.group_offsets, layout.group_sizes)
+    out = combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
+
+`expand` and `reduce` are local (no communication, any context): a layer
+over the rank-major `dispatch` and `combine`. The gradients' rules live here,
+so every backend shares them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from deep_ep_jax import _native, normal
+from deep_ep_jax import validation as v
+from deep_ep_jax.backends import reference_expert_major
+from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.handle import DispatchHandle, ExpertLayout
+from deep_ep_jax.validation import Rows
+
+INT32_MAX = 2**31 - 1  # rows and pairs are indexed with int32
+BACKENDS = ("auto", "cuda", "xla")
+
+
+def default_num_rows(num_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
+    """The worst case of expert-major rows for N = num_tokens received rows:
+    N * min(K, L) pairs (a row names each local expert at most once, as top-k
+    routing does) plus up to alignment - 1 padding rows per group."""
+    return num_tokens * min(num_topk, num_local_experts) + num_local_experts * (alignment - 1)
+
+
+def expand(
+    recv_x: Rows,
+    recv_topk_idx: jax.Array,
+    *,
+    num_local_experts: int,
+    alignment: int = 1,
+    num_rows: int | None = None,
+    backend: str = "auto",
+) -> tuple[Rows, ExpertLayout]:
+    """One row per (row n, k) pair of a valid local expert id, grouped by
+    local expert e = 0..L-1, each group starting at a multiple of `alignment`;
+    within a group, pairs in (n, k) order.
+
+      recv_x: bf16 [N, H] (or an FP8 pair (float8_e4m3fn [N, H], float32
+        [N, H // 128])), e.g. dispatch's received rows.
+      recv_topk_idx: int32 [N, K] local expert ids; ids outside [0, L) name no expert.
+      num_rows: rows of the result (default `default_num_rows`, the worst case);
+        pairs past it are dropped and counted in layout.num_dropped.
+      backend: "cuda" (the kernels), "xla" (pure JAX) or "auto" (the kernels
+        where the program runs on CUDA GPUs and the extension is built).
+
+    Returns (expert_x [num_rows, H] in recv_x's form, unused rows 0; layout).
+    """
+    return _expand("expand", recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
+
+
+def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
+           backend: str = "auto") -> jax.Array:
+    """y[n] = bf16(sum over k = 0..K-1, in order, of w[n, k] * expert_y[pair_row[n, k]]):
+    float32, each product rounded before its add, pairs with no row skipped;
+    a row with no pair gives 0.
+
+      expert_y: bf16 [num_rows, H], the expert outputs in expand's rows.
+      recv_topk_weights: float32 [N, K].
+
+    Returns bf16 [N, H], the rows `combine` takes.
+    """
+    return _reduce("reduce", expert_y, recv_topk_weights, layout, backend)
+
+
+def dispatch_expert_major(
+    x: Rows,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    *,
+    num_experts: int,
+    buffer: Buffer,
+    alignment: int = 1,
+    num_worst_tokens: int | None = None,
+    num_rows: int | None = None,
+) -> tuple[Rows, ExpertLayout, jax.Array, DispatchHandle]:
+    """`dispatch`, then `expand` of the received rows on the Buffer's backend.
+
+    Returns (expert_x, layout, recv_topk_weights float32 [N, K], handle):
+    what `combine_expert_major` takes back, with the expert outputs.
+    """
+    fn = "dispatch_expert_major"
+    recv_x, recv_idx, recv_w, handle = normal.dispatch(
+        x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
+    expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
+                               buffer.backend)
+    if buffer.config.checks:
+        message = f"{fn}: more (row, expert) pairs arrived than num_rows={layout.num_rows}; the excess was dropped"
+        v.raise_if_any(buffer, [(layout.num_dropped > 0, message)])
+    return expert_x, layout, recv_w, handle
+
+
+def combine_expert_major(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout,
+                         handle: DispatchHandle, *, buffer: Buffer) -> jax.Array:
+    """`reduce` of the expert outputs with the weights, then `combine`: bf16 [T, H]."""
+    fn = "combine_expert_major"
+    if not isinstance(handle, DispatchHandle):
+        raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch_expert_major returned, "
+                        f"got {type(handle).__name__}")
+    _check_layout(fn, layout)
+    local_experts = handle.num_recv_tokens_per_expert.shape[0]
+    if layout.group_sizes.shape[0] != local_experts or layout.pair_row.shape[0] != handle.num_worst_tokens:
+        raise ValueError(
+            f"{fn}: layout is for {layout.group_sizes.shape[0]} local experts and {layout.pair_row.shape[0]} rows, "
+            f"the handle for {local_experts} and {handle.num_worst_tokens} (pass the layout and handle of one "
+            f"dispatch_expert_major)")
+    y = _reduce(fn, expert_y, recv_topk_weights, layout, buffer.backend)
+    return normal.combine(y, handle, buffer=buffer)
+
+
+# Checks ------------------------------------------------------------------------
+
+
+def _check_int(fn, name, value, low, high=INT32_MAX):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{fn}: {name} must be an int in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def _check_layout(fn, layout):
+    if not isinstance(layout, ExpertLayout):
+        raise TypeError(f"{fn}: layout must be the ExpertLayout that expand returned, got {type(layout).__name__}")
+
+
+def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend):
+    xs, num_tokens, hidden = v.check_tokens(recv_x, None, fn, name="recv_x")
+    shape, dtype = tuple(getattr(recv_topk_idx, "shape", ())), jnp.dtype(getattr(recv_topk_idx, "dtype", None))
+    if dtype != jnp.int32 or len(shape) != 2 or shape[0] != num_tokens or shape[1] < 1:
+        raise TypeError(f"{fn}: recv_topk_idx must be int32 [{num_tokens}, topk] (recv_x's rows), got {dtype} {shape}")
+    num_topk = shape[1]
+    if num_tokens < 1:
+        raise ValueError(f"{fn}: recv_x must have at least one row")
+    num_local_experts = _check_int(fn, "num_local_experts", num_local_experts, 1)
+    alignment = _check_int(fn, "alignment", alignment, 1)
+    # Every row index, padding included, fits an int32.
+    if num_tokens * num_topk + num_local_experts * (alignment - 1) > INT32_MAX:
+        raise ValueError(f"{fn}: rows * topk + num_local_experts * (alignment - 1) must be <= {INT32_MAX} (int32 "
+                         f"rows), got {num_tokens} * {num_topk} + {num_local_experts} * ({alignment} - 1)")
+    if num_rows is None:
+        num_rows = default_num_rows(num_tokens, num_topk, num_local_experts, alignment)
+    num_rows = _check_int(fn, "num_rows", num_rows, 1)
+    ops = _backend(fn, backend)
+    if ops.check is not None:
+        ops.check(fn, num_local_experts=num_local_experts, hidden=hidden, rows_dtype=xs[0].dtype)
+    idx = jnp.where((recv_topk_idx >= 0) & (recv_topk_idx < num_local_experts), recv_topk_idx, -1)
+    layout = ops.expert_layout(idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=num_rows)
+    expert_xs = _expand_rows(xs, layout, ops)
+    return (expert_xs[0] if len(xs) == 1 else expert_xs), layout
+
+
+def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
+    _check_layout(fn, layout)
+    (expert_y,), num_rows, hidden = v.check_tokens(expert_y, None, fn, allow_fp8=False, name="expert_y")
+    if num_rows != layout.num_rows:
+        raise ValueError(f"{fn}: expert_y must have the layout's {layout.num_rows} rows, got {num_rows}")
+    shape, dtype = tuple(getattr(recv_topk_weights, "shape", ())), jnp.dtype(getattr(recv_topk_weights, "dtype", None))
+    if dtype != jnp.float32 or shape != layout.pair_row.shape:
+        raise TypeError(f"{fn}: recv_topk_weights must be float32 {layout.pair_row.shape} (the layout's [rows, topk]), "
+                        f"got {dtype} {shape}")
+    ops = _backend(fn, backend)
+    if ops.check is not None:
+        ops.check(fn, num_local_experts=layout.group_sizes.shape[0], hidden=hidden, rows_dtype=expert_y.dtype)
+    return _reduce_rows(expert_y, recv_topk_weights, layout, ops)
+
+
+# Backends -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+    """The three local operations of one backend (hashable: a custom_vjp's static argument)."""
+
+    expert_layout: Callable
+    expand_rows: Callable
+    reduce_rows: Callable
+    check: Callable | None = None  # the kernels' own trace-time limits
+
+
+_XLA = _Ops(reference_expert_major.expert_layout, reference_expert_major.expand_rows,
+            reference_expert_major.reduce_rows)
+
+
+@functools.cache
+def _cuda_ops(by_platform: bool) -> _Ops:
+    """The kernels' operations; by_platform: the kernels where the program
+    runs on CUDA, the pure-JAX ones elsewhere (lax.platform_dependent)."""
+    from deep_ep_jax.backends.cuda import expert_major as cuda
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    lifecycle.register_ffi_targets()
+    if not by_platform:
+        return _Ops(cuda.expert_layout, cuda.expand_rows, cuda.reduce_rows, cuda.check_shapes)
+
+    def on_platform(name):
+        def op(*args, **static):
+            branches = {platform: _varying_as_inputs(functools.partial(getattr(module, name), **static))
+                        for platform, module in (("cuda", cuda), ("default", reference_expert_major))}
+            return lax.platform_dependent(*args, **branches)
+        return op
+
+    return _Ops(on_platform("expert_layout"), on_platform("expand_rows"), on_platform("reduce_rows"),
+                cuda.check_shapes)
+
+
+def _varying_as_inputs(fn):
+    """fn with every result typed as varying over every mesh axis an input
+    varies over: both branches of platform_dependent then have one type."""
+    from deep_ep_jax.backends.cuda.common import _varying_like
+
+    def run(*args):
+        out = fn(*args)
+        leaves, tree = jax.tree.flatten(out)
+        return jax.tree.unflatten(tree, _varying_like(leaves, jax.tree.leaves(args), None))
+    return run
+
+
+def _backend(fn, backend) -> _Ops:
+    if backend not in BACKENDS:
+        raise ValueError(f"{fn}: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "xla":
+        return _XLA
+    reason = _native.unavailable_reason()
+    if backend == "cuda":
+        if reason:
+            raise RuntimeError(f"{fn}: backend 'cuda' is not available: {reason}")
+        return _cuda_ops(False)
+    return _XLA if reason else _cuda_ops(True)
+
+
+# Gradients ------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _expand_rows(xs, layout, ops):
+    return ops.expand_rows(xs, layout)
+
+
+def _expand_rows_fwd(xs, layout, ops):
+    return _expand_rows(xs, layout, ops), layout
+
+
+def _expand_rows_bwd(ops, layout, g_expert_xs):
+    # Each pair's gradient row summed back to its row, float32 in k order.
+    if len(g_expert_xs) == 1:
+        g_xs = (ops.reduce_rows(g_expert_xs[0], None, layout),)
+    else:  # FP8 rows carry no gradient, as in dispatch.
+        num_tokens = layout.pair_row.shape[0]
+        g_xs = tuple(jnp.zeros((num_tokens,) + g.shape[1:], g.dtype) for g in g_expert_xs)
+    return g_xs, jax.tree.map(lambda _: None, layout)
+
+
+_expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _reduce_rows(expert_y, weights, layout, ops):
+    return ops.reduce_rows(expert_y, weights, layout)
+
+
+def _reduce_rows_fwd(expert_y, weights, layout, ops):
+    return _reduce_rows(expert_y, weights, layout, ops), (expert_y, weights, layout)
+
+
+def _reduce_rows_bwd(ops, residuals, g_y):
+    # d expert_y[pair_row[n, k]] = bf16(w[n, k] * dy[n]); d w[n, k] = sum_h dy[n, h] * expert_y[pair_row[n, k], h]
+    # in float32; unused rows and pairs with no row get 0. Pure JAX on every backend.
+    expert_y, weights, layout = residuals
+    num_topk = layout.pair_row.shape[1]
+    used = layout.row_pair >= 0
+    pair = jnp.where(used, layout.row_pair, 0)
+    dy = g_y[pair // num_topk].astype(jnp.float32)  # [num_rows, H]: each row's token row of dy
+    w = weights.reshape(-1)[pair]
+    g_expert_y = jnp.where(used[:, None], (w[:, None] * dy).astype(expert_y.dtype), jnp.zeros((), expert_y.dtype))
+    g_w_of_row = jnp.where(used, jnp.sum(dy * expert_y.astype(jnp.float32), axis=1), 0.0)
+    has = layout.pair_row >= 0
+    g_w = jnp.where(has, g_w_of_row[jnp.where(has, layout.pair_row, 0)], 0.0)
+    return g_expert_y, g_w, jax.tree.map(lambda _: None, layout)
+
+
+_reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)

@@ -1,0 +1,299 @@
+"""The expert-major CUDA targets (csrc/ffi/expert_major.cc) against the xla
+backend and the numpy oracle (tests/oracle.py), on 2 GPUs.
+
+Everything must match bit for bit: the layout (group sizes and offsets, each
+pair's row, each row's pair, the drop count), the expanded rows (unused rows
+0; FP8 bytes and scales), the reduced rows, the combined output and the
+gradient of x. The gradient of the weights is the same JAX code on both
+backends, compiled in two programs, so it is compared to float32 rounding.
+Before each CUDA run the allocator is handed freed arrays of the outputs'
+sizes filled with poison, which it tends to give back for the outputs, so
+entries the kernels do not write show up as mismatches.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import oracle
+import pytest
+from jax import lax
+
+import deep_ep_jax
+from deep_ep_jax import testing
+from deep_ep_jax.backends import reference, reference_expert_major
+from deep_ep_jax.backends.cuda import expert_major as cuda_expert_major
+
+pytestmark = pytest.mark.gpu
+
+AXIS = "ep"
+TARGETS = ("deep_ep_jax_expert_layout", "deep_ep_jax_expand_rows", "deep_ep_jax_reduce_rows")
+LAYOUT_FIELDS = ("group_sizes", "group_offsets", "pair_row", "row_pair", "num_dropped")
+_BIT_VIEWS = {jnp.dtype(jnp.bfloat16): np.uint16, jnp.dtype(jnp.float8_e4m3fn): np.uint8,
+              np.dtype(np.float32): np.uint32}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    lifecycle.register_ffi_targets()  # for the raw target calls, made without a Buffer
+    return testing.ep_mesh(2, AXIS, platform="gpu")
+
+
+@pytest.fixture(scope="module")
+def buffers(mesh):
+    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
+    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
+    yield cuda, xla
+    cuda.destroy()
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view(_BIT_VIEWS[a.dtype]) if a.dtype in _BIT_VIEWS else a
+
+
+def assert_bits_equal(got, want, what):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    g, w = bits(got), bits(want)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g != w)
+        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
+                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+
+
+def poison_allocator(mesh, per_rank_shapes):
+    """Hands the allocator freed device memory of the outputs' sizes, filled with poison."""
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
+    poison = []
+    for shape, dtype in per_rank_shapes:
+        value = -7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan
+        poison.append(testing.filled((2,) + tuple(shape), value, dtype, sharding))
+    jax.block_until_ready(poison)
+    del poison
+
+
+def expert_rows(layout, expert_x):
+    """Exact in bf16 (no rounding for XLA to skip), a different value per row;
+    unused rows 1, so a sum that reads one shows it."""
+    return jnp.where((layout.row_pair >= 0)[:, None], expert_x * 2, jnp.ones((), expert_x.dtype))
+
+
+def rank(tree, r):
+    return jax.tree.map(lambda a: np.asarray(a[r]), tree)
+
+
+# The standard case, through the public API ---------------------------------------
+
+
+@functools.cache
+def standard_runner(buffer, mesh, num_experts, alignment):
+    """dispatch_expert_major, an exact "expert", reduce alone, combine_expert_major;
+    and the gradients of sum(out * c) with respect to x and the weights."""
+
+    def forward(x, idx, w):
+        expert_x, layout, recv_w, handle = deep_ep_jax.dispatch_expert_major(
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment)
+        expert_y = expert_rows(layout, expert_x)
+        out = deep_ep_jax.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
+        return expert_x, layout, recv_w, expert_y, out
+
+    def fn(x, idx, w, c):
+        expert_x, layout, recv_w, expert_y, out = forward(x, idx, w)
+        reduced = deep_ep_jax.reduce(expert_y, recv_w, layout, backend=buffer.backend)
+        loss = lambda x, w: jnp.sum(forward(x, idx, w)[-1].astype(jnp.float32) * c)
+        g_x, g_w = jax.grad(loss, argnums=(0, 1))(x, w)
+        return expert_x, layout, recv_w, reduced, out, g_x, g_w
+
+    return testing.per_rank(fn, mesh, AXIS, check_vma=True)
+
+
+@pytest.mark.parametrize("alignment", [128, 1])
+def test_standard_case(mesh, buffers, alignment):
+    """4096 tokens per rank, hidden 7168, top-8 of 256 experts, 2 ranks."""
+    cuda, xla = buffers
+    num_tokens, hidden, num_experts, topk, num_ranks = 4096, 7168, 256, 8, 2
+    local_experts = num_experts // num_ranks
+    idx, w = testing.make_routing(alignment, num_ranks * num_tokens, num_experts, topk, num_ranks)
+    x = testing.random_rows(alignment + 1, (num_ranks * num_tokens, hidden))
+    c = testing.random_rows(alignment + 2, (num_ranks * num_tokens, hidden), jnp.float32)
+    args = (x, jnp.asarray(idx), jnp.asarray(w), c)
+
+    run = standard_runner(cuda, mesh, num_experts, alignment)
+    text = run.lower(*args).as_text()
+    assert all(t in text for t in TARGETS), "the CUDA targets must be in the program"
+    num_worst = num_ranks * num_tokens
+    num_rows = num_worst * topk + local_experts * (alignment - 1)
+    poison_allocator(mesh, [((num_rows, hidden), jnp.bfloat16), ((num_worst, topk), jnp.int32),
+                            ((num_rows,), jnp.int32), ((num_worst, hidden), jnp.bfloat16)])
+    got = run(*args)
+    want = standard_runner(xla, mesh, num_experts, alignment)(*args)
+    names = ("expert_x", "layout", "recv_w", "reduced", "out", "g_x")
+    for name, g, v in zip(names, got[:6], want[:6]):
+        for (path, gl), vl in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(v)):
+            assert_bits_equal(gl, vl, name + jax.tree_util.keystr(path))
+    np.testing.assert_allclose(got[6], want[6], rtol=1e-4, atol=1e-2)
+    assert np.abs(np.asarray(got[5], np.float32)).max() > 0 and np.abs(np.asarray(got[6])).max() > 0
+
+    # Against the oracle, which shares no code with the package.
+    expert_x, layout, recv_w, reduced, out = got[:5]
+    xs = np.asarray(x).reshape(num_ranks, num_tokens, hidden)
+    received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
+                               num_experts, num_worst)
+    combined_rows = np.zeros((num_ranks, num_worst, hidden), np.float32)
+    for r in range(num_ranks):
+        n = len(received[r]["idx"])
+        recv_idx = np.full((num_worst, topk), -1, np.int32)
+        recv_idx[:n] = np.reshape(received[r]["idx"], (n, topk))
+        recv_x = np.zeros((num_worst, hidden), xs.dtype)
+        recv_x[:n] = np.reshape(received[r]["x"], (n, hidden))
+        want_layout = oracle.expert_layout(recv_idx, local_experts, alignment, num_rows)
+        for field in LAYOUT_FIELDS:
+            np.testing.assert_array_equal(getattr(rank(layout, r), field), want_layout[field], err_msg=field)
+        assert want_layout["num_dropped"] == 0
+        assert_bits_equal(expert_x[r], oracle.expert_expand(recv_x, want_layout["row_pair"], topk), "expert_x (oracle)")
+        expert_y = np.where((want_layout["row_pair"] >= 0)[:, None], np.asarray(expert_x[r], np.float32) * 2, 1)
+        sums = oracle.expert_reduce(expert_y.astype(xs.dtype), np.asarray(recv_w[r]), want_layout["pair_row"])
+        assert_bits_equal(bits(reduced[r]), oracle.bf16_bits(sums), "reduced (oracle)")
+        combined_rows[r] = np.asarray(reduced[r], np.float32)
+    want_out = oracle.combine(combined_rows, received, num_tokens)
+    assert_bits_equal(bits(out).reshape(num_ranks, num_tokens, hidden), oracle.bf16_bits(want_out), "out (oracle)")
+
+
+# The targets on edge cases ---------------------------------------------------------
+
+
+@functools.cache
+def local_runner(mesh, backend, num_local_experts, alignment, num_rows, fp8):
+    """expand, an exact "expert", reduce; the gradient of sum(y * c) in x and w (bf16 rows)."""
+
+    def forward(x, idx, w):
+        expert_x, layout = deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
+                                              num_rows=num_rows, backend=backend)
+        rows = expert_x[0].astype(jnp.bfloat16) if fp8 else expert_x
+        return expert_x, layout, deep_ep_jax.reduce(expert_rows(layout, rows), w, layout, backend=backend)
+
+    def fn(x, idx, w, c):
+        expert_x, layout, y = forward(x, idx, w)
+        if fp8:
+            return expert_x, layout, y
+        loss = lambda x, w: jnp.sum(forward(x, idx, w)[-1].astype(jnp.float32) * c)
+        return expert_x, layout, y, jax.grad(loss, argnums=(0, 1))(x, w)
+
+    return testing.per_rank(fn, mesh, AXIS, check_vma=True)
+
+
+def local_ids(seed, num_tokens, num_local_experts, topk, kind):
+    """int32 [2 * N, K] local ids of both ranks' rows."""
+    if kind == "nothing_on_rank_1":
+        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, "random")
+        idx[num_tokens:] = -1
+    elif kind == "duplicates":
+        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, "minus_one")
+        idx[::3, 1] = idx[::3, 0]
+    else:
+        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, kind)
+    return idx
+
+
+# (rows per rank N, top-k, local experts, hidden, alignment, num_rows or None, routing, fp8)
+CASES = [
+    (1, 1, 1, 8, 1, None, "random", False),
+    (3, 2, 2, 8, 4, None, "one_expert", False),
+    (129, 4, 8, 64, 8, None, "minus_one", False),
+    (1000, 8, 128, 256, 128, None, "random", False),
+    (1000, 8, 128, 256, 1, 500, "random", False),  # pairs dropped
+    (1000, 8, 64, 256, 128, 700, "one_expert", False),  # one group, cut
+    (517, 8, 32, 128, 16, None, "duplicates", False),
+    (300, 8, 4096, 64, 4, None, "nothing_on_rank_1", False),  # the most local experts
+    (300, 4, 16, 256, 8, None, "minus_one", True),  # FP8: 8-byte scale rows
+    (300, 8, 128, 7168, 128, None, "random", True),  # FP8: 224-byte scale rows
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}-K{c[1]}-L{c[2]}-H{c[3]}-a{c[4]}-r{c[5]}-{c[6]}" +
+                                             ("-fp8" if c[7] else "") for c in CASES])
+def test_targets_match_reference(mesh, case):
+    num_tokens, topk, num_local_experts, hidden, alignment, num_rows, kind, fp8 = case
+    seed = sum(case[:5])
+    idx = local_ids(seed, num_tokens, num_local_experts, topk, kind)
+    x = testing.random_rows(seed + 1, (2 * num_tokens, hidden))
+    if fp8:
+        x = tuple(reference.quantize_fp8(x))
+    w = jnp.asarray(np.random.default_rng(seed + 2).random(idx.shape).astype(np.float32) + 0.1)
+    c = testing.random_rows(seed + 3, (2 * num_tokens, hidden), jnp.float32)
+    args = (x, jnp.asarray(idx), w, c)
+    rows = num_rows or deep_ep_jax.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
+
+    run = local_runner(mesh, "cuda", num_local_experts, alignment, num_rows, fp8)
+    assert all(t in run.lower(*args).as_text() for t in TARGETS)
+    poison_allocator(mesh, [((rows, hidden), jnp.bfloat16), ((num_tokens, topk), jnp.int32), ((rows,), jnp.int32),
+                            ((num_tokens, hidden), jnp.bfloat16), ((rows, hidden // 128 or 1), jnp.float32)])
+    got = run(*args)
+    want = local_runner(mesh, "xla", num_local_experts, alignment, num_rows, fp8)(*args)
+    for name, g, v in zip(("expert_x", "layout", "y", "g_x"), got[:3] + ((got[3][0],) if not fp8 else ()),
+                          want[:3] + ((want[3][0],) if not fp8 else ())):
+        for (path, gl), vl in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(v)):
+            assert_bits_equal(gl, vl, name + jax.tree_util.keystr(path))
+    if not fp8:
+        np.testing.assert_allclose(got[3][1], want[3][1], rtol=1e-4, atol=1e-3)
+
+    layout = got[1]
+    dropped = 0
+    for r in range(2):
+        want_layout = oracle.expert_layout(idx.reshape(2, num_tokens, topk)[r], num_local_experts, alignment, rows)
+        for field in LAYOUT_FIELDS:
+            np.testing.assert_array_equal(getattr(rank(layout, r), field), want_layout[field], err_msg=field)
+        dropped += want_layout["num_dropped"]
+    assert (dropped > 0) == (num_rows is not None)
+    if kind == "nothing_on_rank_1":
+        assert (np.asarray(layout.row_pair[1]) == -1).all()
+
+
+def test_raw_ids_skipped_by_the_kernels(mesh):
+    """The layout kernel itself ignores ids outside [0, L) (the API replaces
+    them with -1 first) and places duplicates as two pairs."""
+    num_local_experts, topk, num_tokens = 24, 8, 777
+    rng = np.random.default_rng(5)
+    idx = rng.integers(-3, num_local_experts + 3, size=(2 * num_tokens, topk), dtype=np.int32)
+    idx[:, 1] = idx[:, 0]
+    idx[::5] = -1
+    clean = np.where((idx < 0) | (idx >= num_local_experts), -1, idx).astype(np.int32)
+    kw = {"num_local_experts": num_local_experts, "alignment": 16, "num_rows": 3000}
+    got = testing.per_rank(lambda i: cuda_expert_major.expert_layout(i, **kw), mesh, AXIS)(jnp.asarray(idx))
+    want = testing.per_rank(lambda i: reference_expert_major.expert_layout(i, **kw), mesh, AXIS)(jnp.asarray(clean))
+    for field in LAYOUT_FIELDS:
+        np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
+
+
+def test_auto_backend_and_loop(mesh):
+    """backend="auto" runs the kernels on GPUs (under check_vma=True), also
+    inside a jitted fori_loop (command buffers); each iteration routes
+    differently and the sums must equal the xla backend's."""
+    num_tokens, topk, num_local_experts, hidden, iters = 256, 8, 16, 512, 20
+    idx = local_ids(9, num_tokens, num_local_experts, topk, "minus_one")
+    x = testing.random_rows(10, (2 * num_tokens, hidden))
+    w = jnp.asarray(np.random.default_rng(11).random(idx.shape).astype(np.float32))
+
+    def make(backend):
+        def fn(x, idx, w):
+            def body(i, acc):
+                shifted = jnp.where(idx >= 0, (idx + i) % num_local_experts, -1)
+                expert_x, layout = deep_ep_jax.expand(x, shifted, num_local_experts=num_local_experts,
+                                                      alignment=8, backend=backend)
+                y = deep_ep_jax.reduce(expert_rows(layout, expert_x), w, layout, backend=backend)
+                return acc + y.astype(jnp.float32)
+
+            return lax.fori_loop(0, iters, body, jnp.zeros_like(x, jnp.float32))  # zeros_like: x's vma
+
+        return testing.per_rank(fn, mesh, AXIS, check_vma=True)
+
+    args = (x, jnp.asarray(idx), w)
+    auto = make("auto")
+    assert all(t in auto.lower(*args).as_text() for t in TARGETS)
+    got, want = auto(*args), make("xla")(*args)
+    assert_bits_equal(got, want, "loop sums")
+    assert np.abs(np.asarray(got)).max() > 0

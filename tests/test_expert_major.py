@@ -1,0 +1,496 @@
+"""Expert-major rows (deep_ep_jax.expert_major) on the xla backend against
+tests/oracle.py, bit for bit, on CPU devices, under jit and shard_map with
+check_vma=True (shard_map's default)."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import oracle
+import pytest
+
+import deep_ep_jax as dej
+from deep_ep_jax import _native
+from deep_ep_jax import expert_major as em
+from deep_ep_jax import testing as dt
+from deep_ep_jax.backends import reference
+
+H = 128
+ROUTINGS = ("random", "one_expert", "rank_empty", "minus_one", "out_of_range", "duplicates", "rank_gets_nothing")
+
+
+def _per_rank(fn, num_ranks):
+    return dt.per_rank(fn, dt.ep_mesh(num_ranks, platform="cpu"), "ep", check_vma=True)
+
+
+def _local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, routing):
+    """int32 [R * N, K] local expert ids of each rank's received rows."""
+    if routing in ("duplicates", "rank_gets_nothing"):
+        idx, _ = dt.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "minus_one")
+        if routing == "duplicates":  # a row naming one expert twice gives two pairs
+            idx[::3, 1] = idx[::3, 0]
+        else:
+            idx[num_tokens : 2 * num_tokens] = -1
+        return idx
+    kind_ranks = 2 if routing == "rank_empty" else 1  # rank_empty: only the first half of the experts
+    idx, _ = dt.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, kind_ranks, routing)
+    if routing == "out_of_range":
+        assert ((idx < -1) | (idx >= num_local_experts)).any()
+    return idx
+
+
+def _seed(*case):
+    """A seed of its own for each test case."""
+    return zlib.crc32(repr(case).encode()) % 10_000
+
+
+def _bits(a):
+    """bf16 (or e4m3) values as comparable integers."""
+    a = np.asarray(a)
+    if a.dtype in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn):
+        return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint8)
+    return a
+
+
+def _rank(tree, r):
+    """Rank r's part of per_rank's stacked outputs."""
+    return jax.tree.map(lambda a: a[r], tree)
+
+
+def _bf16(a):
+    return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16)
+
+
+def _check_layout(layout, idx, num_local_experts, alignment, num_rows):
+    want = oracle.expert_layout(idx, num_local_experts, alignment, num_rows)
+    for name, value in want.items():
+        got = getattr(layout, name)
+        assert got.dtype == jnp.int32, name
+        np.testing.assert_array_equal(got, value, err_msg=name)
+    return want
+
+
+@pytest.mark.parametrize("alignment, rows", [(1, None), (8, None), (128, None), (1, 7), (8, 20), (128, 130)])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_expand_reduce_against_oracle(routing, alignment, rows):
+    num_ranks, num_tokens, topk, num_local_experts = 4, 24, 4, 8
+    seed = _seed(routing, alignment, rows)
+    idx = _local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, routing)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    w = np.random.default_rng(seed + 2).random(idx.shape).astype(np.float32) + 0.1
+    num_rows = rows or em.default_num_rows(num_tokens, topk, num_local_experts, alignment)
+    y_in = dt.random_rows(seed + 3, (num_ranks * num_rows, H))
+
+    def step(x, idx, w, y_in):
+        expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=rows)
+        y = dej.reduce(y_in, w, layout)
+        # Unused rows never reach the sum, whatever they hold.
+        poisoned = jnp.where((layout.row_pair >= 0)[:, None], y_in, jnp.asarray(jnp.nan, y_in.dtype))
+        return expert_x, layout, y, dej.reduce(poisoned, w, layout)
+
+    expert_x, layout, y, y_poisoned = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), y_in)
+    assert expert_x.shape == (num_ranks, num_rows, H) and expert_x.dtype == jnp.bfloat16
+    x, y_in = np.asarray(x).reshape(num_ranks, num_tokens, H), np.asarray(y_in).reshape(num_ranks, num_rows, H)
+    idx, w = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+    dropped = 0
+    for r in range(num_ranks):
+        rank_layout = _rank(layout, r)
+        want = _check_layout(rank_layout, idx[r], num_local_experts, alignment, num_rows)
+        dropped += want["num_dropped"]
+        assert (want["group_offsets"] % alignment == 0).all() or rows is not None
+        np.testing.assert_array_equal(_bits(expert_x[r]), _bits(oracle.expert_expand(x[r], want["row_pair"], topk)))
+        want_y = oracle.bf16_bits(oracle.expert_reduce(y_in[r], w[r], want["pair_row"]))
+        np.testing.assert_array_equal(_bits(y[r]), want_y)
+        np.testing.assert_array_equal(_bits(y_poisoned[r]), want_y)
+    if rows is None:
+        assert dropped == 0
+    elif routing == "random":
+        assert dropped > 0  # the overflow really happened
+
+
+def test_expand_fp8_pair():
+    """FP8 rows move as they are, data and scales, unused rows 0."""
+    num_ranks, num_tokens, topk, num_local_experts, alignment = 2, 16, 3, 5, 4
+    idx = _local_ids(3, num_ranks, num_tokens, num_local_experts, topk, "minus_one")
+    data, scales = reference.quantize_fp8(dt.random_rows(4, (num_ranks * num_tokens, H)))
+
+    def step(data, scales, idx):
+        (expert_data, expert_scales), layout = dej.expand(
+            (data, scales), idx, num_local_experts=num_local_experts, alignment=alignment)
+        return expert_data, expert_scales, layout
+
+    expert_data, expert_scales, layout = _per_rank(step, num_ranks)(data, scales, jnp.asarray(idx))
+    assert expert_data.dtype == jnp.float8_e4m3fn and expert_scales.dtype == jnp.float32
+    data = np.asarray(data).reshape(num_ranks, num_tokens, H)
+    scales = np.asarray(scales).reshape(num_ranks, num_tokens, -1)
+    for r in range(num_ranks):
+        want = _check_layout(_rank(layout, r), idx.reshape(num_ranks, num_tokens, topk)[r],
+                             num_local_experts, alignment, expert_data.shape[1])
+        want_data = oracle.expert_expand(data[r], want["row_pair"], topk)
+        np.testing.assert_array_equal(_bits(expert_data[r]), _bits(want_data))
+        np.testing.assert_array_equal(expert_scales[r], oracle.expert_expand(scales[r], want["row_pair"], topk))
+
+
+@pytest.mark.parametrize("routing", ["random", "minus_one", "rank_empty", "rank_gets_nothing", "duplicates"])
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_dispatch_combine_expert_major_against_oracle(routing, alignment):
+    """The whole path: dispatch, expand, an expert, reduce, combine."""
+    num_ranks, num_tokens, experts_per_rank, topk = 4, 10, 3, 3
+    num_experts = num_ranks * experts_per_rank
+    seed = _seed(routing, alignment)
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    base = "minus_one" if routing in ("duplicates", "rank_gets_nothing") else routing
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, base)
+    if routing == "duplicates":
+        idx[::2, 1] = idx[::2, 0]
+    if routing == "rank_gets_nothing":  # no token picks an expert of rank 1
+        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+
+    def step(x, idx, w):
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment)
+        # Exact in bf16 (XLA may not round a fused bf16 product); unused rows are 1: they must not reach the sum.
+        expert_y = jnp.where((layout.row_pair >= 0)[:, None], expert_x * 2, jnp.ones((), expert_x.dtype))
+        out = dej.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
+        return expert_y, layout, recv_w, out
+
+    expert_y, layout, recv_w, out = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w))
+    xs = np.asarray(x).reshape(num_ranks, num_tokens, H)
+    received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
+                               num_experts, num_ranks * num_tokens)
+    num_worst = num_ranks * num_tokens
+    rows = np.zeros((num_ranks, num_worst, H), ml_dtypes.bfloat16)
+    for r in range(num_ranks):
+        n = len(received[r]["idx"])
+        recv_idx = np.full((num_worst, topk), -1, np.int32)
+        recv_idx[:n] = np.reshape(received[r]["idx"], (n, topk))
+        want = _check_layout(_rank(layout, r), recv_idx, experts_per_rank, alignment,
+                             expert_y.shape[1])
+        assert want["num_dropped"] == 0
+        reduced = oracle.expert_reduce(np.asarray(expert_y[r]), np.asarray(recv_w[r]), want["pair_row"])
+        rows[r] = oracle.bf16_bits(reduced).view(ml_dtypes.bfloat16)
+    if routing == "rank_gets_nothing":
+        assert (layout.group_sizes[1] == 0).all()
+    want_out = oracle.combine(rows, received, num_tokens).reshape(num_ranks * num_tokens, H)
+    np.testing.assert_array_equal(_bits(out).reshape(num_ranks * num_tokens, H), oracle.bf16_bits(want_out))
+
+
+def test_default_num_rows_never_drops():
+    """The default bound holds the worst case: every row names min(K, L)
+    distinct experts, all groups misaligned by one."""
+    num_tokens, num_local_experts, alignment = 9, 3, 8
+    idx = np.tile(np.array([0, 1, 2, -1], np.int32), (num_tokens, 1))
+    x = dt.random_rows(0, (num_tokens, H))
+    expert_x, layout = jax.jit(lambda x, idx: dej.expand(x, idx, num_local_experts=num_local_experts,
+                                                         alignment=alignment))(x, jnp.asarray(idx))
+    assert expert_x.shape[0] == num_tokens * 3 + 3 * 7
+    assert int(layout.num_dropped) == 0 and (layout.group_sizes == num_tokens).all()
+    np.testing.assert_array_equal(layout.group_offsets, [0, 16, 32])
+
+
+def _loss_parts(seed, num_ranks, num_tokens, topk, num_local_experts, routing):
+    idx = _local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, routing)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    w = np.random.default_rng(seed + 2).random(idx.shape).astype(np.float32) + 0.1
+    c = dt.random_rows(seed + 3, (num_ranks * num_tokens, H))  # the loss's cotangent
+    return idx, x, w, c
+
+
+@pytest.mark.parametrize("routing, alignment, rows", [("random", 1, None), ("minus_one", 8, None),
+                                                      ("duplicates", 128, None), ("random", 8, 30)])
+def test_gradients_against_oracle(routing, alignment, rows):
+    """loss = sum(c * reduce(expand(x) * 2, w)): expand's backward sums each
+    pair's row back in k order (bit for bit), reduce's gives bf16(w * dy) per
+    row and the dot products for w."""
+    num_ranks, num_tokens, topk, num_local_experts = 2, 20, 4, 5
+    idx, x, w, c = _loss_parts(11, num_ranks, num_tokens, topk, num_local_experts, routing)
+    s = jnp.asarray(2, jnp.bfloat16)  # exact: no rounding for XLA to skip (xla_allow_excess_precision)
+
+    def step(x, idx, w, c):
+        def loss(x, w):
+            expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
+                                          num_rows=rows)
+            y = dej.reduce(expert_x * s, w, layout)
+            return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)), (expert_x * s, layout)
+
+        (_, (expert_y, layout)), (g_x, g_w) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return g_x, g_w, expert_y, layout
+
+    g_x, g_w, expert_y, layout = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), c)
+    assert g_x.dtype == jnp.bfloat16 and g_w.dtype == jnp.float32
+    c = np.asarray(c, np.float32).reshape(num_ranks, num_tokens, H)
+    w = w.reshape(num_ranks, num_tokens, topk)
+    dropped = 0
+    for r in range(num_ranks):
+        pair_row = np.asarray(layout.pair_row[r])
+        dropped += int(layout.num_dropped[r])
+        # d expert_y row = bf16(w * c[n]) (c is dy here); then d x[n] = the plain sum of its rows' gradients * s.
+        g_rows = np.zeros(expert_y.shape[1:], np.float32)
+        for n, k in zip(*np.nonzero(pair_row >= 0)):
+            g_rows[pair_row[n, k]] = _bf16(np.float32(w[r, n, k]) * c[r, n]).astype(np.float32)
+        g_expert_x = g_rows * np.float32(2)  # d (expert_x * s) / d expert_x
+        want_x = oracle.expert_reduce(g_expert_x, None, pair_row)
+        np.testing.assert_array_equal(_bits(g_x.reshape(num_ranks, num_tokens, H)[r]), oracle.bf16_bits(want_x))
+        ey = np.asarray(expert_y[r], np.float64)
+        want_w = np.where(pair_row >= 0, np.einsum("nh,nkh->nk", c[r], ey[np.maximum(pair_row, 0)]), 0.0)
+        np.testing.assert_allclose(np.asarray(g_w).reshape(num_ranks, num_tokens, topk)[r], want_w, rtol=1e-4,
+                                   atol=1e-3)
+        assert (np.asarray(g_w).reshape(num_ranks, num_tokens, topk)[r][pair_row < 0] == 0).all()
+    assert (dropped > 0) == (rows is not None)
+
+
+def test_gradients_match_rank_major_formula():
+    """Through dispatch_expert_major and combine_expert_major, the gradients
+    of x and the weights equal (to rounding) those of the same model written
+    on the rank-major rows in plain JAX."""
+    num_ranks, num_tokens, experts_per_rank, topk = 4, 16, 4, 4
+    num_experts = num_ranks * experts_per_rank
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = dt.make_routing(21, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    x = dt.random_rows(22, (num_ranks * num_tokens, H))
+    c = dt.random_rows(23, (num_ranks * num_tokens, H), jnp.float32)
+    scale = jnp.linspace(0.5, 2.0, experts_per_rank, dtype=jnp.float32)  # a different "expert" per local id
+
+    def expert_major(x, w, idx):
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                     buffer=buffer, alignment=8)
+        group = jnp.searchsorted(layout.group_offsets, jnp.arange(layout.num_rows), side="right") - 1
+        expert_y = (expert_x.astype(jnp.float32) * scale[group][:, None]).astype(jnp.bfloat16)
+        return dej.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
+
+    def rank_major(x, w, idx):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        has = recv_idx >= 0
+        terms = [(recv_x.astype(jnp.float32) * scale[jnp.maximum(recv_idx[:, k], 0)][:, None]).astype(jnp.bfloat16)
+                 for k in range(topk)]
+        y = sum(jnp.where(has[:, k : k + 1], recv_w[:, k : k + 1] * terms[k].astype(jnp.float32), 0.0)
+                for k in range(topk))
+        return dej.combine(y.astype(jnp.bfloat16), handle, buffer=buffer)
+
+    def grads(model):
+        def step(x, w, idx, c):
+            loss = lambda x, w: jnp.sum(model(x, w, idx).astype(jnp.float32) * c)
+            return jax.grad(loss, argnums=(0, 1))(x, w)
+        return _per_rank(step, num_ranks)(x, jnp.asarray(w), jnp.asarray(idx), c)
+
+    (gx, gw), (want_gx, want_gw) = grads(expert_major), grads(rank_major)
+    assert np.abs(np.asarray(want_gx, np.float32)).max() > 0 and np.abs(np.asarray(want_gw)).max() > 0
+    np.testing.assert_allclose(np.asarray(gx, np.float32), np.asarray(want_gx, np.float32), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(gw, want_gw, rtol=1e-3, atol=1e-3)
+
+
+def test_fp8_rows_carry_no_gradient():
+    idx = _local_ids(5, 1, 8, 3, 2, "random")
+    data, scales = reference.quantize_fp8(dt.random_rows(6, (8, H)))
+    w = jnp.ones(idx.shape, jnp.float32)
+
+    def loss(scales, w):
+        (expert_data, expert_scales), layout = dej.expand((data, scales), jnp.asarray(idx), num_local_experts=3)
+        y = dej.reduce(expert_data.astype(jnp.bfloat16), w, layout)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(expert_scales)
+
+    g_scales, g_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(scales, w)
+    assert (np.asarray(g_scales) == 0).all() and np.abs(np.asarray(g_w)).max() > 0
+
+
+def test_outside_shard_map_and_auto_backend():
+    """expand and reduce are local: plain jit works, and 'auto' on CPU is the xla backend."""
+    idx = _local_ids(8, 1, 12, 3, 2, "minus_one")
+    x = dt.random_rows(9, (12, H))
+    w = jnp.full(idx.shape, 0.5, jnp.float32)
+
+    def run(backend):
+        def fn(x, idx):
+            expert_x, layout = dej.expand(x, idx, num_local_experts=3, alignment=4, backend=backend)
+            return dej.reduce(expert_x, w, layout, backend=backend)
+        lowered = jax.jit(fn).lower(x, jnp.asarray(idx))
+        assert "deep_ep_jax" not in lowered.as_text()
+        return lowered.compile()(x, jnp.asarray(idx))
+
+    layout = oracle.expert_layout(idx, 3, 4, 12 * 2 + 3 * 3)
+    expert_x = oracle.expert_expand(np.asarray(x), layout["row_pair"], 2)
+    want = oracle.expert_reduce(expert_x, np.asarray(w), layout["pair_row"])
+    np.testing.assert_array_equal(_bits(run("auto")), oracle.bf16_bits(want))
+    np.testing.assert_array_equal(_bits(run("xla")), oracle.bf16_bits(want))
+
+
+@pytest.mark.extension
+def test_cuda_branch_traces_on_cpu(monkeypatch):
+    """With the kernels 'available', 'auto' traces the CUDA calls beside the
+    pure-JAX ones (lax.platform_dependent) under check_vma=True, gradients
+    included, and the CPU program runs the pure-JAX branch."""
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    monkeypatch.setattr(em._native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(lifecycle, "register_ffi_targets", lambda: None)
+    em._cuda_ops.cache_clear()
+    try:
+        num_ranks, num_tokens, topk, num_local_experts = 2, 12, 3, 4
+        idx, x, w, c = _loss_parts(13, num_ranks, num_tokens, topk, num_local_experts, "minus_one")
+
+        def step(backend):
+            def fn(x, idx, w, c):
+                def loss(x, w):
+                    expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=8,
+                                                  backend=backend)
+                    y = dej.reduce(expert_x, w, layout, backend=backend)
+                    return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)), (expert_x, layout)
+                return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+            return _per_rank(fn, num_ranks)
+
+        args = (x, jnp.asarray(idx), jnp.asarray(w), c)
+        text = step("auto").lower(*args).as_text()
+        assert "deep_ep_jax" not in text  # lowered for CPU: the CUDA branch is gone
+        got, want = step("auto")(*args), step("xla")(*args)
+        for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(_bits(g), _bits(v))
+        # The CUDA functions alone give the types of the pure-JAX ones.
+        from deep_ep_jax.backends import reference_expert_major as ref
+        from deep_ep_jax.backends.cuda import expert_major as cuda
+
+        local_idx = jnp.asarray(idx[:num_tokens])
+        kw = {"num_local_experts": num_local_experts, "alignment": 8, "num_rows": 40}
+        layouts = [jax.eval_shape(lambda i, m=m: m.expert_layout(i, **kw), local_idx) for m in (cuda, ref)]
+        assert layouts[0] == layouts[1]
+        for m in (cuda, ref):
+            rows = jax.eval_shape(m.expand_rows, (x[:num_tokens],), layouts[0])
+            assert rows == (jax.ShapeDtypeStruct((40, H), jnp.bfloat16),)
+            out = jax.eval_shape(m.reduce_rows, rows[0], jax.ShapeDtypeStruct(idx[:num_tokens].shape, jnp.float32),
+                                 layouts[0])
+            assert out == jax.ShapeDtypeStruct((num_tokens, H), jnp.bfloat16)
+    finally:
+        em._cuda_ops.cache_clear()
+
+
+@pytest.mark.extension
+def test_cuda_path_lowers_under_check_vma(monkeypatch):
+    """The whole path on the CUDA backend, gradients included, traced and
+    lowered on CPU with a stand-in CUDA Buffer (never run): the kernels'
+    calls are all there, with the expected operands and attributes."""
+    import re
+
+    from deep_ep_jax.backends import Ops
+    from deep_ep_jax.backends.cuda import intranode, layout, lifecycle, low_latency
+
+    monkeypatch.setattr(em._native, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(lifecycle, "register_ffi_targets", lambda: None)
+    num_ranks, num_tokens, experts_per_rank, topk = 2, 8, 4, 2
+    num_experts = num_ranks * experts_per_rank
+    buffer = dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+    buffer.backend, buffer.buffer_id = "cuda", 7
+    buffer.ops = Ops.of(layout, intranode, low_latency)
+    idx, w = dt.make_routing(1, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    x = dt.random_rows(2, (num_ranks * num_tokens, H))
+
+    def loss(x, w, idx):
+        expert_x, layout_, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                      buffer=buffer, alignment=8)
+        out = dej.combine_expert_major(expert_x * 2, recv_w, layout_, handle, buffer=buffer)
+        return jnp.sum(out.astype(jnp.float32))
+
+    def step(x, w, idx):
+        return jax.grad(loss, argnums=(0, 1))(x, w, idx)
+
+    text = _per_rank(step, num_ranks).lower(x, jnp.asarray(w), jnp.asarray(idx)).as_text()
+    calls = re.findall(r"stablehlo\.custom_call @(deep_ep_jax_\w+)\(([^)]*)\)(.*)", text)
+    names = [name for name, _, _ in calls]
+    for name, count in (("deep_ep_jax_expert_layout", 1), ("deep_ep_jax_expand_rows", 1),
+                        ("deep_ep_jax_reduce_rows", 2)):  # reduce: forward, and expand's backward
+        assert names.count(name) == count, names
+    attrs = {name: rest for name, _, rest in calls}
+    assert re.search(r"alignment = 8 : i64", attrs["deep_ep_jax_expert_layout"])
+    assert re.search(r"num_topk = 2 : i64", attrs["deep_ep_jax_expand_rows"])
+
+    # FP8 pairs: data and scales both through the expand target.
+    data, scales = reference.quantize_fp8(x)
+
+    def fp8_step(data, scales, idx):
+        return dej.expand((data, scales), idx, num_local_experts=experts_per_rank, backend="cuda")
+
+    text = _per_rank(fp8_step, num_ranks).lower(data, scales, jnp.asarray(idx % experts_per_rank)).as_text()
+    assert re.search(r"deep_ep_jax_expand_rows.*-> \(tensor<\d+x128xf8E4M3FN>, tensor<\d+x1xf32>\)", text)
+
+
+def test_trace_time_errors():
+    x = jnp.zeros((6, H), jnp.bfloat16)
+    idx = jnp.zeros((6, 2), jnp.int32)
+    expand = lambda *a, **k: dej.expand(*a, **{"num_local_experts": 4, **k})
+    for alignment in (0, -8, 1.5, True, "8"):
+        with pytest.raises(ValueError, match=r"expand: alignment must be an int in \[1, "):
+            expand(x, idx, alignment=alignment)
+    for num_local_experts in (0, 2.0, None):
+        with pytest.raises(ValueError, match="expand: num_local_experts must be an int"):
+            dej.expand(x, idx, num_local_experts=num_local_experts)
+    with pytest.raises(ValueError, match="expand: num_rows must be an int"):
+        expand(x, idx, num_rows=0)
+    with pytest.raises(TypeError, match="expand: recv_x must be bfloat16"):
+        expand(x.astype(jnp.float32), idx)
+    with pytest.raises(ValueError, match=r"expand: recv_x must be \[tokens, hidden\]"):
+        expand(x[0], idx)
+    with pytest.raises(TypeError, match="FP8 scales recv_x"):
+        expand((x.astype(jnp.float8_e4m3fn), jnp.zeros((6, 2), jnp.float32)), idx)
+    for bad_idx in (idx.astype(jnp.int16), idx.astype(jnp.float32), idx[:, 0], idx[:5], idx[:, :0]):
+        with pytest.raises(TypeError, match=r"expand: recv_topk_idx must be int32 \[6, topk\]"):
+            expand(x, bad_idx)
+    with pytest.raises(ValueError, match="int32 rows"):
+        expand(x, idx, alignment=2**30)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        expand(x, idx, backend="tpu")
+    if _native.unavailable_reason() is not None:
+        with pytest.raises(RuntimeError, match="expand: backend 'cuda' is not available"):
+            expand(x, idx, backend="cuda")
+
+    expert_x, layout = expand(x, idx, alignment=2)
+    w = jnp.ones((6, 2), jnp.float32)
+    with pytest.raises(ValueError, match=f"reduce: expert_y must have the layout's {layout.num_rows} rows"):
+        dej.reduce(expert_x[1:], w, layout)
+    with pytest.raises(TypeError, match="reduce: expert_y must be bfloat16"):
+        dej.reduce(expert_x.astype(jnp.float32), w, layout)
+    with pytest.raises(TypeError, match="reduce: expert_y must be one array"):
+        dej.reduce((expert_x, expert_x), w, layout)
+    for bad_w in (w.astype(jnp.bfloat16), w[:, :1], w[:5]):
+        with pytest.raises(TypeError, match=r"reduce: recv_topk_weights must be float32 \(6, 2\)"):
+            dej.reduce(expert_x, bad_w, layout)
+    with pytest.raises(TypeError, match="reduce: layout must be the ExpertLayout"):
+        dej.reduce(expert_x, w, layout.pair_row)
+
+
+def test_wrapper_errors():
+    num_ranks, num_tokens, experts_per_rank, topk = 2, 6, 3, 2
+    num_experts = num_ranks * experts_per_rank
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = dt.make_routing(0, num_ranks * num_tokens, num_experts, topk, num_ranks)
+    x = dt.random_rows(1, (num_ranks * num_tokens, H))
+
+    def run(fn):
+        return _per_rank(fn, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w))
+
+    def other_layout(x, idx, w):  # a layout of another number of local experts than the handle's
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                     buffer=buffer)
+        _, wrong = dej.expand(expert_x[: handle.num_worst_tokens], jnp.zeros_like(recv_w, jnp.int32),
+                              num_local_experts=experts_per_rank + 1, num_rows=layout.num_rows)
+        return dej.combine_expert_major(expert_x, recv_w, wrong, handle, buffer=buffer)
+
+    with pytest.raises(ValueError, match="combine_expert_major: layout is for 4 local experts and 12 rows, the "
+                                         "handle for 3 and 12"):
+        run(other_layout)
+
+    def not_a_handle(x, idx, w):
+        expert_x, layout, recv_w, _ = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts, buffer=buffer)
+        return dej.combine_expert_major(expert_x, recv_w, layout, layout, buffer=buffer)
+
+    with pytest.raises(TypeError, match="combine_expert_major: handle must be the DispatchHandle"):
+        run(not_a_handle)
+
+    def bad_alignment(x, idx, w):
+        return dej.dispatch_expert_major(x, idx, w, num_experts=num_experts, buffer=buffer, alignment=0)
+
+    with pytest.raises(ValueError, match=r"dispatch_expert_major: alignment must be an int in \[1, "):
+        run(bad_alignment)

@@ -95,6 +95,13 @@ size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_byte
 }
 
 // The internode layout is header code: its sizes are known in a build without NVSHMEM too.
+void CheckEqualHosts(const char* fn, int ranks, int nodes) {
+  if (nodes < 1 || ranks % nodes != 0) {
+    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
+                                std::to_string(ranks) + " and " + std::to_string(nodes));
+  }
+}
+
 size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t row_bytes,
                                     int64_t scale_bytes, int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_dispatch_region_bytes";
@@ -102,10 +109,7 @@ size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_
                                  CountArg(fn, "num_topk", num_topk),
                                  {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
-  if (nodes < 1 || ranks % nodes != 0) {
-    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
-                                std::to_string(ranks) + " and " + std::to_string(nodes));
-  }
+  CheckEqualHosts(fn, ranks, nodes);
   return internode::DispatchRegionBytes(shapes, ranks, nodes);
 }
 
@@ -123,12 +127,13 @@ size_t InternodeCombineSlotBytes(int64_t num_tokens, int64_t num_topk, int64_t h
 }
 
 size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
-                                   int64_t num_ranks) {
+                                   int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_combine_region_bytes";
   const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
                                  CountArg(fn, "num_topk", num_topk), {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
-  const int ranks = CountArg(fn, "num_ranks", num_ranks);
-  return internode::CombineRegionBytes(shapes, ranks);
+  const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
+  CheckEqualHosts(fn, ranks, nodes);
+  return internode::CombineRegionBytes(shapes, ranks, nodes);
 }
 
 size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
@@ -384,14 +389,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_topk"), py::arg("row_bytes"), py::arg("scale_bytes"), py::arg("num_ranks"), py::arg("num_nodes"),
         "Bytes of the normal region a dispatch across hosts needs (RuntimeError without NVSHMEM)");
   m.def("internode_combine_region_bytes", &InternodeCombineRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
-        py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"),
+        py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"), py::arg("num_nodes"),
         "Bytes of the normal region a combine across hosts needs (RuntimeError without NVSHMEM)");
   m.def("internode_sync_bytes", &InternodeSyncBytes, py::arg("num_ranks"),
         "Bytes at the start of every internode normal region: control bytes and the synchronisation area (each "
         "source's counts, ready and done flags), which grows with the group");
   m.def("internode_combine_slot_bytes", &InternodeCombineSlotBytes, py::arg("num_tokens"), py::arg("num_topk"),
         py::arg("hidden"), py::arg("num_ranks"),
-        "Bytes of a combine's slots across hosts, one (row, weights) per (rank, token): R * T * (2H + 4K) rounded up");
+        "Bytes of a combine's slots across hosts, where a forwarder gathers its host's rows, one (row, weights) per "
+        "(index on the host, source host, token): R * T * (2H + 4K) rounded up");
   m.def("low_latency_half_bytes", &LowLatencyHalfBytes, py::arg("region_bytes"),
         "Usable bytes of each half of a low-latency region");
   m.def("low_latency_dispatch_half_bytes", &LowLatencyDispatchHalfBytes, py::arg("num_ranks"),

@@ -42,6 +42,21 @@ def _ops(backend, spans_hosts) -> Ops:
     return Ops.of(layout, internode if spans_hosts else intranode, low_latency)
 
 
+def _reference_hosts(mesh, axis_name, config) -> tuple:
+    """The host of each rank for the xla backend, decided as the CUDA backend
+    decides it (hostnames, cut by Config.gpus_per_host). Its one program
+    serves every EP group of the mesh, so all must be cut alike."""
+    from deep_ep_jax import multiprocess
+
+    nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config.gpus_per_host, config.timeout_s)
+    if any(n != nodes[0] for n in nodes):
+        raise NotImplementedError(
+            f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "
+            f"reference backend sums combine per host and needs one cut for all groups"
+        )
+    return tuple(nodes[0])
+
+
 class Buffer:
     """Communication buffer for dispatch/combine over `mesh` axis `axis_name`.
 
@@ -116,6 +131,9 @@ class Buffer:
         # in NVSHMEM's symmetric heap; normal mode is backends/cuda/internode.py.
         self.spans_hosts = False
         self.num_nodes = 1  # hosts of the EP group
+        # The host (0..num_nodes-1) of each rank, every backend: combine sums per host first
+        # (docs/internode.md), so the xla backend reproduces the kernels' order.
+        self.rank_hosts = (0,) * self.num_ranks
         self.num_send_bytes = 0  # its send area (rows staged for other hosts)
         self.store_key = None  # a multi-process Buffer's keys in the jax.distributed store
 
@@ -129,6 +147,9 @@ class Buffer:
             from deep_ep_jax.backends.cuda import lifecycle
 
             lifecycle.allocate(self, num_nvl_bytes, num_rdma_bytes)
+        else:
+            self.rank_hosts = _reference_hosts(mesh, axis_name, self.config)
+            self.num_nodes = max(self.rank_hosts) + 1
         self.ops = _ops(self.backend, self.spans_hosts)
 
     # Lifecycle ------------------------------------------------------------

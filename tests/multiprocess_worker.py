@@ -85,6 +85,13 @@ def log(message):
     print(f"process {jax.process_index()}/{jax.process_count()}: {message}", flush=True)
 
 
+def _gpus_per_host(buffer):
+    """G of the buffer's hosts (rank r on host r // G), as tests/oracle.py's combine takes it."""
+    gpus_per_host = buffer.num_ranks // buffer.num_nodes
+    assert buffer.rank_hosts == tuple(r // gpus_per_host for r in range(buffer.num_ranks)), buffer.rank_hosts
+    return gpus_per_host
+
+
 # Cases -------------------------------------------------------------------------
 
 
@@ -130,7 +137,7 @@ def case_reference():
             np.testing.assert_array_equal(layout[0][r], per_rank)
             np.testing.assert_array_equal(layout[1][r], per_expert)
             np.testing.assert_array_equal(layout[2][r], in_rank)
-        want = oracle.combine(ys, expected, num_tokens)
+        want = oracle.combine(ys, expected, num_tokens, _gpus_per_host(buffer))
         np.testing.assert_array_equal(
             np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
         )
@@ -339,6 +346,7 @@ def case_shared_gpu():
     if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
+    gpus_per_host = _gpus_per_host(buffer)
     put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)
 
     def routing(kind):
@@ -371,13 +379,15 @@ def case_shared_gpu():
         np.testing.assert_array_equal(recv_w[:n], np.reshape(want["w"], (n, topk)), err_msg=kind)
         np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
         np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
+        # Combine: per host (the buffer's hosts), then the hosts in order.
         ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
-        combined = oracle.combine(ys, expected, num_tokens)[rank]
+        combined = oracle.combine(ys, expected, num_tokens, gpus_per_host)[rank]
         np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
         w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
         for r in range(num_ranks):
             w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
-        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens)[rank], err_msg=kind)
+        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens, gpus_per_host,
+                                                            bf16_partials=False)[rank], err_msg=kind)
         if kind == "rank_empty" and rank == num_ranks - 1:
             assert n == 0
         log(f"shared_gpu normal {kind}: ok")

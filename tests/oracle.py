@@ -48,14 +48,25 @@ def dispatch(x, idx, w, num_experts, num_worst_tokens):
     return out
 
 
-def combine(y, received, num_tokens):
+def combine(y, received, num_tokens, gpus_per_host=None, bf16_partials=True):
     """y [R, N, H]: each rank's rows; received: dispatch()'s output.
-    Returns float32 [R(source), T, H] summed in rank order."""
+    Returns float32 [R(source), T, H] summed in rank order. With
+    gpus_per_host G (rank r on host r // G, H = R / G > 1 hosts): summed per
+    host first, the host's ranks in order from 0.0, the partial rounded to
+    bf16 (unless not bf16_partials: the weights' partials stay float32), then
+    the partials in host order from 0.0. The caller rounds to bf16."""
     num_ranks, _, hidden = y.shape
+    if gpus_per_host is None or gpus_per_host >= num_ranks:
+        gpus_per_host = num_ranks  # one host: the partial is the sum
     out = np.zeros((num_ranks, num_tokens, hidden), np.float32)
-    for r in range(num_ranks):  # rank order, as the contract says
-        for i, (s, t) in enumerate(zip(received[r]["rank"], received[r]["src"])):
-            out[s, t] = out[s, t] + y[r, i].astype(np.float32)
+    for first in range(0, num_ranks, gpus_per_host):  # hosts in order
+        partial = np.zeros_like(out)
+        for r in range(first, min(first + gpus_per_host, num_ranks)):  # the host's ranks in order
+            for i, (s, t) in enumerate(zip(received[r]["rank"], received[r]["src"])):
+                partial[s, t] = partial[s, t] + y[r, i].astype(np.float32)
+        if bf16_partials and gpus_per_host < num_ranks:
+            partial = bf16_values(partial)
+        out = out + partial
     return out
 
 
@@ -114,6 +125,11 @@ def bf16_bits(a):
     rounded += bits  # + 0x8000 at most: stays below 2^32 for finite values
     rounded += 0x7FFF
     return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_values(a):
+    """finite float32 -> the nearest bfloat16 values (ties to even), as float32."""
+    return (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
 def fp8_scales(x, round_scale=False):

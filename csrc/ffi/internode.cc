@@ -198,7 +198,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   const internode::Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, internode::CombineRegionBytes(shapes, state->num_ranks)));
+  const size_t needed = internode::CombineRegionBytes(shapes, state->num_ranks, state->num_nodes);
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, needed));
   return Launched(fn, internode::LaunchCombine(*state, p, config, stream));
 #else
   (void)p;

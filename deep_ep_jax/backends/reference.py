@@ -9,6 +9,9 @@ per rank inside `shard_map` (see `deep_ep_jax.backends` for the interface).
 Summation order is part of the contract, so sums over ranks (combine) and
 over top-k slots (low-latency combine) are written as explicit left-to-right
 float32 loops starting from 0.0, which the CUDA kernels reproduce bit for bit.
+Across hosts (`buffer.rank_hosts`) combine sums each host's ranks first and
+rounds the partial to bf16, then sums the partials in host order, as the
+internode kernels do (docs/internode.md).
 """
 
 from __future__ import annotations
@@ -175,17 +178,47 @@ def combine(x, topk_weights, handle, *, buffer):
     valid = handle.send_pos >= 0
     gather_pos = jnp.where(valid, pos_in_dest, 0)
 
-    def reduce(blocks, out_dtype):
+    def rank_sum(blocks, ranks):
         acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
-        for r in range(num_ranks):
+        for r in ranks:
             part = blocks[r][gather_pos[:, r]].astype(jnp.float32)
             mask = valid[:, r].reshape((num_tokens,) + (1,) * (part.ndim - 1))
             acc = acc + jnp.where(mask, part, 0.0)
+        return acc
+
+    def reduce(blocks, out_dtype):
+        hosts = _host_ranks(buffer)
+        if hosts is None:
+            return rank_sum(blocks, range(num_ranks)).astype(out_dtype)
+        # Per host, then the hosts' partials (in out_dtype: what crosses the network) in host order.
+        # reduce_precision, not a convert pair, which XLA may drop (xla_allow_excess_precision).
+        finfo = jnp.finfo(out_dtype)
+        acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
+        for ranks in hosts:
+            partial = lax.reduce_precision(rank_sum(blocks, ranks), exponent_bits=finfo.nexp,
+                                           mantissa_bits=finfo.nmant)
+            acc = acc + partial
         return acc.astype(out_dtype)
 
     out = reduce(back["x"], x.dtype)
     out_w = reduce(back["w"], jnp.float32) if topk_weights is not None else None
     return out, out_w
+
+
+def _host_ranks(buffer):
+    """The ranks of each host in rank order, hosts in order, when combine's
+    per-host order differs from the plain rank order (several hosts of
+    several ranks); else None."""
+    rank_hosts = getattr(buffer, "rank_hosts", None)
+    if rank_hosts is None:
+        return None
+    if len(rank_hosts) != buffer.num_ranks:
+        raise ValueError(f"buffer.rank_hosts has {len(rank_hosts)} entries for {buffer.num_ranks} ranks")
+    hosts = [[r for r, h in enumerate(rank_hosts) if h == b] for b in range(max(rank_hosts) + 1)]
+    # One host: its partial is the sum. One rank per host: a bf16 row's partial is the row.
+    if len(hosts) == 1 or max(len(h) for h in hosts) == 1:
+        return None
+    return hosts
 
 
 # --------------------------------------------------------------------------

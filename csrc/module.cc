@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/traffic.h"
 #include "ffi/registration.h"
 #include "kernels/internode.h"
 #include "kernels/intranode.h"
@@ -368,6 +369,39 @@ void MarkCallRunningForTesting(int64_t buffer_id) {
       [](const DeviceState& s) { return low_latency::MarkCallRunningForTesting(s.low_latency.local); });
 }
 
+// The traffic counters (common/traffic.h) of the buffer's normal regions on
+// this process's devices, after synchronising them: [(rank, [[nvlink_rows,
+// nvlink_bytes, network_rows, network_bytes] per call kind])]; with `reset`,
+// zeroes them instead (and returns nothing).
+std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> TrafficOf(int64_t buffer_id, bool reset) {
+  SynchronizeBuffer(buffer_id);
+  std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> result;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
+    if (s.normal.local == nullptr) continue;
+    TrafficCounters counters[kTrafficKinds] = {};
+    cudaError_t err = cudaSetDevice(s.device_ordinal);
+    if (err == cudaSuccess) {
+      err = reset ? cudaMemcpy(s.normal.local + kTrafficOffset, counters, sizeof(counters), cudaMemcpyHostToDevice)
+                  : cudaMemcpy(counters, s.normal.local + kTrafficOffset, sizeof(counters), cudaMemcpyDeviceToHost);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(previous);
+      throw std::runtime_error(std::string(reset ? "reset_traffic" : "read_traffic") + " on device " +
+                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
+    }
+    std::vector<std::vector<unsigned long long>> kinds;
+    for (const TrafficCounters& c : counters) {
+      kinds.push_back({c.nvlink_rows, c.nvlink_bytes, c.network_rows, c.network_bytes});
+    }
+    result.emplace_back(s.rank, kinds);
+  }
+  cudaSetDevice(previous);
+  return reset ? decltype(result){} : result;
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -443,6 +477,14 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: the buffer's regions on this process's devices marked as if a call were running there, so the "
         "next call stops as overlapping; synchronises the devices first");
+  m.def("read_traffic", [](int64_t buffer_id) { return TrafficOf(buffer_id, false); }, py::arg("buffer_id"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Traffic counters of the buffer's normal regions on this process's devices (Config.count_traffic): "
+        "[(rank, [[nvlink_rows, nvlink_bytes, network_rows, network_bytes] for dispatch, cached dispatch, "
+        "combine])]; synchronises the devices first");
+  m.def("reset_traffic", [](int64_t buffer_id) { TrafficOf(buffer_id, true); }, py::arg("buffer_id"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Zeroes the traffic counters of the buffer's normal regions on this process's devices; synchronises first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

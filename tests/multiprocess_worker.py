@@ -31,6 +31,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   internode_wrap         with DEEP_EP_JAX_GPUS_PER_HOST=1: the same over NVSHMEM
   internode_handler_checks  with DEEP_EP_JAX_GPUS_PER_HOST=1: the internode FFI handlers,
                called past the Python wrapper, refuse shapes their kernels cannot take
+  traffic      with launch --ranks-per-gpu K (and DEEP_EP_JAX_GPUS_PER_HOST): the kernels'
+               traffic counters against tests/oracle.py, each process its own rank;
+               with --cpu, the xla backend's
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -573,6 +576,74 @@ def case_large_ep_low_latency():
     buffer.destroy()
 
 
+def case_traffic():
+    """Launched with --ranks-per-gpu K (and DEEP_EP_JAX_GPUS_PER_HOST): the
+    CUDA kernels' traffic counters (Config.count_traffic) against
+    tests/oracle.py's traffic(), each process checking its own rank (no XLA
+    collective, as shared_gpu): dispatch, combine and its backward (a cached
+    dispatch), fresh random and skewed routing, num_worst_tokens drops, bf16
+    and FP8 rows. With --cpu, the xla backend's counters."""
+    import oracle
+
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    num_ranks = jax.device_count()
+    assert len(jax.local_devices()) == 1, jax.local_devices()
+    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
+    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
+    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, config=dej.Config(timeout_s=150, count_traffic=True))
+    gpus_per_host = _gpus_per_host(buffer) if buffer.num_nodes > 1 else None
+    log(f"traffic R={num_ranks} on {buffer.num_nodes} hosts ({buffer})")
+    put, run = _own_rank_io(mesh, "traffic", buffer.config.timeout_s)
+
+    def programs(num_worst_tokens):
+        def bf16(x, idx, w, y):
+            _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer,
+                                           num_worst_tokens=num_worst_tokens)
+
+            def loss(y):  # combine, and its backward: a cached dispatch
+                return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()
+
+            return jax.value_and_grad(loss)(y)
+
+        def fp8(data, scales, idx, w):
+            return dej.dispatch((data, scales), idx, w, num_experts=num_experts, buffer=buffer,
+                                num_worst_tokens=num_worst_tokens)[0]
+
+        return bf16, fp8
+
+    cases = [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)]
+    compiled = {worst: programs(None if worst is None else int(worst * num_ranks * num_tokens))
+                for worst in {w for _, w in cases}}
+    for kind, worst in cases:
+        rows = num_ranks * num_tokens if worst is None else int(worst * num_ranks * num_tokens)
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
+                                 kind)
+        idxs, ws = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+        expected = oracle.dispatch(np.zeros((num_ranks, num_tokens, 1)), idxs, ws, num_experts, rows)
+        want = oracle.traffic(idxs, expected, num_experts, gpus_per_host)[rank]
+        bf16, fp8 = compiled[worst]
+        x = rng.standard_normal((num_ranks * num_tokens, hidden), np.float32).astype(jnp.bfloat16)
+        y = rng.standard_normal((num_ranks * rows, hidden), np.float32).astype(jnp.bfloat16)
+        data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
+        scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
+        for program, args, row_bytes in ((bf16, (x, idx, w, y), 2 * hidden),
+                                         (fp8, (data, scales, idx, w), hidden + hidden // 128 * 4)):
+            buffer.reset_traffic()
+            run(program, *map(put, args))
+            got = buffer.traffic()[rank]
+            ops = ("dispatch", "cached_dispatch", "combine") if program is bf16 else ("dispatch",)
+            for op in ("dispatch", "cached_dispatch", "combine"):
+                nvlink, network = want[op] if op in ops else (0, 0)
+                assert got[op] == {"nvlink_rows": nvlink, "nvlink_bytes": nvlink * row_bytes,
+                                   "network_rows": network, "network_bytes": network * row_bytes}, \
+                    (kind, worst, program.__name__, op, got[op], want[op])
+        log(f"traffic {kind} worst={worst}: ok {want}")
+    buffer.destroy()
+
+
 def case_hosts():
     import socket
 
@@ -772,6 +843,7 @@ CASES = {
     "wrap": case_wrap,
     "internode_wrap": case_internode_wrap,
     "internode_handler_checks": case_internode_handler_checks,
+    "traffic": case_traffic,
 }
 
 

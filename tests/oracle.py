@@ -70,6 +70,53 @@ def combine(y, received, num_tokens, gpus_per_host=None, bf16_partials=True):
     return out
 
 
+def traffic(idx, received, num_experts, gpus_per_host=None):
+    """Rows each rank's kernels move per operation (docs/internode.md), from
+    the routing idx [R, T, K] and dispatch()'s received rows (drops
+    excluded), with rank r on host r // G (gpus_per_host None: one host).
+    Returns {rank: {op: (nvlink_rows, network_rows)}}. NVLink: a row stored
+    into or loaded from another rank's memory on the mover's host; network: a
+    row put to another host.
+      dispatch, cached_dispatch: the source moves a row to a destination of
+        its host, the forwarder (the destination host's rank with the
+        source's index) to one of another; each (token, remote host) crosses
+        the network once, put by the source: dispatch for every remote host
+        of its experts, cached_dispatch for the hosts that kept a row of it.
+      combine: one host: the source loads its rows from the other ranks.
+        Several: each rank stores a row into the forwarder of its source on
+        its own host; each forwarder puts one partial per (token, remote
+        source host that kept a row of it on the forwarder's host)."""
+    num_ranks, num_tokens, _ = idx.shape
+    per_host = num_ranks if gpus_per_host is None else min(gpus_per_host, num_ranks)
+    host = [r // per_host for r in range(num_ranks)]
+    epr = num_experts // num_ranks
+
+    def forwarder(s, d):  # the rank of d's host with s's index
+        return host[d] * per_host + s % per_host
+
+    counts = {r: {op: [0, 0] for op in ("dispatch", "cached_dispatch", "combine")} for r in range(num_ranks)}
+    kept_hosts = {}  # (s, t) -> hosts that kept a row
+    for d, rows in enumerate(received):
+        for s, t in zip(rows["rank"], rows["src"]):
+            kept_hosts.setdefault((s, t), set()).add(host[d])
+            mover = s if host[s] == host[d] else forwarder(s, d)
+            for op in ("dispatch", "cached_dispatch"):
+                counts[mover][op][0] += mover != d
+            if per_host == num_ranks:
+                counts[s]["combine"][0] += s != d
+            else:
+                counts[d]["combine"][0] += forwarder(s, d) != d
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            expert_hosts = {host[e // epr] for e in idx[s, t] if 0 <= e < num_experts}
+            counts[s]["dispatch"][1] += len(expert_hosts - {host[s]})
+            remote_kept = kept_hosts.get((s, t), set()) - {host[s]}
+            counts[s]["cached_dispatch"][1] += len(remote_kept)
+            for b in remote_kept:
+                counts[b * per_host + s % per_host]["combine"][1] += 1
+    return {r: {op: tuple(v) for op, v in ops.items()} for r, ops in counts.items()}
+
+
 def low_latency_dispatch(x, idx, num_experts, max_tokens):
     """x [R, T, H], idx [R, T, K] -> per rank: list per local expert of
     (source rank, token, k) in contract order, at most R * max_tokens each

@@ -43,7 +43,7 @@ struct Control {
   int seq;     // calls so far on this rank (every rank makes the same calls)
   int active;  // 1 while a call runs on this device (EnterCall)
 };
-static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
+static_assert(sizeof(Control) <= kTrafficOffset, "internode Control reaches the traffic counters (common/traffic.h)");
 
 // The EP group as seen from this rank. Per-host arrays by value (a host has
 // at most kMaxNvlinkRanks ranks); per-rank tables in device memory
@@ -374,6 +374,7 @@ struct MoveArgs {
   const int* send_pos;        // [T, R]
   const int* node_pos;        // [T, num_nodes]
   int experts_per_rank;
+  TrafficCounters* traffic;  // this call kind's counters, or null (not counting)
   Layout L;
 };
 
@@ -446,7 +447,9 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       for (int b0 = 0; b0 < H; b0 += kWarpSize) {
         const int b = b0 + lane;
         const int p = b < H && b != g.node ? node_pos[b] : -1;
-        for (uint32_t hosts = __ballot_sync(0xffffffffu, p >= 0); hosts != 0; hosts &= hosts - 1) {
+        const uint32_t put_hosts = __ballot_sync(0xffffffffu, p >= 0);
+        if (lane == 0) CountTraffic(a.traffic, true, __popc(put_hosts), L.row_bytes[0] + L.row_bytes[1]);
+        for (uint32_t hosts = put_hosts; hosts != 0; hosts &= hosts - 1) {
           const int j = __ffs(hosts) - 1, position = __shfl_sync(0xffffffffu, p, j);
           const size_t slot = L.rdma_recv + (size_t(g.node) * L.num_tokens + position) * L.packet_bytes;
           nvshmemx_putmem_nbi_warp(g.local_region() + slot, packet, L.packet_bytes, forwarder_pe[b0 + j]);
@@ -454,10 +457,13 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       }
     }
     // This host: straight into the destinations' landing areas.
+    int peers = 0;
     for (int j = 0; j < G; ++j) {
       const int r = g.host_ranks[j], row = HandleRow(pos[r], L.num_worst_tokens);
       if (row >= 0) DeliverRow(g, a, j, r, row, rows, t, topk, weights, lane);
+      peers += row >= 0 && j != g.local;
     }
+    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
   }
   // The packets' final rows on each remote host's ranks (staged by the notify
   // kernel), one put per host, after the same flag as the packets.
@@ -528,10 +534,13 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
     const int* topk = meta + 1;
     const float* weights = reinterpret_cast<const float*>(topk + L.num_topk);
     const int token = meta[0];
+    int peers = 0;
     for (int j = 0; j < G; ++j) {
       const int row = final_rows[j];
       if (row >= 0) DeliverRow(g, a, j, g.host_ranks[j], row, rows, token, topk, a.topk_weights != nullptr ? weights : nullptr, lane);
+      peers += row >= 0 && j != g.local;
     }
+    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
   }
   __threadfence_system();
   __syncthreads();
@@ -640,6 +649,7 @@ struct CombineArgs {
   const int* recv_src_rank;
   uint16_t* out;
   float* out_weights;
+  TrafficCounters* traffic;  // combine's counters, or null (not counting)
   Layout L;
 };
 
@@ -677,6 +687,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
     if (src < 0 || src >= R || token < 0 || token >= L.num_tokens) continue;
     // The forwarder: this host's rank with the source's index (mapped here), slot [my index][source host][token].
     char* dst = g.host_regions[peers.local[src]] + CombineSlotOffset(g, L, g.local, peers.node[src], token);
+    if (lane == 0 && peers.local[src] != g.local) CountTraffic(a.traffic, false, 1, row_bytes);
     StridedCopyBytes<4>(dst, reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes, row_bytes, lane, kWarpSize);
     if (a.topk_weights != nullptr) {
       const float* w = a.topk_weights + int64_t(i) * L.num_topk;
@@ -788,6 +799,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
       }
     }
     if (!own) {
+      if (lane == 0) CountTraffic(a.traffic, true, 1, L.row_bytes[0]);
       FenceStagedForWarpPut();
       nvshmemx_putmem_nbi_warp(g.local_region() + CombinePartial(L, g.node, token), partial, L.combine_packet_bytes,
                                source_pe[b]);
@@ -893,6 +905,11 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   return g;
 }
 
+// The counters of one call kind in this rank's control block, or null when not counting.
+TrafficCounters* TrafficOf(const DeviceState& state, const LaunchConfig& c, int mode) {
+  return c.count_traffic ? reinterpret_cast<TrafficCounters*>(state.normal.local + kTrafficOffset) + mode : nullptr;
+}
+
 NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, const Layout& L) {
   NotifyArgs n{};
   n.mode = mode;
@@ -956,6 +973,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   move.send_pos = cached ? p.cached_send_pos : p.send_pos;
   move.node_pos = p.node_pos;
   move.experts_per_rank = experts_per_rank;
+  move.traffic = TrafficOf(state, c, mode);
   move.L = L;
   SendKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
   ForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
@@ -989,8 +1007,8 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   notify.cached_send_pos = p.send_pos;
   notify.num_worst_tokens = p.num_worst_tokens;
   NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
-  const CombineArgs args{p.x, p.topk_weights, p.send_pos, p.num_recv_tokens, p.recv_src_idx, p.recv_src_rank,
-                         p.out, p.out_weights, L};
+  const CombineArgs args{p.x,   p.topk_weights, p.send_pos, p.num_recv_tokens,         p.recv_src_idx,
+                         p.recv_src_rank, p.out,          p.out_weights, TrafficOf(state, c, kCombine), L};
   const int threads = c.num_warps * kWarpSize;
   CombineSendKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
   CombineForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);

@@ -49,6 +49,7 @@
 
 #include "common/call_order.h"
 #include "common/limits.h"
+#include "common/traffic.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
@@ -67,6 +68,7 @@ struct LaunchConfig {
   int num_warps;
   uint64_t timeout_ns;
   CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
+  bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
 };
 
 // Shapes of one call: they fix the region's layout (identical on every rank,

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/traffic.h"
 #include "ffi/registration.h"
 #include "kernels/internode.h"
 #include "kernels/intranode.h"
@@ -95,6 +96,13 @@ size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_byte
 }
 
 // The internode layout is header code: its sizes are known in a build without NVSHMEM too.
+void CheckEqualHosts(const char* fn, int ranks, int nodes) {
+  if (nodes < 1 || ranks % nodes != 0) {
+    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
+                                std::to_string(ranks) + " and " + std::to_string(nodes));
+  }
+}
+
 size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t row_bytes,
                                     int64_t scale_bytes, int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_dispatch_region_bytes";
@@ -102,10 +110,7 @@ size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_
                                  CountArg(fn, "num_topk", num_topk),
                                  {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
-  if (nodes < 1 || ranks % nodes != 0) {
-    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
-                                std::to_string(ranks) + " and " + std::to_string(nodes));
-  }
+  CheckEqualHosts(fn, ranks, nodes);
   return internode::DispatchRegionBytes(shapes, ranks, nodes);
 }
 
@@ -123,12 +128,13 @@ size_t InternodeCombineSlotBytes(int64_t num_tokens, int64_t num_topk, int64_t h
 }
 
 size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
-                                   int64_t num_ranks) {
+                                   int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_combine_region_bytes";
   const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
                                  CountArg(fn, "num_topk", num_topk), {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
-  const int ranks = CountArg(fn, "num_ranks", num_ranks);
-  return internode::CombineRegionBytes(shapes, ranks);
+  const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
+  CheckEqualHosts(fn, ranks, nodes);
+  return internode::CombineRegionBytes(shapes, ranks, nodes);
 }
 
 size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
@@ -363,6 +369,39 @@ void MarkCallRunningForTesting(int64_t buffer_id) {
       [](const DeviceState& s) { return low_latency::MarkCallRunningForTesting(s.low_latency.local); });
 }
 
+// The traffic counters (common/traffic.h) of the buffer's normal regions on
+// this process's devices, after synchronising them: [(rank, [[nvlink_rows,
+// nvlink_bytes, network_rows, network_bytes] per call kind])]; with `reset`,
+// zeroes them instead (and returns nothing).
+std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> TrafficOf(int64_t buffer_id, bool reset) {
+  SynchronizeBuffer(buffer_id);
+  std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> result;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
+    if (s.normal.local == nullptr) continue;
+    TrafficCounters counters[kTrafficKinds] = {};
+    cudaError_t err = cudaSetDevice(s.device_ordinal);
+    if (err == cudaSuccess) {
+      err = reset ? cudaMemcpy(s.normal.local + kTrafficOffset, counters, sizeof(counters), cudaMemcpyHostToDevice)
+                  : cudaMemcpy(counters, s.normal.local + kTrafficOffset, sizeof(counters), cudaMemcpyDeviceToHost);
+    }
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      cudaSetDevice(previous);
+      throw std::runtime_error(std::string(reset ? "reset_traffic" : "read_traffic") + " on device " +
+                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
+    }
+    std::vector<std::vector<unsigned long long>> kinds;
+    for (const TrafficCounters& c : counters) {
+      kinds.push_back({c.nvlink_rows, c.nvlink_bytes, c.network_rows, c.network_bytes});
+    }
+    result.emplace_back(s.rank, kinds);
+  }
+  cudaSetDevice(previous);
+  return reset ? decltype(result){} : result;
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -384,14 +423,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("num_topk"), py::arg("row_bytes"), py::arg("scale_bytes"), py::arg("num_ranks"), py::arg("num_nodes"),
         "Bytes of the normal region a dispatch across hosts needs (RuntimeError without NVSHMEM)");
   m.def("internode_combine_region_bytes", &InternodeCombineRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
-        py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"),
+        py::arg("num_topk"), py::arg("hidden"), py::arg("num_ranks"), py::arg("num_nodes"),
         "Bytes of the normal region a combine across hosts needs (RuntimeError without NVSHMEM)");
   m.def("internode_sync_bytes", &InternodeSyncBytes, py::arg("num_ranks"),
         "Bytes at the start of every internode normal region: control bytes and the synchronisation area (each "
         "source's counts, ready and done flags), which grows with the group");
   m.def("internode_combine_slot_bytes", &InternodeCombineSlotBytes, py::arg("num_tokens"), py::arg("num_topk"),
         py::arg("hidden"), py::arg("num_ranks"),
-        "Bytes of a combine's slots across hosts, one (row, weights) per (rank, token): R * T * (2H + 4K) rounded up");
+        "Bytes of a combine's slots across hosts, where a forwarder gathers its host's rows, one (row, weights) per "
+        "(index on the host, source host, token): R * T * (2H + 4K) rounded up");
   m.def("low_latency_half_bytes", &LowLatencyHalfBytes, py::arg("region_bytes"),
         "Usable bytes of each half of a low-latency region");
   m.def("low_latency_dispatch_half_bytes", &LowLatencyDispatchHalfBytes, py::arg("num_ranks"),
@@ -437,6 +477,14 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: the buffer's regions on this process's devices marked as if a call were running there, so the "
         "next call stops as overlapping; synchronises the devices first");
+  m.def("read_traffic", [](int64_t buffer_id) { return TrafficOf(buffer_id, false); }, py::arg("buffer_id"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Traffic counters of the buffer's normal regions on this process's devices (Config.count_traffic): "
+        "[(rank, [[nvlink_rows, nvlink_bytes, network_rows, network_bytes] for dispatch, cached dispatch, "
+        "combine])]; synchronises the devices first");
+  m.def("reset_traffic", [](int64_t buffer_id) { TrafficOf(buffer_id, true); }, py::arg("buffer_id"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Zeroes the traffic counters of the buffer's normal regions on this process's devices; synchronises first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from deep_ep_jax.backends import Ops
-from deep_ep_jax.config import Config
+from deep_ep_jax.config import TRAFFIC_FIELDS, Config
 
 BACKENDS = ("auto", "cuda", "xla")
 
@@ -40,6 +40,21 @@ def _ops(backend, spans_hosts) -> Ops:
     from deep_ep_jax.backends.cuda import internode, intranode, layout, low_latency
 
     return Ops.of(layout, internode if spans_hosts else intranode, low_latency)
+
+
+def _reference_hosts(mesh, axis_name, config) -> tuple:
+    """The host of each rank for the xla backend, decided as the CUDA backend
+    decides it (hostnames, cut by Config.gpus_per_host). Its one program
+    serves every EP group of the mesh, so all must be cut alike."""
+    from deep_ep_jax import multiprocess
+
+    nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config.gpus_per_host, config.timeout_s)
+    if any(n != nodes[0] for n in nodes):
+        raise NotImplementedError(
+            f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "
+            f"reference backend sums combine per host and needs one cut for all groups"
+        )
+    return tuple(nodes[0])
 
 
 class Buffer:
@@ -116,6 +131,9 @@ class Buffer:
         # in NVSHMEM's symmetric heap; normal mode is backends/cuda/internode.py.
         self.spans_hosts = False
         self.num_nodes = 1  # hosts of the EP group
+        # The host (0..num_nodes-1) of each rank, every backend: combine sums per host first
+        # (docs/internode.md), so the xla backend reproduces the kernels' order.
+        self.rank_hosts = (0,) * self.num_ranks
         self.num_send_bytes = 0  # its send area (rows staged for other hosts)
         self.store_key = None  # a multi-process Buffer's keys in the jax.distributed store
 
@@ -129,7 +147,64 @@ class Buffer:
             from deep_ep_jax.backends.cuda import lifecycle
 
             lifecycle.allocate(self, num_nvl_bytes, num_rdma_bytes)
+        else:
+            self.rank_hosts = _reference_hosts(mesh, axis_name, self.config)
+            self.num_nodes = max(self.rank_hosts) + 1
+        self._reference_traffic = {}  # xla backend, Config.count_traffic: {rank: {op: counters}}
         self.ops = _ops(self.backend, self.spans_hosts)
+
+    # Traffic counters (Config.count_traffic) ------------------------------
+
+    TRAFFIC_OPS = ("dispatch", "cached_dispatch", "combine")
+
+    def traffic(self) -> dict:
+        """Rows and bytes normal mode moved since the Buffer was made (or
+        `reset_traffic`), per rank of this process: {rank: {op: {"nvlink_rows",
+        "nvlink_bytes", "network_rows", "network_bytes"}}}, op in TRAFFIC_OPS
+        (cached_dispatch: combine's backward). A rank counts what its kernels
+        move: rows stored into or loaded from another rank's memory on its host
+        (NVLink), rows put to another host (network); bytes are the rows' data
+        and FP8 scales (docs/internode.md). The xla backend gives what the CUDA
+        kernels would count. Needs Config(count_traffic=True). A host call:
+        run it outside jit, after jax.block_until_ready on the calls' results.
+        With several EP groups (other mesh axes), each rank sums its groups."""
+        self._check_counting("Buffer.traffic")
+        if self.backend == "xla":
+            jax.effects_barrier()  # the counting callbacks of finished programs
+            counts = {rank: {op: dict(c) for op, c in ops.items()} for rank, ops in self._reference_traffic.items()}
+        else:
+            from deep_ep_jax import _native
+
+            counts = {}
+            for rank, kinds in _native.extension().read_traffic(int(self.buffer_id)):
+                ops = counts.setdefault(rank, {})
+                for op, values in zip(self.TRAFFIC_OPS, kinds):
+                    entry = ops.setdefault(op, dict.fromkeys(TRAFFIC_FIELDS, 0))
+                    for field, value in zip(TRAFFIC_FIELDS, values):
+                        entry[field] += int(value)
+        for ops in counts.values():
+            for op in self.TRAFFIC_OPS:
+                ops.setdefault(op, dict.fromkeys(TRAFFIC_FIELDS, 0))
+        return counts
+
+    def reset_traffic(self) -> None:
+        """Zeroes the traffic counters (outside jit, once the calls have finished)."""
+        self._check_counting("Buffer.reset_traffic")
+        if self.backend == "xla":
+            jax.effects_barrier()
+            self._reference_traffic.clear()
+        else:
+            from deep_ep_jax import _native
+
+            _native.extension().reset_traffic(int(self.buffer_id))
+
+    def _check_counting(self, fn_name: str) -> None:
+        self.check_alive(fn_name)
+        if not self.config.count_traffic:
+            raise RuntimeError(f"{fn_name}: traffic is counted only with Config(count_traffic=True) "
+                               f"(or DEEP_EP_JAX_COUNT_TRAFFIC=1)")
+        if self.backend == "cuda" and self.buffer_id is not None and not self.num_nvl_bytes:
+            raise RuntimeError(f"{fn_name}: this Buffer has no normal-mode region, so nothing to count")
 
     # Lifecycle ------------------------------------------------------------
 

@@ -16,6 +16,8 @@ them without touching code:
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
                              of one GPU each on one machine
+  DEEP_EP_JAX_COUNT_TRAFFIC  1: normal mode counts the rows and bytes it moves
+                             over NVLink and the network (Buffer.traffic())
 
 Unset or empty means the default; a value that does not parse is a ValueError
 naming the variable.
@@ -30,6 +32,9 @@ import os
 # (the API's contract; the CUDA extension's own value is checked equal when its
 # FFI targets are registered).
 FP8_BLOCK = 128
+
+# What Buffer.traffic() reports per rank and operation (Config.count_traffic).
+TRAFFIC_FIELDS = ("nvlink_rows", "nvlink_bytes", "network_rows", "network_bytes")
 
 
 def _env(name: str, default, parse, what: str):
@@ -70,7 +75,7 @@ def _env_bool(name: str, default: bool) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
-    except `checks`)."""
+    except `checks`, `gpus_per_host` and `count_traffic`)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).
@@ -89,6 +94,10 @@ class Config:
     # send's receive must then come before any other low-latency operation of
     # the buffer (a second overlapped send excepted).
     low_latency_overlap_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_LL_OVERLAP_SMS", 0))
+    # Debug: normal-mode dispatch, cached dispatch and combine count the rows and
+    # bytes they move over NVLink and over the network, per rank (Buffer.traffic(),
+    # docs/internode.md). Off: no counting at all (a kernel argument, null).
+    count_traffic: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_COUNT_TRAFFIC", False))
 
     def __post_init__(self):
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).

@@ -13,6 +13,7 @@ import itertools
 import socket
 
 import jax
+import numpy as np
 
 KEY_PREFIX = "deep_ep_jax/buffer"
 HOST_KEY_PREFIX = "deep_ep_jax/host"
@@ -89,6 +90,24 @@ def group_nodes(hosts, gpus_per_host=None) -> list[int]:
         key = (host, i // gpus_per_host if gpus_per_host else 0)
         nodes.append(index.setdefault(key, len(index)))
     return nodes
+
+
+def device_grid(mesh, axis_name):
+    """The mesh's devices as [group, rank]: one EP group per index of the
+    other mesh axes, in rank order."""
+    axis = mesh.axis_names.index(axis_name)
+    return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.shape[axis_name])
+
+
+def mesh_group_nodes(mesh, axis_name, gpus_per_host, timeout_s, spans=None) -> list[list[int]]:
+    """Node (host) index of each rank of each EP group of `mesh`: from the
+    processes' hostnames (traded when the mesh spans processes; `spans`
+    None: decided here), cut further by gpus_per_host."""
+    rows = device_grid(mesh, axis_name)
+    if spans is None:
+        spans = spans_processes(rows.flat)
+    hosts = hostnames(timeout_s) if spans else {jax.process_index(): "localhost"}
+    return [group_nodes([hosts[d.process_index] for d in row], gpus_per_host) for row in rows]
 
 
 def handle_key(name: str, group: int, rank: int) -> str:

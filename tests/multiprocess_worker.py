@@ -31,6 +31,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   internode_wrap         with DEEP_EP_JAX_GPUS_PER_HOST=1: the same over NVSHMEM
   internode_handler_checks  with DEEP_EP_JAX_GPUS_PER_HOST=1: the internode FFI handlers,
                called past the Python wrapper, refuse shapes their kernels cannot take
+  traffic      with launch --ranks-per-gpu K (and DEEP_EP_JAX_GPUS_PER_HOST): the kernels'
+               traffic counters against tests/oracle.py, each process its own rank;
+               with --cpu, the xla backend's
 Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
@@ -85,6 +88,13 @@ def log(message):
     print(f"process {jax.process_index()}/{jax.process_count()}: {message}", flush=True)
 
 
+def _gpus_per_host(buffer):
+    """G of the buffer's hosts (rank r on host r // G), as tests/oracle.py's combine takes it."""
+    gpus_per_host = buffer.num_ranks // buffer.num_nodes
+    assert buffer.rank_hosts == tuple(r // gpus_per_host for r in range(buffer.num_ranks)), buffer.rank_hosts
+    return gpus_per_host
+
+
 # Cases -------------------------------------------------------------------------
 
 
@@ -130,7 +140,7 @@ def case_reference():
             np.testing.assert_array_equal(layout[0][r], per_rank)
             np.testing.assert_array_equal(layout[1][r], per_expert)
             np.testing.assert_array_equal(layout[2][r], in_rank)
-        want = oracle.combine(ys, expected, num_tokens)
+        want = oracle.combine(ys, expected, num_tokens, _gpus_per_host(buffer))
         np.testing.assert_array_equal(
             np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
         )
@@ -339,6 +349,7 @@ def case_shared_gpu():
     if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
+    gpus_per_host = _gpus_per_host(buffer)
     put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)
 
     def routing(kind):
@@ -371,13 +382,15 @@ def case_shared_gpu():
         np.testing.assert_array_equal(recv_w[:n], np.reshape(want["w"], (n, topk)), err_msg=kind)
         np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
         np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
+        # Combine: per host (the buffer's hosts), then the hosts in order.
         ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
-        combined = oracle.combine(ys, expected, num_tokens)[rank]
+        combined = oracle.combine(ys, expected, num_tokens, gpus_per_host)[rank]
         np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
         w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
         for r in range(num_ranks):
             w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
-        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens)[rank], err_msg=kind)
+        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens, gpus_per_host,
+                                                            bf16_partials=False)[rank], err_msg=kind)
         if kind == "rank_empty" and rank == num_ranks - 1:
             assert n == 0
         log(f"shared_gpu normal {kind}: ok")
@@ -560,6 +573,74 @@ def case_large_ep_low_latency():
             combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
             np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=what)
             log(f"large_ep R={num_ranks} {what}: ok")
+    buffer.destroy()
+
+
+def case_traffic():
+    """Launched with --ranks-per-gpu K (and DEEP_EP_JAX_GPUS_PER_HOST): the
+    CUDA kernels' traffic counters (Config.count_traffic) against
+    tests/oracle.py's traffic(), each process checking its own rank (no XLA
+    collective, as shared_gpu): dispatch, combine and its backward (a cached
+    dispatch), fresh random and skewed routing, num_worst_tokens drops, bf16
+    and FP8 rows. With --cpu, the xla backend's counters."""
+    import oracle
+
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    num_ranks = jax.device_count()
+    assert len(jax.local_devices()) == 1, jax.local_devices()
+    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
+    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
+    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, config=dej.Config(timeout_s=150, count_traffic=True))
+    gpus_per_host = _gpus_per_host(buffer) if buffer.num_nodes > 1 else None
+    log(f"traffic R={num_ranks} on {buffer.num_nodes} hosts ({buffer})")
+    put, run = _own_rank_io(mesh, "traffic", buffer.config.timeout_s)
+
+    def programs(num_worst_tokens):
+        def bf16(x, idx, w, y):
+            _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer,
+                                           num_worst_tokens=num_worst_tokens)
+
+            def loss(y):  # combine, and its backward: a cached dispatch
+                return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()
+
+            return jax.value_and_grad(loss)(y)
+
+        def fp8(data, scales, idx, w):
+            return dej.dispatch((data, scales), idx, w, num_experts=num_experts, buffer=buffer,
+                                num_worst_tokens=num_worst_tokens)[0]
+
+        return bf16, fp8
+
+    cases = [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)]
+    compiled = {worst: programs(None if worst is None else int(worst * num_ranks * num_tokens))
+                for worst in {w for _, w in cases}}
+    for kind, worst in cases:
+        rows = num_ranks * num_tokens if worst is None else int(worst * num_ranks * num_tokens)
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
+                                 kind)
+        idxs, ws = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+        expected = oracle.dispatch(np.zeros((num_ranks, num_tokens, 1)), idxs, ws, num_experts, rows)
+        want = oracle.traffic(idxs, expected, num_experts, gpus_per_host)[rank]
+        bf16, fp8 = compiled[worst]
+        x = rng.standard_normal((num_ranks * num_tokens, hidden), np.float32).astype(jnp.bfloat16)
+        y = rng.standard_normal((num_ranks * rows, hidden), np.float32).astype(jnp.bfloat16)
+        data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
+        scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
+        for program, args, row_bytes in ((bf16, (x, idx, w, y), 2 * hidden),
+                                         (fp8, (data, scales, idx, w), hidden + hidden // 128 * 4)):
+            buffer.reset_traffic()
+            run(program, *map(put, args))
+            got = buffer.traffic()[rank]
+            ops = ("dispatch", "cached_dispatch", "combine") if program is bf16 else ("dispatch",)
+            for op in ("dispatch", "cached_dispatch", "combine"):
+                nvlink, network = want[op] if op in ops else (0, 0)
+                assert got[op] == {"nvlink_rows": nvlink, "nvlink_bytes": nvlink * row_bytes,
+                                   "network_rows": network, "network_bytes": network * row_bytes}, \
+                    (kind, worst, program.__name__, op, got[op], want[op])
+        log(f"traffic {kind} worst={worst}: ok {want}")
     buffer.destroy()
 
 
@@ -762,6 +843,7 @@ CASES = {
     "wrap": case_wrap,
     "internode_wrap": case_internode_wrap,
     "internode_handler_checks": case_internode_handler_checks,
+    "traffic": case_traffic,
 }
 
 

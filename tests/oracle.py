@@ -48,15 +48,73 @@ def dispatch(x, idx, w, num_experts, num_worst_tokens):
     return out
 
 
-def combine(y, received, num_tokens):
+def combine(y, received, num_tokens, gpus_per_host=None, bf16_partials=True):
     """y [R, N, H]: each rank's rows; received: dispatch()'s output.
-    Returns float32 [R(source), T, H] summed in rank order."""
+    Returns float32 [R(source), T, H] summed in rank order. With
+    gpus_per_host G (rank r on host r // G, H = R / G > 1 hosts): summed per
+    host first, the host's ranks in order from 0.0, the partial rounded to
+    bf16 (unless not bf16_partials: the weights' partials stay float32), then
+    the partials in host order from 0.0. The caller rounds to bf16."""
     num_ranks, _, hidden = y.shape
+    if gpus_per_host is None or gpus_per_host >= num_ranks:
+        gpus_per_host = num_ranks  # one host: the partial is the sum
     out = np.zeros((num_ranks, num_tokens, hidden), np.float32)
-    for r in range(num_ranks):  # rank order, as the contract says
-        for i, (s, t) in enumerate(zip(received[r]["rank"], received[r]["src"])):
-            out[s, t] = out[s, t] + y[r, i].astype(np.float32)
+    for first in range(0, num_ranks, gpus_per_host):  # hosts in order
+        partial = np.zeros_like(out)
+        for r in range(first, min(first + gpus_per_host, num_ranks)):  # the host's ranks in order
+            for i, (s, t) in enumerate(zip(received[r]["rank"], received[r]["src"])):
+                partial[s, t] = partial[s, t] + y[r, i].astype(np.float32)
+        if bf16_partials and gpus_per_host < num_ranks:
+            partial = bf16_values(partial)
+        out = out + partial
     return out
+
+
+def traffic(idx, received, num_experts, gpus_per_host=None):
+    """Rows each rank's kernels move per operation (docs/internode.md), from
+    the routing idx [R, T, K] and dispatch()'s received rows (drops
+    excluded), with rank r on host r // G (gpus_per_host None: one host).
+    Returns {rank: {op: (nvlink_rows, network_rows)}}. NVLink: a row stored
+    into or loaded from another rank's memory on the mover's host; network: a
+    row put to another host.
+      dispatch, cached_dispatch: the source moves a row to a destination of
+        its host, the forwarder (the destination host's rank with the
+        source's index) to one of another; each (token, remote host) crosses
+        the network once, put by the source: dispatch for every remote host
+        of its experts, cached_dispatch for the hosts that kept a row of it.
+      combine: one host: the source loads its rows from the other ranks.
+        Several: each rank stores a row into the forwarder of its source on
+        its own host; each forwarder puts one partial per (token, remote
+        source host that kept a row of it on the forwarder's host)."""
+    num_ranks, num_tokens, _ = idx.shape
+    per_host = num_ranks if gpus_per_host is None else min(gpus_per_host, num_ranks)
+    host = [r // per_host for r in range(num_ranks)]
+    epr = num_experts // num_ranks
+
+    def forwarder(s, d):  # the rank of d's host with s's index
+        return host[d] * per_host + s % per_host
+
+    counts = {r: {op: [0, 0] for op in ("dispatch", "cached_dispatch", "combine")} for r in range(num_ranks)}
+    kept_hosts = {}  # (s, t) -> hosts that kept a row
+    for d, rows in enumerate(received):
+        for s, t in zip(rows["rank"], rows["src"]):
+            kept_hosts.setdefault((s, t), set()).add(host[d])
+            mover = s if host[s] == host[d] else forwarder(s, d)
+            for op in ("dispatch", "cached_dispatch"):
+                counts[mover][op][0] += mover != d
+            if per_host == num_ranks:
+                counts[s]["combine"][0] += s != d
+            else:
+                counts[d]["combine"][0] += forwarder(s, d) != d
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            expert_hosts = {host[e // epr] for e in idx[s, t] if 0 <= e < num_experts}
+            counts[s]["dispatch"][1] += len(expert_hosts - {host[s]})
+            remote_kept = kept_hosts.get((s, t), set()) - {host[s]}
+            counts[s]["cached_dispatch"][1] += len(remote_kept)
+            for b in remote_kept:
+                counts[b * per_host + s % per_host]["combine"][1] += 1
+    return {r: {op: tuple(v) for op, v in ops.items()} for r, ops in counts.items()}
 
 
 def low_latency_dispatch(x, idx, num_experts, max_tokens):
@@ -170,6 +228,11 @@ def bf16_bits(a):
     rounded += bits  # + 0x8000 at most: stays below 2^32 for finite values
     rounded += 0x7FFF
     return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_values(a):
+    """finite float32 -> the nearest bfloat16 values (ties to even), as float32."""
+    return (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
 def fp8_scales(x, round_scale=False):

@@ -23,6 +23,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_CHECKS", "checks", "1", True, False),
     ("DEEP_EP_JAX_LL_OVERLAP_SMS", "low_latency_overlap_sms", "16", 16, 0),
     ("DEEP_EP_JAX_GPUS_PER_HOST", "gpus_per_host", "1", 1, None),
+    ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
 ]
 OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]

@@ -6,9 +6,13 @@ the destination GPUs of that host. Checks that every row lands exactly once,
 in the contract's order, that no receive slot is written twice, and that the
 network carries one packet per distinct remote destination host, counted from
 the routing itself, not from the model (the
-deduplication docs/internode.md's bandwidth figures assume). Runs on CPU; the
-kernels themselves are checked against the reference on GPUs
-(tests/gpu/test_internode_gpu.py)."""
+deduplication docs/internode.md's bandwidth figures assume). Combine the
+other way: every rank's rows to the forwarder of their source on its host
+(NVLink), which sums the host's rows and puts one bf16 partial per (token,
+remote host) to the source, which sums the partials in host order: equal to
+the oracle's per-host order bit for bit, one network row per remote host
+holding the token. Runs on CPU; the kernels themselves are checked against
+the reference on GPUs (tests/gpu/test_internode_gpu.py, test_scale_gpu.py)."""
 
 import numpy as np
 import pytest
@@ -51,11 +55,13 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
 
     landing = np.full((num_ranks, num_worst_tokens) + x.shape[2:], np.nan)
     src_idx = np.full((num_ranks, num_worst_tokens), -1)
+    src_rank = np.full((num_ranks, num_worst_tokens), -1)
 
     def deliver(dest, row, s, t):
         assert np.isnan(landing[dest, row]).all(), f"row {row} of rank {dest} written twice"
         landing[dest, row] = x[s, t]
         src_idx[dest, row] = t
+        src_rank[dest, row] = s
 
     # Send: one packet per remote destination host, direct rows on this host.
     # A packet carries no per-rank data: its token's final rows on the G ranks
@@ -90,7 +96,92 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
                     if row >= 0:
                         deliver(d, row, s, t)
     assert not rdma_recv, "packets nobody forwarded"
-    return landing, src_idx, packets
+    handle = {"send_pos": send_pos, "src_idx": src_idx, "src_rank": src_rank,
+              "num_recv": np.minimum(counts.sum(0), num_worst_tokens)}
+    return landing, src_idx, packets, handle
+
+
+def _host_tables(nodes):
+    num_ranks, num_nodes = len(nodes), max(nodes) + 1
+    per_host = num_ranks // num_nodes
+    local = [sum(nodes[q] == nodes[r] for q in range(r)) for r in range(num_ranks)]
+    rank_at = [-1] * num_ranks
+    for r in range(num_ranks):
+        rank_at[nodes[r] * per_host + local[r]] = r
+    return num_nodes, per_host, local, rank_at
+
+
+def model_combine(y, handle, nodes):
+    """y [R, N, H]: each rank's rows; handle: model_dispatch's. The kernels'
+    per-host combine: returns (float32 [R, T, H] before the final bf16
+    rounding, network rows)."""
+    send_pos, src_idx, src_rank, num_recv = (handle[k] for k in ("send_pos", "src_idx", "src_rank", "num_recv"))
+    num_ranks, num_tokens, _ = send_pos.shape
+    num_rows = y.shape[1]
+    num_nodes, per_host, local, rank_at = _host_tables(nodes)
+    holds = (send_pos >= 0) & (send_pos < num_rows)  # [source, token, rank]: HandleRow
+
+    # Notify (source s): per host b, the tokens with a row there, in token
+    # order, each with its token index and the mask of b's ranks holding it,
+    # to the forwarder on b (the rank of s's local index): put unless b is s's host.
+    meta = {}  # (forwarder, source host, position) -> (token, mask)
+    meta_counts = {}  # (source, host) -> positions
+    for s in range(num_ranks):
+        for b in range(num_nodes):
+            forwarder = rank_at[b * per_host + local[s]]
+            p = 0
+            for t in range(num_tokens):
+                mask = sum(1 << j for j in range(per_host) if holds[s, t, rank_at[b * per_host + j]])
+                if mask:
+                    meta[(forwarder, nodes[s], p)] = (t, mask)
+                    p += 1
+            meta_counts[(s, b)] = p
+    # Send: every rank's rows over NVLink to the forwarder of their source on
+    # its own host, slot [its index][source host][token].
+    slots = {}
+    for d in range(num_ranks):
+        for i in range(num_recv[d]):
+            s, t = src_rank[d, i], src_idx[d, i]
+            forwarder = rank_at[nodes[d] * per_host + local[s]]
+            assert nodes[forwarder] == nodes[d], "a row left its host before the reduction"
+            key = (forwarder, local[d], nodes[s], t)
+            assert key not in slots, f"combine slot {key} written twice"
+            slots[key] = y[d, i].astype(np.float32)
+    # Forward: the forwarder sums its host's rows of each token in index
+    # order from 0.0, rounds to bf16, and puts one row per (token, remote host).
+    partials = {}  # (source, host, token) -> bf16 partial
+    network_rows = 0
+    for f in range(num_ranks):
+        for hs in range(num_nodes):
+            s = rank_at[hs * per_host + local[f]]
+            for p in range(meta_counts[(s, nodes[f])]):
+                t, mask = meta.pop((f, hs, p))
+                acc = np.zeros(y.shape[2:], np.float32)
+                for j in range(per_host):
+                    if mask >> j & 1:
+                        acc = acc + slots.pop((f, j, hs, t))
+                partials[(s, nodes[f], t)] = oracle.bf16_values(acc)
+                network_rows += hs != nodes[f]
+    assert not meta and not slots, "metadata or rows nobody reduced"
+    # Receive: the source sums the partials of the hosts holding the token in host order from 0.0.
+    out = np.zeros((num_ranks, num_tokens) + y.shape[2:], np.float32)
+    for s in range(num_ranks):
+        for t in range(num_tokens):
+            for b in range(num_nodes):
+                if any(holds[s, t, rank_at[b * per_host + j]] for j in range(per_host)):
+                    out[s, t] = out[s, t] + partials.pop((s, b, t))
+    assert not partials, "partials nobody summed"
+    return out, network_rows
+
+
+def remote_hosts_holding(expected, nodes):
+    """From the contract's received rows (oracle.dispatch, drops excluded),
+    independent of the model: for every source token, the hosts other than
+    its own where a rank received it."""
+    held = set()
+    for d, rows in enumerate(expected):
+        held |= {(s, t, nodes[d]) for s, t in zip(rows["rank"], rows["src"]) if nodes[d] != nodes[s]}
+    return len(held)
 
 
 def remote_hosts_per_token(idx, nodes, num_experts):
@@ -118,9 +209,10 @@ def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind
     idx, w = testing.make_routing(num_ranks, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)
     w = np.asarray(w).reshape(num_ranks, num_tokens, topk)
-    x = np.random.default_rng(0).standard_normal((num_ranks, num_tokens, hidden))
+    rng = np.random.default_rng()
+    x = rng.standard_normal((num_ranks, num_tokens, hidden))
     nodes = multiprocess.group_nodes(["machine"] * num_ranks, gpus_per_host)
-    landing, src_idx, packets = model_dispatch(x, idx, nodes, num_experts, rows)
+    landing, src_idx, packets, handle = model_dispatch(x, idx, nodes, num_experts, rows)
     assert packets == remote_hosts_per_token(idx, nodes, num_experts)  # once per (token, remote destination host)
     want = oracle.dispatch(x, idx, w, num_experts, rows)
     for r in range(num_ranks):
@@ -128,3 +220,9 @@ def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind
         np.testing.assert_array_equal(landing[r, :n], np.reshape(want[r]["x"], (n, hidden)))
         np.testing.assert_array_equal(src_idx[r, :n], want[r]["src"])
         assert np.isnan(landing[r, n:]).all() and (src_idx[r, n:] == -1).all()
+    # Combine, per host: bf16 rows of +-2^24 among small ones, so that another order shows.
+    y = rng.standard_normal((num_ranks, rows, hidden), np.float32)
+    y = oracle.bf16_values(np.where(rng.random(y.shape) < 0.5, np.sign(y) * np.float32(1 << 24), y))
+    out, network_rows = model_combine(y, handle, nodes)
+    assert network_rows == remote_hosts_holding(want, nodes)  # once per (token, remote host holding it)
+    np.testing.assert_array_equal(out, oracle.combine(y, want, num_tokens, gpus_per_host))

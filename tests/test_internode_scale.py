@@ -45,6 +45,14 @@ def _combine_slot_bytes(num_tokens, topk, hidden, num_ranks):
     return _align(num_ranks * num_tokens * (_align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)), ALIGN)
 
 
+def _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes):
+    """Slots [G][H][T] at the forwarder, partials [H][T] at the source, (token, mask) lists [H][T] staged and received."""
+    packet = _align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)
+    areas = [num_nodes * num_tokens * packet, num_nodes * num_tokens * 8, num_nodes * num_tokens * 8]
+    return (_sync_bytes(num_ranks) + _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
+            + sum(_align(a, ALIGN) for a in areas))
+
+
 @extension
 def test_limits():
     limits = _native.limits()
@@ -65,12 +73,10 @@ def test_sizes(num_nodes, per_host):
             _dispatch_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes)
     slots = _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
     assert ext.internode_combine_slot_bytes(num_tokens, topk, hidden, num_ranks) == slots
-    staged = _align(rows * (_align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)), ALIGN)
-    assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks) == \
-        _sync_bytes(num_ranks) + slots + staged
+    combine = _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes)
+    assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks, num_nodes) == combine
     hint = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens, topk)
-    assert hint == max(_dispatch_bytes(num_tokens, rows, topk, 2 * hidden, 0, num_ranks, num_nodes),
-                       ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks))
+    assert hint == max(_dispatch_bytes(num_tokens, rows, topk, 2 * hidden, 0, num_ranks, num_nodes), combine)
 
 
 @extension
@@ -123,18 +129,23 @@ def test_calls_trace_at_large_groups(num_nodes, per_host):
 @extension
 def test_standard_case_memory_per_gpu():
     """The standard case (4096 tokens per rank, hidden 7168, top-8): the
-    region per GPU is combine's, its slots (R * T rows) half of it, and a
-    Buffer that cannot fit fails at creation naming the bytes."""
+    region per GPU is the bf16 dispatch's (R * T received rows and the
+    packets of H + 1 hosts); combine, reduced per host, fits in it (R * T
+    slots and H * T partials); a Buffer that cannot fit fails at creation
+    naming the bytes."""
     ext = _native.extension()
     previous = 0
     for num_nodes in (2, 4, 8, 16):
-        num_ranks = 8 * num_nodes
+        num_ranks, rows = 8 * num_nodes, 4096 * 8 * num_nodes
         region = sizes.internode_region_bytes(num_ranks, num_nodes, 7168, 4096, 8)
+        assert region == _dispatch_bytes(4096, rows, 8, 2 * 7168, 0, num_ranks, num_nodes)
         slots = ext.internode_combine_slot_bytes(4096, 8, 7168, num_ranks)
         assert slots == _combine_slot_bytes(4096, 8, 7168, num_ranks)
-        assert 2 * slots <= region < 2 * slots + (1 << 20) and region > previous
+        combine = ext.internode_combine_region_bytes(4096, rows, 8, 7168, num_ranks, num_nodes)
+        assert slots < combine < region and combine < slots * (1 + 1 / 8 + 1 / 32)
+        assert region > previous
         previous = region
-    assert 14 * 2**30 < previous < 14.1 * 2**30  # 16 x 8
+    assert 7.9 * 2**30 < previous < 8 * 2**30  # 16 x 8
     with pytest.raises(ValueError, match=rf"needs {previous} bytes .*normal region: {previous} bytes.*more than GPU "
                                          r"0's .*R \* T \* 2H bytes"):
-        lifecycle.check_fits({"normal region": previous, "low-latency region": 0}, 10 * 2**30, device=0)
+        lifecycle.check_fits({"normal region": previous, "low-latency region": 0}, 6 * 2**30, device=0)

@@ -161,7 +161,7 @@ def test_internode_region_hint():
         for row, scales in ((2 * hidden, 0), (hidden, hidden // 128 * 4)):
             assert ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks,
                                                        num_nodes) <= size
-        assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks) <= size
+        assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks, num_nodes) <= size
     # A Buffer with the hint passes the trace-time check of such a dispatch.
     _trace_dispatch(_fake_internode_buffer(num_ranks, num_nodes, size), num_tokens, hidden, 16, 8 * num_ranks)
     assert size >= num_tokens * num_ranks * 2 * hidden  # at least the received bf16 rows

@@ -107,6 +107,53 @@ def test_num_worst_tokens_overflow_is_visible():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
 
 
+@pytest.mark.parametrize("gpus_per_host", [1, 2, 4])
+@pytest.mark.parametrize("kind,worst_fraction", [("random", None), ("one_expert", None), ("rank_empty", None),
+                                                 ("minus_one", None), ("random", 0.3)])
+def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction):
+    """8 ranks cut into hosts of G (Config.gpus_per_host): combine sums each
+    host's rows in rank order, rounds the partial to bf16 (weights: float32),
+    then sums the partials in host order (tests/oracle.py, bit for bit).
+    Rows of +-2^24 among small ones make the order show: with G > 1 the
+    per-host result differs from the plain rank order."""
+    num_ranks, num_tokens, topk = 8, 10, 4
+    num_experts = 2 * num_ranks
+    worst = None if worst_fraction is None else int(worst_fraction * num_ranks * num_tokens)
+    rows = worst or num_ranks * num_tokens
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=gpus_per_host))
+    assert buffer.rank_hosts == tuple(r // gpus_per_host for r in range(num_ranks))
+    rng = np.random.default_rng()
+    idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    y = rng.standard_normal((num_ranks * rows, H), np.float32)
+    y = np.where(rng.random(y.shape) < 0.5, np.sign(y) * np.float32(1 << 24), y).astype(ml_dtypes.bfloat16)
+
+    def step(idx, w, y):
+        _, _, recv_w, handle = dej.dispatch(jnp.zeros((num_tokens, H), jnp.bfloat16), idx, w,
+                                            num_experts=num_experts, buffer=buffer, num_worst_tokens=worst)
+        return dej.combine(y, handle, recv_w, buffer=buffer)
+
+    out, out_w = dt.per_rank(step, mesh, "ep")(jnp.asarray(idx), jnp.asarray(w), jnp.asarray(y))
+    idxs, ws = _shards(idx, num_ranks), _shards(w, num_ranks)
+    expected = oracle.dispatch(np.zeros((num_ranks, num_tokens, 1)), idxs, ws, num_experts, rows)
+    if worst is not None:
+        assert any(e["total"] > worst for e in expected), "no row dropped"
+    ys = np.asarray(y, np.float32).reshape(num_ranks, rows, H)
+    want = oracle.combine(ys, expected, num_tokens, gpus_per_host)
+    to_bf16 = lambda a: np.asarray(a.astype(ml_dtypes.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), to_bf16(want))
+    flat = to_bf16(oracle.combine(ys, expected, num_tokens))
+    if gpus_per_host == 1:
+        np.testing.assert_array_equal(to_bf16(want), flat)  # a bf16 row's partial is the row
+    elif kind == "random":
+        assert (to_bf16(want) != flat).any(), "the per-host order did not show"
+    w_rows = np.zeros((num_ranks, rows, topk), np.float32)
+    for r in range(num_ranks):
+        w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
+    np.testing.assert_array_equal(np.asarray(out_w),
+                                  oracle.combine(w_rows, expected, num_tokens, gpus_per_host, bf16_partials=False))
+
+
 def test_fp8_pair_roundtrip():
     num_ranks = 4
     (x, idx, w, _), (recv_x, recv_idx, _, handle, _, _, _) = _run_dispatch(num_ranks, 8, 8, 2, "random", fp8=True)

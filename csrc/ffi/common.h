@@ -114,11 +114,13 @@ ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_rank
 #define DEEP_EP_JAX_ORDER_ARG(ARG) ARG(ffi::Buffer<ffi::S32>, order)
 #define DEEP_EP_JAX_ORDER_RET(RET) RET(ffi::Buffer<ffi::S32>, order_out)
 // Launch knobs of both paths (backends/cuda/common.py's launch_attrs; the
-// one-host kernels also take chunk_tokens and staged).
+// one-host kernels also take chunk_tokens and staged). count_traffic: 1 to
+// count rows and bytes moved (common/traffic.h), 0 off.
 #define DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \
   ATTR(int64_t, num_sms)                      \
   ATTR(int64_t, num_warps)                    \
-  ATTR(int64_t, timeout_ns)
+  ATTR(int64_t, timeout_ns)                   \
+  ATTR(int64_t, count_traffic)
 
 namespace deep_ep_jax {
 

@@ -50,7 +50,7 @@ namespace {
 // The buffer's state on this device (an NVSHMEM buffer with a normal region) and the launch knobs.
 ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
-                   const DeviceState** state, internode::LaunchConfig* config) {
+                   int64_t count_traffic, const DeviceState** state, internode::LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   const DeviceState& s = **state;
   if (s.num_ranks > kMaxInternodeNormalRanks) {
@@ -71,6 +71,7 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckLaunchKnobs(fn, num_sms, internode::kMaxBlocks, num_warps, internode::kMaxWarps, timeout_ns));
   *config = internode::LaunchConfig{int(num_sms), int(num_warps), uint64_t(timeout_ns)};
+  config->count_traffic = count_traffic != 0;
   return CheckCallOrder(fn, order, order_out, &config->order);
 }
 
@@ -109,7 +110,8 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
+              &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
@@ -147,7 +149,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
+              &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
@@ -176,7 +179,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, &state, &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
+              &config));
   NormalShapes s{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
                                                DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));
@@ -198,7 +202,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   const internode::Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, internode::CombineRegionBytes(shapes, state->num_ranks)));
+  const size_t needed = internode::CombineRegionBytes(shapes, state->num_ranks, state->num_nodes);
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, needed));
   return Launched(fn, internode::LaunchCombine(*state, p, config, stream));
 #else
   (void)p;

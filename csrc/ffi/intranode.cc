@@ -57,7 +57,8 @@ using intranode::kMaxRowArrays;
 // processes reach only the Buffer's regions, never XLA's buffers.
 ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
-                   int64_t chunk_tokens, int64_t staged, const DeviceState** state, LaunchConfig* config) {
+                   int64_t count_traffic, int64_t chunk_tokens, int64_t staged, const DeviceState** state,
+                   LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   if ((*state)->num_ranks > kMaxNvlinkRanks) {
     return Invalid(fn, "normal mode supports at most " + Str(kMaxNvlinkRanks) +
@@ -72,6 +73,7 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
   }
   *config = LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns),
                          staged != 0 || (*state)->ipc};
+  config->count_traffic = count_traffic != 0;
   return CheckCallOrder(fn, order, order_out, &config->order);
 }
 
@@ -96,8 +98,8 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
+              staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -136,8 +138,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
+              staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -167,8 +169,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   const DeviceState* state = nullptr;
   LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, chunk_tokens, staged, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
+              staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};

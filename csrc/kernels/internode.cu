@@ -43,7 +43,7 @@ struct Control {
   int seq;     // calls so far on this rank (every rank makes the same calls)
   int active;  // 1 while a call runs on this device (EnterCall)
 };
-static_assert(sizeof(Control) <= kControlBytes, "internode Control exceeds the region's control bytes");
+static_assert(sizeof(Control) <= kTrafficOffset, "internode Control reaches the traffic counters (common/traffic.h)");
 
 // The EP group as seen from this rank. Per-host arrays by value (a host has
 // at most kMaxNvlinkRanks ranks); per-rank tables in device memory
@@ -92,8 +92,8 @@ __device__ __forceinline__ void SignalAt(const Group& g, char* mapped, int pe, c
   }
 }
 
-// Every rank's host, index and PE in shared memory, for kernels that address
-// any rank per row (combine). Ends with __syncthreads.
+// Every rank's host, index and PE in shared memory, for kernels that look up
+// any rank per row (combine's send). Ends with __syncthreads.
 struct PeerTable {
   int node[kMaxRanks], local[kMaxRanks], pe[kMaxRanks];
 };
@@ -104,10 +104,6 @@ __device__ void LoadPeerTable(const Group& g, PeerTable& t) {
     t.pe[r] = g.pes[r];
   }
   __syncthreads();
-}
-// Rank r's region mapped here, or null for a rank of another host.
-__device__ __forceinline__ char* Mapped(const Group& g, const PeerTable& t, int r) {
-  return t.node[r] == g.node ? g.host_regions[t.local[r]] : nullptr;
 }
 
 // Completes this thread's NVSHMEM operations and makes its stores visible
@@ -157,6 +153,16 @@ __device__ __forceinline__ uint32_t RankBits(const NotifyArgs& a, int num_ranks,
   return bits;
 }
 
+// Bit l: token t has a row (a handle row in range) at host_ranks[l], the
+// ranks of one host by index (cached dispatch and combine).
+__device__ __forceinline__ uint32_t HostRanksHolding(const NotifyArgs& a, int num_ranks, const int* host_ranks, int G,
+                                                     int t) {
+  const int* pos = a.cached_send_pos + int64_t(t) * num_ranks;
+  uint32_t mask = 0;
+  for (int l = 0; l < G; ++l) mask |= uint32_t(HandleRow(pos[host_ranks[l]], a.num_worst_tokens) >= 0) << l;
+  return mask;
+}
+
 // Bit j: token t goes to a rank of host b0 + j. node_of, rank_at: shared copies of the group's tables.
 __device__ __forceinline__ uint32_t NodeBits(const Group& g, const NotifyArgs& a, const int* node_of,
                                              const int* rank_at, int t, int b0) {
@@ -172,12 +178,9 @@ __device__ __forceinline__ uint32_t NodeBits(const Group& g, const NotifyArgs& a
     }
     return bits;
   }
-  const int* pos = a.cached_send_pos + int64_t(t) * g.num_ranks;
   const int n = min(kPiece, g.num_nodes - b0), G = g.ranks_per_node;
   for (int j = 0; j < n; ++j) {
-    bool in = false;
-    for (int l = 0; l < G; ++l) in |= HandleRow(pos[rank_at[(b0 + j) * G + l]], a.num_worst_tokens) >= 0;
-    bits |= uint32_t(in) << j;
+    bits |= uint32_t(HostRanksHolding(a, g.num_ranks, rank_at + (b0 + j) * G, G, t) != 0) << j;
   }
   return bits;
 }
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   __shared__ int shared_seq, shared_tag;
   const Layout& L = a.L;
   const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
-  const bool dispatch = a.mode == kDispatch, moves = a.mode != kCombine;
+  const bool dispatch = a.mode == kDispatch, combine = a.mode == kCombine;
   Control* control = g.control();
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
     node_of[r] = g.node_of[r];
@@ -219,12 +222,12 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   const int begin = min(a.num_tokens, int(threadIdx.x) * per_thread);
   const int end = min(a.num_tokens, begin + per_thread);
   int offset[kPiece];
-  // Counts: tokens to each rank (dispatch) and to each host.
+  // Counts: tokens to each rank (dispatch) and to each host (combine: with rows there).
   for (int r0 = 0; dispatch && r0 < R; r0 += kPiece) {
     ScanPiece(begin, end, r0, min(kPiece, R - r0), [&](int t) { return RankBits(a, R, t, r0); }, offset, warp_sums,
               totals);
   }
-  for (int b0 = 0; moves && b0 < H; b0 += kPiece) {
+  for (int b0 = 0; b0 < H; b0 += kPiece) {
     ScanPiece(begin, end, b0, min(kPiece, H - b0), [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); },
               offset, warp_sums, node_totals);
   }
@@ -241,7 +244,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   // This rank's record (tag, grid, counts), written here, then copied to the
   // same place in every peer's region; then the ready flags.
   int* mine = Record(g, L, seq, me);
-  for (int b = threadIdx.x; b < H; b += blockDim.x) mine[kRecordNodeCounts + b] = moves ? node_totals[b] : 0;
+  for (int b = threadIdx.x; b < H; b += blockDim.x) mine[kRecordNodeCounts + b] = node_totals[b];
   for (int d = threadIdx.x; dispatch && d < R; d += blockDim.x) {
     mine[RecordRankCounts(R) + d] = totals[d];
     a.num_tokens_per_rank[d] = totals[d];
@@ -277,7 +280,6 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
                     me, peer);
   }
   __syncthreads();
-  if (!moves) return;
 
   if (dispatch) {
     for (int d = threadIdx.x; d < R; d += blockDim.x) {  // destination d's column
@@ -314,7 +316,12 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
       }
     }
   }
-  // Positions among the tokens sent to each host.
+  // Positions among the tokens sent to each host. Combine: each such token's
+  // (token, mask of the host's ranks holding it) at its position, staged by
+  // host for the send kernel to put to that host's forwarder; this host's
+  // list goes straight to where this rank, its own tokens' forwarder, reads it.
+  int* combine_send_meta = reinterpret_cast<int*>(g.local_region() + L.combine_send_meta);
+  int* combine_recv_meta = reinterpret_cast<int*>(g.local_region() + L.combine_recv_meta);
   for (int b0 = 0; b0 < H; b0 += kPiece) {
     const int n = min(kPiece, H - b0);
     ScanPiece(begin, end, 0, n, [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); }, offset, warp_sums,
@@ -325,12 +332,21 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
       for (int j = 0; j < kPiece; ++j) {
         if (j < n) {
           const bool in = (bits >> j) & 1u;
-          a.node_pos[int64_t(t) * H + b0 + j] = in ? offset[j] : -1;
+          const int b = b0 + j;
+          if (!combine) {
+            a.node_pos[int64_t(t) * H + b] = in ? offset[j] : -1;
+          } else if (in) {
+            int* entry = (b == g.node ? combine_recv_meta : combine_send_meta) +
+                         (size_t(b) * a.num_tokens + offset[j]) * kCombineMetaInts;
+            entry[0] = t;
+            entry[1] = HostRanksHolding(a, R, rank_at + b * G, G, t);
+          }
           offset[j] += in;
         }
       }
     }
   }
+  if (combine) return;
   // Each packet's final rows on the ranks of its destination host, staged by
   // host and position for the send kernel to put in one piece per host (this
   // thread's own writes above: plain reads).
@@ -358,6 +374,7 @@ struct MoveArgs {
   const int* send_pos;        // [T, R]
   const int* node_pos;        // [T, num_nodes]
   int experts_per_rank;
+  TrafficCounters* traffic;  // this call kind's counters, or null (not counting)
   Layout L;
 };
 
@@ -430,7 +447,9 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       for (int b0 = 0; b0 < H; b0 += kWarpSize) {
         const int b = b0 + lane;
         const int p = b < H && b != g.node ? node_pos[b] : -1;
-        for (uint32_t hosts = __ballot_sync(0xffffffffu, p >= 0); hosts != 0; hosts &= hosts - 1) {
+        const uint32_t put_hosts = __ballot_sync(0xffffffffu, p >= 0);
+        if (lane == 0) CountTraffic(a.traffic, true, __popc(put_hosts), L.row_bytes[0] + L.row_bytes[1]);
+        for (uint32_t hosts = put_hosts; hosts != 0; hosts &= hosts - 1) {
           const int j = __ffs(hosts) - 1, position = __shfl_sync(0xffffffffu, p, j);
           const size_t slot = L.rdma_recv + (size_t(g.node) * L.num_tokens + position) * L.packet_bytes;
           nvshmemx_putmem_nbi_warp(g.local_region() + slot, packet, L.packet_bytes, forwarder_pe[b0 + j]);
@@ -438,10 +457,13 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
       }
     }
     // This host: straight into the destinations' landing areas.
+    int peers = 0;
     for (int j = 0; j < G; ++j) {
       const int r = g.host_ranks[j], row = HandleRow(pos[r], L.num_worst_tokens);
       if (row >= 0) DeliverRow(g, a, j, r, row, rows, t, topk, weights, lane);
+      peers += row >= 0 && j != g.local;
     }
+    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
   }
   // The packets' final rows on each remote host's ranks (staged by the notify
   // kernel), one put per host, after the same flag as the packets.
@@ -512,10 +534,13 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
     const int* topk = meta + 1;
     const float* weights = reinterpret_cast<const float*>(topk + L.num_topk);
     const int token = meta[0];
+    int peers = 0;
     for (int j = 0; j < G; ++j) {
       const int row = final_rows[j];
       if (row >= 0) DeliverRow(g, a, j, g.host_ranks[j], row, rows, token, topk, a.topk_weights != nullptr ? weights : nullptr, lane);
+      peers += row >= 0 && j != g.local;
     }
+    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
   }
   __threadfence_system();
   __syncthreads();
@@ -611,7 +636,9 @@ __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutAr
 }
 
 // ---------------------------------------------------------------------------
-// Combine: push rows back to their sources, sum there in rank order.
+// Combine, reduced per host: rows to the forwarder of their source on this
+// host (NVLink), one bf16 partial per (token, host) from there to the source,
+// which sums the partials in host order.
 
 struct CombineArgs {
   const uint16_t* x;
@@ -622,13 +649,28 @@ struct CombineArgs {
   const int* recv_src_rank;
   uint16_t* out;
   float* out_weights;
+  TrafficCounters* traffic;  // combine's counters, or null (not counting)
   Layout L;
 };
+
+// Where combine packets (row, weights) are in a region: the slot [index on
+// the host][source host][token] of a row to reduce, and the partial
+// [host][token] of a source's token.
+__device__ __forceinline__ size_t CombineSlotOffset(const Group& g, const Layout& L, int local, int src_node,
+                                                    int token) {
+  return L.combine_slots + ((size_t(local) * g.num_nodes + src_node) * L.num_tokens + token) * L.combine_packet_bytes;
+}
+__device__ __forceinline__ char* CombineSlot(const Group& g, const Layout& L, int local, int src_node, int token) {
+  return g.local_region() + CombineSlotOffset(g, L, local, src_node, token);
+}
+__device__ __forceinline__ size_t CombinePartial(const Layout& L, int node, int token) {
+  return L.combine_partials + (size_t(node) * L.num_tokens + token) * L.combine_packet_bytes;
+}
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group g, CombineArgs a) {
   __shared__ PeerTable peers;
   const Layout& L = a.L;
-  const int R = g.num_ranks, me = g.rank;
+  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
@@ -643,40 +685,75 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   for (int i = warp; i < num_recv; i += num_warps) {
     const int src = a.recv_src_rank[i], token = a.recv_src_idx[i];
     if (src < 0 || src >= R || token < 0 || token >= L.num_tokens) continue;
-    const size_t slot = L.combine_slots + (size_t(me) * L.num_tokens + token) * L.combine_packet_bytes;
-    const char* row = reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes;
-    const float* w = a.topk_weights != nullptr ? a.topk_weights + int64_t(i) * L.num_topk : nullptr;
-    // This host: store straight into the source's slot; others: stage, then put.
-    char* mapped = Mapped(g, peers, src);
-    char* dst = mapped != nullptr ? mapped + slot : g.local_region() + L.combine_send + int64_t(i) * L.combine_packet_bytes;
-    StridedCopyBytes<4>(dst, row, row_bytes, lane, kWarpSize);
-    if (w != nullptr) {
+    // The forwarder: this host's rank with the source's index (mapped here), slot [my index][source host][token].
+    char* dst = g.host_regions[peers.local[src]] + CombineSlotOffset(g, L, g.local, peers.node[src], token);
+    if (lane == 0 && peers.local[src] != g.local) CountTraffic(a.traffic, false, 1, row_bytes);
+    StridedCopyBytes<4>(dst, reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes, row_bytes, lane, kWarpSize);
+    if (a.topk_weights != nullptr) {
+      const float* w = a.topk_weights + int64_t(i) * L.num_topk;
       float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
       for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
     }
-    if (mapped == nullptr) {
-      FenceStagedForWarpPut();
-      nvshmemx_putmem_nbi_warp(g.local_region() + slot, dst, L.combine_packet_bytes, peers.pe[src]);
-    }
+  }
+  // This rank's (token, mask) lists (staged by the notify kernel) to each
+  // remote host's forwarder of this rank's tokens, one put per host.
+  const size_t meta_bytes = kCombineMetaInts * sizeof(int);
+  for (int b = warp; b < H; b += num_warps) {
+    const int n = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, me) + kRecordNodeCounts + b);
+    if (n == 0) continue;
+    const char* from = g.local_region() + L.combine_send_meta + size_t(b) * L.num_tokens * meta_bytes;
+    char* to = g.local_region() + L.combine_recv_meta + size_t(g.node) * L.num_tokens * meta_bytes;
+    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * meta_bytes, peers.pe[g.rank_at[b * G + g.local]]);
   }
   CompleteWrites();
   __syncthreads();
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
-    SignalAt(g, Mapped(g, peers, r), peers.pe[r], DoneFlag(g, L, me, blockIdx.x), seq);
+  // Every forwarder of this host hears from every block (rows, sent or not);
+  // every remote forwarder of this rank's tokens too (its list).
+  for (int j = threadIdx.x; j < G; j += blockDim.x) {
+    StoreReleaseSys(g.In(g.host_regions[j], DoneFlag(g, L, me, blockIdx.x)), seq);
+  }
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    const int forwarder_pe = peers.pe[g.rank_at[b * G + g.local]];
+    if (b != g.node) nvshmem_int_atomic_set(RdmaDoneFlag(g, L, g.node, blockIdx.x), seq, forwarder_pe);
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
-  // [warp][word]: bit r % 32 of word r / 32 when rank r holds the warp's token.
-  __shared__ uint32_t token_ranks[kMaxWarps][kMaxRanks / kWarpSize];
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Group g, CombineArgs a) {
+  __shared__ int starts[kMaxRanks + 1];  // [source host]: list entries from the hosts before it (H + 1 used)
+  __shared__ int source_pe[kMaxRanks];   // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
-  const int R = g.num_ranks, me = g.rank;
+  const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
   const int num_blocks = gridDim.x;  // the send kernel's grid too
-  for (int i = threadIdx.x; i < R * num_blocks; i += blockDim.x) {
-    WaitAtLeast(DoneFlag(g, L, i / num_blocks, i % num_blocks), seq, g.timeout_ns, ModeName(kCombine),
-                "combined rows of a block", me, i / num_blocks, i % num_blocks);
+  // Rows of this host's ranks, and the lists of the same-index ranks of the other hosts.
+  for (int i = threadIdx.x; i < G * num_blocks; i += blockDim.x) {
+    const int src = g.host_ranks[i / num_blocks], block = i % num_blocks;
+    WaitAtLeast(DoneFlag(g, L, src, block), seq, g.timeout_ns, ModeName(kCombine), "rows to reduce of a block", me,
+                src, block);
+  }
+  for (int i = threadIdx.x; i < H * num_blocks; i += blockDim.x) {
+    const int b = i / num_blocks, block = i % num_blocks;
+    if (b != g.node) {
+      WaitAtLeast(RdmaDoneFlag(g, L, b, block), seq, g.timeout_ns, ModeName(kCombine), "token lists of a block", me,
+                  g.rank_at[b * G + g.local], block);
+    }
+  }
+  // Entries from each host: its source's count, published in its record (this rank's own for this host).
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    const int src = g.rank_at[b * G + g.local];
+    starts[b] = LoadVolatile(Record(g, L, seq, src) + kRecordNodeCounts + g.node);
+    source_pe[b] = g.pes[src];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int b = 0; b < H; ++b) {
+      const int n = starts[b];
+      starts[b] = total;
+      total += n;
+    }
+    starts[H] = total;
   }
   __syncthreads();
 
@@ -684,27 +761,103 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   const int num_vectors = int(L.row_bytes[0] / 16);
-  const int num_words = (R + kWarpSize - 1) / kWarpSize;
-  uint32_t* holders = token_ranks[threadIdx.x / kWarpSize];
+  const uint32_t all_ranks = G >= 32 ? ~0u : (1u << G) - 1;
+  const int total = starts[H];
+  for (int i = warp; i < total; i += num_warps) {
+    // The source host: the last with starts[b] <= i (hosts without entries share their successor's start).
+    int b = 0;
+    for (int hi = H - 1; b < hi;) {
+      const int mid = (b + hi + 1) / 2;
+      if (starts[mid] <= i) b = mid; else hi = mid - 1;
+    }
+    const int* entry = reinterpret_cast<const int*>(g.local_region() + L.combine_recv_meta) +
+                       (size_t(b) * L.num_tokens + (i - starts[b])) * kCombineMetaInts;
+    const int token = entry[0];
+    const uint32_t holders = uint32_t(entry[1]) & all_ranks;
+    if (token < 0 || token >= L.num_tokens) continue;  // written by a peer's kernel: in range; never trusted blindly
+    // The partial: this rank's own token stays here (slot [this host][token]);
+    // another host's is staged in place of index 0's row (each lane reads
+    // its vectors of every row before it writes), then put to the source.
+    const bool own = b == g.node;
+    char* partial = own ? g.local_region() + CombinePartial(L, g.node, token) : CombineSlot(g, L, 0, b, token);
+    // The reference's order: 0.0, then + row of index 0, 1, ... (ranks without the token skipped).
+    for (int v = lane; v < num_vectors; v += kWarpSize) {
+      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (uint32_t m = holders; m != 0; m &= m - 1) {
+        AddBf16x8(acc, reinterpret_cast<const int4*>(CombineSlot(g, L, __ffs(m) - 1, b, token))[v]);
+      }
+      reinterpret_cast<int4*>(partial)[v] = PackBf16x8(acc);
+    }
+    if (a.out_weights != nullptr) {
+      for (int k = lane; k < L.num_topk; k += kWarpSize) {
+        float acc = 0.0f;
+        for (uint32_t m = holders; m != 0; m &= m - 1) {
+          const char* slot = CombineSlot(g, L, __ffs(m) - 1, b, token);
+          acc += reinterpret_cast<const float*>(slot + L.combine_packet_weights)[k];
+        }
+        reinterpret_cast<float*>(partial + L.combine_packet_weights)[k] = acc;
+      }
+    }
+    if (!own) {
+      if (lane == 0) CountTraffic(a.traffic, true, 1, L.row_bytes[0]);
+      FenceStagedForWarpPut();
+      nvshmemx_putmem_nbi_warp(g.local_region() + CombinePartial(L, g.node, token), partial, L.combine_packet_bytes,
+                               source_pe[b]);
+    }
+  }
+  CompleteWrites();
+  __syncthreads();
+  // Every source of this rank's rail on another host hears from every block, sent or not.
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    if (b != g.node) nvshmem_int_atomic_set(DoneFlag(g, L, me, blockIdx.x), seq, source_pe[b]);
+  }
+}
+
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
+  // [warp][word]: bit b % 32 of word b / 32 when host b holds the warp's token.
+  __shared__ uint32_t token_hosts[kMaxWarps][kMaxRanks / kWarpSize];
+  __shared__ int rank_at[kMaxRanks];
+  const Layout& L = a.L;
+  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
+  Control* control = g.control();
+  const int seq = LoadVolatile(&control->seq);
+  const int num_blocks = gridDim.x;  // the forward kernel's grid too
+  for (int r = threadIdx.x; r < R; r += blockDim.x) rank_at[r] = g.rank_at[r];
+  // The partials of the other hosts (this host's: this rank's own forward kernel, earlier on the stream).
+  for (int i = threadIdx.x; i < H * num_blocks; i += blockDim.x) {
+    const int b = i / num_blocks, block = i % num_blocks;
+    if (b != g.node) {
+      WaitAtLeast(DoneFlag(g, L, g.rank_at[b * G + g.local], block), seq, g.timeout_ns, ModeName(kCombine),
+                  "partial sums of a block", me, g.rank_at[b * G + g.local], block);
+    }
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
+  const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
+  const int num_vectors = int(L.row_bytes[0] / 16);
+  const int num_words = (H + kWarpSize - 1) / kWarpSize;
+  uint32_t* holders = token_hosts[threadIdx.x / kWarpSize];
   for (int t = warp; t < L.num_tokens; t += num_warps) {
     const int* pos = a.send_pos + int64_t(t) * R;
     __syncwarp();  // the previous token's words are read
     for (int c = 0; c < num_words; ++c) {
-      const int r = c * kWarpSize + lane;
-      const uint32_t word = __ballot_sync(0xffffffffu, r < R && HandleRow(pos[r], L.num_worst_tokens) >= 0);
+      const int b = c * kWarpSize + lane;
+      bool in = false;
+      for (int l = 0; b < H && l < G; ++l) in |= HandleRow(pos[rank_at[b * G + l]], L.num_worst_tokens) >= 0;
+      const uint32_t word = __ballot_sync(0xffffffffu, in);
       if (lane == 0) holders[c] = word;
     }
     __syncwarp();
-    auto slot = [&](int r) {
-      return g.local_region() + L.combine_slots + (size_t(r) * L.num_tokens + t) * L.combine_packet_bytes;
-    };
+    auto partial = [&](int b) { return g.local_region() + CombinePartial(L, b, t); };
     int4* out = reinterpret_cast<int4*>(a.out + int64_t(t) * (L.row_bytes[0] / 2));
-    // The reference's order: 0.0, then + row of rank 0, 1, ... (ranks without the token skipped).
+    // The reference's order: 0.0, then + partial of host 0, 1, ... (hosts without the token skipped).
     for (int v = lane; v < num_vectors; v += kWarpSize) {
       float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int c = 0; c < num_words; ++c) {
         for (uint32_t word = holders[c]; word != 0; word &= word - 1) {
-          AddBf16x8(acc, reinterpret_cast<const int4*>(slot(c * kWarpSize + __ffs(word) - 1))[v]);
+          AddBf16x8(acc, reinterpret_cast<const int4*>(partial(c * kWarpSize + __ffs(word) - 1))[v]);
         }
       }
       out[v] = PackBf16x8(acc);
@@ -714,7 +867,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group
       float acc = 0.0f;
       for (int c = 0; c < num_words; ++c) {
         for (uint32_t word = holders[c]; word != 0; word &= word - 1) {
-          acc += reinterpret_cast<const float*>(slot(c * kWarpSize + __ffs(word) - 1) + L.combine_packet_weights)[k];
+          acc += reinterpret_cast<const float*>(partial(c * kWarpSize + __ffs(word) - 1) + L.combine_packet_weights)[k];
         }
       }
       a.out_weights[int64_t(t) * L.num_topk + k] = acc;
@@ -750,6 +903,11 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   }
   g.timeout_ns = c.timeout_ns;
   return g;
+}
+
+// The counters of one call kind in this rank's control block, or null when not counting.
+TrafficCounters* TrafficOf(const DeviceState& state, const LaunchConfig& c, int mode) {
+  return c.count_traffic ? reinterpret_cast<TrafficCounters*>(state.normal.local + kTrafficOffset) + mode : nullptr;
 }
 
 NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, const Layout& L) {
@@ -815,6 +973,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   move.send_pos = cached ? p.cached_send_pos : p.send_pos;
   move.node_pos = p.node_pos;
   move.experts_per_rank = experts_per_rank;
+  move.traffic = TrafficOf(state, c, mode);
   move.L = L;
   SendKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
   ForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
@@ -843,11 +1002,16 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state, c);
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
-  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, MakeNotify(kCombine, 0, c, L));
-  const CombineArgs args{p.x, p.topk_weights, p.send_pos, p.num_recv_tokens, p.recv_src_idx, p.recv_src_rank,
-                         p.out, p.out_weights, L};
+  // Notify: the barrier and this rank's (token, mask) lists per host, from the handle's send_pos.
+  NotifyArgs notify = MakeNotify(kCombine, p.num_tokens, c, L);
+  notify.cached_send_pos = p.send_pos;
+  notify.num_worst_tokens = p.num_worst_tokens;
+  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
+  const CombineArgs args{p.x,   p.topk_weights, p.send_pos, p.num_recv_tokens,         p.recv_src_idx,
+                         p.recv_src_rank, p.out,          p.out_weights, TrafficOf(state, c, kCombine), L};
   const int threads = c.num_warps * kWarpSize;
   CombineSendKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+  CombineForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
   CombineRecvKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
   LeaveKernel<<<1, 1, 0, stream>>>(g);
   return cudaGetLastError();

@@ -21,10 +21,21 @@
 //   4. finish: waits until every rank of this host is done writing here,
 //      counts rows per local expert, and copies the landed rows into XLA's
 //      outputs (the landing area is this rank's region: staged).
-// combine: every rank pushes each received row back to its source rank (over
-// NVLink on the same host, else staged and put), into a slot [rank][token],
-// and the source sums the slots in rank order in float32, exactly as the
-// reference backend (per-host partial sums would change the rounding).
+// combine (reduced per host, as DeepEP's rail-aligned combine): for a token
+// of source rank s, on every host holding rows of it, the "forwarder" is the
+// rank there with s's local index (the one that forwarded the rows in
+// dispatch).
+//   1. notify: the barrier; each source stages per host the tokens with rows
+//      there (token, mask of that host's ranks holding it), in token order.
+//   2. send: every rank stores each received row over NVLink into its
+//      source's forwarder on this host, slot [its index][source host][token];
+//      the staged (token, mask) lists go to the forwarders, one put per host.
+//   3. forward: after its host's ranks are done, the forwarder sums each
+//      token's rows in index order (float32 from 0.0), rounds the partial to
+//      bf16 and puts it to the source, slot [this host][token] (its own
+//      tokens: stored in place).
+//   4. receive: the source sums the partials in host order (float32 from
+//      0.0), rounds to bf16: the reference backend's order, bit for bit.
 //
 // Flags live in this rank's Control block and hold the call's sequence
 // number, so back-to-back calls and CUDA-graph replays need no resets. Every
@@ -38,6 +49,7 @@
 
 #include "common/call_order.h"
 #include "common/limits.h"
+#include "common/traffic.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
@@ -56,6 +68,7 @@ struct LaunchConfig {
   int num_warps;
   uint64_t timeout_ns;
   CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
+  bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
 };
 
 // Shapes of one call: they fix the region's layout (identical on every rank,
@@ -93,8 +106,13 @@ struct Layout {
   // here by the notify kernel (send_meta, by destination host), put in one
   // piece per host, received from each host (rdma_meta, by source host).
   size_t send_meta, rdma_meta;
-  // Combine: slots [rank][token] of (row, weights) here; staged sends (N).
-  size_t combine_slots, combine_send, combine_packet_bytes, combine_packet_weights;
+  // Combine, packets of (bf16 row, K float weights): slots [index on this
+  // host][source host][token] of the rows this rank's host returns to the
+  // sources of its rail (G * H = R per token); partials [host][token] of
+  // this rank's own tokens; (token, mask) lists [host][position], staged
+  // here by destination host and received here by source host.
+  size_t combine_slots, combine_partials, combine_send_meta, combine_recv_meta;
+  size_t combine_packet_bytes, combine_packet_weights;
   size_t end;
 };
 
@@ -102,6 +120,8 @@ struct Layout {
 constexpr size_t kRecordCalls = 0, kRecordBlocks = 1, kRecordNodeCounts = 2;
 constexpr size_t RecordInts(int num_ranks) { return AlignUp(kRecordNodeCounts + 2 * size_t(num_ranks), 4); }
 constexpr size_t RecordRankCounts(int num_ranks) { return kRecordNodeCounts + size_t(num_ranks); }
+// Ints of a combine's (token, mask) list entry (Layout).
+constexpr size_t kCombineMetaInts = 2;
 
 inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
   Layout L{};
@@ -140,10 +160,13 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
     L.send_meta = take(T * R * sizeof(int));
     L.rdma_meta = take(T * R * sizeof(int));
   } else {
+    const size_t H = size_t(num_nodes);
     L.combine_packet_weights = AlignUp(size_t(s.row_bytes[0]), kVectorBytes);
     L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
-    L.combine_slots = take(R * T * L.combine_packet_bytes);
-    L.combine_send = take(N * L.combine_packet_bytes);
+    L.combine_slots = take(R * T * L.combine_packet_bytes);  // G * H = R
+    L.combine_partials = take(H * T * L.combine_packet_bytes);
+    L.combine_send_meta = take(H * T * kCombineMetaInts * sizeof(int));
+    L.combine_recv_meta = take(H * T * kCombineMetaInts * sizeof(int));
   }
   L.end = offset;
   return L;
@@ -156,16 +179,18 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
 inline size_t DispatchRegionBytes(const Shapes& s, int num_ranks, int num_nodes) {
   return MakeLayout(s, num_ranks, num_nodes, false).end;
 }
-// Combine's layout does not depend on the hosts.
-inline size_t CombineRegionBytes(const Shapes& s, int num_ranks) { return MakeLayout(s, num_ranks, 1, true).end; }
+inline size_t CombineRegionBytes(const Shapes& s, int num_ranks, int num_nodes) {
+  return MakeLayout(s, num_ranks, num_nodes, true).end;
+}
 // The control bytes and the synchronisation area (records, flags): the part
 // of the region that grows with the group alone, ~ 16 R^2 + 1 KiB R bytes.
 inline size_t SyncBytes(int num_ranks) { return MakeLayout(Shapes{}, num_ranks, 1, true).sync_end; }
-// Combine's slots, one (row, weights) per (rank, token): R * T * (2H + 4K)
-// bytes rounded up, the part of a combine's region that grows with R * T.
+// Combine's slots at a forwarder, one (row, weights) per (index on its host,
+// source host, token): R * T * (2H + 4K) bytes rounded up (any hosts), the
+// part of a combine's region that grows with R * T.
 inline size_t CombineSlotBytes(const Shapes& s, int num_ranks) {
   const Layout L = MakeLayout(s, num_ranks, 1, true);
-  return L.combine_send - L.combine_slots;
+  return L.combine_partials - L.combine_slots;
 }
 
 struct DispatchParams {

@@ -52,7 +52,7 @@ struct Control {
   int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]: tokens src sends to dst (dispatch)
   RankBuffers buffers[kMaxNvlinkRanks];    // [src]: src's buffers for this call
 };
-static_assert(sizeof(Control) <= kControlBytes, "intranode Control exceeds the region's control bytes");
+static_assert(sizeof(Control) <= kTrafficOffset, "intranode Control reaches the traffic counters (common/traffic.h)");
 
 // Staged dispatch: what a sender wrote into a receiver's staging area for one
 // chunk of its tokens, in the receiver's records [src][chunk]: rows [first,
@@ -377,6 +377,7 @@ struct SendArgs {
   const int* topk_idx;        // [T, K] (dispatch) or null (cached dispatch: weights go as they are)
   const float* topk_weights;  // [T, K] or null
   int num_tokens, num_topk, experts_per_rank, num_worst_tokens, chunk_tokens, mode;
+  TrafficCounters* traffic;  // this call kind's counters, or null (not counting)
   // What this rank fills in its own outputs: the source rank of every row
   // (dispatch) and the padding rows [num_recv_tokens, N).
   const int* num_recv_tokens;
@@ -430,6 +431,12 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
 #pragma unroll
   for (int r = 0; r < kRanks; ++r) {
     pos[r] = r < g.num_ranks ? HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens) : -1;
+  }
+  if (lane == 0 && a.traffic != nullptr) {  // rows stored into the other ranks' memory
+    int peers = 0;
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) peers += r != g.rank && pos[r] >= 0;
+    CountTraffic(a.traffic, false, peers, a.row_bytes[0] + a.row_bytes[1]);
   }
 
 #pragma unroll
@@ -596,6 +603,7 @@ __device__ __forceinline__ void WarpReduceRow(const int4* const (&src)[kRanks], 
 struct CombineArgs {
   const int* send_pos;  // [T, R]
   int num_tokens, hidden, num_topk, chunk_tokens;
+  TrafficCounters* traffic;  // combine's counters, or null (not counting)
   uint16_t* out;       // bf16 [T, H]
   float* out_weights;  // [T, K] or null
   // This rank's own rows are read straight from XLA's x and weights, in
@@ -701,6 +709,12 @@ __device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& 
   for (int r = 0; r < kRanks; ++r) {
     pos[r] = r < g.num_ranks ? HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_rows) : -1;
     src[r] = pos[r] >= 0 ? reinterpret_cast<const int4*>(sources[r].rows[0] + pos[r] * row_bytes) : nullptr;
+  }
+  if (lane == 0 && a.traffic != nullptr) {  // rows loaded from the other ranks' memory
+    int peers = 0;
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) peers += r != g.rank && pos[r] >= 0;
+    CountTraffic(a.traffic, false, peers, row_bytes);
   }
   WarpReduceRow<kRanks, kUnroll>(src, reinterpret_cast<int4*>(a.out + int64_t(t) * a.hidden), a.hidden / 8, lane);
   if (a.out_weights == nullptr) return;
@@ -920,6 +934,11 @@ SendArgs CommonSendArgs(const Params& p, const LaunchConfig& c, int mode, const 
   return send;
 }
 
+// The counters of one call kind in this rank's control block, or null when not counting.
+TrafficCounters* TrafficOf(const DeviceState& state, const LaunchConfig& c, int mode) {
+  return c.count_traffic ? reinterpret_cast<TrafficCounters*>(state.normal.local + kTrafficOffset) + mode : nullptr;
+}
+
 // Cached dispatch moves rows and (when given) weights only.
 RankBuffers RowsAndWeights(RankBuffers b, bool with_weights) {
   b.topk_idx = nullptr;
@@ -969,6 +988,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
   SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);
+  send.traffic = TrafficOf(state, c, kDispatch);
   send.topk_idx = p.topk_idx;
   send.experts_per_rank = experts_per_rank;
   send.rank_prefix_matrix = p.rank_prefix_matrix;
@@ -1006,6 +1026,7 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
                 stream);
 
   SendArgs send = CommonSendArgs(p, c, kCachedDispatch, blocks, staging);
+  send.traffic = TrafficOf(state, c, kCachedDispatch);
   send.recv_topk_weights = recv.topk_weights;
   send.local = recv;
   send.staging = landing;
@@ -1041,6 +1062,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   combine.hidden = p.hidden;
   combine.num_topk = p.num_topk;
   combine.chunk_tokens = c.chunk_tokens;
+  combine.traffic = TrafficOf(state, c, kCombine);
   combine.out = p.out;
   combine.out_weights = p.out_weights;
   combine.local = inputs;

@@ -31,6 +31,7 @@
 
 #include "common/call_order.h"
 #include "common/limits.h"
+#include "common/traffic.h"
 #include "runtime/registry.h"
 
 namespace deep_ep_jax {
@@ -61,6 +62,7 @@ struct LaunchConfig {
   uint64_t timeout_ns;
   bool staged;  // land rows in the normal region and copy them locally (fallback)
   CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
+  bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
 };
 
 struct DispatchParams {

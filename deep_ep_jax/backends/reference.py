@@ -9,6 +9,9 @@ per rank inside `shard_map` (see `deep_ep_jax.backends` for the interface).
 Summation order is part of the contract, so sums over ranks (combine) and
 over top-k slots (low-latency combine) are written as explicit left-to-right
 float32 loops starting from 0.0, which the CUDA kernels reproduce bit for bit.
+Across hosts (`buffer.rank_hosts`) combine sums each host's ranks first and
+rounds the partial to bf16, then sums the partials in host order, as the
+internode kernels do (docs/internode.md).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
 from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -147,12 +150,16 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     handle = dataclasses.replace(
         handle, recv_src_idx=jnp.where(valid, recv_src_idx, -1), num_recv_tokens_per_expert=per_expert
     )
+    if _counting(buffer):
+        _count_moves(buffer, "dispatch", handle, is_token_in_rank, _row_bytes(xs))
     return recv_xs, recv_idx, recv_w, handle
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):
     _, order = _send_order(handle.is_token_in_rank)
     recv_xs, _, recv_w = _move_rows(xs, None, topk_weights, handle, order, buffer)
+    if _counting(buffer):
+        _count_moves(buffer, "cached_dispatch", handle, _valid_rows(handle), _row_bytes(xs))
     return recv_xs, recv_w
 
 
@@ -175,17 +182,159 @@ def combine(x, topk_weights, handle, *, buffer):
     valid = handle.send_pos >= 0
     gather_pos = jnp.where(valid, pos_in_dest, 0)
 
-    def reduce(blocks, out_dtype):
+    def rank_sum(blocks, ranks):
         acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
-        for r in range(num_ranks):
+        for r in ranks:
             part = blocks[r][gather_pos[:, r]].astype(jnp.float32)
             mask = valid[:, r].reshape((num_tokens,) + (1,) * (part.ndim - 1))
             acc = acc + jnp.where(mask, part, 0.0)
+        return acc
+
+    def reduce(blocks, out_dtype):
+        hosts = _host_ranks(buffer)
+        if hosts is None:
+            return rank_sum(blocks, range(num_ranks)).astype(out_dtype)
+        # Per host, then the hosts' partials (in out_dtype: what crosses the network) in host order.
+        # reduce_precision, not a convert pair, which XLA may drop (xla_allow_excess_precision).
+        finfo = jnp.finfo(out_dtype)
+        acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
+        for ranks in hosts:
+            partial = lax.reduce_precision(rank_sum(blocks, ranks), exponent_bits=finfo.nexp,
+                                           mantissa_bits=finfo.nmant)
+            acc = acc + partial
         return acc.astype(out_dtype)
 
     out = reduce(back["x"], x.dtype)
     out_w = reduce(back["w"], jnp.float32) if topk_weights is not None else None
+    if _counting(buffer):
+        _count_combine(buffer, handle, _row_bytes((x,)))
     return out, out_w
+
+
+def _host_ranks(buffer):
+    """The ranks of each host in rank order, hosts in order, when combine's
+    per-host order differs from the plain rank order (several hosts of
+    several ranks); else None."""
+    rank_hosts = getattr(buffer, "rank_hosts", None)
+    if rank_hosts is None:
+        return None
+    if len(rank_hosts) != buffer.num_ranks:
+        raise ValueError(f"buffer.rank_hosts has {len(rank_hosts)} entries for {buffer.num_ranks} ranks")
+    hosts = [[r for r, h in enumerate(rank_hosts) if h == b] for b in range(max(rank_hosts) + 1)]
+    # One host: its partial is the sum. One rank per host: a bf16 row's partial is the row.
+    if len(hosts) == 1 or max(len(h) for h in hosts) == 1:
+        return None
+    return hosts
+
+
+# --------------------------------------------------------------------------
+# Traffic counters (Config.count_traffic): what the CUDA kernels would count,
+# from the layout (docs/internode.md). Per rank, the rows its kernels move over
+# NVLink (into or out of another rank's memory on its host) and the network.
+
+
+def _counting(buffer):
+    config = getattr(buffer, "config", None)
+    return config is not None and config.count_traffic
+
+
+def _row_bytes(xs):
+    return sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in xs)
+
+
+def _valid_rows(handle):
+    """[T, R]: the token has a row at the rank (a handle row in [0, N))."""
+    num_rows = handle.recv_src_idx.shape[0]
+    return (handle.send_pos >= 0) & (handle.send_pos < num_rows)
+
+
+class _Hosts:
+    """Static tables of the buffer's hosts: each rank's host and index on it,
+    and for each (source s, destination d) the rank whose kernels move the row
+    of s to d in dispatch (s on its own host, else the forwarder: the rank of
+    d's host with s's index) and in combine across hosts (the forwarder)."""
+
+    def __init__(self, buffer):
+        num_ranks = buffer.num_ranks
+        hosts = tuple(getattr(buffer, "rank_hosts", None) or (0,) * num_ranks)
+        self.host = np.array(hosts, np.int32)
+        self.num_hosts = max(hosts) + 1
+        self.local = np.array([hosts[:r].count(hosts[r]) for r in range(num_ranks)], np.int32)
+        rank_at = {(h, j): r for r, (h, j) in enumerate(zip(hosts, self.local.tolist()))}
+        # Hosts of unequal sizes (possible here, refused by the kernels): no forwarder gives -1.
+        self.forwarder = np.array([[rank_at.get((hosts[d], self.local[s]), -1) for d in range(num_ranks)]
+                                   for s in range(num_ranks)], np.int32)  # [s, d]
+        same_host = self.host[:, None] == self.host[None, :]
+        self.deliverer = np.where(same_host, np.arange(num_ranks, dtype=np.int32)[:, None], self.forwarder)
+        self.one_hot = (self.host[:, None] == np.arange(self.num_hosts)[None, :]).astype(np.int32)  # [R, H]
+
+
+def _received_per_source(handle):
+    """[R(source), R(destination)]: rows each source has at each destination
+    after num_worst_tokens, from the (global) rank_prefix_matrix."""
+    num_rows = handle.recv_src_idx.shape[0]
+    kept = jnp.minimum(handle.rank_prefix_matrix, num_rows)
+    return kept - jnp.concatenate([jnp.zeros_like(kept[:1]), kept[:-1]], axis=0)
+
+
+def _remote_hosts(hosts, rank, in_rank):
+    """Per token, the hosts other than this rank's holding one of its ranks in in_rank [T, R]; summed."""
+    in_host = (in_rank.astype(jnp.int32) @ jnp.asarray(hosts.one_hot)) > 0  # [T, H]
+    other = jnp.arange(hosts.num_hosts) != jnp.asarray(hosts.host)[rank]
+    return (in_host & other[None, :]).sum(dtype=jnp.int32), in_host
+
+
+def _record(buffer, op, rank, nvlink_rows, network_rows, row_bytes):
+    """Adds this rank's rows to the buffer's counters when the program runs (a debug callback per rank)."""
+
+    def add(rank, nvlink_rows, network_rows):
+        counters = buffer._reference_traffic.setdefault(int(rank), {})
+        entry = counters.setdefault(op, dict.fromkeys(TRAFFIC_FIELDS, 0))
+        for kind, rows in (("nvlink", int(nvlink_rows)), ("network", int(network_rows))):
+            entry[f"{kind}_rows"] += rows
+            entry[f"{kind}_bytes"] += rows * row_bytes
+
+    jax.debug.callback(add, rank, nvlink_rows, network_rows)
+
+
+
+def _count_moves(buffer, op, handle, sent_to, row_bytes):
+    """Dispatch and cached dispatch: a row goes over NVLink when its mover (the
+    source, or the forwarder on the destination's host) is not its
+    destination; over the network once per (token, remote host in sent_to)."""
+    hosts = _Hosts(buffer)
+    rank = lax.axis_index(buffer.axis_name)
+    received = _received_per_source(handle)
+    others = jnp.arange(buffer.num_ranks)[None, :] != rank
+    nvlink = jnp.where((jnp.asarray(hosts.deliverer) == rank) & others, received, 0).sum(dtype=jnp.int32)
+    network, _ = _remote_hosts(hosts, rank, sent_to)
+    _record(buffer, op, rank, nvlink, network, row_bytes)
+
+
+def _count_combine(buffer, handle, row_bytes):
+    """Combine. One host: the source loads its rows from the other ranks. Across
+    hosts: every rank stores its rows into their source's forwarder on its
+    host (NVLink unless itself), and each forwarder puts one partial per
+    (token, remote source) over the network."""
+    hosts = _Hosts(buffer)
+    rank = lax.axis_index(buffer.axis_name)
+    received = _received_per_source(handle)
+    num_ranks = buffer.num_ranks
+    if hosts.num_hosts == 1:
+        others = jnp.arange(num_ranks) != rank
+        nvlink = jnp.where(others, received[rank], 0).sum(dtype=jnp.int32)
+        _record(buffer, "combine", rank, nvlink, jnp.int32(0), row_bytes)
+        return
+    forwarder_of_mine = jnp.asarray(hosts.forwarder)[:, rank]  # [s]: where this rank's rows of s go
+    nvlink = jnp.where(forwarder_of_mine != rank, received[:, rank], 0).sum(dtype=jnp.int32)
+    # The partials this rank's tokens need from each host, credited to that host's forwarder.
+    _, in_host = _remote_hosts(hosts, rank, _valid_rows(handle))
+    per_host = in_host.sum(axis=0, dtype=jnp.int32)  # [H]
+    forwarders = jnp.asarray(hosts.forwarder)[rank]  # [d]: the forwarder on d's host
+    mine = (forwarders == jnp.arange(num_ranks)) & (jnp.asarray(hosts.host) != jnp.asarray(hosts.host)[rank])
+    credit = jnp.where(mine, per_host[jnp.asarray(hosts.host)], 0)
+    network = lax.psum(credit, buffer.axis_name)[rank]
+    _record(buffer, "combine", rank, nvlink, network, row_bytes)
 
 
 # --------------------------------------------------------------------------

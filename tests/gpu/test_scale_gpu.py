@@ -10,7 +10,11 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   large_ep_low_latency);
 * normal mode across hosts at 2 x 8, 4 x 4 and 4 x 8: dispatch, combine, a
   cached dispatch (combine's gradient), bf16 and FP8 pairs, and low-latency
-  mode, against tests/oracle.py (worker case shared_gpu).
+  mode, against tests/oracle.py (worker case shared_gpu);
+* the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
+  ranks per host, several hosts) against the oracle's per-host order;
+* traffic counters (Config.count_traffic) at 2 x 2 and 2 x 4 against
+  tests/oracle.py's traffic() (worker case traffic).
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -85,3 +89,30 @@ def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
         assert f"[rank {rank}] process {rank}/{num_ranks}: CASE shared_gpu OK" in output, output[-8000:]
     assert f"shared_gpu R={num_ranks} on {num_hosts} hosts: normal region" in output, output[-8000:]
     print(f"{num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (4, 2)])
+def test_normal_mode_combine_per_host(num_hosts, ranks_per_host):
+    """Combine summed per host on the forwarder, then per host at the
+    source (bf16 partials), bit for bit as tests/oracle.py's
+    gpus_per_host order, at small groups of several hosts of several ranks."""
+    num_ranks = num_hosts * ranks_per_host
+    code, output, elapsed = _launch(num_ranks, timeout=200, case="shared_gpu", ranks_per_host=ranks_per_host)
+    assert code == 0, output[-8000:]
+    for rank in range(num_ranks):
+        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE shared_gpu OK" in output, output[-8000:]
+    assert f"shared_gpu R={num_ranks} on {num_hosts} hosts: normal region" in output, output[-8000:]
+    print(f"{num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4)])
+def test_traffic_counters_across_hosts(num_hosts, ranks_per_host):
+    """The internode kernels' counters (rows and bytes over NVLink and the
+    network, per operation) equal tests/oracle.py's traffic() on every rank."""
+    num_ranks = num_hosts * ranks_per_host
+    code, output, elapsed = _launch(num_ranks, timeout=200, case="traffic", ranks_per_host=ranks_per_host)
+    assert code == 0, output[-8000:]
+    for rank in range(num_ranks):
+        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE traffic OK" in output, output[-8000:]
+    assert f"traffic R={num_ranks} on {num_hosts} hosts" in output, output[-8000:]
+    print(f"traffic {num_hosts} x {ranks_per_host}: {elapsed:.0f} s")

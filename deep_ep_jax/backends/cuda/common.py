@@ -152,6 +152,7 @@ def launch_attrs(buffer) -> dict:
         num_sms=np.int64(config.num_sms),
         num_warps=np.int64(config.num_warps),
         timeout_ns=np.int64(config.timeout_ns),
+        count_traffic=np.int64(config.count_traffic),
     )
 
 

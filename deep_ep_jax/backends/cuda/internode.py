@@ -3,9 +3,10 @@
 The kernels are `csrc/kernels/internode.cu` (FFI: csrc/ffi/internode.cc;
 design: docs/internode.md): dispatch sends each token over the network at
 most once per destination host, to the GPU with the sender's local index
-there, which forwards it over NVLink; combine pushes every row back to its
-source rank, which sums them in float32 in rank order, bit-identical to
-`deep_ep_jax.backends.reference`. Same signatures and handle as `intranode`;
+there, which forwards it over NVLink; combine sums each host's rows of a
+token on that GPU and sends one bf16 partial per host back to the source
+rank, which sums the partials in host order, bit-identical to
+`deep_ep_jax.backends.reference` (which models the same hosts). Same signatures and handle as `intranode`;
 a Buffer whose EP group spans hosts (`buffer.spans_hosts`) runs these. Rows
 land in the Buffer's normal region in NVSHMEM's symmetric heap.
 """
@@ -106,7 +107,7 @@ def combine(x, topk_weights, handle, *, buffer):
     shape = dict(num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_common(fn, buffer, **shape)
     need = _native.extension().internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden,
-                                                              buffer.num_ranks)
+                                                              buffer.num_ranks, buffer.num_nodes)
     _check_region(fn, buffer, need, **shape)
     handle_arrays = (handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
     return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, common.launch_attrs(buffer))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 
 import jax
-import numpy as np
 
 from deep_ep_jax import _native, multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import (
@@ -124,7 +123,7 @@ def check_fits(parts: dict, total_bytes, device) -> None:
         f"Buffer(backend='cuda'): needs {need} bytes ({need / 2**30:.1f} GiB) on each GPU ({detail}), more than "
         f"GPU {device}'s {total_bytes} bytes; use a smaller num_max_dispatch_tokens_per_rank or hidden, or fewer "
         f"ranks (the send area of an EP group across hosts stages a combine's rows, R * M * K * H * 2 bytes; normal "
-        f"mode across hosts keeps a combine slot per (rank, token), R * T * 2H bytes, T = 4096 unless "
+        f"mode across hosts lands up to R * T rows and gathers as many in combine, R * T * 2H bytes, T = 4096 unless "
         f"num_nvl_bytes=deep_ep_jax.backends.cuda.sizes.internode_region_bytes(R, hosts, hidden, T))"
     )
 
@@ -176,10 +175,8 @@ def destroy_buffer(buffer_id) -> None:
 
 
 def device_grid(buffer):
-    """The mesh's devices as [group, rank]: one EP group per index of the
-    other mesh axes, in rank order."""
-    axis = buffer.mesh.axis_names.index(buffer.axis_name)
-    return np.moveaxis(buffer.mesh.devices, axis, -1).reshape(-1, buffer.num_ranks)
+    """The mesh's devices as [group, rank] (multiprocess.device_grid)."""
+    return multiprocess.device_grid(buffer.mesh, buffer.axis_name)
 
 
 def groups(buffer):
@@ -192,21 +189,15 @@ def group_nodes(buffer, spans_processes):
     """Node (host) index of each rank of each EP group: from the processes'
     hostnames (traded when the mesh spans processes), cut further by
     Config.gpus_per_host."""
-    if spans_processes:
-        hosts = multiprocess.hostnames(buffer.config.timeout_s)
-    else:
-        hosts = {jax.process_index(): "localhost"}
-    return [
-        multiprocess.group_nodes([hosts[d.process_index] for d in row], buffer.config.gpus_per_host)
-        for row in device_grid(buffer)
-    ]
+    return multiprocess.mesh_group_nodes(buffer.mesh, buffer.axis_name, buffer.config.gpus_per_host,
+                                         buffer.config.timeout_s, spans_processes)
 
 
 def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     """Gives a CUDA Buffer its memory (collective when the mesh spans
     processes: every process makes the same Buffers in the same order). Sets
     its buffer_id, num_nvl_bytes, num_rdma_bytes, ipc, staged, spans_hosts,
-    num_nodes, num_send_bytes and store_key."""
+    rank_hosts, num_nodes, num_send_bytes and store_key."""
     register_ffi_targets()
     check_config(buffer.config, _native.limits())
     check_group_size(buffer.num_ranks, _native.limits())
@@ -219,6 +210,8 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     # Decided from what every process knows alike, so all take the same path.
     nodes = group_nodes(buffer, spans_processes)
     buffer.spans_hosts = any(len(set(n)) > 1 for n in nodes)
+    if buffer.spans_hosts:  # this process's group (its first): what its kernels and the reference model
+        buffer.rank_hosts = tuple(next(n for n, g in zip(nodes, all_groups) if any(d >= 0 for d in g)))
     normal = normal_mode_serves(buffer.num_ranks, buffer.spans_hosts, buffer.low_latency_mode)
     if buffer.spans_hosts:
         allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, normal)

@@ -49,7 +49,8 @@ def internode_region_bytes(num_ranks, num_nodes, hidden=None, num_tokens=None, n
     num_rows = num_tokens * num_ranks
     dispatch = max(ext.internode_dispatch_region_bytes(num_tokens, num_rows, num_topk, row, scales, num_ranks,
                                                        num_nodes) for row, scales in _row_formats(hidden))
-    return max(dispatch, ext.internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks))
+    return max(dispatch, ext.internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks,
+                                                             num_nodes))
 
 
 def _low_latency_shapes(fn, hidden, max_tokens, num_topk):

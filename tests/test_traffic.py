@@ -1,0 +1,99 @@
+"""Traffic counters (Config.count_traffic) of the xla backend against
+tests/oracle.py's traffic(), on 8 CPU devices as one host and as hosts of 4,
+2 and 1: the rows (and bytes) each rank's kernels would move over NVLink and
+over the network, per operation, with fresh random and skewed routing and
+num_worst_tokens drops. The CUDA kernels' counters are checked against the
+same oracle on GPUs (tests/gpu/test_scale_gpu.py, worker case traffic)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import oracle
+import pytest
+
+import deep_ep_jax as dej
+from deep_ep_jax import testing as dt
+
+R, T, H, K = 8, 12, 128, 4
+E = 2 * R
+OPS = ("dispatch", "cached_dispatch", "combine")
+
+
+def _shards(a):
+    return np.asarray(a).reshape((R, -1) + np.asarray(a).shape[1:])
+
+
+def _buffer(gpus_per_host, count=True):
+    mesh = dt.ep_mesh(R, platform="cpu")
+    return mesh, dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(count_traffic=count,
+                                                                           gpus_per_host=gpus_per_host))
+
+
+@pytest.mark.parametrize("gpus_per_host", [None, 4, 2, 1])
+@pytest.mark.parametrize("kind,worst", [("random", None), ("one_expert", None), ("rank_empty", None),
+                                        ("minus_one", None), ("random", 0.3)])
+def test_counters_match_the_oracle(gpus_per_host, kind, worst):
+    mesh, buffer = _buffer(gpus_per_host)
+    num_worst_tokens = None if worst is None else int(worst * R * T)
+    rows = num_worst_tokens or R * T
+    rng = np.random.default_rng()
+    idx, w = dt.make_routing(int(rng.integers(1 << 30)), R * T, E, K, R, kind)
+    x = rng.standard_normal((R * T, H), np.float32).astype(ml_dtypes.bfloat16)
+    y = rng.standard_normal((R * rows, H), np.float32).astype(ml_dtypes.bfloat16)
+
+    def step(x, idx, w, y):
+        recv_x, _, _, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer,
+                                                 num_worst_tokens=num_worst_tokens)
+
+        def loss(y):  # combine, and its backward: a cached dispatch
+            return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()
+
+        value, grad = jax.value_and_grad(loss)(y)
+        return recv_x, value, grad
+
+    jax.block_until_ready(dt.per_rank(step, mesh, "ep")(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
+                                                        jnp.asarray(y)))
+    got = buffer.traffic()
+    expected = oracle.dispatch(np.zeros((R, T, 1)), _shards(idx), _shards(w), E, rows)
+    if worst is not None:
+        assert any(e["total"] > rows for e in expected), "no row dropped"
+    want = oracle.traffic(_shards(idx), expected, E, gpus_per_host)
+    row_bytes = {"dispatch": 2 * H, "cached_dispatch": 2 * H, "combine": 2 * H}
+    assert sorted(got) == list(range(R))
+    for r in range(R):
+        for op in OPS:
+            nvlink, network = want[r][op]
+            assert got[r][op] == {"nvlink_rows": nvlink, "nvlink_bytes": nvlink * row_bytes[op],
+                                  "network_rows": network, "network_bytes": network * row_bytes[op]}, (r, op)
+    totals = {op: sum(want[r][op][1] for r in range(R)) for op in OPS}
+    if gpus_per_host in (None, 8):
+        assert totals == dict.fromkeys(OPS, 0)  # one host: nothing crosses the network
+    elif kind == "random" and worst is None:
+        # Deduplication: per token once per remote host, in dispatch and in combine alike.
+        assert totals["dispatch"] == totals["combine"] == totals["cached_dispatch"] > 0
+    buffer.reset_traffic()
+    assert all(c == dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for ops in buffer.traffic().values()
+               for c in ops.values())
+
+
+def test_fp8_rows_count_their_scales():
+    mesh, buffer = _buffer(2)
+    idx, w = dt.make_routing(0, R * T, E, K, R)
+    x = dej.backends.reference.quantize_fp8(dt.random_rows(1, (R * T, H)))
+    run = dt.per_rank(lambda x, idx, w: dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)[0], mesh, "ep")
+    jax.block_until_ready(run(x, jnp.asarray(idx), jnp.asarray(w)))
+    got = buffer.traffic()
+    row_bytes = H + H // 128 * 4  # e4m3 data and float32 scales
+    for ops in got.values():
+        c = ops["dispatch"]
+        assert c["nvlink_bytes"] == c["nvlink_rows"] * row_bytes and c["network_bytes"] == c["network_rows"] * row_bytes
+    assert sum(ops["dispatch"]["network_rows"] for ops in got.values()) > 0
+
+
+def test_off_by_default():
+    _, buffer = _buffer(2, count=False)
+    with pytest.raises(RuntimeError, match="count_traffic=True"):
+        buffer.traffic()
+    with pytest.raises(RuntimeError, match="count_traffic=True"):
+        buffer.reset_traffic()

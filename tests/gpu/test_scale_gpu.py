@@ -37,7 +37,7 @@ import time
 import jax
 import pytest
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(min_gpus=1)  # ranks share the GPUs there are
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")

@@ -62,11 +62,12 @@ class GroupedMatmulBlocks:
     weight_grad: KernelBlocks  # transposed_ragged_dot_mgpu: dw[g] = x_g^T dy_g (its k runs over rows)
 
 
-# Not tuned yet: sizes from the kernels' own test grids that fit Hopper's
-# shared memory. benchmarks/bench_grouped_gemm.py --sweep finds the H200's.
+# The best of `benchmarks/bench_grouped_gemm.py --sweep` on one H200 (jax 0.11.2,
+# 2026-12-01) at the MoE benchmark's shapes per rank: 32768 pairs in 128 groups,
+# K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md).
 DEFAULT_BLOCKS = GroupedMatmulBlocks(
-    forward=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
-    input_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
+    forward=KernelBlocks(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=1),
+    input_grad=KernelBlocks(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=2),
     weight_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
 )
 

@@ -1,4 +1,5 @@
-"""Helpers for tests and benchmarks: routing generators and per-rank runs.
+"""Helpers for tests and benchmarks: routing generators, per-rank runs, and
+exact comparisons on poisoned outputs.
 
 Routing kinds (global arrays [R * T, K], rank r holds rows [r*T, (r+1)*T)):
   "random"        K distinct random experts per token
@@ -81,3 +82,37 @@ def filled(shape, value, dtype, sharding):
     return jax.make_array_from_callback(
         tuple(shape), sharding, lambda index: np.full(np.empty(shape, np.bool_)[index].shape, value, dtype)
     )
+
+
+def bits(a):
+    """An exact comparison view: floats as their bit patterns (NaN == NaN)."""
+    a = np.asarray(a)
+    if a.dtype.kind not in "fV":  # bf16 and FP8 (ml_dtypes) are kind "V"
+        return a
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_bits_equal(got, want, what):
+    """got and want of one shape and dtype, equal bit for bit; the message
+    names how many entries differ and the first."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
+    g, w = bits(got), bits(want)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g != w)
+        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
+                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+
+
+def poison_allocator(mesh, axis_name, per_rank_shapes):
+    """Allocates and frees arrays of the outputs' per-rank sizes (shape,
+    dtype) full of poison (NaN, -7, True), so rows a kernel leaves unwritten
+    show in its outputs."""
+    sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
+    num_ranks = mesh.shape[axis_name]
+    arrays = []
+    for shape, dtype in per_rank_shapes:
+        value = True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)
+        arrays.append(filled((num_ranks,) + tuple(shape), value, dtype, sharding))
+    jax.block_until_ready(arrays)
+    del arrays

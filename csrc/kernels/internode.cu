@@ -484,6 +484,22 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, Mov
   }
 }
 
+// starts[0..H) hold per-host counts (written by the block before the call);
+// after it they are exclusive prefix sums and starts[H] is the total.
+__device__ void ExclusiveScanHosts(int* starts, int H) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int b = 0; b < H; ++b) {
+      const int n = starts[b];
+      starts[b] = total;
+      total += n;
+    }
+    starts[H] = total;
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
   __shared__ int starts[kMaxRanks + 1];  // [source host]: packets from the hosts before it (H + 1 used)
   const Layout& L = a.L;
@@ -502,17 +518,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   for (int b = threadIdx.x; b < H; b += blockDim.x) {
     starts[b] = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank_at[b * G + g.local]) + kRecordNodeCounts + g.node);
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int total = 0;
-    for (int b = 0; b < H; ++b) {
-      const int n = starts[b];
-      starts[b] = total;
-      total += n;
-    }
-    starts[H] = total;
-  }
-  __syncthreads();
+  ExclusiveScanHosts(starts, H);
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
@@ -745,17 +751,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
     starts[b] = LoadVolatile(Record(g, L, seq, src) + kRecordNodeCounts + g.node);
     source_pe[b] = g.pes[src];
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int total = 0;
-    for (int b = 0; b < H; ++b) {
-      const int n = starts[b];
-      starts[b] = total;
-      total += n;
-    }
-    starts[H] = total;
-  }
-  __syncthreads();
+  ExclusiveScanHosts(starts, H);
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;

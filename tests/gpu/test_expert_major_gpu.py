@@ -28,10 +28,13 @@ from deep_ep_jax.backends.cuda import expert_major as cuda_expert_major
 pytestmark = pytest.mark.gpu
 
 AXIS = "ep"
+bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
+
+
+def poison_allocator(mesh, per_rank_shapes):
+    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
 TARGETS = ("deep_ep_jax_expert_layout", "deep_ep_jax_expand_rows", "deep_ep_jax_reduce_rows")
 LAYOUT_FIELDS = ("group_sizes", "group_offsets", "pair_row", "row_pair", "num_dropped")
-_BIT_VIEWS = {jnp.dtype(jnp.bfloat16): np.uint16, jnp.dtype(jnp.float8_e4m3fn): np.uint8,
-              np.dtype(np.float32): np.uint32}
 
 
 @pytest.fixture(scope="module")
@@ -50,30 +53,7 @@ def buffers(mesh):
     cuda.destroy()
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view(_BIT_VIEWS[a.dtype]) if a.dtype in _BIT_VIEWS else a
 
-
-def assert_bits_equal(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
-    g, w = bits(got), bits(want)
-    if not np.array_equal(g, w):
-        bad = np.argwhere(g != w)
-        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
-                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
-
-
-def poison_allocator(mesh, per_rank_shapes):
-    """Hands the allocator freed device memory of the outputs' sizes, filled with poison."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    poison = []
-    for shape, dtype in per_rank_shapes:
-        value = -7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan
-        poison.append(testing.filled((2,) + tuple(shape), value, dtype, sharding))
-    jax.block_until_ready(poison)
-    del poison
 
 
 def expert_rows(layout, expert_x):
@@ -297,3 +277,4 @@ def test_auto_backend_and_loop(mesh):
     got, want = auto(*args), make("xla")(*args)
     assert_bits_equal(got, want, "loop sums")
     assert np.abs(np.asarray(got)).max() > 0
+

@@ -32,6 +32,11 @@ from deep_ep_jax.backends import reference
 from deep_ep_jax.backends.cuda import intranode, sizes
 
 AXIS = "ep"
+bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
+
+
+def poison_allocator(mesh, per_rank_shapes):
+    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
 
@@ -52,36 +57,9 @@ def buffers(mesh):
     cuda.destroy()
 
 
-_BIT_VIEWS = {jnp.dtype(jnp.bfloat16): np.uint16, jnp.dtype(jnp.float8_e4m3fn): np.uint8,
-              np.dtype(np.float32): np.uint32}
 
 
-def bits(a):
-    """Exact comparison view: floats as their bit patterns."""
-    a = np.asarray(a)
-    return a.view(_BIT_VIEWS[a.dtype]) if a.dtype in _BIT_VIEWS else a
 
-
-def assert_bits_equal(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
-    g, w = bits(got), bits(want)
-    if not np.array_equal(g, w):
-        bad = np.argwhere(g != w)
-        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
-                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
-
-
-def poison_allocator(mesh, per_rank_shapes):
-    """Hands the allocator freed device memory of the outputs' sizes, filled with poison."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    num_ranks = mesh.shape[AXIS]
-    poison = []
-    for shape, dtype in per_rank_shapes:
-        value = True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)
-        poison.append(testing.filled((num_ranks,) + tuple(shape), value, dtype, sharding))
-    jax.block_until_ready(poison)
-    del poison
 
 
 def make_x(seed, num_ranks, num_tokens, hidden, fp8):
@@ -773,3 +751,4 @@ def test_region_hint_cpu():
     x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
     _trace_dispatch(_FakeBuffer(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
                     topk=16, num_experts=32)
+

@@ -41,16 +41,21 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import oracle
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 import deep_ep_jax
-import oracle
 from deep_ep_jax import testing
 
 pytestmark = pytest.mark.gpu
 
 AXIS = "ep"
+bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
+
+
+def poison_allocator(mesh, per_rank_shapes):
+    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
 NUM_RANKS = 2
 HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
 NORMAL_TOKENS = 4096  # per rank
@@ -86,19 +91,6 @@ def fresh_seed():
     return int(np.random.default_rng().integers(1 << 31))
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
-
-
-def assert_bits_equal(got, want, what):
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
-    if np.array_equal(bits(got), bits(want)):
-        return
-    bad = np.argwhere(bits(got) != bits(want))
-    raise AssertionError(f"{what}: {len(bad)} of {got.size} differ, first at {bad[:4].tolist()}: "
-                         f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
 
 
 def random_bf16(rng, shape):
@@ -130,16 +122,6 @@ def random_fp8_pairs(rng, num_rows, hidden):
     scales = np.exp2(rng.uniform(-20, 20, (num_rows, hidden // 128))).astype(np.float32)
     return data.view(ml_dtypes.float8_e4m3fn), scales
 
-
-def poison_allocator(mesh, per_rank_shapes):
-    """Allocates and frees arrays of the outputs' per-rank sizes full of poison."""
-    sharding = NamedSharding(mesh, P(AXIS))
-    arrays = []
-    for shape, dtype in per_rank_shapes:
-        value = -7 if np.issubdtype(dtype, np.integer) else np.nan
-        arrays.append(testing.filled((NUM_RANKS,) + tuple(shape), value, dtype, sharding))
-    jax.block_until_ready(arrays)
-    del arrays
 
 
 _lowering_checked = set()
@@ -329,3 +311,4 @@ def test_low_latency_bf16(mesh, low_latency_buffer, kind):
                                               ("random", True), ("rank_empty", True)])
 def test_low_latency_fp8(mesh, low_latency_buffer, kind, round_scale):
     check_low_latency(low_latency_buffer, mesh, kind, True, round_scale, fresh_seed(), exact_division=False)
+

@@ -446,12 +446,13 @@ def low_latency_combine_recv(pending, *, buffer):
     owner = jnp.where(valid, pending.topk_idx // experts_per_rank, 0)
     tokens = jnp.arange(num_tokens)
     y = pending.back[owner, tokens[:, None], jnp.arange(topk)[None, :]].astype(jnp.float32)  # [T, K, H]
-    # The barrier keeps XLA from fusing multiply and add into an FMA, which
-    # would round differently from the kernels (and from one program to another).
-    terms = lax.optimization_barrier(pending.topk_weights[:, :, None] * y)
-    acc = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
-    for k in range(topk):
-        acc = acc + jnp.where(valid[:, k : k + 1], terms[:, k], 0.0)
+    # Products first, then their sum in k order as a loop: XLA must not fuse
+    # multiply and add into an FMA, which rounds differently from the kernels.
+    # The barrier keeps them apart on GPUs; XLA's CPU backend drops barriers,
+    # but cannot fuse across the loop's iterations.
+    terms = lax.optimization_barrier(jnp.where(valid[:, :, None], pending.topk_weights[:, :, None] * y, 0.0))
+    zeros = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
+    acc, _ = lax.scan(lambda acc, term: (acc + term, None), zeros, jnp.moveaxis(terms, 1, 0))
     return acc.astype(jnp.bfloat16)
 
 

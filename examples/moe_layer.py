@@ -260,19 +260,22 @@ def default_expert_rows(num_rows: int, topk: int, num_local_experts: int, alignm
     return default_num_rows(num_rows, topk, num_local_experts, alignment)
 
 
-def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1):
+def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
+                         num_groups: int = 1):
     """(token, expert) pairs the grouped path drops, summed over all ranks.
 
-    topk_idx: int32 [T, K] global routing of all tokens. Rank r receives every
-    pair routed to its experts [r * L, (r + 1) * L) (dispatch drops nothing at
-    its default size); expert e's group starts after the earlier groups, each
+    topk_idx: int32 [T, K] routing of all tokens, split in order over
+    num_groups expert-parallel groups of num_ranks ranks (num_groups: the size
+    of the "data" axis). Rank r of a group receives every pair its group routes
+    to experts [r * L, (r + 1) * L) (dispatch drops nothing at its default
+    size); expert e's group of rows starts after the earlier ones, each
     rounded up to `alignment`, and its pairs from row expert_rows on are dropped."""
-    idx = jnp.asarray(topk_idx).reshape(-1)
+    idx = jnp.asarray(topk_idx).reshape(num_groups, -1)
     valid = (idx >= 0) & (idx < num_experts)
-    counts = jnp.bincount(jnp.where(valid, idx, num_experts), length=num_experts + 1)[:num_experts]
-    counts = counts.reshape(num_ranks, -1)  # [R, L]
+    counts = jax.vmap(lambda i: jnp.bincount(i, length=num_experts + 1))(jnp.where(valid, idx, num_experts))
+    counts = counts[:, :num_experts].reshape(num_groups, num_ranks, -1)  # [groups, R, L]
     aligned = -(-counts // alignment) * alignment
-    start = jnp.cumsum(aligned, axis=1) - aligned
+    start = jnp.cumsum(aligned, axis=-1) - aligned
     kept = jnp.clip(expert_rows - start, 0, counts)
     return jnp.sum(counts - kept)
 

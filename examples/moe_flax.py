@@ -22,9 +22,9 @@ from pathlib import Path
 
 # Virtual CPU devices must be requested before jax is imported. The flag only
 # affects the CPU platform, so it is harmless on GPU machines.
-if not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu")):
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if (not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu"))
+        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp

@@ -4,21 +4,25 @@ deep_ep_jax CUDA kernels against the same layer on the reference backend
 
     python benchmarks/bench_moe_layer.py                # DeepSeek-V3-like layer
     python benchmarks/bench_moe_layer.py --hidden 4096 --json moe_layer.json
-    python benchmarks/bench_moe_layer.py --expert-impl ragged_dot
+    python benchmarks/bench_moe_layer.py --expert-impl capacity,grouped
 
-The experts run with --expert-impl: "capacity" (batched matmuls over a padded
-[experts, capacity, H] buffer; the default on GPUs without the Pallas-Triton
-grouped matmul, where ragged_dot expands to a dense dot that does not fit) or
-"ragged_dot". The capacity is taken from the true routing (the largest load of
-an expert, rounded up to 128), computed once on the host, so nothing is
-dropped; the run checks it. Before compiling, the run checks the routing
-(distinct in-range ids per token, agreeing with a host top-k), prints the
-loads and the capacity, and refuses a padded buffer over --max-capacity-gib.
+The experts run with --expert-impl, one or a comma list timed in one run
+(e.g. capacity,grouped): "capacity" (batched matmuls over a padded
+[experts, capacity, H] buffer; "auto" on GPUs without the Pallas-Triton
+grouped matmul, where ragged_dot expands to a dense dot that does not fit),
+"grouped" (expert-major rows from dispatch_expert_major, grouped_matmul:
+Mosaic GPU kernels on Hopper) or "ragged_dot". The capacity is taken from the
+true routing (the largest load of an expert, rounded up to 128), and so are
+the grouped path's expert rows per rank (the largest per-rank pair count,
+rounded up to 128), computed once on the host, so nothing is dropped; the run
+checks it. Before compiling, the run checks the routing (distinct in-range ids
+per token, agreeing with a host top-k), prints the loads, the capacity and the
+rows, and refuses a padded buffer over --max-capacity-gib.
 
 The run also times the same experts without dispatch/combine (each rank's
 own tokens on its local experts, ids taken modulo E/R: the same number of
-pairs per rank on average and the same capacity); the difference estimates the
-share of the step spent in dispatch+combine.
+pairs per rank on average and the same capacity or rows); the difference
+estimates the share of the step spent in dispatch+combine.
 
 Before running, each compiled step's memory per device (arguments + outputs
 + temporaries, from XLA's memory analysis) is checked against 90% of the XLA
@@ -47,14 +51,15 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
-import moe_layer as ml  # noqa: E402
+import moe_layer as ml
 
-from deep_ep_jax import Buffer  # noqa: E402
+from deep_ep_jax import Buffer
 
 GiB = 2**30
 
@@ -103,10 +108,8 @@ def check_routing(args, inputs, topk_idx):
                          f"{host[0].tolist()}): capacities from it would be meaningless")
 
 
-def pick_capacity(args, mesh, inputs):
-    """Slots per expert from the true routing (host, once): the largest load
-    of an expert with dispatch (all tokens) and without (each rank's tokens,
-    ids modulo E/R), rounded up to 128. Returns (capacity, largest load)."""
+def true_routing(args, inputs):
+    """The router's top-k ids of every token (host, once), checked."""
     router, _, _, x = inputs
     # Top-k indices returned straight out of a sharded jit can come back wrong
     # (openxla/xla#49005: "TopK produces incorrect local index shapes when
@@ -117,11 +120,22 @@ def pick_capacity(args, mesh, inputs):
 
     topk_idx = np.asarray(jax.jit(device_ids)(x, router))
     check_routing(args, inputs, topk_idx)
+    return topk_idx
+
+
+def local_ids(args, mesh, topk_idx):
+    """The "local" variant's routing: each rank's own tokens, ids modulo E/R, [R, T, K]."""
+    return np.stack(np.split(topk_idx, mesh.size)) % (args.experts // mesh.shape["expert"])
+
+
+def pick_capacity(args, mesh, topk_idx):
+    """Slots per expert from the true routing: the largest load of an expert
+    with dispatch (all tokens) and without (each rank's tokens, ids modulo
+    E/R), rounded up to 128. Returns (capacity, largest load)."""
     num_local = args.experts // mesh.shape["expert"]
     counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts)
-    loads = [counts.max()]
-    for rank_idx in np.split(topk_idx, mesh.size):
-        loads.append(np.bincount((rank_idx % num_local).reshape(-1), minlength=num_local).max())
+    loads = [counts.max()] + [np.bincount(ids.reshape(-1), minlength=num_local).max()
+                              for ids in local_ids(args, mesh, topk_idx)]
     largest = int(max(loads))
     capacity = args.capacity or -(-largest // 128) * 128
     # The largest padded activation per rank: [E/R, capacity, max(H, 2F)] bf16.
@@ -133,23 +147,49 @@ def pick_capacity(args, mesh, inputs):
         raise SystemExit(f"capacity {capacity} needs a {buffer_gib:.1f} GiB padded buffer per device "
                          f"(> --max-capacity-gib {args.max_capacity_gib}); refusing to compile")
     dropped = int(ml.capacity_overflow(topk_idx, args.experts, capacity))
-    if args.impl == "capacity" and (dropped or largest > capacity):
+    if dropped or largest > capacity:
         raise SystemExit(f"--capacity {capacity} drops {dropped} (token, expert) pairs (largest load {largest})")
     return capacity, largest
 
 
-def layer_fn(args, mesh, buffer, capacity):
+def pick_expert_rows(args, mesh, topk_idx):
+    """Expert-major rows per rank for the grouped path from the true routing:
+    the largest per-rank row count (pairs, each expert's rounded up to
+    --expert-alignment) with dispatch and without, rounded up to 128.
+    Returns (rows, largest count)."""
+    num_ranks, num_local, align = mesh.shape["expert"], args.experts // mesh.shape["expert"], args.expert_alignment
+
+    def rows_of(counts):
+        return int((-(-counts // align) * align).sum())
+
+    counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts).reshape(num_ranks, num_local)
+    per_rank = [rows_of(c) for c in counts] + [rows_of(np.bincount(ids.reshape(-1), minlength=num_local))
+                                               for ids in local_ids(args, mesh, topk_idx)]
+    largest = max(per_rank)
+    rows = args.expert_rows or -(-largest // 128) * 128
+    print(f"expert-major rows per rank: mean {np.mean(per_rank[:num_ranks]):.0f}, largest {largest} (with the "
+          f"'local' ones); {rows} rows (alignment {align}), worst case "
+          f"{ml.default_expert_rows(topk_idx.shape[0], args.top_k, num_local, align)}")
+    dropped = int(ml.expert_rows_overflow(topk_idx, args.experts, num_ranks, rows, align))
+    if dropped or largest > rows:
+        raise SystemExit(f"--expert-rows {rows} drops {dropped} (token, expert) pairs (largest count {largest})")
+    return rows, largest
+
+
+def layer_fn(args, mesh, buffer, impl, sizes):
     """(x, router, w_in, w_out) -> (y, aux_loss): the MoE layer, or with
     buffer None its experts alone on each rank's own tokens (no dispatch or
     combine)."""
-    impl = dict(expert_impl=args.impl, capacity=capacity)
+    kw = {"capacity": sizes.get("capacity"), "expert_rows": sizes.get("expert_rows"),
+          "expert_alignment": args.expert_alignment}
     if buffer is not None:
-        return lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer, **impl)
+        return lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer, expert_impl=impl,
+                                                 **kw)
     num_local = args.experts // mesh.shape["expert"]
     tokens, experts = P(("data", "expert")), P("expert")
     local = jax.shard_map(
-        lambda x, idx, w, wi, wo: ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo,
-                                                impl=args.impl, capacity=capacity),
+        lambda x, idx, w, wi, wo: ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo, impl=impl,
+                                                **kw),
         mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
     )
 
@@ -192,7 +232,7 @@ def compile_steps(args, layer, inputs):
     try:
         m = compiled.memory_analysis()
         need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    except Exception:  # not every platform reports it
+    except Exception:  # noqa: BLE001 (not every platform reports it)
         need = None
     return compiled, need
 
@@ -218,9 +258,46 @@ def pool_bytes(device):
     """Bytes of XLA's memory pool on the device (None where unknown, e.g. CPU)."""
     try:
         return (device.memory_stats() or {}).get("bytes_limit")
-    except Exception:
+    except Exception:  # noqa: BLE001 (platform-specific failures)
         return None
 
+
+
+def parse_impls(text, on_gpu, fast_ragged_dot):
+    """--expert-impl's comma list, "auto" resolved; in order, no repeats."""
+    impls = []
+    for name in (n.strip() for n in text.split(",") if n.strip()):
+        if name == "auto":
+            name = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
+        if name not in ml.EXPERT_IMPLS:
+            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join(ml.EXPERT_IMPLS)}")
+        if name not in impls:
+            impls.append(name)
+    if not impls:
+        raise SystemExit("--expert-impl: give at least one")
+    return impls
+
+
+def pick_sizes(args, mesh, inputs, impls):
+    """Capacity and expert rows from the true routing, for the impls that take them."""
+    sizes = {}
+    if "capacity" in impls or "grouped" in impls:
+        topk_idx = true_routing(args, inputs)
+        if "capacity" in impls:
+            sizes["capacity"], sizes["largest_expert_load"] = pick_capacity(args, mesh, topk_idx)
+        if "grouped" in impls:
+            sizes["expert_rows"], sizes["largest_rows_per_rank"] = pick_expert_rows(args, mesh, topk_idx)
+    return sizes
+
+
+def describe(impl, sizes, ragged_name):
+    if impl == "capacity":
+        return (f"capacity experts ({sizes['capacity']} slots per expert, largest load "
+                f"{sizes['largest_expert_load']}, nothing dropped)")
+    if impl == "grouped":
+        return (f"grouped experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
+                f"{sizes['largest_rows_per_rank']}, nothing dropped)")
+    return f"ragged_dot experts ({ragged_name})"
 
 
 def main():
@@ -230,9 +307,13 @@ def main():
     p.add_argument("--ffn", type=int, default=2048, help="expert intermediate size")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--expert-impl", dest="impl", default="auto", choices=("auto", "capacity", "ragged_dot"),
-                   help="auto: ragged_dot on CPU or with the Pallas-Triton grouped matmul, else capacity")
+    p.add_argument("--expert-impl", dest="impl", default="auto",
+                   help="comma list of auto, capacity, grouped, ragged_dot (auto: ragged_dot on CPU or with the "
+                        "Pallas-Triton grouped matmul, else capacity)")
     p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
+    p.add_argument("--expert-rows", type=int, default=0,
+                   help="grouped: expert-major rows per rank (0: from the routing, nothing dropped)")
+    p.add_argument("--expert-alignment", type=int, default=1, help="grouped: each expert's rows start at a multiple")
     p.add_argument("--max-capacity-gib", type=float, default=4.0,
                    help="refuse a capacity whose padded [E/R, capacity, H] buffer exceeds this per device")
     p.add_argument("--steps", type=int, default=8, help="forward+backward passes per jitted call")
@@ -246,15 +327,14 @@ def main():
     fast_ragged_dot = ml.use_fast_ragged_dot()
     devices = jax.devices()
     on_gpu = devices[0].platform == "gpu"
-    if args.impl == "auto":
-        args.impl = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
+    impls = parse_impls(args.impl, on_gpu, fast_ragged_dot)
     mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "expert"))
     num_ranks = mesh.size
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} must divide by the {num_ranks} devices")
-    if on_gpu and args.impl == "ragged_dot" and not fast_ragged_dot:
+    if on_gpu and "ragged_dot" in impls and not fast_ragged_dot:
         print("warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
-              "expect out-of-memory at large sizes (use --expert-impl capacity)", file=sys.stderr)
+              "expect out-of-memory at large sizes (use --expert-impl capacity or grouped)", file=sys.stderr)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     pool = pool_bytes(devices[0])
     ragged_name = "pallas-triton" if fast_ragged_dot else "xla default"
@@ -263,14 +343,15 @@ def main():
     try:
         for name in backends:
             buffers[name] = Buffer(mesh, "expert", backend=name, hidden=args.hidden, num_experts=args.experts)
-        variants = backends + ([] if args.no_local else ["local"])
+        # One row per (impl, variant): the layer on each backend, and its experts alone.
+        rows = [(impl, v) for impl in impls for v in backends + ([] if args.no_local else ["local"])]
         tokens = args.tokens
         while True:  # halve tokens until every compiled step fits
             inputs = init_inputs(args, mesh, tokens)
-            capacity, largest = pick_capacity(args, mesh, inputs) if args.impl == "capacity" else (None, None)
-            layers = {v: layer_fn(args, mesh, buffers.get(v), capacity) for v in variants}
+            sizes = pick_sizes(args, mesh, inputs, impls)
+            layers = {row: layer_fn(args, mesh, buffers.get(row[1]), row[0], sizes) for row in rows}
             t0 = time.perf_counter()
-            compiled = {v: compile_steps(args, layers[v], inputs) for v in variants}
+            compiled = {row: compile_steps(args, layers[row], inputs) for row in rows}
             compile_s = time.perf_counter() - t0
             need = max((n for _, n in compiled.values() if n is not None), default=None)
             if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
@@ -280,16 +361,17 @@ def main():
             del inputs, compiled
             tokens //= 2
 
-        impl_desc = (f"capacity experts ({capacity} slots per expert, largest load {largest}, nothing dropped)"
-                     if args.impl == "capacity" else f"ragged_dot experts ({ragged_name})")
         print(
             f"MoE layer forward+backward: {num_ranks} x {devices[0].device_kind}, jax {jax.__version__}, "
             f"{tokens} tokens/device, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
-            f"top-{args.top_k}, {impl_desc}; {args.steps} steps per jitted call, {args.reps} calls"
+            f"top-{args.top_k}, {'; '.join(describe(impl, sizes, ragged_name) for impl in impls)}; "
+            f"{args.steps} steps per jitted call, {args.reps} calls"
         )
-        mem = ", ".join(f"{v} {n / GiB:.2f}" for v, (_, n) in compiled.items() if n is not None)
         pool_desc = f"of XLA's {pool / GiB:.1f} GiB pool" if pool else "(pool size unknown)"
-        print(f"memory per device, GiB: {mem or 'not reported'} {pool_desc}; compile {compile_s:.0f} s for all")
+        for impl in impls:
+            mem = ", ".join(f"{v} {n / GiB:.2f}" for (i, v), (_, n) in compiled.items() if i == impl and n is not None)
+            print(f"memory per device, GiB, {impl} experts: {mem or 'not reported'} {pool_desc}")
+        print(f"compile {compile_s:.0f} s for all")
         if "cuda" in buffers:
             print(f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB per device")
 
@@ -297,18 +379,20 @@ def main():
         # three times over for forward + backward.
         flops = 3 * 3 * 2 * tokens * args.top_k * args.hidden * args.ffn
         results, outputs = {}, {}
-        for v in variants:
-            if v != "local":
-                outputs[v] = forward(layers[v], inputs)
-            per_step = time_steps(args, compiled[v][0], inputs)
+        for row in rows:
+            if row[1] != "local":
+                outputs[row] = forward(layers[row], inputs)
+            per_step = time_steps(args, compiled[row][0], inputs)
             med = statistics.median(per_step)
-            results[v] = {
+            results[row] = {
+                "impl": row[0],
+                "layer": row[1],
                 "median_ms": med * 1e3,
                 "min_ms": min(per_step) * 1e3,
                 "max_ms": max(per_step) * 1e3,
                 "expert_tflops": flops / med / 1e12,
-                "memory_gib": None if compiled[v][1] is None else compiled[v][1] / GiB,
-                "num_sms": buffers[v].config.num_sms if v == "cuda" else None,
+                "memory_gib": None if compiled[row][1] is None else compiled[row][1] / GiB,
+                "num_sms": buffers[row[1]].config.num_sms if row[1] == "cuda" else None,
             }
     finally:
         for buffer in buffers.values():
@@ -317,23 +401,33 @@ def main():
     labels = {"xla": "reference (XLA all_to_all)", "local": "experts only (no dispatch/combine)"}
     print("\n| layer | median ms/step | min | max | expert TFLOP/s | dispatch+combine share |")
     print("|---|---|---|---|---|---|")
-    for v, r in results.items():
+    for (impl, v), r in results.items():
         label = f"deep_ep_jax cuda ({r['num_sms']} SMs)" if v == "cuda" else labels[v]
-        share = "" if v == "local" or "local" not in results else \
-            f"{1 - results['local']['median_ms'] / r['median_ms']:.0%}"
+        local = results.get((impl, "local"))
+        share = "" if v == "local" or local is None else f"{1 - local['median_ms'] / r['median_ms']:.0%}"
         if share:
-            r["comm_share"] = 1 - results["local"]["median_ms"] / r["median_ms"]
-        print(f"| {label} | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
+            r["comm_share"] = 1 - local["median_ms"] / r["median_ms"]
+        print(f"| {label}, {impl} experts | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
               f"| {r['expert_tflops']:.1f} | {share} |")
-    if "cuda" in results and "xla" in results:
-        diff = np.abs(outputs["cuda"] - outputs["xla"]).max()
-        print(f"\nspeedup of the layer: {results['xla']['median_ms'] / results['cuda']['median_ms']:.2f}x; "
-              f"forward outputs of the two backends: max |diff| = {diff:.3g}")
+    print()
+    for impl in impls:
+        cuda, xla = (impl, "cuda"), (impl, "xla")
+        if cuda in results and xla in results:
+            diff = np.abs(outputs[cuda] - outputs[xla]).max()
+            print(f"speedup of the layer ({impl} experts): {results[xla]['median_ms'] / results[cuda]['median_ms']:.2f}x; "
+                  f"forward outputs of the two backends: max |diff| = {diff:.3g}")
+    # The other expert paths against the first, on the same backend.
+    (first_impl, first_v), first_out = next(iter(outputs.items()))
+    for (impl, v), out in outputs.items():
+        if impl != first_impl and v == first_v:
+            ratio = results[(first_impl, v)]["median_ms"] / results[(impl, v)]["median_ms"]
+            print(f"{v}: {impl} experts {ratio:.2f}x as fast as {first_impl}; forward outputs: "
+                  f"max |diff| = {np.abs(out - first_out).max():.3g}")
     if args.json:
-        meta = {k: getattr(args, k) for k in ("hidden", "ffn", "experts", "top_k", "steps", "reps")}
+        meta = {k: getattr(args, k) for k in ("hidden", "ffn", "experts", "top_k", "steps", "reps", "expert_alignment")}
         meta.update(tokens=tokens, devices=f"{num_ranks} x {devices[0].device_kind}", jax=jax.__version__,
-                    expert_impl=args.impl, capacity=capacity, largest_expert_load=largest, ragged_dot=ragged_name)
-        Path(args.json).write_text(json.dumps({"config": meta, "results": results}, indent=2))
+                    expert_impls=impls, ragged_dot=ragged_name, **sizes)
+        Path(args.json).write_text(json.dumps({"config": meta, "results": list(results.values())}, indent=2))
         print(f"wrote {args.json}")
 
 

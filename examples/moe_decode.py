@@ -54,18 +54,12 @@ from moe_layer import ExpertParam, route, use_fast_ragged_dot
 from deep_ep_jax import (
     Buffer,
     Config,
+    grouped_matmul,
     low_latency_combine,
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
     low_latency_overlap,
 )
-
-try:
-    from deep_ep_jax import grouped_matmul
-except ImportError:  # MERGE-SHIM
-    def grouped_matmul(x, w, group_sizes, **_):
-        return jax.lax.ragged_dot(x, w, group_sizes)
-
 
 # --------------------------------------------------------------------------
 # Experts on the low-latency dispatch's rows (per rank)

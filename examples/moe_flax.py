@@ -22,22 +22,23 @@ from pathlib import Path
 
 # Virtual CPU devices must be requested before jax is imported. The flag only
 # affects the CPU platform, so it is harmless on GPU machines.
-if not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu")):
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if (not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu"))
+        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # moe_layer
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # deep_ep_jax from a checkout
-from moe_layer import MoE, ExpertParam, use_fast_ragged_dot  # noqa: E402
+from moe_layer import EXPERT_IMPLS, ExpertParam, MoE, use_fast_ragged_dot
 
-from deep_ep_jax import Buffer  # noqa: E402
+from deep_ep_jax import Buffer
 
 ModuleList = getattr(nnx, "List", list)  # flax >= 0.12 wants nnx.List for lists of modules
 
@@ -90,7 +91,8 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(args.hidden, rngs=rngs)
         self.attn = Attention(args.hidden, args.heads, rngs=rngs)
         self.moe_norm = nnx.RMSNorm(args.hidden, rngs=rngs)
-        self.moe = MoE(args.hidden, args.ffn, args.experts, args.top_k, buffer=buffer, rngs=rngs)
+        self.moe = MoE(args.hidden, args.ffn, args.experts, args.top_k, buffer=buffer, rngs=rngs,
+                       expert_impl=args.expert_impl)
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -167,7 +169,8 @@ def train(args, progress: bool = True):
     buffer = Buffer(mesh, "expert", backend=args.backend, hidden=args.hidden, num_experts=args.experts)
     print(
         f"devices: {mesh.size} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, "
-        f"backend {buffer.backend}" + (", ragged_dot: pallas-triton" if fast_ragged_dot else "")
+        f"backend {buffer.backend}, experts {args.expert_impl}"
+        + (", ragged_dot: pallas-triton" if fast_ragged_dot else "")
     )
     chain = MarkovChain(args.vocab, args.branching, args.seed)
     floor = chain.sample(np.random.default_rng(0), 256, args.seq_len + 1)[1]
@@ -231,6 +234,8 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all GPUs, or half the CPUs)")
     p.add_argument("--backend", choices=("auto", "xla", "cuda"), default="auto")
+    p.add_argument("--expert-impl", choices=EXPERT_IMPLS, default="ragged_dot",
+                   help="how the experts run (moe_layer.py): grouped = expert-major rows + grouped_matmul")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss")
     p.add_argument("--seed", type=int, default=0)

@@ -3,11 +3,21 @@
     router (softmax top-k, load-balancing loss)      global view, plain JAX
     -> dispatch -> SwiGLU experts -> combine          per rank, shard_map
 
-The experts run as grouped matmuls (`expert_impl="ragged_dot"`, the default)
-or as batched matmuls over a padded [experts, capacity, H] buffer
-(`expert_impl="capacity"`): the choice where ragged_dot has no grouped GPU
-kernel. The capacity path drops (row, expert) pairs beyond `capacity`;
-`capacity_overflow` counts them.
+Three ways to run the experts (`expert_impl`):
+- "ragged_dot" (the default): grouped matmuls (jax.lax.ragged_dot) over the
+  received (row, k) pairs sorted by expert (argsort, gather, scatter).
+- "capacity": batched matmuls over a padded [experts, capacity, H] buffer.
+  Pairs beyond `capacity` are dropped; `capacity_overflow` counts them.
+- "grouped": `dispatch_expert_major` puts one row per (token, local expert)
+  pair straight into expert-major rows, `grouped_matmul` runs the SwiGLU on
+  them (JAX's Mosaic GPU kernels on Hopper, ragged_dot elsewhere) and
+  `combine_expert_major` weights and combines them: no argsort, gather or
+  scatter. `expert_rows` rows per rank (default: the worst case); pairs past
+  them are dropped; `expert_rows_overflow` counts them.
+The default stays "ragged_dot": exact on every platform. On one H200 at the
+benchmark's shapes the grouped SwiGLU took 27.5 ms against 23.9 ms for the
+capacity path's experts, and jax.lax.ragged_dot is a dense dot on GPUs, so on
+GPUs choose "capacity" or "grouped" (with expert_rows from your routing).
 
 The mesh has a "data" axis and an "expert" axis. Tokens are split over both;
 expert weights over "expert" (each rank holds E/R experts) and replicated over
@@ -26,7 +36,19 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax import Buffer, combine, dispatch
+from deep_ep_jax import (
+    Buffer,
+    combine,
+    combine_expert_major,
+    dispatch,
+    dispatch_expert_major,
+    expand,
+    grouped_matmul,
+    reduce,
+)
+from deep_ep_jax.expert_major import default_num_rows
+
+EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
 
 
 def use_fast_ragged_dot() -> bool:
@@ -144,7 +166,7 @@ def _rows_to_slots_fwd(x, slot_pair, pair_slot, topk):
 
 
 def _rows_to_slots_bwd(topk, res, g):
-    slot_pair, pair_slot = res
+    _, pair_slot = res
     g_rows = _take(g, pair_slot).reshape(-1, topk, g.shape[-1]).sum(axis=1, dtype=jnp.float32)
     return g_rows.astype(g.dtype), None, None
 
@@ -164,7 +186,7 @@ def _slots_to_pairs_fwd(y, pair_slot, slot_pair):
 
 
 def _slots_to_pairs_bwd(res, g):
-    pair_slot, slot_pair = res
+    _, slot_pair = res
     return _take(g, slot_pair), None, None
 
 
@@ -205,31 +227,109 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes):
+    """SwiGLU experts on expert-major rows: expert_x bf16 [M, H], group g
+    the next group_sizes[g] rows (rows past them give 0). Returns bf16 [M, H]."""
+    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes)
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes)
+
+
+def gemm_group_sizes(layout, alignment: int):
+    """Group sizes for grouped_matmul, which takes groups back to back: the
+    pairs of each expert (alignment 1), or with alignment > 1 each group up
+    to the next one's start (its padding rows are zeros), the last one as is."""
+    if alignment == 1:
+        return layout.group_sizes
+    return jnp.concatenate([jnp.diff(layout.group_offsets), layout.group_sizes[-1:]])
+
+
+def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment):
+    """expert_ffn on rank-major rows through expert-major ones: expand, the
+    grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
+    expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
+                              alignment=alignment, num_rows=expert_rows)
+    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment))
+    return reduce(expert_y, recv_topk_weights, layout)
+
+
+def default_expert_rows(num_rows: int, topk: int, num_local_experts: int, alignment: int = 1) -> int:
+    """Expert-major rows per rank for N = num_rows received rows: the worst
+    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows."""
+    return default_num_rows(num_rows, topk, num_local_experts, alignment)
+
+
+def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
+                         num_groups: int = 1):
+    """(token, expert) pairs the grouped path drops, summed over all ranks.
+
+    topk_idx: int32 [T, K] routing of all tokens, split in order over
+    num_groups expert-parallel groups of num_ranks ranks (num_groups: the size
+    of the "data" axis). Rank r of a group receives every pair its group routes
+    to experts [r * L, (r + 1) * L) (dispatch drops nothing at its default
+    size); expert e's group of rows starts after the earlier ones, each
+    rounded up to `alignment`, and its pairs from row expert_rows on are dropped."""
+    idx = jnp.asarray(topk_idx).reshape(num_groups, -1)
+    valid = (idx >= 0) & (idx < num_experts)
+    counts = jax.vmap(lambda i: jnp.bincount(i, length=num_experts + 1))(jnp.where(valid, idx, num_experts))
+    counts = counts[:, :num_experts].reshape(num_groups, num_ranks, -1)  # [groups, R, L]
+    aligned = -(-counts // alignment) * alignment
+    start = jnp.cumsum(aligned, axis=-1) - aligned
+    kept = jnp.clip(expert_rows - start, 0, counts)
+    return jnp.sum(counts - kept)
+
+
+def _check_expert_args(fn, impl, expert_rows, alignment):
+    if impl not in EXPERT_IMPLS:
+        raise ValueError(f"{fn}: expert_impl must be one of {EXPERT_IMPLS}, got {impl!r}")
+    if expert_rows is not None and (not isinstance(expert_rows, int) or isinstance(expert_rows, bool)
+                                    or expert_rows < 1):
+        raise ValueError(f"{fn}: expert_rows must be a positive int or None, got {expert_rows!r}")
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
+        raise ValueError(f"{fn}: expert_alignment must be a positive int, got {alignment!r}")
+
+
+def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None,
+               expert_rows=None, expert_alignment=1):
     """SwiGLU experts over the received rows, weighted by their top-k weights.
 
     recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
     recv_topk_weights f32 [N, K]; w_in [L, H, 2F] (gate | up); w_out [L, F, H].
     Returns bf16 [N, H]: sum over k of weight_k * expert_k(row), in float32.
 
-    impl: "ragged_dot" (grouped matmuls, nothing dropped) or "capacity"
+    impl: "ragged_dot" (grouped matmuls, nothing dropped), "capacity"
     (batched matmuls over `capacity` slots per expert, default
-    default_capacity(N, K, L); pairs past it are dropped).
+    default_capacity(N, K, L); pairs past it are dropped) or "grouped"
+    (expand to `expert_rows` expert-major rows, default
+    default_expert_rows(N, K, L, expert_alignment), grouped_matmul, reduce;
+    pairs past them are dropped).
     """
+    _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment)
     if impl == "ragged_dot":
         return _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out)
     if impl == "capacity":
         if capacity is None:
             capacity = default_capacity(*recv_topk_idx.shape, w_in.shape[0])
         return _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, int(capacity))
-    raise ValueError(f"expert_ffn: impl must be 'ragged_dot' or 'capacity', got {impl!r}")
+    return _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, expert_alignment)
 
 
 def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int,
-            expert_impl="ragged_dot", capacity=None):
-    """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H]."""
+            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=1):
+    """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H].
+    expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn."""
+    _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment)
+    x = x.astype(jnp.bfloat16)
+    if expert_impl == "grouped":
+        # Received pairs land grouped by local expert: no sort, gather or scatter here.
+        expert_x, layout, recv_weights, handle = dispatch_expert_major(
+            x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
+            num_rows=expert_rows)
+        expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, expert_alignment))
+        return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
     recv_x, recv_idx, recv_weights, handle = dispatch(
-        x.astype(jnp.bfloat16), topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
+        x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
     )
     expert_out = expert_ffn(recv_x, recv_idx, recv_weights, w_in, w_out, impl=expert_impl, capacity=capacity)
     return combine(expert_out, handle, buffer=buffer)
@@ -256,9 +356,10 @@ def route(x, router_kernel, top_k: int, normalize: bool = True):
 
 
 def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True,
-              expert_impl="ragged_dot", capacity=None):
+              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=1):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
-    expert_impl, capacity: see expert_ffn."""
+    expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn
+    (expert_rows: per rank)."""
     mesh, num_experts = buffer.mesh, router_kernel.shape[-1]
     shape = x.shape
     x = x.reshape(-1, shape[-1])
@@ -266,7 +367,8 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
     per_rank = jax.shard_map(
-        lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl, capacity=capacity),
+        lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl, capacity=capacity,
+                           expert_rows=expert_rows, expert_alignment=expert_alignment),
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
@@ -283,12 +385,15 @@ class MoE(nnx.Module):
     """Expert-parallel SwiGLU MoE. Call: x [..., H] -> (y [..., H], aux_loss)."""
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, buffer: Buffer, rngs: nnx.Rngs,
-                 expert_impl: str = "ragged_dot", capacity: int | None = None):
+                 expert_impl: str = "ragged_dot", capacity: int | None = None, expert_rows: int | None = None,
+                 expert_alignment: int = 1):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
+        _check_expert_args("MoE", expert_impl, expert_rows, expert_alignment)
         self.top_k = top_k
         self.buffer = buffer
         self.expert_impl, self.capacity = expert_impl, capacity
+        self.expert_rows, self.expert_alignment = expert_rows, expert_alignment
         init = jax.nn.initializers.normal(stddev=0.02)
         self.router = nnx.Param(init(rngs.params(), (hidden, num_experts)))
         self.w_in = ExpertParam(init(rngs.params(), (num_experts, hidden, 2 * ffn)))
@@ -296,4 +401,5 @@ class MoE(nnx.Module):
 
     def __call__(self, x):
         return moe_apply(x, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k, buffer=self.buffer,
-                         expert_impl=self.expert_impl, capacity=self.capacity)
+                         expert_impl=self.expert_impl, capacity=self.capacity, expert_rows=self.expert_rows,
+                         expert_alignment=self.expert_alignment)

@@ -12,14 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-import moe_layer as ml  # noqa: E402
+import moe_layer as ml
 
 H, F, K = 32, 16, 3
 
@@ -97,10 +98,15 @@ def test_expert_ffn_ignores_padding_and_empty_slots():
     assert (np.asarray(grads[0][num_valid:], np.float32) == 0).all()
 
 
-@pytest.mark.parametrize("kind", dt.ROUTING_KINDS)
-def test_moe_ffn_matches_dense(kind):
+MOE_FFN_CASES = ([(kind, "ragged_dot", 1) for kind in dt.ROUTING_KINDS]
+                 + [(kind, "grouped", 1) for kind in dt.ROUTING_KINDS] + [("rank_empty", "grouped", 3)])
+
+
+@pytest.mark.parametrize(("kind", "impl", "alignment"), MOE_FFN_CASES)
+def test_moe_ffn_matches_dense(kind, impl, alignment):
     """dispatch -> experts -> combine on a (data, expert) mesh, forward and
-    gradients, against the same maths per token on one device."""
+    gradients, against the same maths per token on one device. "grouped":
+    expert-major rows (groups aligned to `alignment`) and grouped_matmul."""
     mesh = _mesh()
     num_ranks = mesh.shape["expert"]
     num_experts, num_tokens = 2 * num_ranks, 12 * mesh.size
@@ -113,7 +119,8 @@ def test_moe_ffn_matches_dense(kind):
 
     tokens, experts = P(("data", "expert")), P("expert")
     sharded = jax.shard_map(  # shard_map's defaults (check_vma=True), as the example
-        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts),
+        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=impl,
+                              expert_alignment=alignment),
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
@@ -162,16 +169,19 @@ def test_moe_module():
         _assert_close(g, w, f"grad {name}")
 
 
-def test_training_example_loss_falls(tmp_path):
-    """examples/moe_flax.py trains on 8 virtual CPU devices and its loss falls."""
+@pytest.mark.parametrize("impl", [None, "grouped"])
+def test_training_example_loss_falls(tmp_path, impl):
+    """examples/moe_flax.py trains on 8 virtual CPU devices and its loss falls
+    (with the default experts, and with --expert-impl grouped)."""
     plot = tmp_path / "loss.png"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     cmd = [sys.executable, str(ROOT / "examples" / "moe_flax.py"), "--steps", "8", "--log-every", "1",
-           "--no-progress", "--plot", str(plot)]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "--no-progress", "--plot", str(plot)] + (["--expert-impl", impl] if impl else [])
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "backend xla" in run.stdout and "'data': 2, 'expert': 4" in run.stdout, run.stdout
+    assert f"experts {impl or 'ragged_dot'}" in run.stdout, run.stdout
     losses = [float(v) for v in re.findall(r"loss=([0-9.]+)", run.stdout)]
     assert len(losses) == 8, run.stdout
     assert losses[-1] < 0.75 * losses[0], f"loss did not fall: {losses}"
@@ -259,8 +269,9 @@ def test_capacity_drops_pairs_past_capacity():
         _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
 
 
-def test_moe_module_capacity_matches_ragged_dot():
-    """The whole layer (dispatch, capacity experts, combine) against ragged_dot."""
+@pytest.mark.parametrize("impl", ["capacity", "grouped"])
+def test_moe_module_matches_ragged_dot(impl):
+    """The whole layer (dispatch, capacity or grouped experts, combine) against ragged_dot."""
     mesh = _mesh()
     num_experts = 2 * mesh.shape["expert"]
     buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
@@ -273,7 +284,126 @@ def test_moe_module_capacity_matches_ragged_dot():
         loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
         return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
 
-    (y_cap, g_cap), (y_rag, g_rag) = run("capacity"), run("ragged_dot")
-    _assert_close(y_cap, y_rag, "layer output", rel=1e-2)
-    for name, a, b in zip(("router", "w_in", "w_out"), g_cap, g_rag):
-        _assert_close(a, b, f"layer grad {name}", rel=1e-2)
+    (y_impl, g_impl), (y_rag, g_rag) = run(impl), run("ragged_dot")
+    _assert_close(y_impl, y_rag, f"{impl}: layer output", rel=1e-2)
+    for name, a, b in zip(("router", "w_in", "w_out"), g_impl, g_rag):
+        _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
+
+
+def _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe):
+    fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl="grouped", expert_rows=rows,
+                                            expert_alignment=alignment)
+    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
+    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(x, weights, w_in, w_out)
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_grouped_matches_ragged_dot_and_capacity(skewed):
+    """The grouped path on one rank's received rows (NaN padding rows, -1
+    slots; skewed: every pair on one expert) equals the ragged_dot and
+    capacity paths, forward and gradients, at the worst-case rows, at exactly
+    the pairs, and with aligned groups."""
+    num_rows, num_valid, num_local = 40, 29, 4
+    x, idx, weights = _random_recv(30, num_rows, num_valid, num_local)
+    if skewed:
+        idx = np.where(idx >= 0, 1, -1).astype(np.int32)
+        idx[:, 1:] = -1
+        weights = np.where(idx >= 0, weights, 0.0).astype(np.float32)
+    num_pairs = int((idx >= 0).sum())
+    idx, weights = jnp.asarray(idx), jnp.asarray(weights)
+    w_in, w_out = _weights(31, num_local)
+    probe = dt.random_rows(32, (num_rows, H), jnp.float32)
+    references = {impl: _ffn_and_grads(impl, num_rows * K, x, idx, weights, w_in, w_out, probe)
+                  for impl in ("ragged_dot", "capacity")}
+    for rows, alignment in ((None, 1), (num_pairs, 1), (None, 8)):
+        worst = ml.default_expert_rows(num_rows, K, num_local, alignment)
+        assert int(ml.expert_rows_overflow(idx, num_local, 1, rows or worst, alignment)) == 0
+        y, g = _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe)
+        for impl, (want_y, want_g) in references.items():
+            what = f"grouped rows={rows} alignment={alignment} vs {impl}"
+            _assert_close(y, want_y, f"{what}: output", rel=1e-2)
+            for name, a, b in zip(("x", "weights", "w_in", "w_out"), g, want_g):
+                _assert_close(a, b, f"{what}: grad {name}", rel=1e-2)
+        assert (np.asarray(y[num_valid:], np.float32) == 0).all()
+        assert (np.asarray(g[0][num_valid:], np.float32) == 0).all()
+
+
+def _kept_routing(idx, num_experts, num_ranks, num_groups, expert_rows, alignment):
+    """idx with the pairs the grouped path drops set to -1: per expert-parallel
+    group and rank, each local expert's pairs in token order take rows from
+    its group's start (after the earlier groups, rounded up to alignment)."""
+    kept = idx.copy()
+    num_local = num_experts // num_ranks
+    for block in np.split(kept, num_groups):  # views into kept
+        for rank in range(num_ranks):
+            start = 0
+            for e in range(rank * num_local, (rank + 1) * num_local):
+                pairs = np.argwhere(block == e)  # (token, k) in token order
+                for t, k in pairs[max(expert_rows - start, 0):]:
+                    block[t, k] = -1
+                start += -(-len(pairs) // alignment) * alignment
+    return kept
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_grouped_drops_pairs_past_expert_rows(alignment):
+    """With expert_rows too small, each rank's last pairs are dropped (they
+    contribute nothing, forward and backward); expert_rows_overflow counts
+    them, as the layouts' num_dropped summed over all ranks does."""
+    mesh = _mesh()
+    num_ranks, num_groups = mesh.shape["expert"], mesh.shape["data"]
+    num_experts, num_tokens, expert_rows = 2 * num_ranks, 12 * mesh.size, 20
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    idx, weights = dt.make_routing(33, num_tokens, num_experts, K, num_ranks, "minus_one")
+    kept = _kept_routing(idx, num_experts, num_ranks, num_groups, expert_rows, alignment)
+    dropped = int((idx >= 0).sum() - (kept >= 0).sum())
+    assert dropped > 0
+    overflow = ml.expert_rows_overflow(idx, num_experts, num_ranks, expert_rows, alignment, num_groups=num_groups)
+    assert int(overflow) == dropped
+
+    tokens, experts = P(("data", "expert")), P("expert")
+
+    def num_dropped(x, idx, w):
+        layout = dej.dispatch_expert_major(x.astype(jnp.bfloat16), idx, w, num_experts=num_experts, buffer=buffer,
+                                           alignment=alignment, num_rows=expert_rows)[1]
+        return jax.lax.psum(layout.num_dropped, ("data", "expert"))
+
+    x = dt.random_rows(34, (num_tokens, H), jnp.float32)
+    idx, weights, kept = jnp.asarray(idx), jnp.asarray(weights), jnp.asarray(kept)
+    layouts = jax.jit(jax.shard_map(num_dropped, mesh=mesh, in_specs=(tokens,) * 3, out_specs=P()))
+    assert int(layouts(x, idx, weights)) == dropped
+
+    sharded = jax.shard_map(
+        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl="grouped",
+                              expert_rows=expert_rows, expert_alignment=alignment),
+        mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
+    w_in, w_out = _weights(35, num_experts)
+    probe = dt.random_rows(36, (num_tokens, H), jnp.float32)
+
+    def loss(fn, idx, x, weights, w_in, w_out):
+        return jnp.sum(fn(x, idx, weights, w_in, w_out).astype(jnp.float32) * probe)
+
+    got = jax.jit(sharded)(x, idx, weights, w_in, w_out)
+    _assert_close(got, dense_moe(x, kept, weights, w_in, w_out), "dropped: output")
+    grads = jax.jit(jax.grad(lambda *a: loss(sharded, idx, *a), argnums=(0, 1, 2, 3)))(x, weights, w_in, w_out)
+    want = jax.grad(lambda *a: loss(dense_moe, kept, *a), argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+    for name, g, w in zip(("x", "topk_weights", "w_in", "w_out"), grads, want):
+        _assert_close(g, w, f"dropped: grad {name}")
+
+
+def test_expert_args_rejected_at_trace_time():
+    mesh = _mesh()
+    num_experts = 2 * mesh.shape["expert"]
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    with pytest.raises(ValueError, match="expert_impl must be one of"):
+        ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(0), expert_impl="dense")
+    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(0))
+    x = dt.random_rows(37, (4 * mesh.size, H), jnp.float32)
+    params = (layer.router[...], layer.w_in[...], layer.w_out[...])
+    for rows in (0, 2.5):
+        with pytest.raises(ValueError, match="expert_rows must be a positive int"):
+            jax.jit(lambda x, *p, rows=rows: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl="grouped",
+                                                          expert_rows=rows))(x, *params)
+    with pytest.raises(ValueError, match="expert_alignment must be a positive int"):
+        ml.expert_ffn(x, jnp.zeros((x.shape[0], 2), jnp.int32), jnp.ones((x.shape[0], 2)), *params[1:],
+                      impl="grouped", expert_alignment=0)

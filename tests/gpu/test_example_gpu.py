@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
@@ -21,8 +22,8 @@ from deep_ep_jax import testing as dt
 pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import moe_flax  # noqa: E402
-import moe_layer as ml  # noqa: E402
+import moe_flax
+import moe_layer as ml
 
 
 def _close(got, want, what, rel=2e-2):
@@ -89,6 +90,43 @@ def test_moe_layer_cuda_matches_reference():
         cuda.destroy()
     for name, g, w in zip(("y", "grad x", "grad router", "grad w_in", "grad w_out"), got, want):
         _close(g, w, name, rel=1e-2)
+
+
+@pytest.mark.parametrize("alignment", [1, 64])
+def test_grouped_layer_matches_capacity(alignment):
+    """The NNX MoE layer with expert_impl="grouped" (the CUDA kernels'
+    expert-major dispatch/combine, grouped_matmul's Mosaic GPU kernels on
+    Hopper) equals the capacity path on the reference backend with room for
+    every pair: forward and every gradient, on all GPUs."""
+    from deep_ep_jax import grouped_gemm
+
+    gpus = jax.devices("gpu")
+    mesh = Mesh(np.array(gpus).reshape(1, -1), ("data", "expert"))
+    hidden, ffn, num_experts, topk, tokens = 1024, 512, 8 * len(gpus), 4, 512 * len(gpus)
+    if grouped_gemm.is_hopper_gpu():  # the shapes must take the Mosaic GPU path, not a dense fallback
+        for x_shape, w_shape in (((tokens, hidden), (8, hidden, 2 * ffn)), ((tokens, ffn), (8, ffn, hidden))):
+            assert grouped_gemm.mgpu_unsupported_reason(x_shape, w_shape, jnp.bfloat16) is None
+    cuda = dej.Buffer(mesh, "expert", backend="cuda", hidden=hidden, num_experts=num_experts)
+    xla = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
+    layer = ml.MoE(hidden, ffn, num_experts, topk, buffer=xla, rngs=nnx.Rngs(2))
+    params = [layer.router[...], layer.w_in[...], layer.w_out[...]]
+    x = jax.device_put(dt.random_rows(3, (tokens, hidden), jnp.float32), NamedSharding(mesh, P(("data", "expert"))))
+
+    def run(buffer, **impl):
+        def loss(x, *p):
+            y, aux = ml.moe_apply(x, *p, top_k=topk, buffer=buffer, **impl)
+            return jnp.sum(jnp.sin(y)) + aux, y
+
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *params)
+        return [y, *grads]
+
+    try:
+        got = run(cuda, expert_impl="grouped", expert_alignment=alignment)
+        want = run(xla, expert_impl="capacity", capacity=tokens)  # every pair fits: nothing dropped
+    finally:
+        cuda.destroy()
+    for name, g, w in zip(("y", "grad x", "grad router", "grad w_in", "grad w_out"), got, want):
+        _close(g, w, f"alignment {alignment}: {name}", rel=1e-2)
 
 
 def test_training_loss_curve_same_on_both_backends():

@@ -1,0 +1,49 @@
+"""benchmarks/bench_moe_layer.py on 4 CPU devices at small shapes: several
+expert paths in one run, each beside the XLA-collectives layer and its
+experts alone, sizes from the true routing (nothing dropped), memory per
+device and the impl in every JSON row; too few expert rows are refused."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--experts", "16", "--top-k", "4",
+         "--backends", "xla", "--steps", "2", "--reps", "2"]
+
+
+def _run(*extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_moe_layer.py"), *SMALL, *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_capacity_and_grouped_in_one_run(tmp_path):
+    out = tmp_path / "moe.json"
+    run = _run("--expert-impl", "capacity,grouped", "--json", str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert re.search(r"grouped experts \(\d+ expert-major rows per rank, largest count \d+, nothing dropped\)",
+                     run.stdout), run.stdout
+    for impl in ("capacity", "grouped"):
+        assert re.search(rf"memory per device, GiB, {impl} experts: xla [0-9.]+, local [0-9.]+", run.stdout), run.stdout
+    # The grouped layer's forward equals the capacity layer's up to bf16 rounding.
+    diff = float(re.search(r"xla: grouped experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
+    assert diff < 0.05, run.stdout
+    data = json.loads(out.read_text())
+    rows = [(r["impl"], r["layer"]) for r in data["results"]]
+    assert rows == [("capacity", "xla"), ("capacity", "local"), ("grouped", "xla"), ("grouped", "local")]
+    assert all(r["memory_gib"] > 0 and r["median_ms"] > 0 for r in data["results"])
+    assert data["config"]["expert_impls"] == ["capacity", "grouped"]
+    assert data["config"]["expert_rows"] % 128 == 0
+    assert data["config"]["largest_rows_per_rank"] <= data["config"]["expert_rows"]
+
+
+def test_too_few_expert_rows_refused():
+    run = _run("--expert-impl", "grouped", "--expert-rows", "128", "--no-local")
+    assert run.returncode != 0
+    assert re.search(r"--expert-rows 128 drops [1-9][0-9]* \(token, expert\) pairs", run.stdout + run.stderr), \
+        run.stdout + run.stderr

@@ -278,3 +278,70 @@ def test_auto_backend_and_loop(mesh):
     assert_bits_equal(got, want, "loop sums")
     assert np.abs(np.asarray(got)).max() > 0
 
+
+
+# One GPU, the standard size: the local targets outside shard_map ----------------
+
+
+def _distinct_local_ids(rng, num_rows, topk, num_local_experts, kind):
+    """[N, K] local ids as one rank receives them: about half the slots name a
+    local expert (distinct per row, as top-k), the rest -1; or every row to
+    the last expert only; or nothing local."""
+    idx = np.full((num_rows, topk), -1, np.int32)
+    if kind == "one_expert":
+        idx[:, 0] = num_local_experts - 1
+    elif kind == "random":
+        for n in range(num_rows):
+            picks = rng.choice(num_local_experts, topk, replace=False)
+            idx[n] = np.where(rng.random(topk) < 0.5, picks, -1)
+    return idx
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
+    (128, 128, "random", None), (128, 1, "random", None), (128, 1, "one_expert", None),
+    (128, 128, "nothing", None), (128, 1, "random", 20000), (16, 8, "random", None)])
+def test_local_targets_standard_size(num_local_experts, alignment, kind, num_rows):
+    """expand and reduce on one GPU, 8192 received rows of 7168 (4096 tokens x
+    2 ranks), top-8: the CUDA targets against the xla backend bit for bit
+    (rows, layout, reduced rows, both gradients) and against the numpy oracle
+    (layout, expanded rows, 256 reduced rows); num_rows 20000 drops pairs."""
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    lifecycle.register_ffi_targets()
+    num_tokens, topk, hidden = 8192, 8, 7168
+    rng = np.random.default_rng()
+    idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
+    x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
+    w = jnp.asarray(rng.random((num_tokens, topk)).astype(np.float32) + 0.1)
+    c = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
+
+    def run(backend):
+        def forward(x, w):
+            expert_x, layout = deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
+                                                  num_rows=num_rows, backend=backend)
+            expert_y = (expert_x.astype(jnp.float32) * 2).astype(jnp.bfloat16)  # exact in bf16
+            return expert_x, layout, deep_ep_jax.reduce(expert_y, w, layout, backend=backend)
+
+        def body(x, w, c):
+            (expert_x, layout, y), vjp = jax.vjp(forward, x, w)
+            no_layout = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), layout)
+            return (expert_x, layout, y) + vjp((jnp.zeros_like(expert_x), no_layout, c))
+
+        return jax.jit(body)(x, w, c)
+
+    got, want = run("cuda"), run("xla")
+    for name, g, r in zip(("expert_x", "layout", "y", "grad_x", "grad_w"), got, want):
+        for g_leaf, r_leaf in zip(jax.tree.leaves(g), jax.tree.leaves(r)):
+            assert_bits_equal(g_leaf, r_leaf, f"{kind}: {name}, cuda against xla")
+    expert_x, layout = got[0], got[1]
+    want_layout = oracle.expert_layout(np.asarray(idx), num_local_experts, alignment, expert_x.shape[0])
+    for field in LAYOUT_FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(layout, field)), want_layout[field], err_msg=field)
+    if num_rows is not None:
+        assert want_layout["num_dropped"] > 0, "this case is meant to drop pairs"
+    assert_bits_equal(expert_x, oracle.expert_expand(np.asarray(x), want_layout["row_pair"], topk), "expand vs oracle")
+    sample = rng.choice(num_tokens, 256, replace=False)
+    expert_y = (np.asarray(expert_x).astype(np.float32) * 2).astype(expert_x.dtype)
+    want_y = oracle.expert_reduce(expert_y, np.asarray(w)[sample], want_layout["pair_row"][sample])
+    assert_bits_equal(np.asarray(got[2])[sample], want_y.astype(expert_x.dtype), "reduce vs oracle")

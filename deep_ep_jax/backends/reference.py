@@ -451,8 +451,9 @@ def low_latency_combine_recv(pending, *, buffer):
     # The barrier keeps them apart on GPUs; XLA's CPU backend drops barriers,
     # but cannot fuse across the loop's iterations.
     terms = lax.optimization_barrier(jnp.where(valid[:, :, None], pending.topk_weights[:, :, None] * y, 0.0))
-    zeros = jnp.zeros((num_tokens, pending.back.shape[-1]), jnp.float32)
-    acc, _ = lax.scan(lambda acc, term: (acc + term, None), zeros, jnp.moveaxis(terms, 1, 0))
+    terms = jnp.moveaxis(terms, 1, 0)  # [K, T, H]
+    zeros = jnp.zeros_like(terms[0])  # typed like terms (varying over the same mesh axes)
+    acc, _ = lax.scan(lambda acc, term: (acc + term, None), zeros, terms)
     return acc.astype(jnp.bfloat16)
 
 

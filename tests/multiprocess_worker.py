@@ -295,6 +295,19 @@ def case_launch_mismatch():
     log("NO LAUNCH MISMATCH ERROR")
 
 
+def _one_rank_per_process():
+    """(platform, R, mesh, this process's rank, rng): every process holds one
+    device; the rng is seeded alike in every process (by the coordinator's
+    port), so each makes the same global inputs and checks its own rank."""
+    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    num_ranks = jax.device_count()
+    assert len(jax.local_devices()) == 1, jax.local_devices()
+    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
+    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
+    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    return platform, num_ranks, mesh, rank, rng
+
+
 def _own_rank_io(mesh, name, timeout_s):
     """(put, run) for cases where processes share GPUs and nothing may cross
     processes (NCCL refuses two ranks on one GPU): put(a) makes a global array
@@ -334,12 +347,7 @@ def case_shared_gpu():
     check the case itself."""
     import oracle
 
-    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    num_ranks = jax.device_count()
-    assert len(jax.local_devices()) == 1, jax.local_devices()
-    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
-    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
-    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
     epr = num_experts // num_ranks
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
@@ -494,12 +502,8 @@ def case_large_ep_low_latency():
 
     from deep_ep_jax.backends import reference
 
-    cuda = jax.default_backend() == "gpu"
-    num_ranks = jax.device_count()
-    assert len(jax.local_devices()) == 1, jax.local_devices()
-    mesh = dt.ep_mesh(num_ranks, AXIS, platform="gpu" if cuda else "cpu")
-    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
-    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    cuda = platform == "gpu"
     num_tokens, hidden, topk = 16, 1024, 4
     num_experts = 2 * num_ranks
     epr = num_experts // num_ranks
@@ -585,12 +589,7 @@ def case_traffic():
     and FP8 rows. With --cpu, the xla backend's counters."""
     import oracle
 
-    platform = "gpu" if jax.default_backend() == "gpu" else "cpu"
-    num_ranks = jax.device_count()
-    assert len(jax.local_devices()) == 1, jax.local_devices()
-    mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
-    rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
-    rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
                         num_experts=num_experts, config=dej.Config(timeout_s=150, count_traffic=True))

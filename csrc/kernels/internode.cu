@@ -499,6 +499,17 @@ __device__ void ExclusiveScanHosts(int* starts, int H) {
   }
   __syncthreads();
 }
+// The host whose entries hold entry i of the scanned starts: the last b with
+// starts[b] <= i (hosts without entries share their successor's start).
+__device__ int HostOfEntry(const int* starts, int H, int i) {
+  int b = 0;
+  for (int hi = H - 1; b < hi;) {
+    const int mid = (b + hi + 1) / 2;
+    if (starts[mid] <= i) b = mid; else hi = mid - 1;
+  }
+  return b;
+}
+
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
   __shared__ int starts[kMaxRanks + 1];  // [source host]: packets from the hosts before it (H + 1 used)
@@ -525,12 +536,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   const int total = starts[H];
   for (int i = warp; i < total; i += num_warps) {
-    // The source host: the last with starts[b] <= i (hosts without packets share their successor's start).
-    int b = 0;
-    for (int hi = H - 1; b < hi;) {
-      const int mid = (b + hi + 1) / 2;
-      if (starts[mid] <= i) b = mid; else hi = mid - 1;
-    }
+    const int b = HostOfEntry(starts, H, i);
     const size_t at = size_t(b) * L.num_tokens + (i - starts[b]);
     const char* packet = g.local_region() + L.rdma_recv + at * L.packet_bytes;
     const int* final_rows = reinterpret_cast<const int*>(g.local_region() + L.rdma_meta) + at * G;
@@ -760,12 +766,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
   const uint32_t all_ranks = G >= 32 ? ~0u : (1u << G) - 1;
   const int total = starts[H];
   for (int i = warp; i < total; i += num_warps) {
-    // The source host: the last with starts[b] <= i (hosts without entries share their successor's start).
-    int b = 0;
-    for (int hi = H - 1; b < hi;) {
-      const int mid = (b + hi + 1) / 2;
-      if (starts[mid] <= i) b = mid; else hi = mid - 1;
-    }
+    const int b = HostOfEntry(starts, H, i);
     const int* entry = reinterpret_cast<const int*>(g.local_region() + L.combine_recv_meta) +
                        (size_t(b) * L.num_tokens + (i - starts[b])) * kCombineMetaInts;
     const int token = entry[0];

@@ -285,24 +285,21 @@ def test_combine_of_a_constant_fails_clearly(mesh):
         x = testing.random_rows(52, (num_ranks * num_tokens, hidden))
         rows = np.asarray(testing.random_rows(53, (num_tokens * num_ranks, hidden)))  # bf16 numpy
 
-        def run(x, idx, w, *arg_rows):
-            _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=cuda)
-            # Without an argument: numpy rows captured by the program, a constant of it.
-            r = arg_rows[0] if arg_rows else jnp.asarray(rows)
-            return deep_ep_jax.combine(r, handle, buffer=cuda)
+        def runner(buffer):
+            def run(x, idx, w, *arg_rows):
+                _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+                # Without an argument: numpy rows captured by the program, a constant of it.
+                r = arg_rows[0] if arg_rows else jnp.asarray(rows)
+                return deep_ep_jax.combine(r, handle, buffer=buffer)
+            return testing.per_rank(run, mesh, AXIS)
 
         args = (x, jnp.asarray(idx), jnp.asarray(w))
         with pytest.raises(Exception, match="x is a constant of the compiled program"):
-            np.asarray(testing.per_rank(run, mesh, AXIS)(*args))
+            np.asarray(runner(cuda)(*args))
         per_rank_rows = jnp.tile(jnp.asarray(rows), (num_ranks, 1))
-        out = testing.per_rank(run, mesh, AXIS)(*args, per_rank_rows)
         xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-
-        def run_xla(x, idx, w, r):
-            _, _, _, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=num_experts, buffer=xla)
-            return deep_ep_jax.combine(r, handle, buffer=xla)
-
-        assert_bits_equal(out, testing.per_rank(run_xla, mesh, AXIS)(*args, per_rank_rows), "combine of argument rows")
+        assert_bits_equal(runner(cuda)(*args, per_rank_rows), runner(xla)(*args, per_rank_rows),
+                          "combine of argument rows")
     finally:
         cuda.destroy()
 

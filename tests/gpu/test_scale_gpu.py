@@ -69,6 +69,21 @@ def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST):
     return result.returncode, result.stdout + result.stderr, time.time() - start
 
 
+def _run_hosts_case(case, num_hosts, ranks_per_host, timeout, summary):
+    """Runs worker `case` on num_hosts emulated hosts of ranks_per_host
+    ranks: it must exit 0, every rank report OK, and `summary` be printed."""
+    num_ranks = num_hosts * ranks_per_host
+    code, output, elapsed = _launch(num_ranks, timeout=timeout, case=case, ranks_per_host=ranks_per_host)
+    assert code == 0, output[-8000:]
+    for rank in range(num_ranks):
+        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE {case} OK" in output, output[-8000:]
+    assert summary.format(num_ranks=num_ranks, num_hosts=num_hosts) in output, output[-8000:]
+    print(f"{case} {num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+
+
+SHARED_GPU_SUMMARY = "shared_gpu R={num_ranks} on {num_hosts} hosts: normal region"
+
+
 @pytest.mark.parametrize("num_ranks", [16, 32])
 def test_low_latency_beyond_eight_ranks(num_ranks):
     code, output, elapsed = _launch(num_ranks, timeout=280)
@@ -82,13 +97,7 @@ def test_low_latency_beyond_eight_ranks(num_ranks):
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 8), (4, 4), (4, 8)])
 def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
-    num_ranks = num_hosts * ranks_per_host
-    code, output, elapsed = _launch(num_ranks, timeout=280, case="shared_gpu", ranks_per_host=ranks_per_host)
-    assert code == 0, output[-8000:]
-    for rank in range(num_ranks):
-        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE shared_gpu OK" in output, output[-8000:]
-    assert f"shared_gpu R={num_ranks} on {num_hosts} hosts: normal region" in output, output[-8000:]
-    print(f"{num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, SHARED_GPU_SUMMARY)
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (4, 2)])
@@ -96,23 +105,11 @@ def test_normal_mode_combine_per_host(num_hosts, ranks_per_host):
     """Combine summed per host on the forwarder, then per host at the
     source (bf16 partials), bit for bit as tests/oracle.py's
     gpus_per_host order, at small groups of several hosts of several ranks."""
-    num_ranks = num_hosts * ranks_per_host
-    code, output, elapsed = _launch(num_ranks, timeout=200, case="shared_gpu", ranks_per_host=ranks_per_host)
-    assert code == 0, output[-8000:]
-    for rank in range(num_ranks):
-        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE shared_gpu OK" in output, output[-8000:]
-    assert f"shared_gpu R={num_ranks} on {num_hosts} hosts: normal region" in output, output[-8000:]
-    print(f"{num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 200, SHARED_GPU_SUMMARY)
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4)])
 def test_traffic_counters_across_hosts(num_hosts, ranks_per_host):
     """The internode kernels' counters (rows and bytes over NVLink and the
     network, per operation) equal tests/oracle.py's traffic() on every rank."""
-    num_ranks = num_hosts * ranks_per_host
-    code, output, elapsed = _launch(num_ranks, timeout=200, case="traffic", ranks_per_host=ranks_per_host)
-    assert code == 0, output[-8000:]
-    for rank in range(num_ranks):
-        assert f"[rank {rank}] process {rank}/{num_ranks}: CASE traffic OK" in output, output[-8000:]
-    assert f"traffic R={num_ranks} on {num_hosts} hosts" in output, output[-8000:]
-    print(f"traffic {num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+    _run_hosts_case("traffic", num_hosts, ranks_per_host, 200, "traffic R={num_ranks} on {num_hosts} hosts")

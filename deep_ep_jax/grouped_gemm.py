@@ -8,10 +8,15 @@ padding: their output rows are 0 and they get zero gradient. Products
 accumulate in float32; the output has x's dtype. Gradients (custom_vjp):
 dx = dy @ w[g]^T per group, dw[g] = x_g^T dy_g; group_sizes has none.
 
-impl="auto" runs JAX's Mosaic GPU kernels on a Hopper GPU (compute
-capability 9.x; `ragged_dot_mgpu` for y and dx, `transposed_ragged_dot_mgpu`
-for dw) when the shapes fit their tiles (see `mgpu_unsupported_reason`), and
-`jax.lax.ragged_dot` otherwise. impl="mgpu" or "xla" forces one; "mgpu" raises
+impl="auto" runs Mosaic GPU kernels on a Hopper GPU (compute capability
+9.x) when the shapes fit their tiles (see `mgpu_unsupported_reason`), and
+`jax.lax.ragged_dot` otherwise. Of the Mosaic GPU kernels, the
+warp-specialized ones of `deep_ep_jax.hopper_gemm` run when every group size
+is a multiple of `aligned_rows(blocks)` (128 by default: the expert-major
+layout's `alignment=128`), checked on the device at run time; other sizes
+take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
+`transposed_ragged_dot_mgpu` for dw), which compute a tile twice where it
+straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
 a ValueError where the shapes do not fit. Notes on the mgpu path:
 - The kernels leave rows past sum(group_sizes) unwritten: the wrapper masks
   y and dx there (a select, fused by XLA into a neighbouring elementwise op
@@ -38,6 +43,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from deep_ep_jax import hopper_gemm
+from deep_ep_jax.hopper_gemm import HopperTiles
+
 IMPLS = ("auto", "mgpu", "xla")
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -54,12 +62,32 @@ class KernelBlocks:
 
 
 @dataclasses.dataclass(frozen=True)
+class AlignedTiles:
+    """Tiles of the warp-specialized kernels (deep_ep_jax.hopper_gemm), for groups whose sizes are
+    multiples of `aligned_rows`."""
+
+    forward: HopperTiles
+    input_grad: HopperTiles
+    weight_grad: HopperTiles
+
+
+# The best of `benchmarks/hopper_gemm_sweep.py` on one H200 (jax 0.11.2, 2026-12-01) at the MoE
+# benchmark's shapes per rank, groups aligned to 128 rows (benchmarks/RESULTS.md).
+DEFAULT_ALIGNED_TILES = AlignedTiles(
+    forward=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
+    input_grad=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
+    weight_grad=HopperTiles(128, 128, 64, 4, grid_tile_width=4),
+)
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedMatmulBlocks:
     """Block sizes of the three kernel calls of one forward + backward."""
 
     forward: KernelBlocks  # ragged_dot_mgpu: y = x @ w[g]
     input_grad: KernelBlocks  # ragged_dot_mgpu(transpose_rhs=True): dx = dy @ w[g]^T
     weight_grad: KernelBlocks  # transposed_ragged_dot_mgpu: dw[g] = x_g^T dy_g (its k runs over rows)
+    aligned: AlignedTiles | None = DEFAULT_ALIGNED_TILES  # None: row-tiled kernels only
 
 
 # The best of `benchmarks/bench_grouped_gemm.py --sweep` on one H200 (jax 0.11.2,
@@ -96,7 +124,25 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
 
 def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     """The mgpu path pads x's rows to a multiple of this (every kernel's row tile)."""
-    return math.lcm(blocks.forward.block_m, blocks.input_grad.block_m, blocks.weight_grad.block_k)
+    aligned = () if blocks.aligned is None else (aligned_rows(blocks),)
+    return math.lcm(blocks.forward.block_m, blocks.input_grad.block_m, blocks.weight_grad.block_k, *aligned)
+
+
+def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
+    """Group sizes that are all multiples of this take the warp-specialized
+    kernels (pass it as the expert-major layout's alignment)."""
+    a = blocks.aligned or DEFAULT_ALIGNED_TILES
+    return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k)
+
+
+def _aligned_fits(k, n, blocks) -> bool:
+    """Whether K and N split into the aligned kernels' tiles."""
+    a = blocks.aligned
+    if a is None:
+        return False
+    f, dx, dw = a.forward, a.input_grad, a.weight_grad
+    cols = hopper_gemm.cta_cols
+    return not (k % f.tile_k or n % cols(f) or n % dx.tile_k or k % cols(dx) or k % dw.tile_m or n % cols(dw))
 
 
 def mgpu_unsupported_reason(x_shape, w_shape, dtype, blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> str | None:
@@ -221,11 +267,31 @@ def _grouped_matmul_bwd(use_mgpu, blocks, residuals, dy):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
+def _aligned_or_row_tiled(blocks, k, n, group_sizes, aligned, row_tiled):
+    """aligned() where every group size is a multiple of aligned_rows (decided
+    on the device), else row_tiled(); row_tiled() alone where K and N do not fit."""
+    if not _aligned_fits(k, n, blocks):
+        return row_tiled()
+    return lax.cond(jnp.all(group_sizes % aligned_rows(blocks) == 0), aligned, row_tiled)
+
+
+def _tile_groups(group_sizes, num_rows, tile_m):
+    """int32 [num_rows // tile_m]: the group of each row tile, -1 past the last group."""
+    ends = jnp.cumsum(group_sizes)
+    starts = jnp.arange(num_rows // tile_m, dtype=jnp.int32) * tile_m
+    groups = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+    return jnp.where(starts < ends[-1], groups, -1)
+
+
 def _forward(use_mgpu, blocks, x, w, group_sizes):
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-        y = ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward))
+        tiles = blocks.aligned and blocks.aligned.forward
+        y = _aligned_or_row_tiled(
+            blocks, x.shape[1], w.shape[2], group_sizes,
+            lambda: hopper_gemm.rows_matmul(x, w, _tile_groups(group_sizes, x.shape[0], tiles.tile_m), tiles),
+            lambda: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward)))
         return _vary_over(y, _vma(x))  # typed unvarying by the kernel (jax 0.10)
     return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -236,8 +302,13 @@ def _input_grad(use_mgpu, blocks, dy, w, group_sizes):
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
-        return ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
-                                          **dataclasses.asdict(blocks.input_grad))
+        tiles = blocks.aligned and blocks.aligned.input_grad
+        return _aligned_or_row_tiled(
+            blocks, w.shape[1], w.shape[2], group_sizes,
+            lambda: hopper_gemm.rows_matmul(dy, w, _tile_groups(group_sizes, dy.shape[0], tiles.tile_m), tiles,
+                                            transpose_rhs=True),
+            lambda: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
+                                               **dataclasses.asdict(blocks.input_grad)))
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     return lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
@@ -248,10 +319,18 @@ def _weight_grad(use_mgpu, blocks, x, dy, group_sizes):
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
-        # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
-        with jax.numpy_dtype_promotion("standard"):
-            return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
+        def row_tiled():
+            # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
+            with jax.numpy_dtype_promotion("standard"):
+                return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                    x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
+
+        def aligned():
+            tiles = blocks.aligned.weight_grad
+            starts = jnp.cumsum(group_sizes) - group_sizes
+            return hopper_gemm.weight_grad(x, dy, starts, group_sizes // tiles.tile_k, tiles)
+
+        return _aligned_or_row_tiled(blocks, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)

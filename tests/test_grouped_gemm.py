@@ -5,6 +5,7 @@ and shard_map on 8 CPU devices; bad arguments; and the Mosaic GPU path traced
 and lowered for a GPU (its shapes, custom_vjp and shard_map types), which
 needs no GPU."""
 
+import dataclasses
 import functools
 
 import grouped_gemm_oracle as oracle
@@ -208,7 +209,21 @@ def test_mgpu_shape_rules():
     assert "dtype" in gg.mgpu_unsupported_reason((1000, 512), (4, 512, 256), jnp.float32)
     assert "K=500" in gg.mgpu_unsupported_reason((1000, 500), (4, 500, 256), jnp.bfloat16)
     assert "N=200" in gg.mgpu_unsupported_reason((1000, 512), (4, 512, 200), jnp.bfloat16)
-    assert gg.row_multiple() == 64  # the tuned row tiles (DEFAULT_BLOCKS)
+    assert gg.aligned_rows() == 128  # the warp-specialized kernels' row tile
+    assert gg.row_multiple() == 128  # every kernel's row tile
+    assert gg.row_multiple(dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)) == 64  # the row-tiled ones
+
+
+def test_tile_groups_and_aligned_fit():
+    """The row tiles' groups (empty groups skipped, -1 past the last group),
+    and which K, N the warp-specialized kernels split."""
+    sizes = jnp.array([256, 0, 128, 0, 384, 0], jnp.int32)
+    got = gg._tile_groups(sizes, 128 * 8, 128)
+    assert got.tolist() == [0, 0, 2, 4, 4, 4, -1, -1]
+    assert gg._tile_groups(jnp.zeros(3, jnp.int32), 256, 128).tolist() == [-1, -1]
+    assert gg._aligned_fits(7168, 4096, gg.DEFAULT_BLOCKS) and gg._aligned_fits(2048, 7168, gg.DEFAULT_BLOCKS)
+    assert not gg._aligned_fits(7168, 4096 + 128, gg.DEFAULT_BLOCKS)  # N not a multiple of the CTA's 256 columns
+    assert not gg._aligned_fits(7168, 4096, dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
 
 
 S = jax.ShapeDtypeStruct
@@ -261,7 +276,8 @@ def mosaic_calls(lowered):
 
 def test_mgpu_path_lowers(gpu_core_count):
     """impl="mgpu" traces and lowers for CUDA: the forward and both gradients as
-    three Mosaic GPU kernels, rows padded to a multiple of 128 (M = 1000)."""
+    three Mosaic GPU kernels, each a row-tiled and a warp-specialized one (the
+    lax.cond on the group sizes' alignment), rows padded to a multiple of 128 (M = 1000)."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
@@ -271,9 +287,12 @@ def test_mgpu_path_lowers(gpu_core_count):
 
     fwd = jax.jit(functools.partial(grouped_matmul, impl="mgpu")).trace(x, w, sizes)
     assert fwd.out_info.shape == (1000, 256) and fwd.out_info.dtype == jnp.bfloat16
-    assert mosaic_calls(fwd.lower(lowering_platforms=("cuda",))) == 1
+    assert mosaic_calls(fwd.lower(lowering_platforms=("cuda",))) == 2
     grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes)
-    assert mosaic_calls(grad.lower(lowering_platforms=("cuda",))) == 3
+    assert mosaic_calls(grad.lower(lowering_platforms=("cuda",))) == 6
+    row_tiled_only = functools.partial(grouped_matmul, impl="mgpu",
+                                       block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
+    assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
 
 
 def test_mgpu_path_lowers_under_shard_map(gpu_core_count):
@@ -289,4 +308,4 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count):
         args = (jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16),
                 jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
-        assert mosaic_calls(jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))) == 3
+        assert mosaic_calls(jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))) == 6

@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import grouped_matmul, testing
+from deep_ep_jax import grouped_matmul, hopper_gemm, testing
 
 pytestmark = pytest.mark.gpu(min_gpus=1)  # one GPU, but the shard_map case
 
@@ -57,13 +57,13 @@ def routed_sizes(rng, kind):
     return sizes.astype(np.int32)
 
 
-def make_inputs(key, k, n):
+def make_inputs(key, k, n, num_rows=NUM_ROWS):
     """x [M, K], w [G, K, N], dy [M, N] in bf16, outputs of order 1; padding rows
     of x and dy hold finite junk (1e3), which must not leak into any result."""
     kx, kw, kd = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (NUM_ROWS, k), jnp.bfloat16)
+    x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
     w = jax.random.normal(kw, (NUM_GROUPS, k, n), jnp.bfloat16) * jnp.bfloat16(1 / np.sqrt(k))
-    dy = jax.random.normal(kd, (NUM_ROWS, n), jnp.bfloat16)
+    dy = jax.random.normal(kd, (num_rows, n), jnp.bfloat16)
     return x, w, dy
 
 
@@ -138,20 +138,28 @@ def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what):
                            f"{what}: dw[{g}] block at ({k0}, {n0}), {size} rows")
 
 
+@pytest.mark.parametrize("aligned", [False, True], ids=["row_tiled", "aligned"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_mgpu_matches_reference_and_numpy(layer, kind):
+def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
+    """Group sizes as routed, or rounded up to gg.aligned_rows() (the
+    warp-specialized kernels' case; the others take the row-tiled kernels)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS[layer]
     sizes = routed_sizes(rng, kind)
+    if aligned:
+        sizes = (-(-sizes // gg.aligned_rows()) * gg.aligned_rows()).astype(np.int32)
     total = int(sizes.sum())
-    x, w, dy = make_inputs(jax.random.key(seed), k, n)
+    num_rows = max(NUM_ROWS, total + 200)  # the aligned groups need more rows
+    x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     x, dy = with_junk_padding(x, total), with_junk_padding(dy, total)
-    what = f"{layer} {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
+    what = f"{layer} {kind} {'aligned ' if aligned else ''}(seed {seed}, {total} rows, " \
+           f"{int((sizes == 0).sum())} empty groups)"
 
+    # Both kernel families are in the program (lax.cond on the sizes), three calls each.
     lowered = forward_and_grads.lower(x, w, sizes, dy, impl="auto").as_text()
-    assert lowered.count("custom_call @mosaic_gpu") == 3, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
+    assert lowered.count("custom_call @mosaic_gpu") == 6, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
 
     got = forward_and_grads(x, w, sizes, dy, impl="mgpu")
     want = per_group_reference(x, w, tuple(int(s) for s in sizes), dy)
@@ -165,6 +173,38 @@ def test_mgpu_matches_reference_and_numpy(layer, kind):
     assert not bool(jnp.any(dx[total:])), f"{what}: dx of padding rows is not zero"
     nonzero_groups = np.asarray(jnp.any(dw != 0, axis=(1, 2)))
     assert not nonzero_groups[sizes == 0].any(), f"{what}: dw of empty groups is not zero"
+    check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
+
+
+@pytest.mark.parametrize("kind", ["routed", "all_in_one"])
+def test_aligned_kernels_directly(kind):
+    """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
+    back on), aligned groups with empty ones and tiles past the last group,
+    at the w_in layer's shapes, against the per-group dots."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    k, n = LAYERS["w_in"]
+    tiles = gg.DEFAULT_ALIGNED_TILES
+    align = gg.aligned_rows()
+    sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
+    total = int(sizes.sum())
+    num_rows = -(-(total + 3 * align) // align) * align  # three row tiles past the last group
+    x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
+    jsizes = jnp.asarray(sizes)
+    y = jax.jit(lambda x, w: hopper_gemm.rows_matmul(x, w, gg._tile_groups(jsizes, num_rows, tiles.forward.tile_m),
+                                                     tiles.forward))(x, w)
+    dx = jax.jit(lambda dy, w: hopper_gemm.rows_matmul(
+        dy, w, gg._tile_groups(jsizes, num_rows, tiles.input_grad.tile_m), tiles.input_grad,
+        transpose_rhs=True))(dy, w)
+    dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
+                                                       jsizes // tiles.weight_grad.tile_k, tiles.weight_grad))(x, dy)
+    want = per_group_reference(x, w, tuple(int(s) for s in sizes), dy)
+    what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
+    for name, g, r in zip(("y", "dx", "dw"), (y[:total], dx[:total], dw), (want[0][:total], want[1][:total], want[2])):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
+        err = float(excess_error(g, r))
+        assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
+    assert not bool(jnp.any(dw[sizes == 0])), f"{what}: dw of empty groups is not zero"
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
 
 

@@ -1,0 +1,190 @@
+"""The warp-specialized aligned kernels (deep_ep_jax/hopper_gemm.py) on one
+Hopper GPU: each configuration checked against numpy at a small size (empty
+groups, tiles past the last group) and against the row-tiled Mosaic kernels
+at the MoE benchmark's shapes, then timed there.
+
+    python benchmarks/hopper_gemm_sweep.py [--kernels forward,input_grad,weight_grad] [--repeats 5]
+
+Shapes: one rank's 128 experts of random top-8 routing (4096 tokens x 2 ranks
+over 256 experts), groups rounded up to 128 rows; the SwiGLU's two matmuls
+(K, N = 7168, 4096 and 2048, 7168) summed per kernel. Useful TFLOP/s count the
+routed pairs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import itertools
+
+from bench_grouped_gemm import routed_group_sizes
+from timing import chain_seconds
+
+from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax import hopper_gemm as hg
+
+ALIGN = 128
+T = hg.HopperTiles
+
+
+def tile_groups(sizes, num_rows, tile_m):
+    ends = np.cumsum(sizes)
+    starts = np.arange(num_rows // tile_m) * tile_m
+    group = np.searchsorted(ends, starts, side="right").astype(np.int32)
+    return jnp.asarray(np.where(starts < ends[-1], group, -1).astype(np.int32))
+
+
+def steps_and_starts(sizes, tile_k):
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
+    return jnp.asarray(starts), jnp.asarray((np.asarray(sizes) // tile_k).astype(np.int32))
+
+
+def call(kernel, t, a, b, sizes):
+    num_rows = a.shape[0]
+    if kernel == "weight_grad":
+        starts, steps = steps_and_starts(sizes, t.tile_k)
+        return hg.weight_grad(a, b, starts, steps, t)
+    return hg.rows_matmul(a, b, tile_groups(sizes, num_rows, t.tile_m), t, transpose_rhs=kernel == "input_grad")
+
+
+def numpy_reference(kernel, a, b, sizes):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    if kernel == "weight_grad":
+        return np.stack([a[s:e].T @ b[s:e] for s, e in itertools.pairwise(starts)])
+    out = np.zeros((a.shape[0], b.shape[1] if kernel == "input_grad" else b.shape[2]), np.float32)
+    for g, (s, e) in enumerate(itertools.pairwise(starts)):
+        out[s:e] = a[s:e] @ (b[g].T if kernel == "input_grad" else b[g])
+    return out, starts[-1]
+
+
+def small_check(kernel, t):
+    rng = np.random.default_rng()
+    k, n, g = 512, 4 * 2 * t.tile_n * (2 if t.cluster_n else 1), 5
+    sizes = np.array([2, 0, 1, 3, 0]) * t.tile_m
+    rows = int(sizes.sum()) + 2 * t.tile_m  # two tiles past the last group
+    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    if kernel == "weight_grad":
+        b = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
+    else:
+        b = jnp.asarray(rng.standard_normal((g, n, k) if kernel == "input_grad" else (g, k, n)), jnp.bfloat16)
+    got = np.asarray(jax.jit(lambda a, b: call(kernel, t, a, b, sizes))(a, b), np.float32)
+    if kernel == "weight_grad":
+        want = numpy_reference(kernel, a, b, sizes)
+    else:
+        want, total = numpy_reference(kernel, a, b, sizes)
+        got, want = got[:total], want[:total]
+    err = np.abs(got - want).max() / (np.abs(want).max() + 1e-9)
+    assert err < 2e-2, (kernel, t, err)
+    if kernel == "weight_grad":
+        assert not got[1].any() and not got[4].any(), "empty groups not zero"
+    return err
+
+
+def operands(key, kernel, num_rows, sizes):
+    """[(a, b)] of both matmuls for `kernel`."""
+    out = []
+    for i, (kk, nn) in enumerate([(7168, 4096), (2048, 7168)]):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        if kernel == "forward":
+            a = jax.random.normal(k1, (num_rows, kk), jnp.bfloat16)
+            b = jax.random.normal(k2, (len(sizes), kk, nn), jnp.bfloat16) * jnp.bfloat16(kk**-0.5)
+        elif kernel == "input_grad":
+            a = jax.random.normal(k1, (num_rows, nn), jnp.bfloat16)
+            b = jax.random.normal(k2, (len(sizes), kk, nn), jnp.bfloat16) * jnp.bfloat16(nn**-0.5)
+        else:
+            a = jax.random.normal(k1, (num_rows, kk), jnp.bfloat16)
+            b = jax.random.normal(k2, (num_rows, nn), jnp.bfloat16) * jnp.bfloat16(0.06)
+        out.append((a, b))
+    return out
+
+
+def generic(kernel, a, b, sizes):
+    s = jnp.asarray(sizes)
+    if kernel == "forward":
+        return gg._forward(True, gg.DEFAULT_BLOCKS, a, b, s)
+    if kernel == "input_grad":
+        return gg._input_grad(True, gg.DEFAULT_BLOCKS, a, b, s)
+    return gg._weight_grad(True, gg.DEFAULT_BLOCKS, a, b, s)
+
+
+def time_fn(fn, ops, repeats):
+    """Seconds per call of fn over both matmuls, from chains of 3 and 6."""
+    def chain(length):
+        def run(*flat):
+            pairs = [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
+
+            def body(_, carry):
+                outs = [fn(a, b) for a, b in carry]
+                link = sum(o.reshape(-1)[0] for o in outs).astype(carry[0][0].dtype) * 0
+                return [(a.at[0, 0].add(link), b) for a, b in carry]
+
+            pairs = lax.fori_loop(0, length, body, pairs)
+            return pairs[0][0][:1, :1]
+        return jax.jit(run)
+    flat = [x for pair in ops for x in pair]
+    return chain_seconds(chain(3), chain(6), flat, 3, repeats)
+
+
+CONFIGS = {
+    "forward": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(2, False), (8, False), (16, False),
+                                                                               (4, True), (8, True)]]
+    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4), T(128, 128, 64, 4, grid_tile_width=4, epi_tile_n=128),
+       T(64, 256, 64, 3, grid_tile_width=4), T(64, 256, 64, 3, grid_tile_width=8, cluster_n=True)],
+    "weight_grad": [T(128, 128, 64, 4), T(128, 128, 64, 2), T(128, 128, 64, 4, cluster_n=True),
+                    T(128, 128, 64, 4, grid_tile_width=4), T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4)],
+}
+CONFIGS["input_grad"] = CONFIGS["forward"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default="forward,input_grad,weight_grad")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    counts, sizes = routed_group_sizes(rng, 4096, 2, 256, 8, ALIGN)
+    num_rows = -(-int(sizes.sum()) // 256) * 256  # room for every alignment up to ALIGN
+    pairs = int(counts.sum())
+    flops = 2 * pairs * (7168 * 4096 + 2048 * 7168)
+    print(f"pairs {pairs}, aligned rows {int(sizes.sum())} (+{sizes.sum() / pairs - 1:.1%}), M {num_rows}")
+    key = jax.random.key(1)
+    for kernel in args.kernels.split(","):
+        ops = operands(key, kernel, num_rows, sizes)
+        base = time_fn(lambda a, b, kernel=kernel: generic(kernel, a, b, sizes), ops, args.repeats)
+        print(f"{kernel} row-tiled (DEFAULT_BLOCKS): {np.median(base) * 1e3:.2f} ms "
+              f"{flops / np.median(base) / 1e12:.0f} useful TFLOP/s", flush=True)
+        for t in CONFIGS[kernel]:
+            # Groups rounded up to this kernel's row tile only (less padding with smaller tiles).
+            sizes_t = -(-counts // hg.row_tile(t)) * hg.row_tile(t)
+            try:
+                err = small_check(kernel, t)
+                for a, b in ops:
+                    got = np.asarray(jax.jit(lambda a, b, t=t, kernel=kernel, s=sizes_t: call(kernel, t, a, b, s))(a, b),
+                                     np.float32)
+                    w = np.asarray(generic(kernel, a, b, sizes_t), np.float32)
+                    total = int(sizes_t.sum())
+                    if kernel != "weight_grad":
+                        got, w = got[:total], w[:total]
+                    big = np.abs(got - w).max() / (np.abs(w).max() + 1e-9)
+                    assert big < 2e-2, ("real size", big)
+                secs = time_fn(lambda a, b, t=t, kernel=kernel, s=sizes_t: call(kernel, t, a, b, s), ops, args.repeats)
+                med = np.median(secs)
+                print(f"{kernel} {t}: {med * 1e3:.2f} ms ({np.min(secs) * 1e3:.2f}-{np.max(secs) * 1e3:.2f}) "
+                      f"{flops / med / 1e12:.0f} useful TFLOP/s; small err {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
+                text = "".join(traceback.format_exception_only(type(e), e))
+                print(f"{kernel} {t}: FAILED {text[:1500]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Warp-specialized grouped matmul kernels for Hopper GPUs (Mosaic GPU, Pallas),
+for groups of rows that start and end on a tile boundary.
+
+The expert-major layout (`expand(..., alignment=A)`) pads each expert's group
+of rows to a multiple of A. When A is a multiple of the kernels' row tile,
+every row tile belongs to one group, so a tile is a plain matmul against its
+group's weights: no tile is computed twice at a group boundary, and no row
+mask is needed. These kernels use that:
+
+    rows_matmul(x, w, tile_group, tiles)                      # y = x @ w[g]  (and dx = dy @ w[g]^T)
+    weight_grad(x, dy, group_starts, group_steps, tiles)      # dw[g] = x_g^T dy_g
+
+Each CTA runs a memory warpgroup (TMA loads into a ring of shared-memory
+stages) and two compute warpgroups (WGMMA into float32 accumulators) that
+split the CTA's tile along N, so the warpgroups share the row tile's loads.
+The CTAs are persistent (one per SM, or one per cluster of two whose CTAs
+share the row tile by TMA multicast) and walk the tiles in an order that
+keeps a group's weights and a row tile's rows in L2 while they are reused.
+Tiles past the last group are skipped (their rows are left unwritten: the
+caller masks them).
+
+Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
+f16; rows, K and N multiples of the tiles; every group size a multiple of
+`row_tile(tiles)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiles:
+    """Tiles of one warp-specialized kernel. Each compute warpgroup owns a
+    tile_m x tile_n accumulator; the CTA's tile is tile_m x 2 tile_n."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_minor_n: bool = True  # walk N fastest (a row tile's rows stay in L2)
+    grid_tile_width: int = 1  # tiles along the minor dimension per band (planar_snake)
+    cluster_n: bool = False  # two CTAs share the row tile by multicast (adjacent N tiles)
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+
+
+def row_tile(tiles: HopperTiles) -> int:
+    """Rows per tile: group sizes must be multiples of this."""
+    return tiles.tile_m
+
+
+def cta_cols(tiles: HopperTiles) -> int:
+    """Output columns per CTA (N must be a multiple of this, x2 with cluster_n)."""
+    return 2 * tiles.tile_n * (2 if tiles.cluster_n else 1)
+
+
+def _num_sms():
+    return jax.devices()[0].core_count
+
+
+def _transforms(plgpu, cols, dtype):
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
+
+
+def _store_tile(plgpu, acc, out_smem, wg, dst, t: HopperTiles):
+    """acc (tile_m x tile_n, this warpgroup's) into dst through two smem slots."""
+    num_slots = min(2, (t.tile_m * t.tile_n) // (t.epi_tile_m * t.epi_tile_n))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    i = 0
+    for em in range(t.tile_m // t.epi_tile_m):
+        for en in range(t.tile_n // t.epi_tile_n):
+            rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
+            cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
+            slot = i % num_slots
+            i += 1
+            plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+            out_smem[wg, slot] = acc[rows, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+
+
+def _out_smem(plgpu, t: HopperTiles, dtype):
+    num_slots = min(2, (t.tile_m * t.tile_n) // (t.epi_tile_m * t.epi_tile_n))
+    return plgpu.SMEM((2, num_slots, t.epi_tile_m, t.epi_tile_n), dtype,
+                      transforms=_transforms(plgpu, t.epi_tile_n, dtype))
+
+
+def _kernel(body, out_shape, dtype, t: HopperTiles):
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    cluster = 2 if t.cluster_n else 1
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct(out_shape, dtype),
+        grid=(_num_sms() // cluster,),
+        grid_names=("cluster_grid",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False):
+    """out[r] = x[r] @ w[g] for the rows r of row tile i, g = tile_group[i]
+    (tiles with g < 0 are skipped and left unwritten).
+
+    x [M, K]; w [G, K, N], or [G, N, K] with transpose_rhs (out = x @ w[g]^T,
+    the input gradient); tile_group int32 [M // tile_m]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    cluster = 2 if t.cluster_n else 1
+    cta_n = 2 * t.tile_n
+    m_iters, n_iters, k_iters = m // t.tile_m, n // (cta_n * cluster), k // t.tile_k
+    transforms = _transforms(plgpu, t.tile_k, x.dtype)
+    b_block = (cta_n, t.tile_k) if transpose_rhs else (t.tile_k, cta_n)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((t.tile_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
+                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
+                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                                transforms=transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=t.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def body(tile_group_gmem, x_gmem, w_gmem, out_gmem):
+        ignore = lambda *_, **__: None
+
+        @functools.partial(pl.run_scoped,
+                           allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+                           out_smem=_out_smem(plgpu, t, x.dtype), collective_axes="wg")
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+            wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+
+            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+            def _tiles(info):
+                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 1 if t.grid_minor_n else 0,
+                                            t.grid_tile_width)
+                if t.cluster_n:
+                    ni = ni * 2 + lax.axis_index("cluster")
+                group = tile_group_gmem[mi]
+                rows = pl.ds(mi * t.tile_m, t.tile_m)
+                cols = pl.ds(ni * cta_n, cta_n)
+
+                @pl.when(group >= 0)
+                def _():
+                    def compute_context(eval_pipeline):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                        def _acc(acc_ref):
+                            eval_pipeline(acc_ref)
+                            _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
+                                        out_gmem.at[rows, cols].at[:, wg_cols], t)
+
+                    def mma(_, a_smem, b_smem, acc_ref):
+                        b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
+                        plgpu.wgmma(acc_ref, a_smem, b)
+                        plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    weights = w_gmem.at[group]
+                    pipeline(mma, compute_context)(
+                        x_gmem.at[rows, :], weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
+                        allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return _kernel(body, (m, n), x.dtype, t)(tile_group, x, w)
+
+
+def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
+    """dw[g] = x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N].
+
+    Group g's rows are group_starts[g] + [0, group_steps[g] * tile_k); an
+    empty group (0 steps) gets zeros. Here the kernel's rows are K's and its
+    contraction runs over the group's rows."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_rows, k = x.shape
+    n = dy.shape[1]
+    g = group_starts.shape[0]
+    cluster = 2 if t.cluster_n else 1
+    cta_n = 2 * t.tile_n
+    m_iters, n_iters = k // t.tile_m, n // (cta_n * cluster)
+    a_transforms = _transforms(plgpu, t.tile_m, x.dtype)
+    b_transforms = _transforms(plgpu, cta_n, x.dtype)
+
+    def pipeline(body, compute_context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((t.tile_k, t.tile_m), lambda kk: (kk, 0), transforms=a_transforms,
+                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
+                plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms,
+                                memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=t.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
+        ignore = lambda *_, **__: None
+
+        @functools.partial(pl.run_scoped,
+                           # A static grid longer than the stages, so the ring gets all of them.
+                           allocs=pipeline(ignore, ignore, 1 << 16).get_allocations(x_gmem, dy_gmem),
+                           out_smem=_out_smem(plgpu, t, x.dtype), collective_axes="wg")
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+            wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+
+            @plgpu.nd_loop((g, m_iters * n_iters), collective_axes="cluster_grid")
+            def _tiles(info):
+                gi, lin = info.index
+                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
+                if t.cluster_n:
+                    ni = ni * 2 + lax.axis_index("cluster")
+                steps = steps_gmem[gi]
+                # An empty group runs one step without its products, so that its tile is stored as zeros;
+                # the step reads rows that exist (start clamped into the array).
+                start = pl.multiple_of(jnp.minimum(starts_gmem[gi], num_rows - t.tile_k), t.tile_k)
+                cols = pl.ds(ni * cta_n, cta_n)
+                k_rows = pl.ds(mi * t.tile_m, t.tile_m)
+
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
+                                    out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], t)
+
+                def mma(_, a_smem, b_smem, acc_ref):
+                    @pl.when(steps > 0)
+                    def _():
+                        plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
+                        plgpu.wgmma_wait(0)
+
+                    return acc_ref
+
+                group_rows = pl.ds(start, num_rows)  # steps * tile_k of them are read
+                pipeline(mma, compute_context, jnp.maximum(steps, 1))(
+                    x_gmem.at[group_rows, k_rows], dy_gmem.at[group_rows, cols], allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, x, dy)

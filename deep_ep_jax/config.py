@@ -18,6 +18,10 @@ them without touching code:
                              of one GPU each on one machine
   DEEP_EP_JAX_COUNT_TRAFFIC  1: normal mode counts the rows and bytes it moves
                              over NVLink and the network (Buffer.traffic())
+  DEEP_EP_JAX_INTERNODE_PIPELINE
+                             0: normal-mode dispatch across hosts runs its
+                             network send and NVLink forward one after the
+                             other (default 1: pipelined by chunk; for A/B)
 
 Unset or empty means the default; a value that does not parse is a ValueError
 naming the variable.
@@ -98,6 +102,12 @@ class Config:
     # bytes they move over NVLink and over the network, per rank (Buffer.traffic(),
     # docs/internode.md). Off: no counting at all (a kernel argument, null).
     count_traffic: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_COUNT_TRAFFIC", False))
+    # Normal-mode dispatch across hosts: the network send and the NVLink forward
+    # overlap by chunk in one kernel (docs/internode.md). False runs them one
+    # after the other, as separate kernels: for A/B measurements. Every process
+    # of the group must agree (a mismatch stops the call with a message).
+    internode_pipeline: bool = dataclasses.field(
+        default_factory=lambda: _env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
 
     def __post_init__(self):
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).

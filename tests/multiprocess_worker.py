@@ -348,7 +348,8 @@ def case_shared_gpu():
     import oracle
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
-    num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
+    # SHARED_GPU_TOKENS: more tokens per rank, e.g. several chunks per channel of the pipelined dispatch.
+    num_tokens, hidden, topk, num_experts = int(os.environ.get("SHARED_GPU_TOKENS", "8")), 256, 4, 4 * num_ranks
     epr = num_experts // num_ranks
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,

@@ -14,7 +14,7 @@ import pytest
 import deep_ep_jax as dej
 from deep_ep_jax import launch
 from deep_ep_jax import testing as dt
-from deep_ep_jax.backends.cuda import intranode
+from deep_ep_jax.backends.cuda import internode, intranode, sizes
 
 # Config's variables: (variable, Config field, a value, the field's value then, the field's default).
 CONFIG_VARIABLES = [
@@ -24,6 +24,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_LL_OVERLAP_SMS", "low_latency_overlap_sms", "16", 16, 0),
     ("DEEP_EP_JAX_GPUS_PER_HOST", "gpus_per_host", "1", 1, None),
     ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
+    ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
 ]
 OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]
@@ -158,3 +159,28 @@ def test_launch_variables_reach_the_kernels(monkeypatch):
     text = jax.jit(dispatch).lower(x, idx, w).as_text()
     assert "num_sms = 7 : i64" in text, text
     assert "timeout_ns = 2500000000 : i64" in text, text
+
+
+@pytest.mark.extension
+@pytest.mark.parametrize("value, expected", [(None, 1), ("0", 0), ("off", 0), ("1", 1)])
+def test_internode_pipeline_variable_reaches_the_kernels(monkeypatch, value, expected):
+    """DEEP_EP_JAX_INTERNODE_PIPELINE (default on) ends up in the attributes
+    of every internode call: dispatch, cached dispatch and combine."""
+    if value is not None:
+        monkeypatch.setenv("DEEP_EP_JAX_INTERNODE_PIPELINE", value)
+    num_ranks, num_nodes, tokens, hidden, topk = 4, 2, 16, 256, 4
+    buffer = types.SimpleNamespace(buffer_id=1, num_ranks=num_ranks, num_nodes=num_nodes, axis_name="ep",
+                                   config=dej.Config(), backend="cuda", staged=False, ipc=False, spans_hosts=True,
+                                   num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens,
+                                                                              topk))
+    x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+    idx, w = jax.ShapeDtypeStruct((tokens, topk), jnp.int32), jax.ShapeDtypeStruct((tokens, topk), jnp.float32)
+
+    def round_trip(x, idx, w):
+        recv_xs, _, recv_w, handle = internode.dispatch((x,), idx, w, num_experts=8, num_worst_tokens=None,
+                                                        buffer=buffer)
+        again = internode.cached_dispatch((x,), w, handle, buffer=buffer)
+        return again, internode.combine(recv_xs[0], recv_w, handle, buffer=buffer)
+
+    text = jax.jit(round_trip).lower(x, idx, w).as_text()
+    assert text.count(f"pipeline = {expected} : i64") == 3, text

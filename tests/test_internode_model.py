@@ -6,8 +6,10 @@ the destination GPUs of that host. Checks that every row lands exactly once,
 in the contract's order, that no receive slot is written twice, and that the
 network carries one packet per distinct remote destination host, counted from
 the routing itself, not from the model (the
-deduplication docs/internode.md's bandwidth figures assume). Combine the
-other way: every rank's rows to the forwarder of their source on its host
+deduplication docs/internode.md's bandwidth figures assume); the same with
+the pipelined send and forward (sender channels in chunks, tails, forwarder
+pairs) interleaved at random, where a packet forwarded before it landed
+fails. Combine the other way: every rank's rows to the forwarder of their source on its host
 (NVLink), which sums the host's rows and puts one bf16 partial per (token,
 remote host) to the source, which sums the partials in host order: equal to
 the oracle's per-host order bit for bit, one network row per remote host
@@ -21,9 +23,11 @@ import oracle
 from deep_ep_jax import multiprocess, testing
 
 
-def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
+def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, rng=None):
     """x [R, T, H], idx [R, T, K]; nodes[r]: host of rank r. Returns per rank
-    (rows [N, H] with NaN where nothing landed, src_idx [N], count of network packets sent)."""
+    (rows [N, H] with NaN where nothing landed, src_idx [N], count of network
+    packets sent). num_blocks > 1: send and forward as the pipelined kernel
+    with that grid, its steps interleaved at random by rng."""
     num_ranks, num_tokens, _ = x.shape
     num_nodes = max(nodes) + 1
     epr = num_experts // num_ranks
@@ -70,35 +74,123 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens):
     rdma_recv = {}  # (forwarder, source host, position) -> (source rank, token)
     rdma_meta = {}  # (forwarder, source host, position) -> final rows on the forwarder's host's ranks
     packets = 0
-    for s in range(num_ranks):
-        for t in range(num_tokens):
-            for b in range(num_nodes):
-                if b != nodes[s] and node_pos[s, t, b] >= 0:
-                    key = (rank_at[b * per_host + local[s]], nodes[s], node_pos[s, t, b])
-                    assert key not in rdma_recv, f"receive slot {key} written twice"
-                    rdma_recv[key] = (s, t)
-                    rdma_meta[key] = [send_pos[s, t, d] for d in host_ranks[b]]
-                    assert len(rdma_meta[key]) <= 8  # a host's ranks, never all R
-                    packets += 1
-            for d in range(num_ranks):
-                if nodes[d] == nodes[s] and send_pos[s, t, d] >= 0:
-                    deliver(d, send_pos[s, t, d], s, t)
-    # Forward: each forwarder walks the packets of the same-index ranks of the other hosts.
-    for f in range(num_ranks):
+
+    def send_token(s, t):
+        nonlocal packets
+        for b in range(num_nodes):
+            if b != nodes[s] and node_pos[s, t, b] >= 0:
+                key = (rank_at[b * per_host + local[s]], nodes[s], node_pos[s, t, b])
+                assert key not in rdma_recv, f"receive slot {key} written twice"
+                rdma_recv[key] = (s, t)
+                rdma_meta[key] = [send_pos[s, t, d] for d in host_ranks[b]]
+                assert len(rdma_meta[key]) <= 8  # a host's ranks, never all R
+                packets += 1
+        for d in range(num_ranks):
+            if nodes[d] == nodes[s] and send_pos[s, t, d] >= 0:
+                deliver(d, send_pos[s, t, d], s, t)
+
+    def forward_packet(f, s, p):
+        s_, t = rdma_recv.pop((f, nodes[s], p))  # KeyError: forwarded before it landed, or twice
+        final_rows = rdma_meta.pop((f, nodes[s], p))
+        assert s_ == s
+        for d, row in zip(host_ranks[nodes[f]], final_rows):
+            if row >= 0:
+                deliver(d, row, s, t)
+
+    if num_blocks > 1:
+        pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_pos, send_token, forward_packet,
+                               rng)
+    else:
         for s in range(num_ranks):
-            if nodes[s] == nodes[f] or local[s] != local[f]:
-                continue
-            for p in range(node_counts[s, nodes[f]]):
-                s_, t = rdma_recv.pop((f, nodes[s], p))
-                final_rows = rdma_meta.pop((f, nodes[s], p))
-                assert s_ == s
-                for d, row in zip(host_ranks[nodes[f]], final_rows):
-                    if row >= 0:
-                        deliver(d, row, s, t)
+            for t in range(num_tokens):
+                send_token(s, t)
+        # Forward: each forwarder walks the packets of the same-index ranks of the other hosts.
+        for f in range(num_ranks):
+            for s in range(num_ranks):
+                if nodes[s] == nodes[f] or local[s] != local[f]:
+                    continue
+                for p in range(node_counts[s, nodes[f]]):
+                    forward_packet(f, s, p)
     assert not rdma_recv, "packets nobody forwarded"
     handle = {"send_pos": send_pos, "src_idx": src_idx, "src_rank": src_rank,
               "num_recv": np.minimum(counts.sum(0), num_worst_tokens)}
     return landing, src_idx, packets, handle
+
+
+# The pipelined kernel's constants (csrc/kernels/internode.h).
+PIPELINE_SENDER_SHARE, PIPELINE_CHUNK_TOKENS = 2, 16
+
+
+def pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_pos, send_token, forward_packet, rng):
+    """The pipelined kernel's schedule (PipelinedMoveKernel): sender channel
+    c of rank s sends tokens [T c / C, T (c+1) / C) in chunks, each chunk
+    raising its tail at every remote forwarder with new packets (the first
+    at all); forwarder blocks poll the tails of their (remote host, channel)
+    pairs and forward [done, tail) from the channel's head. Steps of all
+    senders and forwarders interleave at random: a forwarder that forwards a
+    position that has not landed, or twice, fails in forward_packet."""
+    num_ranks, num_nodes = len(nodes), max(nodes) + 1
+    per_host = num_ranks // num_nodes
+    channels = num_blocks // PIPELINE_SENDER_SHARE
+    forwarders = num_blocks - channels
+    heads, tails = {}, {}  # (forwarder, source host, channel) -> (first position, count) / delivered
+
+    def sender(s, c):
+        begin, end = num_tokens * c // channels, num_tokens * (c + 1) // channels
+        fwd = {b: rank_at[b * per_host + local[s]] for b in range(num_nodes) if b != nodes[s]}
+        sent = dict.fromkeys(fwd, 0)
+        for b, f in fwd.items():
+            positions = [node_pos[s, t, b] for t in range(begin, end) if node_pos[s, t, b] >= 0]
+            assert positions == list(range(positions[0], positions[0] + len(positions))) if positions else True
+            heads[(f, nodes[s], c)] = (positions[0] if positions else 0, len(positions))
+        chunk = begin
+        while chunk == begin or chunk < end:
+            chunk_end = min(end, chunk + PIPELINE_CHUNK_TOKENS)
+            for t in range(chunk, chunk_end):
+                send_token(s, t)
+            for b, f in fwd.items():
+                fresh = sum(node_pos[s, t, b] >= 0 for t in range(chunk, chunk_end))
+                if fresh or chunk == begin:
+                    sent[b] += fresh
+                    tails[(f, nodes[s], c)] = sent[b]
+            yield
+            chunk += PIPELINE_CHUNK_TOKENS
+
+    def forwarder(f, block):
+        total = (num_nodes - 1) * channels
+        pairs = []
+        for i in range(block, total, forwarders):
+            remote = i // channels
+            pairs.append((remote if remote < nodes[f] else remote + 1, i % channels))
+        assert len(pairs) <= num_nodes  # the kernel's shared arrays: one slot per pair, at most H
+        done = dict.fromkeys(pairs, 0)
+        while True:
+            open_pairs = 0
+            for node, c in pairs:
+                key = (f, node, c)
+                if key not in tails:
+                    open_pairs += 1
+                    continue
+                head, count = heads[key]
+                if done[(node, c)] == count:
+                    continue
+                open_pairs += 1
+                source = rank_at[node * per_host + local[f]]
+                for i in range(done[(node, c)], min(tails[key], count)):
+                    forward_packet(f, source, head + i)
+                done[(node, c)] = min(tails[key], count)
+            if open_pairs == 0:
+                return
+            yield
+
+    steps = [sender(s, c) for s in range(num_ranks) for c in range(channels)]
+    steps += [forwarder(f, block) for f in range(num_ranks) for block in range(forwarders)]
+    while steps:
+        step = steps[rng.integers(len(steps))]
+        try:
+            next(step)
+        except StopIteration:
+            steps.remove(step)
 
 
 def _host_tables(nodes):
@@ -214,6 +306,12 @@ def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind
     nodes = multiprocess.group_nodes(["machine"] * num_ranks, gpus_per_host)
     landing, src_idx, packets, handle = model_dispatch(x, idx, nodes, num_experts, rows)
     assert packets == remote_hosts_per_token(idx, nodes, num_experts)  # once per (token, remote destination host)
+    # The pipelined kernel at a few grids lands the same rows (and sends the same packets).
+    for num_blocks in (2, 5, 24):
+        piped, piped_src, piped_packets, _ = model_dispatch(x, idx, nodes, num_experts, rows, num_blocks, rng)
+        np.testing.assert_array_equal(piped, landing)
+        np.testing.assert_array_equal(piped_src, src_idx)
+        assert piped_packets == packets
     want = oracle.dispatch(x, idx, w, num_experts, rows)
     for r in range(num_ranks):
         n = len(want[r]["x"])

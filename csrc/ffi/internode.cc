@@ -28,7 +28,8 @@ namespace {
   DEEP_EP_JAX_ORDER_RET(RET)                               \
   ATTR(int64_t, buffer_id)                                 \
   ATTR(int64_t, num_experts)                               \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                    \
+  ATTR(int64_t, pipeline)
 #define INTERNODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
   DEEP_EP_JAX_ORDER_ARG(ARG)                                      \
   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
@@ -36,7 +37,8 @@ namespace {
   RET(ffi::Buffer<ffi::S32>, node_pos)                            \
   DEEP_EP_JAX_ORDER_RET(RET)                                      \
   ATTR(int64_t, buffer_id)                                        \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                           \
+  ATTR(int64_t, pipeline)
 #define INTERNODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
   DEEP_EP_JAX_ORDER_ARG(ARG)                              \
   DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
@@ -45,12 +47,14 @@ namespace {
   DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
   DEEP_EP_JAX_ORDER_RET(RET)                              \
   ATTR(int64_t, buffer_id)                                \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)
+  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                   \
+  ATTR(int64_t, pipeline)
 
 // The buffer's state on this device (an NVSHMEM buffer with a normal region) and the launch knobs.
 ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
-                   int64_t count_traffic, const DeviceState** state, internode::LaunchConfig* config) {
+                   int64_t count_traffic, int64_t pipeline, const DeviceState** state,
+                   internode::LaunchConfig* config) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, state));
   const DeviceState& s = **state;
   if (s.num_ranks > kMaxInternodeNormalRanks) {
@@ -72,6 +76,7 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
       CheckLaunchKnobs(fn, num_sms, internode::kMaxBlocks, num_warps, internode::kMaxWarps, timeout_ns));
   *config = internode::LaunchConfig{int(num_sms), int(num_warps), uint64_t(timeout_ns)};
   config->count_traffic = count_traffic != 0;
+  config->pipeline = pipeline != 0;
   return CheckCallOrder(fn, order, order_out, &config->order);
 }
 
@@ -110,8 +115,8 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
+              &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
@@ -149,8 +154,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
+              &state, &config));
   NormalShapes s{};
   RowArrays rows{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
@@ -179,8 +184,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, &state,
-              &config));
+      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
+              &state, &config));
   NormalShapes s{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
                                                DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));

@@ -119,6 +119,7 @@ __device__ __forceinline__ void CompleteWrites() {
 struct NotifyArgs {
   int mode;
   int num_blocks;  // of the move kernels: peers wait for each other's blocks by index
+  int pipeline;    // 1: dispatch's send and forward run pipelined (peers must agree: the roles of their blocks)
   const int* topk_idx;         // dispatch
   const int* cached_send_pos;  // cached dispatch
   int num_tokens, num_topk, num_experts, num_worst_tokens;
@@ -252,6 +253,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   if (threadIdx.x == 0) {
     mine[kRecordCalls] = tag;
     mine[kRecordBlocks] = a.num_blocks;
+    mine[kRecordPipeline] = a.pipeline;
   }
   __threadfence();
   __syncthreads();
@@ -278,6 +280,8 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
     CheckPeerCall(tag, LoadVolatile(theirs + kRecordCalls), me, peer);
     CheckPeerLaunch(a.num_blocks, LoadVolatile(theirs + kRecordBlocks), ModeName(a.mode), "blocks (Config.num_sms)",
                     me, peer);
+    CheckPeerLaunch(a.pipeline, LoadVolatile(theirs + kRecordPipeline), ModeName(a.mode),
+                    "pipelined stages (1 = on; Config.internode_pipeline)", me, peer);
   }
   __syncthreads();
 
@@ -381,22 +385,26 @@ struct MoveArgs {
 // Token `src_token`'s row lands at `row` of the landing area of rank `dest`,
 // this host's rank of index `j`; top-k ids become dest's local ids (-1 and
 // weight 0 for experts elsewhere; cached dispatch moves weights as they are).
+// `load` reads the source: plain for the caller's inputs, NoAllocateLoad for
+// packets that peers put while the kernel runs.
+template <typename Load = PlainLoad>
 __device__ void DeliverRow(const Group& g, const MoveArgs& a, int j, int dest, int row,
                            const char* const (&rows)[kMaxRowArrays], int src_token, const int* topk,
-                           const float* weights, int lane) {
+                           const float* weights, int lane, Load load = {}) {
   const Layout& L = a.L;
   char* base = g.host_regions[j];
 #pragma unroll
   for (int i = 0; i < kMaxRowArrays; ++i) {
     if (L.row_bytes[i] == 0) continue;
-    StridedCopyBytes<4>(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane, kWarpSize);
+    StridedCopyBytes<4>(base + L.rows[i] + int64_t(row) * L.row_bytes[i], rows[i], L.row_bytes[i], lane, kWarpSize,
+                        load);
   }
   int* idx_out = reinterpret_cast<int*>(base + L.topk_idx) + int64_t(row) * L.num_topk;
   float* w_out = reinterpret_cast<float*>(base + L.topk_weights) + int64_t(row) * L.num_topk;
   for (int k = lane; k < L.num_topk; k += kWarpSize) {
-    const float w = weights != nullptr ? weights[k] : 0.0f;
+    const float w = weights != nullptr ? __int_as_float(load(reinterpret_cast<const int*>(weights) + k)) : 0.0f;
     if (a.mode == kDispatch) {
-      const int e = topk[k], local = e - dest * a.experts_per_rank;
+      const int e = load(topk + k), local = e - dest * a.experts_per_rank;
       const bool mine = e >= 0 && local >= 0 && local < a.experts_per_rank;
       idx_out[k] = mine ? local : -1;
       w_out[k] = mine ? w : 0.0f;
@@ -407,64 +415,77 @@ __device__ void DeliverRow(const Group& g, const MoveArgs& a, int j, int dest, i
   if (lane == 0 && a.mode == kDispatch) reinterpret_cast<int*>(base + L.src_idx)[row] = src_token;
 }
 
+// Token t, by one warp: a packet to each remote host with a destination
+// (forwarder_pe: [host] PE of the rank there with this rank's index), rows
+// for this host's ranks straight into their landing areas.
+__device__ void SendToken(const Group& g, const MoveArgs& a, const int* forwarder_pe, int t, int lane) {
+  const Layout& L = a.L;
+  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node;
+  const int* pos = a.send_pos + int64_t(t) * R;
+  const int* node_pos = a.node_pos + int64_t(t) * H;
+  const int* topk = a.topk_idx != nullptr ? a.topk_idx + int64_t(t) * L.num_topk : nullptr;
+  const float* weights = a.topk_weights != nullptr ? a.topk_weights + int64_t(t) * L.num_topk : nullptr;
+  const char* rows[kMaxRowArrays];
+  for (int i = 0; i < kMaxRowArrays; ++i) rows[i] = a.x[i] + int64_t(t) * L.row_bytes[i];
+
+  // Other hosts: one packet, staged once (the source of a put must be in
+  // the symmetric heap), put to each host's forwarder (lanes look at 32 hosts at a time).
+  bool remote = false;
+  for (int b = lane; b < H; b += kWarpSize) remote |= b != g.node && node_pos[b] >= 0;
+  if (__any_sync(0xffffffffu, remote)) {
+    char* packet = g.local_region() + L.send + int64_t(t) * L.packet_bytes;
+#pragma unroll
+    for (int i = 0; i < kMaxRowArrays; ++i) {
+      if (L.row_bytes[i] > 0) StridedCopyBytes<4>(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane, kWarpSize);
+    }
+    int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
+    if (lane == 0) meta[0] = t;
+    for (int k = lane; k < L.num_topk; k += kWarpSize) {
+      meta[1 + k] = topk != nullptr ? topk[k] : -1;
+      reinterpret_cast<float*>(meta + 1 + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
+    }
+    FenceStagedForWarpPut();
+    for (int b0 = 0; b0 < H; b0 += kWarpSize) {
+      const int b = b0 + lane;
+      const int p = b < H && b != g.node ? node_pos[b] : -1;
+      const uint32_t put_hosts = __ballot_sync(0xffffffffu, p >= 0);
+      if (lane == 0) CountTraffic(a.traffic, true, __popc(put_hosts), L.row_bytes[0] + L.row_bytes[1]);
+      for (uint32_t hosts = put_hosts; hosts != 0; hosts &= hosts - 1) {
+        const int j = __ffs(hosts) - 1, position = __shfl_sync(0xffffffffu, p, j);
+        const size_t slot = L.rdma_recv + (size_t(g.node) * L.num_tokens + position) * L.packet_bytes;
+        nvshmemx_putmem_nbi_warp(g.local_region() + slot, packet, L.packet_bytes, forwarder_pe[b0 + j]);
+      }
+    }
+  }
+  // This host: straight into the destinations' landing areas.
+  int peers = 0;
+  for (int j = 0; j < G; ++j) {
+    const int r = g.host_ranks[j], row = HandleRow(pos[r], L.num_worst_tokens);
+    if (row >= 0) DeliverRow(g, a, j, r, row, rows, t, topk, weights, lane);
+    peers += row >= 0 && j != g.local;
+  }
+  if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
+}
+
+// forwarder_pe[b]: PE of host b's rank with this rank's index. Ends with __syncthreads.
+__device__ void LoadForwarderPes(const Group& g, int* forwarder_pe) {
+  for (int b = threadIdx.x; b < g.num_nodes; b += blockDim.x) {
+    forwarder_pe[b] = g.pes[g.rank_at[b * g.ranks_per_node + g.local]];
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, MoveArgs a) {
   __shared__ int forwarder_pe[kMaxRanks];  // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
-  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
+  const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
-  for (int b = threadIdx.x; b < H; b += blockDim.x) forwarder_pe[b] = g.pes[g.rank_at[b * G + g.local]];
-  __syncthreads();
+  LoadForwarderPes(g, forwarder_pe);
   Control* control = g.control();
   const int seq = LoadVolatile(&control->seq);
-
-  for (int t = warp; t < L.num_tokens; t += num_warps) {
-    const int* pos = a.send_pos + int64_t(t) * R;
-    const int* node_pos = a.node_pos + int64_t(t) * H;
-    const int* topk = a.topk_idx != nullptr ? a.topk_idx + int64_t(t) * L.num_topk : nullptr;
-    const float* weights = a.topk_weights != nullptr ? a.topk_weights + int64_t(t) * L.num_topk : nullptr;
-    const char* rows[kMaxRowArrays];
-    for (int i = 0; i < kMaxRowArrays; ++i) rows[i] = a.x[i] + int64_t(t) * L.row_bytes[i];
-
-    // Other hosts: one packet, staged once (the source of a put must be in
-    // the symmetric heap), put to each host's forwarder (lanes look at 32 hosts at a time).
-    bool remote = false;
-    for (int b = lane; b < H; b += kWarpSize) remote |= b != g.node && node_pos[b] >= 0;
-    if (__any_sync(0xffffffffu, remote)) {
-      char* packet = g.local_region() + L.send + int64_t(t) * L.packet_bytes;
-#pragma unroll
-      for (int i = 0; i < kMaxRowArrays; ++i) {
-        if (L.row_bytes[i] > 0) StridedCopyBytes<4>(packet + L.packet_row[i], rows[i], L.row_bytes[i], lane, kWarpSize);
-      }
-      int* meta = reinterpret_cast<int*>(packet + L.packet_meta);
-      if (lane == 0) meta[0] = t;
-      for (int k = lane; k < L.num_topk; k += kWarpSize) {
-        meta[1 + k] = topk != nullptr ? topk[k] : -1;
-        reinterpret_cast<float*>(meta + 1 + L.num_topk)[k] = weights != nullptr ? weights[k] : 0.0f;
-      }
-      FenceStagedForWarpPut();
-      for (int b0 = 0; b0 < H; b0 += kWarpSize) {
-        const int b = b0 + lane;
-        const int p = b < H && b != g.node ? node_pos[b] : -1;
-        const uint32_t put_hosts = __ballot_sync(0xffffffffu, p >= 0);
-        if (lane == 0) CountTraffic(a.traffic, true, __popc(put_hosts), L.row_bytes[0] + L.row_bytes[1]);
-        for (uint32_t hosts = put_hosts; hosts != 0; hosts &= hosts - 1) {
-          const int j = __ffs(hosts) - 1, position = __shfl_sync(0xffffffffu, p, j);
-          const size_t slot = L.rdma_recv + (size_t(g.node) * L.num_tokens + position) * L.packet_bytes;
-          nvshmemx_putmem_nbi_warp(g.local_region() + slot, packet, L.packet_bytes, forwarder_pe[b0 + j]);
-        }
-      }
-    }
-    // This host: straight into the destinations' landing areas.
-    int peers = 0;
-    for (int j = 0; j < G; ++j) {
-      const int r = g.host_ranks[j], row = HandleRow(pos[r], L.num_worst_tokens);
-      if (row >= 0) DeliverRow(g, a, j, r, row, rows, t, topk, weights, lane);
-      peers += row >= 0 && j != g.local;
-    }
-    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
-  }
+  for (int t = warp; t < L.num_tokens; t += num_warps) SendToken(g, a, forwarder_pe, t, lane);
   // The packets' final rows on each remote host's ranks (staged by the notify
   // kernel), one put per host, after the same flag as the packets.
   const size_t meta_row = size_t(G) * sizeof(int);
@@ -511,6 +532,30 @@ __device__ int HostOfEntry(const int* starts, int H, int i) {
 }
 
 
+// The packet at `position` from host src_node, by one warp: to its
+// destination ranks of this host. Peers' puts: coherent loads that leave no
+// line in L1 (a line may also hold a packet or final rows not landed yet).
+__device__ void ForwardPacket(const Group& g, const MoveArgs& a, int src_node, int position, int lane) {
+  const Layout& L = a.L;
+  const int G = g.ranks_per_node;
+  const size_t at = size_t(src_node) * L.num_tokens + position;
+  const char* packet = g.local_region() + L.rdma_recv + at * L.packet_bytes;
+  const int* final_rows = reinterpret_cast<const int*>(g.local_region() + L.rdma_meta) + at * G;
+  const int* meta = reinterpret_cast<const int*>(packet + L.packet_meta);
+  const char* rows[kMaxRowArrays];
+  for (int k = 0; k < kMaxRowArrays; ++k) rows[k] = packet + L.packet_row[k];
+  const int* topk = meta + 1;
+  const float* weights = a.topk_weights != nullptr ? reinterpret_cast<const float*>(topk + L.num_topk) : nullptr;
+  const int token = LoadNoAllocate(meta);
+  int peers = 0;
+  for (int j = 0; j < G; ++j) {
+    const int row = LoadNoAllocate(final_rows + j);
+    if (row >= 0) DeliverRow(g, a, j, g.host_ranks[j], row, rows, token, topk, weights, lane, NoAllocateLoad{});
+    peers += row >= 0 && j != g.local;
+  }
+  if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
+}
+
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
   __shared__ int starts[kMaxRanks + 1];  // [source host]: packets from the hosts before it (H + 1 used)
   const Layout& L = a.L;
@@ -537,23 +582,211 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   const int total = starts[H];
   for (int i = warp; i < total; i += num_warps) {
     const int b = HostOfEntry(starts, H, i);
-    const size_t at = size_t(b) * L.num_tokens + (i - starts[b]);
-    const char* packet = g.local_region() + L.rdma_recv + at * L.packet_bytes;
-    const int* final_rows = reinterpret_cast<const int*>(g.local_region() + L.rdma_meta) + at * G;
-    const int* meta = reinterpret_cast<const int*>(packet + L.packet_meta);
-    const char* rows[kMaxRowArrays];
-    for (int k = 0; k < kMaxRowArrays; ++k) rows[k] = packet + L.packet_row[k];
-    const int* topk = meta + 1;
-    const float* weights = reinterpret_cast<const float*>(topk + L.num_topk);
-    const int token = meta[0];
-    int peers = 0;
-    for (int j = 0; j < G; ++j) {
-      const int row = final_rows[j];
-      if (row >= 0) DeliverRow(g, a, j, g.host_ranks[j], row, rows, token, topk, a.topk_weights != nullptr ? weights : nullptr, lane);
-      peers += row >= 0 && j != g.local;
-    }
-    if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
+    ForwardPacket(g, a, b, i - starts[b], lane);
   }
+  __threadfence_system();
+  __syncthreads();
+  for (int j = threadIdx.x; j < G; j += blockDim.x) {
+    StoreReleaseSys(g.In(g.host_regions[j], DoneFlag(g, L, me, blockIdx.x)), seq);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Steps 2 and 3 pipelined (LaunchConfig::pipeline): one kernel whose blocks
+// take roles. Sender block c is channel c: tokens [ChannelBegin(c),
+// ChannelBegin(c + 1)) in chunks of kPipelineChunkTokens; a channel's
+// packets to host b fill the contiguous positions [head, head + count)
+// there, so after each chunk it raises a 64-bit tail at each remote
+// forwarder, (sequence number << 32) | packets delivered. Forwarder blocks
+// poll the tails of their (source host, channel) pairs and forward each
+// newly landed packet at once. Rows, landing rows and counters are those of
+// the serial kernels: only the time a row moves changes.
+//
+// Ordering: every thread of a sender block completes its puts of the chunk
+// (packets, final rows, and before the first tail the channel's head) with
+// nvshmem_quiet, the block meets at __syncthreads, then one thread per
+// remote host sets the tail (nvshmemx_signal_op). Quiet, not nvshmem_fence:
+// a fence orders only the calling thread's operations per destination, and
+// the chunk's puts come from every warp of the block.
+//
+// Deadlock: a sender waits for nothing (every packet has its own slot, so
+// there is no ring to drain); a forwarder waits only for other ranks'
+// senders. No block waits for a block of its own rank, so progress needs no
+// co-residency of the roles, and with several ranks time-sliced on one GPU a
+// spinning forwarder only spends its own rank's slice. Senders take the low
+// block indices, so even a grid larger than the GPU (it never is:
+// Config.num_sms <= the SM count) starts them first.
+
+__device__ __forceinline__ int ChannelBegin(int num_tokens, int channel, int num_channels) {
+  return int(int64_t(num_tokens) * channel / num_channels);
+}
+__device__ __forceinline__ uint64_t* Tail(const Group& g, const Layout& L, int src_node, int channel) {
+  return reinterpret_cast<uint64_t*>(g.local_region() + L.tails) + size_t(src_node) * kMaxBlocks + channel;
+}
+// (first position, packets in all) of a channel at this forwarder.
+__device__ __forceinline__ int* ChannelHead(const Group& g, const Layout& L, int src_node, int channel) {
+  return reinterpret_cast<int*>(g.local_region() + L.channel_heads) + (size_t(src_node) * kMaxBlocks + channel) * 2;
+}
+__device__ __forceinline__ uint64_t TailValue(int seq, int delivered) {
+  return (uint64_t(unsigned(seq)) << 32) | unsigned(delivered);
+}
+__device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Per remote host: the channel's first position there (head), the packets it
+// delivered so far (sent) and those of the current chunk (fresh).
+struct SenderState {
+  int head[kMaxRanks], sent[kMaxRanks], fresh[kMaxRanks];
+};
+
+__device__ void SendChannel(const Group& g, const MoveArgs& a, const int* forwarder_pe, int channel, int num_channels,
+                            int seq, SenderState& s) {
+  const Layout& L = a.L;
+  const int H = g.num_nodes, G = g.ranks_per_node;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int begin = ChannelBegin(L.num_tokens, channel, num_channels);
+  const int end = ChannelBegin(L.num_tokens, channel + 1, num_channels);
+  // The channel's head at each remote forwarder, before any of its tails.
+  for (int b = threadIdx.x; b < H; b += blockDim.x) {
+    int first = 0, count = 0;
+    for (int t = begin; b != g.node && t < end; ++t) {
+      const int p = a.node_pos[int64_t(t) * H + b];
+      if (p >= 0 && count++ == 0) first = p;
+    }
+    s.head[b] = first;
+    s.sent[b] = 0;
+    if (b == g.node) continue;
+    int* head = ChannelHead(g, L, g.node, channel);
+    nvshmem_int_p(head, first, forwarder_pe[b]);
+    nvshmem_int_p(head + 1, count, forwarder_pe[b]);
+  }
+  const size_t meta_row = size_t(G) * sizeof(int);
+  // The first chunk runs even when the channel is empty: its tails tell the forwarders so.
+  for (int chunk = begin; chunk == begin || chunk < end; chunk += kPipelineChunkTokens) {
+    const int chunk_end = min(end, chunk + kPipelineChunkTokens);
+    for (int t = chunk + warp; t < chunk_end; t += num_warps) SendToken(g, a, forwarder_pe, t, lane);
+    // The chunk's final rows (staged by the notify kernel), one put per host.
+    for (int b = threadIdx.x; b < H; b += blockDim.x) {
+      int n = 0;
+      for (int t = chunk; b != g.node && t < chunk_end; ++t) n += a.node_pos[int64_t(t) * H + b] >= 0;
+      s.fresh[b] = n;
+      if (n == 0) continue;
+      const size_t position = size_t(s.head[b] + s.sent[b]);
+      const char* from = g.local_region() + L.send_meta + (size_t(b) * L.num_tokens + position) * meta_row;
+      char* to = g.local_region() + L.rdma_meta + (size_t(g.node) * L.num_tokens + position) * meta_row;
+      nvshmem_putmem_nbi(to, from, size_t(n) * meta_row, forwarder_pe[b]);
+    }
+    CompleteWrites();
+    __syncthreads();
+    __threadfence_system();  // the signal after what the block's threads completed before the barrier
+    for (int b = threadIdx.x; b < H; b += blockDim.x) {
+      if (b == g.node || (s.fresh[b] == 0 && chunk != begin)) continue;
+      s.sent[b] += s.fresh[b];
+      nvshmemx_signal_op(Tail(g, L, g.node, channel), TailValue(seq, s.sent[b]), NVSHMEM_SIGNAL_SET, forwarder_pe[b]);
+    }
+  }
+}
+
+// Per (source host, channel) pair of a forwarder block: the channel's first
+// position here, its packets in all (-1 until its head is read), those
+// forwarded; and the pairs with newly landed packets, [from, to) each.
+struct ForwarderState {
+  int head[kMaxRanks], count[kMaxRanks], done[kMaxRanks];
+  int work_pair[kMaxRanks], work_from[kMaxRanks], work_to[kMaxRanks];
+  int num_work, num_open;
+};
+
+// Pair k of forwarder block f of F: (remote host, channel) number f + k * F,
+// remote hosts in order, this host skipped.
+__device__ __forceinline__ void PairOf(const Group& g, int num_channels, int f, int num_forwarders, int k, int* node,
+                                       int* channel) {
+  const int i = f + k * num_forwarders, remote = i / num_channels;
+  *node = remote < g.node ? remote : remote + 1;
+  *channel = i % num_channels;
+}
+
+__device__ void ForwardChannels(const Group& g, const MoveArgs& a, int f, int num_forwarders, int num_channels, int seq,
+                                ForwarderState& s) {
+  const Layout& L = a.L;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int total_pairs = (g.num_nodes - 1) * num_channels;
+  // At most ceil((H - 1) * channels / forwarders) <= H pairs: forwarders >= channels (PipelineChannels).
+  const int num_pairs = f < total_pairs ? (total_pairs - f + num_forwarders - 1) / num_forwarders : 0;
+  for (int k = threadIdx.x; k < num_pairs; k += blockDim.x) {
+    s.count[k] = -1;
+    s.done[k] = 0;
+  }
+  uint64_t idle_since = GlobalTimerNs();
+  for (;;) {
+    if (threadIdx.x == 0) s.num_work = s.num_open = 0;
+    __syncthreads();
+    for (int k = threadIdx.x; k < num_pairs; k += blockDim.x) {
+      if (s.count[k] >= 0 && s.done[k] == s.count[k]) continue;
+      atomicAdd(&s.num_open, 1);
+      int node, channel;
+      PairOf(g, num_channels, f, num_forwarders, k, &node, &channel);
+      const uint64_t tail = LoadAcquireSys64(Tail(g, L, node, channel));
+      if (int(tail >> 32) != seq) continue;  // no chunk of this call yet (senders are never a call ahead)
+      if (s.count[k] < 0) {
+        const int* head = ChannelHead(g, L, node, channel);
+        s.head[k] = LoadVolatile(head);
+        s.count[k] = LoadVolatile(head + 1);
+      }
+      const int delivered = min(int(uint32_t(tail)), s.count[k]);
+      if (delivered > s.done[k]) {
+        const int w = atomicAdd(&s.num_work, 1);
+        s.work_pair[w] = k;
+        s.work_from[w] = s.done[k];
+        s.work_to[w] = delivered;
+        s.done[k] = delivered;
+      }
+    }
+    __syncthreads();
+    if (s.num_open == 0) break;
+    for (int w = 0; w < s.num_work; ++w) {
+      int node, channel;
+      PairOf(g, num_channels, f, num_forwarders, s.work_pair[w], &node, &channel);
+      const int head = s.head[s.work_pair[w]];
+      for (int i = s.work_from[w] + warp; i < s.work_to[w]; i += num_warps) ForwardPacket(g, a, node, head + i, lane);
+    }
+    if (s.num_work > 0) {
+      idle_since = GlobalTimerNs();
+    } else if (threadIdx.x == 0 && GlobalTimerNs() - idle_since > g.timeout_ns) {
+      for (int k = 0; k < num_pairs; ++k) {
+        if (s.count[k] >= 0 && s.done[k] == s.count[k]) continue;
+        int node, channel;
+        PairOf(g, num_channels, f, num_forwarders, k, &node, &channel);
+        printf("deep_ep_jax timeout: %s rank %d waited %.1f s for the RDMA tail of a channel (packets delivered) "
+               "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx\n",
+               ModeName(a.mode), g.rank, g.timeout_ns * 1e-9, g.rank_at[node * g.ranks_per_node + g.local], channel,
+               s.done[k], s.count[k], seq, static_cast<unsigned long long>(*Tail(g, L, node, channel)));
+        __trap();
+      }
+    }
+    __syncthreads();  // the next round resets the work list
+  }
+}
+
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedMoveKernel(Group g, MoveArgs a) {
+  __shared__ int forwarder_pe[kMaxRanks];  // [host]: PE of the rank there with this rank's index
+  __shared__ union {
+    SenderState sender;
+    ForwarderState forwarder;
+  } state;
+  const Layout& L = a.L;
+  const int G = g.ranks_per_node, me = g.rank;
+  LoadForwarderPes(g, forwarder_pe);
+  const int seq = LoadVolatile(&g.control()->seq);
+  const int num_channels = PipelineChannels(gridDim.x);
+  if (int(blockIdx.x) < num_channels) {
+    SendChannel(g, a, forwarder_pe, blockIdx.x, num_channels, seq, state.sender);
+  } else {
+    ForwardChannels(g, a, blockIdx.x - num_channels, gridDim.x - num_channels, num_channels, seq, state.forwarder);
+  }
+  // Every rank of this host hears from every block (rows it stored there, or none): the finish kernel waits.
   __threadfence_system();
   __syncthreads();
   for (int j = threadIdx.x; j < G; j += blockDim.x) {
@@ -907,11 +1140,15 @@ TrafficCounters* TrafficOf(const DeviceState& state, const LaunchConfig& c, int 
   return c.count_traffic ? reinterpret_cast<TrafficCounters*>(state.normal.local + kTrafficOffset) + mode : nullptr;
 }
 
+// Whether dispatch runs the pipelined kernel: asked for, and a grid with a sender and a forwarder.
+bool Pipelined(const LaunchConfig& c) { return c.pipeline && PipelineChannels(c.num_blocks) >= 1; }
+
 NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, const Layout& L) {
   NotifyArgs n{};
   n.mode = mode;
   n.order = c.order;
   n.num_blocks = c.num_blocks;
+  n.pipeline = Pipelined(c);
   n.num_tokens = num_tokens;
   n.L = L;
   return n;
@@ -927,13 +1164,18 @@ cudaError_t MarkCallRunningForTesting(char* region) {
 cudaError_t SetSequenceForTesting(char* region, int num_ranks, int seq) {
   const Control control{seq, 0};
   cudaError_t err = cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
-  // Every flag: ready [R], rdma_done and done [R][kMaxBlocks].
+  // Every flag: ready [R], rdma_done and done [R][kMaxBlocks], tails [R][kMaxBlocks].
   const Layout L = MakeLayout(Shapes{}, num_ranks, 1, true);
   const std::vector<int> flags(size_t(num_ranks) * kMaxBlocks, seq);
   const size_t flag_bytes = flags.size() * sizeof(int);
   if (err == cudaSuccess) err = cudaMemcpy(region + L.ready, flags.data(), size_t(num_ranks) * sizeof(int), cudaMemcpyHostToDevice);
   if (err == cudaSuccess) err = cudaMemcpy(region + L.rdma_done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
   if (err == cudaSuccess) err = cudaMemcpy(region + L.done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
+  // Tails of call seq, so that none reads as the next call's (its number in the high word).
+  const std::vector<uint64_t> tails(size_t(num_ranks) * kMaxBlocks, uint64_t(unsigned(seq)) << 32);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(region + L.tails, tails.data(), tails.size() * sizeof(uint64_t), cudaMemcpyHostToDevice);
+  }
   return err;
 }
 
@@ -972,8 +1214,12 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   move.experts_per_rank = experts_per_rank;
   move.traffic = TrafficOf(state, c, mode);
   move.L = L;
-  SendKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
-  ForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
+  if (Pipelined(c)) {
+    PipelinedMoveKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
+  } else {
+    SendKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
+    ForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, move);
+  }
 
   const int* num_recv = cached ? p.cached_num_recv_tokens : p.num_recv_tokens;
   FinishArgs finish{mode, c.num_blocks, num_recv, experts_per_rank, cached ? nullptr : p.num_recv_tokens_per_expert, L};

@@ -18,6 +18,10 @@
 //      in one put per host; writes rows for this host's ranks directly.
 //   3. forward: waits for the packets from the same-index ranks of the other
 //      hosts and copies each to its destination ranks of this host.
+//   2+3 pipelined (LaunchConfig::pipeline, the default): one kernel, half its
+//      blocks senders (a channel of contiguous tokens each, sent in chunks,
+//      a tail per (source host, channel) at the forwarder after each chunk),
+//      half forwarders (forward each chunk as its tail arrives).
 //   4. finish: waits until every rank of this host is done writing here,
 //      counts rows per local expert, and copies the landed rows into XLA's
 //      outputs (the landing area is this rank's region: staged).
@@ -69,7 +73,19 @@ struct LaunchConfig {
   uint64_t timeout_ns;
   CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
   bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
+  bool pipeline = true;        // dispatch's send and forward in one kernel, by chunk (else one after the other)
 };
+
+// Pipelined dispatch (LaunchConfig::pipeline): the send and forward stages
+// run in one kernel whose blocks take roles. Of its num_blocks blocks the
+// first num_blocks / kPipelineSenderShare send (one channel each: a
+// contiguous range of the tokens, in chunks of kPipelineChunkTokens), the
+// rest forward. A grid of one block runs the serial kernels.
+constexpr int kPipelineSenderShare = 2;
+constexpr int kPipelineChunkTokens = 16;
+// Forwarder blocks >= channels bounds the (source host, channel) pairs a forwarder polls by H.
+static_assert(kPipelineSenderShare >= 2, "at least as many forwarder blocks as channels");
+constexpr int PipelineChannels(int num_blocks) { return num_blocks / kPipelineSenderShare; }
 
 // Shapes of one call: they fix the region's layout (identical on every rank,
 // so peers address each other's regions with this rank's offsets).
@@ -90,11 +106,14 @@ struct Layout {
   int num_ranks, ranks_per_node;  // R, G (every host holds G ranks)
   int64_t row_bytes[kMaxRowArrays];
   // Synchronisation: records [2][R] (parity of seq, source) of record_ints
-  // ints: the source's call tag, its move grid, its tokens to each host
+  // ints: the source's call tag, its move grid, whether it pipelines, its tokens to each host
   // (R slots, hosts <= R), its tokens to each rank (R); ready flags [R];
   // rdma_done flags [R][kMaxBlocks] (source host, block); done flags
-  // [R][kMaxBlocks] (source rank, block).
-  size_t records, record_ints, ready, rdma_done, done, sync_end;
+  // [R][kMaxBlocks] (source rank, block). Pipelined dispatch: tails
+  // [R][kMaxBlocks] (source host, channel) of 64 bits, (call's sequence
+  // number << 32) | packets delivered, and channel heads [R][kMaxBlocks] of
+  // two ints (first position, packets in all) that precede the first tail.
+  size_t records, record_ints, ready, rdma_done, done, tails, channel_heads, sync_end;
   // Dispatch landing area (N rows, in the contract's order).
   size_t rows[kMaxRowArrays], topk_idx, topk_weights, src_idx;
   // Dispatch packets: staged here (T), received from each host (num_nodes * T).
@@ -116,8 +135,9 @@ struct Layout {
   size_t end;
 };
 
-// Ints of one source's record in the synchronisation area (see Layout).
-constexpr size_t kRecordCalls = 0, kRecordBlocks = 1, kRecordNodeCounts = 2;
+// Ints of one source's record in the synchronisation area (see Layout):
+// call tag, grid, whether the stages are pipelined, counts.
+constexpr size_t kRecordCalls = 0, kRecordBlocks = 1, kRecordPipeline = 2, kRecordNodeCounts = 3;
 constexpr size_t RecordInts(int num_ranks) { return AlignUp(kRecordNodeCounts + 2 * size_t(num_ranks), 4); }
 constexpr size_t RecordRankCounts(int num_ranks) { return kRecordNodeCounts + size_t(num_ranks); }
 // Ints of a combine's (token, mask) list entry (Layout).
@@ -143,6 +163,8 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
   L.ready = take(R * sizeof(int));
   L.rdma_done = take(R * kMaxBlocks * sizeof(int));
   L.done = take(R * kMaxBlocks * sizeof(int));
+  L.tails = take(R * kMaxBlocks * sizeof(uint64_t));
+  L.channel_heads = take(R * kMaxBlocks * 2 * sizeof(int));
   L.sync_end = offset;
   for (int i = 0; i < kMaxRowArrays; ++i) L.row_bytes[i] = s.row_bytes[i];
   if (!combine) {

@@ -45,7 +45,7 @@ CASE = "large_ep_low_latency"
 RANKS_PER_HOST = 8
 
 
-def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST):
+def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, extra_env=None):
     from deep_ep_jax import nvshmem
 
     # Not a skip: a GPU host runs these tests (conftest), and NVSHMEM belongs there; without it this is a failure.
@@ -61,6 +61,7 @@ def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST):
     # No RDMA NIC needed on one machine: NVSHMEM's peer-to-peer transport carries everything.
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.update(extra_env or {})
     # Every process sees every GPU (NVSHMEM maps its peers'), JAX uses GPU rank // ranks_per_gpu.
     cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_ranks), "--ranks-per-gpu", str(ranks_per_gpu),
            "--all-gpus-visible", "--timeout", str(timeout - 15), "--", WORKER, case]
@@ -69,11 +70,13 @@ def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST):
     return result.returncode, result.stdout + result.stderr, time.time() - start
 
 
-def _run_hosts_case(case, num_hosts, ranks_per_host, timeout, summary):
+def _run_hosts_case(case, num_hosts, ranks_per_host, timeout, summary, extra_env=None):
     """Runs worker `case` on num_hosts emulated hosts of ranks_per_host
-    ranks: it must exit 0, every rank report OK, and `summary` be printed."""
+    ranks (extra_env added to the workers' environment): it must exit 0,
+    every rank report OK, and `summary` be printed."""
     num_ranks = num_hosts * ranks_per_host
-    code, output, elapsed = _launch(num_ranks, timeout=timeout, case=case, ranks_per_host=ranks_per_host)
+    code, output, elapsed = _launch(num_ranks, timeout=timeout, case=case, ranks_per_host=ranks_per_host,
+                                    extra_env=extra_env)
     assert code == 0, output[-8000:]
     for rank in range(num_ranks):
         assert f"[rank {rank}] process {rank}/{num_ranks}: CASE {case} OK" in output, output[-8000:]
@@ -106,6 +109,29 @@ def test_normal_mode_combine_per_host(num_hosts, ranks_per_host):
     source (bf16 partials), bit for bit as tests/oracle.py's
     gpus_per_host order, at small groups of several hosts of several ranks."""
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 200, SHARED_GPU_SUMMARY)
+
+
+# Grids and token counts that reach every branch of the pipelined dispatch
+# (csrc/kernels/internode.cu, PipelinedMoveKernel), and its A/B switch.
+PIPELINE_GRIDS = {
+    # the serial send and forward kernels, from the same build
+    "serial": (2, 2, {"DEEP_EP_JAX_INTERNODE_PIPELINE": "0"}),
+    # one block: no room for a sender and a forwarder, the serial kernels run
+    "one_block": (2, 2, {"DEEP_EP_JAX_NUM_SMS": "1"}),
+    # one channel of 64 tokens: 4 chunks, each tail after the first; a forwarder block with no pair
+    "one_channel": (2, 2, {"DEEP_EP_JAX_NUM_SMS": "3", "SHARED_GPU_TOKENS": "64"}),
+    # 2 channels of 20 tokens (a full chunk and a part), 3 remote hosts x 2 channels over 2 forwarders
+    "four_hosts": (4, 2, {"DEEP_EP_JAX_NUM_SMS": "4", "SHARED_GPU_TOKENS": "40"}),
+}
+
+
+@pytest.mark.parametrize("grid", PIPELINE_GRIDS)
+def test_normal_mode_pipeline_grids(grid):
+    """Dispatch (and cached dispatch, combine) across hosts against the
+    oracle with the pipelined dispatch's roles at small grids, several
+    chunks per channel, and with the serial kernels."""
+    num_hosts, ranks_per_host, extra_env = PIPELINE_GRIDS[grid]
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 240, SHARED_GPU_SUMMARY, extra_env=extra_env)
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4)])

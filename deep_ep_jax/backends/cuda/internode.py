@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import common
@@ -67,6 +68,11 @@ def _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes):
         num_tokens, num_rows, num_topk, row_bytes[0], row_bytes[1], buffer.num_ranks, buffer.num_nodes)
 
 
+def _launch_attrs(buffer):
+    """The normal-mode launch attributes and whether dispatch pipelines its stages (Config.internode_pipeline)."""
+    return dict(common.launch_attrs(buffer), pipeline=np.int64(buffer.config.internode_pipeline))
+
+
 def _node_pos(num_tokens, buffer):
     return dict(node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
 
@@ -82,7 +88,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
     common.check_num_experts(fn, num_experts, num_ranks)
     return common.dispatch_call(DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
-                                common.launch_attrs(buffer), scratch_types=_node_pos(num_tokens, buffer))
+                                _launch_attrs(buffer), scratch_types=_node_pos(num_tokens, buffer))
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):
@@ -94,7 +100,7 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     shape = dict(num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
-    return common.cached_dispatch_call(CACHED_DISPATCH, buffer, xs, topk_weights, handle, common.launch_attrs(buffer),
+    return common.cached_dispatch_call(CACHED_DISPATCH, buffer, xs, topk_weights, handle, _launch_attrs(buffer),
                                        scratch_types=_node_pos(num_tokens, buffer))
 
 
@@ -110,4 +116,4 @@ def combine(x, topk_weights, handle, *, buffer):
                                                               buffer.num_ranks, buffer.num_nodes)
     _check_region(fn, buffer, need, **shape)
     handle_arrays = (handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
-    return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, common.launch_attrs(buffer))
+    return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, _launch_attrs(buffer))

@@ -313,7 +313,9 @@ def main():
     p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
     p.add_argument("--expert-rows", type=int, default=0,
                    help="grouped: expert-major rows per rank (0: from the routing, nothing dropped)")
-    p.add_argument("--expert-alignment", type=int, default=1, help="grouped: each expert's rows start at a multiple")
+    p.add_argument("--expert-alignment", type=int, default=0,
+                   help="grouped: each expert's rows start at a multiple (0: ml.default_expert_alignment(), "
+                        "128 on Hopper, where aligned groups take the warp-specialized kernels)")
     p.add_argument("--max-capacity-gib", type=float, default=4.0,
                    help="refuse a capacity whose padded [E/R, capacity, H] buffer exceeds this per device")
     p.add_argument("--steps", type=int, default=8, help="forward+backward passes per jitted call")
@@ -323,6 +325,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
+    args.expert_alignment = args.expert_alignment or ml.default_expert_alignment()
 
     fast_ragged_dot = ml.use_fast_ragged_dot()
     devices = jax.devices()

@@ -47,6 +47,7 @@ from deep_ep_jax import (
     reduce,
 )
 from deep_ep_jax.expert_major import default_num_rows
+from deep_ep_jax.grouped_gemm import aligned_rows, is_hopper_gpu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
 
@@ -239,10 +240,20 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes):
 def gemm_group_sizes(layout, alignment: int):
     """Group sizes for grouped_matmul, which takes groups back to back: the
     pairs of each expert (alignment 1), or with alignment > 1 each group up
-    to the next one's start (its padding rows are zeros), the last one as is."""
+    to the next one's start (its padding rows are zeros) and the last one
+    rounded up too, so that every size is a multiple of the alignment
+    (grouped_matmul cuts the last group at the last row)."""
     if alignment == 1:
         return layout.group_sizes
-    return jnp.concatenate([jnp.diff(layout.group_offsets), layout.group_sizes[-1:]])
+    last = -(-layout.group_sizes[-1:] // alignment) * alignment
+    return jnp.concatenate([jnp.diff(layout.group_offsets), last])
+
+
+def default_expert_alignment() -> int:
+    """grouped_gemm.aligned_rows() (128) where grouped_matmul runs the Mosaic
+    GPU kernels (a Hopper GPU): groups of whole row tiles take its
+    warp-specialized kernels. 1 elsewhere (no padding rows to compute)."""
+    return aligned_rows() if is_hopper_gpu() else 1
 
 
 def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment):
@@ -256,8 +267,10 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
 
 def default_expert_rows(num_rows: int, topk: int, num_local_experts: int, alignment: int = 1) -> int:
     """Expert-major rows per rank for N = num_rows received rows: the worst
-    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows."""
-    return default_num_rows(num_rows, topk, num_local_experts, alignment)
+    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows, rounded
+    up to a multiple of the alignment (so the last group is never cut short)."""
+    rows = default_num_rows(num_rows, topk, num_local_experts, alignment)
+    return -(-rows // alignment) * alignment
 
 
 def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
@@ -281,17 +294,21 @@ def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows
 
 
 def _check_expert_args(fn, impl, expert_rows, alignment):
+    """Raises on bad arguments; returns the alignment (None: default_expert_alignment())."""
+    if alignment is None:
+        alignment = default_expert_alignment()
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"{fn}: expert_impl must be one of {EXPERT_IMPLS}, got {impl!r}")
     if expert_rows is not None and (not isinstance(expert_rows, int) or isinstance(expert_rows, bool)
                                     or expert_rows < 1):
         raise ValueError(f"{fn}: expert_rows must be a positive int or None, got {expert_rows!r}")
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
-        raise ValueError(f"{fn}: expert_alignment must be a positive int, got {alignment!r}")
+        raise ValueError(f"{fn}: expert_alignment must be a positive int or None, got {alignment!r}")
+    return alignment
 
 
 def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None,
-               expert_rows=None, expert_alignment=1):
+               expert_rows=None, expert_alignment=None):
     """SwiGLU experts over the received rows, weighted by their top-k weights.
 
     recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
@@ -303,9 +320,10 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
     default_capacity(N, K, L); pairs past it are dropped) or "grouped"
     (expand to `expert_rows` expert-major rows, default
     default_expert_rows(N, K, L, expert_alignment), grouped_matmul, reduce;
-    pairs past them are dropped).
+    pairs past them are dropped). expert_alignment: each expert's rows start
+    at a multiple of it (default: default_expert_alignment()).
     """
-    _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment)
+    expert_alignment = _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment)
     if impl == "ragged_dot":
         return _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out)
     if impl == "capacity":
@@ -316,10 +334,10 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
 
 
 def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int,
-            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=1):
+            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None):
     """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H].
     expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn."""
-    _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment)
+    expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment)
     x = x.astype(jnp.bfloat16)
     if expert_impl == "grouped":
         # Received pairs land grouped by local expert: no sort, gather or scatter here.
@@ -356,7 +374,7 @@ def route(x, router_kernel, top_k: int, normalize: bool = True):
 
 
 def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True,
-              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=1):
+              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
     expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn
     (expert_rows: per rank)."""
@@ -386,7 +404,7 @@ class MoE(nnx.Module):
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, buffer: Buffer, rngs: nnx.Rngs,
                  expert_impl: str = "ragged_dot", capacity: int | None = None, expert_rows: int | None = None,
-                 expert_alignment: int = 1):
+                 expert_alignment: int | None = None):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
         _check_expert_args("MoE", expert_impl, expert_rows, expert_alignment)

@@ -328,6 +328,24 @@ def test_grouped_matches_ragged_dot_and_capacity(skewed):
         assert (np.asarray(g[0][num_valid:], np.float32) == 0).all()
 
 
+def test_gemm_group_sizes_are_whole_multiples():
+    """With alignment > 1 every group size handed to grouped_matmul is a
+    multiple of it, the last one too (what its aligned kernels need), and the
+    groups end within the rows; alignment 1 gives the pairs per expert."""
+    num_rows, num_local = 40, 4
+    x, idx, _ = _random_recv(40, num_rows, 33, num_local)
+    for alignment in (1, 8, 128):
+        rows = ml.default_expert_rows(num_rows, K, num_local, alignment)
+        _, layout = ml.expand(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), num_local_experts=num_local,
+                              alignment=alignment, num_rows=rows, backend="xla")
+        sizes = np.asarray(ml.gemm_group_sizes(layout, alignment))
+        assert (sizes % alignment == 0).all() and sizes.sum() <= rows, (alignment, sizes, rows)
+        assert (sizes >= np.asarray(layout.group_sizes)).all(), (alignment, sizes)
+        if alignment == 1:
+            np.testing.assert_array_equal(sizes, np.bincount(idx[idx >= 0], minlength=num_local))
+    assert ml.default_expert_alignment() == 1  # no Hopper GPU here: nothing to align for
+
+
 def _kept_routing(idx, num_experts, num_ranks, num_groups, expert_rows, alignment):
     """idx with the pairs the grouped path drops set to -1: per expert-parallel
     group and rank, each local expert's pairs in token order take rows from

@@ -141,7 +141,9 @@ CONFIGS = {
     "forward": [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c)
                 for w, c in [(4, False), (2, False), (8, False), (4, True), (8, True)]]
     + [T(128, 128, 128, 2, grid_minor_n=False, grid_tile_width=4), T(128, 128, 64, 3, grid_minor_n=False,
-                                                                     grid_tile_width=4)],
+                                                                     grid_tile_width=4)]
+    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
+       for w, c in [(4, False), (8, True)]],
     "weight_grad": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(4, False), (8, False), (4, True)]]
     + [T(128, 128, 128, 2, grid_tile_width=4), T(128, 128, 64, 3, grid_tile_width=4),
        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8)],

@@ -46,6 +46,10 @@ class HopperTiles:
     grid_minor_n: bool = True  # walk N fastest (a row tile's rows stay in L2)
     grid_tile_width: int = 1  # tiles along the minor dimension per band (planar_snake)
     cluster_n: bool = False  # two CTAs share the row tile by multicast (adjacent N tiles)
+    # rows_matmul only: a CTA's tiles form one pipeline of pipelines (the loads of its next tile start
+    # while it finishes and stores this one), over the row tiles that hold groups only. Needs the
+    # K steps to be a multiple of max_concurrent_steps (else it is off).
+    steady_pipeline: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
 
@@ -127,7 +131,10 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
     transforms = _transforms(plgpu, t.tile_k, x.dtype)
     b_block = (cta_n, t.tile_k) if transpose_rhs else (t.tile_k, cta_n)
 
-    def pipeline(body, compute_context):
+    # A pipeline of pipelines needs whole rounds of stages per tile.
+    steady = t.steady_pipeline and k_iters % t.max_concurrent_steps == 0
+
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
@@ -142,9 +149,10 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             num_compute_wgs=2,
             max_concurrent_steps=t.max_concurrent_steps,
             compute_context=compute_context,
+            pipeline_state=state,
         )
 
-    def body(tile_group_gmem, x_gmem, w_gmem, out_gmem):
+    def body(tile_group_gmem, num_row_tiles_gmem, x_gmem, w_gmem, out_gmem):
         ignore = lambda *_, **__: None
 
         @functools.partial(pl.run_scoped,
@@ -154,39 +162,65 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             wg = lax.axis_index("wg")
             wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
-            def _tiles(info):
-                mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), 1 if t.grid_minor_n else 0,
-                                            t.grid_tile_width)
+            def tile(mi, ni, state):
+                """Row tile mi (of group tile_group[mi] >= 0), CTA columns ni."""
                 if t.cluster_n:
                     ni = ni * 2 + lax.axis_index("cluster")
-                group = tile_group_gmem[mi]
                 rows = pl.ds(mi * t.tile_m, t.tile_m)
                 cols = pl.ds(ni * cta_n, cta_n)
 
-                @pl.when(group >= 0)
-                def _():
-                    def compute_context(eval_pipeline):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                        def _acc(acc_ref):
-                            eval_pipeline(acc_ref)
-                            _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
-                                        out_gmem.at[rows, cols].at[:, wg_cols], t)
+                def compute_context(eval_pipeline):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                    def _acc(acc_ref):
+                        eval_pipeline(acc_ref)
+                        _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
+                                    out_gmem.at[rows, cols].at[:, wg_cols], t)
 
-                    def mma(_, a_smem, b_smem, acc_ref):
-                        b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
-                        plgpu.wgmma(acc_ref, a_smem, b)
-                        plgpu.wgmma_wait(0)
-                        return acc_ref
+                def mma(_, a_smem, b_smem, acc_ref):
+                    b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
+                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
 
-                    weights = w_gmem.at[group]
-                    pipeline(mma, compute_context)(
-                        x_gmem.at[rows, :], weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
-                        allocations=allocs)
+                weights = w_gmem.at[tile_group_gmem[mi]]
+                pipeline(mma, compute_context, state)(
+                    x_gmem.at[rows, :], weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
+                    allocations=allocs)
+
+            minor = 1 if t.grid_minor_n else 0
+            if not steady:
+                @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
+                def _tiles(info):
+                    mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), minor, t.grid_tile_width)
+
+                    @pl.when(tile_group_gmem[mi] >= 0)
+                    def _():
+                        tile(mi, ni, None)
+            else:
+                # Only the row tiles that hold groups (a prefix), so that every step of a CTA runs a
+                # pipeline: the first starts the chain, the last ends it, one alone does both.
+                num_m = num_row_tiles_gmem[0]
+
+                @plgpu.nd_loop((num_m * n_iters,), collective_axes="cluster_grid")
+                def _tiles(info):
+                    mi, ni = plgpu.planar_snake(info.index[0], (num_m, n_iters), minor, t.grid_tile_width)
+                    step, last = info.local_index, info.num_local_steps - 1
+
+                    @pl.when(last == 0)
+                    def _():
+                        tile(mi, ni, None)
+
+                    @pl.when(last > 0)
+                    def _():
+                        chain = plgpu.PipelinePipeline
+                        state = jnp.where(step == 0, int(chain.START),
+                                          jnp.where(step == last, int(chain.STOP), int(chain.STEADY)))
+                        tile(mi, ni, state.astype(jnp.int32))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (m, n), x.dtype, t)(tile_group, x, w)
+    num_row_tiles = jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1)  # the groups' tiles come first
+    return _kernel(body, (m, n), x.dtype, t)(tile_group, num_row_tiles, x, w)
 
 
 def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):

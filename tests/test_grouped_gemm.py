@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import grouped_matmul, testing
+from deep_ep_jax import grouped_matmul, hopper_gemm, testing
 
 K, N = 32, 48
 # bf16 products with float32 sums: the output's rounding (2^-9 relative) dominates.
@@ -293,6 +293,22 @@ def test_mgpu_path_lowers(gpu_core_count):
     row_tiled_only = functools.partial(grouped_matmul, impl="mgpu",
                                        block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
     assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
+
+
+def test_steady_pipeline_lowers(gpu_core_count):
+    """rows_matmul as one pipeline of pipelines per CTA (HopperTiles.steady_pipeline)
+    lowers for CUDA, plain and transposed, with and without multicast."""
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for cluster_n in (False, True):
+        tiles = hopper_gemm.HopperTiles(128, 128, 64, 4, cluster_n=cluster_n, steady_pipeline=True)
+        for transpose in (False, True):
+            w = jax.ShapeDtypeStruct((4, 1024, 512) if transpose else (4, 512, 1024), jnp.bfloat16)
+
+            def run(x, w, sizes, tiles=tiles, transpose=transpose):
+                return hopper_gemm.rows_matmul(x, w, gg._tile_groups(sizes, 1024, 128), tiles, transpose_rhs=transpose)
+
+            assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
 
 
 def test_mgpu_path_lowers_under_shard_map(gpu_core_count):

@@ -16,6 +16,7 @@ Fails (does not skip) on a GPU that is not a Hopper one: impl="auto" must pick
 the Mosaic GPU kernels there.
 """
 
+import dataclasses
 import functools
 
 import grouped_gemm_oracle as oracle
@@ -176,15 +177,20 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
 
 
+@pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_aligned_kernels_directly(kind):
+def test_aligned_kernels_directly(kind, steady):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
-    at the w_in layer's shapes, against the per-group dots."""
+    at the w_in layer's shapes, against the per-group dots; rows_matmul also
+    as one pipeline of pipelines per CTA (HopperTiles.steady_pipeline)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
+    if steady:
+        tiles = dataclasses.replace(tiles, forward=dataclasses.replace(tiles.forward, steady_pipeline=True),
+                                    input_grad=dataclasses.replace(tiles.input_grad, steady_pipeline=True))
     align = gg.aligned_rows()
     sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
     total = int(sizes.sum())

@@ -21,8 +21,9 @@ a ValueError where the shapes do not fit. Notes on the mgpu path:
 - The kernels leave rows past sum(group_sizes) unwritten: the wrapper masks
   y and dx there (a select, fused by XLA into a neighbouring elementwise op
   where there is one).
-- Their cost follows M, not sum(group_sizes): tiles past the last group still
-  run (and are thrown away). Keep M near the worst case you need.
+- The row-tiled kernels' cost follows M, not sum(group_sizes): tiles past
+  the last group still run (and are thrown away); the warp-specialized ones
+  skip them. Keep M near the worst case you need.
 - M not a multiple of `row_multiple(blocks)` (128 by default) costs a padded
   copy of x; make the expert-major layout's row count a multiple of it.
 - dw multiplies the padding rows of x just past the last group by zero: they

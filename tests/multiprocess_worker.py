@@ -18,6 +18,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   shared_gpu   with launch --ranks-per-gpu K: CUDA normal and low-latency mode against
                tests/oracle.py, each process checking its own rank (no XLA collective:
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend
+  shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
+               numbers (staged one-host kernels, or internode ones across emulated hosts)
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
@@ -337,14 +339,16 @@ def _own_rank_io(mesh, name, timeout_s):
     return put, run
 
 
-def case_shared_gpu():
+def case_shared_gpu(sequence_starts=(None,)):
     """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
     backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
     tests/oracle.py. XLA's collectives across processes go through NCCL, which
     refuses two ranks on one GPU, so nothing here gathers: every process makes
     the same global inputs (seeded by the launch's coordinator port) and
     checks its own rank. On CPU (launch --cpu) it runs the xla backend, to
-    check the case itself."""
+    check the case itself. sequence_starts: run every check once per start,
+    the Buffer's sequence numbers set there first (tests/gpu/test_wrap_gpu.py's
+    hook; None: as created)."""
     import oracle
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
@@ -378,113 +382,128 @@ def case_shared_gpu():
         out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
         return recv_x, recv_idx, recv_w, handle.recv_src_idx, handle.recv_src_rank, handle.num_recv_tokens, out, out_w
 
-    for kind in dt.ROUTING_KINDS:
-        idx, w, idxs, ws = routing(kind)
-        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden), True)
-        recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(normal, *map(put, (x, idx, w, y)))
-        expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
-                                   num_experts, num_ranks * num_tokens)
-        want, n = expected[rank], len(expected[rank]["x"])
-        assert int(num_recv) == n, (kind, int(num_recv), n)
-        np.testing.assert_array_equal(recv_x[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
-        np.testing.assert_array_equal(recv_idx[:n], np.reshape(want["idx"], (n, topk)), err_msg=kind)
-        np.testing.assert_array_equal(recv_w[:n], np.reshape(want["w"], (n, topk)), err_msg=kind)
-        np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
-        np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
-        # Combine: per host (the buffer's hosts), then the hosts in order.
-        ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
-        combined = oracle.combine(ys, expected, num_tokens, gpus_per_host)[rank]
-        np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
-        w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
-        for r in range(num_ranks):
-            w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
-        np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens, gpus_per_host,
-                                                            bf16_partials=False)[rank], err_msg=kind)
-        if kind == "rank_empty" and rank == num_ranks - 1:
-            assert n == 0
-        log(f"shared_gpu normal {kind}: ok")
+    for start in sequence_starts:
+        if start is not None and buffer.backend == "cuda":  # the xla backend counts no calls
+            from test_wrap_gpu import start_sequence_at
 
-    def combine_grad(x, idx, w, y, ct):  # combine's backward: a cached dispatch of the cotangent
-        _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
-
-        def loss(y):
-            return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) * ct).sum()
-
-        return jax.grad(loss)(y), handle.num_recv_tokens
-
-    for kind in ("random", "rank_empty"):
-        idx, w, idxs, ws = routing(kind)
-        x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden))
-        ct = bf16_rows((num_ranks * num_tokens, hidden)).astype(np.float32)  # exact in bf16: moved as they are
-        grad_y, num_recv = run(combine_grad, *map(put, (x, idx, w, y, ct)))
-        want = oracle.dispatch(ct.reshape(num_ranks, num_tokens, hidden), idxs, ws, num_experts,
-                               num_ranks * num_tokens)[rank]
-        n = len(want["x"])
-        assert int(num_recv) == n, (kind, int(num_recv), n)
-        np.testing.assert_array_equal(grad_y[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
-        assert n == 0 or np.abs(grad_y[:n]).sum() > 0, kind
-        log(f"shared_gpu cached dispatch (combine's gradient) {kind}: ok")
-
-    def fp8(data, scales, idx, w):
-        (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,
-                                                              buffer=buffer)
-        return recv_data, recv_scales, handle.num_recv_tokens
-
-    for kind in ("random", "one_expert"):
-        idx, w, idxs, ws = routing(kind)
-        data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
-        scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
-        recv_data, recv_scales, num_recv = run(fp8, *map(put, (data, scales, idx, w)))
-        both = np.concatenate([data.astype(np.float32), scales], -1).reshape(num_ranks, num_tokens, -1)
-        want = oracle.dispatch(both, idxs, ws, num_experts, num_ranks * num_tokens)[rank]["x"]
-        n = len(want)
-        assert int(num_recv) == n, (kind, int(num_recv), n)
-        got = np.concatenate([recv_data[:n], recv_scales[:n]], -1)
-        np.testing.assert_array_equal(got, np.reshape(want, (n, both.shape[-1])), err_msg=kind)
-        log(f"shared_gpu fp8 {kind}: ok")
-
-    for use_fp8 in (False, True):
-
-        def low_latency(x, idx, w, y, use_fp8=use_fp8):
-            recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
-                                                             num_max_dispatch_tokens_per_rank=num_tokens,
-                                                             use_fp8=use_fp8)
-            out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
-            return recv_x, count, handle, out
-
-        for kind in ("random", "one_expert", "rank_empty", "minus_one"):
-            idx, _, idxs, _ = routing(kind)
-            w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
-            ws = w.reshape(idxs.shape)
-            x = bf16_rows((num_ranks * num_tokens, hidden))
-            y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
-            recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
-            if use_fp8:
-                data, scales = recv_x
-                rows = (data.reshape(data.shape[:-1] + (-1, 128)) * scales[..., None]).reshape(data.shape)
-            else:
-                rows = recv_x
-            xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
-            expected = oracle.low_latency_dispatch(xs, idxs, num_experts, num_tokens)
-            for e, slots in enumerate(expected[rank]):
-                n, what = len(slots), f"{kind} fp8={use_fp8} expert {e}"
-                assert int(count[e]) == n, (what, int(count[e]), n)
-                if not n:
-                    continue
-                s, t, k = (np.array(v) for v in zip(*slots))
-                np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
-                np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
-                np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
-                if use_fp8:  # within FP8 rounding: 2^-4 of each 128-block's largest magnitude
-                    amax = np.abs(xs[s, t].reshape(n, -1, 128)).max(-1, keepdims=True)
-                    assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
-                else:
-                    np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
-            ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
-            combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
+            start_sequence_at(buffer, start)
+            log(f"shared_gpu from sequence number {start % 2**32}")
+        for kind in dt.ROUTING_KINDS:
+            idx, w, idxs, ws = routing(kind)
+            x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden), True)
+            recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(normal, *map(put, (x, idx, w, y)))
+            expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
+                                       num_experts, num_ranks * num_tokens)
+            want, n = expected[rank], len(expected[rank]["x"])
+            assert int(num_recv) == n, (kind, int(num_recv), n)
+            np.testing.assert_array_equal(recv_x[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
+            np.testing.assert_array_equal(recv_idx[:n], np.reshape(want["idx"], (n, topk)), err_msg=kind)
+            np.testing.assert_array_equal(recv_w[:n], np.reshape(want["w"], (n, topk)), err_msg=kind)
+            np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
+            np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
+            # Combine: per host (the buffer's hosts), then the hosts in order.
+            ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
+            combined = oracle.combine(ys, expected, num_tokens, gpus_per_host)[rank]
             np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
-            log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
+            w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
+            for r in range(num_ranks):
+                w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
+            np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens, gpus_per_host,
+                                                                bf16_partials=False)[rank], err_msg=kind)
+            if kind == "rank_empty" and rank == num_ranks - 1:
+                assert n == 0
+            log(f"shared_gpu normal {kind}: ok")
+
+        def combine_grad(x, idx, w, y, ct):  # combine's backward: a cached dispatch of the cotangent
+            _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+
+            def loss(y):
+                return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) * ct).sum()
+
+            return jax.grad(loss)(y), handle.num_recv_tokens
+
+        for kind in ("random", "rank_empty"):
+            idx, w, idxs, ws = routing(kind)
+            x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden))
+            ct = bf16_rows((num_ranks * num_tokens, hidden)).astype(np.float32)  # exact in bf16: moved as they are
+            grad_y, num_recv = run(combine_grad, *map(put, (x, idx, w, y, ct)))
+            want = oracle.dispatch(ct.reshape(num_ranks, num_tokens, hidden), idxs, ws, num_experts,
+                                   num_ranks * num_tokens)[rank]
+            n = len(want["x"])
+            assert int(num_recv) == n, (kind, int(num_recv), n)
+            np.testing.assert_array_equal(grad_y[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
+            assert n == 0 or np.abs(grad_y[:n]).sum() > 0, kind
+            log(f"shared_gpu cached dispatch (combine's gradient) {kind}: ok")
+
+        def fp8(data, scales, idx, w):
+            (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,
+                                                                  buffer=buffer)
+            return recv_data, recv_scales, handle.num_recv_tokens
+
+        for kind in ("random", "one_expert"):
+            idx, w, idxs, ws = routing(kind)
+            data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
+            scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
+            recv_data, recv_scales, num_recv = run(fp8, *map(put, (data, scales, idx, w)))
+            both = np.concatenate([data.astype(np.float32), scales], -1).reshape(num_ranks, num_tokens, -1)
+            want = oracle.dispatch(both, idxs, ws, num_experts, num_ranks * num_tokens)[rank]["x"]
+            n = len(want)
+            assert int(num_recv) == n, (kind, int(num_recv), n)
+            got = np.concatenate([recv_data[:n], recv_scales[:n]], -1)
+            np.testing.assert_array_equal(got, np.reshape(want, (n, both.shape[-1])), err_msg=kind)
+            log(f"shared_gpu fp8 {kind}: ok")
+
+        for use_fp8 in (False, True):
+
+            def low_latency(x, idx, w, y, use_fp8=use_fp8):
+                recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
+                                                                 num_max_dispatch_tokens_per_rank=num_tokens,
+                                                                 use_fp8=use_fp8)
+                out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
+                return recv_x, count, handle, out
+
+            for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+                idx, _, idxs, _ = routing(kind)
+                w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
+                ws = w.reshape(idxs.shape)
+                x = bf16_rows((num_ranks * num_tokens, hidden))
+                y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
+                recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
+                if use_fp8:
+                    data, scales = recv_x
+                    rows = (data.reshape(data.shape[:-1] + (-1, 128)) * scales[..., None]).reshape(data.shape)
+                else:
+                    rows = recv_x
+                xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
+                expected = oracle.low_latency_dispatch(xs, idxs, num_experts, num_tokens)
+                for e, slots in enumerate(expected[rank]):
+                    n, what = len(slots), f"{kind} fp8={use_fp8} expert {e}"
+                    assert int(count[e]) == n, (what, int(count[e]), n)
+                    if not n:
+                        continue
+                    s, t, k = (np.array(v) for v in zip(*slots))
+                    np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
+                    np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
+                    np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+                    if use_fp8:  # within FP8 rounding: 2^-4 of each 128-block's largest magnitude
+                        amax = np.abs(xs[s, t].reshape(n, -1, 128)).max(-1, keepdims=True)
+                        assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
+                    else:
+                        np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
+                ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
+                combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
+                np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
+                log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
     buffer.destroy()
+
+
+def case_shared_gpu_wrap():
+    """shared_gpu's checks across the 2^31 and 2^32 wraps of the sequence
+    numbers (normal mode crossing at its first and second call, low latency
+    at its second and third), with ranks that may share GPUs: the staged
+    one-host kernels (CUDA IPC) or, across emulated hosts, the internode ones."""
+    case_shared_gpu(sequence_starts=(2**31 - 1, 2**32 - 2))
+    log(f"shared_gpu_wrap R={jax.device_count()}: ok")
 
 
 def case_large_ep_low_latency():
@@ -837,6 +856,7 @@ CASES = {
     "digest": case_digest,
     "hosts": case_hosts,
     "shared_gpu": case_shared_gpu,
+    "shared_gpu_wrap": case_shared_gpu_wrap,
     "internode_low_latency": case_internode_low_latency,
     "large_ep_low_latency": case_large_ep_low_latency,
     "internode_normal": case_internode_normal,

@@ -14,7 +14,11 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
   ranks per host, several hosts) against the oracle's per-host order;
 * traffic counters (Config.count_traffic) at 2 x 2 and 2 x 4 against
-  tests/oracle.py's traffic() (worker case traffic).
+  tests/oracle.py's traffic() (worker case traffic);
+* shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
+  sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
+  across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, 2 x 2),
+  on however few GPUs there are.
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -139,3 +143,12 @@ def test_traffic_counters_across_hosts(num_hosts, ranks_per_host):
     """The internode kernels' counters (rows and bytes over NVLink and the
     network, per operation) equal tests/oracle.py's traffic() on every rank."""
     _run_hosts_case("traffic", num_hosts, ranks_per_host, 200, "traffic R={num_ranks} on {num_hosts} hosts")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1), (2, 2)])
+def test_sequence_wrap_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
+    """Normal mode (dispatch, combine, its cached dispatch, FP8) and low-latency
+    mode against tests/oracle.py, the Buffer started just under the 2^31 and
+    2^32 wraps (tests/gpu/test_wrap_gpu.py's hook): staged one-host kernels
+    over CUDA IPC (1 x 2) and the internode kernels over NVSHMEM (2 x 1, 2 x 2)."""
+    _run_hosts_case("shared_gpu_wrap", num_hosts, ranks_per_host, 240, "shared_gpu_wrap R={num_ranks}: ok")

@@ -31,6 +31,15 @@ def _num_processes():
     return min(len(jax.devices("gpu")), 8)
 
 
+def _at_least_two_processes():
+    """(processes, launch args): one per GPU, but at least two, sharing the
+    GPU where there is one (for cases that run no XLA collective across processes)."""
+    num_gpus = len(jax.devices("gpu"))
+    if num_gpus >= 2:
+        return _num_processes(), []
+    return 2, ["--ranks-per-gpu", "2"]
+
+
 def _launch(cases, *, timeout, extra=(), num_processes=None):
     env = dict(os.environ)
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # share the GPUs with this pytest process
@@ -97,14 +106,17 @@ def test_outputs_identical_across_deployments():
     assert set(digests.values()) == {here}, (digests, here)
 
 
+@pytest.mark.gpu(min_gpus=1)  # two processes share a single GPU
 def test_dead_peer_process_times_out_with_a_message():
     """The last process kills itself mid-loop; the survivors' next call fails
     within Config.timeout_s (3 s) with the message naming rank and counter."""
-    code, output, elapsed = _launch(["kill"], timeout=240, extra=["--keep-going"])
+    num_processes, sharing = _at_least_two_processes()
+    code, output, elapsed = _launch(["kill"], timeout=240, extra=["--keep-going", *sharing],
+                                    num_processes=num_processes)
     assert code != 0, output[-4000:]
     assert "killing myself" in output, output[-4000:]
     assert "NO TIMEOUT" not in output, output[-4000:]
-    victim = _num_processes() - 1
+    victim = num_processes - 1
     survivor_lines = [line for line in output.splitlines() if line.startswith("[rank 0]")]
     text = "\n".join(survivor_lines)
     assert "deep_ep_jax timeout" in text and "rank 0" in text and f"peer {victim}" in text, output[-4000:]
@@ -124,9 +136,12 @@ def assert_launch_mismatch_reported(code, output, num_processes):
         assert "failed as expected" in text, output[-4000:]
 
 
+@pytest.mark.gpu(min_gpus=1)  # two processes share a single GPU
 def test_launch_mismatch_fails_with_a_message():
     """Processes with different Config.num_sms (as GPUs with different SM
     counts would be): intranode kernels (staged) report the mismatch at once."""
-    code, output, elapsed = _launch(["launch_mismatch"], timeout=200, extra=["--keep-going"])
-    assert_launch_mismatch_reported(code, output, _num_processes())
+    num_processes, sharing = _at_least_two_processes()
+    code, output, elapsed = _launch(["launch_mismatch"], timeout=200, extra=["--keep-going", *sharing],
+                                    num_processes=num_processes)
+    assert_launch_mismatch_reported(code, output, num_processes)
     assert elapsed < 150, elapsed

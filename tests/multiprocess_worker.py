@@ -20,6 +20,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
                numbers (staged one-host kernels, or internode ones across emulated hosts)
+  shared_gpu_order independent round trips in one program (only the order chain orders
+               them) against each run alone, each process its own rank; for
+               XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT too
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
@@ -40,6 +43,7 @@ Results are gathered to every process (process_allgather), so the checks of
 the single-process suites (tests/gpu/*) run unchanged.
 """
 
+import functools
 import os
 import signal
 import sys
@@ -506,6 +510,64 @@ def case_shared_gpu_wrap():
     log(f"shared_gpu_wrap R={jax.device_count()}: ok")
 
 
+def case_shared_gpu_order():
+    """Independent round trips in one jitted program, nothing ordering them
+    but the Buffer's order chain (deep_ep_jax.ordering): three normal-mode
+    dispatch + combine and two low-latency ones, against each round trip run
+    alone (shared_gpu checks those against the oracle), bit for bit, each
+    process its own rank. Meant also for XLA_FLAGS=
+    --xla_gpu_command_buffer_scheduling_mode=CONCURRENT, with ranks that may
+    share GPUs (no XLA collective across processes)."""
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    num_tokens, hidden, topk, num_experts = 32, 256, 4, 4 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
+                        config=dej.Config(timeout_s=150))
+    put, run = _own_rank_io(mesh, "shared_gpu_order", buffer.config.timeout_s)
+
+    def normal(scale, x, idx, w):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch((x * scale).astype(jnp.bfloat16), idx, w,
+                                                        num_experts=num_experts, buffer=buffer)
+        out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
+        return handle.num_recv_tokens, recv_x, recv_idx, recv_w, out, out_w
+
+    def low_latency(scale, x, idx, w):
+        recv_x, count, handle = dej.low_latency_dispatch((x * scale).astype(jnp.bfloat16), idx,
+                                                         num_experts=num_experts,
+                                                         num_max_dispatch_tokens_per_rank=num_tokens,
+                                                         use_fp8=False, buffer=buffer)
+        return count, dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
+
+    trips = [functools.partial(normal, s) for s in (1.0, 2.0, 3.0)] + [functools.partial(low_latency, s)
+                                                                        for s in (1.0, 2.0)]
+
+    def together(x, idx, w):
+        return tuple(trip(x, idx, w) for trip in trips)
+
+    for kind in dt.ROUTING_KINDS:
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
+                                 kind)
+        x = rng.standard_normal((num_ranks * num_tokens, hidden), np.float32).astype(jnp.bfloat16)
+        args = tuple(map(put, (x, idx, w)))
+        got = run(together, *args)
+        for i, trip in enumerate(trips):
+            want = run(trip, *args)
+            what = f"{kind}, round trip {i}"
+            if i < 3:  # normal mode: received rows past num_recv_tokens are undefined
+                n = int(want[0])
+                assert int(got[i][0]) == n, (what, int(got[i][0]), n)
+                for name, g, r in zip(("recv_x", "recv_idx", "recv_w"), got[i][1:4], want[1:4]):
+                    np.testing.assert_array_equal(g[:n], r[:n], err_msg=f"{what}: {name}")
+                got_rest, want_rest = got[i][4:], want[4:]
+            else:
+                got_rest, want_rest = got[i], want
+            for g, r in zip(got_rest, want_rest):
+                np.testing.assert_array_equal(g, r, err_msg=what)
+        log(f"shared_gpu_order {kind}: ok")
+    log(f"shared_gpu_order R={num_ranks}: ok")
+    buffer.destroy()
+
+
 def case_large_ep_low_latency():
     """An EP group beyond one host's 8 ranks (R = the process count, e.g. 16
     or 32), cut into hosts of DEEP_EP_JAX_GPUS_PER_HOST ranks that
@@ -857,6 +919,7 @@ CASES = {
     "hosts": case_hosts,
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
+    "shared_gpu_order": case_shared_gpu_order,
     "internode_low_latency": case_internode_low_latency,
     "large_ep_low_latency": case_large_ep_low_latency,
     "internode_normal": case_internode_normal,

@@ -18,7 +18,10 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
 * shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
   sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
   across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, 2 x 2),
-  on however few GPUs there are.
+  on however few GPUs there are;
+* independent round trips in one program, ordered only by the Buffer's
+  order chain, under default and concurrent command-buffer scheduling
+  (worker case shared_gpu_order), 1 x 2 and 2 x 1.
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -152,3 +155,15 @@ def test_sequence_wrap_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
     2^32 wraps (tests/gpu/test_wrap_gpu.py's hook): staged one-host kernels
     over CUDA IPC (1 x 2) and the internode kernels over NVSHMEM (2 x 1, 2 x 2)."""
     _run_hosts_case("shared_gpu_wrap", num_hosts, ranks_per_host, 240, "shared_gpu_wrap R={num_ranks}: ok")
+
+
+@pytest.mark.parametrize("flags", ["", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"],
+                         ids=["default", "concurrent"])
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1)])
+def test_independent_round_trips_with_ranks_sharing_gpus(num_hosts, ranks_per_host, flags):
+    """Three normal-mode and two low-latency round trips in one program, which
+    only the Buffer's order chain orders, equal each round trip run alone, bit
+    for bit, under XLA's default and concurrent command-buffer scheduling:
+    staged one-host kernels (CUDA IPC, 1 x 2) and internode ones (2 x 1)."""
+    _run_hosts_case("shared_gpu_order", num_hosts, ranks_per_host, 200, "shared_gpu_order R={num_ranks}: ok",
+                    extra_env={"XLA_FLAGS": flags} if flags else None)

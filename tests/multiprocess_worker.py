@@ -23,6 +23,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   shared_gpu_order independent round trips in one program (only the order chain orders
                them) against each run alone, each process its own rank; for
                XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT too
+  shared_gpu_teardown  Buffers made, used (low latency last) and destroyed in a loop
+               while peers still receive; every Buffer's results equal the first's
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
@@ -568,6 +570,47 @@ def case_shared_gpu_order():
     buffer.destroy()
 
 
+def case_shared_gpu_teardown():
+    """Buffers made, used (a normal-mode round trip, then low-latency mode in
+    split halves, the other ranks held back before the last receive: this
+    rank's outputs are ready while peers still receive) and destroyed, ten
+    times, ranks possibly sharing GPUs. destroy must wait for every process's
+    last receive before anything is freed: a late write into a freed region
+    would land in the next Buffer's. Every Buffer's results must equal the
+    first's (same inputs), and no Buffer may stay alive."""
+    import test_wrap_gpu as suite
+
+    from deep_ep_jax import _native
+
+    platform, num_ranks, mesh, _, _ = _one_rank_per_process()
+    assert platform == "gpu", "the CUDA backend's teardown"
+    experts = suite.num_experts(mesh)
+    ext = _native.extension()
+    live = ext.num_live_buffers()
+    x = dt.random_rows(1, (num_ranks * suite.NUM_TOKENS, suite.HIDDEN))
+    idx, w = dt.make_routing(2, num_ranks * suite.NUM_TOKENS, experts, suite.TOPK, num_ranks)
+    y = dt.random_rows(3, (num_ranks * suite.NUM_TOKENS * num_ranks, suite.HIDDEN))
+    ll_idx, ll_w = dt.make_routing(4, num_ranks * suite.LL_TOKENS, experts, suite.TOPK, num_ranks)
+    ll_x = dt.random_rows(5, (num_ranks * suite.LL_TOKENS, suite.HIDDEN))
+    first = None
+    for i in range(10):
+        buffer = suite.cuda_buffer(mesh)
+        put, run = _own_rank_io(mesh, f"shared_gpu_teardown/{i}", buffer.config.timeout_s)
+        args = tuple(map(put, (np.asarray(a) for a in (x, idx, w, y, ll_x, ll_idx, ll_w))))
+        got = jax.tree.leaves(run(functools.partial(suite.teardown_calls, buffer, experts), *args))
+        buffer.destroy()
+        if first is None:
+            first = got
+            continue
+        num_recv = int(got[1])
+        assert num_recv == int(first[1]), (i, num_recv, int(first[1]))
+        np.testing.assert_array_equal(got[0][:num_recv], first[0][:num_recv], err_msg=f"buffer {i}: recv_x")
+        for j, (g, f) in enumerate(zip(got[2:], first[2:])):
+            np.testing.assert_array_equal(g, f, err_msg=f"buffer {i}: output {j + 2}")
+    assert ext.num_live_buffers() == live, (ext.num_live_buffers(), live)
+    log(f"shared_gpu_teardown R={num_ranks}: ok")
+
+
 def case_large_ep_low_latency():
     """An EP group beyond one host's 8 ranks (R = the process count, e.g. 16
     or 32), cut into hosts of DEEP_EP_JAX_GPUS_PER_HOST ranks that
@@ -920,6 +963,7 @@ CASES = {
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "shared_gpu_order": case_shared_gpu_order,
+    "shared_gpu_teardown": case_shared_gpu_teardown,
     "internode_low_latency": case_internode_low_latency,
     "large_ep_low_latency": case_large_ep_low_latency,
     "internode_normal": case_internode_normal,

@@ -21,7 +21,9 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   on however few GPUs there are;
 * independent round trips in one program, ordered only by the Buffer's
   order chain, under default and concurrent command-buffer scheduling
-  (worker case shared_gpu_order), 1 x 2 and 2 x 1.
+  (worker case shared_gpu_order), 1 x 2 and 2 x 1;
+* Buffers made, used and destroyed in a loop while peers still receive
+  (worker case shared_gpu_teardown), 1 x 2 and 2 x 1.
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -167,3 +169,11 @@ def test_independent_round_trips_with_ranks_sharing_gpus(num_hosts, ranks_per_ho
     staged one-host kernels (CUDA IPC, 1 x 2) and internode ones (2 x 1)."""
     _run_hosts_case("shared_gpu_order", num_hosts, ranks_per_host, 200, "shared_gpu_order R={num_ranks}: ok",
                     extra_env={"XLA_FLAGS": flags} if flags else None)
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1)])
+def test_destroy_right_after_use_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
+    """Ten Buffers made, used (low-latency mode last, peers held back before
+    their last receive) and destroyed across processes: each Buffer's results
+    equal the first's and none stays alive (CUDA IPC 1 x 2, NVSHMEM 2 x 1)."""
+    _run_hosts_case("shared_gpu_teardown", num_hosts, ranks_per_host, 240, "shared_gpu_teardown R={num_ranks}: ok")

@@ -70,6 +70,7 @@ def test_low_latency_across_processes():
     _assert_cases_ok(code, output, ["low_latency"])
 
 
+@pytest.mark.gpu(min_gpus=1)  # no XLA collective across processes: all 8 may share one GPU
 def test_processes_sharing_gpus():
     """launch --ranks-per-gpu: 8 ranks (the kernels' limit) on the GPUs at
     hand, at least 2 per GPU, time-sliced: CUDA IPC between processes of one

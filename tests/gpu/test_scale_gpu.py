@@ -13,7 +13,7 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   mode, against tests/oracle.py (worker case shared_gpu);
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
   ranks per host, several hosts) against the oracle's per-host order;
-* traffic counters (Config.count_traffic) at 2 x 2 and 2 x 4 against
+* traffic counters (Config.count_traffic) at 2 x 2, 2 x 4 and 2 x 8 against
   tests/oracle.py's traffic() (worker case traffic);
 * shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
   sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
@@ -143,7 +143,7 @@ def test_normal_mode_pipeline_grids(grid):
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 240, SHARED_GPU_SUMMARY, extra_env=extra_env)
 
 
-@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (2, 8)])
 def test_traffic_counters_across_hosts(num_hosts, ranks_per_host):
     """The internode kernels' counters (rows and bytes over NVLink and the
     network, per operation) equal tests/oracle.py's traffic() on every rank."""

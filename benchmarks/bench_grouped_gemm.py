@@ -74,22 +74,24 @@ def make_inputs(key, num_rows, counts, sizes, hidden, ffn):
     return x, w_in, w_out, dy
 
 
-def swiglu(x, w_in, w_out, sizes, impl, blocks):
-    h = gg.grouped_matmul(x, w_in, sizes, impl=impl, block_sizes=blocks)
+def swiglu(x, w_in, w_out, sizes, impl, blocks, aligned):
+    h = gg.grouped_matmul(x, w_in, sizes, impl=impl, block_sizes=blocks, aligned_groups=aligned)
     gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, impl=impl, block_sizes=blocks)
+    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, impl=impl, block_sizes=blocks,
+                             aligned_groups=aligned)
 
 
-def forward_step(impl, blocks):
+def forward_step(impl, blocks, aligned):
     def step(x, dy, w_in, w_out, sizes):
-        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, impl, blocks))
+        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, impl, blocks, aligned))
         return touch(x, out[:1, :1]), dy
     return step
 
 
-def forward_backward_step(impl, blocks):
+def forward_backward_step(impl, blocks, aligned):
     def step(x, dy, w_in, w_out, sizes):
-        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, impl, blocks), x, w_in, w_out)
+        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, impl, blocks, aligned), x, w_in,
+                               w_out)
         out, dx, dw_in, dw_out = lax.optimization_barrier((out, *vjp(dy)))
         link = out[:1, :1] + dx[:1, :1] + dw_in[0, :1, :1] + dw_out[0, :1, :1]
         # dy changes too: else XLA could hoist dy @ w_out^T out of the loop.
@@ -127,9 +129,9 @@ def kernel_call(kernel, blocks, impl):
     """fn([(a, b, sizes)] of both matmuls) -> [one kernel's output of each]: a is the
     [M, *] operand the loop carries (x, or dy for the input gradient)."""
     use_mgpu = impl == "mgpu"
-    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, x, w, sizes),
-           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, dy, w, sizes),
-           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, x, dy, sizes)}[kernel]
+    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, False, x, w, sizes),
+           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, False, dy, w, sizes),
+           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, False, x, dy, sizes)}[kernel]
     return lambda operands: [one(*ops) for ops in operands]
 
 
@@ -182,7 +184,7 @@ def sweep(key, num_rows, sizes, w_in, w_out, repeats):
         print(f"\n| {kernel} blocks | ms (both matmuls) |\n|---|---|")
         timed = []
         for kb in grid:
-            blocks = dataclasses.replace(gg.DEFAULT_BLOCKS, **{kernel: kb})
+            blocks = dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None, **{kernel: kb})  # the row-tiled kernels
             try:
                 seconds, got = loop_seconds(kernel_call(kernel, blocks, "mgpu"), operands, 5, repeats)
             except Exception as e:  # noqa: BLE001  (e.g. over the shared memory: not a candidate)
@@ -262,6 +264,9 @@ def main(argv=None):
           f"ffn {args.ffn}; chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats")
 
     blocks = gg.DEFAULT_BLOCKS
+    # Groups of whole row tiles: promise it (the warp-specialized kernels, no lax.cond), as the MoE layer does.
+    aligned = args.align % gg.aligned_rows() == 0
+    print(f"# aligned_groups={aligned}")
     swept = {}
     if args.sweep and "mgpu" in impls:
         swept = sweep(jax.random.key(args.seed + 1), num_rows, sizes, w_in, w_out, args.repeats)
@@ -276,7 +281,7 @@ def main(argv=None):
         outputs[impl] = jax.jit(swiglu, static_argnums=(4, 5))(x, w_in, w_out, sizes_dev, impl, blocks)
         for name, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
                                                                      3 * flops)):
-            seconds = time_step(step(impl, blocks), inputs, args.chain, args.repeats)
+            seconds = time_step(step(impl, blocks, aligned), inputs, args.chain, args.repeats)
             p10, p50, p90 = np.percentile(seconds, [10, 50, 90])
             results.append({"impl": impl, "op": name, "ms_median": p50 * 1e3, "ms_p10": p10 * 1e3,
                             "ms_p90": p90 * 1e3, "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist()})

@@ -101,26 +101,42 @@ DEFAULT_BLOCKS = GroupedMatmulBlocks(
 )
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None):
+def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
+                   aligned_groups: bool = False):
     """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
 
     Negative group sizes count as 0 and groups are cut at row M, so a bad
     group_sizes never reads or writes past x and y. See the module docstring
-    for `impl` and `block_sizes`."""
+    for `impl` and `block_sizes`.
+
+    aligned_groups=True promises that every group size is a multiple of
+    `aligned_rows(block_sizes)` (as the expert-major layout's with that
+    alignment are): the warp-specialized kernels then run without the
+    device-side choice of kernels (a lax.cond, which on GPUs waits for the
+    device before its branch is launched). Sizes that break the promise make
+    y and the gradients NaN, on every backend, never silently wrong."""
     blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     _validate(x, w, group_sizes, impl, blocks)
+    if not isinstance(aligned_groups, bool):
+        raise TypeError(f"grouped_matmul: aligned_groups must be a bool, got {type(aligned_groups).__name__}")
     use_mgpu = _use_mgpu(impl, x, w, blocks)
     num_rows = x.shape[0]
-    group_sizes = _clamp_group_sizes(group_sizes, num_rows)
+    padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
+    # kept: whether the promise holds (the sizes as given); cut at the padded rows, aligned sizes stay aligned.
+    kept = jnp.all(group_sizes % aligned_rows(blocks) == 0) if aligned_groups else None
+    group_sizes = _clamp_group_sizes(group_sizes, padded_rows)
     # One vma for all three (shard_map): the custom_vjp's cotangents then match
     # their primals, and a weight replicated over the axis gets its gradient summed.
     x, w, group_sizes = _vary_together(x, w, group_sizes)
-    padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
-    y = _grouped_matmul(use_mgpu, blocks, x, w, group_sizes)[:num_rows]
+    y = _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes)[:num_rows]
     # Outside the custom_vjp: its transpose also zeroes dy's padding rows.
-    return jnp.where(_valid_rows(num_rows, group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+    y = jnp.where(_valid_rows(num_rows, group_sizes)[:, None], y, jnp.zeros((), y.dtype))
+    if kept is None:
+        return y
+    # x 1, or x NaN where the promise is broken: through the product's transpose the gradients are NaN too.
+    return y * jnp.where(kept, 1.0, jnp.nan).astype(y.dtype)
 
 
 def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
@@ -244,22 +260,23 @@ def _valid_rows(num_rows, group_sizes):
 # The custom_vjp and its kernels -----------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grouped_matmul(use_mgpu, blocks, x, w, group_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped_matmul(use_mgpu, blocks, assume_aligned, x, w, group_sizes):
     """y = x @ w[g] per group; rows past the groups hold anything (masked by the caller).
-    x, w and group_sizes vary over the same shard_map axes."""
-    return _forward(use_mgpu, blocks, x, w, group_sizes)
+    x, w and group_sizes vary over the same shard_map axes. assume_aligned: the
+    caller promised aligned sizes (grouped_matmul makes y NaN where they are not)."""
+    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes)
 
 
-def _grouped_matmul_fwd(use_mgpu, blocks, x, w, group_sizes):
-    return _forward(use_mgpu, blocks, x, w, group_sizes), (x, w, group_sizes)
+def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes):
+    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(use_mgpu, blocks, residuals, dy):
+def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
     x, w, group_sizes = residuals
-    dx = _input_grad(use_mgpu, blocks, dy, w, group_sizes)
+    dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes)
     dx = jnp.where(_valid_rows(x.shape[0], group_sizes)[:, None], dx, jnp.zeros((), dx.dtype))
-    dw = _weight_grad(use_mgpu, blocks, x, dy, group_sizes)
+    dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
     # may come in unvarying: type each cotangent as its primal.
     return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), None
@@ -268,11 +285,14 @@ def _grouped_matmul_bwd(use_mgpu, blocks, residuals, dy):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def _aligned_or_row_tiled(blocks, k, n, group_sizes, aligned, row_tiled):
-    """aligned() where every group size is a multiple of aligned_rows (decided
-    on the device), else row_tiled(); row_tiled() alone where K and N do not fit."""
+def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, row_tiled):
+    """aligned() where every group size is a multiple of aligned_rows (promised
+    by the caller, or decided on the device), else row_tiled(); row_tiled()
+    alone where K and N do not fit."""
     if not _aligned_fits(k, n, blocks):
         return row_tiled()
+    if assume_aligned:
+        return aligned()
     return lax.cond(jnp.all(group_sizes % aligned_rows(blocks) == 0), aligned, row_tiled)
 
 
@@ -284,20 +304,20 @@ def _tile_groups(group_sizes, num_rows, tile_m):
     return jnp.where(starts < ends[-1], groups, -1)
 
 
-def _forward(use_mgpu, blocks, x, w, group_sizes):
+def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes):
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         tiles = blocks.aligned and blocks.aligned.forward
         y = _aligned_or_row_tiled(
-            blocks, x.shape[1], w.shape[2], group_sizes,
+            blocks, assume_aligned, x.shape[1], w.shape[2], group_sizes,
             lambda: hopper_gemm.rows_matmul(x, w, _tile_groups(group_sizes, x.shape[0], tiles.tile_m), tiles),
             lambda: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward)))
         return _vary_over(y, _vma(x))  # typed unvarying by the kernel (jax 0.10)
     return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _input_grad(use_mgpu, blocks, dy, w, group_sizes):
+def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes):
     """dx [M, K] = dy [M, N] @ w[g]^T, without materializing w^T."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -305,7 +325,7 @@ def _input_grad(use_mgpu, blocks, dy, w, group_sizes):
         # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
         tiles = blocks.aligned and blocks.aligned.input_grad
         return _aligned_or_row_tiled(
-            blocks, w.shape[1], w.shape[2], group_sizes,
+            blocks, assume_aligned, w.shape[1], w.shape[2], group_sizes,
             lambda: hopper_gemm.rows_matmul(dy, w, _tile_groups(group_sizes, dy.shape[0], tiles.tile_m), tiles,
                                             transpose_rhs=True),
             lambda: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
@@ -315,7 +335,7 @@ def _input_grad(use_mgpu, blocks, dy, w, group_sizes):
     return lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
 
 
-def _weight_grad(use_mgpu, blocks, x, dy, group_sizes):
+def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes):
     """dw [G, K, N]: dw[g] = x_g^T dy_g, the rows contracted group by group."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
@@ -331,7 +351,7 @@ def _weight_grad(use_mgpu, blocks, x, dy, group_sizes):
             starts = jnp.cumsum(group_sizes) - group_sizes
             return hopper_gemm.weight_grad(x, dy, starts, group_sizes // tiles.tile_k, tiles)
 
-        return _aligned_or_row_tiled(blocks, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
+        return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)

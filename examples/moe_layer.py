@@ -231,13 +231,16 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def swiglu_grouped(expert_x, w_in, w_out, group_sizes):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1):
     """SwiGLU experts on expert-major rows: expert_x bf16 [M, H], group g
-    the next group_sizes[g] rows (rows past them give 0). Returns bf16 [M, H]."""
-    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes)
+    the next group_sizes[g] rows (rows past them give 0), every size a
+    multiple of `alignment`. Returns bf16 [M, H]."""
+    # Sizes of whole row tiles: say so, and grouped_matmul needs no device-side choice of kernels.
+    aligned = alignment % aligned_rows() == 0
+    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, aligned_groups=aligned)
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes)
+    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, aligned_groups=aligned)
 
 
 def gemm_group_sizes(layout, alignment: int):
@@ -264,7 +267,7 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
                               alignment=alignment, num_rows=expert_rows)
-    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment))
+    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment), alignment)
     return reduce(expert_y, recv_topk_weights, layout)
 
 
@@ -347,7 +350,8 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
             num_rows=expert_rows)
-        expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, expert_alignment))
+        expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, expert_alignment),
+                                  expert_alignment)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
     recv_x, recv_idx, recv_weights, handle = dispatch(
         x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer

@@ -315,7 +315,7 @@ def test_grouped_matches_ragged_dot_and_capacity(skewed):
     probe = dt.random_rows(32, (num_rows, H), jnp.float32)
     references = {impl: _ffn_and_grads(impl, num_rows * K, x, idx, weights, w_in, w_out, probe)
                   for impl in ("ragged_dot", "capacity")}
-    for rows, alignment in ((None, 1), (num_pairs, 1), (None, 8)):
+    for rows, alignment in ((None, 1), (num_pairs, 1), (None, 8), (None, 128)):  # 128: aligned_groups
         worst = ml.default_expert_rows(num_rows, K, num_local, alignment)
         assert int(ml.expert_rows_overflow(idx, num_local, 1, rows or worst, alignment)) == 0
         y, g = _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe)

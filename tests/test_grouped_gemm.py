@@ -137,6 +137,36 @@ def test_grad_of_a_swiglu_loss():
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
 
 
+def test_aligned_groups_promise():
+    """aligned_groups=True: sizes that keep the promise (multiples of
+    aligned_rows(), empty groups, the last cut at row M) give the same results
+    as without it; one that breaks it makes y, dx and dw NaN: never silently
+    wrong, on every backend."""
+    rng = np.random.default_rng()
+    align = gg.aligned_rows()
+    num_groups, num_rows = 4, 5 * align + 40  # M not a multiple of the alignment: the last group is cut
+
+    def run(sizes, aligned_groups):
+        def f(x, w, dy):
+            y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, aligned_groups=aligned_groups), x, w)
+            return (y, *vjp(dy))
+
+        return jax.jit(f)(x, w, dy)
+
+    kept = np.array([2, 0, 1, 3], np.int32) * align  # ends past row M
+    x, w, dy = make_inputs(rng, num_rows, num_groups, np.minimum(np.cumsum(kept), num_rows)[-1:])
+    for got, want, name in zip(run(kept, True), run(kept, False), ("y", "dx", "dw")):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
+    broken = np.array([align, 1, align - 1, 0], np.int32)
+    y, dx, dw = (np.asarray(a, np.float32) for a in run(broken, True))
+    total = int(broken.sum())
+    # A broken promise: y NaN, and the gradients NaN wherever they come from the groups' rows.
+    assert np.isnan(y).all() and np.isnan(dx[:total]).all(), "y and dx must be NaN"
+    assert np.isnan(dw[broken > 0]).all() and not np.isnan(dw[broken == 0]).any(), "dw of the groups with rows: NaN"
+    with pytest.raises(TypeError, match="aligned_groups must be a bool"):
+        grouped_matmul(x, w, kept, aligned_groups=1)
+
+
 def test_group_sizes_are_clamped():
     """Negative sizes count as 0; groups past row M are cut at M."""
     rng = np.random.default_rng()
@@ -293,6 +323,14 @@ def test_mgpu_path_lowers(gpu_core_count):
     row_tiled_only = functools.partial(grouped_matmul, impl="mgpu",
                                        block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
     assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
+
+    # aligned_groups=True: the warp-specialized kernels alone, no lax.cond.
+    def promised_loss(x, w, sizes):
+        y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    promised = jax.jit(jax.grad(promised_loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+    assert mosaic_calls(promised) == 3 and "stablehlo.case" not in promised.as_text()
 
 
 def test_steady_pipeline_lowers(gpu_core_count):

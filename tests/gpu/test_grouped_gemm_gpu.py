@@ -73,9 +73,9 @@ def with_junk_padding(a, total):
     return jnp.where(rows, jnp.asarray(1e3, a.dtype), a)
 
 
-@functools.partial(jax.jit, static_argnames="impl")
-def forward_and_grads(x, w, sizes, dy, impl):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl), x, w)
+@functools.partial(jax.jit, static_argnames=("impl", "aligned_groups"))
+def forward_and_grads(x, w, sizes, dy, impl, aligned_groups=False):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups), x, w)
     return (y, *vjp(dy))
 
 
@@ -169,6 +169,10 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
         assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
         err = float(excess_error(g, r))
         assert err <= RTOL, f"{what}: {name}, mgpu vs per-group dots, max excess error {err:.3g} of the scale"
+    if aligned:  # the promise (no lax.cond): the same kernels, the same bits
+        promised = forward_and_grads(x, w, sizes, dy, impl="mgpu", aligned_groups=True)
+        for name, g, p in zip(("y", "dx", "dw"), got, promised):
+            assert bool(jnp.all(g == p)), f"{what}: {name} with aligned_groups=True differs"
     y, dx, dw = got
     assert not bool(jnp.any(y[total:])), f"{what}: padding rows of y are not zero"
     assert not bool(jnp.any(dx[total:])), f"{what}: dx of padding rows is not zero"

@@ -345,6 +345,17 @@ def _own_rank_io(mesh, name, timeout_s):
     return put, run
 
 
+def _assert_low_latency_sources(handle, e, slots, what):
+    """Expert e's first len(slots) slots of a low-latency handle hold the
+    oracle's (source rank, token, k) in order; returns (ranks, tokens)."""
+    n = len(slots)
+    s, t, k = (np.array(v) for v in zip(*slots))
+    np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
+    np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
+    np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+    return s, t
+
+
 def case_shared_gpu(sequence_starts=(None,)):
     """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
     backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
@@ -487,10 +498,7 @@ def case_shared_gpu(sequence_starts=(None,)):
                     assert int(count[e]) == n, (what, int(count[e]), n)
                     if not n:
                         continue
-                    s, t, k = (np.array(v) for v in zip(*slots))
-                    np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
-                    np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
-                    np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+                    s, t = _assert_low_latency_sources(handle, e, slots, what)
                     if use_fp8:  # within FP8 rounding: 2^-4 of each 128-block's largest magnitude
                         amax = np.abs(xs[s, t].reshape(n, -1, 128)).max(-1, keepdims=True)
                         assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
@@ -520,7 +528,7 @@ def case_shared_gpu_order():
     process its own rank. Meant also for XLA_FLAGS=
     --xla_gpu_command_buffer_scheduling_mode=CONCURRENT, with ranks that may
     share GPUs (no XLA collective across processes)."""
-    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    platform, num_ranks, mesh, _, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 32, 256, 4, 4 * num_ranks
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
                         num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
@@ -690,10 +698,7 @@ def case_large_ep_low_latency():
                     assert (getattr(handle, field)[e, n:] == -1).all(), (what, e, field)
                 if not n:
                     continue
-                s, t, k = (np.array(v) for v in zip(*slots))
-                np.testing.assert_array_equal(handle.recv_src_rank[e, :n], s, err_msg=what)
-                np.testing.assert_array_equal(handle.recv_src_token[e, :n], t, err_msg=what)
-                np.testing.assert_array_equal(handle.recv_src_topk[e, :n], k, err_msg=what)
+                s, t = _assert_low_latency_sources(handle, e, slots, what)
                 for got, want in zip(got_rows, want_rows):
                     np.testing.assert_array_equal(got[e, :n], want[s, t], err_msg=what)
             if kind == "rank_empty" and rank == num_ranks - 1:

@@ -74,27 +74,41 @@ def _transforms(plgpu, cols, dtype):
     return plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle)
 
 
-def _store_tile(plgpu, acc, out_smem, wg, dst, t: HopperTiles):
-    """acc (tile_m x tile_n, this warpgroup's) into dst through two smem slots."""
-    num_slots = min(2, (t.tile_m * t.tile_n) // (t.epi_tile_m * t.epi_tile_n))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    i = 0
-    for em in range(t.tile_m // t.epi_tile_m):
-        for en in range(t.tile_n // t.epi_tile_n):
-            rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
-            cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
-            slot = i % num_slots
-            i += 1
-            plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
-            out_smem[wg, slot] = acc[rows, cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+def _epilogue_slots(t: HopperTiles) -> int:
+    """Shared-memory slots per warpgroup for the stores (two, so one fills while the other drains)."""
+    return min(2, (t.tile_m * t.tile_n) // (t.epi_tile_m * t.epi_tile_n))
 
 
 def _out_smem(plgpu, t: HopperTiles, dtype):
-    num_slots = min(2, (t.tile_m * t.tile_n) // (t.epi_tile_m * t.epi_tile_n))
-    return plgpu.SMEM((2, num_slots, t.epi_tile_m, t.epi_tile_n), dtype,
+    return plgpu.SMEM((2, _epilogue_slots(t), t.epi_tile_m, t.epi_tile_n), dtype,
                       transforms=_transforms(plgpu, t.epi_tile_n, dtype))
+
+
+def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, dtype):
+    """The compute warpgroups' context of a pipeline: accumulate this
+    warpgroup's tile_m x tile_n products in float32, then store them, as
+    `dtype`, into dst through the epilogue's shared-memory slots."""
+    num_slots = _epilogue_slots(t)
+
+    def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+        def _acc(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...].astype(dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            i = 0
+            for em in range(t.tile_m // t.epi_tile_m):
+                for en in range(t.tile_n // t.epi_tile_n):
+                    rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
+                    cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
+                    slot = i % num_slots
+                    i += 1
+                    plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+                    out_smem[wg, slot] = acc[rows, cols]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+
+    return compute_context
 
 
 def _kernel(body, out_shape, dtype, t: HopperTiles):
@@ -169,12 +183,8 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                 rows = pl.ds(mi * t.tile_m, t.tile_m)
                 cols = pl.ds(ni * cta_n, cta_n)
 
-                def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
-                                    out_gmem.at[rows, cols].at[:, wg_cols], t)
+                compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
+                                                         out_gmem.at[rows, cols].at[:, wg_cols], out_gmem.dtype)
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
@@ -282,12 +292,8 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
                 cols = pl.ds(ni * cta_n, cta_n)
                 k_rows = pl.ds(mi * t.tile_m, t.tile_m)
 
-                def compute_context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                    def _acc(acc_ref):
-                        eval_pipeline(acc_ref)
-                        _store_tile(plgpu, acc_ref[...].astype(out_gmem.dtype), out_smem, wg,
-                                    out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], t)
+                compute_context = _accumulate_then_store(
+                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], out_gmem.dtype)
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     @pl.when(steps > 0)

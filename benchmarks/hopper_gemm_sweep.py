@@ -37,24 +37,15 @@ ALIGN = 128
 T = hg.HopperTiles
 
 
-def tile_groups(sizes, num_rows, tile_m):
-    ends = np.cumsum(sizes)
-    starts = np.arange(num_rows // tile_m) * tile_m
-    group = np.searchsorted(ends, starts, side="right").astype(np.int32)
-    return jnp.asarray(np.where(starts < ends[-1], group, -1).astype(np.int32))
-
-
-def steps_and_starts(sizes, tile_k):
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int32)
-    return jnp.asarray(starts), jnp.asarray((np.asarray(sizes) // tile_k).astype(np.int32))
-
-
 def call(kernel, t, a, b, sizes):
-    num_rows = a.shape[0]
+    """The kernel on groups of `sizes` (numpy), its index maps made as grouped_matmul makes
+    them, but at trace time: constants of the program, outside what is timed."""
+    with jax.ensure_compile_time_eval():
+        s = jnp.asarray(sizes, jnp.int32)
+        starts, steps, groups = jnp.cumsum(s) - s, s // t.tile_k, gg._tile_groups(s, a.shape[0], t.tile_m)
     if kernel == "weight_grad":
-        starts, steps = steps_and_starts(sizes, t.tile_k)
         return hg.weight_grad(a, b, starts, steps, t)
-    return hg.rows_matmul(a, b, tile_groups(sizes, num_rows, t.tile_m), t, transpose_rhs=kernel == "input_grad")
+    return hg.rows_matmul(a, b, groups, t, transpose_rhs=kernel == "input_grad")
 
 
 def numpy_reference(kernel, a, b, sizes):

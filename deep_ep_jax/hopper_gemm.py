@@ -166,7 +166,9 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             pipeline_state=state,
         )
 
-    def body(tile_group_gmem, num_row_tiles_gmem, x_gmem, w_gmem, out_gmem):
+    def body(tile_group_gmem, *refs):
+        # With steady: the count of row tiles that hold groups, then x, w, out.
+        *num_row_tiles_gmem, x_gmem, w_gmem, out_gmem = refs
         ignore = lambda *_, **__: None
 
         @functools.partial(pl.run_scoped,
@@ -209,7 +211,7 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             else:
                 # Only the row tiles that hold groups (a prefix), so that every step of a CTA runs a
                 # pipeline: the first starts the chain, the last ends it, one alone does both.
-                num_m = num_row_tiles_gmem[0]
+                num_m = num_row_tiles_gmem[0][0]
 
                 @plgpu.nd_loop((num_m * n_iters,), collective_axes="cluster_grid")
                 def _tiles(info):
@@ -229,8 +231,9 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    num_row_tiles = jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1)  # the groups' tiles come first
-    return _kernel(body, (m, n), x.dtype, t)(tile_group, num_row_tiles, x, w)
+    # The groups' tiles come first; their count is needed only for the steady walk.
+    num_row_tiles = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),) if steady else ()
+    return _kernel(body, (m, n), x.dtype, t)(tile_group, *num_row_tiles, x, w)
 
 
 def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):

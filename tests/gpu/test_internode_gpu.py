@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -42,10 +41,11 @@ def _launch(cases, *, timeout, extra=()):
     # No RDMA NIC needed on one machine: NVSHMEM's peer-to-peer transport carries everything.
     env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    from test_multiprocess_gpu import sharing_args
+
     # On a single GPU both processes share it (cases that run no XLA collective across processes).
-    sharing = ["--ranks-per-gpu", str(NUM_PROCESSES)] if len(jax.devices("gpu")) < NUM_PROCESSES else []
     cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(NUM_PROCESSES), "--all-gpus-visible",
-           *sharing, "--timeout", str(timeout - 15), *extra, "--", WORKER, *cases]
+           *sharing_args(NUM_PROCESSES), "--timeout", str(timeout - 15), *extra, "--", WORKER, *cases]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr
 

@@ -31,13 +31,18 @@ def _num_processes():
     return min(len(jax.devices("gpu")), 8)
 
 
-def _at_least_two_processes():
-    """(processes, launch args): one per GPU, but at least two, sharing the
-    GPU where there is one (for cases that run no XLA collective across processes)."""
+def sharing_args(num_processes):
+    """launch's arguments that fit num_processes on the GPUs at hand: none with a
+    GPU each, else --ranks-per-gpu (only for cases that run no XLA collective
+    across processes: NCCL refuses two ranks on one GPU)."""
     num_gpus = len(jax.devices("gpu"))
-    if num_gpus >= 2:
-        return _num_processes(), []
-    return 2, ["--ranks-per-gpu", "2"]
+    return [] if num_gpus >= num_processes else ["--ranks-per-gpu", str(-(-num_processes // num_gpus))]
+
+
+def _at_least_two_processes():
+    """(processes, launch args): one per GPU, but at least two, sharing a single GPU."""
+    num_processes = max(2, _num_processes())
+    return num_processes, sharing_args(num_processes)
 
 
 def _launch(cases, *, timeout, extra=(), num_processes=None):

@@ -273,10 +273,8 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
 
 def default_expert_rows(num_rows: int, topk: int, num_local_experts: int, alignment: int = 1) -> int:
     """Expert-major rows per rank for N = num_rows received rows: the worst
-    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows, rounded
-    up to a multiple of the alignment (so the last group is never cut short)."""
-    rows = default_num_rows(num_rows, topk, num_local_experts, alignment)
-    return -(-rows // alignment) * alignment
+    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows."""
+    return default_num_rows(num_rows, topk, num_local_experts, alignment)
 
 
 def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,

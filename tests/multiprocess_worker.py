@@ -356,6 +356,17 @@ def _assert_low_latency_sources(handle, e, slots, what):
     return s, t
 
 
+def _assert_low_latency_combine(out, y, expected, idxs, ws, rank, what):
+    """This rank's low-latency combine output equals tests/oracle.py's, bit for
+    bit: y [E, R * T, H] the experts' rows, idxs and ws [R, T, K]."""
+    import oracle
+
+    num_experts, num_ranks = y.shape[0], idxs.shape[0]
+    ys = y.astype(np.float32).reshape(num_ranks, num_experts // num_ranks, *y.shape[1:])
+    combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
+    np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=what)
+
+
 def case_shared_gpu(sequence_starts=(None,)):
     """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
     backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
@@ -371,7 +382,6 @@ def case_shared_gpu(sequence_starts=(None,)):
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     # SHARED_GPU_TOKENS: more tokens per rank, e.g. several chunks per channel of the pipelined dispatch.
     num_tokens, hidden, topk, num_experts = int(os.environ.get("SHARED_GPU_TOKENS", "8")), 256, 4, 4 * num_ranks
-    epr = num_experts // num_ranks
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
                         num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
@@ -504,9 +514,7 @@ def case_shared_gpu(sequence_starts=(None,)):
                         assert (np.abs(rows[e, :n] - xs[s, t]).reshape(n, -1, 128) <= amax / 16 + 1e-6).all(), what
                     else:
                         np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
-                ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
-                combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
-                np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
+                _assert_low_latency_combine(out, y, expected, idxs, ws, rank, kind)
                 log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
     buffer.destroy()
 
@@ -639,7 +647,6 @@ def case_large_ep_low_latency():
     cuda = platform == "gpu"
     num_tokens, hidden, topk = 16, 1024, 4
     num_experts = 2 * num_ranks
-    epr = num_experts // num_ranks
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
     config = dej.Config(timeout_s=150)
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if cuda else "xla", hidden=hidden, num_experts=num_experts,
@@ -703,9 +710,7 @@ def case_large_ep_low_latency():
                     np.testing.assert_array_equal(got[e, :n], want[s, t], err_msg=what)
             if kind == "rank_empty" and rank == num_ranks - 1:
                 assert not count.any(), what
-            ys = y.astype(np.float32).reshape(num_ranks, epr, num_ranks * num_tokens, hidden)
-            combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
-            np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=what)
+            _assert_low_latency_combine(out, y, expected, idxs, ws, rank, what)
             log(f"large_ep R={num_ranks} {what}: ok")
     buffer.destroy()
 

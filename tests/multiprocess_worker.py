@@ -260,14 +260,23 @@ def case_kill():
     log("NO TIMEOUT")
 
 
-def _exit_after_trap(message):
+def _exit_after_trap(message, wait_for_peers=None):
     """Logs, then exits with status 17, skipping jax.distributed's shutdown
     barrier, which would wait for dead or trapped processes; flushes C stdio
-    first (the kernels' printf goes through it)."""
+    first (the kernels' printf goes through it). With wait_for_peers (a
+    barrier name), it first waits up to 60 s for every process to get this
+    far: process 0 hosts the coordination service, and a process that leaves
+    early makes the service abort the others before they can report (ranks
+    sharing one GPU see their traps seconds apart)."""
     import ctypes
 
     log(message)
     ctypes.CDLL(None).fflush(None)
+    if wait_for_peers:
+        try:
+            multiprocess.barrier(wait_for_peers, 60)
+        except TimeoutError as e:
+            log(str(e))
     os._exit(17)
 
 
@@ -299,7 +308,8 @@ def case_launch_mismatch():
     try:
         jax.block_until_ready(run(x, jnp.asarray(idx), jnp.asarray(w)))
     except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
-        _exit_after_trap(f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}")
+        _exit_after_trap(f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}",
+                         wait_for_peers="deep_ep_jax/test/launch_mismatch/reported")
     log("NO LAUNCH MISMATCH ERROR")
 
 
@@ -613,16 +623,24 @@ def case_shared_gpu_teardown():
         buffer = suite.cuda_buffer(mesh)
         put, run = _own_rank_io(mesh, f"shared_gpu_teardown/{i}", buffer.config.timeout_s)
         args = tuple(map(put, (np.asarray(a) for a in (x, idx, w, y, ll_x, ll_idx, ll_w))))
-        got = jax.tree.leaves(run(functools.partial(suite.teardown_calls, buffer, experts), *args))
+        got = run(functools.partial(suite.teardown_calls, buffer, experts), *args)
         buffer.destroy()
         if first is None:
             first = got
             continue
-        num_recv = int(got[1])
-        assert num_recv == int(first[1]), (i, num_recv, int(first[1]))
-        np.testing.assert_array_equal(got[0][:num_recv], first[0][:num_recv], err_msg=f"buffer {i}: recv_x")
-        for j, (g, f) in enumerate(zip(got[2:], first[2:])):
-            np.testing.assert_array_equal(g, f, err_msg=f"buffer {i}: output {j + 2}")
+        recv_x, num_recv, out, out_w, xs, count, ll_handle, ll_out = got
+        f_recv_x, f_num_recv, f_out, f_out_w, f_xs, f_count, f_ll_handle, f_ll_out = first
+        n = int(num_recv)
+        assert n == int(f_num_recv), (i, n, int(f_num_recv))
+        np.testing.assert_array_equal(recv_x[:n], f_recv_x[:n], err_msg=f"buffer {i}: recv_x")
+        np.testing.assert_array_equal(count, f_count, err_msg=f"buffer {i}: low-latency recv_count")
+        valid = np.arange(xs[0].shape[1])[None, :] < count[:, None]  # only the received rows are defined
+        for j, (g, f) in enumerate(zip(xs, f_xs)):
+            np.testing.assert_array_equal(g[valid], f[valid], err_msg=f"buffer {i}: low-latency recv_x[{j}]")
+        for name, g, f in [("out", out, f_out), ("out_weights", out_w, f_out_w), ("low-latency out", ll_out, f_ll_out)]:
+            np.testing.assert_array_equal(g, f, err_msg=f"buffer {i}: {name}")
+        for j, (g, f) in enumerate(zip(jax.tree.leaves(ll_handle), jax.tree.leaves(f_ll_handle))):
+            np.testing.assert_array_equal(g, f, err_msg=f"buffer {i}: low-latency handle leaf {j}")
     assert ext.num_live_buffers() == live, (ext.num_live_buffers(), live)
     log(f"shared_gpu_teardown R={num_ranks}: ok")
 
@@ -929,7 +947,7 @@ def case_internode_handler_checks():
         out_types = dict(common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
                          node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
         return internode.DISPATCH(buffer, out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
-                                  num_experts=np.int64(num_experts), **common.launch_attrs(buffer))
+                                  num_experts=np.int64(num_experts), **internode._launch_attrs(buffer))
 
     def combine(hidden):
         rows = num_tokens * num_ranks
@@ -938,7 +956,7 @@ def case_internode_handler_checks():
         return internode.COMBINE(buffer, out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
                                  jnp.zeros((num_tokens, num_ranks), jnp.int32), jnp.zeros((), jnp.int32),
                                  jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
-                                 **common.launch_attrs(buffer))
+                                 **internode._launch_attrs(buffer))
 
     bf16 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.bfloat16),)
     fp8 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.float8_e4m3fn),

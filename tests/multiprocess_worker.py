@@ -266,8 +266,8 @@ def _exit_after_trap(message, wait_for_peers=None):
     first (the kernels' printf goes through it). With wait_for_peers (a
     barrier name), it first waits up to 60 s for every process to get this
     far: process 0 hosts the coordination service, and a process that leaves
-    early makes the service abort the others before they can report (ranks
-    sharing one GPU see their traps seconds apart)."""
+    early makes the service abort the others before they can report (the
+    processes' traps surface at different times)."""
     import ctypes
 
     log(message)

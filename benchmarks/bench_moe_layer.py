@@ -60,6 +60,7 @@ sys.path.insert(1, str(ROOT))
 import moe_layer as ml
 
 from deep_ep_jax import Buffer
+from deep_ep_jax.expert_major import default_num_rows
 
 GiB = 2**30
 
@@ -169,7 +170,7 @@ def pick_expert_rows(args, mesh, topk_idx):
     rows = args.expert_rows or -(-largest // 128) * 128
     print(f"expert-major rows per rank: mean {np.mean(per_rank[:num_ranks]):.0f}, largest {largest} (with the "
           f"'local' ones); {rows} rows (alignment {align}), worst case "
-          f"{ml.default_expert_rows(topk_idx.shape[0], args.top_k, num_local, align)}")
+          f"{default_num_rows(topk_idx.shape[0], args.top_k, num_local, align)}")
     dropped = int(ml.expert_rows_overflow(topk_idx, args.experts, num_ranks, rows, align))
     if dropped or largest > rows:
         raise SystemExit(f"--expert-rows {rows} drops {dropped} (token, expert) pairs (largest count {largest})")

@@ -49,7 +49,6 @@ from deep_ep_jax import (
     grouped_matmul,
     reduce,
 )
-from deep_ep_jax.expert_major import default_num_rows
 from deep_ep_jax.grouped_gemm import aligned_rows, is_hopper_gpu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
@@ -271,12 +270,6 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     return reduce(expert_y, recv_topk_weights, layout)
 
 
-def default_expert_rows(num_rows: int, topk: int, num_local_experts: int, alignment: int = 1) -> int:
-    """Expert-major rows per rank for N = num_rows received rows: the worst
-    case, N * min(K, L) pairs plus L * (alignment - 1) padding rows."""
-    return default_num_rows(num_rows, topk, num_local_experts, alignment)
-
-
 def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
                          num_groups: int = 1):
     """(token, expert) pairs the grouped path drops, summed over all ranks.
@@ -323,8 +316,8 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
     (batched matmuls over `capacity` slots per expert, default
     default_capacity(N, K, L); pairs past it are dropped) or "grouped"
     (expand to `expert_rows` expert-major rows, default
-    default_expert_rows(N, K, L, expert_alignment), grouped_matmul, reduce;
-    pairs past them are dropped). expert_alignment: each expert's rows start
+    deep_ep_jax.expert_major.default_num_rows(N, K, L, expert_alignment),
+    grouped_matmul, reduce; pairs past them are dropped). expert_alignment: each expert's rows start
     at a multiple of it (default: default_expert_alignment()).
     """
     expert_alignment = _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.expert_major import default_num_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -316,7 +317,7 @@ def test_grouped_matches_ragged_dot_and_capacity(skewed):
     references = {impl: _ffn_and_grads(impl, num_rows * K, x, idx, weights, w_in, w_out, probe)
                   for impl in ("ragged_dot", "capacity")}
     for rows, alignment in ((None, 1), (num_pairs, 1), (None, 8), (None, 128)):  # 128: aligned_groups
-        worst = ml.default_expert_rows(num_rows, K, num_local, alignment)
+        worst = default_num_rows(num_rows, K, num_local, alignment)
         assert int(ml.expert_rows_overflow(idx, num_local, 1, rows or worst, alignment)) == 0
         y, g = _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe)
         for impl, (want_y, want_g) in references.items():
@@ -335,7 +336,7 @@ def test_gemm_group_sizes_are_whole_multiples():
     num_rows, num_local = 40, 4
     x, idx, _ = _random_recv(40, num_rows, 33, num_local)
     for alignment in (1, 8, 128):
-        rows = ml.default_expert_rows(num_rows, K, num_local, alignment)
+        rows = default_num_rows(num_rows, K, num_local, alignment)
         _, layout = ml.expand(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), num_local_experts=num_local,
                               alignment=alignment, num_rows=rows, backend="xla")
         sizes = np.asarray(ml.gemm_group_sizes(layout, alignment))

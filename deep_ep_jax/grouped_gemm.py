@@ -123,7 +123,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     num_rows = x.shape[0]
     padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
     # kept: whether the promise holds (the sizes as given); cut at the padded rows, aligned sizes stay aligned.
-    kept = jnp.all(group_sizes % aligned_rows(blocks) == 0) if aligned_groups else None
+    kept = _sizes_aligned(group_sizes, blocks) if aligned_groups else None
     group_sizes = _clamp_group_sizes(group_sizes, padded_rows)
     # One vma for all three (shard_map): the custom_vjp's cotangents then match
     # their primals, and a weight replicated over the axis gets its gradient summed.
@@ -150,6 +150,11 @@ def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     kernels (pass it as the expert-major layout's alignment)."""
     a = blocks.aligned or DEFAULT_ALIGNED_TILES
     return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k)
+
+
+def _sizes_aligned(group_sizes, blocks):
+    """bool []: every group size is a multiple of aligned_rows(blocks) (traced)."""
+    return jnp.all(group_sizes % aligned_rows(blocks) == 0)
 
 
 def _aligned_fits(k, n, blocks) -> bool:
@@ -293,7 +298,7 @@ def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, ro
         return row_tiled()
     if assume_aligned:
         return aligned()
-    return lax.cond(jnp.all(group_sizes % aligned_rows(blocks) == 0), aligned, row_tiled)
+    return lax.cond(_sizes_aligned(group_sizes, blocks), aligned, row_tiled)
 
 
 def _tile_groups(group_sizes, num_rows, tile_m):

@@ -83,10 +83,7 @@ def test_handlers_refuse_bad_shapes():
     _assert_cases_ok(code, output, ["internode_handler_checks"])
 
 
-# One process per GPU, as a real mismatch (GPUs with different SM counts) has:
-# with two processes trapping on one shared GPU, the second one's error took
-# over a minute to surface (one H200, 2026-12-01), so the check is not timely there.
-@pytest.mark.gpu(min_gpus=2)
+@pytest.mark.gpu(min_gpus=2)  # one process per GPU: why, at test_multiprocess_gpu's twin
 def test_launch_mismatch_fails_with_a_message():
     """Processes with different Config.num_sms: the internode kernels report
     the mismatch at once on every rank (test_multiprocess_gpu has the check)."""

@@ -501,6 +501,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("device"), py::arg("pe"), py::arg("num_pes"), py::arg("unique_id"),
         "Collective: NVSHMEM on `device` as PE `pe` of `num_pes` (unique-id bootstrap)");
   m.def("nvshmem_initialized", &nvshmem::Initialized);
+  m.def("internode_combine_pipeline_fits", &internode::CombinePipelineFits, py::arg("device"), py::arg("num_blocks"),
+        py::arg("num_warps"),
+        "Whether combine across hosts runs pipelined at this grid on `device` (all its blocks resident at once), "
+        "else its serial kernels");
   m.def("nvshmem_finalize", &nvshmem::Finalize, py::call_guard<py::gil_scoped_release>(),
         "Collective: shuts NVSHMEM down (after every NVSHMEM buffer is destroyed)");
   m.def("create_nvshmem_buffer", &nvshmem::CreateBuffer, py::arg("device"), py::arg("rank"), py::arg("pes"),

@@ -19,8 +19,8 @@ them without touching code:
   DEEP_EP_JAX_COUNT_TRAFFIC  1: normal mode counts the rows and bytes it moves
                              over NVLink and the network (Buffer.traffic())
   DEEP_EP_JAX_INTERNODE_PIPELINE
-                             0: normal-mode dispatch across hosts runs its
-                             network send and NVLink forward one after the
+                             0: normal-mode dispatch and combine across hosts
+                             run their send and forward stages one after the
                              other (default 1: pipelined by chunk; for A/B)
 
 Unset or empty means the default; a value that does not parse is a ValueError
@@ -102,10 +102,11 @@ class Config:
     # bytes they move over NVLink and over the network, per rank (Buffer.traffic(),
     # docs/internode.md). Off: no counting at all (a kernel argument, null).
     count_traffic: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_COUNT_TRAFFIC", False))
-    # Normal-mode dispatch across hosts: the network send and the NVLink forward
-    # overlap by chunk in one kernel (docs/internode.md). False runs them one
-    # after the other, as separate kernels: for A/B measurements. Every process
-    # of the group must agree (a mismatch stops the call with a message).
+    # Normal mode across hosts: dispatch's network send and NVLink forward, and
+    # combine's NVLink gather and per-host reduction, overlap by chunk in one
+    # kernel each (docs/internode.md). False runs them one after the other, as
+    # separate kernels: for A/B measurements. Every process of the group must
+    # agree (a mismatch stops the call with a message).
     internode_pipeline: bool = dataclasses.field(
         default_factory=lambda: _env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
 

@@ -13,8 +13,12 @@ fails. Combine the other way: every rank's rows to the forwarder of their source
 (NVLink), which sums the host's rows and puts one bf16 partial per (token,
 remote host) to the source, which sums the partials in host order: equal to
 the oracle's per-host order bit for bit, one network row per remote host
-holding the token. Runs on CPU; the kernels themselves are checked against
-the reference on GPUs (tests/gpu/test_internode_gpu.py, test_scale_gpu.py)."""
+holding the token; the same with the pipelined send and forward (row
+senders in chunks of the received rows, tails per sender and channel,
+forwarder warps that wait for the tails covering an entry's rows)
+interleaved at random, where a row reduced before it landed fails. Runs on
+CPU; the kernels themselves are checked against the reference on GPUs
+(tests/gpu/test_internode_gpu.py, test_scale_gpu.py)."""
 
 import numpy as np
 import pytest
@@ -185,12 +189,23 @@ def pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_p
 
     steps = [sender(s, c) for s in range(num_ranks) for c in range(channels)]
     steps += [forwarder(f, block) for f in range(num_ranks) for block in range(forwarders)]
+    interleave(steps, rng)
+
+
+def interleave(steps, rng):
+    """Runs the generators' steps, picking the next one at random, to the
+    end of them all. A step yields False when it only waited: a run of
+    waits far longer than it takes to pick every step is a deadlock, which
+    fails instead of hanging."""
+    waits = 0
     while steps:
         step = steps[rng.integers(len(steps))]
         try:
-            next(step)
+            waits = waits + 1 if next(step) is False else 0
         except StopIteration:
             steps.remove(step)
+            waits = 0
+        assert waits <= 64 * len(steps), "deadlock: every step left waits"
 
 
 def _host_tables(nodes):
@@ -203,10 +218,12 @@ def _host_tables(nodes):
     return num_nodes, per_host, local, rank_at
 
 
-def model_combine(y, handle, nodes):
+def model_combine(y, handle, nodes, num_blocks=0, rng=None, wait_for_tails=True):
     """y [R, N, H]: each rank's rows; handle: model_dispatch's. The kernels'
     per-host combine: returns (float32 [R, T, H] before the final bf16
-    rounding, network rows)."""
+    rounding, network rows). num_blocks > 1: send and forward as the
+    pipelined kernel with that grid, its steps interleaved at random by rng;
+    wait_for_tails=False drops its forwarders' wait (only to show it fails)."""
     send_pos, src_idx, src_rank, num_recv = (handle[k] for k in ("send_pos", "src_idx", "src_rank", "num_recv"))
     num_ranks, num_tokens, _ = send_pos.shape
     num_rows = y.shape[1]
@@ -214,46 +231,72 @@ def model_combine(y, handle, nodes):
     holds = (send_pos >= 0) & (send_pos < num_rows)  # [source, token, rank]: HandleRow
 
     # Notify (source s): per host b, the tokens with a row there, in token
-    # order, each with its token index and the mask of b's ranks holding it,
-    # to the forwarder on b (the rank of s's local index): put unless b is s's host.
-    meta = {}  # (forwarder, source host, position) -> (token, mask)
-    meta_counts = {}  # (source, host) -> positions
+    # order, each as (token, mask of b's ranks holding it, its row at each of
+    # them or -1), staged for the forwarder on b (the rank of s's local
+    # index); s's own host's list is s's own, there at once.
+    staged = {}  # (source, host) -> entries
     for s in range(num_ranks):
         for b in range(num_nodes):
-            forwarder = rank_at[b * per_host + local[s]]
-            p = 0
+            staged[(s, b)] = []
             for t in range(num_tokens):
-                mask = sum(1 << j for j in range(per_host) if holds[s, t, rank_at[b * per_host + j]])
+                rows = [send_pos[s, t, r] if holds[s, t, r] else -1 for r in rank_at[b * per_host:(b + 1) * per_host]]
+                mask = sum(1 << j for j, row in enumerate(rows) if row >= 0)
                 if mask:
-                    meta[(forwarder, nodes[s], p)] = (t, mask)
-                    p += 1
-            meta_counts[(s, b)] = p
+                    staged[(s, b)].append((t, mask, rows))
+    meta_counts = {key: len(entries) for key, entries in staged.items()}  # (source, host) -> positions
+    meta = {}  # (forwarder, source host, position) -> entry, once its list is at the forwarder
+
+    def put_lists(s, remote):
+        for b in range(num_nodes):
+            if (b != nodes[s]) == remote:
+                for p, entry in enumerate(staged[(s, b)]):
+                    meta[(rank_at[b * per_host + local[s]], nodes[s], p)] = entry
+
     # Send: every rank's rows over NVLink to the forwarder of their source on
     # its own host, slot [its index][source host][token].
     slots = {}
-    for d in range(num_ranks):
-        for i in range(num_recv[d]):
-            s, t = src_rank[d, i], src_idx[d, i]
-            forwarder = rank_at[nodes[d] * per_host + local[s]]
-            assert nodes[forwarder] == nodes[d], "a row left its host before the reduction"
-            key = (forwarder, local[d], nodes[s], t)
-            assert key not in slots, f"combine slot {key} written twice"
-            slots[key] = y[d, i].astype(np.float32)
+
+    def send_row(d, i):
+        s, t = src_rank[d, i], src_idx[d, i]
+        forwarder = rank_at[nodes[d] * per_host + local[s]]
+        assert nodes[forwarder] == nodes[d], "a row left its host before the reduction"
+        key = (forwarder, local[d], nodes[s], t)
+        assert key not in slots, f"combine slot {key} written twice"
+        slots[key] = y[d, i].astype(np.float32)
+
     # Forward: the forwarder sums its host's rows of each token in index
     # order from 0.0, rounds to bf16, and puts one row per (token, remote host).
     partials = {}  # (source, host, token) -> bf16 partial
     network_rows = 0
-    for f in range(num_ranks):
-        for hs in range(num_nodes):
-            s = rank_at[hs * per_host + local[f]]
-            for p in range(meta_counts[(s, nodes[f])]):
-                t, mask = meta.pop((f, hs, p))
-                acc = np.zeros(y.shape[2:], np.float32)
-                for j in range(per_host):
-                    if mask >> j & 1:
-                        acc = acc + slots.pop((f, j, hs, t))
-                partials[(s, nodes[f], t)] = oracle.bf16_values(acc)
-                network_rows += hs != nodes[f]
+
+    def reduce_entry(f, hs, p):
+        nonlocal network_rows
+        t, mask, _ = meta.pop((f, hs, p))
+        acc = np.zeros(y.shape[2:], np.float32)
+        for j in range(per_host):
+            if mask >> j & 1:
+                key = (f, j, hs, t)
+                assert key in slots, f"combine slot {key} read before it was written"
+                acc = acc + slots.pop(key)
+        partials[(rank_at[hs * per_host + local[f]], nodes[f], t)] = oracle.bf16_values(acc)
+        network_rows += hs != nodes[f]
+
+    for s in range(num_ranks):
+        put_lists(s, False)  # its own host's list, written in place by the notify
+    if num_blocks > 1:
+        pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists, send_row, reduce_entry, rng,
+                          wait_for_tails)
+    else:
+        # The send kernel puts the remote lists before any row.
+        for s in range(num_ranks):
+            put_lists(s, True)
+        for d in range(num_ranks):
+            for i in range(num_recv[d]):
+                send_row(d, i)
+        for f in range(num_ranks):
+            for hs in range(num_nodes):
+                for p in range(meta_counts[(rank_at[hs * per_host + local[f]], nodes[f])]):
+                    reduce_entry(f, hs, p)
     assert not meta and not slots, "metadata or rows nobody reduced"
     # Receive: the source sums the partials of the hosts holding the token in host order from 0.0.
     out = np.zeros((num_ranks, num_tokens) + y.shape[2:], np.float32)
@@ -264,6 +307,71 @@ def model_combine(y, handle, nodes):
                     out[s, t] = out[s, t] + partials.pop((s, b, t))
     assert not partials, "partials nobody summed"
     return out, network_rows
+
+
+# A combine channel's tail once it has sent all its chunks: above any count.
+FINISHED = 1 << 62
+
+
+def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists, send_row, reduce_entry, rng,
+                      wait_for_tails=True, warps_per_block=2):
+    """The pipelined combine's send and forward: C = num_blocks / 2 row
+    sender channels per rank, channel c taking the chunks k = c, c + C, ...
+    of its received rows (chunk k: rows [16 k, 16 k + 16)) and, after each,
+    setting its tail at every rank of its host to its chunks sent (FINISHED
+    after the last); channel 0 first puts the lists to the remote hosts. The
+    W = F * warps_per_block forwarder warps of a rank take entry i of its
+    lists (by source host, then position) if i % W is theirs, in order, and
+    wait for the tails that cover the rows the entry reduces, unless
+    wait_for_tails is False: reading a row that has not landed fails in
+    reduce_entry. Steps of all channels and warps interleave at random."""
+    num_ranks, num_nodes = len(nodes), max(nodes) + 1
+    _, per_host, local, rank_at = _host_tables(nodes)
+    channels = num_blocks // PIPELINE_SENDER_SHARE
+    warps = (num_blocks - channels) * warps_per_block
+    tails = {}  # (rank, sender index on its host, channel) -> chunks sent, or FINISHED
+    listed = set()  # sources whose remote lists are put
+
+    def set_tail(d, c, value):
+        for f in rank_at[nodes[d] * per_host:(nodes[d] + 1) * per_host]:
+            assert value > tails.get((f, local[d], c), 0), "a tail went back"
+            tails[(f, local[d], c)] = value
+
+    def sender(d, c):
+        if c == 0:
+            put_lists(d, True)
+            listed.add(d)
+            yield
+        num_chunks = -(-num_recv[d] // PIPELINE_CHUNK_TOKENS)
+        for sent, k in enumerate(range(c, num_chunks, channels), 1):
+            for i in range(k * PIPELINE_CHUNK_TOKENS, min(num_recv[d], (k + 1) * PIPELINE_CHUNK_TOKENS)):
+                send_row(d, i)
+            set_tail(d, c, sent)
+            yield
+        set_tail(d, c, FINISHED)
+
+    def landed(f, rows):
+        # Row r is chunk k = r / 16, the (k / C)-th of channel k % C of the rank of index l that holds it.
+        for l, r in enumerate(rows):
+            k = r // PIPELINE_CHUNK_TOKENS
+            if r >= 0 and tails.get((f, l, k % channels), 0) < k // channels + 1:
+                return False
+        return True
+
+    def warp(f, w):
+        sources = [rank_at[hs * per_host + local[f]] for hs in range(num_nodes)]
+        entries = [(hs, p) for hs in range(num_nodes) for p in range(meta_counts[(sources[hs], nodes[f])])]
+        for hs, p in entries[w::warps]:
+            while hs != nodes[f] and sources[hs] not in listed:
+                yield False  # the list is not here yet
+            while wait_for_tails and not landed(f, meta[(f, hs, p)][2]):
+                yield False  # a row it sums may not be in its slot yet
+            reduce_entry(f, hs, p)
+            yield
+
+    steps = [sender(d, c) for d in range(num_ranks) for c in range(channels)]
+    steps += [warp(f, w) for f in range(num_ranks) for w in range(warps)]
+    interleave(steps, rng)
 
 
 def remote_hosts_holding(expected, nodes):
@@ -324,3 +432,30 @@ def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind
     out, network_rows = model_combine(y, handle, nodes)
     assert network_rows == remote_hosts_holding(want, nodes)  # once per (token, remote host holding it)
     np.testing.assert_array_equal(out, oracle.combine(y, want, num_tokens, gpus_per_host))
+    # The pipelined kernel at a few grids sums the same rows in the same order (and puts the same rows).
+    for num_blocks in (2, 5, 24):
+        piped, piped_rows = model_combine(y, handle, nodes, num_blocks, rng)
+        np.testing.assert_array_equal(piped, out)
+        assert piped_rows == network_rows
+
+
+def test_pipelined_combine_needs_tails():
+    """Without the forwarders' wait for the tails, some interleaving reduces
+    a row before it landed, and the model fails: the tails are what makes
+    the pipelined combine right, not the luck of the schedule."""
+    num_ranks, num_tokens, num_experts, topk = 8, 64, 32, 4
+    idx, _ = testing.make_routing(num_ranks, num_ranks * num_tokens, num_experts, topk, num_ranks, "random")
+    idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)
+    nodes = multiprocess.group_nodes(["machine"] * num_ranks, 4)
+    rows = num_tokens * num_ranks
+    x = np.zeros((num_ranks, num_tokens, 1))
+    *_, handle = model_dispatch(x, idx, nodes, num_experts, rows)
+    y = np.ones((num_ranks, rows, 1), np.float32)
+    for seed in range(5):
+        model_combine(y, handle, nodes, 4, np.random.default_rng(seed))  # with the wait: passes
+        try:
+            model_combine(y, handle, nodes, 4, np.random.default_rng(seed), wait_for_tails=False)
+        except AssertionError as error:
+            assert "read before it was written" in str(error)
+            return
+    pytest.fail("no interleaving read a row before it landed")

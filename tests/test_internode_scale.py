@@ -28,7 +28,7 @@ def _align(n, a):
 
 def _sync_bytes(num_ranks):
     """Control bytes, records [2][R] of (tag, grid, pipelined, R host counts, R rank counts), ready [R],
-    rdma_done and done [R][132], pipelined dispatch's 64-bit tails and (head, count) pairs [R][132]."""
+    rdma_done and done [R][132], the pipelined kernels' 64-bit tails and dispatch's (head, count) pairs [R][132]."""
     record = _align(3 + 2 * num_ranks, 4) * 4
     return (CONTROL + _align(2 * num_ranks * record, ALIGN) + _align(4 * num_ranks, ALIGN)
             + 2 * _align(4 * num_ranks * MAX_BLOCKS, ALIGN) + 2 * _align(8 * num_ranks * MAX_BLOCKS, ALIGN))
@@ -47,9 +47,11 @@ def _combine_slot_bytes(num_tokens, topk, hidden, num_ranks):
 
 
 def _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes):
-    """Slots [G][H][T] at the forwarder, partials [H][T] at the source, (token, mask) lists [H][T] staged and received."""
+    """Slots [G][H][T] at the forwarder, partials [H][T] at the source, lists [H][T] of (token, mask, G rows)
+    staged and received."""
     packet = _align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)
-    areas = [num_nodes * num_tokens * packet, num_nodes * num_tokens * 8, num_nodes * num_tokens * 8]
+    entry = 4 * (2 + num_ranks // num_nodes)
+    areas = [num_nodes * num_tokens * packet, num_nodes * num_tokens * entry, num_nodes * num_tokens * entry]
     return (_sync_bytes(num_ranks) + _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
             + sum(_align(a, ALIGN) for a in areas))
 

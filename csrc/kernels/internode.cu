@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
     }
   }
   // Positions among the tokens sent to each host. Combine: each such token's
-  // (token, mask of the host's ranks holding it) at its position, staged by
+  // entry (token, mask of the host's ranks holding it, its rows there) at its position, staged by
   // host for the send kernel to put to that host's forwarder; this host's
   // list goes straight to where this rank, its own tokens' forwarder, reads it.
   int* combine_send_meta = reinterpret_cast<int*>(g.local_region() + L.combine_send_meta);
@@ -341,9 +341,13 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
             a.node_pos[int64_t(t) * H + b] = in ? offset[j] : -1;
           } else if (in) {
             int* entry = (b == g.node ? combine_recv_meta : combine_send_meta) +
-                         (size_t(b) * a.num_tokens + offset[j]) * kCombineMetaInts;
-            entry[0] = t;
-            entry[1] = HostRanksHolding(a, R, rank_at + b * G, G, t);
+                         (size_t(b) * a.num_tokens + offset[j]) * L.combine_meta_ints;
+            const int* pos = a.cached_send_pos + int64_t(t) * R;
+            entry[kCombineMetaToken] = t;
+            entry[kCombineMetaMask] = HostRanksHolding(a, R, rank_at + b * G, G, t);
+            for (int l = 0; l < G; ++l) {
+              entry[kCombineMetaRows + l] = HandleRow(pos[rank_at[b * G + l]], a.num_worst_tokens);
+            }
           }
           offset[j] += in;
         }
@@ -911,45 +915,132 @@ __device__ __forceinline__ char* CombineSlot(const Group& g, const Layout& L, in
 __device__ __forceinline__ size_t CombinePartial(const Layout& L, int node, int token) {
   return L.combine_partials + (size_t(node) * L.num_tokens + token) * L.combine_packet_bytes;
 }
+// Entry `position` of the list from host src_node, as received here.
+__device__ __forceinline__ const int* CombineEntry(const Group& g, const Layout& L, int src_node, int position) {
+  return reinterpret_cast<const int*>(g.local_region() + L.combine_recv_meta) +
+         (size_t(src_node) * L.num_tokens + position) * L.combine_meta_ints;
+}
+// Received rows a combine's kernels take on: the handle's count, clipped to the rows.
+__device__ __forceinline__ int CombineRows(const CombineArgs& a) {
+  return max(0, min(*a.num_recv_tokens, a.L.num_worst_tokens));
+}
+
+// Received row i of x (and its top-k weights), by one warp, over NVLink into
+// the forwarder of its source: this host's rank with the source's index,
+// slot [this rank's index][source host][token]. The handle's arrays come
+// from the user: entries naming no rank or token are skipped, never written
+// out of bounds.
+__device__ __forceinline__ void SendCombineRow(const Group& g, const CombineArgs& a, const PeerTable& peers, int i,
+                                               int lane) {
+  const Layout& L = a.L;
+  const int src = a.recv_src_rank[i], token = a.recv_src_idx[i];
+  if (src < 0 || src >= g.num_ranks || token < 0 || token >= L.num_tokens) return;
+  const int64_t row_bytes = L.row_bytes[0];
+  char* dst = g.host_regions[peers.local[src]] + CombineSlotOffset(g, L, g.local, peers.node[src], token);
+  if (lane == 0 && peers.local[src] != g.local) CountTraffic(a.traffic, false, 1, row_bytes);
+  StridedCopyBytes<4>(dst, reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes, row_bytes, lane, kWarpSize);
+  if (a.topk_weights != nullptr) {
+    const float* w = a.topk_weights + int64_t(i) * L.num_topk;
+    float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
+    for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
+  }
+}
+
+// This rank's lists (staged by the notify kernel) to each remote host's
+// forwarder of this rank's tokens, one put per host by warp `warp` of
+// `num_warps`; the caller completes them before raising a flag.
+__device__ __forceinline__ void PutCombineLists(const Group& g, const Layout& L, const PeerTable& peers, int seq,
+                                                int warp, int num_warps) {
+  const size_t entry_bytes = L.combine_meta_ints * sizeof(int);
+  for (int b = warp; b < g.num_nodes; b += num_warps) {
+    const int n = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank) + kRecordNodeCounts + b);
+    if (n == 0) continue;
+    const char* from = g.local_region() + L.combine_send_meta + size_t(b) * L.num_tokens * entry_bytes;
+    char* to = g.local_region() + L.combine_recv_meta + size_t(g.node) * L.num_tokens * entry_bytes;
+    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * entry_bytes, peers.pe[g.rank_at[b * g.ranks_per_node + g.local]]);
+  }
+}
+
+// The forward's list entries: starts[b] entries come from the hosts before
+// b, starts[H] in all (counts from the sources' records). source_pe[b]: PE
+// of host b's rank with this rank's index. Ends with __syncthreads.
+__device__ void LoadCombineEntries(const Group& g, const Layout& L, int seq, int* starts, int* source_pe) {
+  for (int b = threadIdx.x; b < g.num_nodes; b += blockDim.x) {
+    const int src = g.rank_at[b * g.ranks_per_node + g.local];
+    starts[b] = LoadVolatile(Record(g, L, seq, src) + kRecordNodeCounts + g.node);
+    source_pe[b] = g.pes[src];
+  }
+  ExclusiveScanHosts(starts, g.num_nodes);
+}
+
+// List entry i (of host b, HostOfEntry) by one warp: sums the token's rows of
+// this host in index order, float32 from +0.0 (ranks without the token
+// skipped), rounds the partial to bf16 (weights: float32) and puts it to the
+// source, slot [this host][token]; this rank's own tokens keep it here.
+// The rows are peers' stores: loads that leave no line in L1.
+__device__ void ReduceCombineEntry(const Group& g, const CombineArgs& a, const int* source_pe, int b,
+                                   const int* entry, int lane) {
+  const Layout& L = a.L;
+  const int G = g.ranks_per_node;
+  const int token = LoadNoAllocate(entry + kCombineMetaToken);
+  const uint32_t holders = uint32_t(LoadNoAllocate(entry + kCombineMetaMask)) & (G >= 32 ? ~0u : (1u << G) - 1);
+  if (token < 0 || token >= L.num_tokens) return;  // written by a peer's kernel: in range; never trusted blindly
+  // The partial: this rank's own token stays here (slot [this host][token]);
+  // another host's is staged in place of index 0's row (each lane reads
+  // its vectors of every row before it writes), then put to the source.
+  const bool own = b == g.node;
+  char* partial = own ? g.local_region() + CombinePartial(L, g.node, token) : CombineSlot(g, L, 0, b, token);
+  const int num_vectors = int(L.row_bytes[0] / 16);
+  // The reference's order: 0.0, then + row of index 0, 1, ... (ranks without the token skipped).
+  for (int v = lane; v < num_vectors; v += kWarpSize) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t m = holders; m != 0; m &= m - 1) {
+      AddBf16x8(acc, LoadNoAllocate(reinterpret_cast<const int4*>(CombineSlot(g, L, __ffs(m) - 1, b, token)) + v));
+    }
+    reinterpret_cast<int4*>(partial)[v] = PackBf16x8(acc);
+  }
+  if (a.out_weights != nullptr) {
+    for (int k = lane; k < L.num_topk; k += kWarpSize) {
+      float acc = 0.0f;
+      for (uint32_t m = holders; m != 0; m &= m - 1) {
+        const char* slot = CombineSlot(g, L, __ffs(m) - 1, b, token);
+        acc += __int_as_float(LoadNoAllocate(reinterpret_cast<const int*>(slot + L.combine_packet_weights) + k));
+      }
+      reinterpret_cast<float*>(partial + L.combine_packet_weights)[k] = acc;
+    }
+  }
+  if (!own) {
+    if (lane == 0) CountTraffic(a.traffic, true, 1, L.row_bytes[0]);
+    FenceStagedForWarpPut();
+    nvshmemx_putmem_nbi_warp(g.local_region() + CombinePartial(L, g.node, token), partial, L.combine_packet_bytes,
+                             source_pe[b]);
+  }
+}
+
+// After a block's partials (or none): completes them, then every source of
+// this rank's rail on another host hears from the block (the receive waits
+// for every block of the grid).
+__device__ void SignalPartialsSent(const Group& g, const Layout& L, int seq) {
+  CompleteWrites();
+  __syncthreads();
+  for (int b = threadIdx.x; b < g.num_nodes; b += blockDim.x) {
+    const int source_pe = g.pes[g.rank_at[b * g.ranks_per_node + g.local]];
+    if (b != g.node) nvshmem_int_atomic_set(DoneFlag(g, L, g.rank, blockIdx.x), seq, source_pe);
+  }
+}
 
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group g, CombineArgs a) {
   __shared__ PeerTable peers;
   const Layout& L = a.L;
-  const int R = g.num_ranks, H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
+  const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
   LoadPeerTable(g, peers);
-  Control* control = g.control();
-  const int seq = LoadVolatile(&control->seq);
-  // The handle's arrays come from the user: rows past x and entries naming
-  // no rank or token are skipped, never written out of bounds.
-  const int num_recv = min(*a.num_recv_tokens, L.num_worst_tokens);
-  const int64_t row_bytes = L.row_bytes[0];
-
-  for (int i = warp; i < num_recv; i += num_warps) {
-    const int src = a.recv_src_rank[i], token = a.recv_src_idx[i];
-    if (src < 0 || src >= R || token < 0 || token >= L.num_tokens) continue;
-    // The forwarder: this host's rank with the source's index (mapped here), slot [my index][source host][token].
-    char* dst = g.host_regions[peers.local[src]] + CombineSlotOffset(g, L, g.local, peers.node[src], token);
-    if (lane == 0 && peers.local[src] != g.local) CountTraffic(a.traffic, false, 1, row_bytes);
-    StridedCopyBytes<4>(dst, reinterpret_cast<const char*>(a.x) + int64_t(i) * row_bytes, row_bytes, lane, kWarpSize);
-    if (a.topk_weights != nullptr) {
-      const float* w = a.topk_weights + int64_t(i) * L.num_topk;
-      float* w_out = reinterpret_cast<float*>(dst + L.combine_packet_weights);
-      for (int k = lane; k < L.num_topk; k += kWarpSize) w_out[k] = w[k];
-    }
-  }
-  // This rank's (token, mask) lists (staged by the notify kernel) to each
-  // remote host's forwarder of this rank's tokens, one put per host.
-  const size_t meta_bytes = kCombineMetaInts * sizeof(int);
-  for (int b = warp; b < H; b += num_warps) {
-    const int n = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, me) + kRecordNodeCounts + b);
-    if (n == 0) continue;
-    const char* from = g.local_region() + L.combine_send_meta + size_t(b) * L.num_tokens * meta_bytes;
-    char* to = g.local_region() + L.combine_recv_meta + size_t(g.node) * L.num_tokens * meta_bytes;
-    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * meta_bytes, peers.pe[g.rank_at[b * G + g.local]]);
-  }
+  const int seq = LoadVolatile(&g.control()->seq);
+  const int num_recv = CombineRows(a);
+  for (int i = warp; i < num_recv; i += num_warps) SendCombineRow(g, a, peers, i, lane);
+  PutCombineLists(g, L, peers, seq, warp, num_warps);
   CompleteWrites();
   __syncthreads();
   // Every forwarder of this host hears from every block (rows, sent or not);
@@ -968,8 +1059,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
   __shared__ int source_pe[kMaxRanks];   // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
   const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
-  Control* control = g.control();
-  const int seq = LoadVolatile(&control->seq);
+  const int seq = LoadVolatile(&g.control()->seq);
   const int num_blocks = gridDim.x;  // the send kernel's grid too
   // Rows of this host's ranks, and the lists of the same-index ranks of the other hosts.
   for (int i = threadIdx.x; i < G * num_blocks; i += blockDim.x) {
@@ -984,65 +1074,168 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
                   g.rank_at[b * G + g.local], block);
     }
   }
-  // Entries from each host: its source's count, published in its record (this rank's own for this host).
-  for (int b = threadIdx.x; b < H; b += blockDim.x) {
-    const int src = g.rank_at[b * G + g.local];
-    starts[b] = LoadVolatile(Record(g, L, seq, src) + kRecordNodeCounts + g.node);
-    source_pe[b] = g.pes[src];
-  }
-  ExclusiveScanHosts(starts, H);
-
+  LoadCombineEntries(g, L, seq, starts, source_pe);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = blockIdx.x * (blockDim.x / kWarpSize) + threadIdx.x / kWarpSize;
   const int num_warps = gridDim.x * (blockDim.x / kWarpSize);
-  const int num_vectors = int(L.row_bytes[0] / 16);
-  const uint32_t all_ranks = G >= 32 ? ~0u : (1u << G) - 1;
-  const int total = starts[H];
-  for (int i = warp; i < total; i += num_warps) {
+  for (int i = warp; i < starts[H]; i += num_warps) {
     const int b = HostOfEntry(starts, H, i);
-    const int* entry = reinterpret_cast<const int*>(g.local_region() + L.combine_recv_meta) +
-                       (size_t(b) * L.num_tokens + (i - starts[b])) * kCombineMetaInts;
-    const int token = entry[0];
-    const uint32_t holders = uint32_t(entry[1]) & all_ranks;
-    if (token < 0 || token >= L.num_tokens) continue;  // written by a peer's kernel: in range; never trusted blindly
-    // The partial: this rank's own token stays here (slot [this host][token]);
-    // another host's is staged in place of index 0's row (each lane reads
-    // its vectors of every row before it writes), then put to the source.
-    const bool own = b == g.node;
-    char* partial = own ? g.local_region() + CombinePartial(L, g.node, token) : CombineSlot(g, L, 0, b, token);
-    // The reference's order: 0.0, then + row of index 0, 1, ... (ranks without the token skipped).
-    for (int v = lane; v < num_vectors; v += kWarpSize) {
-      float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for (uint32_t m = holders; m != 0; m &= m - 1) {
-        AddBf16x8(acc, reinterpret_cast<const int4*>(CombineSlot(g, L, __ffs(m) - 1, b, token))[v]);
-      }
-      reinterpret_cast<int4*>(partial)[v] = PackBf16x8(acc);
+    ReduceCombineEntry(g, a, source_pe, b, CombineEntry(g, L, b, i - starts[b]), lane);
+  }
+  SignalPartialsSent(g, L, seq);
+}
+
+// ---------------------------------------------------------------------------
+// Combine's send and forward pipelined (LaunchConfig::pipeline): one kernel,
+// its first C = PipelineChannels(grid) blocks row senders, the rest
+// forwarders; the receive follows as its own kernel.
+//
+// Row senders: the received rows are cut into chunks of kPipelineChunkTokens
+// rows; chunk k is channel k mod C's (k / C)-th. A channel stores each
+// chunk's rows as the send kernel does, then raises its row tail at every
+// rank of this host: tail [this rank's index][channel] = (call's sequence
+// number << 32) | chunks sent, and kChannelFinished once it has no more (so
+// a row past this rank's received count, named by an inconsistent handle,
+// is waited for no longer than the channel's end). Channel 0 first puts this
+// rank's lists to the remote forwarders and sets their list flag.
+//
+// Forwarders: the list entries of every source host, merged in host order,
+// go to the forwarder warps in turn; each warp waits until, for every holder
+// l of its entry's token, the tail of (l, channel of the token's row there)
+// covers that row's chunk (the row is in the entry), then reduces and puts
+// the partial as the serial forward does. Same slots, sums and puts: only
+// the time a row is reduced changes.
+//
+// Ordering: a channel's threads fence their NVLink stores (system scope),
+// meet at __syncthreads, then one thread per rank release-stores the tail;
+// a forwarder's lane acquires its holder's tail, __syncwarp passes that on
+// to the warp, whose loads of the rows leave no line in L1 (a line may also
+// hold a neighbouring slot not landed yet).
+//
+// Progress: senders wait for nothing. A forwarder waits for senders of this
+// host's ranks, its own rank's included, so the pipelined kernel needs all
+// of its blocks resident at once: it runs only where the grid fits the
+// device at the kernel's occupancy (CombinePipelined), else the serial
+// kernels do. Senders take the low block indices, which start first.
+
+constexpr uint32_t kChannelFinished = 0x7fffffffu;  // a row tail's count once its channel sent every chunk
+
+__device__ __forceinline__ uint64_t* RowTail(const Group& g, const Layout& L, int index, int channel) {
+  return reinterpret_cast<uint64_t*>(g.local_region() + L.tails) + size_t(index) * kMaxBlocks + channel;
+}
+__device__ __forceinline__ void StoreReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ void SendRowChannel(const Group& g, const CombineArgs& a, const PeerTable& peers, int channel,
+                               int num_channels, int seq) {
+  const Layout& L = a.L;
+  const int G = g.ranks_per_node;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  auto raise_tails = [&](uint32_t chunks) {
+    __threadfence_system();  // this thread's rows (and list puts: CompleteWrites) before the tail
+    __syncthreads();
+    for (int j = threadIdx.x; j < G; j += blockDim.x) {
+      char* tail = reinterpret_cast<char*>(RowTail(g, L, g.local, channel));
+      StoreReleaseSys64(reinterpret_cast<uint64_t*>(g.host_regions[j] + (tail - g.local_region())),
+                        TailValue(seq, int(chunks)));
     }
-    if (a.out_weights != nullptr) {
-      for (int k = lane; k < L.num_topk; k += kWarpSize) {
-        float acc = 0.0f;
-        for (uint32_t m = holders; m != 0; m &= m - 1) {
-          const char* slot = CombineSlot(g, L, __ffs(m) - 1, b, token);
-          acc += reinterpret_cast<const float*>(slot + L.combine_packet_weights)[k];
-        }
-        reinterpret_cast<float*>(partial + L.combine_packet_weights)[k] = acc;
-      }
-    }
-    if (!own) {
-      if (lane == 0) CountTraffic(a.traffic, true, 1, L.row_bytes[0]);
-      FenceStagedForWarpPut();
-      nvshmemx_putmem_nbi_warp(g.local_region() + CombinePartial(L, g.node, token), partial, L.combine_packet_bytes,
-                               source_pe[b]);
+  };
+  if (channel == 0) {
+    PutCombineLists(g, L, peers, seq, warp, num_warps);
+    CompleteWrites();
+    __syncthreads();
+    for (int b = threadIdx.x; b < g.num_nodes; b += blockDim.x) {
+      const int forwarder_pe = peers.pe[g.rank_at[b * G + g.local]];
+      if (b != g.node) nvshmem_int_atomic_set(RdmaDoneFlag(g, L, g.node, 0), seq, forwarder_pe);
     }
   }
-  CompleteWrites();
-  __syncthreads();
-  // Every source of this rank's rail on another host hears from every block, sent or not.
+  const int num_recv = CombineRows(a);
+  uint32_t sent = 0;
+  for (int first = channel * kPipelineChunkTokens; first < num_recv; first += num_channels * kPipelineChunkTokens) {
+    const int end = min(num_recv, first + kPipelineChunkTokens);
+    for (int i = first + warp; i < end; i += num_warps) SendCombineRow(g, a, peers, i, lane);
+    raise_tails(++sent);
+  }
+  raise_tails(kChannelFinished);
+}
+
+// Waits (one warp) until every holder's row of a list entry has landed here: lane l checks holder l.
+__device__ void WaitCombineRows(const Group& g, const Layout& L, const int* entry, int num_channels, int seq,
+                                int lane) {
+  const int G = g.ranks_per_node;
+  const uint32_t holders = uint32_t(LoadNoAllocate(entry + kCombineMetaMask));
+  bool landed = true;
+  int row = -1, channel = 0;
+  uint32_t need = 0;
+  if (lane < G && ((holders >> lane) & 1u)) {
+    row = LoadNoAllocate(entry + kCombineMetaRows + lane);
+    const int chunk = row / kPipelineChunkTokens;
+    channel = chunk % num_channels;
+    need = uint32_t(chunk / num_channels + 1);
+    landed = row < 0;  // not a row (a hand-made handle): nothing to wait for
+  }
+  const uint64_t* tail = landed ? nullptr : RowTail(g, L, lane, channel);
+  uint64_t start = 0;
+  for (;;) {
+    if (!landed) {
+      const uint64_t v = LoadAcquireSys64(tail);
+      landed = uint32_t(v >> 32) == uint32_t(seq) && uint32_t(v) >= need;
+    }
+    if (__all_sync(0xffffffffu, landed)) break;
+    const uint64_t now = GlobalTimerNs();
+    if (start == 0) start = now;
+    if (!landed && now - start > g.timeout_ns) {
+      printf("deep_ep_jax timeout: %s rank %d waited %.1f s for a row to reduce (row tail) from peer %d "
+             "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx\n",
+             ModeName(kCombine), g.rank, g.timeout_ns * 1e-9, g.host_ranks[lane], channel, row,
+             LoadNoAllocate(entry + kCombineMetaToken), need, seq, static_cast<unsigned long long>(*tail));
+      __trap();
+    }
+  }
+  __syncwarp();  // every lane's acquire before any lane's loads of the rows
+}
+
+__device__ void ForwardEntries(const Group& g, const CombineArgs& a, int f, int num_forwarders, int num_channels,
+                               int seq, int* starts, int* source_pe) {
+  const Layout& L = a.L;
+  const int H = g.num_nodes, G = g.ranks_per_node;
   for (int b = threadIdx.x; b < H; b += blockDim.x) {
-    if (b != g.node) nvshmem_int_atomic_set(DoneFlag(g, L, me, blockIdx.x), seq, source_pe[b]);
+    if (b != g.node) {
+      WaitAtLeast(RdmaDoneFlag(g, L, b, 0), seq, g.timeout_ns, ModeName(kCombine), "token list", g.rank,
+                  g.rank_at[b * G + g.local], 0);
+    }
+  }
+  LoadCombineEntries(g, L, seq, starts, source_pe);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps_per_block = blockDim.x / kWarpSize;
+  const int warp = f * warps_per_block + threadIdx.x / kWarpSize, num_warps = num_forwarders * warps_per_block;
+  for (int i = warp; i < starts[H]; i += num_warps) {
+    const int b = HostOfEntry(starts, H, i);
+    const int* entry = CombineEntry(g, L, b, i - starts[b]);
+    WaitCombineRows(g, L, entry, num_channels, seq, lane);
+    ReduceCombineEntry(g, a, source_pe, b, entry, lane);
   }
 }
 
+__global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedCombineKernel(Group g, CombineArgs a) {
+  __shared__ union {
+    PeerTable peers;  // senders
+    struct {
+      int starts[kMaxRanks + 1], source_pe[kMaxRanks];
+    } entries;  // forwarders
+  } state;
+  const int seq = LoadVolatile(&g.control()->seq);
+  const int num_channels = PipelineChannels(gridDim.x);
+  if (int(blockIdx.x) < num_channels) {
+    LoadPeerTable(g, state.peers);
+    SendRowChannel(g, a, state.peers, blockIdx.x, num_channels, seq);
+  } else {
+    ForwardEntries(g, a, blockIdx.x - num_channels, gridDim.x - num_channels, num_channels, seq,
+                   state.entries.starts, state.entries.source_pe);
+  }
+  SignalPartialsSent(g, a.L, seq);
+}
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
   // [warp][word]: bit b % 32 of word b / 32 when host b holds the warp's token.
   __shared__ uint32_t token_hosts[kMaxWarps][kMaxRanks / kWarpSize];
@@ -1143,18 +1336,40 @@ TrafficCounters* TrafficOf(const DeviceState& state, const LaunchConfig& c, int 
 // Whether dispatch runs the pipelined kernel: asked for, and a grid with a sender and a forwarder.
 bool Pipelined(const LaunchConfig& c) { return c.pipeline && PipelineChannels(c.num_blocks) >= 1; }
 
-NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, const Layout& L) {
+// Whether combine runs its pipelined kernel: as dispatch, and the whole grid
+// resident at once (its forwarders wait for its own senders). Peers compare
+// the answer in the count exchange, so a GPU that cannot fit the grid stops
+// the call with a message instead of hanging its peers.
+bool CombinePipelined(const DeviceState& state, const LaunchConfig& c) {
+  return Pipelined(c) && CombinePipelineFits(state.device_ordinal, c.num_blocks, c.num_warps);
+}
+
+NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, bool pipeline, const Layout& L) {
   NotifyArgs n{};
   n.mode = mode;
   n.order = c.order;
   n.num_blocks = c.num_blocks;
-  n.pipeline = Pipelined(c);
+  n.pipeline = pipeline;
   n.num_tokens = num_tokens;
   n.L = L;
   return n;
 }
 
 }  // namespace
+
+bool CombinePipelineFits(int device_ordinal, int num_blocks, int num_warps) {
+  int previous = 0, per_sm = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device_ordinal);
+  const cudaError_t err =
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PipelinedCombineKernel, num_warps * kWarpSize, 0);
+  cudaSetDevice(previous);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear it: the serial kernels need no such query
+    return false;
+  }
+  return int64_t(per_sm) * DeviceSmCount(device_ordinal) >= num_blocks;
+}
 
 cudaError_t MarkCallRunningForTesting(char* region) {
   const int running = 1;
@@ -1189,7 +1404,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   const int threads = c.num_warps * kWarpSize;
   const int experts_per_rank = cached ? 0 : p.num_experts / state.num_ranks;
 
-  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c, L);
+  NotifyArgs notify = MakeNotify(mode, p.num_tokens, c, Pipelined(c), L);
   notify.topk_idx = p.topk_idx;
   notify.cached_send_pos = p.cached_send_pos;
   notify.num_topk = p.num_topk;
@@ -1246,15 +1461,20 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
   // Notify: the barrier and this rank's (token, mask) lists per host, from the handle's send_pos.
-  NotifyArgs notify = MakeNotify(kCombine, p.num_tokens, c, L);
+  const bool pipeline = CombinePipelined(state, c);
+  NotifyArgs notify = MakeNotify(kCombine, p.num_tokens, c, pipeline, L);
   notify.cached_send_pos = p.send_pos;
   notify.num_worst_tokens = p.num_worst_tokens;
   NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
   const CombineArgs args{p.x,   p.topk_weights, p.send_pos, p.num_recv_tokens,         p.recv_src_idx,
                          p.recv_src_rank, p.out,          p.out_weights, TrafficOf(state, c, kCombine), L};
   const int threads = c.num_warps * kWarpSize;
-  CombineSendKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
-  CombineForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+  if (pipeline) {
+    PipelinedCombineKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+  } else {
+    CombineSendKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+    CombineForwardKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
+  }
   CombineRecvKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);
   LeaveKernel<<<1, 1, 0, stream>>>(g);
   return cudaGetLastError();

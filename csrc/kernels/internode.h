@@ -73,14 +73,15 @@ struct LaunchConfig {
   uint64_t timeout_ns;
   CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
   bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
-  bool pipeline = true;        // dispatch's send and forward in one kernel, by chunk (else one after the other)
+  bool pipeline = true;        // send and forward in one kernel, by chunk (else one after the other)
 };
 
-// Pipelined dispatch (LaunchConfig::pipeline): the send and forward stages
-// run in one kernel whose blocks take roles. Of its num_blocks blocks the
-// first num_blocks / kPipelineSenderShare send (one channel each: a
-// contiguous range of the tokens, in chunks of kPipelineChunkTokens), the
-// rest forward. A grid of one block runs the serial kernels.
+// Pipelined send and forward (LaunchConfig::pipeline): one kernel whose
+// blocks take roles. Of its num_blocks blocks the first num_blocks /
+// kPipelineSenderShare send (one channel each, in chunks of
+// kPipelineChunkTokens: dispatch's channel a contiguous range of the tokens,
+// combine's every C-th chunk of the received rows), the rest forward. A grid
+// of one block runs the serial kernels.
 constexpr int kPipelineSenderShare = 2;
 constexpr int kPipelineChunkTokens = 16;
 // Forwarder blocks >= channels bounds the (source host, channel) pairs a forwarder polls by H.
@@ -128,10 +129,12 @@ struct Layout {
   // Combine, packets of (bf16 row, K float weights): slots [index on this
   // host][source host][token] of the rows this rank's host returns to the
   // sources of its rail (G * H = R per token); partials [host][token] of
-  // this rank's own tokens; (token, mask) lists [host][position], staged
-  // here by destination host and received here by source host.
+  // this rank's own tokens; lists [host][position] of entries (token, mask
+  // of that host's ranks holding it, its row at each of them: G ints, -1
+  // where absent; the pipelined forward waits for those rows), staged here
+  // by destination host and received here by source host.
   size_t combine_slots, combine_partials, combine_send_meta, combine_recv_meta;
-  size_t combine_packet_bytes, combine_packet_weights;
+  size_t combine_packet_bytes, combine_packet_weights, combine_meta_ints;
   size_t end;
 };
 
@@ -140,8 +143,9 @@ struct Layout {
 constexpr size_t kRecordCalls = 0, kRecordBlocks = 1, kRecordPipeline = 2, kRecordNodeCounts = 3;
 constexpr size_t RecordInts(int num_ranks) { return AlignUp(kRecordNodeCounts + 2 * size_t(num_ranks), 4); }
 constexpr size_t RecordRankCounts(int num_ranks) { return kRecordNodeCounts + size_t(num_ranks); }
-// Ints of a combine's (token, mask) list entry (Layout).
-constexpr size_t kCombineMetaInts = 2;
+// A combine list entry (Layout): token, mask, then the rows at the host's G ranks.
+constexpr size_t kCombineMetaToken = 0, kCombineMetaMask = 1, kCombineMetaRows = 2;
+constexpr size_t CombineMetaInts(int ranks_per_node) { return kCombineMetaRows + size_t(ranks_per_node); }
 
 inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool combine) {
   Layout L{};
@@ -187,8 +191,9 @@ inline Layout MakeLayout(const Shapes& s, int num_ranks, int num_nodes, bool com
     L.combine_packet_bytes = L.combine_packet_weights + AlignUp(K * sizeof(float), kVectorBytes);
     L.combine_slots = take(R * T * L.combine_packet_bytes);  // G * H = R
     L.combine_partials = take(H * T * L.combine_packet_bytes);
-    L.combine_send_meta = take(H * T * kCombineMetaInts * sizeof(int));
-    L.combine_recv_meta = take(H * T * kCombineMetaInts * sizeof(int));
+    L.combine_meta_ints = CombineMetaInts(L.ranks_per_node);
+    L.combine_send_meta = take(H * T * L.combine_meta_ints * sizeof(int));
+    L.combine_recv_meta = take(H * T * L.combine_meta_ints * sizeof(int));
   }
   L.end = offset;
   return L;
@@ -260,6 +265,12 @@ cudaError_t SetSequenceForTesting(char* region, int num_ranks, int seq);
 // Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
 // were running on its device, so the next call stops as overlapping. Blocking.
 cudaError_t MarkCallRunningForTesting(char* region);
+
+// Whether combine's pipelined kernel (LaunchConfig::pipeline) can have all
+// num_blocks blocks of num_warps warps resident at once on the device, which
+// it needs (its forwarders wait for its own senders); else the serial
+// kernels run. Also _C.internode_combine_pipeline_fits, for tests.
+bool CombinePipelineFits(int device_ordinal, int num_blocks, int num_warps);
 
 // Only enqueue work on `stream` (state.nvshmem with a normal region).
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,

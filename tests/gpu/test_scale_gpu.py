@@ -121,26 +121,46 @@ def test_normal_mode_combine_per_host(num_hosts, ranks_per_host):
 
 
 # Grids and token counts that reach every branch of the pipelined dispatch
-# (csrc/kernels/internode.cu, PipelinedMoveKernel), and its A/B switch.
+# and combine (csrc/kernels/internode.cu, PipelinedMoveKernel and
+# PipelinedCombineKernel), and their A/B switch.
 PIPELINE_GRIDS = {
     # the serial send and forward kernels, from the same build
     "serial": (2, 2, {"DEEP_EP_JAX_INTERNODE_PIPELINE": "0"}),
     # one block: no room for a sender and a forwarder, the serial kernels run
     "one_block": (2, 2, {"DEEP_EP_JAX_NUM_SMS": "1"}),
-    # one channel of 64 tokens: 4 chunks, each tail after the first; a forwarder block with no pair
+    # one channel of 64 tokens: 4 chunks, each tail after the first; a forwarder block with no pair;
+    # combine: one row channel of every chunk of the received rows, two forwarder blocks
     "one_channel": (2, 2, {"DEEP_EP_JAX_NUM_SMS": "3", "SHARED_GPU_TOKENS": "64"}),
     # 2 channels of 20 tokens (a full chunk and a part), 3 remote hosts x 2 channels over 2 forwarders
     "four_hosts": (4, 2, {"DEEP_EP_JAX_NUM_SMS": "4", "SHARED_GPU_TOKENS": "40"}),
+    # combine: 4 holders per token's host, 2 row channels taking alternate chunks, 3 forwarder blocks
+    "two_by_four": (2, 4, {"DEEP_EP_JAX_NUM_SMS": "5", "SHARED_GPU_TOKENS": "48"}),
 }
 
 
 @pytest.mark.parametrize("grid", PIPELINE_GRIDS)
 def test_normal_mode_pipeline_grids(grid):
-    """Dispatch (and cached dispatch, combine) across hosts against the
-    oracle with the pipelined dispatch's roles at small grids, several
-    chunks per channel, and with the serial kernels."""
+    """Dispatch, cached dispatch and combine across hosts against the oracle
+    with the pipelined kernels' roles at small grids, several chunks per
+    channel, and with the serial kernels."""
     num_hosts, ranks_per_host, extra_env = PIPELINE_GRIDS[grid]
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 240, SHARED_GPU_SUMMARY, extra_env=extra_env)
+
+
+def test_pipelined_combine_fits_its_grids():
+    """The pipelined combine needs its whole grid resident (its forwarders
+    wait for its own senders) and runs its serial kernels otherwise: at the
+    default grid and the grids above it runs pipelined, so the tests above
+    check it and not only the serial kernels; a grid that cannot fit is refused."""
+    from deep_ep_jax import Config, _native
+
+    ext = _native.extension()
+    assert ext.with_nvshmem, "the CUDA extension was built without NVSHMEM"
+    num_warps = Config().num_warps
+    for num_sms in [Config().num_sms] + [int(env["DEEP_EP_JAX_NUM_SMS"]) for _, _, env in PIPELINE_GRIDS.values()
+                                          if "DEEP_EP_JAX_NUM_SMS" in env]:
+        assert ext.internode_combine_pipeline_fits(0, num_sms, num_warps), num_sms
+    assert not ext.internode_combine_pipeline_fits(0, 1 << 20, num_warps)
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (2, 8)])

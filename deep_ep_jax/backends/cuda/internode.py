@@ -69,7 +69,7 @@ def _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes):
 
 
 def _launch_attrs(buffer):
-    """The normal-mode launch attributes and whether dispatch pipelines its stages (Config.internode_pipeline)."""
+    """The normal-mode launch attributes and whether the kernels pipeline their stages (Config.internode_pipeline)."""
     return dict(common.launch_attrs(buffer), pipeline=np.int64(buffer.config.internode_pipeline))
 
 

@@ -79,24 +79,43 @@ def forward_and_grads(x, w, sizes, dy, impl, aligned_groups=False):
     return (y, *vjp(dy))
 
 
-@functools.partial(jax.jit, static_argnames="sizes")
-def per_group_reference(x, w, sizes, dy):
-    """(y, dx, dw) one group at a time with static slices and plain dots
-    (float32 sums): the whole-array reference. jax.lax.ragged_dot is no
-    reference here: without JAX's Pallas-Triton lowering (absent in 0.11.2)
-    XLA makes it a dense dot over all groups, 60 GB at these shapes."""
+@functools.partial(jax.jit, static_argnames="window")
+def _per_group_reference(x, w, sizes, dy, window):
     def dot(a, b):
         return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    y, dx, dw, start = jnp.zeros((x.shape[0], w.shape[2]), jnp.bfloat16), jnp.zeros_like(x), jnp.zeros_like(w), 0
-    for g, size in enumerate(sizes):
-        if size:
-            rows = slice(start, start + size)
-            y = y.at[rows].set(dot(x[rows], w[g]))
-            dx = dx.at[rows].set(dot(dy[rows], w[g].T))
-            dw = dw.at[g].set(dot(x[rows].T, dy[rows]))
-        start += size
-    return y, dx, dw
+    num_rows = x.shape[0]
+    starts = jnp.cumsum(sizes) - sizes
+    # window zero rows past the end, so that no group's window is clamped (which would shift its rows).
+    x, dy = (jnp.pad(a, ((0, window), (0, 0))) for a in (x, dy))
+
+    def group(g, outputs):
+        y, dx, dw = outputs
+        start, rows = starts[g], (jnp.arange(window) < sizes[g])[:, None]
+        xg = jnp.where(rows, jax.lax.dynamic_slice_in_dim(x, start, window), 0)
+        dyg = jnp.where(rows, jax.lax.dynamic_slice_in_dim(dy, start, window), 0)
+        # Rows past the group keep what the groups after it wrote (they come later in the loop).
+        y = jax.lax.dynamic_update_slice_in_dim(
+            y, jnp.where(rows, dot(xg, w[g]), jax.lax.dynamic_slice_in_dim(y, start, window)), start, 0)
+        dx = jax.lax.dynamic_update_slice_in_dim(
+            dx, jnp.where(rows, dot(dyg, w[g].T), jax.lax.dynamic_slice_in_dim(dx, start, window)), start, 0)
+        return y, dx, dw.at[g].set(dot(xg.T, dyg))
+
+    init = (jnp.zeros((x.shape[0], w.shape[2]), jnp.bfloat16), jnp.zeros_like(x), jnp.zeros_like(w))
+    y, dx, dw = jax.lax.fori_loop(0, w.shape[0], group, init)
+    return y[:num_rows], dx[:num_rows], dw
+
+
+def per_group_reference(x, w, sizes, dy):
+    """(y, dx, dw) one group at a time with plain dots (float32 sums) on a
+    window of the largest group's rows, the rows outside the group masked to
+    zero: the whole-array reference, one dot shape per matmul (so it compiles
+    once, not once per group size). jax.lax.ragged_dot is no reference here:
+    without JAX's Pallas-Triton lowering (absent in 0.11.2) XLA makes it a
+    dense dot over all groups, 60 GB at these shapes."""
+    sizes = np.asarray(sizes, np.int32)
+    window = int(-(-max(int(sizes.max()), 1) // 128) * 128)
+    return _per_group_reference(x, w, jnp.asarray(sizes), dy, window)
 
 
 @jax.jit
@@ -163,7 +182,7 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
     assert lowered.count("custom_call @mosaic_gpu") == 6, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
 
     got = forward_and_grads(x, w, sizes, dy, impl="mgpu")
-    want = per_group_reference(x, w, tuple(int(s) for s in sizes), dy)
+    want = per_group_reference(x, w, sizes, dy)
     for name, g, r in zip(("y", "dx", "dw"), got, want):
         assert g.shape == r.shape and g.dtype == r.dtype == jnp.bfloat16, (what, name, g.shape, g.dtype)
         assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
@@ -208,7 +227,7 @@ def test_aligned_kernels_directly(kind, steady):
         transpose_rhs=True))(dy, w)
     dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
                                                        jsizes // tiles.weight_grad.tile_k, tiles.weight_grad))(x, dy)
-    want = per_group_reference(x, w, tuple(int(s) for s in sizes), dy)
+    want = per_group_reference(x, w, sizes, dy)
     what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
     for name, g, r in zip(("y", "dx", "dw"), (y[:total], dx[:total], dw), (want[0][:total], want[1][:total], want[2])):
         assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"

@@ -38,6 +38,11 @@
 //      token's rows in index order (float32 from 0.0), rounds the partial to
 //      bf16 and puts it to the source, slot [this host][token] (its own
 //      tokens: stored in place).
+//   2+3 pipelined (LaunchConfig::pipeline, where the grid fits the device):
+//      one kernel, half its blocks row senders (every C-th chunk of the
+//      received rows, a row tail per (index, channel) at this host's ranks
+//      after each chunk), half forwarders (reduce a list entry once its
+//      holders' tails cover its rows, which the entry names).
 //   4. receive: the source sums the partials in host order (float32 from
 //      0.0), rounds to bf16: the reference backend's order, bit for bit.
 //

@@ -319,7 +319,7 @@ def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists,
     sender channels per rank, channel c taking the chunks k = c, c + C, ...
     of its received rows (chunk k: rows [16 k, 16 k + 16)) and, after each,
     setting its tail at every rank of its host to its chunks sent (FINISHED
-    after the last); channel 0 first puts the lists to the remote hosts. The
+    after the last); the first forwarder block first puts the lists to the remote hosts. The
     W = F * warps_per_block forwarder warps of a rank take entry i of its
     lists (by source host, then position) if i % W is theirs, in order, and
     wait for the tails that cover the rows the entry reduces, unless
@@ -338,10 +338,6 @@ def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists,
             tails[(f, local[d], c)] = value
 
     def sender(d, c):
-        if c == 0:
-            put_lists(d, True)
-            listed.add(d)
-            yield
         num_chunks = -(-num_recv[d] // PIPELINE_CHUNK_TOKENS)
         for sent, k in enumerate(range(c, num_chunks, channels), 1):
             for i in range(k * PIPELINE_CHUNK_TOKENS, min(num_recv[d], (k + 1) * PIPELINE_CHUNK_TOKENS)):
@@ -359,6 +355,13 @@ def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists,
         return True
 
     def warp(f, w):
+        # The first forwarder block puts the rank's lists (its warp 0 here) before any of its warps forwards.
+        if w == 0:
+            put_lists(f, True)
+            listed.add(f)
+            yield
+        while w < warps_per_block and f not in listed:
+            yield False
         sources = [rank_at[hs * per_host + local[f]] for hs in range(num_nodes)]
         entries = [(hs, p) for hs in range(num_nodes) for p in range(meta_counts[(sources[hs], nodes[f])])]
         for hs, p in entries[w::warps]:

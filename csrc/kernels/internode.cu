@@ -8,6 +8,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <atomic>
 #include <cstddef>
 #include <vector>
 
@@ -766,7 +767,7 @@ __device__ void ForwardChannels(const Group& g, const MoveArgs& a, int f, int nu
         printf("deep_ep_jax timeout: %s rank %d waited %.1f s for the RDMA tail of a channel (packets delivered) "
                "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx\n",
                ModeName(a.mode), g.rank, g.timeout_ns * 1e-9, g.rank_at[node * g.ranks_per_node + g.local], channel,
-               s.done[k], s.count[k], seq, static_cast<unsigned long long>(*Tail(g, L, node, channel)));
+               s.done[k], s.count[k], seq, static_cast<unsigned long long>(LoadAcquireSys64(Tail(g, L, node, channel))));
         __trap();
       }
     }
@@ -949,15 +950,14 @@ __device__ __forceinline__ void SendCombineRow(const Group& g, const CombineArgs
 // This rank's lists (staged by the notify kernel) to each remote host's
 // forwarder of this rank's tokens, one put per host by warp `warp` of
 // `num_warps`; the caller completes them before raising a flag.
-__device__ __forceinline__ void PutCombineLists(const Group& g, const Layout& L, const PeerTable& peers, int seq,
-                                                int warp, int num_warps) {
+__device__ __forceinline__ void PutCombineLists(const Group& g, const Layout& L, int seq, int warp, int num_warps) {
   const size_t entry_bytes = L.combine_meta_ints * sizeof(int);
   for (int b = warp; b < g.num_nodes; b += num_warps) {
     const int n = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank) + kRecordNodeCounts + b);
     if (n == 0) continue;
     const char* from = g.local_region() + L.combine_send_meta + size_t(b) * L.num_tokens * entry_bytes;
     char* to = g.local_region() + L.combine_recv_meta + size_t(g.node) * L.num_tokens * entry_bytes;
-    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * entry_bytes, peers.pe[g.rank_at[b * g.ranks_per_node + g.local]]);
+    nvshmemx_putmem_nbi_warp(to, from, size_t(n) * entry_bytes, g.pes[g.rank_at[b * g.ranks_per_node + g.local]]);
   }
 }
 
@@ -1040,7 +1040,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   const int seq = LoadVolatile(&g.control()->seq);
   const int num_recv = CombineRows(a);
   for (int i = warp; i < num_recv; i += num_warps) SendCombineRow(g, a, peers, i, lane);
-  PutCombineLists(g, L, peers, seq, warp, num_warps);
+  PutCombineLists(g, L, seq, warp, num_warps);
   CompleteWrites();
   __syncthreads();
   // Every forwarder of this host hears from every block (rows, sent or not);
@@ -1096,8 +1096,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
 // rank of this host: tail [this rank's index][channel] = (call's sequence
 // number << 32) | chunks sent, and kChannelFinished once it has no more (so
 // a row past this rank's received count, named by an inconsistent handle,
-// is waited for no longer than the channel's end). Channel 0 first puts this
-// rank's lists to the remote forwarders and sets their list flag.
+// is waited for no longer than the channel's end). The first forwarder block
+// puts this rank's lists to the remote forwarders and sets their list flag.
 //
 // Forwarders: the list entries of every source host, merged in host order,
 // go to the forwarder warps in turn; each warp waits until, for every holder
@@ -1133,7 +1133,7 @@ __device__ void SendRowChannel(const Group& g, const CombineArgs& a, const PeerT
   const int G = g.ranks_per_node;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
   auto raise_tails = [&](uint32_t chunks) {
-    __threadfence_system();  // this thread's rows (and list puts: CompleteWrites) before the tail
+    __threadfence_system();  // this thread's rows before the tail
     __syncthreads();
     for (int j = threadIdx.x; j < G; j += blockDim.x) {
       char* tail = reinterpret_cast<char*>(RowTail(g, L, g.local, channel));
@@ -1141,15 +1141,6 @@ __device__ void SendRowChannel(const Group& g, const CombineArgs& a, const PeerT
                         TailValue(seq, int(chunks)));
     }
   };
-  if (channel == 0) {
-    PutCombineLists(g, L, peers, seq, warp, num_warps);
-    CompleteWrites();
-    __syncthreads();
-    for (int b = threadIdx.x; b < g.num_nodes; b += blockDim.x) {
-      const int forwarder_pe = peers.pe[g.rank_at[b * G + g.local]];
-      if (b != g.node) nvshmem_int_atomic_set(RdmaDoneFlag(g, L, g.node, 0), seq, forwarder_pe);
-    }
-  }
   const int num_recv = CombineRows(a);
   uint32_t sent = 0;
   for (int first = channel * kPipelineChunkTokens; first < num_recv; first += num_channels * kPipelineChunkTokens) {
@@ -1189,7 +1180,8 @@ __device__ void WaitCombineRows(const Group& g, const Layout& L, const int* entr
       printf("deep_ep_jax timeout: %s rank %d waited %.1f s for a row to reduce (row tail) from peer %d "
              "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx\n",
              ModeName(kCombine), g.rank, g.timeout_ns * 1e-9, g.host_ranks[lane], channel, row,
-             LoadNoAllocate(entry + kCombineMetaToken), need, seq, static_cast<unsigned long long>(*tail));
+             LoadNoAllocate(entry + kCombineMetaToken), need, seq,
+             static_cast<unsigned long long>(LoadAcquireSys64(tail)));
       __trap();
     }
   }
@@ -1200,18 +1192,31 @@ __device__ void ForwardEntries(const Group& g, const CombineArgs& a, int f, int 
                                int seq, int* starts, int* source_pe) {
   const Layout& L = a.L;
   const int H = g.num_nodes, G = g.ranks_per_node;
-  for (int b = threadIdx.x; b < H; b += blockDim.x) {
-    if (b != g.node) {
-      WaitAtLeast(RdmaDoneFlag(g, L, b, 0), seq, g.timeout_ns, ModeName(kCombine), "token list", g.rank,
-                  g.rank_at[b * G + g.local], 0);
-    }
-  }
-  LoadCombineEntries(g, L, seq, starts, source_pe);
   const int lane = threadIdx.x % kWarpSize;
   const int warps_per_block = blockDim.x / kWarpSize;
   const int warp = f * warps_per_block + threadIdx.x / kWarpSize, num_warps = num_forwarders * warps_per_block;
+  // The first forwarder block puts this rank's lists to the remote forwarders
+  // (a network round trip, kept off the senders' path), then sets their list flag.
+  if (f == 0) {
+    PutCombineLists(g, L, seq, threadIdx.x / kWarpSize, warps_per_block);
+    CompleteWrites();
+    __syncthreads();
+    for (int b = threadIdx.x; b < H; b += blockDim.x) {
+      if (b != g.node) nvshmem_int_atomic_set(RdmaDoneFlag(g, L, g.node, 0), seq, g.pes[g.rank_at[b * G + g.local]]);
+    }
+  }
+  LoadCombineEntries(g, L, seq, starts, source_pe);
+  int listed = -1;  // the remote host whose list this warp last waited for (its own host's is in place)
   for (int i = warp; i < starts[H]; i += num_warps) {
     const int b = HostOfEntry(starts, H, i);
+    if (b != g.node && b != listed) {  // a remote list: wait for its flag once, lane 0's acquire passed on by __syncwarp
+      if (lane == 0) {
+        WaitAtLeast(RdmaDoneFlag(g, L, b, 0), seq, g.timeout_ns, ModeName(kCombine), "token list", g.rank,
+                    g.rank_at[b * G + g.local], 0);
+      }
+      __syncwarp();
+      listed = b;
+    }
     const int* entry = CombineEntry(g, L, b, i - starts[b]);
     WaitCombineRows(g, L, entry, num_channels, seq, lane);
     ReduceCombineEntry(g, a, source_pe, b, entry, lane);
@@ -1236,6 +1241,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedCombineKernel(
   }
   SignalPartialsSent(g, a.L, seq);
 }
+
 __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
   // [warp][word]: bit b % 32 of word b / 32 when host b holds the warp's token.
   __shared__ uint32_t token_hosts[kMaxWarps][kMaxRanks / kWarpSize];
@@ -1358,15 +1364,24 @@ NotifyArgs MakeNotify(int mode, int num_tokens, const LaunchConfig& c, bool pipe
 }  // namespace
 
 bool CombinePipelineFits(int device_ordinal, int num_blocks, int num_warps) {
-  int previous = 0, per_sm = 0;
-  cudaGetDevice(&previous);
-  cudaSetDevice(device_ordinal);
-  const cudaError_t err =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PipelinedCombineKernel, num_warps * kWarpSize, 0);
-  cudaSetDevice(previous);
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear it: the serial kernels need no such query
-    return false;
+  // Blocks per SM by (device, warps), + 1 (0: not asked yet): every combine launch asks.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cache[kMaxDevices][kMaxWarps + 1];
+  if (device_ordinal < 0 || device_ordinal >= kMaxDevices || num_warps < 1 || num_warps > kMaxWarps) return false;
+  std::atomic<int>& cached = cache[device_ordinal][num_warps];
+  int per_sm = cached.load(std::memory_order_relaxed) - 1;
+  if (per_sm < 0) {
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_ordinal);
+    const cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, PipelinedCombineKernel, num_warps * kWarpSize, 0);
+    cudaSetDevice(previous);
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear it: the serial kernels need no such query
+      return false;
+    }
+    cached.store(per_sm + 1, std::memory_order_relaxed);
   }
   return int64_t(per_sm) * DeviceSmCount(device_ordinal) >= num_blocks;
 }

@@ -4,9 +4,12 @@ groups, tiles past the last group) and against the row-tiled Mosaic kernels
 at the MoE benchmark's shapes, then timed there.
 
     python benchmarks/hopper_gemm_sweep.py [--kernels forward,input_grad,weight_grad] [--repeats 5]
+                                           [--align 128] [--first N]
 
 Shapes: one rank's 128 experts of random top-8 routing (4096 tokens x 2 ranks
-over 256 experts), groups rounded up to 128 rows; the SwiGLU's two matmuls
+over 256 experts), groups rounded up to --align rows (128, today's layout; 64
+halves the padding and takes the configurations whose row tile is 64: the
+forward and input gradient's tile_m, the weight gradient's tile_k); the SwiGLU's two matmuls
 (K, N = 7168, 4096 and 2048, 7168) summed per kernel. Useful TFLOP/s count the
 routed pairs only.
 """
@@ -138,7 +141,10 @@ CONFIGS = {
     + [T(128, 128, 128, 2, grid_minor_n=False, grid_tile_width=4), T(128, 128, 64, 3, grid_minor_n=False,
                                                                      grid_tile_width=4)]
     + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
-       for w, c in [(4, False), (8, True)]],
+       for w, c in [(4, False), (8, True)]]
+    # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
+    + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
+    + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)],
     "weight_grad": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(4, False), (8, False), (4, True)]]
     + [T(128, 128, 128, 2, grid_tile_width=4), T(128, 128, 64, 3, grid_tile_width=4),
        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8)],
@@ -150,9 +156,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernels", default="forward,input_grad,weight_grad")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--align", type=int, default=ALIGN, help="group sizes rounded up to this (64 or 128)")
+    parser.add_argument("--first", type=int, default=0, help="only the first N configurations per kernel (0: all)")
     args = parser.parse_args()
+    if ALIGN % args.align:
+        parser.error(f"--align must divide {ALIGN}")
     rng = np.random.default_rng(0)
-    counts, sizes = routed_group_sizes(rng, 4096, 2, 256, 8, ALIGN)
+    counts, sizes = routed_group_sizes(rng, 4096, 2, 256, 8, args.align)
     num_rows = -(-int(sizes.sum()) // 256) * 256  # room for every alignment up to ALIGN
     pairs = int(counts.sum())
     flops = 2 * pairs * (7168 * 4096 + 2048 * 7168)
@@ -163,9 +173,10 @@ def main():
         base = time_fn(lambda a, b, kernel=kernel: generic(kernel, a, b, sizes), ops, args.repeats)
         print(f"{kernel} row-tiled (DEFAULT_BLOCKS, aligned=None): {np.median(base) * 1e3:.2f} ms "
               f"{flops / np.median(base) / 1e12:.0f} useful TFLOP/s", flush=True)
-        for t in CONFIGS[kernel]:
-            # Groups rounded up to this kernel's row tile only (less padding with smaller tiles).
-            sizes_t = -(-counts // hg.row_tile(t)) * hg.row_tile(t)
+        # The configurations whose row tile divides the groups (weight_grad: its K step runs along the rows).
+        fitting = [t for t in CONFIGS[kernel] if args.align % (t.tile_k if kernel == "weight_grad" else hg.row_tile(t)) == 0]
+        for t in fitting[:args.first or None]:
+            sizes_t = sizes
             try:
                 err = small_check(kernel, t)
                 for a, b in ops:

@@ -1475,7 +1475,7 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state, c);
   const Shapes shapes{p.num_tokens, p.num_worst_tokens, p.num_topk, {int64_t(p.hidden) * 2, 0}};
   const Layout L = MakeLayout(shapes, state.num_ranks, state.num_nodes, true);
-  // Notify: the barrier and this rank's (token, mask) lists per host, from the handle's send_pos.
+  // Notify: the barrier and this rank's lists per host, from the handle's send_pos.
   const bool pipeline = CombinePipelined(state, c);
   NotifyArgs notify = MakeNotify(kCombine, p.num_tokens, c, pipeline, L);
   notify.cached_send_pos = p.send_pos;

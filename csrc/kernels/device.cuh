@@ -38,6 +38,17 @@ __device__ __forceinline__ void StoreReleaseSys(int* p, int v) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// The same for 64-bit words (the pipelined kernels' tails: sequence number and count in one).
+__device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Values peers (or earlier kernels) wrote, read around the incoherent L1,
 // with no ordering: sequence numbers, counts behind an acquired flag.
 __device__ __forceinline__ int LoadVolatile(const int* p) {

@@ -62,9 +62,10 @@ struct Group {
 
   __device__ char* local_region() const { return host_regions[local]; }
   __device__ Control* control() const { return reinterpret_cast<Control*>(local_region()); }
-  // An int of this rank's region as the same offset in `region` (a mapped peer's).
-  __device__ int* In(char* region, const int* mine) const {
-    return reinterpret_cast<int*>(region + (reinterpret_cast<const char*>(mine) - local_region()));
+  // A word of this rank's region as the same offset in `region` (a mapped peer's).
+  template <typename T>
+  __device__ T* In(char* region, const T* mine) const {
+    return reinterpret_cast<T*>(region + (reinterpret_cast<const char*>(mine) - local_region()));
   }
 };
 
@@ -343,12 +344,16 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
           } else if (in) {
             int* entry = (b == g.node ? combine_recv_meta : combine_send_meta) +
                          (size_t(b) * a.num_tokens + offset[j]) * L.combine_meta_ints;
+            // Its row at each of the host's ranks, and the mask of those holding one (as HostRanksHolding).
             const int* pos = a.cached_send_pos + int64_t(t) * R;
-            entry[kCombineMetaToken] = t;
-            entry[kCombineMetaMask] = HostRanksHolding(a, R, rank_at + b * G, G, t);
+            uint32_t mask = 0;
             for (int l = 0; l < G; ++l) {
-              entry[kCombineMetaRows + l] = HandleRow(pos[rank_at[b * G + l]], a.num_worst_tokens);
+              const int row = HandleRow(pos[rank_at[b * G + l]], a.num_worst_tokens);
+              entry[kCombineMetaRows + l] = row;
+              mask |= uint32_t(row >= 0) << l;
             }
+            entry[kCombineMetaToken] = t;
+            entry[kCombineMetaMask] = int(mask);
           }
           offset[j] += in;
         }
@@ -634,11 +639,6 @@ __device__ __forceinline__ int* ChannelHead(const Group& g, const Layout& L, int
 }
 __device__ __forceinline__ uint64_t TailValue(int seq, int delivered) {
   return (uint64_t(unsigned(seq)) << 32) | unsigned(delivered);
-}
-__device__ __forceinline__ uint64_t LoadAcquireSys64(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
 }
 
 // Per remote host: the channel's first position there (head), the packets it
@@ -1123,22 +1123,18 @@ constexpr uint32_t kChannelFinished = 0x7fffffffu;  // a row tail's count once i
 __device__ __forceinline__ uint64_t* RowTail(const Group& g, const Layout& L, int index, int channel) {
   return reinterpret_cast<uint64_t*>(g.local_region() + L.tails) + size_t(index) * kMaxBlocks + channel;
 }
-__device__ __forceinline__ void StoreReleaseSys64(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
 
 __device__ void SendRowChannel(const Group& g, const CombineArgs& a, const PeerTable& peers, int channel,
                                int num_channels, int seq) {
   const Layout& L = a.L;
   const int G = g.ranks_per_node;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const uint64_t* tail = RowTail(g, L, g.local, channel);
   auto raise_tails = [&](uint32_t chunks) {
     __threadfence_system();  // this thread's rows before the tail
     __syncthreads();
     for (int j = threadIdx.x; j < G; j += blockDim.x) {
-      char* tail = reinterpret_cast<char*>(RowTail(g, L, g.local, channel));
-      StoreReleaseSys64(reinterpret_cast<uint64_t*>(g.host_regions[j] + (tail - g.local_region())),
-                        TailValue(seq, int(chunks)));
+      StoreReleaseSys64(g.In(g.host_regions[j], tail), TailValue(seq, int(chunks)));
     }
   };
   const int num_recv = CombineRows(a);

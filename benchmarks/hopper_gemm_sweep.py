@@ -174,21 +174,21 @@ def main():
         print(f"{kernel} row-tiled (DEFAULT_BLOCKS, aligned=None): {np.median(base) * 1e3:.2f} ms "
               f"{flops / np.median(base) / 1e12:.0f} useful TFLOP/s", flush=True)
         # The configurations whose row tile divides the groups (weight_grad: its K step runs along the rows).
-        fitting = [t for t in CONFIGS[kernel] if args.align % (t.tile_k if kernel == "weight_grad" else hg.row_tile(t)) == 0]
+        fitting = [t for t in CONFIGS[kernel]
+                   if args.align % (t.tile_k if kernel == "weight_grad" else hg.row_tile(t)) == 0]
         for t in fitting[:args.first or None]:
-            sizes_t = sizes
             try:
                 err = small_check(kernel, t)
                 for a, b in ops:
-                    got = np.asarray(jax.jit(lambda a, b, t=t, kernel=kernel, s=sizes_t: call(kernel, t, a, b, s))(a, b),
+                    got = np.asarray(jax.jit(lambda a, b, t=t, kernel=kernel, s=sizes: call(kernel, t, a, b, s))(a, b),
                                      np.float32)
-                    w = np.asarray(generic(kernel, a, b, sizes_t), np.float32)
-                    total = int(sizes_t.sum())
+                    w = np.asarray(generic(kernel, a, b, sizes), np.float32)
+                    total = int(sizes.sum())
                     if kernel != "weight_grad":
                         got, w = got[:total], w[:total]
                     big = np.abs(got - w).max() / (np.abs(w).max() + 1e-9)
                     assert big < 2e-2, ("real size", big)
-                secs = time_fn(lambda a, b, t=t, kernel=kernel, s=sizes_t: call(kernel, t, a, b, s), ops, args.repeats)
+                secs = time_fn(lambda a, b, t=t, kernel=kernel, s=sizes: call(kernel, t, a, b, s), ops, args.repeats)
                 med = np.median(secs)
                 print(f"{kernel} {t}: {med * 1e3:.2f} ms ({np.min(secs) * 1e3:.2f}-{np.max(secs) * 1e3:.2f}) "
                       f"{flops / med / 1e12:.0f} useful TFLOP/s; small err {err:.1e}", flush=True)

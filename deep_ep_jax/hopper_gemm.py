@@ -84,29 +84,34 @@ def _out_smem(plgpu, t: HopperTiles, dtype):
                       transforms=_transforms(plgpu, t.epi_tile_n, dtype))
 
 
-def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, dtype):
-    """The compute warpgroups' context of a pipeline: accumulate this
-    warpgroup's tile_m x tile_n products in float32, then store them, as
-    `dtype`, into dst through the epilogue's shared-memory slots."""
+def _store(plgpu, t: HopperTiles, out_smem, wg, dst, acc):
+    """Store this warpgroup's tile_m x tile_n products `acc` (float32) into dst, as dst's dtype,
+    through the epilogue's shared-memory slots (the copies stay in flight)."""
     num_slots = _epilogue_slots(t)
+    acc = acc.astype(dst.dtype)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    i = 0
+    for em in range(t.tile_m // t.epi_tile_m):
+        for en in range(t.tile_n // t.epi_tile_n):
+            rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
+            cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
+            slot = i % num_slots
+            i += 1
+            plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+            out_smem[wg, slot] = acc[rows, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+
+
+def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst):
+    """The compute warpgroups' context of a pipeline: accumulate this
+    warpgroup's tile_m x tile_n products in float32, then store them into dst."""
 
     def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
         def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            acc = acc_ref[...].astype(dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            i = 0
-            for em in range(t.tile_m // t.epi_tile_m):
-                for en in range(t.tile_n // t.epi_tile_n):
-                    rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
-                    cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
-                    slot = i % num_slots
-                    i += 1
-                    plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
-                    out_smem[wg, slot] = acc[rows, cols]
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+            _store(plgpu, t, out_smem, wg, dst, acc_ref[...])
 
     return compute_context
 
@@ -186,7 +191,7 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                 cols = pl.ds(ni * cta_n, cta_n)
 
                 compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
-                                                         out_gmem.at[rows, cols].at[:, wg_cols], out_gmem.dtype)
+                                                         out_gmem.at[rows, cols].at[:, wg_cols])
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
@@ -241,7 +246,10 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
 
     Group g's rows are group_starts[g] + [0, group_steps[g] * tile_k); an
     empty group (0 steps) gets zeros. Here the kernel's rows are K's and its
-    contraction runs over the group's rows."""
+    contraction runs over the group's rows. With t.steady_pipeline (and no
+    cluster_n) a CTA's tiles form one pipeline (`_weight_grad_one_pipeline`)."""
+    if t.steady_pipeline and not t.cluster_n:
+        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -296,7 +304,7 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
                 k_rows = pl.ds(mi * t.tile_m, t.tile_m)
 
                 compute_context = _accumulate_then_store(
-                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], out_gmem.dtype)
+                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols])
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     @pl.when(steps > 0)
@@ -309,6 +317,104 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
                 group_rows = pl.ds(start, num_rows)  # steps * tile_k of them are read
                 pipeline(mma, compute_context, jnp.maximum(steps, 1))(
                     x_gmem.at[group_rows, k_rows], dy_gmem.at[group_rows, cols], allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, x, dy)
+
+
+def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
+    """weight_grad with a CTA's tiles as one pipeline: a tile has only a few
+    row steps (a group's rows / tile_k), so instead of a pipeline per tile
+    (whose loads wait for the previous tile's last product) the memory
+    warpgroup walks every row step of every tile of its CTA through one ring
+    of stages, and loads the next tile's first steps while the compute
+    warpgroups finish and store this one. Both roles walk the same tiles in
+    the same order and count steps the same way, so a stage's slot is its
+    running step count mod max_concurrent_steps."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_rows, k = x.shape
+    n = dy.shape[1]
+    g = group_starts.shape[0]
+    cta_n = 2 * t.tile_n
+    m_iters, n_iters = k // t.tile_m, n // cta_n
+    stages = t.max_concurrent_steps
+    memory_registers = 40
+    compute_registers = (512 - memory_registers) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
+
+    def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
+        @functools.partial(
+            pl.run_scoped,
+            a_smem=plgpu.SMEM((stages, t.tile_k, t.tile_m), x.dtype, transforms=_transforms(plgpu, t.tile_m, x.dtype)),
+            b_smem=plgpu.SMEM((stages, t.tile_k, cta_n), x.dtype, transforms=_transforms(plgpu, cta_n, x.dtype)),
+            loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both copies of a stage landed
+            consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups are done with it
+            out_smem=_out_smem(plgpu, t, x.dtype),
+            collective_axes="wg")
+        def _scope(a_smem, b_smem, loaded, consumed, out_smem):
+            wg = lax.axis_index("wg")
+
+            def tile(info):
+                """(group, K rows, CTA columns, row steps, first row) of this loop step's tile."""
+                gi, lin = info.index
+                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
+                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), steps_gmem[gi], starts_gmem[gi]
+
+            def walk(per_tile):
+                """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
+                plgpu.nd_loop((g, m_iters * n_iters), collective_axes="cluster_grid",
+                              init_carry=jnp.int32(0))(per_tile)
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(memory_registers, action="decrease")
+
+                def per_tile(info, carry):
+                    _, k_rows, cols, steps, start = tile(info)
+
+                    def step(s, count):
+                        slot = lax.rem(count, stages)
+
+                        @pl.when(count >= stages)  # the ring's first round finds its stages free
+                        def _():
+                            plgpu.barrier_wait(consumed.at[slot])
+
+                        rows = pl.ds(pl.multiple_of(start + s * t.tile_k, t.tile_k), t.tile_k)
+                        plgpu.copy_gmem_to_smem(x_gmem.at[rows, k_rows], a_smem.at[slot], loaded.at[slot])
+                        plgpu.copy_gmem_to_smem(dy_gmem.at[rows, cols], b_smem.at[slot], loaded.at[slot])
+                        return count + 1
+
+                    return lax.fori_loop(0, steps, step, carry)
+
+                walk(per_tile)
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(compute_registers, action="increase")
+                wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+
+                def per_tile(info, carry):
+                    gi, k_rows, cols, steps, _ = tile(info)
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                    def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
+                        def step(s, count):
+                            slot = lax.rem(count, stages)
+                            plgpu.barrier_wait(loaded.at[slot])
+                            plgpu.wgmma(acc_ref, a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols])
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[slot])
+                            return count + 1
+
+                        count = lax.fori_loop(0, steps, step, carry)
+                        _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], acc_ref[...])
+                        return count
+
+                    return count_after
+
+                walk(per_tile)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -178,6 +178,38 @@ def test_group_sizes_are_clamped():
     check_against_oracle(x, w, used, dy, y, dx, dw, "clamped sizes")
 
 
+def test_valid_sizes_make_the_rest_of_a_group_padding():
+    """valid_sizes: a group's rows past its valid count (holding junk here) act
+    as padding rows: y and dx exactly zero there, dw without them; counts
+    above a group's size are clamped to it, negative ones to 0."""
+    rng = np.random.default_rng()
+    num_rows, num_groups = 60, 4
+    sizes = np.array([16, 0, 24, 16], np.int32)
+    valid = np.array([5, 3, 24, -2], np.int32)  # 3 > 0 and -2 < 0: clamped to 0 and 0
+    used = np.array([5, 0, 24, 0], np.int32)
+    x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
+    pair = np.zeros(num_rows, bool)
+    for start, count in zip(oracle.offsets(sizes), used):
+        pair[start:start + count] = True
+    x[~pair] = 1e4  # junk on every padding row, inside the groups too
+    dy[~pair] = 1e4
+
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, valid_sizes=valid), x, w)
+        return (y, *vjp(dy))
+
+    y, dx, dw = jax.jit(run)(x, w, dy)
+    zeroed = [np.where(pair[:, None], a, 0).astype(a.dtype) for a in (x, dy)]
+    assert_close(y, oracle.forward(zeroed[0], w, sizes), "y")
+    assert_close(dx, oracle.input_grad(zeroed[1], w, sizes), "dx")
+    assert_close(dw, oracle.weight_grad(zeroed[0], zeroed[1], sizes), "dw")
+    assert not np.asarray(y, np.float32)[~pair].any() and not np.asarray(dx, np.float32)[~pair].any()
+    with pytest.raises(ValueError, match="valid_sizes must be integers shaped as group_sizes"):
+        grouped_matmul(x, w, sizes, valid_sizes=np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match="valid_sizes must be integers shaped as group_sizes"):
+        grouped_matmul(x, w, sizes, valid_sizes=np.zeros(4, np.float32))
+
+
 def test_shard_map_per_rank():
     """Per rank under shard_map (check_vma on) over 8 CPU devices: each rank its
     own experts and sizes (one rank all in one group, one with no rows at all)."""
@@ -324,18 +356,22 @@ def test_mgpu_path_lowers(gpu_core_count):
                                        block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
     assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
 
-    # aligned_groups=True: the warp-specialized kernels alone, no lax.cond.
-    def promised_loss(x, w, sizes):
-        y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True)
-        return jnp.sum(y.astype(jnp.float32) ** 2)
+    # aligned_groups=True: the warp-specialized kernels alone, no lax.cond (with valid_sizes too).
+    for with_valid in (False, True):
+        def promised_loss(x, w, sizes, with_valid=with_valid):
+            y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True,
+                               valid_sizes=sizes // 2 if with_valid else None)
+            return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    promised = jax.jit(jax.grad(promised_loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
-    assert mosaic_calls(promised) == 3 and "stablehlo.case" not in promised.as_text()
+        promised = jax.jit(jax.grad(promised_loss, argnums=(0, 1))).trace(x, w, sizes).lower(
+            lowering_platforms=("cuda",))
+        assert mosaic_calls(promised) == 3 and "stablehlo.case" not in promised.as_text()
 
 
 def test_steady_pipeline_lowers(gpu_core_count):
     """rows_matmul as one pipeline of pipelines per CTA (HopperTiles.steady_pipeline)
-    lowers for CUDA, plain and transposed, with and without multicast."""
+    lowers for CUDA, plain and transposed, with and without multicast; so does
+    weight_grad's single pipeline."""
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
     for cluster_n in (False, True):
@@ -347,6 +383,14 @@ def test_steady_pipeline_lowers(gpu_core_count):
                 return hopper_gemm.rows_matmul(x, w, gg._tile_groups(sizes, 1024, 128), tiles, transpose_rhs=transpose)
 
             assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
+    # weight_grad: one ring of stages over every row step of a CTA's tiles
+    tiles = hopper_gemm.HopperTiles(128, 128, 64, 4, steady_pipeline=True)
+    dy = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
+
+    def dw(x, dy, sizes):
+        return hopper_gemm.weight_grad(x, dy, jnp.cumsum(sizes) - sizes, sizes // 64, tiles)
+
+    assert mosaic_calls(jax.jit(dw).trace(x, dy, sizes).lower(lowering_platforms=("cuda",))) == 1
 
 
 def test_mgpu_path_lowers_under_shard_map(gpu_core_count):

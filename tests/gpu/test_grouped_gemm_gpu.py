@@ -200,20 +200,59 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
 
 
+@pytest.mark.parametrize("kind", ["routed", "all_in_one"])
+def test_valid_sizes_leave_out_padding_rows(kind):
+    """The expert-major layout's case: groups rounded up to gg.aligned_rows(),
+    valid_sizes their pairs. Junk (1e3) on every padding row of x and dy,
+    inside the groups and past them; y and dx must be exactly zero there, and
+    y, dx and dw equal the per-group dots of the pair rows alone (the weight
+    gradient's kernel stops at the row step that covers a group's pairs)."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    k, n = LAYERS["w_in"]
+    counts = routed_sizes(rng, kind)
+    sizes = (-(-counts // gg.aligned_rows()) * gg.aligned_rows()).astype(np.int32)
+    num_rows = int(sizes.sum()) + 200
+    pair_rows = np.zeros(num_rows, bool)
+    for start, count in zip(oracle.offsets(sizes), counts):
+        pair_rows[start:start + count] = True
+    x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
+    junk = jnp.asarray(~pair_rows)[:, None]
+    x_junk, dy_junk = (jnp.where(junk, jnp.asarray(1e3, a.dtype), a) for a in (x, dy))
+    what = f"valid_sizes, {kind} (seed {seed}, {int(counts.sum())} pairs in {int(sizes.sum())} rows)"
+
+    @jax.jit
+    def run(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes), impl="mgpu", aligned_groups=True,
+                                                     valid_sizes=jnp.asarray(counts)), x, w)
+        return (y, *vjp(dy))
+
+    got = run(x_junk, w, dy_junk)
+    zeroed = [jnp.where(junk, jnp.zeros((), a.dtype), a) for a in (x, dy)]
+    want = per_group_reference(zeroed[0], w, sizes, zeroed[1])
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
+        err = float(excess_error(g, r))
+        assert err <= RTOL, f"{what}: {name} vs per-group dots of the pairs, max excess error {err:.3g} of the scale"
+    for name, g in zip(("y", "dx"), got[:2]):
+        assert not bool(jnp.any(jnp.where(junk, g, 0))), f"{what}: {name} is not zero on padding rows"
+
+
 @pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 def test_aligned_kernels_directly(kind, steady):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
-    at the w_in layer's shapes, against the per-group dots; rows_matmul also
-    as one pipeline of pipelines per CTA (HopperTiles.steady_pipeline)."""
+    at the w_in layer's shapes, against the per-group dots; also with a CTA's
+    tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
+    pipelines in rows_matmul, one ring over every row step in weight_grad)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
     if steady:
-        tiles = dataclasses.replace(tiles, forward=dataclasses.replace(tiles.forward, steady_pipeline=True),
-                                    input_grad=dataclasses.replace(tiles.input_grad, steady_pipeline=True))
+        tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
+                                  for f in dataclasses.fields(tiles)))
     align = gg.aligned_rows()
     sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
     total = int(sizes.sum())

@@ -74,24 +74,25 @@ def make_inputs(key, num_rows, counts, sizes, hidden, ffn):
     return x, w_in, w_out, dy
 
 
-def swiglu(x, w_in, w_out, sizes, impl, blocks, aligned):
-    h = gg.grouped_matmul(x, w_in, sizes, impl=impl, block_sizes=blocks, aligned_groups=aligned)
+def swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned):
+    """valid: the pairs of each group (grouped_matmul's valid_sizes), or None."""
+    kwargs = dict(impl=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid)
+    h = gg.grouped_matmul(x, w_in, sizes, **kwargs)
     gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, impl=impl, block_sizes=blocks,
-                             aligned_groups=aligned)
+    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, **kwargs)
 
 
 def forward_step(impl, blocks, aligned):
-    def step(x, dy, w_in, w_out, sizes):
-        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, impl, blocks, aligned))
+    def step(x, dy, w_in, w_out, sizes, valid):
+        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned))
         return touch(x, out[:1, :1]), dy
     return step
 
 
 def forward_backward_step(impl, blocks, aligned):
-    def step(x, dy, w_in, w_out, sizes):
-        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, impl, blocks, aligned), x, w_in,
-                               w_out)
+    def step(x, dy, w_in, w_out, sizes, valid):
+        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned), x,
+                           w_in, w_out)
         out, dx, dw_in, dw_out = lax.optimization_barrier((out, *vjp(dy)))
         link = out[:1, :1] + dx[:1, :1] + dw_in[0, :1, :1] + dw_out[0, :1, :1]
         # dy changes too: else XLA could hoist dy @ w_out^T out of the loop.
@@ -131,7 +132,7 @@ def kernel_call(kernel, blocks, impl):
     use_mgpu = impl == "mgpu"
     one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, False, x, w, sizes),
            "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, False, dy, w, sizes),
-           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, False, x, dy, sizes)}[kernel]
+           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, False, x, dy, sizes, sizes)}[kernel]
     return lambda operands: [one(*ops) for ops in operands]
 
 
@@ -232,6 +233,8 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--align", type=int, default=1, help="round each group up to this many rows")
     p.add_argument("--rows", type=int, default=0, help="static M (default: the aligned sum rounded up to 128)")
+    p.add_argument("--no-valid-sizes", action="store_true",
+                   help="leave grouped_matmul's valid_sizes unset (the weight gradient then computes the padding rows)")
     p.add_argument("--impls", default="mgpu,xla", help="comma list of mgpu, xla")
     p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
     p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
@@ -258,6 +261,8 @@ def main(argv=None):
     pairs = int(counts.sum())
     x, w_in, w_out, dy = make_inputs(jax.random.key(args.seed), num_rows, counts, sizes, args.hidden, args.ffn)
     sizes_dev = jnp.asarray(sizes)
+    # The MoE layer passes each group's pairs beside its aligned size; without alignment they are the same.
+    valid = None if args.no_valid_sizes or args.align == 1 else jnp.asarray(counts)
     flops = 2 * pairs * args.hidden * 2 * args.ffn + 2 * pairs * args.ffn * args.hidden
     print(f"# {env['devices'][0]}, jax {env['jax']}; {pairs} pairs in {len(sizes)} groups (sizes "
           f"{sizes.min()}-{sizes.max()}, align {args.align}), M = {num_rows} rows; SwiGLU hidden {args.hidden}, "
@@ -266,7 +271,7 @@ def main(argv=None):
     blocks = gg.DEFAULT_BLOCKS
     # Groups of whole row tiles: promise it (the warp-specialized kernels, no lax.cond), as the MoE layer does.
     aligned = args.align % gg.aligned_rows() == 0
-    print(f"# aligned_groups={aligned}")
+    print(f"# aligned_groups={aligned}, valid_sizes {'set' if valid is not None else 'unset'}")
     swept = {}
     if args.sweep and "mgpu" in impls:
         swept = sweep(jax.random.key(args.seed + 1), num_rows, sizes, w_in, w_out, args.repeats)
@@ -277,8 +282,9 @@ def main(argv=None):
     print("\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s |\n|---|---|---|---|---|")
     outputs = {}
     for impl in impls:
-        inputs = (x, dy, w_in, w_out, sizes_dev)
-        outputs[impl] = jax.jit(swiglu, static_argnums=(4, 5))(x, w_in, w_out, sizes_dev, impl, blocks)
+        inputs = (x, dy, w_in, w_out, sizes_dev, valid)
+        outputs[impl] = jax.jit(swiglu, static_argnums=(5, 6, 7))(x, w_in, w_out, sizes_dev, valid, impl, blocks,
+                                                                  aligned)
         for name, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
                                                                      3 * flops)):
             seconds = time_step(step(impl, blocks, aligned), inputs, args.chain, args.repeats)

@@ -230,16 +230,19 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None):
     """SwiGLU experts on expert-major rows: expert_x bf16 [M, H], group g
     the next group_sizes[g] rows (rows past them give 0), every size a
-    multiple of `alignment`. Returns bf16 [M, H]."""
+    multiple of `alignment`; pairs (optional): the rows at each group's start
+    that hold a pair (the layout's group_sizes), the rest being padding.
+    Returns bf16 [M, H]."""
     # Sizes of whole row tiles: say so, and grouped_matmul needs no device-side choice of kernels.
-    aligned = alignment % aligned_rows() == 0
-    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, aligned_groups=aligned)
+    # The pairs let the weight gradient skip the padding rows.
+    kwargs = dict(aligned_groups=alignment % aligned_rows() == 0, valid_sizes=pairs)
+    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, **kwargs)
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, aligned_groups=aligned)
+    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, **kwargs)
 
 
 def gemm_group_sizes(layout, alignment: int):
@@ -266,7 +269,8 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
                               alignment=alignment, num_rows=expert_rows)
-    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment), alignment)
+    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment), alignment,
+                              layout.group_sizes)
     return reduce(expert_y, recv_topk_weights, layout)
 
 
@@ -342,7 +346,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
             num_rows=expert_rows)
         expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, expert_alignment),
-                                  expert_alignment)
+                                  expert_alignment, layout.group_sizes)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
     recv_x, recv_idx, recv_weights, handle = dispatch(
         x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer

@@ -26,9 +26,10 @@ a ValueError where the shapes do not fit. Notes on the mgpu path:
   skip them. Keep M near the worst case you need.
 - M not a multiple of `row_multiple(blocks)` (128 by default) costs a padded
   copy of x; make the expert-major layout's row count a multiple of it.
-- dw multiplies the padding rows of x just past the last group by zero: they
+- dw multiplies some padding rows of x by zero (just past the last group,
+  and with valid_sizes up to a row step past a group's valid rows): they
   must hold finite values (zero them where they may hold NaN, as the padding
-  rows of `dispatch`'s output may).
+  rows of `dispatch`'s output may; the expert-major layout's are zeros).
 On a GPU, jax.lax.ragged_dot (the "xla" path) expands to a dense dot over all
 groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
 (`jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)`).

@@ -130,8 +130,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     if valid_sizes is not None:
         _validate_array("valid_sizes", valid_sizes, 1)
         if valid_sizes.shape != group_sizes.shape or not jnp.issubdtype(valid_sizes.dtype, jnp.integer):
-            raise ValueError(f"grouped_matmul: valid_sizes must be integers shaped as group_sizes {tuple(group_sizes.shape)}, "
-                             f"got {valid_sizes.dtype} {tuple(valid_sizes.shape)}")
+            raise ValueError(f"grouped_matmul: valid_sizes must be integers shaped as group_sizes "
+                             f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}")
     if not isinstance(aligned_groups, bool):
         raise TypeError(f"grouped_matmul: aligned_groups must be a bool, got {type(aligned_groups).__name__}")
     use_mgpu = _use_mgpu(impl, x, w, blocks)

@@ -34,6 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 
 
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (TMA issue only); the compute ones get the rest
+
+
 @dataclasses.dataclass(frozen=True)
 class HopperTiles:
     """Tiles of one warp-specialized kernel. Each compute warpgroup owns a
@@ -46,9 +49,10 @@ class HopperTiles:
     grid_minor_n: bool = True  # walk N fastest (a row tile's rows stay in L2)
     grid_tile_width: int = 1  # tiles along the minor dimension per band (planar_snake)
     cluster_n: bool = False  # two CTAs share the row tile by multicast (adjacent N tiles)
-    # rows_matmul only: a CTA's tiles form one pipeline of pipelines (the loads of its next tile start
-    # while it finishes and stores this one), over the row tiles that hold groups only. Needs the
-    # K steps to be a multiple of max_concurrent_steps (else it is off).
+    # A CTA's tiles form one pipeline: the loads of its next tile start while it finishes and stores
+    # this one. rows_matmul: a pipeline of pipelines over the row tiles that hold groups, when the K
+    # steps are a multiple of max_concurrent_steps (else it is off). weight_grad (without cluster_n):
+    # one ring of stages over every row step of the CTA's tiles.
     steady_pipeline: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
@@ -157,7 +161,7 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
-            memory_registers=40,
+            memory_registers=MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec((t.tile_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
                                 memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
@@ -266,7 +270,7 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(steps,),
-            memory_registers=40,
+            memory_registers=MEMORY_REGISTERS,
             in_specs=[
                 plgpu.BlockSpec((t.tile_k, t.tile_m), lambda kk: (kk, 0), transforms=a_transforms,
                                 memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
@@ -341,8 +345,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
     cta_n = 2 * t.tile_n
     m_iters, n_iters = k // t.tile_m, n // cta_n
     stages = t.max_concurrent_steps
-    memory_registers = 40
-    compute_registers = (512 - memory_registers) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
+    compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
 
     def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
         @functools.partial(
@@ -369,7 +372,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
             @pl.when(wg == 2)
             def _memory():
-                plgpu.set_max_registers(memory_registers, action="decrease")
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
                 def per_tile(info, carry):
                     _, k_rows, cols, steps, start = tile(info)

@@ -10,8 +10,12 @@ Shapes: one rank's 128 experts of random top-8 routing (4096 tokens x 2 ranks
 over 256 experts), groups rounded up to --align rows (128, today's layout; 64
 halves the padding and takes the configurations whose row tile is 64: the
 forward and input gradient's tile_m, the weight gradient's tile_k); the SwiGLU's two matmuls
-(K, N = 7168, 4096 and 2048, 7168) summed per kernel. Useful TFLOP/s count the
-routed pairs only.
+(K, N = 7168, 4096 and 2048, 7168) summed per kernel. Each group holds its
+pairs, then zero rows up to its aligned size, and the kernels are called as
+grouped_matmul calls them with valid_sizes (the pairs): the weight gradient
+reads a group's rows up to the row step that covers its pairs, and half_tiles
+configurations multiply half of a group's last tile where its pairs end in
+that half. Useful TFLOP/s count the routed pairs only.
 """
 
 from __future__ import annotations
@@ -42,15 +46,16 @@ ALIGN = 128
 T = hg.HopperTiles
 
 
-def call(kernel, t, a, b, sizes):
-    """The kernel on groups of `sizes` (numpy), its index maps made as grouped_matmul makes
-    them, but at trace time: constants of the program, outside what is timed."""
+def call(kernel, t, a, b, sizes, counts):
+    """The kernel on groups of `sizes` (numpy) holding `counts` pairs each, its index maps made as
+    grouped_matmul makes them (valid_sizes = counts), but at trace time: constants of the program,
+    outside what is timed."""
     with jax.ensure_compile_time_eval():
-        s = jnp.asarray(sizes, jnp.int32)
-        starts, steps, groups = jnp.cumsum(s) - s, s // t.tile_k, gg._tile_groups(s, a.shape[0], t.tile_m)
-    if kernel == "weight_grad":
-        return hg.weight_grad(a, b, starts, steps, t)
-    return hg.rows_matmul(a, b, groups, t, transpose_rhs=kernel == "input_grad")
+        s, c = jnp.asarray(sizes, jnp.int32), jnp.asarray(counts, jnp.int32)
+        starts, steps = jnp.cumsum(s) - s, -(-c // t.tile_k)
+    if kernel != "weight_grad":  # rows_matmul through the wrapper's helper (its few index ops are timed)
+        return gg._rows_matmul(a, b, s, c, t, transpose_rhs=kernel == "input_grad")
+    return hg.weight_grad(a, b, starts, steps, t)
 
 
 def numpy_reference(kernel, a, b, sizes):
@@ -64,17 +69,28 @@ def numpy_reference(kernel, a, b, sizes):
     return out, starts[-1]
 
 
+def pair_rows(num_rows, sizes, counts):
+    """bool [num_rows]: the rows of the groups that hold pairs (the first counts[g] of group g)."""
+    rows = np.zeros(num_rows, bool)
+    for start, count in zip(np.cumsum(sizes) - sizes, counts):
+        rows[start:start + count] = True
+    return rows
+
+
 def small_check(kernel, t):
+    """Against numpy at a small size: empty groups, tiles past the last group, and padding rows
+    (zeros, as the layout's) in a group's last tile, its first half (group 0) or second (group 3)."""
     rng = np.random.default_rng()
     k, n, g = 512, 4 * 2 * t.tile_n * (2 if t.cluster_n else 1), 5
     sizes = np.array([2, 0, 1, 3, 0]) * t.tile_m
+    counts = sizes - np.array([3, 0, 0, 1, 0]) * (t.tile_m // 4)
     rows = int(sizes.sum()) + 2 * t.tile_m  # two tiles past the last group
-    a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    a = jnp.asarray(rng.standard_normal((rows, k)) * pair_rows(rows, sizes, counts)[:, None], jnp.bfloat16)
     if kernel == "weight_grad":
         b = jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16)
     else:
         b = jnp.asarray(rng.standard_normal((g, n, k) if kernel == "input_grad" else (g, k, n)), jnp.bfloat16)
-    got = np.asarray(jax.jit(lambda a, b: call(kernel, t, a, b, sizes))(a, b), np.float32)
+    got = np.asarray(jax.jit(lambda a, b: call(kernel, t, a, b, sizes, counts))(a, b), np.float32)
     if kernel == "weight_grad":
         want = numpy_reference(kernel, a, b, sizes)
     else:
@@ -87,8 +103,8 @@ def small_check(kernel, t):
     return err
 
 
-def operands(key, kernel, num_rows, sizes):
-    """[(a, b)] of both matmuls for `kernel`."""
+def operands(key, kernel, num_rows, sizes, counts):
+    """[(a, b)] of both matmuls for `kernel`; a's rows that hold no pair are zeros, as the layout's."""
     out = []
     for i, (kk, nn) in enumerate([(7168, 4096), (2048, 7168)]):
         k1, k2 = jax.random.split(jax.random.fold_in(key, i))
@@ -101,7 +117,7 @@ def operands(key, kernel, num_rows, sizes):
         else:
             a = jax.random.normal(k1, (num_rows, kk), jnp.bfloat16)
             b = jax.random.normal(k2, (num_rows, nn), jnp.bfloat16) * jnp.bfloat16(0.06)
-        out.append((a, b))
+        out.append((jnp.where(pair_rows(num_rows, sizes, counts)[:, None], a, 0), b))
     return out
 
 
@@ -151,6 +167,8 @@ CONFIGS = {
                                                                      grid_tile_width=4)]
     + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
        for w, c in [(4, False), (8, True)]]
+    # A group's last tile multiplies only its first half where its pairs end there (valid_sizes)
+    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4, half_tiles=True)]
     # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
     + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
     + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)],
@@ -184,7 +202,7 @@ def main():
     print(f"pairs {pairs}, aligned rows {int(sizes.sum())} (+{sizes.sum() / pairs - 1:.1%}), M {num_rows}")
     key = jax.random.key(1)
     for kernel in args.kernels.split(","):
-        ops = operands(key, kernel, num_rows, sizes)
+        ops = operands(key, kernel, num_rows, sizes, counts)
         if not args.no_baseline:
             base = time_fn(lambda a, b, kernel=kernel: generic(kernel, a, b, sizes), ops, args.repeats)
             print(f"{kernel} row-tiled (DEFAULT_BLOCKS, aligned=None): {np.median(base) * 1e3:.2f} ms "
@@ -199,10 +217,10 @@ def main():
             try:
                 err = small_check(kernel, t)
                 for (a, b), want in zip(ops, references):
-                    big = relative_error(jax.jit(lambda a, b, t=t, kernel=kernel, s=sizes: call(kernel, t, a, b, s))(a, b),
+                    big = relative_error(jax.jit(lambda a, b, t=t, k=kernel: call(k, t, a, b, sizes, counts))(a, b),
                                          want, None if kernel == "weight_grad" else int(sizes.sum()))
                     assert big < 2e-2, ("real size", big)
-                secs = time_fn(lambda a, b, t=t, kernel=kernel, s=sizes: call(kernel, t, a, b, s), ops, args.repeats)
+                secs = time_fn(lambda a, b, t=t, k=kernel: call(k, t, a, b, sizes, counts), ops, args.repeats)
                 med = np.median(secs)
                 print(f"{kernel} {t}: {med * 1e3:.2f} ms ({np.min(secs) * 1e3:.2f}-{np.max(secs) * 1e3:.2f}) "
                       f"{flops / med / 1e12:.0f} useful TFLOP/s; small err {err:.1e}", flush=True)

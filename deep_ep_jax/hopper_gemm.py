@@ -204,12 +204,13 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                 compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
                                                          out_gmem.at[rows, cols].at[:, wg_cols])
 
+                half = None if tile_rows is None else extra[-1][mi] <= t.tile_m // 2  # read once per tile
+
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
-                    if tile_rows is None:
+                    if half is None:
                         plgpu.wgmma(acc_ref, a_smem, b)
                     else:
-                        half = extra[-1][mi] <= t.tile_m // 2
                         pl.when(~half)(lambda: plgpu.wgmma(acc_ref, a_smem, b))
                         first = slice(0, t.tile_m // 2)
                         pl.when(half)(lambda: plgpu.wgmma(acc_ref.at[first], a_smem.at[first], b))

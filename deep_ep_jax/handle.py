@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 
 @jax.tree_util.register_dataclass
@@ -60,3 +61,12 @@ class ExpertLayout:
     @property
     def num_rows(self) -> int:
         return self.row_pair.shape[0]
+
+    def padded_group_sizes(self, alignment: int) -> jax.Array:
+        """int32 [L]: each group's rows up to the next group's start, the last
+        one rounded up to a multiple of `alignment` (the layout's): group sizes
+        for `grouped_matmul`, which takes groups back to back, all multiples of
+        the alignment. Pass `valid_sizes=self.group_sizes` with them, so that
+        the padding rows are left out. With alignment 1, the pairs per expert."""
+        last = -(-self.group_sizes[-1:] // alignment) * alignment
+        return jnp.concatenate([jnp.diff(self.group_offsets), last])

@@ -245,18 +245,6 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, **kwargs)
 
 
-def gemm_group_sizes(layout, alignment: int):
-    """Group sizes for grouped_matmul, which takes groups back to back: the
-    pairs of each expert (alignment 1), or with alignment > 1 each group up
-    to the next one's start (its padding rows are zeros) and the last one
-    rounded up too, so that every size is a multiple of the alignment
-    (grouped_matmul cuts the last group at the last row)."""
-    if alignment == 1:
-        return layout.group_sizes
-    last = -(-layout.group_sizes[-1:] // alignment) * alignment
-    return jnp.concatenate([jnp.diff(layout.group_offsets), last])
-
-
 def default_expert_alignment() -> int:
     """grouped_gemm.aligned_rows() (128) where grouped_matmul runs the Mosaic
     GPU kernels (a Hopper GPU): groups of whole row tiles take its
@@ -269,7 +257,7 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
                               alignment=alignment, num_rows=expert_rows)
-    expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, alignment), alignment,
+    expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
                               layout.group_sizes)
     return reduce(expert_y, recv_topk_weights, layout)
 
@@ -345,7 +333,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
             num_rows=expert_rows)
-        expert_y = swiglu_grouped(expert_x, w_in, w_out, gemm_group_sizes(layout, expert_alignment),
+        expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment),
                                   expert_alignment, layout.group_sizes)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
     recv_x, recv_idx, recv_weights, handle = dispatch(

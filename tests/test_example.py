@@ -329,9 +329,10 @@ def test_grouped_matches_ragged_dot_and_capacity(skewed):
         assert (np.asarray(g[0][num_valid:], np.float32) == 0).all()
 
 
-def test_gemm_group_sizes_are_whole_multiples():
-    """With alignment > 1 every group size handed to grouped_matmul is a
-    multiple of it, the last one too (what its aligned kernels need), and the
+def test_padded_group_sizes_are_whole_multiples():
+    """ExpertLayout.padded_group_sizes: with alignment > 1 every group size
+    handed to grouped_matmul is a multiple of it, the last one too (what its
+    aligned kernels need), each group starts where the layout put it, and the
     groups end within the rows; alignment 1 gives the pairs per expert."""
     num_rows, num_local = 40, 4
     x, idx, _ = _random_recv(40, num_rows, 33, num_local)
@@ -339,8 +340,9 @@ def test_gemm_group_sizes_are_whole_multiples():
         rows = default_num_rows(num_rows, K, num_local, alignment)
         _, layout = ml.expand(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), num_local_experts=num_local,
                               alignment=alignment, num_rows=rows, backend="xla")
-        sizes = np.asarray(ml.gemm_group_sizes(layout, alignment))
+        sizes = np.asarray(layout.padded_group_sizes(alignment))
         assert (sizes % alignment == 0).all() and sizes.sum() <= rows, (alignment, sizes, rows)
+        np.testing.assert_array_equal(np.cumsum(sizes) - sizes, np.asarray(layout.group_offsets))
         assert (sizes >= np.asarray(layout.group_sizes)).all(), (alignment, sizes)
         if alignment == 1:
             np.testing.assert_array_equal(sizes, np.bincount(idx[idx >= 0], minlength=num_local))

@@ -157,12 +157,17 @@ __device__ __forceinline__ uint32_t RankBits(const NotifyArgs& a, int num_ranks,
 }
 
 // Bit l: token t has a row (a handle row in range) at host_ranks[l], the
-// ranks of one host by index (cached dispatch and combine).
+// ranks of one host by index (cached dispatch and combine). With `rows`,
+// also each rank's row there (-1 where none): a combine list entry's.
 __device__ __forceinline__ uint32_t HostRanksHolding(const NotifyArgs& a, int num_ranks, const int* host_ranks, int G,
-                                                     int t) {
+                                                     int t, int* rows = nullptr) {
   const int* pos = a.cached_send_pos + int64_t(t) * num_ranks;
   uint32_t mask = 0;
-  for (int l = 0; l < G; ++l) mask |= uint32_t(HandleRow(pos[host_ranks[l]], a.num_worst_tokens) >= 0) << l;
+  for (int l = 0; l < G; ++l) {
+    const int row = HandleRow(pos[host_ranks[l]], a.num_worst_tokens);
+    if (rows != nullptr) rows[l] = row;
+    mask |= uint32_t(row >= 0) << l;
+  }
   return mask;
 }
 
@@ -344,16 +349,8 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
           } else if (in) {
             int* entry = (b == g.node ? combine_recv_meta : combine_send_meta) +
                          (size_t(b) * a.num_tokens + offset[j]) * L.combine_meta_ints;
-            // Its row at each of the host's ranks, and the mask of those holding one (as HostRanksHolding).
-            const int* pos = a.cached_send_pos + int64_t(t) * R;
-            uint32_t mask = 0;
-            for (int l = 0; l < G; ++l) {
-              const int row = HandleRow(pos[rank_at[b * G + l]], a.num_worst_tokens);
-              entry[kCombineMetaRows + l] = row;
-              mask |= uint32_t(row >= 0) << l;
-            }
             entry[kCombineMetaToken] = t;
-            entry[kCombineMetaMask] = int(mask);
+            entry[kCombineMetaMask] = int(HostRanksHolding(a, R, rank_at + b * G, G, t, entry + kCombineMetaRows));
           }
           offset[j] += in;
         }

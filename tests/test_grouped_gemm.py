@@ -414,18 +414,14 @@ def test_half_tiles_lower(gpu_core_count):
         assert mosaic_calls(lowered) == 3
 
 
-def test_tile_rows_of_half_tiles():
+def test_tile_rows_of_half_tiles(monkeypatch):
     """The valid rows per row tile that grouped_matmul gives rows_matmul with half_tiles."""
     sizes, valid = jnp.array([256, 0, 128, 128]), jnp.array([150, 0, 128, 1])
     calls = []
-    original = hopper_gemm.rows_matmul
-    try:
-        hopper_gemm.rows_matmul = lambda x, w, groups, tiles, **kw: calls.append((groups, kw["tile_rows"])) or x
-        tiles = hopper_gemm.HopperTiles(half_tiles=True)
-        gg._rows_matmul(jnp.zeros((640, 8)), None, sizes, valid, tiles)
-    finally:
-        hopper_gemm.rows_matmul = original
-    groups, tile_rows = calls[0]
+    monkeypatch.setattr(hopper_gemm, "rows_matmul",
+                        lambda x, w, groups, tiles, **kw: calls.append((groups, kw["tile_rows"])) or x)
+    gg._rows_matmul(jnp.zeros((640, 8)), None, sizes, valid, hopper_gemm.HopperTiles(half_tiles=True))
+    [(groups, tile_rows)] = calls
     assert groups.tolist() == [0, 0, 2, 3, -1]
     assert tile_rows.tolist() == [128, 22, 128, 1, 0]
 

@@ -13,9 +13,8 @@ forward and input gradient's tile_m, the weight gradient's tile_k); the SwiGLU's
 (K, N = 7168, 4096 and 2048, 7168) summed per kernel. Each group holds its
 pairs, then zero rows up to its aligned size, and the kernels are called as
 grouped_matmul calls them with valid_sizes (the pairs): the weight gradient
-reads a group's rows up to the row step that covers its pairs, and half_tiles
-configurations multiply half of a group's last tile where its pairs end in
-that half. Useful TFLOP/s count the routed pairs only.
+reads a group's rows up to the row step that covers its pairs. Useful TFLOP/s
+count the routed pairs only.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def call(kernel, t, a, b, sizes, counts):
         s, c = jnp.asarray(sizes, jnp.int32), jnp.asarray(counts, jnp.int32)
         starts, steps = jnp.cumsum(s) - s, -(-c // t.tile_k)
     if kernel != "weight_grad":  # rows_matmul through the wrapper's helper (its few index ops are timed)
-        return gg._rows_matmul(a, b, s, c, t, transpose_rhs=kernel == "input_grad")
+        return gg._rows_matmul(a, b, s, t, transpose_rhs=kernel == "input_grad")
     return hg.weight_grad(a, b, starts, steps, t)
 
 
@@ -159,8 +158,6 @@ CONFIGS = {
                                                                      grid_tile_width=4)]
     + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
        for w, c in [(4, False), (8, True)]]
-    # A group's last tile multiplies only its first half where its pairs end there (valid_sizes)
-    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4, half_tiles=True)]
     # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
     + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
     + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)],

@@ -295,17 +295,17 @@ def _grouped_matmul(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_s
     past the groups) hold anything: the caller masks them, so dy is 0 there.
     x, w and the sizes vary over the same shard_map axes. assume_aligned: the
     caller promised aligned sizes (grouped_matmul makes y NaN where they are not)."""
-    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes)
+    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes)
 
 
 def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes):
-    y = _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes)
+    y = _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes)
     return y, (x, w, group_sizes, valid_sizes)
 
 
 def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
     x, w, group_sizes, valid_sizes = residuals
-    dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes)
+    dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes)
     dx = jnp.where(_valid_rows(x.shape[0], group_sizes, valid_sizes)[:, None], dx, jnp.zeros((), dx.dtype))
     dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
@@ -335,32 +335,25 @@ def _tile_groups(group_sizes, num_rows, tile_m):
     return jnp.where(starts < ends[-1], groups, -1)
 
 
-def _rows_matmul(x, w, group_sizes, valid_sizes, tiles, transpose_rhs=False):
-    """hopper_gemm.rows_matmul on aligned groups; with tiles.half_tiles (and valid_sizes) a tile
-    whose group's valid rows end in its first half multiplies that half only."""
+def _rows_matmul(x, w, group_sizes, tiles, transpose_rhs=False):
+    """hopper_gemm.rows_matmul on aligned groups."""
     groups = _tile_groups(group_sizes, x.shape[0], tiles.tile_m)
-    tile_rows = None
-    if tiles.half_tiles and valid_sizes is not None:
-        g = jnp.maximum(groups, 0)
-        valid_end = jnp.cumsum(group_sizes)[g] - group_sizes[g] + valid_sizes[g]
-        tile_start = jnp.arange(groups.shape[0], dtype=jnp.int32) * tiles.tile_m
-        tile_rows = jnp.clip(valid_end - tile_start, 0, tiles.tile_m)
-    return hopper_gemm.rows_matmul(x, w, groups, tiles, transpose_rhs=transpose_rhs, tile_rows=tile_rows)
+    return hopper_gemm.rows_matmul(x, w, groups, tiles, transpose_rhs=transpose_rhs)
 
 
-def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes=None):
+def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes):
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         y = _aligned_or_row_tiled(
             blocks, assume_aligned, x.shape[1], w.shape[2], group_sizes,
-            lambda: _rows_matmul(x, w, group_sizes, valid_sizes, blocks.aligned.forward),
+            lambda: _rows_matmul(x, w, group_sizes, blocks.aligned.forward),
             lambda: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward)))
         return _vary_over(y, _vma(x))  # typed unvarying by the kernel (jax 0.10)
     return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes=None):
+def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes):
     """dx [M, K] = dy [M, N] @ w[g]^T, without materializing w^T."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -368,7 +361,7 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
         # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
         return _aligned_or_row_tiled(
             blocks, assume_aligned, w.shape[1], w.shape[2], group_sizes,
-            lambda: _rows_matmul(dy, w, group_sizes, valid_sizes, blocks.aligned.input_grad, transpose_rhs=True),
+            lambda: _rows_matmul(dy, w, group_sizes, blocks.aligned.input_grad, transpose_rhs=True),
             lambda: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
                                                **dataclasses.asdict(blocks.input_grad)))
     dims = lax.RaggedDotDimensionNumbers(

@@ -7,12 +7,11 @@ every row tile belongs to one group, so a tile is a plain matmul against its
 group's weights: no tile is computed twice at a group boundary, and no row
 mask is needed. These kernels use that:
 
-    rows_matmul(x, w, tile_group, tiles, tile_rows=None)      # y = x @ w[g]  (and dx = dy @ w[g]^T)
+    rows_matmul(x, w, tile_group, tiles)      # y = x @ w[g]  (and dx = dy @ w[g]^T)
     weight_grad(x, dy, group_starts, group_steps, tiles)      # dw[g] = x_g^T dy_g
 
-A group's padding rows can be left out: weight_grad takes each group's row
-steps (up to the step that covers its data), and rows_matmul with
-`half_tiles` multiplies only the first half of a tile whose data ends there.
+A group's padding rows can be left out of the weight gradient: weight_grad
+takes each group's row steps (up to the step that covers its data).
 
 Each CTA runs a memory warpgroup (TMA loads into a ring of shared-memory
 stages) and two compute warpgroups (WGMMA into float32 accumulators) that
@@ -58,9 +57,6 @@ class HopperTiles:
     # steps are a multiple of max_concurrent_steps (else it is off). weight_grad (without cluster_n):
     # one ring of stages over every row step of the CTA's tiles.
     steady_pipeline: bool = False
-    # rows_matmul given tile_rows: a tile with at most tile_m / 2 rows that hold data multiplies only its
-    # first half (a group's last tile, when its valid rows end there).
-    half_tiles: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
 
@@ -144,15 +140,12 @@ def _kernel(body, out_shape, dtype, t: HopperTiles):
     )
 
 
-def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False, tile_rows=None):
+def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False):
     """out[r] = x[r] @ w[g] for the rows r of row tile i, g = tile_group[i]
     (tiles with g < 0 are skipped and left unwritten).
 
     x [M, K]; w [G, K, N], or [G, N, K] with transpose_rhs (out = x @ w[g]^T,
-    the input gradient); tile_group int32 [M // tile_m]. tile_rows (int32
-    [M // tile_m], optional): the rows at the start of each tile that hold
-    data; a tile with at most tile_m / 2 of them multiplies its first half
-    only (its other rows come out zero)."""
+    the input gradient); tile_group int32 [M // tile_m]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -186,9 +179,8 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
         )
 
     def body(tile_group_gmem, *refs):
-        # With steady: the count of row tiles that hold groups; with tile_rows: tile_rows; then x, w, out.
-        *extra, x_gmem, w_gmem, out_gmem = refs
-        num_row_tiles_gmem = extra[:1] if steady else ()
+        # With steady: the count of row tiles that hold groups; then x, w, out.
+        *num_row_tiles_gmem, x_gmem, w_gmem, out_gmem = refs
         ignore = lambda *_, **__: None
 
         @functools.partial(pl.run_scoped,
@@ -208,16 +200,9 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                 compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
                                                          out_gmem.at[rows, cols].at[:, wg_cols])
 
-                half = None if tile_rows is None else extra[-1][mi] <= t.tile_m // 2  # read once per tile
-
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
-                    if half is None:
-                        plgpu.wgmma(acc_ref, a_smem, b)
-                    else:
-                        pl.when(~half)(lambda: plgpu.wgmma(acc_ref, a_smem, b))
-                        first = slice(0, t.tile_m // 2)
-                        pl.when(half)(lambda: plgpu.wgmma(acc_ref.at[first], a_smem.at[first], b))
+                    plgpu.wgmma(acc_ref, a_smem, b)
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
@@ -260,8 +245,7 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
 
     # The groups' tiles come first; their count is needed only for the steady walk.
     num_row_tiles = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),) if steady else ()
-    rows = () if tile_rows is None else (tile_rows.astype(jnp.int32),)
-    return _kernel(body, (m, n), x.dtype, t)(tile_group, *num_row_tiles, *rows, x, w)
+    return _kernel(body, (m, n), x.dtype, t)(tile_group, *num_row_tiles, x, w)
 
 
 def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):

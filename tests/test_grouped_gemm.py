@@ -393,39 +393,6 @@ def test_steady_pipeline_lowers(gpu_core_count):
     assert mosaic_calls(jax.jit(dw).trace(x, dy, sizes).lower(lowering_platforms=("cuda",))) == 1
 
 
-def test_half_tiles_lower(gpu_core_count):
-    """HopperTiles.half_tiles with valid_sizes: the forward and input gradient
-    take each tile's valid rows (and multiply a half tile's first half only);
-    lowers for CUDA, tile by tile and as a pipeline of pipelines."""
-    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
-    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
-    for steady in (False, True):
-        half = hopper_gemm.HopperTiles(128, 128, 64, 4, grid_minor_n=False, half_tiles=True, steady_pipeline=steady)
-        aligned = gg.AlignedTiles(half, half, gg.DEFAULT_ALIGNED_TILES.weight_grad)
-        blocks = dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=aligned)
-
-        def loss(x, w, sizes, blocks=blocks):
-            y = grouped_matmul(x, w, sizes, impl="mgpu", block_sizes=blocks, aligned_groups=True,
-                               valid_sizes=sizes - 40)
-            return jnp.sum(y.astype(jnp.float32) ** 2)
-
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
-        assert mosaic_calls(lowered) == 3
-
-
-def test_tile_rows_of_half_tiles(monkeypatch):
-    """The valid rows per row tile that grouped_matmul gives rows_matmul with half_tiles."""
-    sizes, valid = jnp.array([256, 0, 128, 128]), jnp.array([150, 0, 128, 1])
-    calls = []
-    monkeypatch.setattr(hopper_gemm, "rows_matmul",
-                        lambda x, w, groups, tiles, **kw: calls.append((groups, kw["tile_rows"])) or x)
-    gg._rows_matmul(jnp.zeros((640, 8)), None, sizes, valid, hopper_gemm.HopperTiles(half_tiles=True))
-    [(groups, tile_rows)] = calls
-    assert groups.tolist() == [0, 0, 2, 3, -1]
-    assert tile_rows.tolist() == [128, 22, 128, 1, 0]
-
-
 def test_mgpu_path_lowers_under_shard_map(gpu_core_count):
     """The same under shard_map with check_vma: the kernels' outputs get the right types."""
     mesh = jax.sharding.AbstractMesh((2,), ("ep",), (jax.sharding.AxisType.Auto,))

@@ -200,16 +200,13 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
 
 
-@pytest.mark.parametrize("half_tiles", [False, True], ids=["whole_tiles", "half_tiles"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_valid_sizes_leave_out_padding_rows(kind, half_tiles):
+def test_valid_sizes_leave_out_padding_rows(kind):
     """The expert-major layout's case: groups rounded up to gg.aligned_rows(),
     valid_sizes their pairs. Junk (1e3) on every padding row of x and dy,
     inside the groups and past them; y and dx must be exactly zero there, and
     y, dx and dw equal the per-group dots of the pair rows alone (the weight
-    gradient's kernel stops at the row step that covers a group's pairs; with
-    HopperTiles.half_tiles the forward and input gradient multiply half of a
-    group's last tile where its pairs end in that half)."""
+    gradient's kernel stops at the row step that covers a group's pairs)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
@@ -222,17 +219,12 @@ def test_valid_sizes_leave_out_padding_rows(kind, half_tiles):
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     junk = jnp.asarray(~pair_rows)[:, None]
     x_junk, dy_junk = (jnp.where(junk, jnp.asarray(1e3, a.dtype), a) for a in (x, dy))
-    what = f"valid_sizes, {kind}, half_tiles={half_tiles} (seed {seed}, {int(counts.sum())} pairs in " \
+    what = f"valid_sizes, {kind} (seed {seed}, {int(counts.sum())} pairs in " \
            f"{int(sizes.sum())} rows)"
-    tiles = gg.DEFAULT_ALIGNED_TILES
-    if half_tiles:
-        tiles = dataclasses.replace(tiles, forward=dataclasses.replace(tiles.forward, half_tiles=True),
-                                    input_grad=dataclasses.replace(tiles.input_grad, half_tiles=True))
-    blocks = dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=tiles)
 
     @jax.jit
     def run(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes), impl="mgpu", block_sizes=blocks,
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes), impl="mgpu",
                                                      aligned_groups=True, valid_sizes=jnp.asarray(counts)), x, w)
         return (y, *vjp(dy))
 

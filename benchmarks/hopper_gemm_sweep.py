@@ -160,13 +160,17 @@ CONFIGS = {
        for w, c in [(4, False), (8, True)]]
     # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
     + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
-    + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)],
+    + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)]
+    + [T(128, 128, 64, 3, grid_minor_n=False, grid_tile_width=4, epi_tile_m=128, epi_tile_n=128)],
     "weight_grad": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(4, False), (8, False), (4, True)]]
     + [T(128, 128, 128, 2, grid_tile_width=4), T(128, 128, 64, 3, grid_tile_width=4),
        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8)]
     # A CTA's tiles as one pipeline (the next tile's loads overlap this one's products and stores); tile_k 32
     # is refused there (the transposed x tile's wgmma takes K steps of 64)
-    + [T(128, 128, 64, s, grid_tile_width=w, steady_pipeline=True) for s, w in [(4, 4), (3, 4), (4, 8)]],
+    + [T(128, 128, 64, s, grid_tile_width=w, steady_pipeline=True) for s, w in [(4, 4), (3, 4), (4, 8), (3, 8)]]
+    # The epilogue in fewer, larger stores (3 stages leave room for them)
+    + [T(128, 128, 64, 3, grid_tile_width=w, steady_pipeline=True, epi_tile_m=em, epi_tile_n=128)
+       for w, em in [(8, 128), (4, 128), (8, 64)]],
 }
 CONFIGS["input_grad"] = CONFIGS["forward"]
 

@@ -78,8 +78,10 @@ class AlignedTiles:
 DEFAULT_ALIGNED_TILES = AlignedTiles(
     forward=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
     input_grad=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
-    # A CTA's tiles as one pipeline: 5% faster than a pipeline per tile at 128-row groups, 8% at 64.
-    weight_grad=HopperTiles(128, 128, 64, 4, grid_tile_width=8, steady_pipeline=True),
+    # A CTA's tiles as one pipeline (5% faster than a pipeline per tile), each warpgroup's tile stored
+    # at once (6% faster than in 64 x 64 pieces: a tile has only a few row steps to hide its stores).
+    weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True,
+                            epi_tile_m=128, epi_tile_n=128),
 )
 
 

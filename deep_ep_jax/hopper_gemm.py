@@ -7,8 +7,8 @@ every row tile belongs to one group, so a tile is a plain matmul against its
 group's weights: no tile is computed twice at a group boundary, and no row
 mask is needed. These kernels use that:
 
-    rows_matmul(x, w, tile_group, tiles)      # y = x @ w[g]  (and dx = dy @ w[g]^T)
-    weight_grad(x, dy, group_starts, group_steps, tiles)      # dw[g] = x_g^T dy_g
+    rows_matmul(x, w, tile_group, tiles)                  # y = x @ w[g]  (and dx = dy @ w[g]^T)
+    weight_grad(x, dy, group_starts, group_steps, tiles)  # dw[g] = x_g^T dy_g
 
 A group's padding rows can be left out of the weight gradient: weight_grad
 takes each group's row steps (up to the step that covers its data).

@@ -61,6 +61,9 @@ class HopperTiles:
     # reads at each tile's start, are copied into shared memory once (a global load per tile
     # otherwise; up to 256 groups).
     group_table_smem: bool = False
+    # weight_grad with steady_pipeline: a row step's stage is released after the next step's WGMMAs
+    # are issued (wgmma_wait(1)), so the tensor cores run on across step boundaries.
+    release_late: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
 
@@ -427,15 +430,25 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
                     def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
+                        def release(count):
+                            plgpu.barrier_arrive(consumed.at[lax.rem(count, stages)])
+
                         def step(s, count):
                             slot = lax.rem(count, stages)
                             plgpu.barrier_wait(loaded.at[slot])
                             plgpu.wgmma(acc_ref, a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols])
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[slot])
+                            if t.release_late:  # the previous step's products are done: release its stage
+                                plgpu.wgmma_wait(1)
+                                pl.when(s > 0)(lambda: release(count - 1))
+                            else:
+                                plgpu.wgmma_wait(0)
+                                release(count)
                             return count + 1
 
                         count = lax.fori_loop(0, steps, step, carry)
+                        if t.release_late:  # the tile's last stage
+                            plgpu.wgmma_wait(0)
+                            pl.when(count > carry)(lambda: release(count - 1))
                         _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], acc_ref[...])
                         return count
 

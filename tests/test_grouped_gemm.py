@@ -384,10 +384,12 @@ def test_steady_pipeline_lowers(gpu_core_count):
 
             assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
     # weight_grad: one ring of stages over every row step of a CTA's tiles; the group table in shared
-    # memory (5 groups: padded to whole 16-byte rows; 300: over a TMA row, read from global memory)
+    # memory (5 groups: padded to whole 16-byte rows; 300: over a TMA row, read from global memory);
+    # stages released a step late
     dy = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
-    for table_smem, num_groups in [(False, 4), (True, 5), (True, 300)]:
-        tiles = hopper_gemm.HopperTiles(128, 128, 64, 4, steady_pipeline=True, group_table_smem=table_smem)
+    for table_smem, num_groups, late in [(False, 4, False), (True, 5, True), (True, 300, False)]:
+        tiles = hopper_gemm.HopperTiles(128, 128, 64, 4, steady_pipeline=True, group_table_smem=table_smem,
+                                        release_late=late)
         sizes = jax.ShapeDtypeStruct((num_groups,), jnp.int32)
 
         def dw(x, dy, sizes, tiles=tiles):

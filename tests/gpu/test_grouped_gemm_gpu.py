@@ -239,7 +239,7 @@ def test_valid_sizes_leave_out_padding_rows(kind):
         assert not bool(jnp.any(jnp.where(junk, g, 0))), f"{what}: {name} is not zero on padding rows"
 
 
-@pytest.mark.parametrize("variant", ["defaults", "steady_pipeline", "group_table_smem"])
+@pytest.mark.parametrize("variant", ["defaults", "steady_pipeline", "weight_grad_options"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 def test_aligned_kernels_directly(kind, variant):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
@@ -247,7 +247,8 @@ def test_aligned_kernels_directly(kind, variant):
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
     pipelines in rows_matmul, one ring over every row step in weight_grad),
-    and with weight_grad's group table in shared memory."""
+    and with weight_grad's options (group table in shared memory, stages
+    released late)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
@@ -255,8 +256,9 @@ def test_aligned_kernels_directly(kind, variant):
     if variant == "steady_pipeline":
         tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
                                   for f in dataclasses.fields(tiles)))
-    if variant == "group_table_smem":
-        tiles = dataclasses.replace(tiles, weight_grad=dataclasses.replace(tiles.weight_grad, group_table_smem=True))
+    if variant == "weight_grad_options":
+        tiles = dataclasses.replace(tiles, weight_grad=dataclasses.replace(tiles.weight_grad, group_table_smem=True,
+                                                                           release_late=True))
     align = gg.aligned_rows()
     sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
     total = int(sizes.sum())

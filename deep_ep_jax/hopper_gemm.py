@@ -357,14 +357,19 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
     stages = t.max_concurrent_steps
     compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
 
-    # Row 0: each group's first row; row 1: its row steps. A TMA copy takes whole 16-byte rows of at
-    # most 256 elements.
+    # With group_table_smem, one table for one copy: row 0 each group's first row, row 1 its row steps.
+    # A TMA copy takes whole 16-byte rows of at most 256 elements.
     table_cols = -(-g // 4) * 4
     in_smem = t.group_table_smem and table_cols <= 256
-    table = jnp.zeros((2, table_cols), jnp.int32).at[:, :g].set(
-        jnp.stack([group_starts, group_steps]).astype(jnp.int32))
+    if in_smem:
+        groups = (jnp.zeros((2, table_cols), jnp.int32).at[:, :g].set(
+            jnp.stack([group_starts, group_steps]).astype(jnp.int32)),)
+    else:
+        groups = (group_starts, group_steps)
 
-    def body(table_gmem, x_gmem, dy_gmem, out_gmem):
+    def body(*refs):
+        *groups_gmem, x_gmem, dy_gmem, out_gmem = refs  # groups: (starts, steps), or the table
+
         @functools.partial(
             pl.run_scoped,
             a_smem=plgpu.SMEM((stages, t.tile_k, t.tile_m), x.dtype, transforms=_transforms(plgpu, t.tile_m, x.dtype)),
@@ -377,20 +382,21 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
             collective_axes="wg")
         def _scope(a_smem, b_smem, loaded, consumed, out_smem, table_smem, table_loaded):
             wg = lax.axis_index("wg")
-            groups = table_gmem
             if in_smem:
                 @pl.when(wg == 2)
                 def _():
-                    plgpu.copy_gmem_to_smem(table_gmem, table_smem, table_loaded)
+                    plgpu.copy_gmem_to_smem(groups_gmem[0], table_smem, table_loaded)
 
                 plgpu.barrier_wait(table_loaded)
-                groups = table_smem
+                starts, steps_of = table_smem.at[0], table_smem.at[1]
+            else:
+                starts, steps_of = groups_gmem
 
             def tile(info):
                 """(group, K rows, CTA columns, row steps, first row) of this loop step's tile."""
                 gi, lin = info.index
                 mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
-                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), groups[1, gi], groups[0, gi]
+                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), steps_of[gi], starts[gi]
 
             def walk(per_tile):
                 """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
@@ -458,4 +464,4 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(table, x, dy)
+    return _kernel(body, (g, k, n), x.dtype, t)(*groups, x, dy)

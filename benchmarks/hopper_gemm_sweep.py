@@ -170,11 +170,7 @@ CONFIGS = {
     + [T(128, 128, 64, s, grid_tile_width=w, steady_pipeline=True) for s, w in [(4, 4), (3, 4), (4, 8), (3, 8)]]
     # The epilogue in fewer, larger stores (3 stages leave room for them)
     + [T(128, 128, 64, 3, grid_tile_width=w, steady_pipeline=True, epi_tile_m=em, epi_tile_n=128)
-       for w, em in [(8, 128), (4, 128), (8, 64)]]
-    # The groups' first rows and row steps read from shared memory, not global memory, at each tile;
-    # a stage released after the next step's WGMMAs are issued
-    + [T(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128,
-         group_table_smem=table, release_late=late) for table, late in [(True, False), (False, True), (True, True)]],
+       for w, em in [(8, 128), (4, 128), (8, 64)]],
 }
 CONFIGS["input_grad"] = CONFIGS["forward"]
 

@@ -57,13 +57,6 @@ class HopperTiles:
     # steps are a multiple of max_concurrent_steps (else it is off). weight_grad (without cluster_n):
     # one ring of stages over every row step of the CTA's tiles.
     steady_pipeline: bool = False
-    # weight_grad with steady_pipeline: the groups' first rows and row steps, which every warpgroup
-    # reads at each tile's start, are copied into shared memory once (a global load per tile
-    # otherwise; up to 256 groups).
-    group_table_smem: bool = False
-    # weight_grad with steady_pipeline: a row step's stage is released after the next step's WGMMAs
-    # are issued (wgmma_wait(1)), so the tensor cores run on across step boundaries.
-    release_late: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
 
@@ -357,19 +350,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
     stages = t.max_concurrent_steps
     compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
 
-    # With group_table_smem, one table for one copy: row 0 each group's first row, row 1 its row steps.
-    # A TMA copy takes whole 16-byte rows of at most 256 elements.
-    table_cols = -(-g // 4) * 4
-    in_smem = t.group_table_smem and table_cols <= 256
-    if in_smem:
-        groups = (jnp.zeros((2, table_cols), jnp.int32).at[:, :g].set(
-            jnp.stack([group_starts, group_steps]).astype(jnp.int32)),)
-    else:
-        groups = (group_starts, group_steps)
-
-    def body(*refs):
-        *groups_gmem, x_gmem, dy_gmem, out_gmem = refs  # groups: (starts, steps), or the table
-
+    def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
         @functools.partial(
             pl.run_scoped,
             a_smem=plgpu.SMEM((stages, t.tile_k, t.tile_m), x.dtype, transforms=_transforms(plgpu, t.tile_m, x.dtype)),
@@ -377,26 +358,15 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
             loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both copies of a stage landed
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups are done with it
             out_smem=_out_smem(plgpu, t, x.dtype),
-            table_smem=plgpu.SMEM((2, table_cols), jnp.int32) if in_smem else None,
-            table_loaded=plgpu.Barrier() if in_smem else None,
             collective_axes="wg")
-        def _scope(a_smem, b_smem, loaded, consumed, out_smem, table_smem, table_loaded):
+        def _scope(a_smem, b_smem, loaded, consumed, out_smem):
             wg = lax.axis_index("wg")
-            if in_smem:
-                @pl.when(wg == 2)
-                def _():
-                    plgpu.copy_gmem_to_smem(groups_gmem[0], table_smem, table_loaded)
-
-                plgpu.barrier_wait(table_loaded)
-                starts, steps_of = table_smem.at[0], table_smem.at[1]
-            else:
-                starts, steps_of = groups_gmem
 
             def tile(info):
                 """(group, K rows, CTA columns, row steps, first row) of this loop step's tile."""
                 gi, lin = info.index
                 mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
-                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), steps_of[gi], starts[gi]
+                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), steps_gmem[gi], starts_gmem[gi]
 
             def walk(per_tile):
                 """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
@@ -436,25 +406,15 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
                     def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
-                        def release(count):
-                            plgpu.barrier_arrive(consumed.at[lax.rem(count, stages)])
-
                         def step(s, count):
                             slot = lax.rem(count, stages)
                             plgpu.barrier_wait(loaded.at[slot])
                             plgpu.wgmma(acc_ref, a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols])
-                            if t.release_late:  # the previous step's products are done: release its stage
-                                plgpu.wgmma_wait(1)
-                                pl.when(s > 0)(lambda: release(count - 1))
-                            else:
-                                plgpu.wgmma_wait(0)
-                                release(count)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[slot])
                             return count + 1
 
                         count = lax.fori_loop(0, steps, step, carry)
-                        if t.release_late:  # the tile's last stage
-                            plgpu.wgmma_wait(0)
-                            pl.when(count > carry)(lambda: release(count - 1))
                         _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], acc_ref[...])
                         return count
 
@@ -464,4 +424,4 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(*groups, x, dy)
+    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, x, dy)

@@ -239,26 +239,21 @@ def test_valid_sizes_leave_out_padding_rows(kind):
         assert not bool(jnp.any(jnp.where(junk, g, 0))), f"{what}: {name} is not zero on padding rows"
 
 
-@pytest.mark.parametrize("variant", ["defaults", "steady_pipeline", "weight_grad_options"])
+@pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_aligned_kernels_directly(kind, variant):
+def test_aligned_kernels_directly(kind, steady):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
-    pipelines in rows_matmul, one ring over every row step in weight_grad),
-    and with weight_grad's options (group table in shared memory, stages
-    released late)."""
+    pipelines in rows_matmul, one ring over every row step in weight_grad)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
-    if variant == "steady_pipeline":
+    if steady:
         tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
                                   for f in dataclasses.fields(tiles)))
-    if variant == "weight_grad_options":
-        tiles = dataclasses.replace(tiles, weight_grad=dataclasses.replace(tiles.weight_grad, group_table_smem=True,
-                                                                           release_late=True))
     align = gg.aligned_rows()
     sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
     total = int(sizes.sum())
@@ -273,7 +268,7 @@ def test_aligned_kernels_directly(kind, variant):
     dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
                                                        jsizes // tiles.weight_grad.tile_k, tiles.weight_grad))(x, dy)
     want = per_group_reference(x, w, sizes, dy)
-    what = f"aligned kernels, {kind}, {variant} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
+    what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
     for name, g, r in zip(("y", "dx", "dw"), (y[:total], dx[:total], dw), (want[0][:total], want[1][:total], want[2])):
         assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
         err = float(excess_error(g, r))

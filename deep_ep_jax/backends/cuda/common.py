@@ -48,11 +48,14 @@ class FfiTarget:
 
     An `ordered` target communicates: it takes its Buffer's order state first
     and returns it last, aliased (`deep_ep_jax.ordering`), so XLA runs the
-    Buffer's calls one after another in program order."""
+    Buffer's calls one after another in program order, and never merges two.
+    No target carries a JAX effect (`has_side_effect`): an effect takes a
+    jitted step off jit's C++ dispatch path (about 1 ms of Python per call,
+    most of a decode step's host time). Like any pure op, a call whose results
+    nothing uses may be dropped, on every rank alike (all run one program)."""
 
     name: str
     results: tuple
-    has_side_effect: bool = False
     vmap_method: str | None = None
     ordered: bool = True
 
@@ -72,8 +75,7 @@ class FfiTarget:
             args = (ordering.take(buffer),) + args
             types += (jax.ShapeDtypeStruct((1,), jnp.int32),)
             aliases = {0: len(types) - 1}
-        call = jax.ffi.ffi_call(self.name, types, has_side_effect=self.has_side_effect,
-                                vmap_method=self.vmap_method, input_output_aliases=aliases)
+        call = jax.ffi.ffi_call(self.name, types, vmap_method=self.vmap_method, input_output_aliases=aliases)
         results = _varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))
         outputs = dict(zip(self.all_results, results))
         if self.ordered:

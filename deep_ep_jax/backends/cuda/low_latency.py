@@ -6,8 +6,10 @@
 `low_latency_combine`, both halves in one kernel. A send returns a pending
 value holding a token (int32 [1], the operation's sequence number on the
 buffer) that the matching recv takes, so XLA keeps them in order and may
-schedule other work in between. All are side-effecting custom calls: XLA
-neither drops nor merges them.
+schedule other work in between. As every call of a Buffer, they are chained
+by its order state and carry no JAX effect (`common.FfiTarget`): a recv whose
+results nothing uses may be dropped, leaving its send unanswered (the buffer's
+next sends then time out on the "freed" flag): receive what you send.
 
 Rules the kernels rely on (csrc/kernels/low_latency.h):
   * every rank runs the same sequence of low-latency operations on a buffer
@@ -41,16 +43,16 @@ _OUT = ("out",)
 
 def _targets(name, results):
     """A split half's target on XLA's stream and its overlapped flavour (beside it)."""
-    return (FfiTarget(f"deep_ep_jax_low_latency_{name}", results, has_side_effect=True),
-            FfiTarget(f"deep_ep_jax_low_latency_{name}_overlapped", results, has_side_effect=True))
+    return (FfiTarget(f"deep_ep_jax_low_latency_{name}", results),
+            FfiTarget(f"deep_ep_jax_low_latency_{name}_overlapped", results))
 
 
 DISPATCH_SEND = _targets("dispatch_send", _TOKEN)
 DISPATCH_RECV = _targets("dispatch_recv", _DISPATCH_RECV)
 COMBINE_SEND = _targets("combine_send", _TOKEN)
 COMBINE_RECV = _targets("combine_recv", _OUT)
-DISPATCH = FfiTarget("deep_ep_jax_low_latency_dispatch", _DISPATCH_RECV, has_side_effect=True)
-COMBINE = FfiTarget("deep_ep_jax_low_latency_combine", _OUT, has_side_effect=True)
+DISPATCH = FfiTarget("deep_ep_jax_low_latency_dispatch", _DISPATCH_RECV)
+COMBINE = FfiTarget("deep_ep_jax_low_latency_combine", _OUT)
 TARGETS = DISPATCH_SEND + DISPATCH_RECV + COMBINE_SEND + COMBINE_RECV + (DISPATCH, COMBINE)
 
 

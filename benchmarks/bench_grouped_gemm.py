@@ -8,6 +8,7 @@ all G groups).
     python benchmarks/bench_grouped_gemm.py            # the MoE benchmark's shapes, one rank
     python benchmarks/bench_grouped_gemm.py --sweep    # first, the block sizes of each kernel
     python benchmarks/bench_grouped_gemm.py --align 128 --json gemm.json
+    python benchmarks/bench_grouped_gemm.py --align 128 --impls mgpu --profile   # also: time by kernel
 
 Group sizes: random top-8 routing of 4096 tokens x 2 ranks over 256 experts,
 this rank's 128 experts (about 32768 pairs), each group rounded up to
@@ -47,7 +48,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import chain_seconds, environment, touch
+from timing import chain_seconds, environment, print_kernel_breakdown, touch
 
 from deep_ep_jax import grouped_gemm as gg
 
@@ -240,6 +241,8 @@ def main(argv=None):
     p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also print where a forward+backward step's device time goes, kernel by kernel")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
 
@@ -293,6 +296,11 @@ def main(argv=None):
                             "ms_p90": p90 * 1e3, "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist()})
             print(f"| {impl} | {name} | {p50 * 1e3:.3f} | {p10 * 1e3:.3f}-{p90 * 1e3:.3f} | "
                   f"{work / p50 / 1e12:.1f} |", flush=True)
+    if args.profile:
+        for impl in impls:
+            print_kernel_breakdown(f"{impl}, forward+backward", chain(forward_backward_step(impl, blocks, aligned),
+                                                                               args.chain),
+                                   (x, dy, w_in, w_out, sizes_dev, valid), args.chain)
     if len(outputs) == 2:
         print(f"\n# mgpu vs xla output: max error {float(relative_error(outputs['mgpu'], outputs['xla'])):.2e} "
               "of the largest value")

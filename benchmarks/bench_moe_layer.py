@@ -5,6 +5,7 @@ deep_ep_jax CUDA kernels against the same layer on the reference backend
     python benchmarks/bench_moe_layer.py                # DeepSeek-V3-like layer
     python benchmarks/bench_moe_layer.py --hidden 4096 --json moe_layer.json
     python benchmarks/bench_moe_layer.py --expert-impl capacity,grouped
+    python benchmarks/bench_moe_layer.py --expert-impl grouped --profile   # also: time by kernel
 
 The experts run with --expert-impl, one or a comma list timed in one run
 (e.g. capacity,grouped): "capacity" (batched matmuls over a padded
@@ -58,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
 import moe_layer as ml
+from timing import print_kernel_breakdown
 
 from deep_ep_jax import Buffer
 from deep_ep_jax.expert_major import default_num_rows
@@ -324,6 +326,8 @@ def main():
     p.add_argument("--backends", default="cuda,xla", help="comma list of cuda, xla")
     p.add_argument("--no-local", action="store_true", help="skip timing the experts without dispatch/combine")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also print where each layer's step goes on the first GPU, kernel by kernel")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     args.expert_alignment = args.expert_alignment or ml.default_expert_alignment()
@@ -398,6 +402,10 @@ def main():
                 "memory_gib": None if compiled[row][1] is None else compiled[row][1] / GiB,
                 "num_sms": buffers[row[1]].config.num_sms if row[1] == "cuda" else None,
             }
+            if args.profile:
+                router, w_in, w_out, x = inputs
+                print_kernel_breakdown(f"{row[1]} layer, {row[0]} experts", compiled[row][0], (x, router, w_in, w_out),
+                                       args.steps)
     finally:
         for buffer in buffers.values():
             buffer.destroy()

@@ -2,8 +2,8 @@
 
 `chain_seconds`: wall-clock seconds per operation from two jitted chains of n
 and 2n operations (docs/design.md section 3: the difference cancels the fixed host
-cost of a call). `kernel_events` / `kernel_durations`: kernels' times, read
-from a JAX profile (CUPTI) of one run; `span_per_op`: the device's time per
+cost of a call). `kernel_events` / `kernel_durations` / `kernel_breakdown` (and its printer):
+kernels' times, read from a JAX profile (CUPTI) of one run; `span_per_op`: the device's time per
 operation of a profiled chain. `environment`: what a result was measured on."""
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import numpy as np
 from jax import lax
 
 
-def kernel_events(run, args, patterns):
-    """{(gpu plane, pattern): [(start_ns, end_ns) of each kernel whose name contains pattern]},
-    from a JAX profile (CUPTI) of one run."""
+def _gpu_kernels(run, args):
+    """[(gpu plane, kernel name, start_ns, end_ns)] of one run, from a JAX profile (CUPTI)."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -28,23 +27,61 @@ def kernel_events(run, args, patterns):
             jax.block_until_ready(run(*args))
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
-            return {}
+            return []
         profile = ProfileData.from_file(paths[0])
+    return [(plane.name, event.name, event.start_ns, event.end_ns) for plane in profile.planes
+            if plane.name.startswith("/device:GPU:") for line in plane.lines for event in line.events]
+
+
+def kernel_events(run, args, patterns):
+    """{(gpu plane, pattern): [(start_ns, end_ns) of each kernel whose name contains pattern]},
+    from a JAX profile (CUPTI) of one run."""
     found = {}
-    for plane in profile.planes:
-        if not plane.name.startswith("/device:GPU:"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                for pattern in patterns:
-                    if pattern in event.name:
-                        found.setdefault((plane.name, pattern), []).append((event.start_ns, event.end_ns))
+    for plane, name, start, end in _gpu_kernels(run, args):
+        for pattern in patterns:
+            if pattern in name:
+                found.setdefault((plane, pattern), []).append((start, end))
     return found
+
+
+def kernel_breakdown(run, args, num_steps):
+    """Where one run's device time goes, per step of its num_steps: ({kernel name: (launches,
+    seconds)}, busy seconds, span seconds), over the first GPU; span runs from the first
+    kernel's start to the last one's end, so span - busy is the time between kernels."""
+    events = _gpu_kernels(run, args)
+    first = min((plane for plane, *_ in events), default=None)
+    events = [(name, start, end) for plane, name, start, end in events if plane == first]
+    if not events:
+        return {}, 0.0, 0.0
+    per_name = {}
+    for name, start, end in events:
+        launches, ns = per_name.get(name, (0, 0))
+        per_name[name] = (launches + 1, ns + end - start)
+    table = {name: (launches / num_steps, ns * 1e-9 / num_steps) for name, (launches, ns) in per_name.items()}
+    busy = sum(seconds for _, seconds in table.values())
+    span = (max(e for _, _, e in events) - min(s for _, s, _ in events)) * 1e-9 / num_steps
+    return table, busy, span
 
 
 def kernel_durations(run, args, patterns):
     """{(gpu plane, pattern): [seconds of each kernel whose name contains pattern]}."""
     return {key: [(end - start) * 1e-9 for start, end in v] for key, v in kernel_events(run, args, patterns).items()}
+
+
+def print_kernel_breakdown(title, run, args, num_steps, top=12):
+    """Prints kernel_breakdown's table: the `top` kernels by device time per step, then the rest."""
+    table, busy, span = kernel_breakdown(run, args, num_steps)
+    if not table:
+        print(f"\n# {title}: no GPU kernels in the profile")
+        return
+    print(f"\n{title}, device time per step (a profiled run of {num_steps} steps, first GPU): kernels busy "
+          f"{busy * 1e3:.3f} ms of a {span * 1e3:.3f} ms span\n\n| kernel | launches | ms | share |\n|---|---|---|---|")
+    ranked = sorted(table.items(), key=lambda item: -item[1][1])
+    for name, (launches, seconds) in ranked[:top]:
+        print(f"| {name[:70]} | {launches:g} | {seconds * 1e3:.3f} | {seconds / busy:.1%} |")
+    rest = sum(seconds for _, (_, seconds) in ranked[top:])
+    if rest:
+        print(f"| {len(ranked) - top} others | | {rest * 1e3:.3f} | {rest / busy:.1%} |")
 
 
 def span_per_op(events, num_ops):

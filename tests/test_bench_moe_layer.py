@@ -1,7 +1,8 @@
 """benchmarks/bench_moe_layer.py on 4 CPU devices at small shapes: several
 expert paths in one run, each beside the XLA-collectives layer and its
 experts alone, sizes from the true routing (nothing dropped), memory per
-device and the impl in every JSON row; too few expert rows are refused."""
+device and the impl in every JSON row (--profile runs, finding no GPU
+kernels); too few expert rows are refused."""
 
 import json
 import os
@@ -24,8 +25,9 @@ def _run(*extra):
 
 def test_capacity_and_grouped_in_one_run(tmp_path):
     out = tmp_path / "moe.json"
-    run = _run("--expert-impl", "capacity,grouped", "--json", str(out))
+    run = _run("--expert-impl", "capacity,grouped", "--json", str(out), "--profile")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.stdout.count("no GPU kernels in the profile") == 4, run.stdout  # a CPU run has no GPU plane
     assert re.search(r"grouped experts \(\d+ expert-major rows per rank, largest count \d+, nothing dropped\)",
                      run.stdout), run.stdout
     for impl in ("capacity", "grouped"):

@@ -50,8 +50,8 @@ class FfiTarget:
     and returns it last, aliased (`deep_ep_jax.ordering`), so XLA runs the
     Buffer's calls one after another in program order, and never merges two.
     No target carries a JAX effect (`has_side_effect`): an effect takes a
-    jitted step off jit's C++ dispatch path (0.4-0.9 ms of Python per call,
-    most of a decode step's host time). Like any pure op, a call whose results
+    jitted step off jit's C++ dispatch path (0.4-0.9 ms more of Python per
+    call of the decode example's step). Like any pure op, a call whose results
     nothing uses may be dropped, on every rank alike (all run one program)."""
 
     name: str

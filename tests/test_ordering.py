@@ -37,12 +37,16 @@ def _stand_in_cuda_buffer(buffer_id=7, **kwargs):
 _CUSTOM_CALL = re.compile(r"(%[\w]+)(?::(\d+))? = stablehlo\.custom_call @(\w+)\(([^)]*)\)(.*)")
 
 
+def _per_rank(fn, check_vma=False):
+    """fn jitted per rank over the stand-in Buffers' mesh."""
+    mesh = dt.ep_mesh(R, platform="cpu")
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=check_vma))
+
+
 def _calls(fn, *args, check_vma=False):
     """The Buffer calls of fn per rank, lowered (custom_vjp bodies inlined), in
     program order: [(target, first operand, last result, aliases)]."""
-    mesh = dt.ep_mesh(R, platform="cpu")
-    text = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=check_vma)).lower(
-        *args).as_text()
+    text = _per_rank(fn, check_vma).lower(*args).as_text()
     calls = []
     for line in text.splitlines():
         match = _CUSTOM_CALL.search(line)
@@ -146,8 +150,7 @@ def test_calls_carry_no_jax_effect():
         recv_n, _, _, h = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
         return out + dej.combine(recv_n, h, buffer=buffer)
 
-    mesh = dt.ep_mesh(R, platform="cpu")
-    jitted = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"), check_vma=False))
+    jitted = _per_rank(step)
     assert jitted.trace(x, idx, w).jaxpr.effects == set()
     text = jitted.lower(x, idx, w).as_text()
     assert text.count("stablehlo.custom_call @deep_ep_jax_") == 8, text

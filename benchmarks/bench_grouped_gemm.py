@@ -130,10 +130,11 @@ SWEEP_GRIDS = {
 def kernel_call(kernel, blocks, impl):
     """fn([(a, b, sizes)] of both matmuls) -> [one kernel's output of each]: a is the
     [M, *] operand the loop carries (x, or dy for the input gradient)."""
-    use_mgpu = impl == "mgpu"
-    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, False, x, w, sizes),
-           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, False, dy, w, sizes),
-           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, False, x, dy, sizes, sizes)}[kernel]
+    use_mgpu, unit = impl == "mgpu", jnp.ones((1,), jnp.float32)  # every row valid; scale 1
+    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, False, x, w, sizes, sizes, unit),
+           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, False, dy, w, sizes, sizes, unit),
+           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, False, x, dy, sizes, sizes,
+                                                               unit)}[kernel]
     return lambda operands: [one(*ops) for ops in operands]
 
 

@@ -42,6 +42,7 @@ from deep_ep_jax import hopper_gemm as hg
 
 ALIGN = 128
 T = hg.HopperTiles
+UNIT = np.ones((1,), np.float32)  # the kernels' scale: 1
 
 
 def call(kernel, t, a, b, sizes, counts):
@@ -52,8 +53,8 @@ def call(kernel, t, a, b, sizes, counts):
         s, c = jnp.asarray(sizes, jnp.int32), jnp.asarray(counts, jnp.int32)
         starts, steps = jnp.cumsum(s) - s, -(-c // t.tile_k)
     if kernel != "weight_grad":  # rows_matmul through the wrapper's helper (its few index ops are timed)
-        return gg._rows_matmul(a, b, s, t, transpose_rhs=kernel == "input_grad")
-    return hg.weight_grad(a, b, starts, steps, t)
+        return gg._rows_matmul(a, b, s, c, UNIT, t, transpose_rhs=kernel == "input_grad")
+    return hg.weight_grad(a, b, starts, steps, UNIT, t)
 
 
 def numpy_reference(kernel, a, b, sizes):
@@ -125,10 +126,10 @@ ROW_TILED = dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)  # JAX's row-ti
 def generic(kernel, a, b, sizes):
     s = jnp.asarray(sizes)
     if kernel == "forward":
-        return gg._forward(True, ROW_TILED, False, a, b, s)
+        return gg._forward(True, ROW_TILED, False, a, b, s, s, UNIT)
     if kernel == "input_grad":
-        return gg._input_grad(True, ROW_TILED, False, a, b, s)
-    return gg._weight_grad(True, ROW_TILED, False, a, b, s, s)
+        return gg._input_grad(True, ROW_TILED, False, a, b, s, s, UNIT)
+    return gg._weight_grad(True, ROW_TILED, False, a, b, s, s, UNIT)
 
 
 def time_fn(fn, ops, repeats):

@@ -18,9 +18,12 @@ take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
 `transposed_ragged_dot_mgpu` for dw), which compute a tile twice where it
 straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
 a ValueError where the shapes do not fit. Notes on the mgpu path:
-- The kernels leave rows past sum(group_sizes) unwritten: the wrapper masks
-  y and dx there (a select, fused by XLA into a neighbouring elementwise op
-  where there is one).
+- The warp-specialized kernels store the zeros of padding rows themselves
+  (no pass over y or dx); for dw a scatter zeroes the few rows of dy that
+  its kernel reads past a group's data (fewer than a row step per group).
+  JAX's row-tiled kernels leave rows past sum(group_sizes) unwritten: there
+  the wrapper masks y, dx and dy (a select, fused by XLA into a neighbouring
+  elementwise op where there is one).
 - The row-tiled kernels' cost follows M, not sum(group_sizes): tiles past
   the last group still run (and are thrown away); the warp-specialized ones
   skip them. Keep M near the worst case you need.
@@ -145,16 +148,12 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     valid_sizes = group_sizes if valid_sizes is None else jnp.clip(valid_sizes.astype(jnp.int32), 0, group_sizes)
     # One vma for all (shard_map): the custom_vjp's cotangents then match
     # their primals, and a weight replicated over the axis gets its gradient summed.
-    x, w, group_sizes, valid_sizes = _vary_together(x, w, group_sizes, valid_sizes)
+    # x 1, or x NaN where the promise is broken (y and the gradients are NaN then, never silently wrong).
+    scale = jnp.ones((1,), jnp.float32) if kept is None else jnp.where(kept, 1.0, jnp.nan).astype(jnp.float32)[None]
+    x, w, group_sizes, valid_sizes, scale = _vary_together(x, w, group_sizes, valid_sizes, scale)
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
-    y = _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes)[:num_rows]
-    # Outside the custom_vjp: its transpose also zeroes dy's padding rows.
-    y = jnp.where(_valid_rows(num_rows, group_sizes, valid_sizes)[:, None], y, jnp.zeros((), y.dtype))
-    if kept is None:
-        return y
-    # x 1, or x NaN where the promise is broken: through the product's transpose the gradients are NaN too.
-    return y * jnp.where(kept, 1.0, jnp.nan).astype(y.dtype)
+    return _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)[:num_rows]
 
 
 def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
@@ -292,27 +291,31 @@ def _valid_rows(num_rows, group_sizes, valid_sizes):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _grouped_matmul(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes):
-    """y = x @ w[g] per group; padding rows (past valid_sizes[g] in group g, or
-    past the groups) hold anything: the caller masks them, so dy is 0 there.
-    x, w and the sizes vary over the same shard_map axes. assume_aligned: the
-    caller promised aligned sizes (grouped_matmul makes y NaN where they are not)."""
-    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes)
+def _grouped_matmul(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale):
+    """y = scale * x @ w[g] per group, 0 (times scale) on padding rows (past
+    valid_sizes[g] in group g, or past the groups); the gradients likewise,
+    whatever dy holds on padding rows. scale: float32 [1], 1, or NaN where the
+    caller's promise of aligned sizes (assume_aligned) is broken. x, w, the
+    sizes and scale vary over the same shard_map axes."""
+    return _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale)
 
 
-def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes):
-    y = _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes)
-    return y, (x, w, group_sizes, valid_sizes)
+def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale):
+    y = _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale)
+    return y, (x, w, group_sizes, valid_sizes, scale)
 
 
 def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
-    x, w, group_sizes, valid_sizes = residuals
-    dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes)
-    dx = jnp.where(_valid_rows(x.shape[0], group_sizes, valid_sizes)[:, None], dx, jnp.zeros((), dx.dtype))
-    dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes)
+    x, w, group_sizes, valid_sizes, scale = residuals
+    if use_mgpu and _aligned_fits(x.shape[1], dy.shape[1], blocks):
+        # For the aligned weight gradient; dx reads the same dy, so XLA can scatter in place.
+        dy = _zero_rows_to_step(dy, jnp.cumsum(group_sizes) - group_sizes, valid_sizes,
+                                blocks.aligned.weight_grad.tile_k)
+    dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes, scale)
+    dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
     # may come in unvarying: type each cotangent as its primal.
-    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), None, None
+    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), None, None, None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -321,76 +324,111 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, row_tiled):
     """aligned() where every group size is a multiple of aligned_rows (promised
     by the caller, or decided on the device), else row_tiled(); row_tiled()
-    alone where K and N do not fit."""
+    alone where K and N do not fit. Typed varying as the sizes (shard_map):
+    the Mosaic GPU kernels of jax 0.10 type their outputs unvarying."""
+    axes = _vma(group_sizes)
     if not _aligned_fits(k, n, blocks):
-        return row_tiled()
+        return _vary_over(row_tiled(), axes)
     if assume_aligned:
-        return aligned()
-    return lax.cond(_sizes_aligned(group_sizes, blocks), aligned, row_tiled)
+        return _vary_over(aligned(), axes)
+    return lax.cond(_sizes_aligned(group_sizes, blocks), lambda: _vary_over(aligned(), axes),
+                    lambda: _vary_over(row_tiled(), axes))
 
 
-def _tile_groups(group_sizes, num_rows, tile_m):
-    """int32 [num_rows // tile_m]: the group of each row tile, -1 past the last group."""
+def _padding_zeroed(a, group_sizes, valid_sizes, scale=None):
+    """a [M, *] with its padding rows set to 0, times scale (the kernels of
+    deep_ep_jax.hopper_gemm do this themselves: only the others need it)."""
+    a = jnp.where(_valid_rows(a.shape[0], group_sizes, valid_sizes)[:, None], a, jnp.zeros((), a.dtype))
+    return a if scale is None else a * scale.astype(a.dtype)
+
+
+def _row_tiles(group_sizes, valid_sizes, num_rows, tile_m):
+    """(group, data rows) of each row tile, int32 [num_rows // tile_m] each:
+    the tile's group (-1 past the last group), and how many of the tile's
+    first rows are among its group's first valid_sizes rows (0 past the groups)."""
     ends = jnp.cumsum(group_sizes)
     starts = jnp.arange(num_rows // tile_m, dtype=jnp.int32) * tile_m
     groups = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
-    return jnp.where(starts < ends[-1], groups, -1)
+    past = starts >= ends[-1]
+    g = jnp.minimum(groups, group_sizes.shape[0] - 1)
+    rows = jnp.clip(ends[g] - group_sizes[g] + valid_sizes[g] - starts, 0, tile_m)
+    return jnp.where(past, -1, groups), jnp.where(past, 0, rows).astype(jnp.int32)
 
 
-def _rows_matmul(x, w, group_sizes, tiles, transpose_rhs=False):
+def _rows_matmul(x, w, group_sizes, valid_sizes, scale, tiles, transpose_rhs=False):
     """hopper_gemm.rows_matmul on aligned groups."""
-    groups = _tile_groups(group_sizes, x.shape[0], tiles.tile_m)
-    return hopper_gemm.rows_matmul(x, w, groups, tiles, transpose_rhs=transpose_rhs)
+    groups, rows = _row_tiles(group_sizes, valid_sizes, x.shape[0], tiles.tile_m)
+    return hopper_gemm.rows_matmul(x, w, groups, rows, scale, tiles, transpose_rhs=transpose_rhs)
 
 
-def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes):
+def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale):
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
-        y = _aligned_or_row_tiled(
+        return _aligned_or_row_tiled(
             blocks, assume_aligned, x.shape[1], w.shape[2], group_sizes,
-            lambda: _rows_matmul(x, w, group_sizes, blocks.aligned.forward),
-            lambda: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward)))
-        return _vary_over(y, _vma(x))  # typed unvarying by the kernel (jax 0.10)
-    return lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+            lambda: _rows_matmul(x, w, group_sizes, valid_sizes, scale, blocks.aligned.forward),
+            lambda: _padding_zeroed(ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes,
+                                                               **dataclasses.asdict(blocks.forward)),
+                                    group_sizes, valid_sizes, scale))
+    y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
+    return _padding_zeroed(y, group_sizes, valid_sizes, scale)
 
 
-def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes):
-    """dx [M, K] = dy [M, N] @ w[g]^T, without materializing w^T."""
+def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes, scale):
+    """dx [M, K] = scale * dy [M, N] @ w[g]^T, without materializing w^T; 0 on padding rows."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
         return _aligned_or_row_tiled(
             blocks, assume_aligned, w.shape[1], w.shape[2], group_sizes,
-            lambda: _rows_matmul(dy, w, group_sizes, blocks.aligned.input_grad, transpose_rhs=True),
-            lambda: ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
-                                               **dataclasses.asdict(blocks.input_grad)))
+            lambda: _rows_matmul(dy, w, group_sizes, valid_sizes, scale, blocks.aligned.input_grad,
+                                 transpose_rhs=True),
+            lambda: _padding_zeroed(ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
+                                                               **dataclasses.asdict(blocks.input_grad)),
+                                    group_sizes, valid_sizes, scale))
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    return lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
+    dx = lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
+    return _padding_zeroed(dx, group_sizes, valid_sizes, scale)
 
 
-def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes):
-    """dw [G, K, N]: dw[g] = x_g^T dy_g, the rows contracted group by group.
-    dy is 0 on padding rows, so the aligned kernel stops each group at the
-    row step that covers its valid rows."""
+def _zero_rows_to_step(dy, starts, valid_sizes, step):
+    """dy with each group's rows from its valid_sizes[g] to the next multiple of
+    `step` set to 0: those the aligned weight gradient reads past the data (at
+    most step - 1 per group: a scatter of a few rows, not a pass over dy)."""
+    rows = (starts + valid_sizes)[:, None] + jnp.arange(step - 1, dtype=jnp.int32)
+    ends = starts + -(-valid_sizes // step) * step
+    rows = jnp.where(rows < ends[:, None], rows, dy.shape[0])  # the others out of bounds: dropped
+    return dy.at[rows.reshape(-1)].set(0, mode="drop")
+
+
+def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale):
+    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g over the group's valid rows
+    (dy's padding rows left out; x's must be finite). The aligned kernel
+    needs dy zero from a group's valid rows to its row step (_zero_rows_to_step)."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
         def row_tiled():
             # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
             with jax.numpy_dtype_promotion("standard"):
-                return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                    x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
+                dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
+                    x, _padding_zeroed(dy, group_sizes, valid_sizes), group_sizes=group_sizes,
+                    **dataclasses.asdict(blocks.weight_grad))
+            return dw * scale.astype(dw.dtype)
 
         def aligned():
+            # Each group stops at the row step that covers its valid rows.
             tiles = blocks.aligned.weight_grad
             starts = jnp.cumsum(group_sizes) - group_sizes
             steps = -(-valid_sizes // tiles.tile_k)  # <= group_sizes // tile_k: sizes are multiples of it
-            return hopper_gemm.weight_grad(x, dy, starts, steps, tiles)
+            return hopper_gemm.weight_grad(x, dy, starts, steps, scale, tiles)
 
         return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = lax.ragged_dot_general(x, _padding_zeroed(dy, group_sizes, valid_sizes), group_sizes, dims,
+                                preferred_element_type=jnp.float32).astype(x.dtype)
+    return dw * scale.astype(dw.dtype)

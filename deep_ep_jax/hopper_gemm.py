@@ -4,14 +4,17 @@ for groups of rows that start and end on a tile boundary.
 The expert-major layout (`expand(..., alignment=A)`) pads each expert's group
 of rows to a multiple of A. When A is a multiple of the kernels' row tile,
 every row tile belongs to one group, so a tile is a plain matmul against its
-group's weights: no tile is computed twice at a group boundary, and no row
-mask is needed. These kernels use that:
+group's weights: no tile is computed twice at a group boundary. These
+kernels use that:
 
-    rows_matmul(x, w, tile_group, tiles)                  # y = x @ w[g]  (and dx = dy @ w[g]^T)
-    weight_grad(x, dy, group_starts, group_steps, tiles)  # dw[g] = x_g^T dy_g
+    rows_matmul(x, w, tile_group, tile_rows, scale, tiles)       # y = x @ w[g]  (and dx = dy @ w[g]^T)
+    weight_grad(x, dy, group_starts, group_steps, scale, tiles)  # dw[g] = x_g^T dy_g
 
-A group's padding rows can be left out of the weight gradient: weight_grad
-takes each group's row steps (up to the step that covers its data).
+A group's padding rows are left out: rows_matmul stores zeros on a tile's
+rows past its data rows (tile_rows) and on the tiles past the last group, so
+its output needs no mask; weight_grad takes each group's row steps (up to the
+step that covers its data). `scale` (float32 [1]) multiplies every output:
+1, or NaN where the caller's promise of aligned groups is broken.
 
 Each CTA runs a memory warpgroup (TMA loads into a ring of shared-memory
 stages) and two compute warpgroups (WGMMA into float32 accumulators) that
@@ -19,8 +22,7 @@ split the CTA's tile along N, so the warpgroups share the row tile's loads.
 The CTAs are persistent (one per SM, or one per cluster of two whose CTAs
 share the row tile by TMA multicast) and walk the tiles in an order that
 keeps a group's weights and a row tile's rows in L2 while they are reused.
-Tiles past the last group are skipped (their rows are left unwritten: the
-caller masks them).
+Tiles past the last group are not computed, only stored as zeros.
 
 Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
 f16; rows, K and N multiples of the tiles; every group size a multiple of
@@ -110,17 +112,22 @@ def _store(plgpu, t: HopperTiles, out_smem, wg, dst, acc):
             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
 
 
-def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst):
+def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, finish):
     """The compute warpgroups' context of a pipeline: accumulate this
-    warpgroup's tile_m x tile_n products in float32, then store them into dst."""
+    warpgroup's tile_m x tile_n products in float32, then store finish(them) into dst."""
 
     def compute_context(eval_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
         def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            _store(plgpu, t, out_smem, wg, dst, acc_ref[...])
+            _store(plgpu, t, out_smem, wg, dst, finish(acc_ref[...]))
 
     return compute_context
+
+
+def _first_rows(acc, num_rows):
+    """acc with its rows from num_rows on set to 0."""
+    return jnp.where(lax.broadcasted_iota(jnp.int32, acc.shape, 0) < num_rows, acc, 0.0)
 
 
 def _kernel(body, out_shape, dtype, t: HopperTiles):
@@ -140,12 +147,14 @@ def _kernel(body, out_shape, dtype, t: HopperTiles):
     )
 
 
-def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False):
-    """out[r] = x[r] @ w[g] for the rows r of row tile i, g = tile_group[i]
-    (tiles with g < 0 are skipped and left unwritten).
+def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose_rhs: bool = False):
+    """out[r] = scale * x[r] @ w[g] for the first tile_rows[i] rows r of row
+    tile i, g = tile_group[i]; scale * 0 on the tile's other rows and on the
+    tiles with g < 0 (not computed).
 
     x [M, K]; w [G, K, N], or [G, N, K] with transpose_rhs (out = x @ w[g]^T,
-    the input gradient); tile_group int32 [M // tile_m]."""
+    the input gradient); tile_group, tile_rows int32 [M // tile_m]; scale
+    float32 [1]."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -178,7 +187,7 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             pipeline_state=state,
         )
 
-    def body(tile_group_gmem, *refs):
+    def body(tile_group_gmem, tile_rows_gmem, scale_gmem, *refs):
         # With steady: the count of row tiles that hold groups; then x, w, out.
         *num_row_tiles_gmem, x_gmem, w_gmem, out_gmem = refs
         ignore = lambda *_, **__: None
@@ -190,15 +199,21 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
             wg = lax.axis_index("wg")
             wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
 
-            def tile(mi, ni, state):
-                """Row tile mi (of group tile_group[mi] >= 0), CTA columns ni."""
+            def rows_and_cols(mi, ni):
+                """The rows and this CTA's columns of output tile (mi, ni)."""
                 if t.cluster_n:
                     ni = ni * 2 + lax.axis_index("cluster")
-                rows = pl.ds(mi * t.tile_m, t.tile_m)
-                cols = pl.ds(ni * cta_n, cta_n)
+                return pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n)
+
+            def tile(mi, ni, state):
+                """Row tile mi (of group tile_group[mi] >= 0), CTA columns ni."""
+                rows, cols = rows_and_cols(mi, ni)
+
+                def finish(acc):
+                    return _first_rows(acc, tile_rows_gmem[mi]) * scale_gmem[0]
 
                 compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
-                                                         out_gmem.at[rows, cols].at[:, wg_cols])
+                                                         out_gmem.at[rows, cols].at[:, wg_cols], finish)
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
@@ -211,6 +226,16 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                     x_gmem.at[rows, :], weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
                     allocations=allocs)
 
+            def zero_tile(mi, ni):
+                """Row tile mi, past the groups: zeros (times scale) from the compute warpgroups."""
+                @pl.when(wg < 2)
+                def _():
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                    def _zeros(acc_ref):
+                        rows, cols = rows_and_cols(mi, ni)
+                        _store(plgpu, t, out_smem, wg, out_gmem.at[rows, cols].at[:, wg_cols],
+                               acc_ref[...] * scale_gmem[0])
+
             minor = 1 if t.grid_minor_n else 0
             if not steady:
                 @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
@@ -220,6 +245,10 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                     @pl.when(tile_group_gmem[mi] >= 0)
                     def _():
                         tile(mi, ni, None)
+
+                    @pl.when(tile_group_gmem[mi] < 0)
+                    def _():
+                        zero_tile(mi, ni)
             else:
                 # Only the row tiles that hold groups (a prefix), so that every step of a CTA runs a
                 # pipeline: the first starts the chain, the last ends it, one alone does both.
@@ -241,22 +270,26 @@ def rows_matmul(x, w, tile_group, t: HopperTiles, *, transpose_rhs: bool = False
                                           jnp.where(step == last, int(chain.STOP), int(chain.STEADY)))
                         tile(mi, ni, state.astype(jnp.int32))
 
+                @plgpu.nd_loop(((m_iters - num_m) * n_iters,), collective_axes="cluster_grid")
+                def _tiles_past(info):
+                    zero_tile(num_m + info.index[0] // n_iters, info.index[0] % n_iters)
+
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # The groups' tiles come first; their count is needed only for the steady walk.
     num_row_tiles = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),) if steady else ()
-    return _kernel(body, (m, n), x.dtype, t)(tile_group, *num_row_tiles, x, w)
+    return _kernel(body, (m, n), x.dtype, t)(tile_group, tile_rows, scale, *num_row_tiles, x, w)
 
 
-def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
-    """dw[g] = x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N].
+def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles):
+    """dw[g] = scale * x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N].
 
     Group g's rows are group_starts[g] + [0, group_steps[g] * tile_k); an
     empty group (0 steps) gets zeros. Here the kernel's rows are K's and its
     contraction runs over the group's rows. With t.steady_pipeline (and no
     cluster_n) a CTA's tiles form one pipeline (`_weight_grad_one_pipeline`)."""
     if t.steady_pipeline and not t.cluster_n:
-        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t)
+        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -286,7 +319,7 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
             compute_context=compute_context,
         )
 
-    def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
+    def body(starts_gmem, steps_gmem, scale_gmem, x_gmem, dy_gmem, out_gmem):
         ignore = lambda *_, **__: None
 
         @functools.partial(pl.run_scoped,
@@ -311,7 +344,8 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
                 k_rows = pl.ds(mi * t.tile_m, t.tile_m)
 
                 compute_context = _accumulate_then_store(
-                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols])
+                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols],
+                    lambda acc: acc * scale_gmem[0])
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     @pl.when(steps > 0)
@@ -327,10 +361,10 @@ def weight_grad(x, dy, group_starts, group_steps, t: HopperTiles):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, x, dy)
+    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, scale, x, dy)
 
 
-def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
+def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: HopperTiles):
     """weight_grad with a CTA's tiles as one pipeline: a tile has only a few
     row steps (a group's rows / tile_k), so instead of a pipeline per tile
     (whose loads wait for the previous tile's last product) the memory
@@ -350,7 +384,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
     stages = t.max_concurrent_steps
     compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
 
-    def body(starts_gmem, steps_gmem, x_gmem, dy_gmem, out_gmem):
+    def body(starts_gmem, steps_gmem, scale_gmem, x_gmem, dy_gmem, out_gmem):
         @functools.partial(
             pl.run_scoped,
             a_smem=plgpu.SMEM((stages, t.tile_k, t.tile_m), x.dtype, transforms=_transforms(plgpu, t.tile_m, x.dtype)),
@@ -415,7 +449,8 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
                             return count + 1
 
                         count = lax.fori_loop(0, steps, step, carry)
-                        _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols], acc_ref[...])
+                        _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols],
+                               acc_ref[...] * scale_gmem[0])
                         return count
 
                     return count_after
@@ -424,4 +459,4 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, t: HopperTiles):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, x, dy)
+    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, scale, x, dy)

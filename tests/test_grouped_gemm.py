@@ -140,8 +140,8 @@ def test_grad_of_a_swiglu_loss():
 def test_aligned_groups_promise():
     """aligned_groups=True: sizes that keep the promise (multiples of
     aligned_rows(), empty groups, the last cut at row M) give the same results
-    as without it; one that breaks it makes y, dx and dw NaN: never silently
-    wrong, on every backend."""
+    as without it; one that breaks it makes all of y, dx and dw NaN: never
+    silently wrong, on every backend."""
     rng = np.random.default_rng()
     align = gg.aligned_rows()
     num_groups, num_rows = 4, 5 * align + 40  # M not a multiple of the alignment: the last group is cut
@@ -158,11 +158,8 @@ def test_aligned_groups_promise():
     for got, want, name in zip(run(kept, True), run(kept, False), ("y", "dx", "dw")):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32), err_msg=name)
     broken = np.array([align, 1, align - 1, 0], np.int32)
-    y, dx, dw = (np.asarray(a, np.float32) for a in run(broken, True))
-    total = int(broken.sum())
-    # A broken promise: y NaN, and the gradients NaN wherever they come from the groups' rows.
-    assert np.isnan(y).all() and np.isnan(dx[:total]).all(), "y and dx must be NaN"
-    assert np.isnan(dw[broken > 0]).all() and not np.isnan(dw[broken == 0]).any(), "dw of the groups with rows: NaN"
+    for got, name in zip(run(broken, True), ("y", "dx", "dw")):
+        assert np.isnan(np.asarray(got, np.float32)).all(), f"a broken promise: {name} must be NaN"
     with pytest.raises(TypeError, match="aligned_groups must be a bool"):
         grouped_matmul(x, w, kept, aligned_groups=1)
 
@@ -276,13 +273,17 @@ def test_mgpu_shape_rules():
     assert gg.row_multiple(dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)) == 64  # the row-tiled ones
 
 
-def test_tile_groups_and_aligned_fit():
-    """The row tiles' groups (empty groups skipped, -1 past the last group),
-    and which K, N the warp-specialized kernels split."""
+def test_row_tiles_and_aligned_fit():
+    """The row tiles' groups (empty groups skipped, -1 past the last group) and
+    data rows (of the group's valid rows; 0 past the last group), and which
+    K, N the warp-specialized kernels split."""
     sizes = jnp.array([256, 0, 128, 0, 384, 0], jnp.int32)
-    got = gg._tile_groups(sizes, 128 * 8, 128)
-    assert got.tolist() == [0, 0, 2, 4, 4, 4, -1, -1]
-    assert gg._tile_groups(jnp.zeros(3, jnp.int32), 256, 128).tolist() == [-1, -1]
+    groups, rows = gg._row_tiles(sizes, jnp.array([200, 0, 0, 0, 384, 0], jnp.int32), 128 * 8, 128)
+    assert groups.tolist() == [0, 0, 2, 4, 4, 4, -1, -1]
+    assert rows.tolist() == [128, 72, 0, 128, 128, 128, 0, 0]
+    assert gg._row_tiles(sizes, sizes, 128 * 8, 128)[1].tolist() == [128] * 6 + [0, 0]
+    none = jnp.zeros(3, jnp.int32)
+    assert [a.tolist() for a in gg._row_tiles(none, none, 256, 128)] == [[-1, -1], [0, 0]]
     assert gg._aligned_fits(7168, 4096, gg.DEFAULT_BLOCKS) and gg._aligned_fits(2048, 7168, gg.DEFAULT_BLOCKS)
     assert not gg._aligned_fits(7168, 4096 + 128, gg.DEFAULT_BLOCKS)  # N not a multiple of the CTA's 256 columns
     assert not gg._aligned_fits(7168, 4096, dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
@@ -380,7 +381,9 @@ def test_steady_pipeline_lowers(gpu_core_count):
             w = jax.ShapeDtypeStruct((4, 1024, 512) if transpose else (4, 512, 1024), jnp.bfloat16)
 
             def run(x, w, sizes, tiles=tiles, transpose=transpose):
-                return hopper_gemm.rows_matmul(x, w, gg._tile_groups(sizes, 1024, 128), tiles, transpose_rhs=transpose)
+                groups, rows = gg._row_tiles(sizes, sizes // 2, 1024, 128)
+                return hopper_gemm.rows_matmul(x, w, groups, rows, jnp.ones((1,), jnp.float32), tiles,
+                                               transpose_rhs=transpose)
 
             assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
     # weight_grad: one ring of stages over every row step of a CTA's tiles
@@ -388,7 +391,8 @@ def test_steady_pipeline_lowers(gpu_core_count):
     dy = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
 
     def dw(x, dy, sizes):
-        return hopper_gemm.weight_grad(x, dy, jnp.cumsum(sizes) - sizes, sizes // 64, tiles)
+        return hopper_gemm.weight_grad(x, dy, jnp.cumsum(sizes) - sizes, sizes // 64, jnp.ones((1,), jnp.float32),
+                                       tiles)
 
     assert mosaic_calls(jax.jit(dw).trace(x, dy, sizes).lower(lowering_platforms=("cuda",))) == 1
 

@@ -139,7 +139,8 @@ def sampled_groups(rng, sizes):
     return sorted(picks)
 
 
-def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what):
+def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, data_rows=None):
+    """data_rows (bool [M], optional): the rows of x and dy that y and dx are of (0 on the others)."""
     starts = oracle.offsets(sizes)
     for g in sampled_groups(rng, sizes):
         start, size = int(starts[g]), int(sizes[g])
@@ -147,6 +148,8 @@ def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what):
         rows = np.unique(np.concatenate([[start, start + 1, start + size - 2, start + size - 1],
                                          rng.integers(start, start + size, 8)]).clip(start, start + size - 1))
         xg, dyg, wg = (np.asarray(a, np.float64) for a in (x[rows], dy[rows], w[g]))
+        if data_rows is not None:
+            xg, dyg = (a * data_rows[rows][:, None] for a in (xg, dyg))
         assert_close_numpy(y[rows], xg @ wg, f"{what}: y, group {g}, rows {rows.tolist()}")
         assert_close_numpy(dx[rows], dyg @ wg.T, f"{what}: dx, group {g}, rows {rows.tolist()}")
         # A 256 x 256 block of dw[g] over all the group's rows.
@@ -239,6 +242,23 @@ def test_valid_sizes_leave_out_padding_rows(kind):
         assert not bool(jnp.any(jnp.where(junk, g, 0))), f"{what}: {name} is not zero on padding rows"
 
 
+def test_broken_promise_makes_everything_nan():
+    """aligned_groups=True with sizes that are not multiples of
+    gg.aligned_rows(): the warp-specialized kernels run anyway (there is no
+    lax.cond to fall back on) and every value of y, dx and dw is NaN (the
+    kernels' scale), never silently wrong."""
+    rng = np.random.default_rng()
+    k, n, num_rows = 512, 256, 512
+    x = rng.standard_normal((num_rows, k)).astype(jnp.bfloat16)
+    w = rng.standard_normal((4, k, n)).astype(jnp.bfloat16)
+    dy = rng.standard_normal((num_rows, n)).astype(jnp.bfloat16)
+    sizes = np.array([128, 1, 127, 0], np.int32)
+    lowered = forward_and_grads.lower(x, w, sizes, dy, impl="mgpu", aligned_groups=True).as_text()
+    assert lowered.count("custom_call @mosaic_gpu") == 3, "aligned_groups=True: the three aligned kernels alone"
+    for name, got in zip(("y", "dx", "dw"), forward_and_grads(x, w, sizes, dy, impl="mgpu", aligned_groups=True)):
+        assert bool(jnp.all(jnp.isnan(got))), f"a broken promise: {name} is not NaN everywhere"
+
+
 @pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 def test_aligned_kernels_directly(kind, steady):
@@ -246,7 +266,10 @@ def test_aligned_kernels_directly(kind, steady):
     back on), aligned groups with empty ones and tiles past the last group,
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
-    pipelines in rows_matmul, one ring over every row step in weight_grad)."""
+    pipelines in rows_matmul, one ring over every row step in weight_grad).
+    rows_matmul's data rows are each group's pairs (the rest of x and dy
+    random, not zero): its output must be exactly 0 on every other row, the
+    tiles past the groups included (it stores their zeros itself)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
@@ -255,26 +278,38 @@ def test_aligned_kernels_directly(kind, steady):
         tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
                                   for f in dataclasses.fields(tiles)))
     align = gg.aligned_rows()
-    sizes = (-(-routed_sizes(rng, kind) // align) * align).astype(np.int32)
+    counts = routed_sizes(rng, kind)
+    sizes = (-(-counts // align) * align).astype(np.int32)
     total = int(sizes.sum())
     num_rows = -(-(total + 3 * align) // align) * align  # three row tiles past the last group
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
-    jsizes = jnp.asarray(sizes)
-    y = jax.jit(lambda x, w: hopper_gemm.rows_matmul(x, w, gg._tile_groups(jsizes, num_rows, tiles.forward.tile_m),
-                                                     tiles.forward))(x, w)
-    dx = jax.jit(lambda dy, w: hopper_gemm.rows_matmul(
-        dy, w, gg._tile_groups(jsizes, num_rows, tiles.input_grad.tile_m), tiles.input_grad,
-        transpose_rhs=True))(dy, w)
+    jsizes, jcounts, unit = jnp.asarray(sizes), jnp.asarray(counts), jnp.ones((1,), jnp.float32)
+
+    def rows_matmul(a, w, t, transpose_rhs=False):
+        groups, rows = gg._row_tiles(jsizes, jcounts, num_rows, t.tile_m)
+        return hopper_gemm.rows_matmul(a, w, groups, rows, unit, t, transpose_rhs=transpose_rhs)
+
+    y = jax.jit(lambda x, w: rows_matmul(x, w, tiles.forward))(x, w)
+    dx = jax.jit(lambda dy, w: rows_matmul(dy, w, tiles.input_grad, transpose_rhs=True))(dy, w)
     dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
-                                                       jsizes // tiles.weight_grad.tile_k, tiles.weight_grad))(x, dy)
-    want = per_group_reference(x, w, sizes, dy)
+                                                       jsizes // tiles.weight_grad.tile_k, unit,
+                                                       tiles.weight_grad))(x, dy)
+    pair_rows = np.zeros(num_rows, bool)
+    for start, count in zip(oracle.offsets(sizes), counts):
+        pair_rows[start:start + count] = True
+    data = jnp.asarray(pair_rows)[:, None]
+    pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
+    want_y, want_dx, _ = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])
+    want_dw = per_group_reference(x, w, sizes, dy)[2]  # dw: every row of the groups
     what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
-    for name, g, r in zip(("y", "dx", "dw"), (y[:total], dx[:total], dw), (want[0][:total], want[1][:total], want[2])):
+    for name, g, r in zip(("y", "dx", "dw"), (y, dx, dw), (want_y, want_dx, want_dw)):
         assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
         err = float(excess_error(g, r))
         assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
+    for name, g in (("y", y), ("dx", dx)):
+        assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
     assert not bool(jnp.any(dw[sizes == 0])), f"{what}: dw of empty groups is not zero"
-    check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what)
+    check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, pair_rows)
 
 
 @pytest.mark.gpu(min_gpus=2)

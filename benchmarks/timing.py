@@ -8,6 +8,7 @@ operation of a profiled chain. `environment`: what a result was measured on."""
 
 from __future__ import annotations
 
+import collections
 import glob
 import sys
 import tempfile
@@ -44,23 +45,41 @@ def kernel_events(run, args, patterns):
     return found
 
 
-def kernel_breakdown(run, args, num_steps):
+def kernel_breakdown(run, args, num_steps, split_up_to=8):
     """Where one run's device time goes, per step of its num_steps: ({kernel name: (launches,
     seconds)}, busy seconds, span seconds), over the first GPU; span runs from the first
-    kernel's start to the last one's end, so span - busy is the time between kernels."""
+    kernel's start to the last one's end, so span - busy is the time between kernels.
+    Names are shortened (`short_kernel_name`). A name launched the same 2..split_up_to times
+    in every step (e.g. every Mosaic GPU kernel is `body_mosaic_gpu_kernel`) gets a row per
+    launch of a step, in launch order: "name #1", "name #2", ..."""
     events = _gpu_kernels(run, args)
     first = min((plane for plane, *_ in events), default=None)
-    events = [(name, start, end) for plane, name, start, end in events if plane == first]
+    events = sorted((start, end, short_kernel_name(name)) for plane, name, start, end in events if plane == first)
     if not events:
         return {}, 0.0, 0.0
+    counts = collections.Counter(name for *_, name in events)
+    seen = collections.Counter()
     per_name = {}
-    for name, start, end in events:
+    for start, end, name in events:
+        per_step, whole = divmod(counts[name], num_steps)
+        if not whole and 1 < per_step <= split_up_to:
+            seen[name] += 1
+            name = f"{name} #{(seen[name] - 1) % per_step + 1}"
         launches, ns = per_name.get(name, (0, 0))
         per_name[name] = (launches + 1, ns + end - start)
     table = {name: (launches / num_steps, ns * 1e-9 / num_steps) for name, (launches, ns) in per_name.items()}
     busy = sum(seconds for _, seconds in table.values())
-    span = (max(e for _, _, e in events) - min(s for _, s, _ in events)) * 1e-9 / num_steps
+    span = (max(end for _, end, _ in events) - events[0][0]) * 1e-9 / num_steps
     return table, busy, span
+
+
+def short_kernel_name(name):
+    """A profile's kernel name without `void`, our namespace, anonymous namespaces
+    and the argument list: "void deep_ep_jax::intranode::(anonymous namespace)::
+    CombineKernel<2>(...)" -> "intranode::CombineKernel<2>"."""
+    for noise in ("void ", "deep_ep_jax::", "(anonymous namespace)::"):
+        name = name.replace(noise, "")
+    return name.split("(", 1)[0] or name
 
 
 def kernel_durations(run, args, patterns):

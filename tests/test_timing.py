@@ -21,6 +21,28 @@ def test_kernel_breakdown_per_step(monkeypatch):
     assert busy == pytest.approx(4e-3) and span == pytest.approx(5e-3)
 
 
+def test_kernel_breakdown_splits_a_name_launched_several_times_a_step(monkeypatch):
+    """Every Mosaic GPU kernel is `body_mosaic_gpu_kernel`: launched the same
+    number of times in every step, it gets a row per launch of a step (in
+    launch order); a name launched an uneven number of times keeps one row;
+    names lose `void`, our namespace and their arguments."""
+    ms = 1_000_000
+    events = []
+    for step in range(2):
+        t = step * 100 * ms
+        for i, (name, length) in enumerate([("body_mosaic_gpu_kernel", 3), ("fusion", 1),
+                                            ("body_mosaic_gpu_kernel", 2), ("body_mosaic_gpu_kernel", 5)]):
+            events.append(("/device:GPU:0", name, t + 10 * i * ms, t + (10 * i + length) * ms))
+    events.append(("/device:GPU:0", "void deep_ep_jax::intranode::(anonymous namespace)::Combine<2>(int4 const*)",
+                   150 * ms, 151 * ms))
+    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args: events)
+    table, busy, span = timing.kernel_breakdown(None, (), num_steps=2)
+    ms_per_step = {name: round(seconds * 1e3, 6) for name, (_, seconds) in table.items()}
+    assert ms_per_step == {"body_mosaic_gpu_kernel #1": 3, "body_mosaic_gpu_kernel #2": 2,
+                           "body_mosaic_gpu_kernel #3": 5, "fusion": 1, "intranode::Combine<2>": 0.5}
+    assert busy == pytest.approx(11.5e-3) and span == pytest.approx(75.5e-3)
+
+
 def test_kernel_breakdown_without_gpu_kernels(monkeypatch):
     monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args: [])
     assert timing.kernel_breakdown(None, (), num_steps=3) == ({}, 0.0, 0.0)

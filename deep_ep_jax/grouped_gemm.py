@@ -19,8 +19,9 @@ take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
 straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
 a ValueError where the shapes do not fit. Notes on the mgpu path:
 - The warp-specialized kernels store the zeros of padding rows themselves
-  (no pass over y or dx); for dw a scatter zeroes the few rows of dy that
-  its kernel reads past a group's data (fewer than a row step per group).
+  (no pass over y or dx); for dw the backward zeroes dy's padding rows (a
+  select, which XLA fuses into dy's producer where that is a fusion, as in
+  the MoE layer), since its kernel reads up to a row step past a group's data.
   JAX's row-tiled kernels leave rows past sum(group_sizes) unwritten: there
   the wrapper masks y, dx and dy (a select, fused by XLA into a neighbouring
   elementwise op where there is one).
@@ -308,9 +309,9 @@ def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes, val
 def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
     x, w, group_sizes, valid_sizes, scale = residuals
     if use_mgpu and _aligned_fits(x.shape[1], dy.shape[1], blocks):
-        # For the aligned weight gradient; dx reads the same dy, so XLA can scatter in place.
-        dy = _zero_rows_to_step(dy, jnp.cumsum(group_sizes) - group_sizes, valid_sizes,
-                                blocks.aligned.weight_grad.tile_k)
+        # The aligned weight gradient reads up to a row step past a group's valid rows (dx reads the same
+        # dy). A select, which XLA fuses into dy's producer where that is a fusion (as in the MoE layer).
+        dy = _padding_zeroed(dy, group_sizes, valid_sizes)
     dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes, scale)
     dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
@@ -394,20 +395,10 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
     return _padding_zeroed(dx, group_sizes, valid_sizes, scale)
 
 
-def _zero_rows_to_step(dy, starts, valid_sizes, step):
-    """dy with each group's rows from its valid_sizes[g] to the next multiple of
-    `step` set to 0: those the aligned weight gradient reads past the data (at
-    most step - 1 per group: a scatter of a few rows, not a pass over dy)."""
-    rows = (starts + valid_sizes)[:, None] + jnp.arange(step - 1, dtype=jnp.int32)
-    ends = starts + -(-valid_sizes // step) * step
-    rows = jnp.where(rows < ends[:, None], rows, dy.shape[0])  # the others out of bounds: dropped
-    return dy.at[rows.reshape(-1)].set(0, mode="drop")
-
-
 def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale):
     """dw [G, K, N]: dw[g] = scale * x_g^T dy_g over the group's valid rows
     (dy's padding rows left out; x's must be finite). The aligned kernel
-    needs dy zero from a group's valid rows to its row step (_zero_rows_to_step)."""
+    needs dy zero on the padding rows (the backward zeroes them)."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 

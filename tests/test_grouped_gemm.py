@@ -289,19 +289,6 @@ def test_row_tiles_and_aligned_fit():
     assert not gg._aligned_fits(7168, 4096, dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
 
 
-def test_zero_rows_to_step():
-    """The rows of dy that the aligned weight gradient reads past a group's
-    valid rows (up to the next row step), and only those, are set to 0; a
-    group with no valid rows reads none, one whose valid rows end on a step
-    has none past them."""
-    sizes = jnp.array([256, 128, 0, 128], jnp.int32)
-    valid = jnp.array([100, 0, 0, 128], jnp.int32)
-    dy = jnp.ones((600, 3), jnp.bfloat16)
-    got = np.asarray(jax.jit(gg._zero_rows_to_step, static_argnums=3)(dy, jnp.cumsum(sizes) - sizes, valid, 64))
-    zero_rows = np.flatnonzero(~got.any(axis=1))
-    assert zero_rows.tolist() == list(range(100, 128)) and (got[got.any(axis=1)] == 1).all()
-
-
 S = jax.ShapeDtypeStruct
 
 

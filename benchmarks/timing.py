@@ -3,7 +3,8 @@
 `chain_seconds`: wall-clock seconds per operation from two jitted chains of n
 and 2n operations (docs/design.md section 3: the difference cancels the fixed host
 cost of a call). `kernel_events` / `kernel_durations` / `kernel_breakdown` (and its printer):
-kernels' times, read from a JAX profile (CUPTI) of one run; `span_per_op`: the device's time per
+kernels' times, read from a JAX profile (CUPTI) of one run (kernel_breakdown: the second of two
+back to back); `span_per_op`: the device's time per
 operation of a profiled chain. `environment`: what a result was measured on."""
 
 from __future__ import annotations
@@ -19,19 +20,33 @@ import numpy as np
 from jax import lax
 
 
-def _gpu_kernels(run, args):
-    """[(gpu plane, kernel name, start_ns, end_ns)] of one run, from a JAX profile (CUPTI)."""
+def _gpu_kernels(run, args, runs=1):
+    """[(gpu plane, kernel name, start_ns, end_ns)] of the last of `runs` calls of run made back to
+    back, from a JAX profile (CUPTI). With runs=2 the measured call follows a like one with no idle
+    gap (and no compile) before it, so the GPU runs it at the clocks it holds under load: a short
+    run after idle runs faster than the same work in a long chain."""
     from jax.profiler import ProfileData
 
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            jax.block_until_ready(run(*args))
+            jax.block_until_ready([run(*args) for _ in range(runs)])
         paths = glob.glob(f"{tmp}/**/*.xplane.pb", recursive=True)
         if not paths:
             return []
         profile = ProfileData.from_file(paths[0])
-    return [(plane.name, event.name, event.start_ns, event.end_ns) for plane in profile.planes
-            if plane.name.startswith("/device:GPU:") for line in plane.lines for event in line.events]
+    events = [(plane.name, event.name, event.start_ns, event.end_ns) for plane in profile.planes
+              if plane.name.startswith("/device:GPU:") for line in plane.lines for event in line.events]
+    return last_of_runs(events, runs)
+
+
+def last_of_runs(events, runs):
+    """The events of the last of `runs` runs of one program: on each plane, the last 1/runs of
+    them in start order (every run launches the same kernels)."""
+    last = []
+    for plane in sorted({plane for plane, *_ in events}):
+        on_plane = sorted((e for e in events if e[0] == plane), key=lambda e: e[2])
+        last += on_plane[len(on_plane) - len(on_plane) // runs:]
+    return last
 
 
 def kernel_events(run, args, patterns):
@@ -46,13 +61,14 @@ def kernel_events(run, args, patterns):
 
 
 def kernel_breakdown(run, args, num_steps, split_up_to=8):
-    """Where one run's device time goes, per step of its num_steps: ({kernel name: (launches,
-    seconds)}, busy seconds, span seconds), over the first GPU; span runs from the first
-    kernel's start to the last one's end, so span - busy is the time between kernels.
-    Names are shortened (`short_kernel_name`). A name launched the same 2..split_up_to times
-    in every step (e.g. every Mosaic GPU kernel is `body_mosaic_gpu_kernel`) gets a row per
-    launch of a step, in launch order: "name #1", "name #2", ..."""
-    events = _gpu_kernels(run, args)
+    """Where one run's device time goes (the second of two back to back), per step of its
+    num_steps: ({kernel name: (launches, seconds)}, busy seconds, span seconds), over the
+    first GPU; span runs from the first kernel's start to the last one's end, so span - busy
+    is the time between kernels. Names are shortened (`short_kernel_name`). A name launched
+    the same 2..split_up_to times in every step (e.g. every Mosaic GPU kernel is
+    `body_mosaic_gpu_kernel`) gets a row per launch of a step, in launch order: "name #1",
+    "name #2", ..."""
+    events = _gpu_kernels(run, args, runs=2)
     first = min((plane for plane, *_ in events), default=None)
     events = sorted((start, end, short_kernel_name(name)) for plane, name, start, end in events if plane == first)
     if not events:
@@ -93,8 +109,9 @@ def print_kernel_breakdown(title, run, args, num_steps, top=12):
     if not table:
         print(f"\n# {title}: no GPU kernels in the profile")
         return
-    print(f"\n{title}, device time per step (a profiled run of {num_steps} steps, first GPU): kernels busy "
-          f"{busy * 1e3:.3f} ms of a {span * 1e3:.3f} ms span\n\n| kernel | launches | ms | share |\n|---|---|---|---|")
+    print(f"\n{title}, device time per step (a profiled run of {num_steps} steps right after a like one, first GPU): "
+          f"kernels busy {busy * 1e3:.3f} ms of a {span * 1e3:.3f} ms span\n\n"
+          "| kernel | launches | ms | share |\n|---|---|---|---|")
     ranked = sorted(table.items(), key=lambda item: -item[1][1])
     for name, (launches, seconds) in ranked[:top]:
         print(f"| {name[:70]} | {launches:g} | {seconds * 1e3:.3f} | {seconds / busy:.1%} |")

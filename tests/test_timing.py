@@ -15,7 +15,7 @@ def test_kernel_breakdown_per_step(monkeypatch):
     events = [("/device:GPU:0", "gemm", 0, 3 * ms), ("/device:GPU:0", "mask", 4 * ms, 5 * ms),
               ("/device:GPU:0", "gemm", 5 * ms, 8 * ms), ("/device:GPU:0", "mask", 9 * ms, 10 * ms),
               ("/device:GPU:1", "gemm", 0, 50 * ms)]
-    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args: events)
+    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args, runs=1: events)
     table, busy, span = timing.kernel_breakdown(None, (), num_steps=2)
     assert table == {"gemm": (1, pytest.approx(3e-3)), "mask": (1, pytest.approx(1e-3))}
     assert busy == pytest.approx(4e-3) and span == pytest.approx(5e-3)
@@ -35,7 +35,7 @@ def test_kernel_breakdown_splits_a_name_launched_several_times_a_step(monkeypatc
             events.append(("/device:GPU:0", name, t + 10 * i * ms, t + (10 * i + length) * ms))
     events.append(("/device:GPU:0", "void deep_ep_jax::intranode::(anonymous namespace)::Combine<2>(int4 const*)",
                    150 * ms, 151 * ms))
-    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args: events)
+    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args, runs=1: events)
     table, busy, span = timing.kernel_breakdown(None, (), num_steps=2)
     ms_per_step = {name: round(seconds * 1e3, 6) for name, (_, seconds) in table.items()}
     assert ms_per_step == {"body_mosaic_gpu_kernel #1": 3, "body_mosaic_gpu_kernel #2": 2,
@@ -44,5 +44,14 @@ def test_kernel_breakdown_splits_a_name_launched_several_times_a_step(monkeypatc
 
 
 def test_kernel_breakdown_without_gpu_kernels(monkeypatch):
-    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args: [])
+    monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args, runs=1: [])
     assert timing.kernel_breakdown(None, (), num_steps=3) == ({}, 0.0, 0.0)
+
+
+def test_last_of_runs():
+    """Two runs of one program: on each GPU, the second half of its events in start order."""
+    events = [("/device:GPU:0", "a", 0, 1), ("/device:GPU:0", "b", 2, 3), ("/device:GPU:1", "a", 0, 5),
+              ("/device:GPU:0", "a", 10, 11), ("/device:GPU:0", "b", 12, 13), ("/device:GPU:1", "a", 6, 9)]
+    assert timing.last_of_runs(events, 2) == [("/device:GPU:0", "a", 10, 11), ("/device:GPU:0", "b", 12, 13),
+                                              ("/device:GPU:1", "a", 6, 9)]
+    assert sorted(timing.last_of_runs(events, 1)) == sorted(events)

@@ -4,8 +4,8 @@
 and 2n operations (docs/design.md section 3: the difference cancels the fixed host
 cost of a call). `kernel_events` / `kernel_durations` / `kernel_breakdown` (and its printer):
 kernels' times, read from a JAX profile (CUPTI) of one run (kernel_breakdown: the second of two
-back to back); `span_per_op`: the device's time per
-operation of a profiled chain. `environment`: what a result was measured on."""
+made back to back); `span_per_op`: the device's time per operation of a profiled chain.
+`environment`: what a result was measured on."""
 
 from __future__ import annotations
 

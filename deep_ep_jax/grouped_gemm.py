@@ -19,12 +19,12 @@ take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
 straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
 a ValueError where the shapes do not fit. Notes on the mgpu path:
 - The warp-specialized kernels store the zeros of padding rows themselves
-  (no pass over y or dx); for dw the backward zeroes dy's padding rows (a
-  select, which XLA fuses into dy's producer where that is a fusion, as in
-  the MoE layer), since its kernel reads up to a row step past a group's data.
-  JAX's row-tiled kernels leave rows past sum(group_sizes) unwritten: there
-  the wrapper masks y, dx and dy (a select, fused by XLA into a neighbouring
-  elementwise op where there is one).
+  (no pass over y or dx). JAX's row-tiled kernels leave rows past
+  sum(group_sizes) unwritten: there the wrapper masks y and dx. On every
+  path the backward zeroes dy's padding rows once, for the weight gradient
+  (the aligned kernel reads up to a row step past a group's data). Each mask
+  is a select, fused by XLA into a neighbouring op where there is one (in
+  the MoE layer, dy's producer).
 - The row-tiled kernels' cost follows M, not sum(group_sizes): tiles past
   the last group still run (and are thrown away); the warp-specialized ones
   skip them. Keep M near the worst case you need.
@@ -308,10 +308,10 @@ def _grouped_matmul_fwd(use_mgpu, blocks, assume_aligned, x, w, group_sizes, val
 
 def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
     x, w, group_sizes, valid_sizes, scale = residuals
-    if use_mgpu and _aligned_fits(x.shape[1], dy.shape[1], blocks):
-        # The aligned weight gradient reads up to a row step past a group's valid rows (dx reads the same
-        # dy). A select, which XLA fuses into dy's producer where that is a fusion (as in the MoE layer).
-        dy = _padding_zeroed(dy, group_sizes, valid_sizes)
+    # Every weight gradient contracts dy's rows (the aligned kernel up to a row step past a group's valid
+    # rows); dx reads only valid rows. A select, which XLA fuses into dy's producer where that is a fusion
+    # (as in the MoE layer).
+    dy = _padding_zeroed(dy, group_sizes, valid_sizes)
     dx = _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_sizes, scale)
     dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
@@ -396,9 +396,8 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
 
 
 def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale):
-    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g over the group's valid rows
-    (dy's padding rows left out; x's must be finite). The aligned kernel
-    needs dy zero on the padding rows (the backward zeroes them)."""
+    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g, dy zero on the padding rows
+    (the backward zeroes them; x's padding rows must be finite)."""
     if use_mgpu:
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
@@ -406,8 +405,7 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
             # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
             with jax.numpy_dtype_promotion("standard"):
                 dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                    x, _padding_zeroed(dy, group_sizes, valid_sizes), group_sizes=group_sizes,
-                    **dataclasses.asdict(blocks.weight_grad))
+                    x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
             return dw * scale.astype(dw.dtype)
 
         def aligned():
@@ -420,6 +418,5 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
         return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = lax.ragged_dot_general(x, _padding_zeroed(dy, group_sizes, valid_sizes), group_sizes, dims,
-                                preferred_element_type=jnp.float32).astype(x.dtype)
+    dw = lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)
     return dw * scale.astype(dw.dtype)

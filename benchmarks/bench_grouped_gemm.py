@@ -75,30 +75,41 @@ def make_inputs(key, num_rows, counts, sizes, hidden, ffn):
     return x, w_in, w_out, dy
 
 
-def swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned):
-    """valid: the pairs of each group (grouped_matmul's valid_sizes), or None."""
+def swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8=None):
+    """valid: the pairs of each group (grouped_matmul's valid_sizes), or None. fp8: the FP8 copies of
+    (w_in, w_out), or None (bf16)."""
     kwargs = dict(impl=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid)
-    h = gg.grouped_matmul(x, w_in, sizes, **kwargs)
+    w_in8, w_out8 = fp8 or (None, None)
+    h = gg.grouped_matmul(x, w_in, sizes, fp8_weights=w_in8, **kwargs)
     gate, up = jnp.split(h.astype(jnp.float32), 2, axis=-1)
-    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, **kwargs)
+    return gg.grouped_matmul((jax.nn.silu(gate) * up).astype(x.dtype), w_out, sizes, fp8_weights=w_out8, **kwargs)
 
 
 def forward_step(impl, blocks, aligned):
-    def step(x, dy, w_in, w_out, sizes, valid):
-        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned))
+    def step(x, dy, w_in, w_out, sizes, valid, fp8):
+        out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8))
         return touch(x, out[:1, :1]), dy
     return step
 
 
 def forward_backward_step(impl, blocks, aligned):
-    def step(x, dy, w_in, w_out, sizes, valid):
-        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned), x,
-                           w_in, w_out)
+    def step(x, dy, w_in, w_out, sizes, valid, fp8):
+        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8),
+                           x, w_in, w_out)
         out, dx, dw_in, dw_out = lax.optimization_barrier((out, *vjp(dy)))
         link = out[:1, :1] + dx[:1, :1] + dw_in[0, :1, :1] + dw_out[0, :1, :1]
         # dy changes too: else XLA could hoist dy @ w_out^T out of the loop.
         return touch(x, link), touch(dy, link)
     return step
+
+
+def report(results, impl, op, seconds, work):
+    """Add a row of timings (seconds per step) to results and print it."""
+    p10, p50, p90 = np.percentile(seconds, [10, 50, 90])
+    results.append({"impl": impl, "op": op, "ms_median": p50 * 1e3, "ms_p10": p10 * 1e3, "ms_p90": p90 * 1e3,
+                    "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist()})
+    tflops = f"{work / p50 / 1e12:.1f}" if work else ""
+    print(f"| {impl} | {op} | {p50 * 1e3:.3f} | {p10 * 1e3:.3f}-{p90 * 1e3:.3f} | {tflops} |", flush=True)
 
 
 def chain(step, length):
@@ -238,6 +249,9 @@ def main(argv=None):
     p.add_argument("--no-valid-sizes", action="store_true",
                    help="leave grouped_matmul's valid_sizes unset (the weight gradient then computes the padding rows)")
     p.add_argument("--impls", default="mgpu,xla", help="comma list of mgpu, xla")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time each impl with fp8_weights (FP8 forward and input gradient; mgpu needs --align "
+                        "128), the weights' FP8 copies made outside the step; and the making of them")
     p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
     p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
     p.add_argument("--repeats", type=int, default=10)
@@ -285,26 +299,40 @@ def main(argv=None):
     results = []
     print("\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s |\n|---|---|---|---|---|")
     outputs = {}
-    for impl in impls:
-        inputs = (x, dy, w_in, w_out, sizes_dev, valid)
-        outputs[impl] = jax.jit(swiglu, static_argnums=(5, 6, 7))(x, w_in, w_out, sizes_dev, valid, impl, blocks,
-                                                                  aligned)
-        for name, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
-                                                                     3 * flops)):
+    make_fp8 = jax.jit(lambda w_in, w_out: (gg.fp8_weights(w_in), gg.fp8_weights(w_out)))
+    variants = [(impl, None) for impl in impls]
+    if args.fp8:
+        if "mgpu" in impls and not aligned:
+            p.error(f"--fp8 with impl mgpu needs --align {gg.aligned_rows()}")
+        w8 = make_fp8(w_in, w_out)
+        variants += [(f"{impl} fp8", w8) for impl in impls]
+    for name, fp8 in variants:
+        impl = name.split()[0]
+        inputs = (x, dy, w_in, w_out, sizes_dev, valid, fp8)
+        outputs[name] = jax.jit(swiglu, static_argnums=(5, 6, 7))(x, w_in, w_out, sizes_dev, valid, impl, blocks,
+                                                                  aligned, fp8)
+        for op, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
+                                                                   3 * flops)):
             seconds = time_step(step(impl, blocks, aligned), inputs, args.chain, args.repeats)
-            p10, p50, p90 = np.percentile(seconds, [10, 50, 90])
-            results.append({"impl": impl, "op": name, "ms_median": p50 * 1e3, "ms_p10": p10 * 1e3,
-                            "ms_p90": p90 * 1e3, "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist()})
-            print(f"| {impl} | {name} | {p50 * 1e3:.3f} | {p10 * 1e3:.3f}-{p90 * 1e3:.3f} | "
-                  f"{work / p50 / 1e12:.1f} |", flush=True)
+            report(results, name, op, seconds, work)
+    if args.fp8:
+        # Once per optimizer step, not per micro-batch: both weights' FP8 copies.
+        jax.block_until_ready(make_fp8(w_in, w_out))
+        seconds = []
+        for _ in range(args.repeats):
+            begin = time.perf_counter()
+            jax.block_until_ready(make_fp8(w_in, w_out))
+            seconds.append(time.perf_counter() - begin)
+        report(results, "fp8_weights", "w_in and w_out", np.asarray(seconds), 0)
     if args.profile:
-        for impl in impls:
-            print_kernel_breakdown(f"{impl}, forward+backward", chain(forward_backward_step(impl, blocks, aligned),
-                                                                               args.chain),
-                                   (x, dy, w_in, w_out, sizes_dev, valid), args.chain)
-    if len(outputs) == 2:
-        print(f"\n# mgpu vs xla output: max error {float(relative_error(outputs['mgpu'], outputs['xla'])):.2e} "
-              "of the largest value")
+        for name, fp8 in variants:
+            print_kernel_breakdown(f"{name}, forward+backward",
+                                   chain(forward_backward_step(name.split()[0], blocks, aligned), args.chain),
+                                   (x, dy, w_in, w_out, sizes_dev, valid, fp8), args.chain)
+    for name in ("xla", "mgpu fp8"):
+        if name in outputs and "mgpu" in outputs:
+            print(f"\n# {name} vs mgpu output: max error {float(relative_error(outputs[name], outputs['mgpu'])):.2e} "
+                  "of the largest value")
     print(f"# {time.perf_counter() - start:.0f} s in all")
     if args.json:
         with open(args.json, "w") as f:

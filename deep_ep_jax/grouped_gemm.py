@@ -54,6 +54,7 @@ from deep_ep_jax.hopper_gemm import HopperTiles
 
 IMPLS = ("auto", "mgpu", "xla")
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,7 @@ class AlignedTiles:
     forward: HopperTiles
     input_grad: HopperTiles
     weight_grad: HopperTiles
+    fp8: HopperTiles  # forward and input gradient on FP8 operands (fp8_weights=)
 
 
 # The best of `benchmarks/hopper_gemm_sweep.py` on one H200 (jax 0.11.2, 2026-12-01) at the MoE
@@ -86,6 +88,9 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # at once (6% faster than in 64 x 64 pieces: a tile has only a few row steps to hide its stores).
     weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True,
                             epi_tile_m=128, epi_tile_n=128),
+    # K steps of 128 float8 (a 128-byte swizzle), each added to a float32 total (promote), for which the
+    # warpgroups' 64 x 128 accumulators leave room.
+    fp8=HopperTiles(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
 )
 
 
@@ -109,8 +114,40 @@ DEFAULT_BLOCKS = GroupedMatmulBlocks(
 )
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weights:
+    """FP8 copies of expert weights w [G, K, N] for grouped_matmul(..., fp8_weights=), made by
+    `fp8_weights(w)`: float8_e4m3fn data with one float32 scale per output channel of the matmul
+    that each copy serves (w ~= data * scales, broadcast along the other axis)."""
+
+    forward: jax.Array  # [G, N, K]: w[g]^T with K contiguous, as FP8 WGMMA reads its operands
+    forward_scales: jax.Array  # [G, N]
+    input_grad: jax.Array  # [G, K, N]: w, for dx = dy @ w[g]^T
+    input_grad_scales: jax.Array  # [G, K]
+
+
+def fp8_weights(w) -> Fp8Weights:
+    """The FP8 copies of w [G, K, N] for grouped_matmul(..., fp8_weights=).
+
+    Make them once per optimizer step, outside the gradient accumulation:
+    they read all of w, about as many bytes as the FP8 matmuls save."""
+    _validate_array("w", w, 3)
+    forward, forward_scales = quantize_rows(jnp.swapaxes(w, 1, 2))
+    input_grad, input_grad_scales = quantize_rows(w)
+    return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales)
+
+
+def quantize_rows(a):
+    """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row, amax / 448."""
+    from deep_ep_jax.backends.reference import quantize_fp8
+
+    data, scales = quantize_fp8(a, block=a.shape[-1])
+    return data, scales[..., 0]
+
+
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
-                   aligned_groups: bool = False, valid_sizes=None):
+                   aligned_groups: bool = False, valid_sizes=None, fp8_weights: Fp8Weights | None = None):
     """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
 
     Negative group sizes count as 0 and groups are cut at row M, so a bad
@@ -130,7 +167,14 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     other rows are padding, as rows past the last group are: y is 0 there and
     they get zero gradient, so the weight gradient's kernel skips them (on
     the warp-specialized path it reads a group's rows only up to the next
-    multiple of its row step past valid_sizes[g])."""
+    multiple of its row step past valid_sizes[g]).
+
+    fp8_weights (optional, `fp8_weights(w)` of this w): y and dx are
+    computed from float8_e4m3fn operands, x and dy quantized with one scale
+    per row, w from these copies; products accumulate in float32 (on the
+    GPU in the FP8 WGMMA's accumulator), then are scaled. w's gradient is
+    computed in x's dtype, as without them. On the Mosaic GPU path this
+    needs aligned_groups=True."""
     blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     _validate(x, w, group_sizes, impl, blocks)
     if valid_sizes is not None:
@@ -141,6 +185,8 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     if not isinstance(aligned_groups, bool):
         raise TypeError(f"grouped_matmul: aligned_groups must be a bool, got {type(aligned_groups).__name__}")
     use_mgpu = _use_mgpu(impl, x, w, blocks)
+    if fp8_weights is not None:
+        _validate_fp8(fp8_weights, w, use_mgpu, aligned_groups, blocks)
     num_rows = x.shape[0]
     padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
     # kept: whether the promise holds (the sizes as given); cut at the padded rows, aligned sizes stay aligned.
@@ -154,7 +200,11 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     x, w, group_sizes, valid_sizes, scale = _vary_together(x, w, group_sizes, valid_sizes, scale)
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
-    return _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)[:num_rows]
+    if fp8_weights is not None:
+        y = _grouped_matmul_fp8(use_mgpu, blocks, x, w, fp8_weights, group_sizes, valid_sizes, scale)
+    else:
+        y = _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)
+    return y[:num_rows]
 
 
 def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
@@ -167,7 +217,8 @@ def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     """Group sizes that are all multiples of this take the warp-specialized
     kernels (pass it as the expert-major layout's alignment)."""
     a = blocks.aligned or DEFAULT_ALIGNED_TILES
-    return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k)
+    return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k,
+                    hopper_gemm.row_tile(a.fp8))
 
 
 def _sizes_aligned(group_sizes, blocks):
@@ -242,6 +293,31 @@ def _validate(x, w, group_sizes, impl, blocks):
         raise ValueError(f"{fn}: group_sizes has {group_sizes.shape[0]} groups, w has {w.shape[0]} (G)")
     if w.shape[0] == 0:
         raise ValueError(f"{fn}: w needs at least one group, got shape {tuple(w.shape)}")
+
+
+def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
+    fn = "grouped_matmul"
+    if not isinstance(w8, Fp8Weights):
+        raise TypeError(f"{fn}: fp8_weights must be an Fp8Weights (from fp8_weights(w)), got {type(w8).__name__}")
+    g, k, n = w.shape
+    for name, want_shape, want_dtype in (("forward", (g, n, k), FP8_DTYPE), ("forward_scales", (g, n), jnp.float32),
+                                         ("input_grad", (g, k, n), FP8_DTYPE),
+                                         ("input_grad_scales", (g, k), jnp.float32)):
+        a = getattr(w8, name)
+        if tuple(a.shape) != want_shape or a.dtype != want_dtype:
+            raise ValueError(f"{fn}: fp8_weights.{name} must be {jnp.dtype(want_dtype)} {want_shape} for w "
+                             f"{tuple(w.shape)}, got {a.dtype} {tuple(a.shape)}: make it with fp8_weights(w)")
+    if use_mgpu:
+        if not aligned_groups:
+            raise ValueError(f"{fn}: fp8_weights on the Mosaic GPU path needs aligned_groups=True (group sizes "
+                             f"multiples of {aligned_rows(blocks)}, as the expert-major layout's with that "
+                             f"alignment); or pass impl='xla'")
+        tiles = blocks.aligned
+        if tiles is None or k % tiles.fp8.tile_k or n % tiles.fp8.tile_k or n % hopper_gemm.cta_cols(tiles.fp8) \
+                or k % hopper_gemm.cta_cols(tiles.fp8):
+            need = "block_sizes.aligned" if tiles is None else (
+                f"K and N multiples of {tiles.fp8.tile_k} and of {hopper_gemm.cta_cols(tiles.fp8)}")
+            raise ValueError(f"{fn}: fp8_weights on the Mosaic GPU path needs {need}; got K={k}, N={n}")
 
 
 def _use_mgpu(impl, x, w, blocks) -> bool:
@@ -420,3 +496,50 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     dw = lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)
     return dw * scale.astype(dw.dtype)
+
+
+# FP8 ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grouped_matmul_fp8(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
+    """_grouped_matmul with y and dx from FP8 operands (x and dy quantized
+    here, w as w8); dw from x and dy as they are. w is not read: it types dw."""
+    del w
+    return _fp8_matmul(use_mgpu, blocks, x, w8.forward, w8.forward_scales, group_sizes, valid_sizes, scale)
+
+
+def _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
+    y = _grouped_matmul_fp8(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale)
+    return y, (x, w, w8, group_sizes, valid_sizes, scale)
+
+
+def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
+    x, w, w8, group_sizes, valid_sizes, scale = residuals
+    dy = _padding_zeroed(dy, group_sizes, valid_sizes)
+    dx = _fp8_matmul(use_mgpu, blocks, dy, w8.input_grad, w8.input_grad_scales, group_sizes, valid_sizes, scale)
+    # Sizes are aligned on the Mosaic GPU path (_validate_fp8).
+    dw = _weight_grad(use_mgpu, blocks, True, x, dy, group_sizes, valid_sizes, scale)
+    no_grad = jax.tree.map(jnp.zeros_like, w8)
+    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), no_grad, None, None, None
+
+
+_grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
+
+
+def _fp8_matmul(use_mgpu, blocks, a, w_data, w_scales, group_sizes, valid_sizes, scale):
+    """out [M, C'] = scale * q(a) @ (w_data * w_scales)[g]^T, in a's dtype, 0 on padding rows: a [M, C]
+    quantized per row (q), w_data float8 [G, C', C], w_scales [G, C']."""
+    a_data, a_scales = quantize_rows(a)
+    if use_mgpu:
+        tiles = blocks.aligned.fp8
+        groups, rows = _row_tiles(group_sizes, valid_sizes, a.shape[0], hopper_gemm.row_tile(tiles))
+        out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
+                                      out_dtype=a.dtype, row_scales=a_scales, col_scales=w_scales)
+        return _vary_over(out, _vma(group_sizes))
+    dequantized = a_data.astype(jnp.float32) * a_scales[:, None]
+    w = w_data.astype(jnp.float32) * w_scales[..., None]
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    out = lax.ragged_dot_general(dequantized, w, group_sizes, dims, preferred_element_type=jnp.float32)
+    return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(a.dtype)

@@ -45,7 +45,8 @@ MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (TMA issue only); th
 @dataclasses.dataclass(frozen=True)
 class HopperTiles:
     """Tiles of one warp-specialized kernel. Each compute warpgroup owns a
-    tile_m x tile_n accumulator; the CTA's tile is tile_m x 2 tile_n."""
+    tile_m x tile_n accumulator; the CTA's tile is tile_m x 2 tile_n (the
+    warpgroups split it by columns), or 2 tile_m x tile_n with split_rows."""
 
     tile_m: int = 128
     tile_n: int = 128
@@ -61,16 +62,21 @@ class HopperTiles:
     steady_pipeline: bool = False
     epi_tile_m: int = 64
     epi_tile_n: int = 64
+    split_rows: bool = False  # rows_matmul: the compute warpgroups split the CTA's tile by rows
+    # rows_matmul: each K step's products go to a fresh WGMMA accumulator, then are added to a
+    # float32 total in registers (twice the accumulator registers). FP8 needs it: its WGMMA keeps
+    # only about 14 bits while it accumulates (2-3% off at K = 7168 without it).
+    promote: bool = False
 
 
 def row_tile(tiles: HopperTiles) -> int:
     """Rows per tile: group sizes must be multiples of this."""
-    return tiles.tile_m
+    return tiles.tile_m * (2 if tiles.split_rows else 1)
 
 
 def cta_cols(tiles: HopperTiles) -> int:
-    """Output columns per CTA (N must be a multiple of this, x2 with cluster_n)."""
-    return 2 * tiles.tile_n * (2 if tiles.cluster_n else 1)
+    """Output columns per CTA, or per pair of CTAs with cluster_n (N must be a multiple of this)."""
+    return tiles.tile_n * (1 if tiles.split_rows else 2) * (2 if tiles.cluster_n else 1)
 
 
 def _num_sms():
@@ -112,17 +118,35 @@ def _store(plgpu, t: HopperTiles, out_smem, wg, dst, acc):
             plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
 
 
-def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, finish):
-    """The compute warpgroups' context of a pipeline: accumulate this
-    warpgroup's tile_m x tile_n products in float32, then store finish(them) into dst."""
+def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, finish, start=lambda: None):
+    """The compute warpgroups' context of a pipeline: call start(), accumulate this
+    warpgroup's tile_m x tile_n products in float32, then store finish(them) into dst.
+    The pipeline's carry is the WGMMA accumulator, or with t.promote the float32
+    total (see _promoted)."""
 
     def compute_context(eval_pipeline):
+        start()
+        if t.promote:
+            _store(plgpu, t, out_smem, wg, dst, finish(eval_pipeline(jnp.zeros((t.tile_m, t.tile_n), jnp.float32))))
+            return
+
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
         def _acc(acc_ref):
             eval_pipeline(acc_ref)
             _store(plgpu, t, out_smem, wg, dst, finish(acc_ref[...]))
 
     return compute_context
+
+
+def _promoted(plgpu, pl, t: HopperTiles, total, a, b):
+    """total + a @ b, the product accumulated by WGMMA on its own (t.promote)."""
+
+    def product(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return total + pl.run_scoped(product, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
 
 
 def _first_rows(acc, num_rows):
@@ -147,22 +171,27 @@ def _kernel(body, out_shape, dtype, t: HopperTiles):
     )
 
 
-def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose_rhs: bool = False):
+def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose_rhs: bool = False,
+                out_dtype=None, row_scales=None, col_scales=None):
     """out[r] = scale * x[r] @ w[g] for the first tile_rows[i] rows r of row
     tile i, g = tile_group[i]; scale * 0 on the tile's other rows and on the
     tiles with g < 0 (not computed).
 
     x [M, K]; w [G, K, N], or [G, N, K] with transpose_rhs (out = x @ w[g]^T,
-    the input gradient); tile_group, tile_rows int32 [M // tile_m]; scale
-    float32 [1]."""
+    the input gradient); tile_group, tile_rows int32 [M // row_tile(t)]; scale
+    float32 [1]. out has out_dtype (default x's). With row_scales (float32
+    [M]) and col_scales (float32 [G, N]), out[r, c] is also multiplied by
+    row_scales[r] * col_scales[g, c]: the scales of FP8 operands (float8
+    takes transpose_rhs, as its WGMMA reads both operands K-major)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     cluster = 2 if t.cluster_n else 1
-    cta_n = 2 * t.tile_n
-    m_iters, n_iters, k_iters = m // t.tile_m, n // (cta_n * cluster), k // t.tile_k
+    cta_m, cta_n = row_tile(t), cta_cols(t) // cluster
+    m_iters, n_iters, k_iters = m // cta_m, n // (cta_n * cluster), k // t.tile_k
     transforms = _transforms(plgpu, t.tile_k, x.dtype)
     b_block = (cta_n, t.tile_k) if transpose_rhs else (t.tile_k, cta_n)
 
@@ -175,7 +204,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
             grid=(k_iters,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((t.tile_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
+                plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
                                 memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
                 plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
                                 transforms=transforms, memory_space=plgpu.SMEM),
@@ -187,39 +216,79 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
             pipeline_state=state,
         )
 
+    scaled = row_scales is not None
+    if scaled != (col_scales is not None):
+        raise ValueError("rows_matmul: give both row_scales and col_scales, or neither")
+
     def body(tile_group_gmem, tile_rows_gmem, scale_gmem, *refs):
-        # With steady: the count of row tiles that hold groups; then x, w, out.
-        *num_row_tiles_gmem, x_gmem, w_gmem, out_gmem = refs
+        # With scales: row and column scales; with steady: the count of row tiles that hold groups;
+        # then x, w, out.
+        *extra, x_gmem, w_gmem, out_gmem = refs
+        row_scales_gmem, col_scales_gmem = extra[:2] if scaled else (None, None)
+        num_row_tiles_gmem = extra[2:] if scaled else extra
         ignore = lambda *_, **__: None
+
+        # Each compute warpgroup's row and column scales, loaded while its tile accumulates.
+        scale_allocs = dict(
+            row_smem=plgpu.SMEM((2, t.tile_m), jnp.float32), col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
+            scales_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2)) if scaled else {}
 
         @functools.partial(pl.run_scoped,
                            allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
-                           out_smem=_out_smem(plgpu, t, x.dtype), collective_axes="wg")
-        def _scope(allocs, out_smem):
+                           out_smem=_out_smem(plgpu, t, out_dtype), collective_axes="wg", **scale_allocs)
+        def _scope(allocs, out_smem, row_smem=None, col_smem=None, scales_loaded=None):
             wg = lax.axis_index("wg")
-            wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+            wg_first_row = wg * t.tile_m if t.split_rows else 0
+
+            def wg_part(ref):
+                """This warpgroup's part of a CTA tile's ref: its rows, or its columns."""
+                if t.split_rows:
+                    return ref.at[pl.ds(wg * t.tile_m, t.tile_m)]
+                return ref.at[:, pl.ds(wg * t.tile_n, t.tile_n)]
 
             def rows_and_cols(mi, ni):
                 """The rows and this CTA's columns of output tile (mi, ni)."""
                 if t.cluster_n:
                     ni = ni * 2 + lax.axis_index("cluster")
-                return pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n)
+                return pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
 
             def tile(mi, ni, state):
                 """Row tile mi (of group tile_group[mi] >= 0), CTA columns ni."""
                 rows, cols = rows_and_cols(mi, ni)
 
+                def load_scales():
+                    if scaled:
+                        row_s = row_scales_gmem.at[rows]
+                        col_s = col_scales_gmem.at[tile_group_gmem[mi]].at[cols]
+                        if t.split_rows:
+                            row_s = row_s.at[pl.ds(wg * t.tile_m, t.tile_m)]
+                        else:
+                            col_s = col_s.at[pl.ds(wg * t.tile_n, t.tile_n)]
+                        plgpu.copy_gmem_to_smem(row_s, row_smem.at[wg], scales_loaded.at[wg])
+                        plgpu.copy_gmem_to_smem(col_s, col_smem.at[wg], scales_loaded.at[wg])
+
                 def finish(acc):
-                    return _first_rows(acc, tile_rows_gmem[mi]) * scale_gmem[0]
+                    if scaled:  # before the rows are cut: a padding row's scale may be NaN
+                        plgpu.barrier_wait(scales_loaded.at[wg])
+                        acc = (acc * lax.broadcast_in_dim(row_smem[wg], acc.shape, (0,))
+                               * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,)))
+                    return _first_rows(acc, tile_rows_gmem[mi] - wg_first_row) * scale_gmem[0]
 
-                compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg,
-                                                         out_gmem.at[rows, cols].at[:, wg_cols], finish)
+                compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg, wg_part(out_gmem.at[rows, cols]),
+                                                         finish, load_scales)
 
-                def mma(_, a_smem, b_smem, acc_ref):
-                    b = b_smem.at[wg_cols].transpose((1, 0)) if transpose_rhs else b_smem.at[:, wg_cols]
-                    plgpu.wgmma(acc_ref, a_smem, b)
+                def mma(_, a_smem, b_smem, carry):
+                    if t.split_rows:  # this warpgroup's rows of x, all of the CTA's columns
+                        a, b = wg_part(a_smem), b_smem
+                    else:  # all rows, this warpgroup's columns (b_smem's rows with transpose_rhs)
+                        wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+                        a, b = a_smem, b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
+                    b = b.transpose((1, 0)) if transpose_rhs else b
+                    if t.promote:
+                        return _promoted(plgpu, pl, t, carry, a, b)
+                    plgpu.wgmma(carry, a, b)
                     plgpu.wgmma_wait(0)
-                    return acc_ref
+                    return carry
 
                 weights = w_gmem.at[tile_group_gmem[mi]]
                 pipeline(mma, compute_context, state)(
@@ -233,8 +302,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
                     def _zeros(acc_ref):
                         rows, cols = rows_and_cols(mi, ni)
-                        _store(plgpu, t, out_smem, wg, out_gmem.at[rows, cols].at[:, wg_cols],
-                               acc_ref[...] * scale_gmem[0])
+                        _store(plgpu, t, out_smem, wg, wg_part(out_gmem.at[rows, cols]), acc_ref[...] * scale_gmem[0])
 
             minor = 1 if t.grid_minor_n else 0
             if not steady:
@@ -278,7 +346,8 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
 
     # The groups' tiles come first; their count is needed only for the steady walk.
     num_row_tiles = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),) if steady else ()
-    return _kernel(body, (m, n), x.dtype, t)(tile_group, tile_rows, scale, *num_row_tiles, x, w)
+    scales = (row_scales, col_scales) if scaled else ()
+    return _kernel(body, (m, n), out_dtype, t)(tile_group, tile_rows, scale, *scales, *num_row_tiles, x, w)
 
 
 def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles):

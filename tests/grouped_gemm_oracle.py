@@ -43,3 +43,22 @@ def weight_grad(x, dy, sizes, groups=None):
 def _rows_of(start, size, rows):
     sel = np.arange(start, start + size)
     return sel if rows is None else np.intersect1d(sel, rows)
+
+
+def fp8_rows(a):
+    """a [..., C] as grouped_matmul's FP8 path sees it (float64): each row
+    quantized to float8_e4m3fn with one scale, amax / 448 (amax at least 1e-4)."""
+    from oracle import FP8_MAX, e4m3_round
+
+    a = np.asarray(a, np.float32)
+    scale = (np.maximum(np.abs(a).max(-1), np.float32(1e-4)) * np.float32(1.0 / FP8_MAX)).astype(np.float32)
+    inverse = np.float32(1.0) / scale
+    values = e4m3_round(np.clip(a * inverse[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX)))
+    return values.astype(np.float64) * scale[..., None]
+
+
+def fp8_weights(w):
+    """(forward, input gradient) copies of w [G, K, N] as grouped_matmul's
+    FP8 path sees them, both [G, K, N] float64: one scale per column of w[g]
+    (the forward's output channel), one per row (the input gradient's)."""
+    return np.swapaxes(fp8_rows(np.swapaxes(np.asarray(w, np.float32), 1, 2)), 1, 2), fp8_rows(w)

@@ -411,3 +411,93 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count):
                 jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
         assert mosaic_calls(jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))) == 6
+
+
+# FP8 (fp8_weights=) ---------------------------------------------------------------
+
+
+def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None):
+    """jitted (x, w, sizes, dy) -> (y, dx, dw) with FP8 copies of w made inside."""
+
+    def run(x, w, sizes, dy):
+        w8 = gg.fp8_weights(w)
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups,
+                                                     valid_sizes=valid_sizes, fp8_weights=w8), x, w)
+        return (y, *vjp(dy))
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("kind,num_groups", [("random", 6), ("all_in_one", 6), ("padding", 6), ("padding", 1)])
+def test_fp8_matches_numpy(kind, num_groups):
+    """y and dx from per-row FP8 operands and the FP8 weight copies, against numpy
+    on the same quantized values; dw as without FP8; junk padding rows stay out."""
+    rng = np.random.default_rng()
+    num_rows = int(rng.integers(40, 120))
+    sizes = make_sizes(rng, kind, num_rows, num_groups)
+    x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
+    y, dx, dw = fp8_forward_and_grads()(x, w, sizes, dy)
+    w_forward, w_input_grad = oracle.fp8_weights(w)
+    total, what = int(sizes.sum()), f"fp8, {kind}, sizes {sizes.tolist()}"
+    assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype, what
+    assert_close(y, oracle.forward(oracle.fp8_rows(x), w_forward, sizes), f"{what}: y")
+    assert_close(dx, oracle.input_grad(oracle.fp8_rows(dy), w_input_grad, sizes), f"{what}: dx")
+    assert_close(dw, oracle.weight_grad(x, dy, sizes), f"{what}: dw")
+    assert not np.asarray(y[total:], np.float32).any(), f"{what}: padding rows of y"
+    assert not np.asarray(dx[total:], np.float32).any(), f"{what}: dx of padding rows"
+    # FP8 is FP8: within 10% (as a norm) of the bf16 maths, so no scale is missing or wrong.
+    want = oracle.forward(x, w, sizes)
+    assert np.linalg.norm(np.asarray(y, np.float64) - want) <= 0.1 * np.linalg.norm(want), what
+
+
+def test_fp8_weights_copies():
+    """fp8_weights(w): float8 data in each matmul's layout, one float32 scale per output channel."""
+    rng = np.random.default_rng()
+    w = np.asarray(rng.standard_normal((3, K, N)) * np.exp(rng.standard_normal((3, 1, N))), ml_dtypes.bfloat16)
+    w8 = jax.jit(gg.fp8_weights)(w)
+    assert (w8.forward.shape, w8.forward_scales.shape) == ((3, N, K), (3, N))
+    assert (w8.input_grad.shape, w8.input_grad_scales.shape) == ((3, K, N), (3, K))
+    assert w8.forward.dtype == jnp.float8_e4m3fn and w8.forward_scales.dtype == jnp.float32
+    forward = np.swapaxes(np.asarray(w8.forward, np.float64) * np.asarray(w8.forward_scales)[..., None], 1, 2)
+    input_grad = np.asarray(w8.input_grad, np.float64) * np.asarray(w8.input_grad_scales)[..., None]
+    want_forward, want_input_grad = oracle.fp8_weights(w)
+    np.testing.assert_allclose(forward, want_forward, rtol=1e-6)
+    np.testing.assert_allclose(input_grad, want_input_grad, rtol=1e-6)
+    # Each column's (row's) largest magnitude is 448 times its scale.
+    assert np.allclose(np.abs(np.asarray(w8.forward, np.float32)).max(-1), 448)
+    assert np.allclose(np.abs(np.asarray(w8.input_grad, np.float32)).max(-1), 448)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"fp8_weights": "w"}, "fp8_weights must be an Fp8Weights"),
+    ({"w8_shape": (3, K, N)}, r"fp8_weights.forward must be float8_e4m3fn \(3, 48, 32\)"),
+    ({"impl": "mgpu", "big": True}, "needs aligned_groups=True"),
+])
+def test_fp8_bad_arguments(overrides, match):
+    big = overrides.pop("big", False)
+    k, n = (512, 256) if big else (K, N)
+    w = S((3, k, n), jnp.bfloat16)
+    w8 = jax.eval_shape(gg.fp8_weights, w)
+    if "w8_shape" in overrides:
+        w8 = dataclasses.replace(w8, forward=S(overrides.pop("w8_shape"), jnp.float8_e4m3fn))
+    w8 = overrides.pop("fp8_weights", w8)
+    impl = overrides.pop("impl", "xla")
+    with pytest.raises((TypeError, ValueError), match=match):
+        jax.jit(functools.partial(grouped_matmul, impl=impl, fp8_weights=w8)).trace(
+            S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32))
+
+
+def test_fp8_mgpu_path_lowers(gpu_core_count):
+    """fp8_weights with aligned groups: the FP8 forward and input gradient and the
+    bf16 weight gradient, three warp-specialized kernels, lowered for CUDA."""
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+    def loss(x, w, sizes):
+        y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True, valid_sizes=sizes // 2,
+                           fp8_weights=gg.fp8_weights(w))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+    assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()

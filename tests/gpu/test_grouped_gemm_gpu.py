@@ -339,3 +339,74 @@ def test_mgpu_per_rank_under_shard_map():
         assert_close_numpy(dw[groups], oracle.weight_grad(x[rows], dy[rows], sizes[r]), f"{what}: dw")
         total = int(sizes[r].sum())
         assert not y[rows][total:].any() and not dx[rows][total:].any(), f"{what}: padding rows"
+
+
+@jax.jit
+def _dequantized(x, w, dy):
+    """The values grouped_matmul's FP8 path computes with, as bf16: x and dy
+    quantized per row, w's forward and input-gradient copies, both [G, K, N]."""
+    def rows(a):
+        data, scales = gg.quantize_rows(a)
+        return (data.astype(jnp.float32) * scales[..., None]).astype(jnp.bfloat16)
+
+    w8 = gg.fp8_weights(w)
+    forward = jnp.swapaxes(w8.forward.astype(jnp.float32) * w8.forward_scales[..., None], 1, 2)
+    input_grad = w8.input_grad.astype(jnp.float32) * w8.input_grad_scales[..., None]
+    return rows(x), forward.astype(jnp.bfloat16), input_grad.astype(jnp.bfloat16), rows(dy)
+
+
+@pytest.mark.parametrize("kind", ["routed", "all_in_one"])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
+    """fp8_weights= on the warp-specialized kernels (FP8 WGMMA for y and dx,
+    bf16 for dw): groups aligned to 128 whose first rows are the pairs
+    (valid_sizes), finite junk on every other row of x and dy, a row tile
+    past the groups. y and dx against per-group dots of the dequantized
+    operands and against numpy's own quantization on sampled rows; dw against
+    the bf16 dots of the pairs; y and dx exactly 0 off the pairs."""
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    k, n = LAYERS[layer]
+    align = gg.aligned_rows()
+    counts = routed_sizes(rng, kind)
+    sizes = (-(-counts // align) * align).astype(np.int32)
+    total = int(sizes.sum())
+    num_rows = total + align
+    pair_rows = np.zeros(num_rows, bool)
+    for start, count in zip(oracle.offsets(sizes), counts):
+        pair_rows[start:start + count] = True
+    data = jnp.asarray(pair_rows)[:, None]
+    x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
+    x, dy = (jnp.where(data, a, jnp.asarray(1e3, a.dtype)) for a in (x, dy))
+    jsizes, jcounts = jnp.asarray(sizes), jnp.asarray(counts)
+
+    @jax.jit
+    def run(x, w, dy):
+        w8 = gg.fp8_weights(w)
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jsizes, impl="mgpu", aligned_groups=True,
+                                                     valid_sizes=jcounts, fp8_weights=w8), x, w)
+        return (y, *vjp(dy))
+
+    y, dx, dw = run(x, w, dy)
+    pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
+    xq, w_forward, w_input_grad, dyq = _dequantized(*pairs_only[:1], w, pairs_only[1])
+    want_y = per_group_reference(xq, w_forward, sizes, dyq)[0]
+    want_dx = per_group_reference(xq, w_input_grad, sizes, dyq)[1]
+    want_dw = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])[2]
+    what = f"fp8 {layer}, {kind} (seed {seed}, {total} rows, {int((counts == 0).sum())} empty groups)"
+    for name, g, r in zip(("y", "dx", "dw"), (y, dx, dw), (want_y, want_dx, want_dw)):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
+        err = float(excess_error(g, r))
+        assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
+    for name, g in (("y", y), ("dx", dx)):
+        assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
+    # numpy's own quantization on sampled rows of sampled groups (float64 products).
+    starts = oracle.offsets(sizes)
+    for g in sampled_groups(rng, counts):
+        start, count = int(starts[g]), int(counts[g])
+        rows = np.unique(np.concatenate([[start, start + count - 1], rng.integers(start, start + count, 6)]))
+        w_forward_g, w_input_grad_g = (a[0] for a in oracle.fp8_weights(np.asarray(w[g:g + 1], np.float32)))
+        assert_close_numpy(y[rows], oracle.fp8_rows(np.asarray(x[rows], np.float32)) @ w_forward_g,
+                           f"{what}: y, group {g}, rows {rows.tolist()}")
+        assert_close_numpy(dx[rows], oracle.fp8_rows(np.asarray(dy[rows], np.float32)) @ w_input_grad_g.T,
+                           f"{what}: dx, group {g}, rows {rows.tolist()}")

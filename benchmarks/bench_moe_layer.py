@@ -12,7 +12,10 @@ The experts run with --expert-impl, one or a comma list timed in one run
 [experts, capacity, H] buffer; "auto" on GPUs without the Pallas-Triton
 grouped matmul, where ragged_dot expands to a dense dot that does not fit),
 "grouped" (expert-major rows from dispatch_expert_major, grouped_matmul:
-Mosaic GPU kernels on Hopper) or "ragged_dot". The capacity is taken from the
+Mosaic GPU kernels on Hopper), "grouped_fp8" (the same with FP8 forward and
+input-gradient matmuls: the weights' FP8 copies are made once per jitted
+call, as once per optimizer step of --steps micro-batches, their cost
+included) or "ragged_dot". The capacity is taken from the
 true routing (the largest load of an expert, rounded up to 128), and so are
 the grouped path's expert rows per rank (the largest per-rank pair count,
 rounded up to 128), computed once on the host, so nothing is dropped; the run
@@ -180,42 +183,52 @@ def pick_expert_rows(args, mesh, topk_idx):
 
 
 def layer_fn(args, mesh, buffer, impl, sizes):
-    """(x, router, w_in, w_out) -> (y, aux_loss): the MoE layer, or with
+    """(x, router, w_in, w_out, fp8) -> (y, aux_loss): the MoE layer, or with
     buffer None its experts alone on each rank's own tokens (no dispatch or
-    combine)."""
+    combine); fp8: FP8 copies of the weights for "grouped_fp8", else None."""
     kw = {"capacity": sizes.get("capacity"), "expert_rows": sizes.get("expert_rows"),
           "expert_alignment": args.expert_alignment}
+    impl = "grouped" if impl == "grouped_fp8" else impl
     if buffer is not None:
-        return lambda x, r, wi, wo: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer, expert_impl=impl,
-                                                 **kw)
+        return lambda x, r, wi, wo, fp8: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer,
+                                                      expert_impl=impl, fp8=fp8, **kw)
     num_local = args.experts // mesh.shape["expert"]
     tokens, experts = P(("data", "expert")), P("expert")
-    local = jax.shard_map(
-        lambda x, idx, w, wi, wo: ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo, impl=impl,
-                                                **kw),
-        mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens,
-    )
 
-    def apply(x, r, wi, wo):
+    def local(x, idx, w, wi, wo, fp8):
+        return ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo, impl=impl, fp8=fp8, **kw)
+
+    def apply(x, r, wi, wo, fp8):
         idx, w, aux = ml.route(x, r, args.top_k)
-        return local(x, idx, w, wi, wo).astype(x.dtype), aux
+        fp8_specs = () if fp8 is None else (experts,)
+        per_rank = jax.shard_map(local if fp8 is not None else lambda *a: local(*a, None), mesh=mesh,
+                                 in_specs=(tokens, tokens, tokens, experts, experts) + fp8_specs, out_specs=tokens)
+        return per_rank(x, idx, w, wi, wo, *(() if fp8 is None else (fp8,))).astype(x.dtype), aux
 
     return apply
 
 
-def make_steps(args, layer):
-    """A jitted function running args.steps forward+backward passes."""
+def fp8_copies(impl):
+    """(w_in, w_out) -> the FP8 copies the impl's layer takes (None but for grouped_fp8)."""
+    return ml.fp8_expert_weights if impl == "grouped_fp8" else (lambda w_in, w_out: None)
 
-    def loss(x, router, w_in, w_out):
-        y, aux_loss = layer(x, router, w_in, w_out)
+
+def make_steps(args, layer, copies):
+    """A jitted function running args.steps forward+backward passes (copies:
+    the weights' FP8 copies, made once before them, or None)."""
+
+    def loss(x, router, w_in, w_out, fp8):
+        y, aux_loss = layer(x, router, w_in, w_out, fp8)
         return 0.5 * jnp.sum(jnp.square(y.astype(jnp.float32))) + aux_loss
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
 
     def steps(x, router, w_in, w_out):
+        fp8 = copies(w_in, w_out)  # once per optimizer step of args.steps micro-batches
+
         def body(_, carry):
             x, keep = carry
-            g_x, g_router, g_w_in, g_w_out = grad(x, router, w_in, w_out)
+            g_x, g_router, g_w_in, g_w_out = grad(x, router, w_in, w_out, fp8)
             # The next input depends on this gradient (a nudge far below bf16
             # resolution: same routing every step). One element of each weight
             # gradient keeps its computation alive without an extra pass.
@@ -228,10 +241,10 @@ def make_steps(args, layer):
     return jax.jit(steps)
 
 
-def compile_steps(args, layer, inputs):
+def compile_steps(args, layer, copies, inputs):
     """Compiled steps and their memory per device in bytes (None if unknown)."""
     router, w_in, w_out, x = inputs
-    compiled = make_steps(args, layer).lower(x, router, w_in, w_out).compile()
+    compiled = make_steps(args, layer, copies).lower(x, router, w_in, w_out).compile()
     try:
         m = compiled.memory_analysis()
         need = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
@@ -251,9 +264,9 @@ def time_steps(args, compiled, inputs):
     return per_step
 
 
-def forward(layer, inputs):
+def forward(layer, copies, inputs):
     router, w_in, w_out, x = inputs
-    fn = jax.jit(lambda x, r, wi, wo: layer(x, r, wi, wo)[0])
+    fn = jax.jit(lambda x, r, wi, wo: layer(x, r, wi, wo, copies(wi, wo))[0])
     return np.asarray(fn(x, router, w_in, w_out).astype(jnp.float32))
 
 
@@ -272,8 +285,8 @@ def parse_impls(text, on_gpu, fast_ragged_dot):
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name == "auto":
             name = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
-        if name not in ml.EXPERT_IMPLS:
-            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join(ml.EXPERT_IMPLS)}")
+        if name not in (*ml.EXPERT_IMPLS, "grouped_fp8"):
+            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join(ml.EXPERT_IMPLS)}, grouped_fp8")
         if name not in impls:
             impls.append(name)
     if not impls:
@@ -284,11 +297,12 @@ def parse_impls(text, on_gpu, fast_ragged_dot):
 def pick_sizes(args, mesh, inputs, impls):
     """Capacity and expert rows from the true routing, for the impls that take them."""
     sizes = {}
-    if "capacity" in impls or "grouped" in impls:
+    grouped = "grouped" in impls or "grouped_fp8" in impls
+    if "capacity" in impls or grouped:
         topk_idx = true_routing(args, inputs)
         if "capacity" in impls:
             sizes["capacity"], sizes["largest_expert_load"] = pick_capacity(args, mesh, topk_idx)
-        if "grouped" in impls:
+        if grouped:
             sizes["expert_rows"], sizes["largest_rows_per_rank"] = pick_expert_rows(args, mesh, topk_idx)
     return sizes
 
@@ -297,9 +311,10 @@ def describe(impl, sizes, ragged_name):
     if impl == "capacity":
         return (f"capacity experts ({sizes['capacity']} slots per expert, largest load "
                 f"{sizes['largest_expert_load']}, nothing dropped)")
-    if impl == "grouped":
-        return (f"grouped experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
-                f"{sizes['largest_rows_per_rank']}, nothing dropped)")
+    if impl in ("grouped", "grouped_fp8"):
+        fp8 = ", FP8 forward and input gradients, weight copies made once per jitted call" if impl != "grouped" else ""
+        return (f"{impl} experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
+                f"{sizes['largest_rows_per_rank']}, nothing dropped{fp8})")
     return f"ragged_dot experts ({ragged_name})"
 
 
@@ -359,7 +374,7 @@ def main():
             sizes = pick_sizes(args, mesh, inputs, impls)
             layers = {row: layer_fn(args, mesh, buffers.get(row[1]), row[0], sizes) for row in rows}
             t0 = time.perf_counter()
-            compiled = {row: compile_steps(args, layers[row], inputs) for row in rows}
+            compiled = {row: compile_steps(args, layers[row], fp8_copies(row[0]), inputs) for row in rows}
             compile_s = time.perf_counter() - t0
             need = max((n for _, n in compiled.values() if n is not None), default=None)
             if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
@@ -389,7 +404,7 @@ def main():
         results, outputs = {}, {}
         for row in rows:
             if row[1] != "local":
-                outputs[row] = forward(layers[row], inputs)
+                outputs[row] = forward(layers[row], fp8_copies(row[0]), inputs)
             per_step = time_steps(args, compiled[row][0], inputs)
             med = statistics.median(per_step)
             results[row] = {

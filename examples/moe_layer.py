@@ -49,7 +49,7 @@ from deep_ep_jax import (
     grouped_matmul,
     reduce,
 )
-from deep_ep_jax.grouped_gemm import aligned_rows, is_hopper_gpu
+from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
 
@@ -230,19 +230,29 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None):
     """SwiGLU experts on expert-major rows: expert_x bf16 [M, H], group g
     the next group_sizes[g] rows (rows past them give 0), every size a
     multiple of `alignment`; pairs (optional): the rows at each group's start
-    that hold a pair (the layout's group_sizes), the rest being padding.
+    that hold a pair (the layout's group_sizes), the rest being padding;
+    fp8 (optional): fp8_expert_weights(w_in, w_out), for FP8 matmuls.
     Returns bf16 [M, H]."""
     # Sizes of whole row tiles: say so, and grouped_matmul needs no device-side choice of kernels.
     # The pairs let the weight gradient skip the padding rows.
     kwargs = dict(aligned_groups=alignment % aligned_rows() == 0, valid_sizes=pairs)
-    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, **kwargs)
+    w_in8, w_out8 = fp8 or (None, None)
+    gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, fp8_weights=w_in8, **kwargs)
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, **kwargs)
+    return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
+
+
+def fp8_expert_weights(w_in, w_out):
+    """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
+    their forward and input-gradient matmuls then run on FP8 operands; the
+    weight gradients stay bf16. Make them once per optimizer step (they read
+    all the weights) and pass them to every micro-batch's step."""
+    return fp8_weights(w_in.astype(jnp.bfloat16)), fp8_weights(w_out.astype(jnp.bfloat16))
 
 
 def default_expert_alignment() -> int:
@@ -252,13 +262,13 @@ def default_expert_alignment() -> int:
     return aligned_rows() if is_hopper_gpu() else 1
 
 
-def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment):
+def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment, fp8):
     """expert_ffn on rank-major rows through expert-major ones: expand, the
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
                               alignment=alignment, num_rows=expert_rows)
     expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
-                              layout.group_sizes)
+                              layout.group_sizes, fp8)
     return reduce(expert_y, recv_topk_weights, layout)
 
 
@@ -282,12 +292,14 @@ def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows
     return jnp.sum(counts - kept)
 
 
-def _check_expert_args(fn, impl, expert_rows, alignment):
+def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None):
     """Raises on bad arguments; returns the alignment (None: default_expert_alignment())."""
     if alignment is None:
         alignment = default_expert_alignment()
     if impl not in EXPERT_IMPLS:
         raise ValueError(f"{fn}: expert_impl must be one of {EXPERT_IMPLS}, got {impl!r}")
+    if fp8 is not None and impl != "grouped":
+        raise ValueError(f"{fn}: fp8 expert weights need expert_impl='grouped', got {impl!r}")
     if expert_rows is not None and (not isinstance(expert_rows, int) or isinstance(expert_rows, bool)
                                     or expert_rows < 1):
         raise ValueError(f"{fn}: expert_rows must be a positive int or None, got {expert_rows!r}")
@@ -297,7 +309,7 @@ def _check_expert_args(fn, impl, expert_rows, alignment):
 
 
 def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None,
-               expert_rows=None, expert_alignment=None):
+               expert_rows=None, expert_alignment=None, fp8=None):
     """SwiGLU experts over the received rows, weighted by their top-k weights.
 
     recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
@@ -310,23 +322,25 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
     (expand to `expert_rows` expert-major rows, default
     deep_ep_jax.expert_major.default_num_rows(N, K, L, expert_alignment),
     grouped_matmul, reduce; pairs past them are dropped). expert_alignment: each expert's rows start
-    at a multiple of it (default: default_expert_alignment()).
+    at a multiple of it (default: default_expert_alignment()). fp8 ("grouped" only):
+    fp8_expert_weights(w_in, w_out), for FP8 matmuls (on Hopper, with an alignment of 128).
     """
-    expert_alignment = _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment)
+    expert_alignment = _check_expert_args("expert_ffn", impl, expert_rows, expert_alignment, fp8)
     if impl == "ragged_dot":
         return _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out)
     if impl == "capacity":
         if capacity is None:
             capacity = default_capacity(*recv_topk_idx.shape, w_in.shape[0])
         return _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, int(capacity))
-    return _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, expert_alignment)
+    return _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, expert_alignment,
+                               fp8)
 
 
 def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int,
-            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None):
+            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None, fp8=None):
     """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H].
-    expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn."""
-    expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment)
+    expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn."""
+    expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8)
     x = x.astype(jnp.bfloat16)
     if expert_impl == "grouped":
         # Received pairs land grouped by local expert: no sort, gather or scatter here.
@@ -334,7 +348,7 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
             num_rows=expert_rows)
         expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment),
-                                  expert_alignment, layout.group_sizes)
+                                  expert_alignment, layout.group_sizes, fp8)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
     recv_x, recv_idx, recv_weights, handle = dispatch(
         x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
@@ -364,10 +378,10 @@ def route(x, router_kernel, top_k: int, normalize: bool = True):
 
 
 def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True,
-              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None):
+              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None, fp8=None):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
-    expert_impl, capacity, expert_rows, expert_alignment: see expert_ffn
-    (expert_rows: per rank)."""
+    expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn
+    (expert_rows: per rank; fp8: fp8_expert_weights of the global weights)."""
     mesh, num_experts = buffer.mesh, router_kernel.shape[-1]
     shape = x.shape
     x = x.reshape(-1, shape[-1])
@@ -375,13 +389,14 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
     per_rank = jax.shard_map(
-        lambda *a: moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl, capacity=capacity,
-                           expert_rows=expert_rows, expert_alignment=expert_alignment),
+        lambda x, idx, weights, w_in, w_out, fp8=None: moe_ffn(
+            x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl,
+            capacity=capacity, expert_rows=expert_rows, expert_alignment=expert_alignment, fp8=fp8),
         mesh=mesh,
-        in_specs=(tokens, tokens, tokens, experts, experts),
+        in_specs=(tokens, tokens, tokens, experts, experts) + ((experts,) if fp8 is not None else ()),
         out_specs=tokens,
     )
-    y = per_rank(x, topk_idx, topk_weights, w_in, w_out)
+    y = per_rank(x, topk_idx, topk_weights, w_in, w_out, *(() if fp8 is None else (fp8,)))
     return y.astype(x.dtype).reshape(shape), aux_loss
 
 

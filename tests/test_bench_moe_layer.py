@@ -49,3 +49,13 @@ def test_too_few_expert_rows_refused():
     assert run.returncode != 0
     assert re.search(r"--expert-rows 128 drops [1-9][0-9]* \(token, expert\) pairs", run.stdout + run.stderr), \
         run.stdout + run.stderr
+
+
+def test_grouped_fp8_beside_grouped():
+    """grouped_fp8 (FP8 expert matmuls, the weights' copies made once per call) runs beside grouped,
+    its forward close to the bf16 one's."""
+    run = _run("--expert-impl", "grouped,grouped_fp8", "--no-local")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients" in run.stdout, run.stdout
+    diff = float(re.search(r"xla: grouped_fp8 experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
+    assert 0 < diff < 0.5, run.stdout

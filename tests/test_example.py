@@ -291,6 +291,37 @@ def test_moe_module_matches_ragged_dot(impl):
         _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
 
 
+def test_moe_apply_fp8_experts():
+    """The layer with FP8 expert matmuls (fp8=fp8_expert_weights(...), grouped
+    experts) close to the bf16 one, forward and gradients, on the global
+    weights split over the expert axis; other expert paths refuse fp8."""
+    mesh = _mesh()
+    num_experts = 2 * mesh.shape["expert"]
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(3))
+    x = jax.device_put(dt.random_rows(10, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
+    params = (layer.router[...], layer.w_in[...], layer.w_out[...])
+
+    def run(use_fp8):
+        def apply(router, w_in, w_out):
+            fp8 = ml.fp8_expert_weights(w_in, w_out) if use_fp8 else None
+            return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl="grouped", fp8=fp8)[0]
+
+        loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
+        return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
+
+    (y8, g8), (y, g) = run(True), run(False)
+    for name, a, b in (("output", y8, y), *zip(("grad router", "grad w_in", "grad w_out"), g8, g)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.isfinite(a).all(), name
+        # FP8 operands (3 mantissa bits): a few percent off as a norm, never more than 10%.
+        assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), f"fp8 {name}: {np.linalg.norm(a - b) / np.linalg.norm(b):.3g}"
+        assert not np.array_equal(a, b), f"fp8 {name}: identical to bf16, so FP8 did not run"
+    with pytest.raises(ValueError, match="fp8 expert weights need expert_impl='grouped'"):
+        ml.moe_apply(x, *params, top_k=2, buffer=buffer, expert_impl="capacity",
+                     fp8=ml.fp8_expert_weights(*params[1:]))
+
+
 def _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe):
     fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl="grouped", expert_rows=rows,
                                             expert_alignment=alignment)

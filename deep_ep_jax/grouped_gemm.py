@@ -37,6 +37,15 @@ a ValueError where the shapes do not fit. Notes on the mgpu path:
 On a GPU, jax.lax.ragged_dot (the "xla" path) expands to a dense dot over all
 groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
 (`jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)`).
+
+FP8 (`fp8_weights=fp8_weights(w)`): y and dx from float8_e4m3fn operands, x
+and dy quantized with one scale per row inside, w from its copies (one scale
+per output channel); dw as without FP8. On Hopper the warp-specialized
+kernel runs with FP8 WGMMA, each K step of 128 added to a float32 total in
+registers (the FP8 tensor cores keep only about 14 bits while they
+accumulate), the scales applied in its epilogue; groups must be aligned
+(aligned_groups=True). Elsewhere the same maths is jax.lax.ragged_dot in
+float32 on the dequantized operands.
 """
 
 from __future__ import annotations
@@ -537,6 +546,8 @@ def _fp8_matmul(use_mgpu, blocks, a, w_data, w_scales, group_sizes, valid_sizes,
         out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
                                       out_dtype=a.dtype, row_scales=a_scales, col_scales=w_scales)
         return _vary_over(out, _vma(group_sizes))
+    # The barrier keeps XLA from dropping the float -> float8 -> float converts (excess precision).
+    a_data, w_data = lax.optimization_barrier((a_data, w_data))
     dequantized = a_data.astype(jnp.float32) * a_scales[:, None]
     w = w_data.astype(jnp.float32) * w_scales[..., None]
     dims = lax.RaggedDotDimensionNumbers(

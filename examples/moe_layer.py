@@ -14,6 +14,9 @@ Three ways to run the experts (`expert_impl`):
   `combine_expert_major` weights and combines them: no argsort, gather or
   scatter. `expert_rows` rows per rank (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
+With "grouped", `fp8=fp8_expert_weights(w_in, w_out)` runs the experts'
+forward and input-gradient matmuls on FP8 operands (make the copies once
+per optimizer step; the weight gradients stay bf16).
 The default stays "ragged_dot": exact on every platform. On GPUs
 jax.lax.ragged_dot is a dense dot, so there choose "capacity" or "grouped"
 (with expert_rows from your routing). "grouped" on Hopper aligns each

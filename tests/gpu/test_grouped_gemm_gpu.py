@@ -22,6 +22,7 @@ import functools
 import grouped_gemm_oracle as oracle
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -344,12 +345,14 @@ def test_mgpu_per_rank_under_shard_map():
 @jax.jit
 def _dequantized(x, w, dy):
     """The values grouped_matmul's FP8 path computes with, as bf16: x and dy
-    quantized per row, w's forward and input-gradient copies, both [G, K, N]."""
+    quantized per row, w's forward and input-gradient copies, both [G, K, N].
+    (The barriers keep XLA from dropping a float -> float8 -> float pair of
+    converts, which it may do on GPUs: excess precision is allowed by default.)"""
     def rows(a):
-        data, scales = gg.quantize_rows(a)
+        data, scales = lax.optimization_barrier(gg.quantize_rows(a))
         return (data.astype(jnp.float32) * scales[..., None]).astype(jnp.bfloat16)
 
-    w8 = gg.fp8_weights(w)
+    w8 = lax.optimization_barrier(gg.fp8_weights(w))
     forward = jnp.swapaxes(w8.forward.astype(jnp.float32) * w8.forward_scales[..., None], 1, 2)
     input_grad = w8.input_grad.astype(jnp.float32) * w8.input_grad_scales[..., None]
     return rows(x), forward.astype(jnp.bfloat16), input_grad.astype(jnp.bfloat16), rows(dy)

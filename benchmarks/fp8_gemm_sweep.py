@@ -1,0 +1,125 @@
+"""FP8 configurations of the warp-specialized rows_matmul (deep_ep_jax/hopper_gemm.py), as
+grouped_matmul(..., fp8_weights=) calls it for y, on one Hopper GPU: each timed at the MoE
+benchmark's shapes per rank and checked against float32 dots of the dequantized operands.
+
+    python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX]
+
+Shapes and groups as benchmarks/hopper_gemm_sweep.py (one rank's 128 experts of random top-8
+routing, groups aligned to 128 rows holding their pairs; the SwiGLU's two matmuls, K x N =
+7168 x 4096 and 2048 x 7168, each on its own line). Operands: x quantized per row, w's forward
+copy (grouped_gemm.fp8_weights). The error is the largest |y - y_ref| over four groups (the
+largest, the first, the middle and the last) as a fraction of their largest |y_ref|, y_ref in
+float32 (HIGHEST precision) on the dequantized operands, outside any jit; bf16 output rounding
+alone gives about 3e-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_grouped_gemm import routed_group_sizes
+from hopper_gemm_sweep import pair_rows
+from timing import chain_seconds
+
+from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax import hopper_gemm as hg
+
+T = hg.HopperTiles
+CONFIGS = [
+    # one accumulator per warpgroup, no promotion: faster, but off by up to 0.75% at K = 7168
+    T(128, 128, 128, 4, grid_minor_n=False, grid_tile_width=4),
+    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True),
+    # promoted every K step (128 or 256)
+    T(64, 128, 128, 4, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, cluster_n=True),
+    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True,
+      steady_pipeline=True),
+    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True),
+]
+
+
+def operands(key, k, n, num_rows, sizes, counts):
+    """(x data, x row scales, w's forward copy, its scales): x's rows that hold no pair are zeros."""
+    kx, kw = jax.random.split(key)
+    x = jnp.where(pair_rows(num_rows, sizes, counts)[:, None], jax.random.normal(kx, (num_rows, k), jnp.bfloat16), 0)
+    w = jax.random.normal(kw, (len(sizes), k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)
+    x_data, x_scales = jax.jit(gg.quantize_rows)(x)
+    w8 = jax.jit(gg.fp8_weights)(w)
+    return x_data, x_scales, w8.forward, w8.forward_scales
+
+
+def references(ops, sizes, counts, groups):
+    """{group: (its pair rows, float32 y of the dequantized operands)}, computed eagerly."""
+    x_data, x_scales, w_data, w_scales = ops
+    starts = np.cumsum(sizes) - sizes
+    out = {}
+    for g in groups:
+        rows = slice(int(starts[g]), int(starts[g] + counts[g]))
+        x = x_data[rows].astype(jnp.float32) * x_scales[rows][:, None]
+        w = w_data[g].astype(jnp.float32) * w_scales[g][:, None]  # [N, K]
+        out[g] = rows, jnp.dot(x, w.T, precision=lax.Precision.HIGHEST)
+    return out
+
+
+def call(t, ops, sizes, counts):
+    x_data, x_scales, w_data, w_scales = ops
+    with jax.ensure_compile_time_eval():  # the index maps are constants of the program, not timed
+        groups, rows = gg._row_tiles(jnp.asarray(sizes), jnp.asarray(counts), x_data.shape[0], hg.row_tile(t))
+    return hg.rows_matmul(x_data, w_data, groups, rows, jnp.ones((1,), jnp.float32), t, transpose_rhs=True,
+                          out_dtype=jnp.bfloat16, row_scales=x_scales, col_scales=w_scales)
+
+
+def seconds(t, ops, sizes, counts, repeats):
+    """Seconds per call, from chains of 3 and 6 (each call's row scales depend on the previous output)."""
+    def chain(length):
+        def run(x_data, x_scales, w_data, w_scales):
+            def body(_, scales):
+                y = call(t, (x_data, scales, w_data, w_scales), sizes, counts)
+                return scales.at[0].add(y[0, 0].astype(jnp.float32) * 0)
+
+            return lax.fori_loop(0, length, body, x_scales)[:1]
+        return jax.jit(run)
+    return chain_seconds(chain(3), chain(6), ops, 3, repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
+    args = parser.parse_args()
+    counts, sizes = routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
+    num_rows = -(-int(sizes.sum()) // 128) * 128
+    groups = sorted({int(np.argmax(counts)), 0, len(sizes) // 2, len(sizes) - 1})
+    print(f"pairs {int(counts.sum())}, M {num_rows}; errors over groups {groups}")
+    for i, (k, n) in enumerate([(7168, 4096), (2048, 7168)]):
+        ops = operands(jax.random.key(i), k, n, num_rows, sizes, counts)
+        want = references(ops, sizes, counts, groups)
+        flops = 2 * int(counts.sum()) * k * n
+        for t in (t for t in CONFIGS if re.search(args.match, repr(t))):
+            try:
+                y = jax.jit(lambda *ops, t=t: call(t, ops, sizes, counts))(*ops)
+                err = max(float(jnp.max(jnp.abs(y[rows].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                          for rows, ref in want.values())
+                secs = seconds(t, ops, sizes, counts, args.repeats)
+                med = np.median(secs)
+                print(f"{k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-{np.max(secs) * 1e3:.3f}) "
+                      f"{flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
+                text = "".join(traceback.format_exception_only(type(e), e))
+                print(f"{k} x {n} {t}: FAILED {text[:1500]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -74,6 +74,14 @@ def with_junk_padding(a, total):
     return jnp.where(rows, jnp.asarray(1e3, a.dtype), a)
 
 
+def group_pair_rows(num_rows, sizes, counts):
+    """bool [num_rows]: the first counts[g] rows of each group g (its pairs)."""
+    rows = np.zeros(num_rows, bool)
+    for start, count in zip(oracle.offsets(sizes), counts):
+        rows[start:start + count] = True
+    return rows
+
+
 @functools.partial(jax.jit, static_argnames=("impl", "aligned_groups"))
 def forward_and_grads(x, w, sizes, dy, impl, aligned_groups=False):
     y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups), x, w)
@@ -217,9 +225,7 @@ def test_valid_sizes_leave_out_padding_rows(kind):
     counts = routed_sizes(rng, kind)
     sizes = (-(-counts // gg.aligned_rows()) * gg.aligned_rows()).astype(np.int32)
     num_rows = int(sizes.sum()) + 200
-    pair_rows = np.zeros(num_rows, bool)
-    for start, count in zip(oracle.offsets(sizes), counts):
-        pair_rows[start:start + count] = True
+    pair_rows = group_pair_rows(num_rows, sizes, counts)
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     junk = jnp.asarray(~pair_rows)[:, None]
     x_junk, dy_junk = (jnp.where(junk, jnp.asarray(1e3, a.dtype), a) for a in (x, dy))
@@ -260,6 +266,17 @@ def test_broken_promise_makes_everything_nan():
         assert bool(jnp.all(jnp.isnan(got))), f"a broken promise: {name} is not NaN everywhere"
 
 
+def check_against_reference(what, got, want, data):
+    """got, want: (y, dx, dw); want from per-group dots. Every value finite, within RTOL
+    (excess_error), and y and dx exactly 0 off the pairs (data: bool [M, 1], the pair rows)."""
+    for name, g, r in zip(("y", "dx", "dw"), got, want):
+        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
+        err = float(excess_error(g, r))
+        assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
+    for name, g in zip(("y", "dx"), got[:2]):
+        assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
+
+
 @pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 def test_aligned_kernels_directly(kind, steady):
@@ -295,20 +312,13 @@ def test_aligned_kernels_directly(kind, steady):
     dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
                                                        jsizes // tiles.weight_grad.tile_k, unit,
                                                        tiles.weight_grad))(x, dy)
-    pair_rows = np.zeros(num_rows, bool)
-    for start, count in zip(oracle.offsets(sizes), counts):
-        pair_rows[start:start + count] = True
+    pair_rows = group_pair_rows(num_rows, sizes, counts)
     data = jnp.asarray(pair_rows)[:, None]
     pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
     want_y, want_dx, _ = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])
     want_dw = per_group_reference(x, w, sizes, dy)[2]  # dw: every row of the groups
     what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
-    for name, g, r in zip(("y", "dx", "dw"), (y, dx, dw), (want_y, want_dx, want_dw)):
-        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
-        err = float(excess_error(g, r))
-        assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
-    for name, g in (("y", y), ("dx", dx)):
-        assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
+    check_against_reference(what, (y, dx, dw), (want_y, want_dx, want_dw), data)
     assert not bool(jnp.any(dw[sizes == 0])), f"{what}: dw of empty groups is not zero"
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, pair_rows)
 
@@ -375,9 +385,7 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
     sizes = (-(-counts // align) * align).astype(np.int32)
     total = int(sizes.sum())
     num_rows = total + align
-    pair_rows = np.zeros(num_rows, bool)
-    for start, count in zip(oracle.offsets(sizes), counts):
-        pair_rows[start:start + count] = True
+    pair_rows = group_pair_rows(num_rows, sizes, counts)
     data = jnp.asarray(pair_rows)[:, None]
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     x, dy = (jnp.where(data, a, jnp.asarray(1e3, a.dtype)) for a in (x, dy))
@@ -397,12 +405,7 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
     want_dx = per_group_reference(xq, w_input_grad, sizes, dyq)[1]
     want_dw = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])[2]
     what = f"fp8 {layer}, {kind} (seed {seed}, {total} rows, {int((counts == 0).sum())} empty groups)"
-    for name, g, r in zip(("y", "dx", "dw"), (y, dx, dw), (want_y, want_dx, want_dw)):
-        assert bool(jnp.all(jnp.isfinite(g))), f"{what}: {name} has non-finite values"
-        err = float(excess_error(g, r))
-        assert err <= RTOL, f"{what}: {name} vs per-group dots, max excess error {err:.3g} of the scale"
-    for name, g in (("y", y), ("dx", dx)):
-        assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
+    check_against_reference(what, (y, dx, dw), (want_y, want_dx, want_dw), data)
     # numpy's own quantization on sampled rows of sampled groups (float64 products).
     starts = oracle.offsets(sizes)
     for g in sampled_groups(rng, counts):

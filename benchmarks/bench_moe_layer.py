@@ -195,15 +195,15 @@ def layer_fn(args, mesh, buffer, impl, sizes):
     num_local = args.experts // mesh.shape["expert"]
     tokens, experts = P(("data", "expert")), P("expert")
 
-    def local(x, idx, w, wi, wo, fp8):
+    def local(x, idx, w, wi, wo, fp8=None):
         return ml.expert_ffn(x.astype(jnp.bfloat16), idx % num_local, w, wi, wo, impl=impl, fp8=fp8, **kw)
 
     def apply(x, r, wi, wo, fp8):
         idx, w, aux = ml.route(x, r, args.top_k)
-        fp8_specs = () if fp8 is None else (experts,)
-        per_rank = jax.shard_map(local if fp8 is not None else lambda *a: local(*a, None), mesh=mesh,
-                                 in_specs=(tokens, tokens, tokens, experts, experts) + fp8_specs, out_specs=tokens)
-        return per_rank(x, idx, w, wi, wo, *(() if fp8 is None else (fp8,))).astype(x.dtype), aux
+        operands = (x, idx, w, wi, wo) + (() if fp8 is None else (fp8,))
+        per_rank = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts)[
+            :len(operands)], out_specs=tokens)
+        return per_rank(*operands).astype(x.dtype), aux
 
     return apply
 

@@ -54,7 +54,7 @@ def test_too_few_expert_rows_refused():
 def test_grouped_fp8_beside_grouped():
     """grouped_fp8 (FP8 expert matmuls, the weights' copies made once per call) runs beside grouped,
     its forward close to the bf16 one's."""
-    run = _run("--expert-impl", "grouped,grouped_fp8", "--no-local")
+    run = _run("--expert-impl", "grouped,grouped_fp8")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients" in run.stdout, run.stdout
     diff = float(re.search(r"xla: grouped_fp8 experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))

@@ -18,15 +18,21 @@ step that covers its data). `scale` (float32 [1]) multiplies every output:
 
 Each CTA runs a memory warpgroup (TMA loads into a ring of shared-memory
 stages) and two compute warpgroups (WGMMA into float32 accumulators) that
-split the CTA's tile along N, so the warpgroups share the row tile's loads.
+split the CTA's tile along N, so the warpgroups share the row tile's loads
+(or, with split_rows, along the rows, sharing the weights' loads).
 The CTAs are persistent (one per SM, or one per cluster of two whose CTAs
 share the row tile by TMA multicast) and walk the tiles in an order that
 keeps a group's weights and a row tile's rows in L2 while they are reused.
 Tiles past the last group are not computed, only stored as zeros.
 
+rows_matmul also takes float8_e4m3fn x and w (w as [G, N, K]: FP8 WGMMA
+reads both operands K-major) with a float32 scale per row of x and per
+output column of w[g], applied in the epilogue; with `promote`, each K
+step's products are added to a float32 total in registers.
+
 Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
-f16; rows, K and N multiples of the tiles; every group size a multiple of
-`row_tile(tiles)`.
+f16 (or float8_e4m3fn in rows_matmul); rows, K and N multiples of the
+tiles; every group size a multiple of `row_tile(tiles)`.
 """
 
 from __future__ import annotations

@@ -474,10 +474,15 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
             lambda: _padding_zeroed(ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
                                                                **dataclasses.asdict(blocks.input_grad)),
                                     group_sizes, valid_sizes, scale))
+    dx = _ragged_dot_rhs_transposed(dy, w, group_sizes).astype(dy.dtype)
+    return _padding_zeroed(dx, group_sizes, valid_sizes, scale)
+
+
+def _ragged_dot_rhs_transposed(a, w, group_sizes):
+    """float32 a [M, C] @ w[g]^T per group of rows, w [G, C', C] (jax.lax.ragged_dot_general)."""
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    dx = lax.ragged_dot_general(dy, w, group_sizes, dims, preferred_element_type=jnp.float32).astype(dy.dtype)
-    return _padding_zeroed(dx, group_sizes, valid_sizes, scale)
+    return lax.ragged_dot_general(a, w, group_sizes, dims, preferred_element_type=jnp.float32)
 
 
 def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale):
@@ -550,7 +555,5 @@ def _fp8_matmul(use_mgpu, blocks, a, w_data, w_scales, group_sizes, valid_sizes,
     a_data, w_data = lax.optimization_barrier((a_data, w_data))
     dequantized = a_data.astype(jnp.float32) * a_scales[:, None]
     w = w_data.astype(jnp.float32) * w_scales[..., None]
-    dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    out = lax.ragged_dot_general(dequantized, w, group_sizes, dims, preferred_element_type=jnp.float32)
+    out = _ragged_dot_rhs_transposed(dequantized, w, group_sizes)
     return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(a.dtype)

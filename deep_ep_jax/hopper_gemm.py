@@ -244,13 +244,13 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                            out_smem=_out_smem(plgpu, t, out_dtype), collective_axes="wg", **scale_allocs)
         def _scope(allocs, out_smem, row_smem=None, col_smem=None, scales_loaded=None):
             wg = lax.axis_index("wg")
+            # This warpgroup's rows of the CTA's tile (split_rows), or its columns (otherwise).
+            wg_rows, wg_cols = pl.ds(wg * t.tile_m, t.tile_m), pl.ds(wg * t.tile_n, t.tile_n)
             wg_first_row = wg * t.tile_m if t.split_rows else 0
 
             def wg_part(ref):
                 """This warpgroup's part of a CTA tile's ref: its rows, or its columns."""
-                if t.split_rows:
-                    return ref.at[pl.ds(wg * t.tile_m, t.tile_m)]
-                return ref.at[:, pl.ds(wg * t.tile_n, t.tile_n)]
+                return ref.at[wg_rows] if t.split_rows else ref.at[:, wg_cols]
 
             def rows_and_cols(mi, ni):
                 """The rows and this CTA's columns of output tile (mi, ni)."""
@@ -267,9 +267,9 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                         row_s = row_scales_gmem.at[rows]
                         col_s = col_scales_gmem.at[tile_group_gmem[mi]].at[cols]
                         if t.split_rows:
-                            row_s = row_s.at[pl.ds(wg * t.tile_m, t.tile_m)]
+                            row_s = row_s.at[wg_rows]
                         else:
-                            col_s = col_s.at[pl.ds(wg * t.tile_n, t.tile_n)]
+                            col_s = col_s.at[wg_cols]
                         plgpu.copy_gmem_to_smem(row_s, row_smem.at[wg], scales_loaded.at[wg])
                         plgpu.copy_gmem_to_smem(col_s, col_smem.at[wg], scales_loaded.at[wg])
 
@@ -287,7 +287,6 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                     if t.split_rows:  # this warpgroup's rows of x, all of the CTA's columns
                         a, b = wg_part(a_smem), b_smem
                     else:  # all rows, this warpgroup's columns (b_smem's rows with transpose_rhs)
-                        wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
                         a, b = a_smem, b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
                     b = b.transpose((1, 0)) if transpose_rhs else b
                     if t.promote:

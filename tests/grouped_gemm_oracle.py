@@ -47,14 +47,12 @@ def _rows_of(start, size, rows):
 
 def fp8_rows(a):
     """a [..., C] as grouped_matmul's FP8 path sees it (float64): each row
-    quantized to float8_e4m3fn with one scale, amax / 448 (amax at least 1e-4)."""
-    from oracle import FP8_MAX, e4m3_round
+    quantized to float8_e4m3fn with one scale (oracle's FP8, one block per row)."""
+    from oracle import fp8_scales, fp8_values
 
     a = np.asarray(a, np.float32)
-    scale = (np.maximum(np.abs(a).max(-1), np.float32(1e-4)) * np.float32(1.0 / FP8_MAX)).astype(np.float32)
-    inverse = np.float32(1.0) / scale
-    values = e4m3_round(np.clip(a * inverse[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX)))
-    return values.astype(np.float64) * scale[..., None]
+    scales = fp8_scales(a, block=a.shape[-1])
+    return fp8_values(a, scales, block=a.shape[-1]).astype(np.float64) * scales
 
 
 def fp8_weights(w):

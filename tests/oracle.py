@@ -235,12 +235,12 @@ def bf16_values(a):
     return (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
-def fp8_scales(x, round_scale=False):
-    """x [..., H] (bf16 values) -> float32 scales [..., H / 128]: per block of
-    128 channels max(amax, 1e-4) times float32(1 / 448), both steps rounded
+def fp8_scales(x, round_scale=False, block=FP8_BLOCK):
+    """x [..., H] (bf16 values) -> float32 scales [..., H / block]: per block of
+    `block` channels max(amax, 1e-4) times float32(1 / 448), both steps rounded
     to float32; with round_scale, the power of two at or above that."""
     x = np.asarray(x, np.float32)
-    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4))
     scale = amax * (np.float32(1.0) / np.float32(FP8_MAX))
     if round_scale:
@@ -260,7 +260,7 @@ def e4m3_round(v):
     return (np.round(v / step) * step).astype(np.float32)  # np.round: ties to even; exact in float64
 
 
-def fp8_values(x, scales, inverse_ulps=0):
+def fp8_values(x, scales, inverse_ulps=0, block=FP8_BLOCK):
     """The FP8 values (as float32) of x [..., H] given its scales:
     e4m3(clip(x * inv, -448, 448)), inv = float32(1 / scale) (IEEE), or
     moved by `inverse_ulps` float32 steps (to bound a kernel whose 1 / scale
@@ -269,7 +269,7 @@ def fp8_values(x, scales, inverse_ulps=0):
     inv = np.float32(1.0) / np.asarray(scales, np.float32)
     for _ in range(abs(inverse_ulps)):
         inv = np.nextafter(inv, np.float32(np.inf if inverse_ulps > 0 else 0.0)).astype(np.float32)
-    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     scaled = np.clip(blocks * inv[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX))
     return e4m3_round(scaled).reshape(x.shape)
 

@@ -270,22 +270,32 @@ def test_capacity_drops_pairs_past_capacity():
         _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
 
 
-@pytest.mark.parametrize("impl", ["capacity", "grouped"])
-def test_moe_module_matches_ragged_dot(impl):
-    """The whole layer (dispatch, capacity or grouped experts, combine) against ragged_dot."""
+def _layer_inputs(layer_seed, x_seed):
+    """(buffer, x, (router, w_in, w_out)): a top-2 MoE of 2 experts per rank on the CPU mesh, global x."""
     mesh = _mesh()
     num_experts = 2 * mesh.shape["expert"]
     buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
-    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(1))
-    x = jax.device_put(dt.random_rows(9, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
-    params = (layer.router[...], layer.w_in[...], layer.w_out[...])
+    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(layer_seed))
+    x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
+    return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
 
-    def run(impl):
-        apply = lambda *p: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl=impl)[0]
-        loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
-        return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
 
-    (y_impl, g_impl), (y_rag, g_rag) = run(impl), run("ragged_dot")
+def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
+    """moe_apply's output and the gradients of sum(sin(output)) for (router, w_in, w_out), under one jit;
+    use_fp8: with the weights' FP8 copies made inside."""
+    def apply(router, w_in, w_out):
+        fp8 = ml.fp8_expert_weights(w_in, w_out) if use_fp8 else None
+        return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8)[0]
+
+    loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
+    return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
+
+
+@pytest.mark.parametrize("impl", ["capacity", "grouped"])
+def test_moe_module_matches_ragged_dot(impl):
+    """The whole layer (dispatch, capacity or grouped experts, combine) against ragged_dot."""
+    buffer, x, params = _layer_inputs(1, 9)
+    (y_impl, g_impl), (y_rag, g_rag) = (_layer_and_grads(buffer, x, params, i) for i in (impl, "ragged_dot"))
     _assert_close(y_impl, y_rag, f"{impl}: layer output", rel=1e-2)
     for name, a, b in zip(("router", "w_in", "w_out"), g_impl, g_rag):
         _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
@@ -295,22 +305,8 @@ def test_moe_apply_fp8_experts():
     """The layer with FP8 expert matmuls (fp8=fp8_expert_weights(...), grouped
     experts) close to the bf16 one, forward and gradients, on the global
     weights split over the expert axis; other expert paths refuse fp8."""
-    mesh = _mesh()
-    num_experts = 2 * mesh.shape["expert"]
-    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
-    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(3))
-    x = jax.device_put(dt.random_rows(10, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
-    params = (layer.router[...], layer.w_in[...], layer.w_out[...])
-
-    def run(use_fp8):
-        def apply(router, w_in, w_out):
-            fp8 = ml.fp8_expert_weights(w_in, w_out) if use_fp8 else None
-            return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl="grouped", fp8=fp8)[0]
-
-        loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
-        return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
-
-    (y8, g8), (y, g) = run(True), run(False)
+    buffer, x, params = _layer_inputs(3, 10)
+    (y8, g8), (y, g) = (_layer_and_grads(buffer, x, params, "grouped", use_fp8) for use_fp8 in (True, False))
     for name, a, b in (("output", y8, y), *zip(("grad router", "grad w_in", "grad w_out"), g8, g)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(a).all(), name

@@ -252,6 +252,8 @@ def main(argv=None):
     p.add_argument("--fp8", action="store_true",
                    help="also time each impl with fp8_weights (FP8 forward and input gradient; mgpu needs --align "
                         "128), the weights' FP8 copies made outside the step; and the making of them")
+    p.add_argument("--fp8-weight-grad", action="store_true",
+                   help="with --fp8, also each impl with fp8_weights(w, weight_grad=True) (FP8 weight gradient too)")
     p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
     p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
     p.add_argument("--repeats", type=int, default=10)
@@ -299,13 +301,16 @@ def main(argv=None):
     results = []
     print("\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s |\n|---|---|---|---|---|")
     outputs = {}
-    make_fp8 = jax.jit(lambda w_in, w_out: (gg.fp8_weights(w_in), gg.fp8_weights(w_out)))
+    make_fp8 = jax.jit(lambda w_in, w_out, weight_grad=False: (gg.fp8_weights(w_in, weight_grad=weight_grad),
+                                                                gg.fp8_weights(w_out, weight_grad=weight_grad)),
+                       static_argnames="weight_grad")
     variants = [(impl, None) for impl in impls]
     if args.fp8:
         if "mgpu" in impls and not aligned:
             p.error(f"--fp8 with impl mgpu needs --align {gg.aligned_rows()}")
-        w8 = make_fp8(w_in, w_out)
-        variants += [(f"{impl} fp8", w8) for impl in impls]
+        variants += [(f"{impl} fp8", make_fp8(w_in, w_out)) for impl in impls]
+        if args.fp8_weight_grad:
+            variants += [(f"{impl} fp8 dw", make_fp8(w_in, w_out, weight_grad=True)) for impl in impls]
     for name, fp8 in variants:
         impl = name.split()[0]
         inputs = (x, dy, w_in, w_out, sizes_dev, valid, fp8)
@@ -329,7 +334,7 @@ def main(argv=None):
             print_kernel_breakdown(f"{name}, forward+backward",
                                    chain(forward_backward_step(name.split()[0], blocks, aligned), args.chain),
                                    (x, dy, w_in, w_out, sizes_dev, valid, fp8), args.chain)
-    for name in ("xla", "mgpu fp8"):
+    for name in ("xla", "mgpu fp8", "mgpu fp8 dw"):
         if name in outputs and "mgpu" in outputs:
             print(f"\n# {name} vs mgpu output: max error {float(relative_error(outputs[name], outputs['mgpu'])):.2e} "
                   "of the largest value")

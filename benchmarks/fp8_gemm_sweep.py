@@ -1,8 +1,9 @@
-"""FP8 configurations of the warp-specialized rows_matmul (deep_ep_jax/hopper_gemm.py), as
-grouped_matmul(..., fp8_weights=) calls it for y, on one Hopper GPU: each timed at the MoE
-benchmark's shapes per rank and checked against float32 dots of the dequantized operands.
+"""FP8 configurations of the warp-specialized kernels (deep_ep_jax/hopper_gemm.py), as
+grouped_matmul(..., fp8_weights=) calls them, on one Hopper GPU: rows_matmul for y and
+weight_grad(transposed=True) for dw, each timed at the MoE benchmark's shapes per rank and
+checked against float32 dots of the dequantized operands.
 
-    python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX]
+    python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX] [--kernels forward,weight_grad]
 
 Shapes and groups as benchmarks/hopper_gemm_sweep.py (one rank's 128 experts of random top-8
 routing, groups aligned to 128 rows holding their pairs; the SwiGLU's two matmuls, K x N =
@@ -10,7 +11,8 @@ routing, groups aligned to 128 rows holding their pairs; the SwiGLU's two matmul
 copy (grouped_gemm.fp8_weights). The error is the largest |y - y_ref| over four groups (the
 largest, the first, the middle and the last) as a fraction of their largest |y_ref|, y_ref in
 float32 (HIGHEST precision) on the dequantized operands, outside any jit; bf16 output rounding
-alone gives about 3e-3.
+alone gives about 3e-3. dw likewise, from x's FP8 values and z = dy * x's row scales
+quantized per column (grouped_gemm._fp8_weight_grad), over all of each group's pair rows.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ CONFIGS = [
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True),
 ]
+WEIGHT_GRAD_CONFIGS = [
+    # warpgroups split N (128 x 256 CTA tile), no promotion
+    T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128),
+    # warpgroups split K rows (2 x 64 x 128), promoted every row step
+    T(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
+    T(64, 128, 128, 6, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
+    T(64, 128, 128, 4, grid_tile_width=8, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
+    T(64, 128, 128, 4, grid_minor_n=False, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True,
+      epi_tile_n=128),
+    T(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True, epi_tile_n=128),
+]
 
 
 def operands(key, k, n, num_rows, sizes, counts):
@@ -81,44 +94,92 @@ def call(t, ops, sizes, counts):
                           out_dtype=jnp.bfloat16, row_scales=x_scales, col_scales=w_scales)
 
 
-def seconds(t, ops, sizes, counts, repeats):
-    """Seconds per call, from chains of 3 and 6 (each call's row scales depend on the previous output)."""
-    def chain(length):
-        def run(x_data, x_scales, w_data, w_scales):
-            def body(_, scales):
-                y = call(t, (x_data, scales, w_data, w_scales), sizes, counts)
-                return scales.at[0].add(y[0, 0].astype(jnp.float32) * 0)
+def weight_grad_operands(key, k, n, num_rows, sizes, counts):
+    """(x's FP8 values transposed [K, M], z^T's FP8 values [N, M], z's column scales [N]), as
+    grouped_gemm._fp8_weight_grad makes them: z = dy * x's row scales, 0 off the pairs."""
+    kx, kd = jax.random.split(key)
+    pairs = pair_rows(num_rows, sizes, counts)[:, None]
+    x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
+    dy = jnp.where(pairs, jax.random.normal(kd, (num_rows, n), jnp.bfloat16), 0)
 
-            return lax.fori_loop(0, length, body, x_scales)[:1]
+    @jax.jit
+    def make(x, dy):
+        x_data, x_scales = gg.quantize_rows(x)
+        z_t, z_scales = gg.quantize_rows((dy.astype(jnp.float32) * x_scales[:, None]).T)
+        return x_data.T, z_t, z_scales
+    return make(x, dy)
+
+
+def weight_grad_references(ops, sizes, counts, groups):
+    """{group: (g, float32 dw[g] of the dequantized operands over its pair rows)}, computed eagerly."""
+    x_t, z_t, z_scales = ops
+    starts = np.cumsum(sizes) - sizes
+    out = {}
+    for g in groups:
+        rows = slice(int(starts[g]), int(starts[g] + counts[g]))
+        z = z_t[:, rows].astype(jnp.float32) * z_scales[:, None]  # [N, rows]
+        out[g] = g, jnp.dot(x_t[:, rows].astype(jnp.float32), z.T, precision=lax.Precision.HIGHEST)
+    return out
+
+
+def weight_grad_call(t, ops, sizes, counts):
+    x_t, z_t, z_scales = ops
+    starts = np.cumsum(sizes) - sizes
+    steps = -(-counts // t.tile_k)
+    return hg.weight_grad(x_t, z_t, jnp.asarray(starts, jnp.int32), jnp.asarray(steps, jnp.int32),
+                          jnp.ones((1,), jnp.float32), t, transposed=True, col_scales=z_scales,
+                          out_dtype=jnp.bfloat16)
+
+
+def seconds(t, ops, sizes, counts, repeats, call=call):
+    """Seconds per call, from chains of 3 and 6 (each call's scales, the operands' last, depend on the
+    previous output)."""
+    def chain(length):
+        def run(*ops):
+            def body(_, scales):
+                out = call(t, (*ops[:-1], scales), sizes, counts)
+                return scales.at[0].add(out.reshape(-1)[0].astype(jnp.float32) * 0)
+
+            return lax.fori_loop(0, length, body, ops[-1])[:1]
         return jax.jit(run)
     return chain_seconds(chain(3), chain(6), ops, 3, repeats)
+
+
+KERNELS = {  # name: (configurations, operands, references, call)
+    "forward": (CONFIGS, operands, references, call),
+    "weight_grad": (WEIGHT_GRAD_CONFIGS, weight_grad_operands, weight_grad_references, weight_grad_call),
+}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
+    parser.add_argument("--kernels", default=",".join(KERNELS))
     args = parser.parse_args()
     counts, sizes = routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
     num_rows = -(-int(sizes.sum()) // 128) * 128
     groups = sorted({int(np.argmax(counts)), 0, len(sizes) // 2, len(sizes) - 1})
     print(f"pairs {int(counts.sum())}, M {num_rows}; errors over groups {groups}")
-    for i, (k, n) in enumerate([(7168, 4096), (2048, 7168)]):
-        ops = operands(jax.random.key(i), k, n, num_rows, sizes, counts)
-        want = references(ops, sizes, counts, groups)
-        flops = 2 * int(counts.sum()) * k * n
-        for t in (t for t in CONFIGS if re.search(args.match, repr(t))):
-            try:
-                y = jax.jit(lambda *ops, t=t: call(t, ops, sizes, counts))(*ops)
-                err = max(float(jnp.max(jnp.abs(y[rows].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-                          for rows, ref in want.values())
-                secs = seconds(t, ops, sizes, counts, args.repeats)
-                med = np.median(secs)
-                print(f"{k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-{np.max(secs) * 1e3:.3f}) "
-                      f"{flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}", flush=True)
-            except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
-                text = "".join(traceback.format_exception_only(type(e), e))
-                print(f"{k} x {n} {t}: FAILED {text[:1500]}", flush=True)
+    for name in args.kernels.split(","):
+        configs, make_operands, make_references, kernel_call = KERNELS[name]
+        for i, (k, n) in enumerate([(7168, 4096), (2048, 7168)]):
+            ops = make_operands(jax.random.key(i), k, n, num_rows, sizes, counts)
+            want = make_references(ops, sizes, counts, groups)  # {group: (index of the output, float32 values)}
+            flops = 2 * int(counts.sum()) * k * n
+            for t in (t for t in configs if re.search(args.match, repr(t))):
+                try:
+                    out = jax.jit(lambda *ops, t=t: kernel_call(t, ops, sizes, counts))(*ops)
+                    err = max(float(jnp.max(jnp.abs(out[index].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                              for index, ref in want.values())
+                    secs = seconds(t, ops, sizes, counts, args.repeats, kernel_call)
+                    med = np.median(secs)
+                    print(f"{name} {k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-"
+                          f"{np.max(secs) * 1e3:.3f}) {flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
+                    text = "".join(traceback.format_exception_only(type(e), e))
+                    print(f"{name} {k} x {n} {t}: FAILED {text[:1500]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,15 @@ groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
 
 FP8 (`fp8_weights=fp8_weights(w)`): y and dx from float8_e4m3fn operands, x
 and dy quantized with one scale per row inside, w from its copies (one scale
-per output channel); dw as without FP8. On Hopper the warp-specialized
-kernel runs with FP8 WGMMA, each K step of 128 added to a float32 total in
-registers (the FP8 tensor cores keep only about 14 bits while they
-accumulate), the scales applied in its epilogue; groups must be aligned
-(aligned_groups=True). Elsewhere the same maths is jax.lax.ragged_dot in
-float32 on the dequantized operands.
+per output channel); dw as without FP8. With `fp8_weights(w,
+weight_grad=True)` dw too: dw[g] = x_g^T dy_g from the forward's quantized x
+(kept instead of x) and dy times x's row scales, quantized with one scale per
+column (slower end to end today: the transposed quantization is plain XLA).
+On Hopper the warp-specialized kernels run with FP8 WGMMA, each K step added
+to a float32 total in registers (the FP8 tensor cores keep only about 14
+bits while they accumulate), the scales applied in their epilogues; groups
+must be aligned (aligned_groups=True). Elsewhere the same maths is
+jax.lax.ragged_dot in float32 on the dequantized operands.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class AlignedTiles:
     input_grad: HopperTiles
     weight_grad: HopperTiles
     fp8: HopperTiles  # forward and input gradient on FP8 operands (fp8_weights=)
+    fp8_weight_grad: HopperTiles  # weight gradient on FP8 operands (fp8_weights(w, weight_grad=True))
 
 
 # The best of `benchmarks/hopper_gemm_sweep.py` on one H200 (jax 0.11.2, 2026-12-01) at the MoE
@@ -97,9 +101,14 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # at once (6% faster than in 64 x 64 pieces: a tile has only a few row steps to hide its stores).
     weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True,
                             epi_tile_m=128, epi_tile_n=128),
-    # K steps of 128 float8 (a 128-byte swizzle), each added to a float32 total (promote), for which the
-    # warpgroups' 64 x 128 accumulators leave room.
-    fp8=HopperTiles(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    # K steps of 256 float8 (two 128-byte swizzled tiles), each added to a float32 total (promote), for which
+    # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
+    # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error).
+    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile), each added
+    # to a float32 total (a group may hold every row), the warpgroups splitting the CTA's K rows.
+    fp8_weight_grad=HopperTiles(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True,
+                                promote=True, epi_tile_m=64, epi_tile_n=128),
 )
 
 
@@ -134,24 +143,33 @@ class Fp8Weights:
     forward_scales: jax.Array  # [G, N]
     input_grad: jax.Array  # [G, K, N]: w, for dx = dy @ w[g]^T
     input_grad_scales: jax.Array  # [G, K]
+    weight_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))  # dw from FP8 operands too
 
 
-def fp8_weights(w) -> Fp8Weights:
+def fp8_weights(w, *, weight_grad: bool = False) -> Fp8Weights:
     """The FP8 copies of w [G, K, N] for grouped_matmul(..., fp8_weights=).
+    weight_grad=True: w's gradient from FP8 operands as well (see the module docstring).
 
     Make them once per optimizer step, outside the gradient accumulation:
     they read all of w, about as many bytes as the FP8 matmuls save."""
     _validate_array("w", w, 3)
+    if not isinstance(weight_grad, bool):
+        raise TypeError(f"fp8_weights: weight_grad must be a bool, got {type(weight_grad).__name__}")
     forward, forward_scales = quantize_rows(jnp.swapaxes(w, 1, 2))
     input_grad, input_grad_scales = quantize_rows(w)
-    return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales)
+    return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales, weight_grad)
+
+
+# Scales are amax / 448, amax floored only so that 1 / scale stays finite: gradients may be far below
+# the 1e-4 floor of the activations' FP8 (an all-zero row gets zeros).
+FP8_MIN_AMAX = 1e-30
 
 
 def quantize_rows(a):
     """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row, amax / 448."""
     from deep_ep_jax.backends.reference import quantize_fp8
 
-    data, scales = quantize_fp8(a, block=a.shape[-1])
+    data, scales = quantize_fp8(a, block=a.shape[-1], min_amax=FP8_MIN_AMAX)
     return data, scales[..., 0]
 
 
@@ -227,7 +245,7 @@ def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     kernels (pass it as the expert-major layout's alignment)."""
     a = blocks.aligned or DEFAULT_ALIGNED_TILES
     return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k,
-                    hopper_gemm.row_tile(a.fp8))
+                    hopper_gemm.row_tile(a.fp8), a.fp8_weight_grad.tile_k)
 
 
 def _sizes_aligned(group_sizes, blocks):
@@ -322,11 +340,18 @@ def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
                              f"multiples of {aligned_rows(blocks)}, as the expert-major layout's with that "
                              f"alignment); or pass impl='xla'")
         tiles = blocks.aligned
-        if tiles is None or k % tiles.fp8.tile_k or n % tiles.fp8.tile_k or n % hopper_gemm.cta_cols(tiles.fp8) \
-                or k % hopper_gemm.cta_cols(tiles.fp8):
-            need = "block_sizes.aligned" if tiles is None else (
-                f"K and N multiples of {tiles.fp8.tile_k} and of {hopper_gemm.cta_cols(tiles.fp8)}")
+        multiple = None if tiles is None else _fp8_multiple(tiles, w8.weight_grad)
+        if tiles is None or k % multiple or n % multiple:
+            need = "block_sizes.aligned" if tiles is None else f"K and N multiples of {multiple}"
             raise ValueError(f"{fn}: fp8_weights on the Mosaic GPU path needs {need}; got K={k}, N={n}")
+
+
+def _fp8_multiple(tiles: AlignedTiles, weight_grad: bool) -> int:
+    """K and N must be multiples of this on the FP8 kernels (both serve as the forward's K and the input
+    gradient's; with weight_grad, as rows and columns of the weight gradient's tiles)."""
+    f, dw = tiles.fp8, tiles.fp8_weight_grad
+    dw_sides = (hopper_gemm.row_tile(dw), hopper_gemm.cta_cols(dw)) if weight_grad else ()
+    return math.lcm(f.tile_k, hopper_gemm.cta_cols(f), *dw_sides)
 
 
 def _use_mgpu(impl, x, w, blocks) -> bool:
@@ -506,10 +531,14 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
             return hopper_gemm.weight_grad(x, dy, starts, steps, scale, tiles)
 
         return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
+    return _ragged_weight_grad(x, dy, group_sizes, scale).astype(x.dtype)
+
+
+def _ragged_weight_grad(x, dy, group_sizes, scale):
+    """float32 scale * x_g^T dy_g per group of rows (jax.lax.ragged_dot_general)."""
     dims = lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    dw = lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32).astype(x.dtype)
-    return dw * scale.astype(dw.dtype)
+    return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32) * scale
 
 
 # FP8 ---------------------------------------------------------------------------
@@ -517,43 +546,71 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _grouped_matmul_fp8(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
-    """_grouped_matmul with y and dx from FP8 operands (x and dy quantized
-    here, w as w8); dw from x and dy as they are. w is not read: it types dw."""
-    del w
-    return _fp8_matmul(use_mgpu, blocks, x, w8.forward, w8.forward_scales, group_sizes, valid_sizes, scale)
+    """_grouped_matmul from FP8 operands: x and dy quantized here, w as w8
+    (dw in x's dtype, or with w8.weight_grad from FP8 operands). w is not
+    read: it types dw."""
+    return _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale)[0]
 
 
 def _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
-    y = _grouped_matmul_fp8(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale)
-    return y, (x, w, w8, group_sizes, valid_sizes, scale)
+    x_data, x_scales = quantize_rows(x)
+    y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
+                    scale, x.dtype)
+    x_for_dw = (x_data, x_scales) if w8.weight_grad else x
+    return y, (x_for_dw, w, w8, group_sizes, valid_sizes, scale)
 
 
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
-    x, w, w8, group_sizes, valid_sizes, scale = residuals
+    x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
     dy = _padding_zeroed(dy, group_sizes, valid_sizes)
-    dx = _fp8_matmul(use_mgpu, blocks, dy, w8.input_grad, w8.input_grad_scales, group_sizes, valid_sizes, scale)
-    # Sizes are aligned on the Mosaic GPU path (_validate_fp8).
-    dw = _weight_grad(use_mgpu, blocks, True, x, dy, group_sizes, valid_sizes, scale)
+    dx = _fp8_matmul(use_mgpu, blocks, *quantize_rows(dy), w8.input_grad, w8.input_grad_scales, group_sizes,
+                     valid_sizes, scale, dy.dtype)
+    if w8.weight_grad:
+        dw = _fp8_weight_grad(use_mgpu, blocks, *x_for_dw, dy, group_sizes, valid_sizes, scale, w.dtype)
+    else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
+        dw = _weight_grad(use_mgpu, blocks, True, x_for_dw, dy, group_sizes, valid_sizes, scale)
     no_grad = jax.tree.map(jnp.zeros_like, w8)
-    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), no_grad, None, None, None
+    # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
+    return _vary_over(dx, _vma(group_sizes)), _vary_over(dw, _vma(w)), no_grad, None, None, None
 
 
 _grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
 
 
-def _fp8_matmul(use_mgpu, blocks, a, w_data, w_scales, group_sizes, valid_sizes, scale):
-    """out [M, C'] = scale * q(a) @ (w_data * w_scales)[g]^T, in a's dtype, 0 on padding rows: a [M, C]
-    quantized per row (q), w_data float8 [G, C', C], w_scales [G, C']."""
-    a_data, a_scales = quantize_rows(a)
+def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_sizes, valid_sizes, scale, out_dtype):
+    """out [M, C'] = scale * (a_data * a_scales) @ (w_data * w_scales)[g]^T, 0 on padding rows:
+    a_data float8 [M, C] with one scale per row (a_scales [M]), w_data float8 [G, C', C], w_scales [G, C']."""
     if use_mgpu:
         tiles = blocks.aligned.fp8
-        groups, rows = _row_tiles(group_sizes, valid_sizes, a.shape[0], hopper_gemm.row_tile(tiles))
+        groups, rows = _row_tiles(group_sizes, valid_sizes, a_data.shape[0], hopper_gemm.row_tile(tiles))
         out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
-                                      out_dtype=a.dtype, row_scales=a_scales, col_scales=w_scales)
+                                      out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
         return _vary_over(out, _vma(group_sizes))
-    # The barrier keeps XLA from dropping the float -> float8 -> float converts (excess precision).
-    a_data, w_data = lax.optimization_barrier((a_data, w_data))
-    dequantized = a_data.astype(jnp.float32) * a_scales[:, None]
-    w = w_data.astype(jnp.float32) * w_scales[..., None]
-    out = _ragged_dot_rhs_transposed(dequantized, w, group_sizes)
-    return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(a.dtype)
+    a, w = _dequantized(a_data, a_scales[:, None], w_data, w_scales[..., None])
+    out = _ragged_dot_rhs_transposed(a, w, group_sizes)
+    return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(out_dtype)
+
+
+def _fp8_weight_grad(use_mgpu, blocks, x_data, x_scales, dy, group_sizes, valid_sizes, scale, out_dtype):
+    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g from x = x_data * x_scales (per row). The row scales
+    move onto dy (they vary along the contraction, so the epilogue cannot apply them); z = dy * x_scales
+    is then quantized per column, so dw[g] = (x_data_g^T z_data_g) * z's column scales. Padding rows
+    of z are 0 (x_data there may be anything finite)."""
+    z = _padding_zeroed(dy.astype(jnp.float32) * x_scales[:, None], group_sizes, valid_sizes)
+    z_data_t, z_scales = quantize_rows(z.T)  # [N, M], [N]
+    if use_mgpu:
+        tiles = blocks.aligned.fp8_weight_grad
+        starts = jnp.cumsum(group_sizes) - group_sizes
+        steps = -(-valid_sizes // tiles.tile_k)  # <= group_sizes // tile_k: sizes are multiples of it
+        dw = hopper_gemm.weight_grad(x_data.T, z_data_t, starts, steps, scale, tiles, transposed=True,
+                                     col_scales=z_scales, out_dtype=out_dtype)
+        return _vary_over(dw, _vma(group_sizes))
+    x, z = _dequantized(x_data, 1.0, z_data_t.T, z_scales)
+    return _ragged_weight_grad(x, z, group_sizes, scale).astype(out_dtype)
+
+
+def _dequantized(a_data, a_scales, b_data, b_scales):
+    """float32 a_data * a_scales and b_data * b_scales (the scales broadcast as given).
+    The barrier keeps XLA from dropping a float -> float8 -> float pair of converts (excess precision)."""
+    a_data, b_data = lax.optimization_barrier((a_data, b_data))
+    return a_data.astype(jnp.float32) * a_scales, b_data.astype(jnp.float32) * b_scales

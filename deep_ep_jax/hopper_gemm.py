@@ -28,11 +28,14 @@ Tiles past the last group are not computed, only stored as zeros.
 rows_matmul also takes float8_e4m3fn x and w (w as [G, N, K]: FP8 WGMMA
 reads both operands K-major) with a float32 scale per row of x and per
 output column of w[g], applied in the epilogue; with `promote`, each K
-step's products are added to a float32 total in registers.
+step's products are added to a float32 total in registers. weight_grad
+takes them transposed (x^T [K, M] and dy^T [N, M], the contraction over
+rows contiguous) with a float32 scale per column of dw, and `promote` and
+`split_rows` likewise.
 
 Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
-f16 (or float8_e4m3fn in rows_matmul); rows, K and N multiples of the
-tiles; every group size a multiple of `row_tile(tiles)`.
+f16 (or float8_e4m3fn, transposed in weight_grad); rows, K and N multiples
+of the tiles; every group size a multiple of `row_tile(tiles)`.
 """
 
 from __future__ import annotations
@@ -355,15 +358,29 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
     return _kernel(body, (m, n), out_dtype, t)(tile_group, tile_rows, scale, *scales, *num_row_tiles, x, w)
 
 
-def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles):
+def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed: bool = False,
+                col_scales=None, out_dtype=None):
     """dw[g] = scale * x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N].
 
     Group g's rows are group_starts[g] + [0, group_steps[g] * tile_k); an
     empty group (0 steps) gets zeros. Here the kernel's rows are K's and its
     contraction runs over the group's rows. With t.steady_pipeline (and no
-    cluster_n) a CTA's tiles form one pipeline (`_weight_grad_one_pipeline`)."""
+    cluster_n) a CTA's tiles form one pipeline (`_weight_grad_one_pipeline`).
+
+    transposed: x and dy come as x^T [K, M] and dy^T [N, M], the rows (the
+    contraction) contiguous, as FP8 WGMMA reads both operands (float8_e4m3fn
+    needs it); then col_scales (float32 [N], optional) multiplies column n of
+    every dw[g], t.promote adds each row step's products to a float32 total,
+    and dw has out_dtype (default x's); t.split_rows has the compute
+    warpgroups split the CTA's tile by K rows (2 tile_m x tile_n). Only as
+    one pipeline."""
+    if transposed or col_scales is not None or t.promote or t.split_rows:
+        if not (transposed and t.steady_pipeline and not t.cluster_n):
+            raise ValueError("weight_grad: col_scales, promote and split_rows need transposed=True, and "
+                             f"transposed needs tiles with steady_pipeline and without cluster_n, got {t}")
     if t.steady_pipeline and not t.cluster_n:
-        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t)
+        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t, transposed=transposed,
+                                         col_scales=col_scales, out_dtype=out_dtype)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -438,7 +455,8 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles):
     return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, scale, x, dy)
 
 
-def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: HopperTiles):
+def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed=False,
+                              col_scales=None, out_dtype=None):
     """weight_grad with a CTA's tiles as one pipeline: a tile has only a few
     row steps (a group's rows / tile_k), so instead of a pipeline per tile
     (whose loads wait for the previous tile's last product) the memory
@@ -450,31 +468,40 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    num_rows, k = x.shape
-    n = dy.shape[1]
+    k, n = (x.shape[0], dy.shape[0]) if transposed else (x.shape[1], dy.shape[1])
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     g = group_starts.shape[0]
-    cta_n = 2 * t.tile_n
-    m_iters, n_iters = k // t.tile_m, n // cta_n
+    cta_m, cta_n = row_tile(t), cta_cols(t)
+    m_iters, n_iters = k // cta_m, n // cta_n
     stages = t.max_concurrent_steps
     compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
+    # A stage's blocks of x and dy: [rows, K] and [rows, N] pieces, or with transposed [K, rows] and [N, rows].
+    a_block, b_block = ((cta_m, t.tile_k), (cta_n, t.tile_k)) if transposed else \
+        ((t.tile_k, cta_m), (t.tile_k, cta_n))
+    scaled = col_scales is not None
 
-    def body(starts_gmem, steps_gmem, scale_gmem, x_gmem, dy_gmem, out_gmem):
+    def body(starts_gmem, steps_gmem, scale_gmem, *refs):
+        *col_scales_gmem, x_gmem, dy_gmem, out_gmem = refs
+        # Each compute warpgroup's column scales, loaded while its tile accumulates.
+        scale_allocs = dict(col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
+                            scales_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if scaled else {}
+
         @functools.partial(
             pl.run_scoped,
-            a_smem=plgpu.SMEM((stages, t.tile_k, t.tile_m), x.dtype, transforms=_transforms(plgpu, t.tile_m, x.dtype)),
-            b_smem=plgpu.SMEM((stages, t.tile_k, cta_n), x.dtype, transforms=_transforms(plgpu, cta_n, x.dtype)),
+            a_smem=plgpu.SMEM((stages, *a_block), x.dtype, transforms=_transforms(plgpu, a_block[1], x.dtype)),
+            b_smem=plgpu.SMEM((stages, *b_block), x.dtype, transforms=_transforms(plgpu, b_block[1], x.dtype)),
             loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both copies of a stage landed
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups are done with it
-            out_smem=_out_smem(plgpu, t, x.dtype),
-            collective_axes="wg")
-        def _scope(a_smem, b_smem, loaded, consumed, out_smem):
+            out_smem=_out_smem(plgpu, t, out_dtype),
+            collective_axes="wg", **scale_allocs)
+        def _scope(a_smem, b_smem, loaded, consumed, out_smem, col_smem=None, scales_loaded=None):
             wg = lax.axis_index("wg")
 
             def tile(info):
                 """(group, K rows, CTA columns, row steps, first row) of this loop step's tile."""
                 gi, lin = info.index
                 mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
-                return gi, pl.ds(mi * t.tile_m, t.tile_m), pl.ds(ni * cta_n, cta_n), steps_gmem[gi], starts_gmem[gi]
+                return gi, pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n), steps_gmem[gi], starts_gmem[gi]
 
             def walk(per_tile):
                 """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
@@ -496,8 +523,10 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                             plgpu.barrier_wait(consumed.at[slot])
 
                         rows = pl.ds(pl.multiple_of(start + s * t.tile_k, t.tile_k), t.tile_k)
-                        plgpu.copy_gmem_to_smem(x_gmem.at[rows, k_rows], a_smem.at[slot], loaded.at[slot])
-                        plgpu.copy_gmem_to_smem(dy_gmem.at[rows, cols], b_smem.at[slot], loaded.at[slot])
+                        x_part, dy_part = (x_gmem.at[k_rows, rows], dy_gmem.at[cols, rows]) if transposed else \
+                            (x_gmem.at[rows, k_rows], dy_gmem.at[rows, cols])
+                        plgpu.copy_gmem_to_smem(x_part, a_smem.at[slot], loaded.at[slot])
+                        plgpu.copy_gmem_to_smem(dy_part, b_smem.at[slot], loaded.at[slot])
                         return count + 1
 
                     return lax.fori_loop(0, steps, step, carry)
@@ -507,24 +536,60 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
             @pl.when(wg < 2)
             def _compute():
                 plgpu.set_max_registers(compute_registers, action="increase")
-                wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
+                # This warpgroup's K rows of the CTA's tile (split_rows), or its columns (otherwise).
+                wg_rows, wg_cols = pl.ds(wg * t.tile_m, t.tile_m), pl.ds(wg * t.tile_n, t.tile_n)
+
+                def wg_part(ref):
+                    """This warpgroup's part of a CTA tile's [K rows, columns] ref."""
+                    return ref.at[wg_rows] if t.split_rows else ref.at[:, wg_cols]
+
+                def operands(slot):
+                    """This warpgroup's WGMMA operands in a stage: x's block [K rows, rows], dy's [rows, columns]."""
+                    if transposed:
+                        a, b = a_smem.at[slot], b_smem.at[slot]
+                        a, b = (a.at[wg_rows], b) if t.split_rows else (a, b.at[wg_cols])
+                        return a, b.transpose((1, 0))
+                    return a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols]
 
                 def per_tile(info, carry):
                     gi, k_rows, cols, steps, _ = tile(info)
+                    if scaled:
+                        wg_scales = col_scales_gmem[0].at[cols]
+                        wg_scales = wg_scales if t.split_rows else wg_scales.at[wg_cols]
+                        plgpu.copy_gmem_to_smem(wg_scales, col_smem.at[wg], scales_loaded.at[wg])
+
+                    def store(acc):
+                        if scaled:
+                            plgpu.barrier_wait(scales_loaded.at[wg])
+                            acc = acc * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,))
+                        _store(plgpu, t, out_smem, wg, wg_part(out_gmem.at[gi].at[k_rows, cols]), acc * scale_gmem[0])
+
+                    if t.promote:  # each step's products on their own, added to a float32 total
+                        def promoted_step(s, count_total):
+                            count, total = count_total
+                            slot = lax.rem(count, stages)
+                            plgpu.barrier_wait(loaded.at[slot])
+                            total = _promoted(plgpu, pl, t, total, *operands(slot))
+                            plgpu.barrier_arrive(consumed.at[slot])
+                            return count + 1, total
+
+                        count, total = lax.fori_loop(0, steps, promoted_step,
+                                                     (carry, jnp.zeros((t.tile_m, t.tile_n), jnp.float32)))
+                        store(total)
+                        return count
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
                     def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
                         def step(s, count):
                             slot = lax.rem(count, stages)
                             plgpu.barrier_wait(loaded.at[slot])
-                            plgpu.wgmma(acc_ref, a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols])
+                            plgpu.wgmma(acc_ref, *operands(slot))
                             plgpu.wgmma_wait(0)
                             plgpu.barrier_arrive(consumed.at[slot])
                             return count + 1
 
                         count = lax.fori_loop(0, steps, step, carry)
-                        _store(plgpu, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols],
-                               acc_ref[...] * scale_gmem[0])
+                        store(acc_ref[...])
                         return count
 
                     return count_after
@@ -533,4 +598,5 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, scale, x, dy)
+    scales = (col_scales,) if scaled else ()
+    return _kernel(body, (g, k, n), out_dtype, t)(group_starts, group_steps, scale, *scales, x, dy)

@@ -45,14 +45,31 @@ def _rows_of(start, size, rows):
     return sel if rows is None else np.intersect1d(sel, rows)
 
 
-def fp8_rows(a):
-    """a [..., C] as grouped_matmul's FP8 path sees it (float64): each row
-    quantized to float8_e4m3fn with one scale (oracle's FP8, one block per row)."""
+def fp8_row_parts(a):
+    """a [..., C] -> (FP8 values as float32 [..., C], float32 scales [..., 1]): each
+    row quantized to float8_e4m3fn with one scale, as grouped_matmul's FP8 path
+    does (oracle's FP8 with one block per row and amax floored only at 1e-30)."""
     from oracle import fp8_scales, fp8_values
 
     a = np.asarray(a, np.float32)
-    scales = fp8_scales(a, block=a.shape[-1])
-    return fp8_values(a, scales, block=a.shape[-1]).astype(np.float64) * scales
+    scales = fp8_scales(a, block=a.shape[-1], min_amax=1e-30)
+    return fp8_values(a, scales, block=a.shape[-1]), scales
+
+
+def fp8_rows(a):
+    """a [..., C] as grouped_matmul's FP8 path sees it (float64), quantized per row."""
+    values, scales = fp8_row_parts(a)
+    return values.astype(np.float64) * scales
+
+
+def fp8_weight_grad(x, dy, sizes):
+    """dw [G, K, N] of grouped_matmul's FP8 path: x's FP8 values (per-row
+    quantization) against z = dy * x's row scales (float32, 0 past the groups)
+    quantized per column."""
+    x_values, x_scales = fp8_row_parts(x)
+    z = np.asarray(dy, np.float32) * x_scales
+    z[int(np.sum(sizes)):] = 0
+    return weight_grad(x_values, fp8_rows(z.T).T, sizes)
 
 
 def fp8_weights(w):

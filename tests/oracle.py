@@ -235,13 +235,13 @@ def bf16_values(a):
     return (bf16_bits(a).astype(np.uint32) << 16).view(np.float32)
 
 
-def fp8_scales(x, round_scale=False, block=FP8_BLOCK):
+def fp8_scales(x, round_scale=False, block=FP8_BLOCK, min_amax=1e-4):
     """x [..., H] (bf16 values) -> float32 scales [..., H / block]: per block of
-    `block` channels max(amax, 1e-4) times float32(1 / 448), both steps rounded
-    to float32; with round_scale, the power of two at or above that."""
+    `block` channels max(amax, min_amax) times float32(1 / 448), both steps
+    rounded to float32; with round_scale, the power of two at or above that."""
     x = np.asarray(x, np.float32)
     blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
-    amax = np.maximum(np.abs(blocks).max(-1), np.float32(1e-4))
+    amax = np.maximum(np.abs(blocks).max(-1), np.float32(min_amax))
     scale = amax * (np.float32(1.0) / np.float32(FP8_MAX))
     if round_scale:
         # A float32's log2 is an integer exactly when it is a power of two, and

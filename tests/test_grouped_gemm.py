@@ -419,11 +419,11 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
 # FP8 (fp8_weights=) ---------------------------------------------------------------
 
 
-def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None):
+def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None, weight_grad=False):
     """jitted (x, w, sizes, dy) -> (y, dx, dw) with FP8 copies of w made inside."""
 
     def run(x, w, sizes, dy):
-        w8 = gg.fp8_weights(w)
+        w8 = gg.fp8_weights(w, weight_grad=weight_grad)
         y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups,
                                                      valid_sizes=valid_sizes, fp8_weights=w8), x, w)
         return (y, *vjp(dy))
@@ -431,26 +431,30 @@ def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None):
     return jax.jit(run)
 
 
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
 @pytest.mark.parametrize("kind,num_groups", [("random", 6), ("all_in_one", 6), ("padding", 6), ("padding", 1)])
-def test_fp8_matches_numpy(kind, num_groups):
-    """y and dx from per-row FP8 operands and the FP8 weight copies, against numpy
-    on the same quantized values; dw as without FP8; junk padding rows stay out."""
+def test_fp8_matches_numpy(kind, num_groups, weight_grad):
+    """y and dx from FP8 operands (per-row x and dy, the FP8 weight copies),
+    against numpy on the same quantized values and near the bf16 maths; dw as
+    without FP8, or with weight_grad=True from FP8 operands too (x's values,
+    dy times x's row scales quantized per column); junk padding rows stay out."""
     rng = np.random.default_rng()
     num_rows = int(rng.integers(40, 120))
     sizes = make_sizes(rng, kind, num_rows, num_groups)
     x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
-    y, dx, dw = fp8_forward_and_grads()(x, w, sizes, dy)
+    y, dx, dw = fp8_forward_and_grads(weight_grad=weight_grad)(x, w, sizes, dy)
     w_forward, w_input_grad = oracle.fp8_weights(w)
     total, what = int(sizes.sum()), f"fp8, {kind}, sizes {sizes.tolist()}"
     assert y.dtype == x.dtype and dx.dtype == x.dtype and dw.dtype == w.dtype, what
     assert_close(y, oracle.forward(oracle.fp8_rows(x), w_forward, sizes), f"{what}: y")
     assert_close(dx, oracle.input_grad(oracle.fp8_rows(dy), w_input_grad, sizes), f"{what}: dx")
-    assert_close(dw, oracle.weight_grad(x, dy, sizes), f"{what}: dw")
+    assert_close(dw, (oracle.fp8_weight_grad if weight_grad else oracle.weight_grad)(x, dy, sizes), f"{what}: dw")
     assert not np.asarray(y[total:], np.float32).any(), f"{what}: padding rows of y"
     assert not np.asarray(dx[total:], np.float32).any(), f"{what}: dx of padding rows"
     # FP8 is FP8: within 10% (as a norm) of the bf16 maths, so no scale is missing or wrong.
-    want = oracle.forward(x, w, sizes)
-    assert np.linalg.norm(np.asarray(y, np.float64) - want) <= 0.1 * np.linalg.norm(want), what
+    for got, want, name in ((y, oracle.forward(x, w, sizes), "y"), (dx, oracle.input_grad(dy, w, sizes), "dx"),
+                            (dw, oracle.weight_grad(x, dy, sizes), "dw")):
+        assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 0.1 * np.linalg.norm(want), f"{what}: {name}"
 
 
 def test_fp8_weights_copies():
@@ -458,6 +462,7 @@ def test_fp8_weights_copies():
     rng = np.random.default_rng()
     w = np.asarray(rng.standard_normal((3, K, N)) * np.exp(rng.standard_normal((3, 1, N))), ml_dtypes.bfloat16)
     w8 = jax.jit(gg.fp8_weights)(w)
+    assert not w8.weight_grad and jax.jit(functools.partial(gg.fp8_weights, weight_grad=True))(w).weight_grad
     assert (w8.forward.shape, w8.forward_scales.shape) == ((3, N, K), (3, N))
     assert (w8.input_grad.shape, w8.input_grad_scales.shape) == ((3, K, N), (3, K))
     assert w8.forward.dtype == jnp.float8_e4m3fn and w8.forward_scales.dtype == jnp.float32
@@ -490,16 +495,22 @@ def test_fp8_bad_arguments(overrides, match):
             S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32))
 
 
-def test_fp8_mgpu_path_lowers(gpu_core_count):
+def test_fp8_weights_bad_weight_grad():
+    with pytest.raises(TypeError, match="fp8_weights: weight_grad must be a bool, got int"):
+        jax.eval_shape(functools.partial(gg.fp8_weights, weight_grad=1), S((3, K, N), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
+def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
     """fp8_weights with aligned groups: the FP8 forward and input gradient and the
-    bf16 weight gradient, three warp-specialized kernels, lowered for CUDA."""
+    weight gradient (bf16, or FP8), three warp-specialized kernels, lowered for CUDA."""
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((4, 512, 256), jnp.bfloat16)
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
     def loss(x, w, sizes):
         y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True, valid_sizes=sizes // 2,
-                           fp8_weights=gg.fp8_weights(w))
+                           fp8_weights=gg.fp8_weights(w, weight_grad=weight_grad))
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))

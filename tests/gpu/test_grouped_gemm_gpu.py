@@ -353,30 +353,39 @@ def test_mgpu_per_rank_under_shard_map():
 
 
 @jax.jit
-def _dequantized(x, w, dy):
-    """The values grouped_matmul's FP8 path computes with, as bf16: x and dy
-    quantized per row, w's forward and input-gradient copies, both [G, K, N].
-    (The barriers keep XLA from dropping a float -> float8 -> float pair of
-    converts, which it may do on GPUs: excess precision is allowed by default.)"""
+def _fp8_operands(x, w, dy):
+    """What grouped_matmul's FP8 path computes with, for x and dy zero off the
+    pairs: x and dy quantized per row (dequantized, bf16), w's forward and
+    input-gradient copies (dequantized, bf16, both [G, K, N]); for dw, x's FP8
+    values (bf16) and z = dy * x's row scales quantized per column, as float8
+    z^T [N, M] and its scales [N]. (The barriers keep XLA from dropping a
+    float -> float8 -> float pair of converts, which it may do on GPUs: excess
+    precision is allowed by default.)"""
     def rows(a):
         data, scales = lax.optimization_barrier(gg.quantize_rows(a))
-        return (data.astype(jnp.float32) * scales[..., None]).astype(jnp.bfloat16)
+        return data.astype(jnp.float32), scales[..., None]
 
+    (x_values, x_scales), (dy_values, dy_scales) = rows(x), rows(dy)
+    z_t, z_scales = lax.optimization_barrier(gg.quantize_rows((dy.astype(jnp.float32) * x_scales).T))
     w8 = lax.optimization_barrier(gg.fp8_weights(w))
     forward = jnp.swapaxes(w8.forward.astype(jnp.float32) * w8.forward_scales[..., None], 1, 2)
     input_grad = w8.input_grad.astype(jnp.float32) * w8.input_grad_scales[..., None]
-    return rows(x), forward.astype(jnp.bfloat16), input_grad.astype(jnp.bfloat16), rows(dy)
+    bf16 = lambda a: a.astype(jnp.bfloat16)
+    return (bf16(x_values * x_scales), bf16(forward), bf16(input_grad), bf16(dy_values * dy_scales),
+            bf16(x_values), z_t, z_scales)
 
 
+@pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
+def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad):
     """fp8_weights= on the warp-specialized kernels (FP8 WGMMA for y and dx,
-    bf16 for dw): groups aligned to 128 whose first rows are the pairs
-    (valid_sizes), finite junk on every other row of x and dy, a row tile
-    past the groups. y and dx against per-group dots of the dequantized
-    operands and against numpy's own quantization on sampled rows; dw against
-    the bf16 dots of the pairs; y and dx exactly 0 off the pairs."""
+    and for dw with weight_grad=True, else bf16): groups aligned to 128 whose
+    first rows are the pairs (valid_sizes), finite junk on every other row of
+    x and dy, a row tile past the groups. y, dx and dw against per-group dots
+    of the operands they are computed from (dequantized), and against numpy on
+    sampled rows (y and dx, numpy's own quantization) and dw blocks; all three
+    near the bf16 maths; y and dx exactly 0 off the pairs."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS[layer]
@@ -393,19 +402,29 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
 
     @jax.jit
     def run(x, w, dy):
-        w8 = gg.fp8_weights(w)
+        w8 = gg.fp8_weights(w, weight_grad=weight_grad)
         y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jsizes, impl="mgpu", aligned_groups=True,
                                                      valid_sizes=jcounts, fp8_weights=w8), x, w)
         return (y, *vjp(dy))
 
     y, dx, dw = run(x, w, dy)
     pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
-    xq, w_forward, w_input_grad, dyq = _dequantized(*pairs_only[:1], w, pairs_only[1])
+    xq, w_forward, w_input_grad, dyq, x_values, z_t, z_scales = _fp8_operands(pairs_only[0], w, pairs_only[1])
     want_y = per_group_reference(xq, w_forward, sizes, dyq)[0]
     want_dx = per_group_reference(xq, w_input_grad, sizes, dyq)[1]
-    want_dw = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])[2]
-    what = f"fp8 {layer}, {kind} (seed {seed}, {total} rows, {int((counts == 0).sum())} empty groups)"
+    bf16 = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])
+    if weight_grad:
+        z = (z_t.astype(jnp.float32) * z_scales[:, None]).T.astype(jnp.bfloat16)
+        want_dw = per_group_reference(x_values, w, sizes, z)[2]
+    else:
+        want_dw = bf16[2]
+    what = (f"fp8 {layer}, {'FP8' if weight_grad else 'bf16'} dw, {kind} (seed {seed}, {total} rows, "
+            f"{int((counts == 0).sum())} empty groups)")
     check_against_reference(what, (y, dx, dw), (want_y, want_dx, want_dw), data)
+    # FP8 is FP8: each result within 10% (as a norm) of the bf16 maths, so no scale is missing or wrong.
+    for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), bf16):
+        ratio = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        assert ratio <= 0.1, f"{what}: {name} is {ratio:.3f} of the bf16 result's norm away from it"
     # numpy's own quantization on sampled rows of sampled groups (float64 products).
     starts = oracle.offsets(sizes)
     for g in sampled_groups(rng, counts):
@@ -416,3 +435,13 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind):
                            f"{what}: y, group {g}, rows {rows.tolist()}")
         assert_close_numpy(dx[rows], oracle.fp8_rows(np.asarray(dy[rows], np.float32)) @ w_input_grad_g.T,
                            f"{what}: dx, group {g}, rows {rows.tolist()}")
+        # A 128 x 128 block of dw[g] over the group's pairs, from the same operands (FP8 or bf16).
+        k0, n0 = int(rng.integers(0, k - 128 + 1)), int(rng.integers(0, n - 128 + 1))
+        pairs = slice(start, start + count)
+        if weight_grad:
+            x_block = np.asarray(x_values[pairs, k0:k0 + 128], np.float64)
+            z_block = np.asarray(z_t[n0:n0 + 128, pairs], np.float64).T * np.asarray(z_scales[n0:n0 + 128])
+        else:
+            x_block, z_block = (np.asarray(a, np.float64) for a in (x[pairs, k0:k0 + 128], dy[pairs, n0:n0 + 128]))
+        assert_close_numpy(dw[g, k0:k0 + 128, n0:n0 + 128], x_block.T @ z_block,
+                           f"{what}: dw[{g}] block at ({k0}, {n0}), {count} pairs")

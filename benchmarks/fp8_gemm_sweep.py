@@ -98,15 +98,13 @@ def weight_grad_operands(key, k, n, num_rows, sizes, counts):
     """(x's FP8 values transposed [K, M], z^T's FP8 values [N, M], z's column scales [N]), as
     grouped_gemm._fp8_weight_grad makes them: z = dy * x's row scales, 0 off the pairs."""
     kx, kd = jax.random.split(key)
-    pairs = pair_rows(num_rows, sizes, counts)[:, None]
     x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
-    dy = jnp.where(pairs, jax.random.normal(kd, (num_rows, n), jnp.bfloat16), 0)
+    dy = jax.random.normal(kd, (num_rows, n), jnp.bfloat16)
 
     @jax.jit
     def make(x, dy):
         x_data, x_scales = gg.quantize_rows(x)
-        z_t, z_scales = gg.quantize_rows((dy.astype(jnp.float32) * x_scales[:, None]).T)
-        return x_data.T, z_t, z_scales
+        return gg.fp8_weight_grad_operands(x_data, x_scales, dy, jnp.asarray(sizes), jnp.asarray(counts))
     return make(x, dy)
 
 
@@ -124,11 +122,10 @@ def weight_grad_references(ops, sizes, counts, groups):
 
 def weight_grad_call(t, ops, sizes, counts):
     x_t, z_t, z_scales = ops
-    starts = np.cumsum(sizes) - sizes
-    steps = -(-counts // t.tile_k)
-    return hg.weight_grad(x_t, z_t, jnp.asarray(starts, jnp.int32), jnp.asarray(steps, jnp.int32),
-                          jnp.ones((1,), jnp.float32), t, transposed=True, col_scales=z_scales,
-                          out_dtype=jnp.bfloat16)
+    with jax.ensure_compile_time_eval():  # the steps are constants of the program, not timed
+        starts, steps = gg.group_row_steps(jnp.asarray(sizes, jnp.int32), jnp.asarray(counts, jnp.int32), t.tile_k)
+    return hg.weight_grad(x_t, z_t, starts, steps, jnp.ones((1,), jnp.float32), t, transposed=True,
+                          col_scales=z_scales, out_dtype=jnp.bfloat16)
 
 
 def seconds(t, ops, sizes, counts, repeats, call=call):

@@ -524,14 +524,19 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
             return dw * scale.astype(dw.dtype)
 
         def aligned():
-            # Each group stops at the row step that covers its valid rows.
             tiles = blocks.aligned.weight_grad
-            starts = jnp.cumsum(group_sizes) - group_sizes
-            steps = -(-valid_sizes // tiles.tile_k)  # <= group_sizes // tile_k: sizes are multiples of it
-            return hopper_gemm.weight_grad(x, dy, starts, steps, scale, tiles)
+            return hopper_gemm.weight_grad(x, dy, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k), scale,
+                                           tiles)
 
         return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     return _ragged_weight_grad(x, dy, group_sizes, scale).astype(x.dtype)
+
+
+def group_row_steps(group_sizes, valid_sizes, tile_k):
+    """(first row, row steps) of each group, int32 [G] each, for hopper_gemm.weight_grad on aligned groups:
+    a group stops at the row step that covers its valid rows (<= group_sizes // tile_k, the sizes being
+    multiples of it)."""
+    return jnp.cumsum(group_sizes) - group_sizes, -(-valid_sizes // tile_k)
 
 
 def _ragged_weight_grad(x, dy, group_sizes, scale):
@@ -596,17 +601,21 @@ def _fp8_weight_grad(use_mgpu, blocks, x_data, x_scales, dy, group_sizes, valid_
     move onto dy (they vary along the contraction, so the epilogue cannot apply them); z = dy * x_scales
     is then quantized per column, so dw[g] = (x_data_g^T z_data_g) * z's column scales. Padding rows
     of z are 0 (x_data there may be anything finite)."""
-    z = _padding_zeroed(dy.astype(jnp.float32) * x_scales[:, None], group_sizes, valid_sizes)
-    z_data_t, z_scales = quantize_rows(z.T)  # [N, M], [N]
+    x_data_t, z_data_t, z_scales = fp8_weight_grad_operands(x_data, x_scales, dy, group_sizes, valid_sizes)
     if use_mgpu:
         tiles = blocks.aligned.fp8_weight_grad
-        starts = jnp.cumsum(group_sizes) - group_sizes
-        steps = -(-valid_sizes // tiles.tile_k)  # <= group_sizes // tile_k: sizes are multiples of it
-        dw = hopper_gemm.weight_grad(x_data.T, z_data_t, starts, steps, scale, tiles, transposed=True,
-                                     col_scales=z_scales, out_dtype=out_dtype)
+        dw = hopper_gemm.weight_grad(x_data_t, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
+                                     scale, tiles, transposed=True, col_scales=z_scales, out_dtype=out_dtype)
         return _vary_over(dw, _vma(group_sizes))
     x, z = _dequantized(x_data, 1.0, z_data_t.T, z_scales)
     return _ragged_weight_grad(x, z, group_sizes, scale).astype(out_dtype)
+
+
+def fp8_weight_grad_operands(x_data, x_scales, dy, group_sizes, valid_sizes):
+    """(x_data^T [K, M], z's FP8 values transposed [N, M], z's column scales [N]) for the FP8 weight
+    gradient: z = dy * x_scales (float32, 0 on padding rows) quantized per column."""
+    z = _padding_zeroed(dy.astype(jnp.float32) * x_scales[:, None], group_sizes, valid_sizes)
+    return (x_data.T, *quantize_rows(z.T))
 
 
 def _dequantized(a_data, a_scales, b_data, b_scales):

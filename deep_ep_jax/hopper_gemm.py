@@ -386,6 +386,7 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
 
     num_rows, k = x.shape
     n = dy.shape[1]
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     g = group_starts.shape[0]
     cluster = 2 if t.cluster_n else 1
     cta_n = 2 * t.tile_n
@@ -416,7 +417,7 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
         @functools.partial(pl.run_scoped,
                            # A static grid longer than the stages, so the ring gets all of them.
                            allocs=pipeline(ignore, ignore, 1 << 16).get_allocations(x_gmem, dy_gmem),
-                           out_smem=_out_smem(plgpu, t, x.dtype), collective_axes="wg")
+                           out_smem=_out_smem(plgpu, t, out_dtype), collective_axes="wg")
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
             wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
@@ -452,7 +453,7 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    return _kernel(body, (g, k, n), x.dtype, t)(group_starts, group_steps, scale, x, dy)
+    return _kernel(body, (g, k, n), out_dtype, t)(group_starts, group_steps, scale, x, dy)
 
 
 def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed=False,

@@ -96,15 +96,16 @@ def call(t, ops, sizes, counts):
 
 def weight_grad_operands(key, k, n, num_rows, sizes, counts):
     """(x's FP8 values transposed [K, M], z^T's FP8 values [N, M], z's column scales [N]), as
-    grouped_gemm._fp8_weight_grad makes them: z = dy * x's row scales, 0 off the pairs."""
+    grouped_gemm's FP8 backward makes them: z = dy * x's row scales, dy 0 off the pairs."""
     kx, kd = jax.random.split(key)
     x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
-    dy = jax.random.normal(kd, (num_rows, n), jnp.bfloat16)
+    dy = jnp.where(pair_rows(num_rows, sizes, counts)[:, None], jax.random.normal(kd, (num_rows, n), jnp.bfloat16), 0)
 
     @jax.jit
     def make(x, dy):
         x_data, x_scales = gg.quantize_rows(x)
-        return gg.fp8_weight_grad_operands(x_data, x_scales, dy, jnp.asarray(sizes), jnp.asarray(counts))
+        _, _, z_t, z_scales = gg.fp8_backward_operands(x_scales, dy)
+        return x_data.T, z_t, z_scales
     return make(x, dy)
 
 

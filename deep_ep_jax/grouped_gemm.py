@@ -62,11 +62,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from deep_ep_jax import hopper_gemm
+from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns
 from deep_ep_jax.hopper_gemm import HopperTiles
+from deep_ep_jax.varying import vary_over, vary_together, vma
 
 IMPLS = ("auto", "mgpu", "xla")
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,26 +152,12 @@ def fp8_weights(w, *, weight_grad: bool = False) -> Fp8Weights:
     weight_grad=True: w's gradient from FP8 operands as well (see the module docstring).
 
     Make them once per optimizer step, outside the gradient accumulation:
-    they read all of w, about as many bytes as the FP8 matmuls save."""
+    they read all of w twice (fp8_quant.quantize_rows_and_columns)."""
     _validate_array("w", w, 3)
     if not isinstance(weight_grad, bool):
         raise TypeError(f"fp8_weights: weight_grad must be a bool, got {type(weight_grad).__name__}")
-    forward, forward_scales = quantize_rows(jnp.swapaxes(w, 1, 2))
-    input_grad, input_grad_scales = quantize_rows(w)
+    input_grad, input_grad_scales, forward, forward_scales = quantize_rows_and_columns(w)
     return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales, weight_grad)
-
-
-# Scales are amax / 448, amax floored only so that 1 / scale stays finite: gradients may be far below
-# the 1e-4 floor of the activations' FP8 (an all-zero row gets zeros).
-FP8_MIN_AMAX = 1e-30
-
-
-def quantize_rows(a):
-    """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row, amax / 448."""
-    from deep_ep_jax.backends.reference import quantize_fp8
-
-    data, scales = quantize_fp8(a, block=a.shape[-1], min_amax=FP8_MIN_AMAX)
-    return data, scales[..., 0]
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
@@ -224,7 +211,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     # their primals, and a weight replicated over the axis gets its gradient summed.
     # x 1, or x NaN where the promise is broken (y and the gradients are NaN then, never silently wrong).
     scale = jnp.ones((1,), jnp.float32) if kept is None else jnp.where(kept, 1.0, jnp.nan).astype(jnp.float32)[None]
-    x, w, group_sizes, valid_sizes, scale = _vary_together(x, w, group_sizes, valid_sizes, scale)
+    x, w, group_sizes, valid_sizes, scale = vary_together(x, w, group_sizes, valid_sizes, scale)
     if padded_rows != num_rows:
         x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
     if fp8_weights is not None:
@@ -371,25 +358,6 @@ def _clamp_group_sizes(group_sizes, num_rows):
     return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
 
-def _vary_together(*arrays):
-    """arrays, each marked varying over every shard_map axis any of them varies over."""
-    axes = set().union(*(_vma(a) for a in arrays))
-    return tuple(_vary_over(a, axes) for a in arrays)
-
-
-def _vma(a):
-    """The shard_map axes `a` varies over (none outside shard_map)."""
-    aval = jax.typeof(a)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; before, aval.vma
-    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
-
-
-def _vary_over(a, axes):
-    """a marked varying over `axes`, as far as it is not yet."""
-    missing = tuple(sorted(set(axes) - _vma(a)))
-    return lax.pcast(a, missing, to="varying") if missing else a
-
-
 def _valid_rows(num_rows, group_sizes, valid_sizes):
     """bool [num_rows]: the row is one of the first valid_sizes[g] rows of its group g."""
     rows = jnp.arange(num_rows, dtype=jnp.int32)
@@ -426,7 +394,7 @@ def _grouped_matmul_bwd(use_mgpu, blocks, assume_aligned, residuals, dy):
     dw = _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_sizes, scale)
     # The Mosaic GPU kernels of jax 0.10 type their outputs unvarying, and dy
     # may come in unvarying: type each cotangent as its primal.
-    return _vary_over(dx, _vma(x)), _vary_over(dw, _vma(w)), None, None, None
+    return vary_over(dx, vma(x)), vary_over(dw, vma(w)), None, None, None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
@@ -437,13 +405,13 @@ def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, ro
     by the caller, or decided on the device), else row_tiled(); row_tiled()
     alone where K and N do not fit. Typed varying as the sizes (shard_map):
     the Mosaic GPU kernels of jax 0.10 type their outputs unvarying."""
-    axes = _vma(group_sizes)
+    axes = vma(group_sizes)
     if not _aligned_fits(k, n, blocks):
-        return _vary_over(row_tiled(), axes)
+        return vary_over(row_tiled(), axes)
     if assume_aligned:
-        return _vary_over(aligned(), axes)
-    return lax.cond(_sizes_aligned(group_sizes, blocks), lambda: _vary_over(aligned(), axes),
-                    lambda: _vary_over(row_tiled(), axes))
+        return vary_over(aligned(), axes)
+    return lax.cond(_sizes_aligned(group_sizes, blocks), lambda: vary_over(aligned(), axes),
+                    lambda: vary_over(row_tiled(), axes))
 
 
 def _padding_zeroed(a, group_sizes, valid_sizes, scale=None):
@@ -568,15 +536,18 @@ def _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
     x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
     dy = _padding_zeroed(dy, group_sizes, valid_sizes)
-    dx = _fp8_matmul(use_mgpu, blocks, *quantize_rows(dy), w8.input_grad, w8.input_grad_scales, group_sizes,
-                     valid_sizes, scale, dy.dtype)
     if w8.weight_grad:
-        dw = _fp8_weight_grad(use_mgpu, blocks, *x_for_dw, dy, group_sizes, valid_sizes, scale, w.dtype)
+        x_data, x_scales = x_for_dw
+        dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(x_scales, dy)
+        dw = _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, w.dtype)
     else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
+        dy_data, dy_scales = quantize_rows(dy)
         dw = _weight_grad(use_mgpu, blocks, True, x_for_dw, dy, group_sizes, valid_sizes, scale)
+    dx = _fp8_matmul(use_mgpu, blocks, dy_data, dy_scales, w8.input_grad, w8.input_grad_scales, group_sizes,
+                     valid_sizes, scale, dy.dtype)
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
-    return _vary_over(dx, _vma(group_sizes)), _vary_over(dw, _vma(w)), no_grad, None, None, None
+    return vary_over(dx, vma(group_sizes)), vary_over(dw, vma(w)), no_grad, None, None, None
 
 
 _grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
@@ -590,32 +561,33 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
         groups, rows = _row_tiles(group_sizes, valid_sizes, a_data.shape[0], hopper_gemm.row_tile(tiles))
         out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
                                       out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
-        return _vary_over(out, _vma(group_sizes))
+        return vary_over(out, vma(group_sizes))
     a, w = _dequantized(a_data, a_scales[:, None], w_data, w_scales[..., None])
     out = _ragged_dot_rhs_transposed(a, w, group_sizes)
     return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(out_dtype)
 
 
-def _fp8_weight_grad(use_mgpu, blocks, x_data, x_scales, dy, group_sizes, valid_sizes, scale, out_dtype):
-    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g from x = x_data * x_scales (per row). The row scales
-    move onto dy (they vary along the contraction, so the epilogue cannot apply them); z = dy * x_scales
-    is then quantized per column, so dw[g] = (x_data_g^T z_data_g) * z's column scales. Padding rows
-    of z are 0 (x_data there may be anything finite)."""
-    x_data_t, z_data_t, z_scales = fp8_weight_grad_operands(x_data, x_scales, dy, group_sizes, valid_sizes)
+def _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, out_dtype):
+    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g from x = x_data * x_scales (per row), as
+    (x_data_g^T z_data_g) * z's column scales (fp8_backward_operands). Padding rows of z are 0
+    (x_data there may be anything finite)."""
     if use_mgpu:
         tiles = blocks.aligned.fp8_weight_grad
-        dw = hopper_gemm.weight_grad(x_data_t, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
+        # FP8 WGMMA reads both operands contraction-major: x^T [K, M] (a transposed copy of the FP8 rows).
+        dw = hopper_gemm.weight_grad(x_data.T, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
                                      scale, tiles, transposed=True, col_scales=z_scales, out_dtype=out_dtype)
-        return _vary_over(dw, _vma(group_sizes))
+        return vary_over(dw, vma(group_sizes))
     x, z = _dequantized(x_data, 1.0, z_data_t.T, z_scales)
     return _ragged_weight_grad(x, z, group_sizes, scale).astype(out_dtype)
 
 
-def fp8_weight_grad_operands(x_data, x_scales, dy, group_sizes, valid_sizes):
-    """(x_data^T [K, M], z's FP8 values transposed [N, M], z's column scales [N]) for the FP8 weight
-    gradient: z = dy * x_scales (float32, 0 on padding rows) quantized per column."""
-    z = _padding_zeroed(dy.astype(jnp.float32) * x_scales[:, None], group_sizes, valid_sizes)
-    return (x_data.T, *quantize_rows(z.T))
+def fp8_backward_operands(x_scales, dy):
+    """(dy's FP8 rows [M, N], their scales [M], z's FP8 values transposed [N, M], z's column scales [N])
+    from one read of dy per pass: dy quantized per row for dx, and z = dy * x_scales (the forward's row
+    scales of x, which vary along dw's contraction, so they move onto dy) quantized per column for dw.
+    dy must be 0 on padding rows (then so is z)."""
+    dy_data, dy_scales, z_data_t, z_scales = quantize_rows_and_columns(dy[None], x_scales[None])
+    return dy_data[0], dy_scales[0], z_data_t[0], z_scales[0]
 
 
 def _dequantized(a_data, a_scales, b_data, b_scales):

@@ -329,12 +329,19 @@ def test_bad_block_sizes():
 
 @pytest.fixture
 def gpu_core_count(monkeypatch):
-    """transposed_ragged_dot_mgpu reads jax.devices()[0].core_count while tracing: a GPU's SM count."""
-    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [type("FakeGpu", (), {"core_count": 132})()])
+    """transposed_ragged_dot_mgpu reads jax.devices()[0].core_count while tracing: a GPU's SM count; an
+    H200's platform and compute capability make impl="auto" choices (fp8_quant's Triton kernels) a GPU's."""
+    fake = type("FakeGpu", (), {"core_count": 132, "platform": "gpu", "compute_capability": "9.0"})()
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
 
 
 def mosaic_calls(lowered):
     return lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")
+
+
+def triton_calls(lowered):
+    """fp8_quant's kernels: fp8_weights' two, one per row quantization (one for both of dy's with FP8 dw)."""
+    return lowered.as_text().count("stablehlo.custom_call @__gpu$xla.gpu.triton")
 
 
 def test_mgpu_path_lowers(gpu_core_count):
@@ -413,7 +420,8 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
         args = (jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16),
                 jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
-        assert mosaic_calls(jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))) == (3 if fp8 else 6)
+        lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
+        assert (mosaic_calls(lowered), triton_calls(lowered)) == ((3, 4) if fp8 else (6, 0))
 
 
 # FP8 (fp8_weights=) ---------------------------------------------------------------
@@ -515,3 +523,5 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
     assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()
+    # fp8_weights 2, x 1, dy 1 (its rows, and with FP8 dw its columns too, are one amax and one store pass)
+    assert triton_calls(lowered) == (5 if weight_grad else 4)

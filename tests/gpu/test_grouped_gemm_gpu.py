@@ -358,7 +358,9 @@ def _fp8_operands(x, w, dy):
     pairs: x and dy quantized per row (dequantized, bf16), w's forward and
     input-gradient copies (dequantized, bf16, both [G, K, N]); for dw, x's FP8
     values (bf16) and z = dy * x's row scales quantized per column, as float8
-    z^T [N, M] and its scales [N]. (The barriers keep XLA from dropping a
+    z^T [N, M] and its scales [N]. (Quantized as grouped_matmul quantizes: by
+    fp8_quant's kernels, which tests/gpu/test_fp8_quant_gpu.py checks against
+    numpy. The barriers keep XLA from dropping a
     float -> float8 -> float pair of converts, which it may do on GPUs: excess
     precision is allowed by default.)"""
     def rows(a):

@@ -1,0 +1,145 @@
+"""FP8 quantization of the grouped GEMM's operands: the Triton kernels of deep_ep_jax.fp8_quant against
+the same maths in XLA, at one rank's shapes of the MoE benchmark.
+
+    python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--sweep]
+
+Per case and impl: device time per call (from the first kernel's start to the last one's end, in a
+profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
+time gives for the bytes a call must move (its input read once, its outputs written once); then
+whether the two impls' outputs agree bit for bit (NaN for NaN). --sweep: the Triton kernels' time
+with other tiles (fp8_quant.QuantTiles), one field group at a time, one profiled call each. Cases:
+  fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
+  rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
+  backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, 7168] and
+                                            [1, rows, 4096] with x's row scales (the FP8 weight gradient)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import environment, kernel_breakdown
+
+from deep_ep_jax import fp8_quant
+
+
+def cases(args):
+    """[(name, function of (a, m) and impl, a, m or None)]."""
+    keys = (jax.random.fold_in(jax.random.key(args.seed), i) for i in itertools.count())
+
+    def normal(shape):
+        # Rows and columns of different magnitudes, as weights and activations have.
+        scale = jnp.exp(jax.random.normal(next(keys), shape[:-1] + (1,))) * jnp.exp(jax.random.normal(next(keys),
+                                                                                                      shape[-1:]))
+        return (jax.random.normal(next(keys), shape, jnp.bfloat16) * scale).astype(jnp.bfloat16)
+
+    both = lambda a, m, impl, tiles: fp8_quant.quantize_rows_and_columns(a, m, impl=impl, tiles=tiles)
+    rows = lambda a, m, impl, tiles: fp8_quant.quantize_rows(a, impl=impl, tiles=tiles)
+    e, r = args.experts, args.rows
+    x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
+    return [
+        ("fp8_weights(w_in)", both, lambda: normal((e, 7168, 4096)), None),
+        ("fp8_weights(w_out)", both, lambda: normal((e, 2048, 7168)), None),
+        ("rows x", rows, lambda: normal((r, 7168)), None),
+        ("rows h", rows, lambda: normal((r, 2048)), None),
+        ("backward dy_out", both, lambda: normal((1, r, 7168)), x_scales),
+        ("backward dy_in", both, lambda: normal((1, r, 4096)), x_scales),
+    ]
+
+
+# --sweep: tiles tried, one group of QuantTiles' fields at a time (the others at their defaults).
+SWEEP = {
+    "rows": [dict(rows=r, rows_chunk=c, rows_warps=w) for r, c, w in
+             ((4, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (2, 2048, 4))],
+    "amax": [dict(amax_rows=r, amax_cols=c, amax_warps=w) for r, c, w in
+             ((128, 128, 4), (64, 256, 8), (256, 128, 8))]
+            + [dict(amax_strips=True, amax_rows=r, amax_cols=c, amax_warps=w, amax_strip=s) for r, c, w, s in
+               ((32, 128, 4, 1024), (64, 128, 4, 1024), (32, 256, 4, 1024), (64, 128, 8, 1024), (32, 128, 4, 4096),
+                                (16, 256, 4, 1024))],
+    "store": [dict(tile_rows=r, tile_cols=c, store_warps=w) for r, c, w in
+              ((128, 128, 4), (64, 128, 4), (128, 64, 4), (256, 128, 8), (128, 256, 8), (64, 64, 4))],
+}
+
+
+def device_times(run, args, repeats):
+    """(span seconds of each of `repeats` profiled calls, {kernel: seconds} of the last)."""
+    spans, table = [], {}
+    for _ in range(repeats):
+        table, _, span = kernel_breakdown(run, args, 1)
+        spans.append(span)
+    return np.asarray(spans), {name: seconds for name, (_, seconds) in table.items()}
+
+
+def bytes_moved(a, outputs):
+    return a.nbytes + sum(o.nbytes for o in outputs)
+
+
+def same_bits(got, want):
+    g, w = (np.asarray(jnp.asarray(t).astype(jnp.float32)) for t in (got, want))
+    return g.shape == w.shape and np.array_equal(g, w, equal_nan=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=128, help="experts per rank (the weights' E)")
+    p.add_argument("--rows", type=int, default=40704, help="expert-major rows (a multiple of 128)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--impls", default="xla,triton")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep", action="store_true", help="also the Triton kernels with other tiles")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    env = environment()
+    print(f"# {env}")
+    impls = args.impls.split(",")
+    results = []
+    print("\n| case | impl | ms median | ms min-max | GB/s | Triton kernels, ms |\n|---|---|---|---|---|---|")
+    for name, fn, make, m in cases(args):
+        a = jax.block_until_ready(make())
+        outputs = {}
+        for impl in impls:
+            run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl, fp8_quant.DEFAULT_TILES))
+            outputs[impl] = jax.block_until_ready(run(a, m))
+            moved = bytes_moved(a, outputs[impl])
+            spans, kernels = device_times(run, (a, m), args.repeats)
+            median = float(np.median(spans))
+            by_kernel = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()) if impl == "triton" else ""
+            print(f"| {name} | {impl} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
+                  f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}", flush=True)
+            results.append(dict(case=name, impl=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
+        if args.sweep and "triton" in impls:
+            for group, variants in SWEEP.items():
+                if (group == "rows") != (name.startswith("rows")):
+                    continue
+                for fields in variants:
+                    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, **fields)
+                    run = jax.jit(lambda a, m, tiles=tiles: fn(a, m, "triton", tiles))
+                    spans, kernels = device_times(run, (a, m), 1)
+                    print(f"| {name} | triton {fields} | {np.median(spans) * 1e3:.3f} | "
+                          f"{spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | | "
+                          + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()), flush=True)
+                    results.append(dict(case=name, impl="triton", tiles=fields, seconds=spans.tolist(),
+                                        kernels=kernels))
+        if len(outputs) == 2:
+            first, second = outputs.values()
+            agree = all(same_bits(g, w) for g, w in zip(first, second))
+            print(f"| {name} | {' and '.join(outputs)} agree bit for bit: {agree} | | | |", flush=True)
+            results.append(dict(case=name, agree=agree))
+        del a, outputs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""FP8 quantization of the grouped GEMM's operands: one scale per row, or per row and per column.
+
+    data, scales = quantize_rows(a)               # a [..., C] -> float8 [..., C], float32 [...]
+    rows, row_scales, cols, col_scales = quantize_rows_and_columns(a, col_multipliers)
+        # a [B, R, C] -> rows: a quantized per row, as quantize_rows;
+        #               cols [B, C, R]: (a * col_multipliers[..., None]) quantized per column, transposed
+
+A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448, 448) rounded to the
+nearest float8_e4m3fn: the same maths, bit for bit, on every path. XLA computes it on CPUs (and for
+shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
+FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` fewer times:
+quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
+L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
+shared memory) instead of four. `fp8_weights` reads an expert's weights this way, and the FP8 weight
+gradient its dy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from deep_ep_jax.varying import shape_like, vary_together
+
+FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
+FP8_MAX = 448.0
+# amax floored only so that 1 / scale stays finite: gradients may be far below the 1e-4 floor of the
+# activations' FP8 (an all-zero row gets zeros).
+FP8_MIN_AMAX = 1e-30
+
+IMPLS = ("auto", "triton", "xla")
+# Pallas Triton indexes an array of at most 4 GiB with 32-bit offsets, which overflow past 2^31 float8
+# elements: larger outputs are XLA's to write.
+_MAX_ELEMENTS_PER_CALL = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantTiles:
+    """The Triton kernels' tiles (powers of two) and warps per program."""
+
+    rows: int = 2  # quantize_rows: a program's rows (their bytes stay in L2 between its two reads)
+    rows_chunk: int = 2048  # quantize_rows: columns per load, at most
+    rows_warps: int = 4
+    amax_rows: int = 32  # quantize_rows_and_columns' first pass: a program walks a strip of rows
+    amax_cols: int = 128  # amax_cols wide, amax_rows at a time, at most amax_strip long
+    amax_strip: int = 1024
+    amax_warps: int = 4
+    tile_rows: int = 64  # its second pass: a program's tile
+    tile_cols: int = 128
+    store_warps: int = 4
+
+
+# The best of `benchmarks/bench_fp8_quant.py --sweep` on one H200 (jax 0.11.2, 2026-12-02) at the MoE
+# benchmark's shapes per rank (benchmarks/RESULTS.md).
+DEFAULT_TILES = QuantTiles()
+
+
+def quantize_rows(a, *, impl: str = "auto", interpret: bool = False, tiles: QuantTiles = DEFAULT_TILES):
+    """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row.
+    impl: "auto" (Triton where it runs and the shape fits, else XLA), "triton" or "xla";
+    interpret: run the Triton kernel in Pallas' interpreter (CPU tests). No gradient flows through
+    (rounding's derivative is 0 almost everywhere; both functions stop it). tiles: the kernels'."""
+    _check_impl(impl)
+    a = lax.stop_gradient(a)
+    if a.ndim < 1:
+        raise ValueError(f"quantize_rows: a needs a row axis, got shape {tuple(a.shape)}")
+    rows, cols = int(np.prod(a.shape[:-1])), a.shape[-1]
+    chunk = min(tiles.rows_chunk, cols & -cols)  # the widest power of two that divides C, at most rows_chunk
+    fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL
+    if not _use_triton(impl, interpret, fits, "quantize_rows",
+                       f"rows a multiple of {tiles.rows}, C a multiple of 16 and at most 2^31 - 1 elements"):
+        return _quantize_rows_xla(a)
+    data, scales = _rows_kernel(a.reshape(rows, cols), chunk, interpret, tiles)
+    return data.reshape(a.shape), scales.reshape(a.shape[:-1])
+
+
+def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", interpret: bool = False,
+                              tiles: QuantTiles = DEFAULT_TILES):
+    """a [B, R, C] -> (rows float8 [B, R, C], row_scales float32 [B, R], cols float8 [B, C, R],
+    col_scales float32 [B, C]): rows is a quantized per row (quantize_rows(a)); cols is
+    z = a * col_multipliers[..., None] (float32 [B, R], default 1) quantized per column of z and
+    transposed (quantize_rows(swapaxes(z, 1, 2))). impl, interpret, tiles: as quantize_rows."""
+    _check_impl(impl)
+    a = lax.stop_gradient(a)
+    col_multipliers = None if col_multipliers is None else lax.stop_gradient(col_multipliers)
+    if a.ndim != 3:
+        raise ValueError(f"quantize_rows_and_columns: a must be [B, R, C], got shape {tuple(a.shape)}")
+    if col_multipliers is not None and tuple(col_multipliers.shape) != a.shape[:2]:
+        raise ValueError(f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, "
+                         f"got {tuple(col_multipliers.shape)}")
+    row_multiple, col_multiple = math.lcm(tiles.amax_rows, tiles.tile_rows), math.lcm(tiles.amax_cols, tiles.tile_cols)
+    fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0
+    if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
+                       f"R a multiple of {row_multiple} and C of {col_multiple}"):
+        z = a.astype(jnp.float32) if col_multipliers is None else a.astype(jnp.float32) * col_multipliers[..., None]
+        return (*_quantize_rows_xla(a), *_quantize_rows_xla(jnp.swapaxes(z, 1, 2)))
+    multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
+    a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
+    row_parts, col_parts = _amax_kernel(a, multipliers, interpret, tiles)
+    row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
+    if a.size <= _MAX_ELEMENTS_PER_CALL:
+        rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles)
+    else:  # Pallas Triton's 32-bit offsets would overflow in the float8 outputs: XLA writes them
+        z_t = jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)
+        rows, cols = _to_fp8(a.astype(jnp.float32), _inverse(row_scales)), _to_fp8(z_t, _inverse(col_scales))
+    return rows, row_scales, cols, col_scales
+
+
+# XLA ---------------------------------------------------------------------------------------------------
+
+
+def _scales(amax):
+    return _nan_max(amax, FP8_MIN_AMAX) * np.float32(1.0 / FP8_MAX)  # what XLA makes of amax / 448 anyway
+
+
+def _to_fp8(v, inverse_scales):
+    p = v * inverse_scales
+    return jnp.where(p != p, p, jnp.minimum(jnp.maximum(p, -FP8_MAX), FP8_MAX)).astype(FP8_DTYPE)
+
+
+def _abs_max(v, axis):
+    """max |v| along axis, NaN where v holds one (Triton's max drops NaNs, and so do XLA's CPU reductions at
+    some shapes)."""
+    return jnp.where(jnp.max(jnp.where(v != v, 1.0, 0.0), axis=axis) > 0, jnp.nan, jnp.max(jnp.abs(v), axis=axis))
+
+
+def _nan_max(a, b):
+    """jnp.maximum, NaN if either is NaN on every backend."""
+    return jnp.where((a != a) | (b != b), jnp.nan, jnp.maximum(a, b))
+
+
+def _inverse(scales):
+    """float32 1 / scales [...] as [..., 1], correctly rounded: the barrier keeps XLA from folding the
+    division into the scales' own arithmetic (1 / (amax * c) rewritten rounds differently)."""
+    return (1.0 / lax.optimization_barrier(scales))[..., None]
+
+
+def _quantize_rows_xla(a):
+    v = a.astype(jnp.float32)
+    scales = _scales(_abs_max(v, axis=-1))
+    return _to_fp8(v, _inverse(scales)), scales
+
+
+# Choice ---------------------------------------------------------------------------------------------------
+
+
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"fp8_quant: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def _use_triton(impl, interpret, fits, fn, need) -> bool:
+    if impl == "xla":
+        return False
+    if impl == "triton" and not fits:
+        raise ValueError(f"{fn}: impl='triton' needs {need}")
+    return bool(fits) and (impl == "triton" or interpret or triton_fp8_gpu())
+
+
+def triton_fp8_gpu(device=None) -> bool:
+    """Whether `device` (default jax.devices()[0]) is a CUDA GPU whose Triton kernels convert to FP8."""
+    device = jax.devices()[0] if device is None else device
+    major, _, minor = str(getattr(device, "compute_capability", "0")).partition(".")
+    return getattr(device, "platform", None) == "gpu" and (int(major or 0), int(minor or 0)) >= (8, 9)
+
+
+# Triton kernels -------------------------------------------------------------------------------------------
+
+
+def _reciprocal(v, interpret):
+    """1 / v correctly rounded: Triton's f32 division is approximate (div.full), rcp.rn is exact."""
+    if interpret:
+        return 1.0 / v
+    from jax.experimental.pallas import triton as pltriton
+
+    (r,) = pltriton.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[v], constraints="=r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])
+    return r
+
+
+def _params(num_warps):
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=3)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _rows_kernel(a, chunk, interpret, tiles):
+    """a [M, C] -> (float8 [M, C], scales [M]): tiles.rows rows per program, read twice."""
+    from jax.experimental import pallas as pl
+
+    num_rows, cols = a.shape
+    steps = cols // chunk
+
+    def kernel(a_ref, data_ref, scales_ref):
+        def amax_step(j, amax):
+            return _nan_max(amax, _abs_max(a_ref[:, pl.ds(j * chunk, chunk)].astype(jnp.float32), axis=1))
+
+        scales = _scales(lax.fori_loop(0, steps, amax_step, jnp.zeros((tiles.rows,), jnp.float32)))
+        inverse = _reciprocal(scales, interpret)[:, None]
+        scales_ref[...] = scales
+
+        @pl.loop(0, steps)
+        def _(j):
+            cols_j = pl.ds(j * chunk, chunk)
+            data_ref[:, cols_j] = _to_fp8(a_ref[:, cols_j].astype(jnp.float32), inverse)
+
+    block = pl.BlockSpec((tiles.rows, cols), lambda i: (i, 0))
+    return pl.pallas_call(
+        kernel, grid=(num_rows // tiles.rows,), in_specs=[block],
+        out_specs=[block, pl.BlockSpec((tiles.rows,), lambda i: (i,))],
+        out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((num_rows,), jnp.float32, a)],
+        compiler_params=_params(tiles.rows_warps), interpret=interpret, name="fp8_quantize_rows")(a)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _amax_kernel(a, multipliers, interpret, tiles):
+    """a [B, R, C] -> (row amax per amax_cols columns [B, C / amax_cols, R], column amax of a * multipliers
+    per strip of rows [B, R / strip, C]): a program walks a strip of rows amax_cols wide, amax_rows rows
+    at a time, and keeps the columns' maxima elementwise until its end (one reduction across rows)."""
+    from jax.experimental import pallas as pl
+
+    b, num_rows, cols = a.shape
+    tile_r, tile_c = tiles.amax_rows, tiles.amax_cols
+    steps = num_rows // tile_r
+    steps_per_strip = max(d for d in range(1, max(1, tiles.amax_strip // tile_r) + 1) if steps % d == 0)
+    strip = steps_per_strip * tile_r
+
+    def kernel(a_ref, m_ref, row_amax_ref, col_amax_ref):
+        def step(i, acc):
+            rows_i = pl.ds(i * tile_r, tile_r)
+            v = a_ref[rows_i, :].astype(jnp.float32)
+            row_amax_ref[rows_i] = _abs_max(v, axis=1)
+            return _nan_max(acc, jnp.abs(v * m_ref[rows_i][:, None]))
+
+        acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.float32))
+        col_amax_ref[...] = _abs_max(acc, axis=0)
+
+    squeezed = pl.squeezed
+    return pl.pallas_call(
+        kernel, grid=(b, cols // tile_c, num_rows // strip),
+        in_specs=[pl.BlockSpec((squeezed, strip, tile_c), lambda g, j, i: (g, i, j)),
+                  pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))],
+        out_specs=[pl.BlockSpec((squeezed, squeezed, strip), lambda g, j, i: (g, j, i)),
+                   pl.BlockSpec((squeezed, squeezed, tile_c), lambda g, j, i: (g, i, j))],
+        out_shape=[shape_like((b, cols // tile_c, num_rows), jnp.float32, a),
+                   shape_like((b, num_rows // strip, cols), jnp.float32, a)],
+        compiler_params=_params(tiles.amax_warps), interpret=interpret,
+        name="fp8_amax_rows_and_columns")(a, multipliers)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles):
+    """Both FP8 copies of a [B, R, C] given their scales, a tile per program (the columns' copy
+    transposed in registers, through shared memory)."""
+    from jax.experimental import pallas as pl
+
+    b, num_rows, cols = a.shape
+    tile_r, tile_c = tiles.tile_rows, tiles.tile_cols
+
+    def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
+        v = a_ref[...].astype(jnp.float32)
+        rows_ref[...] = _to_fp8(v, _reciprocal(row_scales_ref[...], interpret)[:, None])
+        cols_ref[...] = _to_fp8(v * m_ref[...][:, None], _reciprocal(col_scales_ref[...], interpret)[None, :]).T
+
+    squeezed = pl.squeezed
+    row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
+    tile = pl.BlockSpec((squeezed, tile_r, tile_c), lambda g, i, j: (g, i, j))
+    return pl.pallas_call(
+        kernel, grid=(b, num_rows // tile_r, cols // tile_c),
+        in_specs=[tile, row_vector, row_vector, pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
+        out_specs=[tile, pl.BlockSpec((squeezed, tile_c, tile_r), lambda g, i, j: (g, j, i))],
+        out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((b, cols, num_rows), FP8_DTYPE, a)],
+        compiler_params=_params(tiles.store_warps), interpret=interpret, name="fp8_quantize_rows_and_columns",
+    )(a, multipliers, row_scales, col_scales)

@@ -1,0 +1,31 @@
+"""Which shard_map axes an array varies over (its vma), and marking arrays varying: the outputs of a
+custom call or a custom_vjp's cotangents must be typed as their inputs and primals under check_vma."""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def vma(a) -> set:
+    """The shard_map axes `a` varies over (none outside shard_map)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; before, aval.vma
+    return set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
+
+
+def vary_over(a, axes):
+    """a marked varying over `axes`, as far as it is not yet."""
+    missing = tuple(sorted(set(axes) - vma(a)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def vary_together(*arrays):
+    """arrays, each marked varying over every shard_map axis any of them varies over."""
+    axes = set().union(*(vma(a) for a in arrays))
+    return tuple(vary_over(a, axes) for a in arrays)
+
+
+def shape_like(shape, dtype, like):
+    """jax.ShapeDtypeStruct(shape, dtype) varying as `like` (a Pallas call's output under check_vma)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)

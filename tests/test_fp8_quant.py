@@ -1,0 +1,126 @@
+"""deep_ep_jax.fp8_quant on CPU: the XLA maths against numpy, the Triton kernels (in Pallas'
+interpreter) against the XLA maths bit for bit, their lowering for CUDA, and the errors.
+The kernels on a GPU: tests/gpu/test_fp8_quant_gpu.py."""
+
+import grouped_gemm_oracle as oracle
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from deep_ep_jax import fp8_quant
+
+
+def skewed(rng, shape):
+    """bf16 values whose rows and columns differ in magnitude by up to ~e^6, with an all-zero row, a row
+    of one nonzero value and a tiny row (far below the activations' 1e-4 floor)."""
+    a = rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape[:-1] + (1,)))
+    a = a * np.exp(rng.standard_normal(shape[-1]))
+    a[..., 0, :] = 0
+    a[..., 1, :] = 0
+    a[..., 1, 5] = -3.0
+    a[..., 2, :] *= 1e-20
+    return np.asarray(a, ml_dtypes.bfloat16)
+
+
+def as_float(a):
+    return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+def assert_same(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = as_float(g), as_float(w)
+        assert g.shape == w.shape, f"{what}: output {i} shaped {g.shape}, want {w.shape}"
+        bad = ~((g == w) | (np.isnan(g) & np.isnan(w)))
+        assert not bad.any(), f"{what}: output {i} differs at {np.argwhere(bad)[:5].tolist()} ({bad.sum()} places)"
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (2, 64, 7168 // 14), (8, 16)])
+def test_rows_match_numpy(shape):
+    rng = np.random.default_rng()
+    a = skewed(rng, shape)
+    data, scales = jax.jit(lambda a: fp8_quant.quantize_rows(a, impl="xla"))(a)
+    want_values, want_scales = oracle.fp8_row_parts(a)
+    np.testing.assert_array_equal(as_float(scales), want_scales[..., 0])
+    np.testing.assert_array_equal(as_float(data), want_values)
+    assert data.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
+    assert not as_float(data)[..., 0, :].any(), "an all-zero row must quantize to zeros"
+
+
+def test_rows_and_columns_match_numpy():
+    rng = np.random.default_rng()
+    a = skewed(rng, (3, 256, 128))
+    m = np.exp(rng.standard_normal((3, 256))).astype(np.float32)
+    rows, row_scales, cols, col_scales = jax.jit(
+        lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="xla"))(a, m)
+    want_rows, want_row_scales = oracle.fp8_row_parts(a)
+    z_t = np.swapaxes(np.asarray(a, np.float32) * m[..., None], 1, 2)
+    want_cols, want_col_scales = oracle.fp8_row_parts(z_t)
+    for got, want in ((rows, want_rows), (row_scales, want_row_scales[..., 0]), (cols, want_cols),
+                      (col_scales, want_col_scales[..., 0])):
+        np.testing.assert_array_equal(as_float(got), want)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (3, 8, 7168), (16, 48)])
+def test_rows_kernel_matches_xla(shape):
+    rng = np.random.default_rng()
+    a = skewed(rng, shape)
+    first = (0,) * (len(shape) - 2)
+    a[first + (3, 7)] = np.nan  # a NaN makes its row NaN, on every path
+    a[first + (4, 1)] = np.inf  # an inf makes its row's scale inf
+    want = fp8_quant.quantize_rows(a, impl="xla")
+    assert np.isnan(as_float(want[1])[first + (3,)]) and np.isinf(as_float(want[1])[first + (4,)])
+    assert np.isnan(as_float(want[0])[first + (3,)]).all()
+    assert_same(fp8_quant.quantize_rows(a, impl="triton", interpret=True), want, f"quantize_rows {shape}")
+
+
+@pytest.mark.parametrize("multipliers", [False, True])
+@pytest.mark.parametrize("max_elements", [None, 2 * 384 * 256], ids=["kernels", "xla_stores"])
+def test_rows_and_columns_kernel_matches_xla(multipliers, max_elements, monkeypatch):
+    """xla_stores: float8 outputs too large for the store kernel (as past 2^31 elements) are XLA's."""
+    if max_elements:
+        monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", max_elements)
+    rng = np.random.default_rng()
+    a = skewed(rng, (5, 384, 256))
+    a[1, 200, 17] = np.nan
+    m = np.exp(3 * rng.standard_normal((5, 384))).astype(np.float32) if multipliers else None
+    want = fp8_quant.quantize_rows_and_columns(a, m, impl="xla")
+    got = fp8_quant.quantize_rows_and_columns(a, m, impl="triton", interpret=True)
+    assert_same(got, want, f"quantize_rows_and_columns, multipliers {multipliers}")
+    assert np.isnan(as_float(want[1])[1, 200]) and np.isnan(as_float(want[3])[1, 17])
+
+
+def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit():
+    """On CPU, and for shapes the kernels cannot tile, "auto" is the XLA maths (no Triton call)."""
+    a = jnp.ones((3, 20), jnp.bfloat16)  # 3 rows: not a multiple of 2; 20 columns: no power of two >= 16
+    for fn in (fp8_quant.quantize_rows, lambda a: fp8_quant.quantize_rows_and_columns(a[None])):
+        assert "triton" not in jax.jit(fn).lower(a).as_text()
+    with pytest.raises(ValueError, match="impl='triton' needs rows a multiple of 2"):
+        fp8_quant.quantize_rows(a, impl="triton")
+    with pytest.raises(ValueError, match="impl=.triton. needs R a multiple of 64 and C of 128"):
+        fp8_quant.quantize_rows_and_columns(a[None], impl="triton")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"), "impl must be one of"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
+    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
+    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 16)), jnp.ones((8,))), "col_multipliers must be"),
+])
+def test_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_kernels_lower_for_cuda():
+    """The Triton kernels lower (to Triton IR, inside XLA custom calls) on this CPU machine."""
+    a = jax.ShapeDtypeStruct((2, 256, 384), jnp.bfloat16)
+    m = jax.ShapeDtypeStruct((2, 256), jnp.float32)
+    for fn, args, names in (
+            (lambda a: fp8_quant.quantize_rows(a, impl="triton"), (a,), ["fp8_quantize_rows"]),
+            (lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="triton"), (a, m),
+             ["fp8_amax_rows_and_columns", "fp8_quantize_rows_and_columns"])):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        for name in names:
+            assert f'name = "{name}"' in text, name

@@ -15,7 +15,8 @@ grouped matmul, where ragged_dot expands to a dense dot that does not fit),
 Mosaic GPU kernels on Hopper), "grouped_fp8" (the same with FP8 forward and
 input-gradient matmuls: the weights' FP8 copies are made once per jitted
 call, as once per optimizer step of --steps micro-batches, their cost
-included) or "ragged_dot". The capacity is taken from the
+included), "grouped_fp8_dw" (the weight gradients from FP8 operands too)
+or "ragged_dot". The capacity is taken from the
 true routing (the largest load of an expert, rounded up to 128), and so are
 the grouped path's expert rows per rank (the largest per-rank pair count,
 rounded up to 128), computed once on the host, so nothing is dropped; the run
@@ -43,6 +44,7 @@ calls after a warm-up call.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -185,10 +187,10 @@ def pick_expert_rows(args, mesh, topk_idx):
 def layer_fn(args, mesh, buffer, impl, sizes):
     """(x, router, w_in, w_out, fp8) -> (y, aux_loss): the MoE layer, or with
     buffer None its experts alone on each rank's own tokens (no dispatch or
-    combine); fp8: FP8 copies of the weights for "grouped_fp8", else None."""
+    combine); fp8: FP8 copies of the weights for the FP8_IMPLS, else None."""
     kw = {"capacity": sizes.get("capacity"), "expert_rows": sizes.get("expert_rows"),
           "expert_alignment": args.expert_alignment}
-    impl = "grouped" if impl == "grouped_fp8" else impl
+    impl = "grouped" if impl in FP8_IMPLS else impl
     if buffer is not None:
         return lambda x, r, wi, wo, fp8: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer,
                                                       expert_impl=impl, fp8=fp8, **kw)
@@ -208,9 +210,15 @@ def layer_fn(args, mesh, buffer, impl, sizes):
     return apply
 
 
+# grouped experts on FP8 operands: whether the weight gradients are too (fp8_expert_weights' weight_grad)
+FP8_IMPLS = {"grouped_fp8": False, "grouped_fp8_dw": True}
+
+
 def fp8_copies(impl):
-    """(w_in, w_out) -> the FP8 copies the impl's layer takes (None but for grouped_fp8)."""
-    return ml.fp8_expert_weights if impl == "grouped_fp8" else (lambda w_in, w_out: None)
+    """(w_in, w_out) -> the FP8 copies the impl's layer takes (None but for the FP8_IMPLS)."""
+    if impl in FP8_IMPLS:
+        return functools.partial(ml.fp8_expert_weights, weight_grad=FP8_IMPLS[impl])
+    return lambda w_in, w_out: None
 
 
 def make_steps(args, layer, copies):
@@ -285,8 +293,8 @@ def parse_impls(text, on_gpu, fast_ragged_dot):
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name == "auto":
             name = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
-        if name not in (*ml.EXPERT_IMPLS, "grouped_fp8"):
-            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join(ml.EXPERT_IMPLS)}, grouped_fp8")
+        if name not in (*ml.EXPERT_IMPLS, *FP8_IMPLS):
+            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join((*ml.EXPERT_IMPLS, *FP8_IMPLS))}")
         if name not in impls:
             impls.append(name)
     if not impls:
@@ -297,7 +305,7 @@ def parse_impls(text, on_gpu, fast_ragged_dot):
 def pick_sizes(args, mesh, inputs, impls):
     """Capacity and expert rows from the true routing, for the impls that take them."""
     sizes = {}
-    grouped = "grouped" in impls or "grouped_fp8" in impls
+    grouped = any(impl == "grouped" or impl in FP8_IMPLS for impl in impls)
     if "capacity" in impls or grouped:
         topk_idx = true_routing(args, inputs)
         if "capacity" in impls:
@@ -311,8 +319,9 @@ def describe(impl, sizes, ragged_name):
     if impl == "capacity":
         return (f"capacity experts ({sizes['capacity']} slots per expert, largest load "
                 f"{sizes['largest_expert_load']}, nothing dropped)")
-    if impl in ("grouped", "grouped_fp8"):
-        fp8 = ", FP8 forward and input gradients, weight copies made once per jitted call" if impl != "grouped" else ""
+    if impl == "grouped" or impl in FP8_IMPLS:
+        gradients = "forward, input and weight gradients" if FP8_IMPLS.get(impl) else "forward and input gradients"
+        fp8 = f", FP8 {gradients}, weight copies made once per jitted call" if impl != "grouped" else ""
         return (f"{impl} experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
                 f"{sizes['largest_rows_per_rank']}, nothing dropped{fp8})")
     return f"ragged_dot experts ({ragged_name})"

@@ -6,13 +6,16 @@
         #               cols [B, C, R]: (a * col_multipliers[..., None]) quantized per column, transposed
 
 A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448, 448) rounded to the
-nearest float8_e4m3fn: the same maths, bit for bit, on every path. XLA computes it on CPUs (and for
-shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
+nearest float8_e4m3fn (ties to even), 1 / scale correctly rounded: the same maths, bit for bit, as numpy's,
+on CPUs and in the kernels. (On GPUs XLA's own results differ from them in a few values per million, each
+by one FP8 step, next to a rounding tie: its division is the likely cause.) XLA computes it on CPUs (and
+for shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
 FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` fewer times:
 quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
 L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
-shared memory) instead of four. `fp8_weights` reads an expert's weights this way, and the FP8 weight
-gradient its dy.
+shared memory) instead of four; XLA stores the copies of arrays past 2^31 values (Pallas Triton indexes
+them with 32-bit offsets). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
+its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a port is due.)
 """
 
 from __future__ import annotations
@@ -106,9 +109,11 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
     if a.size <= _MAX_ELEMENTS_PER_CALL:
         rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles)
-    else:  # Pallas Triton's 32-bit offsets would overflow in the float8 outputs: XLA writes them
+    else:  # Pallas Triton's 32-bit offsets would overflow in the float8 outputs: XLA writes them (with
+        # XLA's arithmetic: see the module docstring)
         z_t = jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)
-        rows, cols = _to_fp8(a.astype(jnp.float32), _inverse(row_scales)), _to_fp8(z_t, _inverse(col_scales))
+        rows = _to_fp8(a.astype(jnp.float32), _inverse(row_scales))
+        cols = _to_fp8(z_t, _inverse(col_scales))
     return rows, row_scales, cols, col_scales
 
 
@@ -120,6 +125,7 @@ def _scales(amax):
 
 
 def _to_fp8(v, inverse_scales):
+    """float8 of clip(v * inverse_scales, -448, 448), NaN kept."""
     p = v * inverse_scales
     return jnp.where(p != p, p, jnp.minimum(jnp.maximum(p, -FP8_MAX), FP8_MAX)).astype(FP8_DTYPE)
 
@@ -136,8 +142,8 @@ def _nan_max(a, b):
 
 
 def _inverse(scales):
-    """float32 1 / scales [...] as [..., 1], correctly rounded: the barrier keeps XLA from folding the
-    division into the scales' own arithmetic (1 / (amax * c) rewritten rounds differently)."""
+    """float32 1 / scales [...] as [..., 1]; the barrier keeps XLA from folding the division into the
+    scales' own arithmetic. (Correctly rounded on CPUs; on GPUs see the module docstring.)"""
     return (1.0 / lax.optimization_barrier(scales))[..., None]
 
 

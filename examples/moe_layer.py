@@ -250,12 +250,14 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
 
 
-def fp8_expert_weights(w_in, w_out):
+def fp8_expert_weights(w_in, w_out, weight_grad: bool = False):
     """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
     their forward and input-gradient matmuls then run on FP8 operands; the
-    weight gradients stay bf16. Make them once per optimizer step (they read
-    all the weights) and pass them to every micro-batch's step."""
-    return fp8_weights(w_in.astype(jnp.bfloat16)), fp8_weights(w_out.astype(jnp.bfloat16))
+    weight gradients stay bf16, or with weight_grad=True run on FP8 operands
+    too. Make them once per optimizer step (they read all the weights) and
+    pass them to every micro-batch's step."""
+    return (fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
+            fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad))
 
 
 def default_expert_alignment() -> int:

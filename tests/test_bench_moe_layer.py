@@ -52,10 +52,12 @@ def test_too_few_expert_rows_refused():
 
 
 def test_grouped_fp8_beside_grouped():
-    """grouped_fp8 (FP8 expert matmuls, the weights' copies made once per call) runs beside grouped,
-    its forward close to the bf16 one's."""
-    run = _run("--expert-impl", "grouped,grouped_fp8")
+    """grouped_fp8 and grouped_fp8_dw (FP8 expert matmuls, the weights' copies made once per call; the
+    latter's weight gradients on FP8 too) run beside grouped, their forwards close to the bf16 one's."""
+    run = _run("--expert-impl", "grouped,grouped_fp8,grouped_fp8_dw")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients" in run.stdout, run.stdout
-    diff = float(re.search(r"xla: grouped_fp8 experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
-    assert 0 < diff < 0.5, run.stdout
+    assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients," in run.stdout, run.stdout
+    assert "grouped_fp8_dw experts (" in run.stdout and "FP8 forward, input and weight gradients" in run.stdout
+    for impl in ("grouped_fp8", "grouped_fp8_dw"):
+        diff = float(re.search(rf"xla: {impl} experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
+        assert 0 < diff < 0.5, run.stdout

@@ -341,11 +341,10 @@ def _count_combine(buffer, handle, row_bytes):
 # Low-latency mode
 
 
-def quantize_fp8(x, round_scale=False, block=FP8_BLOCK, min_amax=1e-4):
-    """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // block]): one scale per
-    `block` channels (block=H: one per row), max(amax, min_amax) / 448."""
-    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // block, block))
-    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), min_amax)
+def quantize_fp8(x, round_scale=False):
+    """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128])."""
+    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+    amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
     scale = amax * np.float32(1.0 / FP8_MAX)  # what XLA makes of amax / 448 anyway
     if round_scale:  # the power of two at or above scale, exactly (exp2(ceil(log2)) is not)
         mantissa, exponent = jnp.frexp(scale)

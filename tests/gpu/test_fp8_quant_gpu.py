@@ -1,8 +1,8 @@
 """deep_ep_jax.fp8_quant's Triton kernels on a GPU, at the MoE benchmark's shapes per rank, on skewed
-values with zero, NaN, inf and tiny rows: numpy's quantization bit for bit on sampled rows, and XLA's
-(which tests/test_fp8_quant.py checks against numpy on CPU) everywhere but in float8_e4m3fn's subnormal
-range, where XLA's GPU conversion rounds some values the wrong way (ties and near-ties, as if it rounded
-twice); impl="auto" must pick the kernels here.
+values with zero, NaN, inf and tiny rows: numpy's quantization bit for bit on sampled rows; XLA's maths
+(which tests/test_fp8_quant.py checks against numpy on CPU) everywhere but in a few values per million,
+each one FP8 step away, next to a rounding tie (XLA's GPU arithmetic, its division most likely, is not
+numpy's there); impl="auto" must pick the kernels here.
 
     pytest -m gpu tests/gpu/test_fp8_quant_gpu.py -v
 """
@@ -16,9 +16,6 @@ import pytest
 from deep_ep_jax import fp8_quant
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
-
-SMALLEST_NORMAL = 2.0**-6  # float8_e4m3fn's
-
 
 @pytest.fixture(scope="module", autouse=True)
 def fp8_gpu():
@@ -44,25 +41,29 @@ def as_float(a):
 
 
 @jax.jit
-def _xla_disagrees_outside_subnormals(values, data, xla_data, scales):
-    """Where data and XLA's differ although values / scale is not in FP8's subnormal range."""
-    scaled = jnp.abs(values.astype(jnp.float32) * (1.0 / scales)[..., None])
-    differ = (data.astype(jnp.float32) != xla_data.astype(jnp.float32)) & ~(jnp.isnan(data.astype(jnp.float32))
-                                                                           & jnp.isnan(xla_data.astype(jnp.float32)))
-    return jnp.sum(differ & (scaled >= SMALLEST_NORMAL)), jnp.sum(differ)
+def _differ(data, xla_data):
+    """Where the float8 values differ (NaN equals NaN), and how many."""
+    got, want = data.astype(jnp.float32), xla_data.astype(jnp.float32)
+    differ = (got != want) & ~(jnp.isnan(got) & jnp.isnan(want))
+    return jnp.sum(differ), jnp.argwhere(differ, size=5, fill_value=-1)
 
 
-def check(what, values, got, xla, rng):
-    """got = (data, scales) of `values` [..., R, C] quantized per row by the kernels; xla: XLA's."""
+def check(what, values, got, xla, rng, xla_stores=False):
+    """got = (data, scales) of `values` [..., R, C] quantized per row by the kernels; xla: XLA's.
+    xla_stores: got's data is XLA's too (past what the store kernel indexes), so only its scales are
+    checked against numpy."""
     data, scales = got
     np.testing.assert_array_equal(as_float(scales), as_float(xla[1]), err_msg=f"{what}: scales against XLA's")
-    outside, total = (int(n) for n in _xla_disagrees_outside_subnormals(values, data, xla[0], scales))
-    assert outside == 0, f"{what}: {outside} values differ from XLA's outside FP8's subnormal range ({total} in all)"
+    count, where = _differ(data, xla[0])
+    assert int(count) <= 1e-5 * data.size, f"{what}: {int(count)} values differ from XLA's, first {where.tolist()}"
     flat_values, flat_data = values.reshape(-1, values.shape[-1]), data.reshape(-1, values.shape[-1])
     rows = np.unique(np.concatenate([np.arange(4), rng.integers(0, flat_values.shape[0], 60)]))
     want_data, want_scales = oracle.fp8_row_parts(as_float(flat_values[rows]))
     np.testing.assert_array_equal(as_float(scales).reshape(-1)[rows], want_scales[:, 0], err_msg=f"{what}: scales")
-    np.testing.assert_array_equal(as_float(flat_data[rows]), want_data, err_msg=f"{what}: data, rows {rows}")
+    if xla_stores:
+        assert int(count) == 0, f"{what}: XLA's stores must be XLA's values"
+    else:
+        np.testing.assert_array_equal(as_float(flat_data[rows]), want_data, err_msg=f"{what}: data, rows {rows}")
 
 
 @pytest.mark.parametrize("shape", [(40704, 7168), (40704, 2048), (2, 1024, 4096)])
@@ -80,8 +81,8 @@ def test_rows_kernel(shape):
                                                ((1, 40704, 7168), True), ((1, 40704, 4096), True)])
 def test_rows_and_columns_kernels(shape, multipliers):
     """fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past what the store kernel can
-    index, so XLA stores them from the kernel's scales; 16), and the FP8 weight gradient's dy with x's
-    row scales."""
+    index, so XLA stores them from the first kernel's scales; 16), and the FP8 weight gradient's dy with
+    x's row scales."""
     rng = np.random.default_rng()
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     a = skewed(key1, shape)
@@ -92,6 +93,7 @@ def test_rows_and_columns_kernels(shape, multipliers):
     assert ("fp8_quantize_rows_and_columns" in text) == (a.size < 2**31), "the store kernel"
     got, xla = run(a, m), run(a, m, impl="xla")
     what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}"
-    check(f"{what}, rows", a, got[:2], xla[:2], rng)
+    xla_stores = a.size >= 2**31
+    check(f"{what}, rows", a, got[:2], xla[:2], rng, xla_stores)
     z_t = jnp.swapaxes(a.astype(jnp.float32) * (1.0 if m is None else m[..., None]), 1, 2)
-    check(f"{what}, columns", z_t, got[2:], xla[2:], rng)
+    check(f"{what}, columns", z_t, got[2:], xla[2:], rng, xla_stores)

@@ -13,8 +13,9 @@ for shapes that do not fit the tiles below) in a pass per reduction and per conv
 FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` fewer times:
 quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
 L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
-shared memory) instead of four; XLA stores the copies of arrays past 2^31 values (Pallas Triton indexes
-them with 32-bit offsets). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
+shared memory) instead of four. Copies of 2^31 to 2^32 values (Pallas Triton indexes them with 32-bit
+offsets, which overflow) are XLA's to store, or with QuantTiles(packed_stores=True) a kernel's that stores
+pairs of values as 16-bit words (not yet run on a GPU). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
 its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a port is due.)
 """
 
@@ -39,8 +40,9 @@ FP8_MIN_AMAX = 1e-30
 
 IMPLS = ("auto", "triton", "xla")
 # Pallas Triton indexes an array of at most 4 GiB with 32-bit offsets, which overflow past 2^31 float8
-# elements: larger outputs are XLA's to write.
+# elements (past 4 GiB it takes 64-bit ones).
 _MAX_ELEMENTS_PER_CALL = 2**31 - 1
+_MAX_PACKED_ELEMENTS = 2**32  # float8 values stored as pairs: 2^31 16-bit words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,10 @@ class QuantTiles:
     tile_rows: int = 64  # its second pass: a program's tile
     tile_cols: int = 128
     store_warps: int = 4
+    # Copies of 2^31 to 2^32 float8 values (Pallas Triton's 32-bit offsets overflow there): stored by a
+    # kernel that writes pairs of values as 16-bit words (True), or by XLA (False: the default until the
+    # packed kernel has run on a GPU).
+    packed_stores: bool = False
 
 
 # The best of `benchmarks/bench_fp8_quant.py --sweep` on one H200 (jax 0.11.2, 2026-12-02) at the MoE
@@ -107,10 +113,13 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
     row_parts, col_parts = _amax_kernel(a, multipliers, interpret, tiles)
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
-    if a.size <= _MAX_ELEMENTS_PER_CALL:
+    if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
         rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles)
-    else:  # Pallas Triton's 32-bit offsets would overflow in the float8 outputs: XLA writes them (with
-        # XLA's arithmetic: see the module docstring)
+    elif tiles.packed_stores:
+        rows, cols = (_unpacked(w) for w in _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
+                                                                          interpret, tiles))
+    else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them (with XLA's arithmetic: see
+        # the module docstring)
         z_t = jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)
         rows = _to_fp8(a.astype(jnp.float32), _inverse(row_scales))
         cols = _to_fp8(z_t, _inverse(col_scales))
@@ -285,3 +294,52 @@ def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, 
         out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((b, cols, num_rows), FP8_DTYPE, a)],
         compiler_params=_params(tiles.store_warps), interpret=interpret, name="fp8_quantize_rows_and_columns",
     )(a, multipliers, row_scales, col_scales)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles):
+    """_rows_and_columns_kernel with each pair of neighbouring float8 values stored as one uint16 (the
+    first in the low byte): uint16 [B, R, C / 2] and [B, C, R / 2]. A program loads its tile as four
+    quarters (even and odd rows by even and odd columns): rows' pairs are a row's neighbouring columns,
+    columns' pairs a column's neighbouring rows."""
+    from jax.experimental import pallas as pl
+
+    b, num_rows, cols = a.shape
+    tile_r, tile_c = tiles.tile_rows, tiles.tile_cols
+    half_r, half_c = tile_r // 2, tile_c // 2
+    parity_r = (pl.ds(0, half_r, stride=2), pl.ds(1, half_r, stride=2))
+    parity_c = (pl.ds(0, half_c, stride=2), pl.ds(1, half_c, stride=2))
+
+    def pair(low, high):
+        as_word = lambda q: lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
+        return as_word(low) | (as_word(high) << 8)
+
+    def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
+        row_inverse = [_reciprocal(row_scales_ref[r], interpret)[:, None] for r in parity_r]
+        col_inverse = [_reciprocal(col_scales_ref[c], interpret)[None, :] for c in parity_c]
+        m = [m_ref[r][:, None] for r in parity_r]
+        v = [[a_ref[r, c].astype(jnp.float32) for c in parity_c] for r in parity_r]  # v[row parity][col parity]
+        for i, r in enumerate(parity_r):
+            rows_ref[r, :] = pair(*(_to_fp8(v[i][j], row_inverse[i]) for j in range(2)))
+        for j, c in enumerate(parity_c):
+            cols_ref[c, :] = pair(*(_to_fp8(v[i][j] * m[i], col_inverse[j]) for i in range(2))).T
+
+    squeezed = pl.squeezed
+    row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
+    return pl.pallas_call(
+        kernel, grid=(b, num_rows // tile_r, cols // tile_c),
+        in_specs=[pl.BlockSpec((squeezed, tile_r, tile_c), lambda g, i, j: (g, i, j)), row_vector, row_vector,
+                  pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
+        out_specs=[pl.BlockSpec((squeezed, tile_r, half_c), lambda g, i, j: (g, i, j)),
+                   pl.BlockSpec((squeezed, tile_c, half_r), lambda g, i, j: (g, j, i))],
+        out_shape=[shape_like((b, num_rows, cols // 2), jnp.uint16, a),
+                   shape_like((b, cols, num_rows // 2), jnp.uint16, a)],
+        compiler_params=_params(tiles.store_warps), interpret=interpret,
+        name="fp8_quantize_rows_and_columns_packed",
+    )(a, multipliers, row_scales, col_scales)
+
+
+def _unpacked(words):
+    """uint16 [..., n] of float8 pairs (first in the low byte) -> float8 [..., 2 n]."""
+    data = lax.bitcast_convert_type(words, jnp.uint8)  # [..., n, 2], the low byte first
+    return lax.bitcast_convert_type(data.reshape(words.shape[:-1] + (2 * words.shape[-1],)), FP8_DTYPE)

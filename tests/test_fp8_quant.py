@@ -2,6 +2,8 @@
 interpreter) against the XLA maths bit for bit, their lowering for CUDA, and the errors.
 The kernels on a GPU: tests/gpu/test_fp8_quant_gpu.py."""
 
+import dataclasses
+
 import grouped_gemm_oracle as oracle
 import jax
 import jax.numpy as jnp
@@ -76,18 +78,20 @@ def test_rows_kernel_matches_xla(shape):
 
 
 @pytest.mark.parametrize("multipliers", [False, True])
-@pytest.mark.parametrize("max_elements", [None, 2 * 384 * 256], ids=["kernels", "xla_stores"])
-def test_rows_and_columns_kernel_matches_xla(multipliers, max_elements, monkeypatch):
-    """xla_stores: float8 outputs too large for the store kernel (as past 2^31 elements) are XLA's."""
-    if max_elements:
-        monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", max_elements)
+@pytest.mark.parametrize("stores", ["kernel", "xla", "packed"])
+def test_rows_and_columns_kernel_matches_xla(multipliers, stores, monkeypatch):
+    """xla, packed: float8 outputs too large for the store kernel's offsets (as past 2^31 elements) are
+    XLA's, or the packed kernel's (pairs as 16-bit words)."""
+    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=stores == "packed")
+    if stores != "kernel":
+        monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", 2 * 384 * 256)
     rng = np.random.default_rng()
     a = skewed(rng, (5, 384, 256))
     a[1, 200, 17] = np.nan
     m = np.exp(3 * rng.standard_normal((5, 384))).astype(np.float32) if multipliers else None
     want = fp8_quant.quantize_rows_and_columns(a, m, impl="xla")
-    got = fp8_quant.quantize_rows_and_columns(a, m, impl="triton", interpret=True)
-    assert_same(got, want, f"quantize_rows_and_columns, multipliers {multipliers}")
+    got = fp8_quant.quantize_rows_and_columns(a, m, impl="triton", interpret=True, tiles=tiles)
+    assert_same(got, want, f"quantize_rows_and_columns, multipliers {multipliers}, {stores} stores")
     assert np.isnan(as_float(want[1])[1, 200]) and np.isnan(as_float(want[3])[1, 17])
 
 
@@ -113,7 +117,7 @@ def test_errors(call, match):
         call()
 
 
-def test_kernels_lower_for_cuda():
+def test_kernels_lower_for_cuda(monkeypatch):
     """The Triton kernels lower (to Triton IR, inside XLA custom calls) on this CPU machine."""
     a = jax.ShapeDtypeStruct((2, 256, 384), jnp.bfloat16)
     m = jax.ShapeDtypeStruct((2, 256), jnp.float32)
@@ -124,3 +128,9 @@ def test_kernels_lower_for_cuda():
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         for name in names:
             assert f'name = "{name}"' in text, name
+    # The packed stores, for copies past the store kernel's offsets.
+    monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", 1024)
+    packed = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=True)
+    text = jax.jit(lambda a: fp8_quant.quantize_rows_and_columns(a, impl="triton", tiles=packed)).trace(a).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert 'name = "fp8_quantize_rows_and_columns_packed"' in text

@@ -7,6 +7,9 @@ numpy's there); impl="auto" must pick the kernels here.
     pytest -m gpu tests/gpu/test_fp8_quant_gpu.py -v
 """
 
+import dataclasses
+import functools
+
 import grouped_gemm_oracle as oracle
 import jax
 import jax.numpy as jnp
@@ -77,23 +80,26 @@ def test_rows_kernel(shape):
     check(f"quantize_rows {shape}", a, got, run(a, impl="xla"), rng)
 
 
-@pytest.mark.parametrize("shape,multipliers", [((80, 7168, 4096), False), ((16, 2048, 7168), False),
-                                               ((1, 40704, 7168), True), ((1, 40704, 4096), True)])
-def test_rows_and_columns_kernels(shape, multipliers):
+@pytest.mark.parametrize("shape,multipliers,packed", [
+    ((80, 7168, 4096), False, False), ((80, 7168, 4096), False, True), ((16, 2048, 7168), False, False),
+    ((1, 40704, 7168), True, False), ((1, 40704, 4096), True, False)])
+def test_rows_and_columns_kernels(shape, multipliers, packed):
     """fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past what the store kernel can
-    index, so XLA stores them from the first kernel's scales; 16), and the FP8 weight gradient's dy with
-    x's row scales."""
+    index, so XLA stores them from the first kernel's scales, or with packed the packed kernel; 16), and
+    the FP8 weight gradient's dy with x's row scales."""
     rng = np.random.default_rng()
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     a = skewed(key1, shape)
     m = jnp.exp(3 * jax.random.normal(key2, shape[:2])) if multipliers else None
-    run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="impl")
+    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=packed)
+    run = jax.jit(functools.partial(fp8_quant.quantize_rows_and_columns, tiles=tiles), static_argnames="impl")
     text = run.lower(a, m).as_text()
+    store = "fp8_quantize_rows_and_columns_packed" if packed else "fp8_quantize_rows_and_columns\""
     assert "fp8_amax_rows_and_columns" in text, "impl='auto' did not pick the kernels"
-    assert ("fp8_quantize_rows_and_columns" in text) == (a.size < 2**31), "the store kernel"
+    assert (store in text) == (a.size < 2**31 or packed), "the store kernel"
     got, xla = run(a, m), run(a, m, impl="xla")
-    what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}"
-    xla_stores = a.size >= 2**31
+    what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}, packed {packed}"
+    xla_stores = a.size >= 2**31 and not packed
     check(f"{what}, rows", a, got[:2], xla[:2], rng, xla_stores)
     z_t = jnp.swapaxes(a.astype(jnp.float32) * (1.0 if m is None else m[..., None]), 1, 2)
     check(f"{what}, columns", z_t, got[2:], xla[2:], rng, xla_stores)

@@ -7,9 +7,8 @@
 
 A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448, 448) rounded to the
 nearest float8_e4m3fn (ties to even), 1 / scale correctly rounded: the same maths, bit for bit, as numpy's,
-on CPUs and in the kernels. (On GPUs XLA's own results differ from them in a few values per million, each
-by one FP8 step, next to a rounding tie: its division is the likely cause.) XLA computes it on CPUs (and
-for shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
+on every path (XLA's GPU division is not correctly rounded: the XLA path refines it). XLA computes it on
+CPUs (and for shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
 FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` fewer times:
 quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
 L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
@@ -118,8 +117,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     elif tiles.packed_stores:
         rows, cols = (_unpacked(w) for w in _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
                                                                           interpret, tiles))
-    else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them (with XLA's arithmetic: see
-        # the module docstring)
+    else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them
         z_t = jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)
         rows = _to_fp8(a.astype(jnp.float32), _inverse(row_scales))
         cols = _to_fp8(z_t, _inverse(col_scales))
@@ -151,9 +149,38 @@ def _nan_max(a, b):
 
 
 def _inverse(scales):
-    """float32 1 / scales [...] as [..., 1]; the barrier keeps XLA from folding the division into the
-    scales' own arithmetic. (Correctly rounded on CPUs; on GPUs see the module docstring.)"""
-    return (1.0 / lax.optimization_barrier(scales))[..., None]
+    """float32 1 / scales [...] as [..., 1], correctly rounded on every backend (XLA's GPU division is
+    div.full, up to 2 ulp off; scales are at most float32's max / 448, so the inverses are normal); the
+    barrier keeps XLA from folding the division into the scales' own arithmetic."""
+    scales = lax.optimization_barrier(scales)
+    mantissa, exponent = jnp.frexp(scales)  # scales = mantissa 2^exponent, 0.5 <= mantissa < 1
+    inverse = jnp.ldexp(_reciprocal_refined(mantissa, 1.0 / mantissa), -exponent)
+    return jnp.where(jnp.isfinite(scales) & (scales > 0), inverse, 1.0 / scales)[..., None]
+
+
+def _reciprocal_refined(m, r):
+    """The correctly rounded 1 / m (float32, 0.5 <= m < 1) from r, an approximation within 2 ulp: of r and
+    its neighbours, the one whose m * r is nearest 1, the products taken exactly (Dekker's two-product,
+    exact with or without fused multiply-adds)."""
+    def split(a):  # a = high + low, each of at most 12 significant bits
+        t = a * 4097.0
+        high = t - (t - a)
+        return high, a - high
+
+    def distance_from_one(c):
+        p = m * c
+        (mh, ml), (ch, cl) = split(m), split(c)
+        error = ((mh * ch - p) + mh * cl + ml * ch) + ml * cl  # m * c - p, exactly
+        return jnp.abs((1.0 - p) - error)  # 1 - p is exact: p is within a few ulp of 1
+
+    below = jnp.nextafter(r, jnp.float32(0))
+    candidates = [jnp.nextafter(below, jnp.float32(0)), below, r]
+    candidates += [jnp.nextafter(r, jnp.float32(4)), jnp.nextafter(jnp.nextafter(r, jnp.float32(4)), jnp.float32(4))]
+    best, best_distance = candidates[0], distance_from_one(candidates[0])
+    for c in candidates[1:]:
+        d = distance_from_one(c)
+        best, best_distance = jnp.where(d < best_distance, c, best), jnp.minimum(d, best_distance)
+    return best
 
 
 def _quantize_rows_xla(a):

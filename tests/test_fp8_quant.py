@@ -134,3 +134,17 @@ def test_kernels_lower_for_cuda(monkeypatch):
     text = jax.jit(lambda a: fp8_quant.quantize_rows_and_columns(a, impl="triton", tiles=packed)).trace(a).lower(
         lowering_platforms=("cuda",)).as_text()
     assert 'name = "fp8_quantize_rows_and_columns_packed"' in text
+
+
+@pytest.mark.parametrize("ulps", [-2, -1, 1, 2])
+def test_reciprocal_refined_from_an_approximation(ulps):
+    """The XLA path's 1 / scale is correct from a start up to 2 ulp off (XLA's GPU division, div.full):
+    here the start is moved by `ulps` float32 steps from numpy's correctly rounded reciprocal."""
+    rng = np.random.default_rng()
+    m = np.concatenate([rng.uniform(0.5, 1.0, 200_000), [0.5, np.nextafter(1, 0), np.nextafter(0.5, 1)]])
+    m = m.astype(np.float32)
+    exact = np.float32(1) / m
+    start = exact
+    for _ in range(abs(ulps)):
+        start = np.nextafter(start, np.float32(np.inf if ulps > 0 else 0)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(fp8_quant._reciprocal_refined)(m, start)), exact)

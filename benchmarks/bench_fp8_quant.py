@@ -61,11 +61,8 @@ def cases(args):
 SWEEP = {
     "rows": [dict(rows=r, rows_chunk=c, rows_warps=w) for r, c, w in
              ((4, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (2, 2048, 4))],
-    "amax": [dict(amax_rows=r, amax_cols=c, amax_warps=w) for r, c, w in
-             ((128, 128, 4), (64, 256, 8), (256, 128, 8))]
-            + [dict(amax_strips=True, amax_rows=r, amax_cols=c, amax_warps=w, amax_strip=s) for r, c, w, s in
-               ((32, 128, 4, 1024), (64, 128, 4, 1024), (32, 256, 4, 1024), (64, 128, 8, 1024), (32, 128, 4, 4096),
-                                (16, 256, 4, 1024))],
+    "amax": [dict(amax_rows=r, amax_cols=c, amax_warps=w, amax_strip=s) for r, c, w, s in
+             ((64, 128, 4, 1024), (16, 256, 4, 1024), (32, 256, 4, 1024), (32, 128, 4, 4096), (32, 128, 8, 1024))],
     "store": [dict(tile_rows=r, tile_cols=c, store_warps=w) for r, c, w in
               ((128, 128, 4), (128, 128, 8), (128, 64, 4), (256, 128, 8), (128, 256, 8), (64, 64, 4))]
              + [dict(packed_stores=True), dict(packed_stores=True, tile_rows=128, tile_cols=128)],

@@ -173,13 +173,13 @@ def _reciprocal_refined(m, r):
         error = ((mh * ch - p) + mh * cl + ml * ch) + ml * cl  # m * c - p, exactly
         return jnp.abs((1.0 - p) - error)  # 1 - p is exact: p is within a few ulp of 1
 
-    below = jnp.nextafter(r, jnp.float32(0))
-    candidates = [jnp.nextafter(below, jnp.float32(0)), below, r]
-    candidates += [jnp.nextafter(r, jnp.float32(4)), jnp.nextafter(jnp.nextafter(r, jnp.float32(4)), jnp.float32(4))]
-    best, best_distance = candidates[0], distance_from_one(candidates[0])
-    for c in candidates[1:]:
-        d = distance_from_one(c)
-        best, best_distance = jnp.where(d < best_distance, c, best), jnp.minimum(d, best_distance)
+    best, best_distance = r, distance_from_one(r)
+    for toward in (0.0, 4.0):  # the two float32 values below r, then the two above
+        c = r
+        for _ in range(2):
+            c = jnp.nextafter(c, jnp.float32(toward))
+            d = distance_from_one(c)
+            best, best_distance = jnp.where(d < best_distance, c, best), jnp.minimum(d, best_distance)
     return best
 
 

@@ -3,6 +3,8 @@ interpreter) against the XLA maths bit for bit, their lowering for CUDA, and the
 The kernels on a GPU: tests/gpu/test_fp8_quant_gpu.py."""
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import grouped_gemm_oracle as oracle
 import jax
@@ -148,3 +150,14 @@ def test_reciprocal_refined_from_an_approximation(ulps):
     for _ in range(abs(ulps)):
         start = np.nextafter(start, np.float32(np.inf if ulps > 0 else 0)).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(fp8_quant._reciprocal_refined)(m, start)), exact)
+
+
+def test_bench_sweep_tiles_are_tiles():
+    """benchmarks/bench_fp8_quant.py --sweep's variants name QuantTiles fields (a sweep runs only on GPUs)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8_quant.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8_quant", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for variants in bench.SWEEP.values():
+        for fields in variants:
+            dataclasses.replace(fp8_quant.DEFAULT_TILES, **fields)

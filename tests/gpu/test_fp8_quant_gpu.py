@@ -19,6 +19,7 @@ from deep_ep_jax import fp8_quant
 
 pytestmark = pytest.mark.gpu(min_gpus=1)
 
+
 @pytest.fixture(scope="module", autouse=True)
 def fp8_gpu():
     device = jax.devices("gpu")[0]

@@ -104,12 +104,12 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
                          f"got {tuple(col_multipliers.shape)}")
     row_multiple, col_multiple = math.lcm(tiles.amax_rows, tiles.tile_rows), math.lcm(tiles.amax_cols, tiles.tile_cols)
     fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0
-    if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
-                       f"R a multiple of {row_multiple} and C of {col_multiple}"):
-        z = a.astype(jnp.float32) if col_multipliers is None else a.astype(jnp.float32) * col_multipliers[..., None]
-        return (*_quantize_rows_xla(a), *_quantize_rows_xla(jnp.swapaxes(z, 1, 2)))
     multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
     a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
+    z_t = lambda: jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)  # XLA's columns
+    if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
+                       f"R a multiple of {row_multiple} and C of {col_multiple}"):
+        return (*_quantize_rows_xla(a), *_quantize_rows_xla(z_t()))
     row_parts, col_parts = _amax_kernel(a, multipliers, interpret, tiles)
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
     if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
@@ -118,9 +118,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
         rows, cols = (_unpacked(w) for w in _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
                                                                           interpret, tiles))
     else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them
-        z_t = jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)
-        rows = _to_fp8(a.astype(jnp.float32), _inverse(row_scales))
-        cols = _to_fp8(z_t, _inverse(col_scales))
+        (rows, _), (cols, _) = _quantize_rows_xla(a, row_scales), _quantize_rows_xla(z_t(), col_scales)
     return rows, row_scales, cols, col_scales
 
 
@@ -183,9 +181,10 @@ def _reciprocal_refined(m, r):
     return best
 
 
-def _quantize_rows_xla(a):
+def _quantize_rows_xla(a, scales=None):
+    """quantize_rows by XLA, with the given scales [...] or a's own."""
     v = a.astype(jnp.float32)
-    scales = _scales(_abs_max(v, axis=-1))
+    scales = _scales(_abs_max(v, axis=-1)) if scales is None else scales
     return _to_fp8(v, _inverse(scales)), scales
 
 

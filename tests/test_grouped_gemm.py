@@ -523,5 +523,5 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
     assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()
-    # fp8_weights 2, x 1, dy 1 (its rows, and with FP8 dw its columns too, are one amax and one store pass)
+    # fp8_weights 2 (an amax and a store pass), x 1, dy 1 (or with FP8 dw, its rows and columns: 2 passes)
     assert triton_calls(lowered) == (5 if weight_grad else 4)

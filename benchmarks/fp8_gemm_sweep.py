@@ -53,6 +53,9 @@ CONFIGS = [
 WEIGHT_GRAD_CONFIGS = [
     # warpgroups split N (128 x 256 CTA tile), no promotion
     T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128),
+    # the same, groups of more than 4 row steps (512 rows) promoted in halves
+    T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128,
+      promote_after_steps=4),
     # warpgroups split K rows (2 x 64 x 128), promoted every row step
     T(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
     T(64, 128, 128, 6, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),

@@ -107,10 +107,11 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
     # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error).
     fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
-    # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile), each added
-    # to a float32 total (a group may hold every row), the warpgroups splitting the CTA's K rows.
-    fp8_weight_grad=HopperTiles(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True,
-                                promote=True, epi_tile_m=64, epi_tile_n=128),
+    # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
+    # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits
+    # are as exact as promotion there; a longer one (a group may hold every row) promoted, in halves.
+    fp8_weight_grad=HopperTiles(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128,
+                                epi_tile_n=128, promote_after_steps=4),
 )
 
 

@@ -76,6 +76,11 @@ class HopperTiles:
     # float32 total in registers (twice the accumulator registers). FP8 needs it: its WGMMA keeps
     # only about 14 bits while it accumulates (2-3% off at K = 7168 without it).
     promote: bool = False
+    # weight_grad, transposed, without promote or split_rows: a group of more than this many row steps is
+    # promoted (each warpgroup's tile taken as two halves of tile_m / 2 rows, each a pass over the group's
+    # rows whose steps are added to a float32 total: the registers of one tile_m accumulator); the shorter
+    # groups, the common case, keep the one accumulator. 0: no group is promoted.
+    promote_after_steps: int = 0
 
 
 def row_tile(tiles: HopperTiles) -> int:
@@ -109,22 +114,24 @@ def _out_smem(plgpu, t: HopperTiles, dtype):
 
 
 def _store(plgpu, t: HopperTiles, out_smem, wg, dst, acc):
-    """Store this warpgroup's tile_m x tile_n products `acc` (float32) into dst, as dst's dtype,
-    through the epilogue's shared-memory slots (the copies stay in flight)."""
+    """Store this warpgroup's tile_m x tile_n products `acc` (float32; or fewer rows, as a half tile's)
+    into dst, as dst's dtype, through the epilogue's shared-memory slots (the copies stay in flight)."""
     num_slots = _epilogue_slots(t)
+    epi_m = min(t.epi_tile_m, acc.shape[0])
     acc = acc.astype(dst.dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     i = 0
-    for em in range(t.tile_m // t.epi_tile_m):
+    for em in range(acc.shape[0] // epi_m):
         for en in range(t.tile_n // t.epi_tile_n):
-            rows = slice(em * t.epi_tile_m, (em + 1) * t.epi_tile_m)
+            rows = slice(em * epi_m, (em + 1) * epi_m)
             cols = slice(en * t.epi_tile_n, (en + 1) * t.epi_tile_n)
-            slot = i % num_slots
+            slot = out_smem.at[wg, i % num_slots]
+            slot = slot if epi_m == t.epi_tile_m else slot.at[0:epi_m]
             i += 1
             plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
-            out_smem[wg, slot] = acc[rows, cols]
+            slot[...] = acc[rows, cols]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[rows, cols])
+            plgpu.copy_smem_to_gmem(slot, dst.at[rows, cols])
 
 
 def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, finish, start=lambda: None):
@@ -147,7 +154,7 @@ def _accumulate_then_store(plgpu, pl, t: HopperTiles, out_smem, wg, dst, finish,
     return compute_context
 
 
-def _promoted(plgpu, pl, t: HopperTiles, total, a, b):
+def _promoted(plgpu, pl, total, a, b):
     """total + a @ b, the product accumulated by WGMMA on its own (t.promote)."""
 
     def product(acc_ref):
@@ -155,7 +162,7 @@ def _promoted(plgpu, pl, t: HopperTiles, total, a, b):
         plgpu.wgmma_wait(0)
         return acc_ref[...]
 
-    return total + pl.run_scoped(product, plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+    return total + pl.run_scoped(product, plgpu.ACC(total.shape, jnp.float32))
 
 
 def _first_rows(acc, num_rows):
@@ -293,7 +300,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                         a, b = a_smem, b_smem.at[wg_cols] if transpose_rhs else b_smem.at[:, wg_cols]
                     b = b.transpose((1, 0)) if transpose_rhs else b
                     if t.promote:
-                        return _promoted(plgpu, pl, t, carry, a, b)
+                        return _promoted(plgpu, pl, carry, a, b)
                     plgpu.wgmma(carry, a, b)
                     plgpu.wgmma_wait(0)
                     return carry
@@ -374,10 +381,14 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
     and dw has out_dtype (default x's); t.split_rows has the compute
     warpgroups split the CTA's tile by K rows (2 tile_m x tile_n). Only as
     one pipeline."""
-    if transposed or col_scales is not None or t.promote or t.split_rows:
+    if transposed or col_scales is not None or t.promote or t.split_rows or t.promote_after_steps:
         if not (transposed and t.steady_pipeline and not t.cluster_n):
-            raise ValueError("weight_grad: col_scales, promote and split_rows need transposed=True, and "
-                             f"transposed needs tiles with steady_pipeline and without cluster_n, got {t}")
+            raise ValueError("weight_grad: col_scales, promote, split_rows and promote_after_steps need "
+                             "transposed=True, and transposed needs tiles with steady_pipeline and without "
+                             f"cluster_n, got {t}")
+    if t.promote_after_steps and (t.promote or t.split_rows or t.tile_m % 128):
+        raise ValueError("weight_grad: promote_after_steps needs tiles without promote and split_rows, and "
+                         f"tile_m a multiple of 128 (its halves are WGMMA's 64 rows or more), got {t}")
     if t.steady_pipeline and not t.cluster_n:
         return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t, transposed=transposed,
                                          col_scales=col_scales, out_dtype=out_dtype)
@@ -504,6 +515,10 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                 mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), 1 if t.grid_minor_n else 0, t.grid_tile_width)
                 return gi, pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n), steps_gmem[gi], starts_gmem[gi]
 
+            def promoted_halves(steps):
+                """Whether a tile of `steps` row steps is taken in promoted halves (t.promote_after_steps)."""
+                return (steps > t.promote_after_steps) if t.promote_after_steps else jnp.bool_(False)
+
             def walk(per_tile):
                 """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
                 plgpu.nd_loop((g, m_iters * n_iters), collective_axes="cluster_grid",
@@ -515,6 +530,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
 
                 def per_tile(info, carry):
                     _, k_rows, cols, steps, start = tile(info)
+                    passes = jnp.where(promoted_halves(steps), 2, 1)  # each pass loads the group's rows
 
                     def step(s, count):
                         slot = lax.rem(count, stages)
@@ -523,14 +539,15 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                         def _():
                             plgpu.barrier_wait(consumed.at[slot])
 
-                        rows = pl.ds(pl.multiple_of(start + s * t.tile_k, t.tile_k), t.tile_k)
+                        row_step = lax.rem(s, jnp.maximum(steps, 1))
+                        rows = pl.ds(pl.multiple_of(start + row_step * t.tile_k, t.tile_k), t.tile_k)
                         x_part, dy_part = (x_gmem.at[k_rows, rows], dy_gmem.at[cols, rows]) if transposed else \
                             (x_gmem.at[rows, k_rows], dy_gmem.at[rows, cols])
                         plgpu.copy_gmem_to_smem(x_part, a_smem.at[slot], loaded.at[slot])
                         plgpu.copy_gmem_to_smem(dy_part, b_smem.at[slot], loaded.at[slot])
                         return count + 1
 
-                    return lax.fori_loop(0, steps, step, carry)
+                    return lax.fori_loop(0, steps * passes, step, carry)
 
                 walk(per_tile)
 
@@ -544,12 +561,13 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                     """This warpgroup's part of a CTA tile's [K rows, columns] ref."""
                     return ref.at[wg_rows] if t.split_rows else ref.at[:, wg_cols]
 
-                def operands(slot):
-                    """This warpgroup's WGMMA operands in a stage: x's block [K rows, rows], dy's [rows, columns]."""
+                def operands(slot, a_rows=None):
+                    """This warpgroup's WGMMA operands in a stage: x's block [K rows, rows], dy's [rows, columns]
+                    (a_rows: only those of x's K rows, transposed)."""
                     if transposed:
                         a, b = a_smem.at[slot], b_smem.at[slot]
                         a, b = (a.at[wg_rows], b) if t.split_rows else (a, b.at[wg_cols])
-                        return a, b.transpose((1, 0))
+                        return (a if a_rows is None else a.at[a_rows]), b.transpose((1, 0))
                     return a_smem.at[slot].transpose((1, 0)), b_smem.at[slot].at[:, wg_cols]
 
                 def per_tile(info, carry):
@@ -558,42 +576,68 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                         wg_scales = col_scales_gmem[0].at[cols]
                         wg_scales = wg_scales if t.split_rows else wg_scales.at[wg_cols]
                         plgpu.copy_gmem_to_smem(wg_scales, col_smem.at[wg], scales_loaded.at[wg])
+                    dst = wg_part(out_gmem.at[gi].at[k_rows, cols])
 
-                    def store(acc):
+                    def wait_scales():  # once per tile: the barrier completes one phase per tile
                         if scaled:
                             plgpu.barrier_wait(scales_loaded.at[wg])
-                            acc = acc * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,))
-                        _store(plgpu, t, out_smem, wg, wg_part(out_gmem.at[gi].at[k_rows, cols]), acc * scale_gmem[0])
 
-                    if t.promote:  # each step's products on their own, added to a float32 total
+                    def store(acc, rows=None):  # rows: of the warpgroup's part (a half tile's)
+                        if scaled:
+                            acc = acc * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,))
+                        _store(plgpu, t, out_smem, wg, dst if rows is None else dst.at[rows], acc * scale_gmem[0])
+
+                    def promoted_pass(count, a_rows=None):
+                        """(count after, float32 total): each of the tile's row steps (with a_rows: of those
+                        K rows) accumulated by WGMMA on its own, then added to the total."""
                         def promoted_step(s, count_total):
                             count, total = count_total
                             slot = lax.rem(count, stages)
                             plgpu.barrier_wait(loaded.at[slot])
-                            total = _promoted(plgpu, pl, t, total, *operands(slot))
+                            total = _promoted(plgpu, pl, total, *operands(slot, a_rows))
                             plgpu.barrier_arrive(consumed.at[slot])
                             return count + 1, total
 
-                        count, total = lax.fori_loop(0, steps, promoted_step,
-                                                     (carry, jnp.zeros((t.tile_m, t.tile_n), jnp.float32)))
+                        rows = t.tile_m if a_rows is None else a_rows.size
+                        return lax.fori_loop(0, steps, promoted_step, (count, jnp.zeros((rows, t.tile_n), jnp.float32)))
+
+                    if t.promote:  # each step's products on their own, added to a float32 total
+                        count, total = promoted_pass(carry)
+                        wait_scales()
                         store(total)
                         return count
 
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
-                    def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
-                        def step(s, count):
-                            slot = lax.rem(count, stages)
-                            plgpu.barrier_wait(loaded.at[slot])
-                            plgpu.wgmma(acc_ref, *operands(slot))
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(consumed.at[slot])
-                            return count + 1
+                    def one_accumulator(count_before):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
+                        def count_after(acc_ref):  # zeros: an empty group's tile is stored as zeros
+                            def step(s, count):
+                                slot = lax.rem(count, stages)
+                                plgpu.barrier_wait(loaded.at[slot])
+                                plgpu.wgmma(acc_ref, *operands(slot))
+                                plgpu.wgmma_wait(0)
+                                plgpu.barrier_arrive(consumed.at[slot])
+                                return count + 1
 
-                        count = lax.fori_loop(0, steps, step, carry)
-                        store(acc_ref[...])
+                            count = lax.fori_loop(0, steps, step, count_before)
+                            wait_scales()
+                            store(acc_ref[...])
+                            return count
+
+                        return count_after
+
+                    if not t.promote_after_steps:
+                        return one_accumulator(carry)
+
+                    def halves(count):  # a long group: promoted, half of the warpgroup's K rows at a time
+                        half = t.tile_m // 2
+                        for h in range(2):
+                            count, total = promoted_pass(count, pl.ds(h * half, half))
+                            if h == 0:
+                                wait_scales()
+                            store(total, pl.ds(h * half, half))
                         return count
 
-                    return count_after
+                    return lax.cond(promoted_halves(steps), halves, one_accumulator, carry)
 
                 walk(per_tile)
 

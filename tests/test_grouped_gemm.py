@@ -525,3 +525,22 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
     assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()
     # fp8_weights 2 (an amax and a store pass), x 1, dy 1 (or with FP8 dw, its rows and columns: 2 passes)
     assert triton_calls(lowered) == (5 if weight_grad else 4)
+
+
+def test_weight_grad_promoted_halves_lowers(gpu_core_count):
+    """weight_grad with promote_after_steps (long groups in promoted halves, the rest in one accumulator)
+    lowers for CUDA on FP8 operands with column scales; the options it excludes are refused."""
+    t = hopper_gemm.HopperTiles(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128,
+                                epi_tile_n=128, promote_after_steps=2)
+    x_t, z_t = S((512, 1024), jnp.float8_e4m3fn), S((256, 1024), jnp.float8_e4m3fn)
+    starts, steps = S((4,), jnp.int32), S((4,), jnp.int32)
+
+    def run(x_t, z_t, starts, steps, tiles=t):
+        return hopper_gemm.weight_grad(x_t, z_t, starts, steps, jnp.ones((1,), jnp.float32), tiles, transposed=True,
+                                       col_scales=jnp.ones((256,), jnp.float32), out_dtype=jnp.bfloat16)
+
+    lowered = jax.jit(run).trace(x_t, z_t, starts, steps).lower(lowering_platforms=("cuda",))
+    assert mosaic_calls(lowered) == 1
+    for bad in (dict(promote=True), dict(split_rows=True), dict(tile_m=64)):
+        with pytest.raises(ValueError, match="promote_after_steps needs"):
+            jax.jit(functools.partial(run, tiles=dataclasses.replace(t, **bad))).trace(x_t, z_t, starts, steps)

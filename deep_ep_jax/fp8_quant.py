@@ -4,6 +4,7 @@
     rows, row_scales, cols, col_scales = quantize_rows_and_columns(a, col_multipliers)
         # a [B, R, C] -> rows: a quantized per row, as quantize_rows;
         #               cols [B, C, R]: (a * col_multipliers[..., None]) quantized per column, transposed
+        #               (0 on the rows whose multiplier is 0, whatever a holds there)
 
 A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448, 448) rounded to the
 nearest float8_e4m3fn (ties to even), 1 / scale correctly rounded: the same maths, bit for bit, as numpy's,
@@ -92,7 +93,8 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
                               tiles: QuantTiles = DEFAULT_TILES):
     """a [B, R, C] -> (rows float8 [B, R, C], row_scales float32 [B, R], cols float8 [B, C, R],
     col_scales float32 [B, C]): rows is a quantized per row (quantize_rows(a)); cols is
-    z = a * col_multipliers[..., None] (float32 [B, R], default 1) quantized per column of z and
+    z = a * col_multipliers[..., None] (float32 [B, R], default 1; a row whose multiplier is 0 is 0 in z,
+    whatever a holds there, NaN included: so padding rows are left out) quantized per column of z and
     transposed (quantize_rows(swapaxes(z, 1, 2))). impl, interpret, tiles: as quantize_rows."""
     _check_impl(impl)
     a = lax.stop_gradient(a)
@@ -106,7 +108,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0
     multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
     a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
-    z_t = lambda: jnp.swapaxes(a.astype(jnp.float32) * multipliers[..., None], 1, 2)  # XLA's columns
+    z_t = lambda: jnp.swapaxes(_times_multipliers(a.astype(jnp.float32), multipliers[..., None]), 1, 2)  # XLA's
     if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
                        f"R a multiple of {row_multiple} and C of {col_multiple}"):
         return (*_quantize_rows_xla(a), *_quantize_rows_xla(z_t()))
@@ -133,6 +135,11 @@ def _to_fp8(v, inverse_scales):
     """float8 of clip(v * inverse_scales, -448, 448), NaN kept."""
     p = v * inverse_scales
     return jnp.where(p != p, p, jnp.minimum(jnp.maximum(p, -FP8_MAX), FP8_MAX)).astype(FP8_DTYPE)
+
+
+def _times_multipliers(v, m):
+    """v * m, 0 where m is 0 (whatever v holds: rows left out of the columns' copy)."""
+    return jnp.where(m == 0, 0.0, v * m)
 
 
 def _abs_max(v, axis):
@@ -278,7 +285,7 @@ def _amax_kernel(a, multipliers, interpret, tiles):
             rows_i = pl.ds(i * tile_r, tile_r)
             v = a_ref[rows_i, :].astype(jnp.float32)
             row_amax_ref[rows_i] = _abs_max(v, axis=1)
-            return _nan_max(acc, jnp.abs(v * m_ref[rows_i][:, None]))
+            return _nan_max(acc, jnp.abs(_times_multipliers(v, m_ref[rows_i][:, None])))
 
         acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.float32))
         col_amax_ref[...] = _abs_max(acc, axis=0)
@@ -308,7 +315,8 @@ def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, 
     def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
         v = a_ref[...].astype(jnp.float32)
         rows_ref[...] = _to_fp8(v, _reciprocal(row_scales_ref[...], interpret)[:, None])
-        cols_ref[...] = _to_fp8(v * m_ref[...][:, None], _reciprocal(col_scales_ref[...], interpret)[None, :]).T
+        cols_ref[...] = _to_fp8(_times_multipliers(v, m_ref[...][:, None]),
+                                _reciprocal(col_scales_ref[...], interpret)[None, :]).T
 
     squeezed = pl.squeezed
     row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
@@ -348,7 +356,7 @@ def _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales, inte
         for i, r in enumerate(parity_r):
             rows_ref[r, :] = pair(*(_to_fp8(v[i][j], row_inverse[i]) for j in range(2)))
         for j, c in enumerate(parity_c):
-            cols_ref[c, :] = pair(*(_to_fp8(v[i][j] * m[i], col_inverse[j]) for i in range(2))).T
+            cols_ref[c, :] = pair(*(_to_fp8(_times_multipliers(v[i][j], m[i]), col_inverse[j]) for i in range(2))).T
 
     squeezed = pl.squeezed
     row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))

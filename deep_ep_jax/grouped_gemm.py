@@ -537,12 +537,13 @@ def _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes
 
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
     x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
-    dy = _padding_zeroed(dy, group_sizes, valid_sizes)
-    if w8.weight_grad:
+    if w8.weight_grad:  # dy's padding rows are left out by their 0 multipliers (dx's kernel stores 0 there)
         x_data, x_scales = x_for_dw
+        x_scales = jnp.where(_valid_rows(dy.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
         dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(x_scales, dy)
         dw = _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, w.dtype)
     else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
+        dy = _padding_zeroed(dy, group_sizes, valid_sizes)
         dy_data, dy_scales = quantize_rows(dy)
         dw = _weight_grad(use_mgpu, blocks, True, x_for_dw, dy, group_sizes, valid_sizes, scale)
     dx = _fp8_matmul(use_mgpu, blocks, dy_data, dy_scales, w8.input_grad, w8.input_grad_scales, group_sizes,
@@ -587,7 +588,7 @@ def fp8_backward_operands(x_scales, dy):
     """(dy's FP8 rows [M, N], their scales [M], z's FP8 values transposed [N, M], z's column scales [N])
     from one read of dy per pass: dy quantized per row for dx, and z = dy * x_scales (the forward's row
     scales of x, which vary along dw's contraction, so they move onto dy) quantized per column for dw.
-    dy must be 0 on padding rows (then so is z)."""
+    z is 0 on the rows whose x_scales are 0 (padding rows: dy may hold anything there)."""
     dy_data, dy_scales, z_data_t, z_scales = quantize_rows_and_columns(dy[None], x_scales[None])
     return dy_data[0], dy_scales[0], z_data_t[0], z_scales[0]
 

@@ -56,10 +56,13 @@ def test_rows_and_columns_match_numpy():
     rng = np.random.default_rng()
     a = skewed(rng, (3, 256, 128))
     m = np.exp(rng.standard_normal((3, 256))).astype(np.float32)
+    m[:, 200:210] = 0  # rows left out of the columns' copy, whatever they hold
+    a[1, 203, :5] = [np.nan, np.inf, -np.inf, 1e30, -7]
     rows, row_scales, cols, col_scales = jax.jit(
         lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="xla"))(a, m)
     want_rows, want_row_scales = oracle.fp8_row_parts(a)
-    z_t = np.swapaxes(np.asarray(a, np.float32) * m[..., None], 1, 2)
+    z_t = np.swapaxes(np.where(m[..., None] == 0, 0, np.asarray(a, np.float32) * m[..., None]), 1, 2)
+    assert not np.isnan(z_t).any() and not z_t[:, :, 200:210].any()
     want_cols, want_col_scales = oracle.fp8_row_parts(z_t)
     for got, want in ((rows, want_rows), (row_scales, want_row_scales[..., 0]), (cols, want_cols),
                       (col_scales, want_col_scales[..., 0])):
@@ -90,11 +93,17 @@ def test_rows_and_columns_kernel_matches_xla(multipliers, stores, monkeypatch):
     rng = np.random.default_rng()
     a = skewed(rng, (5, 384, 256))
     a[1, 200, 17] = np.nan
-    m = np.exp(3 * rng.standard_normal((5, 384))).astype(np.float32) if multipliers else None
+    m = None
+    if multipliers:  # rows 300-309 left out of the columns (one of them holds a NaN and an inf)
+        m = np.exp(3 * rng.standard_normal((5, 384))).astype(np.float32)
+        m[:, 300:310] = 0
+        a[2, 305, 3:5] = [np.nan, np.inf]
     want = fp8_quant.quantize_rows_and_columns(a, m, impl="xla")
     got = fp8_quant.quantize_rows_and_columns(a, m, impl="triton", interpret=True, tiles=tiles)
     assert_same(got, want, f"quantize_rows_and_columns, multipliers {multipliers}, {stores} stores")
     assert np.isnan(as_float(want[1])[1, 200]) and np.isnan(as_float(want[3])[1, 17])
+    if multipliers:
+        assert not as_float(want[2])[2, :, 300:310].any() and np.isfinite(as_float(want[3])[2]).all()
 
 
 def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit():

@@ -15,7 +15,8 @@ grouped matmul, where ragged_dot expands to a dense dot that does not fit),
 Mosaic GPU kernels on Hopper), "grouped_fp8" (the same with FP8 forward and
 input-gradient matmuls: the weights' FP8 copies are made once per jitted
 call, as once per optimizer step of --steps micro-batches, their cost
-included), "grouped_fp8_dw" (the weight gradients from FP8 operands too)
+included), "grouped_fp8_dw" (the weight gradients from FP8 operands too:
+fp8_expert_weights' default; --steps 1 makes the copies every step)
 or "ragged_dot". The capacity is taken from the
 true routing (the largest load of an expert, rounded up to 128), and so are
 the grouped path's expert rows per rank (the largest per-rank pair count,

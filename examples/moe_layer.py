@@ -15,8 +15,8 @@ Three ways to run the experts (`expert_impl`):
   scatter. `expert_rows` rows per rank (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
 With "grouped", `fp8=fp8_expert_weights(w_in, w_out)` runs the experts'
-forward and input-gradient matmuls on FP8 operands (make the copies once
-per optimizer step; the weight gradients stay bf16).
+matmuls on FP8 operands (make the copies once per optimizer step and pass
+them to each of its micro-batches).
 The default stays "ragged_dot": exact on every platform. On GPUs
 jax.lax.ragged_dot is a dense dot, so there choose "capacity" or "grouped"
 (with expert_rows from your routing). "grouped" on Hopper aligns each
@@ -250,12 +250,14 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
 
 
-def fp8_expert_weights(w_in, w_out, weight_grad: bool = False):
+def fp8_expert_weights(w_in, w_out, weight_grad: bool = True):
     """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
-    their forward and input-gradient matmuls then run on FP8 operands; the
-    weight gradients stay bf16, or with weight_grad=True run on FP8 operands
-    too. Make them once per optimizer step (they read all the weights) and
-    pass them to every micro-batch's step."""
+    their forward, input-gradient and weight-gradient matmuls then run on FP8
+    operands (with weight_grad=False the weight gradients stay bf16). Make
+    them once per optimizer step (they read all the weights: about 13 ms for
+    a DeepSeek-V3-sized rank on one H200) and pass them to every
+    micro-batch's step: FP8 pays off from about three micro-batches per
+    optimizer step (benchmarks/RESULTS.md)."""
     return (fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
             fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad))
 

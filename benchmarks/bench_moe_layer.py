@@ -351,8 +351,8 @@ def main():
     p.add_argument("--backends", default="cuda,xla", help="comma list of cuda, xla")
     p.add_argument("--no-local", action="store_true", help="skip timing the experts without dispatch/combine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true",
-                   help="also print where each layer's step goes on the first GPU, kernel by kernel")
+    p.add_argument("--profile", nargs="?", type=int, const=12, default=0, metavar="TOP",
+                   help="also print where each layer's step goes on the first GPU: the TOP (12) kernels by time")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     args.expert_alignment = args.expert_alignment or ml.default_expert_alignment()
@@ -430,7 +430,7 @@ def main():
             if args.profile:
                 router, w_in, w_out, x = inputs
                 print_kernel_breakdown(f"{row[1]} layer, {row[0]} experts", compiled[row][0], (x, router, w_in, w_out),
-                                       args.steps)
+                                       args.steps, top=args.profile)
     finally:
         for buffer in buffers.values():
             buffer.destroy()

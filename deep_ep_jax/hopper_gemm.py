@@ -31,7 +31,8 @@ output column of w[g], applied in the epilogue; with `promote`, each K
 step's products are added to a float32 total in registers. weight_grad
 takes them transposed (x^T [K, M] and dy^T [N, M], the contraction over
 rows contiguous) with a float32 scale per column of dw, and `promote` and
-`split_rows` likewise.
+`split_rows` likewise, or `promote_after_steps` (only a group longer than
+that many row steps promoted, in halves of the warpgroups' tiles).
 
 Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
 f16 (or float8_e4m3fn, transposed in weight_grad); rows, K and N multiples
@@ -377,10 +378,12 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
     transposed: x and dy come as x^T [K, M] and dy^T [N, M], the rows (the
     contraction) contiguous, as FP8 WGMMA reads both operands (float8_e4m3fn
     needs it); then col_scales (float32 [N], optional) multiplies column n of
-    every dw[g], t.promote adds each row step's products to a float32 total,
-    and dw has out_dtype (default x's); t.split_rows has the compute
-    warpgroups split the CTA's tile by K rows (2 tile_m x tile_n). Only as
-    one pipeline."""
+    every dw[g], t.promote adds each row step's products to a float32 total
+    (t.promote_after_steps: only for a group of more steps than that, each
+    warpgroup's tile then taken in two halves of tile_m / 2 rows, each a pass
+    over the group's rows), and dw has out_dtype (default x's); t.split_rows
+    has the compute warpgroups split the CTA's tile by K rows (2 tile_m x
+    tile_n). Only as one pipeline."""
     if transposed or col_scales is not None or t.promote or t.split_rows or t.promote_after_steps:
         if not (transposed and t.steady_pipeline and not t.cluster_n):
             raise ValueError("weight_grad: col_scales, promote, split_rows and promote_after_steps need "

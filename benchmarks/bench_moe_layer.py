@@ -215,10 +215,11 @@ def layer_fn(args, mesh, buffer, impl, sizes):
 FP8_IMPLS = {"grouped_fp8": False, "grouped_fp8_dw": True}
 
 
-def fp8_copies(impl):
-    """(w_in, w_out) -> the FP8 copies the impl's layer takes (None but for the FP8_IMPLS)."""
+def fp8_copies(impl, mesh):
+    """(w_in, w_out) -> the FP8 copies the impl's layer takes (None but for the FP8_IMPLS), each rank's
+    from its own experts."""
     if impl in FP8_IMPLS:
-        return functools.partial(ml.fp8_expert_weights, weight_grad=FP8_IMPLS[impl])
+        return functools.partial(ml.fp8_expert_weights, weight_grad=FP8_IMPLS[impl], mesh=mesh, axis_name="expert")
     return lambda w_in, w_out: None
 
 
@@ -384,7 +385,7 @@ def main():
             sizes = pick_sizes(args, mesh, inputs, impls)
             layers = {row: layer_fn(args, mesh, buffers.get(row[1]), row[0], sizes) for row in rows}
             t0 = time.perf_counter()
-            compiled = {row: compile_steps(args, layers[row], fp8_copies(row[0]), inputs) for row in rows}
+            compiled = {row: compile_steps(args, layers[row], fp8_copies(row[0], mesh), inputs) for row in rows}
             compile_s = time.perf_counter() - t0
             need = max((n for _, n in compiled.values() if n is not None), default=None)
             if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
@@ -414,7 +415,7 @@ def main():
         results, outputs = {}, {}
         for row in rows:
             if row[1] != "local":
-                outputs[row] = forward(layers[row], fp8_copies(row[0]), inputs)
+                outputs[row] = forward(layers[row], fp8_copies(row[0], mesh), inputs)
             per_step = time_steps(args, compiled[row][0], inputs)
             med = statistics.median(per_step)
             results[row] = {

@@ -14,7 +14,7 @@ Three ways to run the experts (`expert_impl`):
   `combine_expert_major` weights and combines them: no argsort, gather or
   scatter. `expert_rows` rows per rank (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
-With "grouped", `fp8=fp8_expert_weights(w_in, w_out)` runs the experts'
+With "grouped", `fp8=fp8_expert_weights(w_in, w_out, mesh=, axis_name=)` runs the experts'
 matmuls on FP8 operands (make the copies once per optimizer step and pass
 them to each of its micro-batches).
 The default stays "ragged_dot": exact on every platform. On GPUs
@@ -250,16 +250,27 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
 
 
-def fp8_expert_weights(w_in, w_out, weight_grad: bool = True):
+def fp8_expert_weights(w_in, w_out, weight_grad: bool = True, *, mesh=None, axis_name=None):
     """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
     their forward, input-gradient and weight-gradient matmuls then run on FP8
     operands (with weight_grad=False the weight gradients stay bf16). Make
     them once per optimizer step (they read all the weights: about 13 ms for
     a DeepSeek-V3-sized rank on one H200) and pass them to every
     micro-batch's step: FP8 pays off from about three micro-batches per
-    optimizer step (benchmarks/RESULTS.md)."""
-    return (fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
-            fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad))
+    optimizer step (benchmarks/RESULTS.md). mesh, axis_name: where the
+    weights are split over that axis (as moe_apply takes them: the Buffer's
+    mesh and axis), each rank makes its own experts' copies (the GPU kernels
+    would otherwise get the whole weights gathered onto every device)."""
+    def copies(w_in, w_out):
+        return (fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
+                fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad))
+
+    if (mesh is None) != (axis_name is None):
+        raise ValueError("fp8_expert_weights: give both mesh and axis_name, or neither")
+    if mesh is None:
+        return copies(w_in, w_out)
+    experts = P(axis_name)
+    return jax.shard_map(copies, mesh=mesh, in_specs=(experts, experts), out_specs=experts)(w_in, w_out)
 
 
 def default_expert_alignment() -> int:
@@ -388,7 +399,8 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
               expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None, fp8=None):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
     expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn
-    (expert_rows: per rank; fp8: fp8_expert_weights of the global weights)."""
+    (expert_rows: per rank; fp8: fp8_expert_weights(w_in, w_out, mesh=buffer.mesh,
+    axis_name=buffer.axis_name))."""
     mesh, num_experts = buffer.mesh, router_kernel.shape[-1]
     shape = x.shape
     x = x.reshape(-1, shape[-1])

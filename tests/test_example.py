@@ -284,7 +284,7 @@ def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
     """moe_apply's output and the gradients of sum(sin(output)) for (router, w_in, w_out), under one jit;
     use_fp8: with the weights' FP8 copies made inside."""
     def apply(router, w_in, w_out):
-        fp8 = ml.fp8_expert_weights(w_in, w_out) if use_fp8 else None
+        fp8 = ml.fp8_expert_weights(w_in, w_out, mesh=buffer.mesh, axis_name=buffer.axis_name) if use_fp8 else None
         return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8)[0]
 
     loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
@@ -316,6 +316,32 @@ def test_moe_apply_fp8_experts():
     with pytest.raises(ValueError, match="fp8 expert weights need expert_impl='grouped'"):
         ml.moe_apply(x, *params, top_k=2, buffer=buffer, expert_impl="capacity",
                      fp8=ml.fp8_expert_weights(*params[1:]))
+
+
+def test_fp8_expert_weights_per_rank(monkeypatch):
+    """With mesh and axis_name, each rank makes the copies of its own experts: the same values as the
+    copies of the whole weights, split over the axis; lowered for CUDA, the quantization kernels' grids
+    cover one rank's experts (without them, every device would quantize all the experts)."""
+    buffer, _, (_, w_in, w_out) = _layer_inputs(4, 11)
+    mesh, axis = buffer.mesh, buffer.axis_name
+    num_local = w_in.shape[0] // mesh.shape[axis]
+    per_rank = jax.jit(lambda a, b: ml.fp8_expert_weights(a, b, mesh=mesh, axis_name=axis))(w_in, w_out)
+    whole = jax.jit(ml.fp8_expert_weights)(w_in, w_out)
+    for got, want in zip(jax.tree.leaves(per_rank), jax.tree.leaves(whole)):
+        assert got.sharding.spec[0] == axis
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+    from deep_ep_jax import fp8_quant
+    monkeypatch.setattr(fp8_quant, "triton_fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
+    split = NamedSharding(mesh, P(axis))  # shapes the kernels tile
+    shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]
+    for kwargs, experts in ((dict(mesh=mesh, axis_name=axis), num_local), ({}, w_in.shape[0])):
+        text = jax.jit(lambda a, b, kw=kwargs: ml.fp8_expert_weights(a, b, **kw)).trace(*shapes).lower(
+            lowering_platforms=("cuda",)).as_text()
+        grids = {int(g) for g in re.findall(r"grid_x = (\d+) : i32", text)}  # grid x: the experts (the batch)
+        assert text.count("xla.gpu.triton") == 4 and grids == {experts}, (kwargs.keys(), grids)
+    with pytest.raises(ValueError, match="give both mesh and axis_name"):
+        ml.fp8_expert_weights(w_in, w_out, mesh=mesh)
 
 
 def _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe):

@@ -284,6 +284,39 @@ def test_gradients_match_rank_major_formula():
     np.testing.assert_allclose(gw, want_gw, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("routing", ["minus_one", "duplicates", "rank_gets_nothing"])
+def test_dispatch_backward_is_combine_with_unit_weights(routing):
+    """x's gradient through dispatch_expert_major equals combine_expert_major of the rows' gradient
+    with weights 1, bit for bit (each token's rows summed in float32 in k order, then sent home): a
+    layer that dispatches FP8 rows can take its x gradient this way."""
+    num_ranks, num_tokens, experts_per_rank, topk = 4, 10, 3, 3
+    num_experts = num_ranks * experts_per_rank
+    seed = _seed("unit_weights", routing)
+    buffer = dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    if routing == "duplicates":
+        idx[::2, 1] = idx[::2, 0]
+    if routing == "rank_gets_nothing":
+        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+
+    def step(x, idx, w, key):
+        def rows(x):
+            expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                         buffer=buffer, alignment=8)
+            return expert_x, (layout, recv_w, handle)
+
+        expert_x, vjp, (layout, recv_w, handle) = jax.vjp(rows, x, has_aux=True)
+        g = jax.random.normal(key[0], expert_x.shape).astype(expert_x.dtype)  # this rank's key
+        g = jnp.where((layout.row_pair >= 0)[:, None], g, jnp.zeros((), g.dtype))
+        return vjp(g)[0], dej.combine_expert_major(g, jnp.ones_like(recv_w), layout, handle, buffer=buffer)
+
+    keys = jax.random.split(jax.random.key(seed), num_ranks)
+    got, want = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), keys)
+    assert np.abs(np.asarray(want, np.float32)).max() > 0
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_fp8_rows_carry_no_gradient():
     idx = _local_ids(5, 1, 8, 3, 2, "random")
     data, scales = reference.quantize_fp8(dt.random_rows(6, (8, H)))

@@ -274,6 +274,19 @@ def time_steps(args, compiled, inputs):
     return per_step
 
 
+def time_copies(args, copies, inputs):
+    """Median ms of one jitted call making the FP8 weight copies (once per optimizer step)."""
+    _, w_in, w_out, _ = inputs
+    make = jax.jit(copies)
+    jax.block_until_ready(make(w_in, w_out))  # compile, warm up
+    times = []
+    for _ in range(args.reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(make(w_in, w_out))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def forward(layer, copies, inputs):
     router, w_in, w_out, x = inputs
     fn = jax.jit(lambda x, r, wi, wo: layer(x, r, wi, wo, copies(wi, wo))[0])
@@ -432,6 +445,7 @@ def main():
                 router, w_in, w_out, x = inputs
                 print_kernel_breakdown(f"{row[1]} layer, {row[0]} experts", compiled[row][0], (x, router, w_in, w_out),
                                        args.steps, top=args.profile)
+        copies_ms = {impl: time_copies(args, fp8_copies(impl, mesh), inputs) for impl in impls if impl in FP8_IMPLS}
     finally:
         for buffer in buffers.values():
             buffer.destroy()
@@ -447,6 +461,9 @@ def main():
             r["comm_share"] = 1 - local["median_ms"] / r["median_ms"]
         print(f"| {label}, {impl} experts | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
               f"| {r['expert_tflops']:.1f} | {share} |")
+    for impl, ms in copies_ms.items():
+        print(f"{impl}: the FP8 weight copies alone take {ms:.2f} ms per call (median of {args.reps}), made once per "
+              f"jitted call: {ms / args.steps:.2f} ms of each of its {args.steps} steps above")
     print()
     for impl in impls:
         cuda, xla = (impl, "cuda"), (impl, "xla")
@@ -464,7 +481,7 @@ def main():
     if args.json:
         meta = {k: getattr(args, k) for k in ("hidden", "ffn", "experts", "top_k", "steps", "reps", "expert_alignment")}
         meta.update(tokens=tokens, devices=f"{num_ranks} x {devices[0].device_kind}", jax=jax.__version__,
-                    expert_impls=impls, ragged_dot=ragged_name, **sizes)
+                    expert_impls=impls, ragged_dot=ragged_name, fp8_copies_ms=copies_ms, **sizes)
         Path(args.json).write_text(json.dumps({"config": meta, "results": list(results.values())}, indent=2))
         print(f"wrote {args.json}")
 

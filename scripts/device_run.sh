@@ -5,7 +5,7 @@
 #   scripts/device_run.sh [extra pytest args] [--bench "benchmarks/x.py args"]...
 #
 # Builds the extension in place (incremental), prints the environment report,
-# runs each GPU test file (TEST_FILES narrows them), then each benchmark. Benchmarks run even if tests fail;
+# runs each GPU test file (TEST_FILES narrows them; set but empty, none), then each benchmark. Benchmarks run even if tests fail;
 # the exit status is the first failure's. With $OUT set, the log is also
 # written to $OUT/device_run.log.
 set -uo pipefail
@@ -51,7 +51,7 @@ stage() {  # stage NAME COMMAND...: runs it, records its time and status
 stage build "$PYTHON" setup.py -q build_ext --inplace || { printf '%s\n' "${timings[@]}"; exit "$status"; }
 stage info "$PYTHON" -m deep_ep_jax.info
 # One process per test file: a hang or crash in one leaves the others' results.
-for test_file in ${TEST_FILES:-tests/gpu/test_*.py}; do
+for test_file in ${TEST_FILES-tests/gpu/test_*.py}; do  # TEST_FILES="" runs none
   # Multi-process tests start GPU processes beside pytest's own: no preallocation there
   # (elsewhere preallocation stays on, so memory checks see only our allocations).
   prealloc=true; [[ $test_file == *multiprocess* || $test_file == *_scale_gpu* ]] && prealloc=false

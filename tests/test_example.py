@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
+from deep_ep_jax import fp8_quant
 from deep_ep_jax import testing as dt
 from deep_ep_jax.expert_major import default_num_rows
 
@@ -331,7 +332,6 @@ def test_fp8_expert_weights_per_rank(monkeypatch):
         assert got.sharding.spec[0] == axis
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
-    from deep_ep_jax import fp8_quant
     monkeypatch.setattr(fp8_quant, "triton_fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
     split = NamedSharding(mesh, P(axis))  # shapes the kernels tile
     shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]

@@ -115,10 +115,10 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     row_parts, col_parts = _amax_kernel(a, multipliers, interpret, tiles)
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
     if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
-        rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles)
+        rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, False)
     elif tiles.packed_stores:
-        rows, cols = (_unpacked(w) for w in _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
-                                                                          interpret, tiles))
+        rows, cols = (_unpacked(w) for w in _rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
+                                                                     interpret, tiles, True))
     else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them
         (rows, _), (cols, _) = _quantize_rows_xla(a, row_scales), _quantize_rows_xla(z_t(), col_scales)
     return rows, row_scales, cols, col_scales
@@ -303,14 +303,19 @@ def _amax_kernel(a, multipliers, interpret, tiles):
         name="fp8_amax_rows_and_columns")(a, multipliers)
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles):
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, packed):
     """Both FP8 copies of a [B, R, C] given their scales, a tile per program (the columns' copy
-    transposed in registers, through shared memory)."""
+    transposed in registers, through shared memory): float8 [B, R, C] and [B, C, R], or with `packed`
+    each pair of neighbouring values as one uint16 (the first in the low byte), uint16 [B, R, C / 2]
+    and [B, C, R / 2]. A packed program loads its tile as four quarters (even and odd rows by even and
+    odd columns): rows' pairs are a row's neighbouring columns, columns' pairs a column's neighbouring
+    rows."""
     from jax.experimental import pallas as pl
 
     b, num_rows, cols = a.shape
     tile_r, tile_c = tiles.tile_rows, tiles.tile_cols
+    per_word, out_dtype = (2, jnp.uint16) if packed else (1, FP8_DTYPE)
 
     def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
         v = a_ref[...].astype(jnp.float32)
@@ -318,37 +323,14 @@ def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, 
         cols_ref[...] = _to_fp8(_times_multipliers(v, m_ref[...][:, None]),
                                 _reciprocal(col_scales_ref[...], interpret)[None, :]).T
 
-    squeezed = pl.squeezed
-    row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
-    tile = pl.BlockSpec((squeezed, tile_r, tile_c), lambda g, i, j: (g, i, j))
-    return pl.pallas_call(
-        kernel, grid=(b, num_rows // tile_r, cols // tile_c),
-        in_specs=[tile, row_vector, row_vector, pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
-        out_specs=[tile, pl.BlockSpec((squeezed, tile_c, tile_r), lambda g, i, j: (g, j, i))],
-        out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((b, cols, num_rows), FP8_DTYPE, a)],
-        compiler_params=_params(tiles.store_warps), interpret=interpret, name="fp8_quantize_rows_and_columns",
-    )(a, multipliers, row_scales, col_scales)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles):
-    """_rows_and_columns_kernel with each pair of neighbouring float8 values stored as one uint16 (the
-    first in the low byte): uint16 [B, R, C / 2] and [B, C, R / 2]. A program loads its tile as four
-    quarters (even and odd rows by even and odd columns): rows' pairs are a row's neighbouring columns,
-    columns' pairs a column's neighbouring rows."""
-    from jax.experimental import pallas as pl
-
-    b, num_rows, cols = a.shape
-    tile_r, tile_c = tiles.tile_rows, tiles.tile_cols
-    half_r, half_c = tile_r // 2, tile_c // 2
-    parity_r = (pl.ds(0, half_r, stride=2), pl.ds(1, half_r, stride=2))
-    parity_c = (pl.ds(0, half_c, stride=2), pl.ds(1, half_c, stride=2))
+    parity_r = (pl.ds(0, tile_r // 2, stride=2), pl.ds(1, tile_r // 2, stride=2))
+    parity_c = (pl.ds(0, tile_c // 2, stride=2), pl.ds(1, tile_c // 2, stride=2))
 
     def pair(low, high):
         as_word = lambda q: lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
         return as_word(low) | (as_word(high) << 8)
 
-    def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
+    def packed_kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
         row_inverse = [_reciprocal(row_scales_ref[r], interpret)[:, None] for r in parity_r]
         col_inverse = [_reciprocal(col_scales_ref[c], interpret)[None, :] for c in parity_c]
         m = [m_ref[r][:, None] for r in parity_r]
@@ -361,15 +343,15 @@ def _packed_rows_and_columns_kernel(a, multipliers, row_scales, col_scales, inte
     squeezed = pl.squeezed
     row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
     return pl.pallas_call(
-        kernel, grid=(b, num_rows // tile_r, cols // tile_c),
+        packed_kernel if packed else kernel, grid=(b, num_rows // tile_r, cols // tile_c),
         in_specs=[pl.BlockSpec((squeezed, tile_r, tile_c), lambda g, i, j: (g, i, j)), row_vector, row_vector,
                   pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
-        out_specs=[pl.BlockSpec((squeezed, tile_r, half_c), lambda g, i, j: (g, i, j)),
-                   pl.BlockSpec((squeezed, tile_c, half_r), lambda g, i, j: (g, j, i))],
-        out_shape=[shape_like((b, num_rows, cols // 2), jnp.uint16, a),
-                   shape_like((b, cols, num_rows // 2), jnp.uint16, a)],
+        out_specs=[pl.BlockSpec((squeezed, tile_r, tile_c // per_word), lambda g, i, j: (g, i, j)),
+                   pl.BlockSpec((squeezed, tile_c, tile_r // per_word), lambda g, i, j: (g, j, i))],
+        out_shape=[shape_like((b, num_rows, cols // per_word), out_dtype, a),
+                   shape_like((b, cols, num_rows // per_word), out_dtype, a)],
         compiler_params=_params(tiles.store_warps), interpret=interpret,
-        name="fp8_quantize_rows_and_columns_packed",
+        name="fp8_quantize_rows_and_columns" + ("_packed" if packed else ""),
     )(a, multipliers, row_scales, col_scales)
 
 

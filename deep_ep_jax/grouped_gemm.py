@@ -43,11 +43,13 @@ and dy quantized with one scale per row inside, w from its copies (one scale
 per output channel); dw as without FP8. With `fp8_weights(w,
 weight_grad=True)` dw too: dw[g] = x_g^T dy_g from the forward's quantized x
 (kept instead of x) and dy times x's row scales, quantized with one scale per
-column (opt-in: the SwiGLU step is faster with it on one H200, the layer's is
-not yet measured). The quantizations are deep_ep_jax.fp8_quant's.
+column (faster on one H200, for the SwiGLU and the MoE layer alike). The
+quantizations are deep_ep_jax.fp8_quant's.
 On Hopper the warp-specialized kernels run with FP8 WGMMA, each K step added
 to a float32 total in registers (the FP8 tensor cores keep only about 14
-bits while they accumulate), the scales applied in their epilogues; groups
+bits while they accumulate; the weight gradient's row steps only in groups
+longer than its tiles' promote_after_steps), the scales applied in their
+epilogues; groups
 must be aligned (aligned_groups=True). Elsewhere the same maths is
 jax.lax.ragged_dot in float32 on the dequantized operands.
 """

@@ -99,7 +99,7 @@ def call(t, ops, sizes, counts):
 
 def weight_grad_operands(key, k, n, num_rows, sizes, counts):
     """(x's FP8 values transposed [K, M], z^T's FP8 values [N, M], z's column scales [N]), as
-    grouped_gemm's FP8 backward makes them: z = dy * x's row scales, dy 0 off the pairs."""
+    grouped_gemm's FP8 backward makes them: z = dy * x's row scales, 0 off the pairs (here dy is)."""
     kx, kd = jax.random.split(key)
     x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
     dy = jnp.where(pair_rows(num_rows, sizes, counts)[:, None], jax.random.normal(kd, (num_rows, n), jnp.bfloat16), 0)

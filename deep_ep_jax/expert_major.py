@@ -26,8 +26,12 @@ from deep_ep_jax import _native, normal
 from deep_ep_jax import validation as v
 from deep_ep_jax.backends import reference_expert_major
 from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.fp8_quant import quantize_rows
+from deep_ep_jax.grouped_gemm import Fp8Rows
 from deep_ep_jax.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.validation import Rows
+from deep_ep_jax.varying import vary_over, vma
 
 INT32_MAX = 2**31 - 1  # rows and pairs are indexed with int32
 BACKENDS = ("auto", "cuda", "xla")
@@ -48,7 +52,8 @@ def expand(
     alignment: int = 1,
     num_rows: int | None = None,
     backend: str = "auto",
-) -> tuple[Rows, ExpertLayout]:
+    fp8_rows: bool = False,
+) -> tuple[Rows | Fp8Rows, ExpertLayout]:
     """One row per (row n, k) pair of a valid local expert id, grouped by
     local expert e = 0..L-1, each group starting at a multiple of `alignment`;
     within a group, pairs in (n, k) order.
@@ -60,10 +65,21 @@ def expand(
         pairs past it are dropped and counted in layout.num_dropped.
       backend: "cuda" (the kernels), "xla" (pure JAX) or "auto" (the kernels
         where the program runs on CUDA GPUs and the extension is built).
+      fp8_rows: quantize bf16 recv_x per row first (fp8_quant.quantize_rows)
+        and expand its FP8 rows: expert_x is then an Fp8Rows for
+        grouped_matmul(..., fp8_weights=), through which recv_x's gradient
+        flows (the rows are those of quantize_rows(expert_x), bit for bit).
 
     Returns (expert_x [num_rows, H] in recv_x's form, unused rows 0; layout).
     """
-    return _expand("expand", recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
+    fn = "expand"
+    if not fp8_rows:
+        return _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
+    _check_fp8_rows_input(fn, recv_x, "recv_x")
+    expert_pair, layout = _expand(fn, _quantized_pair(recv_x), recv_topk_idx, num_local_experts, alignment,
+                                  num_rows, backend)
+    sink, _ = _rows_gradient_sink(recv_x, None, None, None, layout, None, _backend(fn, backend), None)
+    return _fp8_rows(expert_pair, sink), layout
 
 
 def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
@@ -90,17 +106,32 @@ def dispatch_expert_major(
     alignment: int = 1,
     num_worst_tokens: int | None = None,
     num_rows: int | None = None,
-) -> tuple[Rows, ExpertLayout, jax.Array, DispatchHandle]:
+    fp8_rows: bool = False,
+) -> tuple[Rows | Fp8Rows, ExpertLayout, jax.Array, DispatchHandle]:
     """`dispatch`, then `expand` of the received rows on the Buffer's backend.
+
+    fp8_rows: quantize bf16 x per row (fp8_quant.quantize_rows) and send
+    and expand its FP8 rows (half the bytes of bf16): expert_x is then an
+    Fp8Rows for grouped_matmul(..., fp8_weights=), through which x's
+    gradient flows back (a combine, as dispatch's own). Its rows are those of
+    quantize_rows(expert_x) without it, bit for bit.
 
     Returns (expert_x, layout, recv_topk_weights float32 [N, K], handle):
     what `combine_expert_major` takes back, with the expert outputs.
     """
     fn = "dispatch_expert_major"
+    sent, sent_weights = x, topk_weights
+    if fp8_rows:  # x and the weights get their gradients from _rows_gradient_sink's backward
+        _check_fp8_rows_input(fn, x, "x")
+        sent, sent_weights = _quantized_pair(x), lax.stop_gradient(topk_weights)
     recv_x, recv_idx, recv_w, handle = normal.dispatch(
-        x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
+        sent, topk_idx, sent_weights, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
     expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
                                buffer.backend)
+    if fp8_rows:
+        sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle,
+                                           _backend(fn, buffer.backend), buffer)
+        expert_x = _fp8_rows(expert_x, sink)
     if buffer.config.checks:
         message = f"{fn}: more (row, expert) pairs arrived than num_rows={layout.num_rows}; the excess was dropped"
         v.raise_if_any(buffer, [(layout.num_dropped > 0, message)])
@@ -163,6 +194,25 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
     layout = ops.expert_layout(idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=num_rows)
     expert_xs = _expand_rows(xs, layout, ops)
     return (expert_xs[0] if len(xs) == 1 else expert_xs), layout
+
+
+def _check_fp8_rows_input(fn, x, name):
+    if isinstance(x, (tuple, list)):
+        raise TypeError(f"{fn}: fp8_rows=True quantizes bf16 {name} itself; got an FP8 pair (pass "
+                        f"fp8_rows=False to move it as it is)")
+    v.check_tokens(x, None, fn, allow_fp8=False, name=name)
+
+
+def _quantized_pair(x):
+    """bf16 x [T, H] quantized per row, as the FP8 pair the kernels move: (float8 [T, H], its row scale
+    repeated over the H / 128 blocks, float32 [T, H / 128])."""
+    data, scales = quantize_rows(x)
+    return data, jnp.broadcast_to(scales[:, None], (x.shape[0], x.shape[1] // FP8_BLOCK))
+
+
+def _fp8_rows(expert_pair, grad_sink):
+    data, block_scales = expert_pair
+    return Fp8Rows(data, block_scales[:, 0], grad_sink)
 
 
 def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
@@ -267,6 +317,35 @@ def _expand_rows_bwd(ops, layout, g_expert_xs):
 
 
 _expand_rows.defvjp(_expand_rows_fwd, _expand_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer):
+    """(zeros of x's dtype [num_rows, H], recv_w): stand-ins through which the gradients of rows that
+    moved as FP8 (which carry none) reach x and topk_weights, as those of bf16 rows would: the expert
+    rows' gradient summed per row (expand's backward), then with a buffer combined back together
+    with recv_w's (dispatch's backward). Without one (expand alone) the weights are None."""
+    rows = jnp.zeros((layout.num_rows, x.shape[1]), x.dtype)
+    return vary_over(rows, vma(x)), recv_w
+
+
+def _rows_gradient_sink_fwd(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer):
+    return _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer), \
+        (recv_w, recv_idx, layout, handle)
+
+
+def _rows_gradient_sink_bwd(ops, buffer, residuals, cotangents):
+    recv_w, recv_idx, layout, handle = residuals
+    g_rows, g_recv_w = cotangents
+    g_x = ops.reduce_rows(g_rows, None, layout)
+    g_w = None
+    if buffer is not None:
+        g_x, g_w = normal.dispatch_backward(g_x, g_recv_w, recv_idx, handle, buffer)
+    no_grad = lambda tree: jax.tree.map(lambda _: None, tree)
+    return g_x, g_w, None if recv_w is None else jnp.zeros_like(recv_w), None, no_grad(layout), no_grad(handle)
+
+
+_rows_gradient_sink.defvjp(_rows_gradient_sink_fwd, _rows_gradient_sink_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -39,8 +39,8 @@ groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
 (`jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)`).
 
 FP8 (`fp8_weights=fp8_weights(w)`): y and dx from float8_e4m3fn operands, x
-and dy quantized with one scale per row inside, w from its copies (one scale
-per output channel); dw as without FP8. With `fp8_weights(w,
+and dy quantized with one scale per row inside (or x given quantized, as an
+`Fp8Rows`), w from its copies (one scale per output channel); dw as without FP8. With `fp8_weights(w,
 weight_grad=True)` dw too: dw[g] = x_g^T dy_g from the forward's quantized x
 (kept instead of x) and dy times x's row scales, quantized with one scale per
 column (faster on one H200, for the SwiGLU and the MoE layer alike). The
@@ -166,6 +166,20 @@ def fp8_weights(w, *, weight_grad: bool = False) -> Fp8Weights:
     return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales, weight_grad)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Rows:
+    """Rows x [M, K] already quantized, one scale per row (as `quantize_rows(x)` makes them), for
+    grouped_matmul(..., fp8_weights=) in place of x: its forward reads them, so x need not exist in bf16
+    (`dispatch_expert_major(..., fp8_rows=True)` sends rows as FP8 and regroups them so). The rows'
+    gradient (bf16) is the cotangent of `grad_sink`: zeros standing for x in the forward, never read,
+    whose producer routes that gradient back to where the rows came from (FP8 values carry none)."""
+
+    data: jax.Array  # float8_e4m3fn [M, K]
+    scales: jax.Array  # float32 [M]: x[m] ~= data[m] * scales[m]
+    grad_sink: jax.Array  # bf16 [M, K] zeros; its cotangent is x's gradient
+
+
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
                    aligned_groups: bool = False, valid_sizes=None, fp8_weights: Fp8Weights | None = None):
     """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
@@ -194,9 +208,17 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     per row, w from these copies; products accumulate in float32 (on the
     GPU in the FP8 WGMMA's accumulator), then are scaled. w's gradient is
     computed in x's dtype, as without them. On the Mosaic GPU path this
-    needs aligned_groups=True."""
+    needs aligned_groups=True. With them, x may be an Fp8Rows: rows quantized
+    before (e.g. sent as FP8 by dispatch_expert_major(..., fp8_rows=True)),
+    which the forward reads as they are; dx is then the cotangent of
+    x.grad_sink (and without w's FP8 weight gradient, dw comes from the
+    dequantized rows)."""
     blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
-    _validate(x, w, group_sizes, impl, blocks)
+    given_rows = isinstance(x, Fp8Rows)
+    if given_rows:
+        _validate_fp8_rows(x, fp8_weights)
+    x_like = x.grad_sink if given_rows else x  # what x's shape and dtype are
+    _validate(x_like, w, group_sizes, impl, blocks)
     if valid_sizes is not None:
         _validate_array("valid_sizes", valid_sizes, 1)
         if valid_sizes.shape != group_sizes.shape or not jnp.issubdtype(valid_sizes.dtype, jnp.integer):
@@ -204,10 +226,10 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
                              f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}")
     if not isinstance(aligned_groups, bool):
         raise TypeError(f"grouped_matmul: aligned_groups must be a bool, got {type(aligned_groups).__name__}")
-    use_mgpu = _use_mgpu(impl, x, w, blocks)
+    use_mgpu = _use_mgpu(impl, x_like, w, blocks)
     if fp8_weights is not None:
         _validate_fp8(fp8_weights, w, use_mgpu, aligned_groups, blocks)
-    num_rows = x.shape[0]
+    num_rows = x_like.shape[0]
     padded_rows = -(-num_rows // row_multiple(blocks)) * row_multiple(blocks) if use_mgpu else num_rows
     # kept: whether the promise holds (the sizes as given); cut at the padded rows, aligned sizes stay aligned.
     kept = _sizes_aligned(group_sizes, blocks) if aligned_groups else None
@@ -217,11 +239,13 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     # their primals, and a weight replicated over the axis gets its gradient summed.
     # x 1, or x NaN where the promise is broken (y and the gradients are NaN then, never silently wrong).
     scale = jnp.ones((1,), jnp.float32) if kept is None else jnp.where(kept, 1.0, jnp.nan).astype(jnp.float32)[None]
-    x, w, group_sizes, valid_sizes, scale = vary_together(x, w, group_sizes, valid_sizes, scale)
+    x_leaves, x_tree = jax.tree.flatten(x)  # [x], or an Fp8Rows' arrays
+    *x_leaves, w, group_sizes, valid_sizes, scale = vary_together(*x_leaves, w, group_sizes, valid_sizes, scale)
     if padded_rows != num_rows:
-        x = jnp.pad(x, ((0, padded_rows - num_rows), (0, 0)))
+        x_leaves = [jnp.pad(a, ((0, padded_rows - num_rows),) + ((0, 0),) * (a.ndim - 1)) for a in x_leaves]
+    x = jax.tree.unflatten(x_tree, x_leaves)
     if fp8_weights is not None:
-        y = _grouped_matmul_fp8(use_mgpu, blocks, x, w, fp8_weights, group_sizes, valid_sizes, scale)
+        y = _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, fp8_weights, group_sizes, valid_sizes, scale)
     else:
         y = _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)
     return y[:num_rows]
@@ -313,6 +337,19 @@ def _validate(x, w, group_sizes, impl, blocks):
         raise ValueError(f"{fn}: group_sizes has {group_sizes.shape[0]} groups, w has {w.shape[0]} (G)")
     if w.shape[0] == 0:
         raise ValueError(f"{fn}: w needs at least one group, got shape {tuple(w.shape)}")
+
+
+def _validate_fp8_rows(rows, w8):
+    fn = "grouped_matmul"
+    if w8 is None:
+        raise TypeError(f"{fn}: x given as Fp8Rows needs fp8_weights= (FP8 matmuls); pass bf16 x otherwise")
+    _validate_array("x.grad_sink", rows.grad_sink, 2)
+    shape = tuple(rows.grad_sink.shape)
+    for name, want_shape, want_dtype in (("data", shape, FP8_DTYPE), ("scales", shape[:1], jnp.float32)):
+        a = getattr(rows, name)
+        if tuple(a.shape) != want_shape or a.dtype != want_dtype:
+            raise ValueError(f"{fn}: x.{name} must be {jnp.dtype(want_dtype)} {want_shape} (x.grad_sink's rows), "
+                             f"got {a.dtype} {tuple(a.shape)}")
 
 
 def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
@@ -523,24 +560,29 @@ def _ragged_weight_grad(x, dy, group_sizes, scale):
 # FP8 ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grouped_matmul_fp8(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
-    """_grouped_matmul from FP8 operands: x and dy quantized here, w as w8
-    (dw in x's dtype, or with w8.weight_grad from FP8 operands). w is not
-    read: it types dw."""
-    return _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale):
+    """_grouped_matmul from FP8 operands: x and dy quantized here (x given
+    quantized where given_rows: an Fp8Rows), w as w8 (dw in w's dtype, or
+    with w8.weight_grad from FP8 operands). w is not read: it types dw."""
+    return _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale)[0]
 
 
-def _grouped_matmul_fp8_fwd(use_mgpu, blocks, x, w, w8, group_sizes, valid_sizes, scale):
-    x_data, x_scales = quantize_rows(x)
+def _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale):
+    x_data, x_scales = (x.data, x.scales) if given_rows else quantize_rows(x)
     y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
-                    scale, x.dtype)
-    x_for_dw = (x_data, x_scales) if w8.weight_grad else x
-    return y, (x_for_dw, w, w8, group_sizes, valid_sizes, scale)
+                    scale, w.dtype)
+    if w8.weight_grad:
+        x_for_dw = (x_data, x_scales)
+    else:  # dw in w's dtype, from the rows the forward read
+        x_for_dw = (x_data.astype(jnp.float32) * x_scales[:, None]).astype(w.dtype) if given_rows else x
+    # An Fp8Rows' FP8 arrays get zero cotangents (shaped by these), its grad_sink dx.
+    rows_like = (x.data, x.scales) if given_rows else None
+    return y, (x_for_dw, rows_like, w, w8, group_sizes, valid_sizes, scale)
 
 
-def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
-    x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
+def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
+    x_for_dw, rows_like, w, w8, group_sizes, valid_sizes, scale = residuals
     if w8.weight_grad:  # dy's padding rows are left out by their 0 multipliers (dx's kernel stores 0 there)
         x_data, x_scales = x_for_dw
         x_scales = jnp.where(_valid_rows(dy.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
@@ -554,7 +596,10 @@ def _grouped_matmul_fp8_bwd(use_mgpu, blocks, residuals, dy):
                      valid_sizes, scale, dy.dtype)
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
-    return vary_over(dx, vma(group_sizes)), vary_over(dw, vma(w)), no_grad, None, None, None
+    dx = vary_over(dx, vma(group_sizes))
+    if given_rows:
+        dx = Fp8Rows(*(jnp.zeros_like(a) for a in rows_like), dx)
+    return dx, vary_over(dw, vma(w)), no_grad, None, None, None
 
 
 _grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)

@@ -140,17 +140,23 @@ def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_toke
     return out, (handle, recv_idx)
 
 
+def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):
+    """dispatch's gradients (x's bf16 [T, H], topk_weights' float32 [T, K]) from its received rows'
+    (bf16 [N, H]) and weights': a combine of both."""
+    # Weights of experts on other ranks arrive as constant zeros.
+    g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
+    return buffer.ops.combine(g_recv_x, g_recv_w, handle, buffer=buffer)
+
+
 def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
     handle, recv_idx = residuals
     (g_recv_xs, _, g_recv_w, _), _ = cotangents
-    # Weights of experts on other ranks arrive as constant zeros.
-    g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
     if len(g_recv_xs) == 1:
-        g_x, g_w = buffer.ops.combine(g_recv_xs[0], g_recv_w, handle, buffer=buffer)
+        g_x, g_w = dispatch_backward(g_recv_xs[0], g_recv_w, recv_idx, handle, buffer)
         g_xs = (g_x,)
     else:  # FP8 rows carry no gradient; the weights still do.
         rows = jnp.zeros((num_worst_tokens, g_recv_xs[0].shape[1]), jnp.bfloat16)
-        _, g_w = buffer.ops.combine(rows, g_recv_w, handle, buffer=buffer)
+        _, g_w = dispatch_backward(rows, g_recv_w, recv_idx, handle, buffer)
         num_tokens = handle.is_token_in_rank.shape[0]  # the inputs' rows, [T, ...]
         g_xs = tuple(jnp.zeros((num_tokens,) + g.shape[1:], g.dtype) for g in g_recv_xs)
     return g_xs, g_w, None, None

@@ -234,7 +234,8 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
 
 
 def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None):
-    """SwiGLU experts on expert-major rows: expert_x bf16 [M, H], group g
+    """SwiGLU experts on expert-major rows: expert_x bf16 [M, H] (or, with
+    fp8, the Fp8Rows of expand or dispatch_expert_major(fp8_rows=True)), group g
     the next group_sizes[g] rows (rows past them give 0), every size a
     multiple of `alignment`; pairs (optional): the rows at each group's start
     that hold a pair (the layout's group_sizes), the rest being padding;
@@ -284,7 +285,7 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     """expert_ffn on rank-major rows through expert-major ones: expand, the
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
-                              alignment=alignment, num_rows=expert_rows)
+                              alignment=alignment, num_rows=expert_rows, fp8_rows=fp8 is not None)
     expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
                               layout.group_sizes, fp8)
     return reduce(expert_y, recv_topk_weights, layout)
@@ -361,10 +362,11 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
     expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8)
     x = x.astype(jnp.bfloat16)
     if expert_impl == "grouped":
-        # Received pairs land grouped by local expert: no sort, gather or scatter here.
+        # Received pairs land grouped by local expert: no sort, gather or scatter here. With FP8 matmuls
+        # the rows travel as FP8, quantized once per token (half the bytes).
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
-            num_rows=expert_rows)
+            num_rows=expert_rows, fp8_rows=fp8 is not None)
         expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment),
                                   expert_alignment, layout.group_sizes, fp8)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)

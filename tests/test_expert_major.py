@@ -12,10 +12,11 @@ import oracle
 import pytest
 
 import deep_ep_jax as dej
-from deep_ep_jax import _native
+from deep_ep_jax import _native, fp8_quant
 from deep_ep_jax import expert_major as em
 from deep_ep_jax import testing as dt
 from deep_ep_jax.backends import reference
+from deep_ep_jax.grouped_gemm import Fp8Rows, fp8_weights
 
 H = 128
 ROUTINGS = ("random", "one_expert", "rank_empty", "minus_one", "out_of_range", "duplicates", "rank_gets_nothing")
@@ -329,6 +330,96 @@ def test_fp8_rows_carry_no_gradient():
 
     g_scales, g_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(scales, w)
     assert (np.asarray(g_scales) == 0).all() and np.abs(np.asarray(g_w)).max() > 0
+
+
+def _fp8_rows_layer(buffer, num_experts, alignment, num_rows, fp8_rows, weight_grad):
+    """One rank's layer on FP8 matmuls: dispatch_expert_major (rows sent as FP8 with fp8_rows, or bf16 and
+    quantized inside grouped_matmul), a grouped matmul per local expert, combine_expert_major; with buffer
+    None, expand and reduce alone (the rows local)."""
+    def layer(x, idx, w, w_e):
+        w8 = fp8_weights(w_e, weight_grad=weight_grad)
+        if buffer is None:
+            expert_x, layout = dej.expand(x, idx, num_local_experts=w_e.shape[0], alignment=alignment,
+                                          num_rows=num_rows, fp8_rows=fp8_rows)
+        else:
+            expert_x, layout, w, handle = dej.dispatch_expert_major(
+                x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment, num_rows=num_rows,
+                fp8_rows=fp8_rows)
+        expert_y = dej.grouped_matmul(expert_x, w_e, layout.padded_group_sizes(alignment), impl="xla",
+                                      valid_sizes=layout.group_sizes, fp8_weights=w8)
+        y = dej.reduce(expert_y, w, layout)
+        return (y if buffer is None else dej.combine(y, handle, buffer=buffer)), expert_x
+    return layer
+
+
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("routing, rows, weight_grad", [("minus_one", None, True), ("duplicates", None, False),
+                                                         ("rank_gets_nothing", None, True), ("random", 24, True)])
+def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weight_grad):
+    """Rows sent (or expanded) as FP8 (fp8_rows=True) are quantize_rows of the bf16 expert rows, bit for
+    bit, and the layer's output and its gradients for x, the weights and the experts are those of bf16
+    rows quantized inside grouped_matmul, bit for bit (dw from the dequantized rows without the FP8
+    weight gradient: close); with skewed routing and pairs dropped (rows=24)."""
+    num_ranks, num_tokens, experts_per_rank, topk, n_out = 4, 10, 3, 3, 64
+    num_experts = num_ranks * experts_per_rank
+    seed = _seed("fp8_rows", local, routing, rows)
+    buffer = None if local else dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    if routing == "duplicates":
+        idx[::2, 1] = idx[::2, 0]
+    if routing == "rank_gets_nothing":
+        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
+    if local:  # every rank's own rows on its local experts
+        idx = np.where(idx >= 0, idx % experts_per_rank, -1).astype(np.int32)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    w_e = dt.random_rows(seed + 2, (num_ranks * experts_per_rank, H, n_out)) * 0.1
+    c = dt.random_rows(seed + 3, (num_ranks * num_tokens, n_out), jnp.float32)  # the loss's cotangent
+
+    def run(fp8_rows):
+        layer = _fp8_rows_layer(buffer, num_experts, 8, rows, fp8_rows, weight_grad)
+
+        def step(x, idx, w, w_e, c):
+            loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e)[0].astype(jnp.float32) * c)
+            y, expert_x = layer(x, idx, w, w_e)
+            return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e)
+        return _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
+
+    (y8, rows8, grads8), (y, rows_bf16, grads) = run(True), run(False)
+    assert isinstance(rows8, Fp8Rows)
+    for r in range(num_ranks):
+        data, scales = fp8_quant.quantize_rows(rows_bf16[r], impl="xla")
+        used = np.abs(np.asarray(rows_bf16[r], np.float32)).max(axis=1) > 0
+        np.testing.assert_array_equal(_bits(rows8.data[r])[used], _bits(data)[used])
+        np.testing.assert_array_equal(np.asarray(rows8.scales[r])[used], np.asarray(scales)[used])
+        assert (_bits(rows8.data[r])[~used] == 0).all()
+    assert np.abs(np.asarray(y, np.float32)).max() > 0
+    np.testing.assert_array_equal(_bits(y8), _bits(y))
+    for name, a, b in zip(("x", "weights"), grads8[:2], grads[:2]):
+        assert np.abs(np.asarray(b, np.float32)).max() > 0, name
+        np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"gradient of {name}")
+    if weight_grad:
+        np.testing.assert_array_equal(_bits(grads8[2]), _bits(grads[2]))
+    else:
+        a, b = np.asarray(grads8[2], np.float32), np.asarray(grads[2], np.float32)
+        assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b) and not np.array_equal(a, b)
+
+
+def test_fp8_rows_errors():
+    x = jnp.zeros((6, H), jnp.bfloat16)
+    idx = jnp.zeros((6, 2), jnp.int32)
+    pair = (x.astype(jnp.float8_e4m3fn), jnp.ones((6, 1), jnp.float32))
+    with pytest.raises(TypeError, match="expand: fp8_rows=True quantizes bf16 recv_x itself"):
+        dej.expand(pair, idx, num_local_experts=2, fp8_rows=True)
+    with pytest.raises(TypeError, match="expand: recv_x must be bfloat16"):
+        dej.expand(x.astype(jnp.float32), idx, num_local_experts=2, fp8_rows=True)
+    rows, layout = dej.expand(x, idx, num_local_experts=2, fp8_rows=True)
+    w_e = jnp.zeros((2, H, 64), jnp.bfloat16)
+    sizes = layout.padded_group_sizes(1)
+    with pytest.raises(TypeError, match="x given as Fp8Rows needs fp8_weights"):
+        dej.grouped_matmul(rows, w_e, sizes)
+    bad = Fp8Rows(rows.data, rows.scales[:-1], rows.grad_sink)
+    with pytest.raises(ValueError, match=r"x.scales must be float32 \(12,\)"):
+        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=fp8_weights(w_e))
 
 
 def test_outside_shard_map_and_auto_backend():

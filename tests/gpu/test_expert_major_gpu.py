@@ -345,3 +345,48 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
     expert_y = (np.asarray(expert_x).astype(np.float32) * 2).astype(expert_x.dtype)
     want_y = oracle.expert_reduce(expert_y, np.asarray(w)[sample], want_layout["pair_row"][sample])
     assert_bits_equal(np.asarray(got[2])[sample], want_y.astype(expert_x.dtype), "reduce vs oracle")
+
+
+@pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("kind", ["minus_one", "one_expert"])
+def test_fp8_rows_match_rows_quantized_in_the_matmul(kind):
+    """dispatch_expert_major(fp8_rows=True) (rows sent and expanded as FP8) into the FP8 grouped matmul
+    (Mosaic GPU kernels, FP8 weight gradient), then combine_expert_major, on the cuda backend: the output
+    and the gradients of x, the weights and the experts equal, bit for bit, those of bf16 rows quantized
+    inside the matmul. On the local GPUs (one rank each, at most 2): 4096 tokens of 7168 per rank, top-8,
+    32 experts per rank."""
+    from deep_ep_jax.grouped_gemm import fp8_weights
+
+    num_ranks = min(jax.device_count(), 2)
+    num_tokens, hidden, local_experts, topk = 4096, 7168, 32, 8
+    num_experts = num_ranks * local_experts
+    mesh = testing.ep_mesh(num_ranks, AXIS, platform="gpu")
+    rng = np.random.default_rng()
+    idx, w = testing.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
+                                  kind)
+    x = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))
+    w_e = testing.random_rows(int(rng.integers(1 << 30)), (num_experts, hidden, hidden)) * 0.02
+    c = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden), jnp.float32)
+    buffer = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
+    try:
+        def run(fp8_rows):
+            def layer(x, idx, w, w_e):
+                expert_x, layout, recv_w, handle = deep_ep_jax.dispatch_expert_major(
+                    x, idx, w, num_experts=num_experts, buffer=buffer, alignment=128, fp8_rows=fp8_rows)
+                expert_y = deep_ep_jax.grouped_matmul(
+                    expert_x, w_e, layout.padded_group_sizes(128), impl="mgpu", aligned_groups=True,
+                    valid_sizes=layout.group_sizes, fp8_weights=fp8_weights(w_e, weight_grad=True))
+                return deep_ep_jax.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
+
+            def body(x, idx, w, w_e, c):
+                loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e).astype(jnp.float32) * c)
+                return (layer(x, idx, w, w_e),) + jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e)
+
+            return testing.per_rank(body, mesh, AXIS, check_vma=True)(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
+
+        got, want = run(True), run(False)
+    finally:
+        buffer.destroy()
+    for name, g, r in zip(("out", "grad x", "grad weights", "grad experts"), got, want):
+        assert np.abs(np.asarray(r, np.float32)).max() > 0, f"{kind}: {name} is all zeros"
+        assert_bits_equal(g, r, f"{kind}: {name}, FP8 rows sent against quantized in the matmul")

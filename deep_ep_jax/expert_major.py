@@ -200,7 +200,10 @@ def _check_fp8_rows_input(fn, x, name):
     if isinstance(x, (tuple, list)):
         raise TypeError(f"{fn}: fp8_rows=True quantizes bf16 {name} itself; got an FP8 pair (pass "
                         f"fp8_rows=False to move it as it is)")
-    v.check_tokens(x, None, fn, allow_fp8=False, name=name)
+    _, _, hidden = v.check_tokens(x, None, fn, allow_fp8=False, name=name)
+    if hidden % FP8_BLOCK:
+        raise ValueError(f"{fn}: fp8_rows=True needs hidden a multiple of {FP8_BLOCK} (the FP8 rows' scale "
+                         f"blocks), got {hidden}")
 
 
 def _quantized_pair(x):

@@ -16,7 +16,8 @@ Three ways to run the experts (`expert_impl`):
   them are dropped; `expert_rows_overflow` counts them.
 With "grouped", `fp8=fp8_expert_weights(w_in, w_out, mesh=, axis_name=)` runs the experts'
 matmuls on FP8 operands (make the copies once per optimizer step and pass
-them to each of its micro-batches).
+them to each of its micro-batches), and the rows travel to the experts as
+FP8 (`fp8_rows=True`: quantized once per token, half the bytes).
 The default stays "ragged_dot": exact on every platform. On GPUs
 jax.lax.ragged_dot is a dense dot, so there choose "capacity" or "grouped"
 (with expert_rows from your routing). "grouped" on Hopper aligns each
@@ -52,6 +53,7 @@ from deep_ep_jax import (
     grouped_matmul,
     reduce,
 )
+from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
@@ -281,11 +283,18 @@ def default_expert_alignment() -> int:
     return aligned_rows() if is_hopper_gpu() else 1
 
 
+def _fp8_rows(fp8, x) -> bool:
+    """Whether the rows move as FP8, quantized once per token (half the bytes; the values the FP8
+    matmul would make of them anyway): with FP8 matmuls, where the hidden size is whole 128-wide
+    blocks, as FP8 rows need."""
+    return fp8 is not None and x.shape[-1] % FP8_BLOCK == 0
+
+
 def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment, fp8):
     """expert_ffn on rank-major rows through expert-major ones: expand, the
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
-                              alignment=alignment, num_rows=expert_rows, fp8_rows=fp8 is not None)
+                              alignment=alignment, num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, recv_x))
     expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
                               layout.group_sizes, fp8)
     return reduce(expert_y, recv_topk_weights, layout)
@@ -362,11 +371,10 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
     expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8)
     x = x.astype(jnp.bfloat16)
     if expert_impl == "grouped":
-        # Received pairs land grouped by local expert: no sort, gather or scatter here. With FP8 matmuls
-        # the rows travel as FP8, quantized once per token (half the bytes).
+        # Received pairs land grouped by local expert: no sort, gather or scatter here.
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
-            num_rows=expert_rows, fp8_rows=fp8 is not None)
+            num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, x))
         expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment),
                                   expert_alignment, layout.group_sizes, fp8)
         return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)

@@ -271,13 +271,14 @@ def test_capacity_drops_pairs_past_capacity():
         _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
 
 
-def _layer_inputs(layer_seed, x_seed):
+def _layer_inputs(layer_seed, x_seed, hidden=H):
     """(buffer, x, (router, w_in, w_out)): a top-2 MoE of 2 experts per rank on the CPU mesh, global x."""
     mesh = _mesh()
     num_experts = 2 * mesh.shape["expert"]
-    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
-    layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(layer_seed))
-    x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, H), jnp.float32), NamedSharding(mesh, P(None, None)))
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
+    layer = ml.MoE(hidden, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(layer_seed))
+    x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, hidden), jnp.float32),
+                       NamedSharding(mesh, P(None, None)))
     return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
 
 
@@ -302,11 +303,13 @@ def test_moe_module_matches_ragged_dot(impl):
         _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
 
 
-def test_moe_apply_fp8_experts():
+@pytest.mark.parametrize("hidden", [H, 128])
+def test_moe_apply_fp8_experts(hidden):
     """The layer with FP8 expert matmuls (fp8=fp8_expert_weights(...), grouped
     experts) close to the bf16 one, forward and gradients, on the global
-    weights split over the expert axis; other expert paths refuse fp8."""
-    buffer, x, params = _layer_inputs(3, 10)
+    weights split over the expert axis (hidden 128: the rows sent as FP8);
+    other expert paths refuse fp8."""
+    buffer, x, params = _layer_inputs(3, 10, hidden)
     (y8, g8), (y, g) = (_layer_and_grads(buffer, x, params, "grouped", use_fp8) for use_fp8 in (True, False))
     for name, a, b in (("output", y8, y), *zip(("grad router", "grad w_in", "grad w_out"), g8, g)):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

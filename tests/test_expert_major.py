@@ -412,6 +412,8 @@ def test_fp8_rows_errors():
         dej.expand(pair, idx, num_local_experts=2, fp8_rows=True)
     with pytest.raises(TypeError, match="expand: recv_x must be bfloat16"):
         dej.expand(x.astype(jnp.float32), idx, num_local_experts=2, fp8_rows=True)
+    with pytest.raises(ValueError, match="expand: fp8_rows=True needs hidden a multiple of 128"):
+        dej.expand(x[:, :96], idx, num_local_experts=2, fp8_rows=True)
     rows, layout = dej.expand(x, idx, num_local_experts=2, fp8_rows=True)
     w_e = jnp.zeros((2, H, 64), jnp.bfloat16)
     sizes = layout.padded_group_sizes(1)

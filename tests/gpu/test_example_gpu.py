@@ -92,12 +92,14 @@ def test_moe_layer_cuda_matches_reference():
         _close(g, w, name, rel=1e-2)
 
 
-@pytest.mark.parametrize("alignment", [1, 64])
-def test_grouped_layer_matches_capacity(alignment):
+@pytest.mark.parametrize("alignment, fp8", [(1, False), (64, False), (128, True)])
+def test_grouped_layer_matches_capacity(alignment, fp8):
     """The NNX MoE layer with expert_impl="grouped" (the CUDA kernels'
     expert-major dispatch/combine, grouped_matmul's Mosaic GPU kernels on
     Hopper) equals the capacity path on the reference backend with room for
-    every pair: forward and every gradient, on all GPUs."""
+    every pair: forward and every gradient, on all GPUs. With fp8 (the
+    weights' FP8 copies, rows sent as FP8, every matmul on FP8 operands)
+    within FP8's error of it, as a norm."""
     from deep_ep_jax import grouped_gemm
 
     gpus = jax.devices("gpu")
@@ -112,21 +114,29 @@ def test_grouped_layer_matches_capacity(alignment):
     params = [layer.router[...], layer.w_in[...], layer.w_out[...]]
     x = jax.device_put(dt.random_rows(3, (tokens, hidden), jnp.float32), NamedSharding(mesh, P(("data", "expert"))))
 
-    def run(buffer, **impl):
+    def run(buffer, fp8=False, **impl):
         def loss(x, *p):
-            y, aux = ml.moe_apply(x, *p, top_k=topk, buffer=buffer, **impl)
+            copies = ml.fp8_expert_weights(*p[1:], mesh=mesh, axis_name="expert") if fp8 else None
+            y, aux = ml.moe_apply(x, *p, top_k=topk, buffer=buffer, fp8=copies, **impl)
             return jnp.sum(jnp.sin(y)) + aux, y
 
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *params)
         return [y, *grads]
 
     try:
-        got = run(cuda, expert_impl="grouped", expert_alignment=alignment)
+        got = run(cuda, fp8, expert_impl="grouped", expert_alignment=alignment)
         want = run(xla, expert_impl="capacity", capacity=tokens)  # every pair fits: nothing dropped
     finally:
         cuda.destroy()
     for name, g, w in zip(("y", "grad x", "grad router", "grad w_in", "grad w_out"), got, want):
-        _close(g, w, f"alignment {alignment}: {name}", rel=1e-2)
+        if not fp8:
+            _close(g, w, f"alignment {alignment}: {name}", rel=1e-2)
+            continue
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert np.isfinite(g).all(), f"fp8: {name}: non-finite values"
+        # FP8 operands (3 mantissa bits): a few percent off as a norm; identical would mean FP8 did not run.
+        error = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert error <= 0.1 and not np.array_equal(g, w), f"fp8: {name}: relative error {error:.3g}"
 
 
 def test_training_loss_curve_same_on_both_backends():

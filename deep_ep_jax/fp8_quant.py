@@ -112,7 +112,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
                        f"R a multiple of {row_multiple} and C of {col_multiple}"):
         return (*_quantize_rows_xla(a), *_quantize_rows_xla(z_t()))
-    row_parts, col_parts = _amax_kernel(a, multipliers, interpret, tiles)
+    row_parts, col_parts = _amax_kernel(a, None if col_multipliers is None else multipliers, interpret, tiles)
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
     if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
         rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, False)
@@ -146,6 +146,22 @@ def _abs_max(v, axis):
     """max |v| along axis, NaN where v holds one (Triton's max drops NaNs, and so do XLA's CPU reductions at
     some shapes)."""
     return jnp.where(jnp.max(jnp.where(v != v, 1.0, 0.0), axis=axis) > 0, jnp.nan, jnp.max(jnp.abs(v), axis=axis))
+
+
+def _magnitude_bits(v):
+    """|v|'s bits (float v of 16 or 32 bits) as non-negative int32: ordered as |v| is, NaN above inf. So
+    an integer max is a max of |v| that keeps NaNs, in one operation per element (Triton's float max
+    drops NaNs: _abs_max needs a second reduction to find them)."""
+    width = 8 * jnp.dtype(v.dtype).itemsize
+    bits = lax.bitcast_convert_type(v, jnp.int16 if width == 16 else jnp.int32).astype(jnp.int32)
+    return bits & np.int32((1 << (width - 1)) - 1)  # the sign cleared (and a 16-bit value's extension)
+
+
+def _from_magnitude_bits(bits, dtype):
+    """float32 of the value of dtype whose magnitude bits are `bits` (_magnitude_bits' inverse)."""
+    width = 8 * jnp.dtype(dtype).itemsize
+    bits = bits.astype(jnp.int16) if width == 16 else bits
+    return lax.bitcast_convert_type(bits, dtype).astype(jnp.float32)
 
 
 def _nan_max(a, b):
@@ -247,10 +263,11 @@ def _rows_kernel(a, chunk, interpret, tiles):
     steps = cols // chunk
 
     def kernel(a_ref, data_ref, scales_ref):
-        def amax_step(j, amax):
-            return _nan_max(amax, _abs_max(a_ref[:, pl.ds(j * chunk, chunk)].astype(jnp.float32), axis=1))
+        def amax_step(j, amax_bits):
+            return jnp.maximum(amax_bits, jnp.max(_magnitude_bits(a_ref[:, pl.ds(j * chunk, chunk)]), axis=1))
 
-        scales = _scales(lax.fori_loop(0, steps, amax_step, jnp.zeros((tiles.rows,), jnp.float32)))
+        amax_bits = lax.fori_loop(0, steps, amax_step, jnp.zeros((tiles.rows,), jnp.int32))
+        scales = _scales(_from_magnitude_bits(amax_bits, a.dtype))
         inverse = _reciprocal(scales, interpret)[:, None]
         scales_ref[...] = scales
 
@@ -270,8 +287,9 @@ def _rows_kernel(a, chunk, interpret, tiles):
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _amax_kernel(a, multipliers, interpret, tiles):
     """a [B, R, C] -> (row amax per amax_cols columns [B, C / amax_cols, R], column amax of a * multipliers
-    per strip of rows [B, R / strip, C]): a program walks a strip of rows amax_cols wide, amax_rows rows
-    at a time, and keeps the columns' maxima elementwise until its end (one reduction across rows)."""
+    (None: of a) per strip of rows [B, R / strip, C]): a program walks a strip of rows amax_cols wide,
+    amax_rows rows at a time, and keeps the columns' maxima elementwise until its end (one reduction
+    across rows). Maxima of magnitude bits (_magnitude_bits), converted back at the end."""
     from jax.experimental import pallas as pl
 
     b, num_rows, cols = a.shape
@@ -280,27 +298,31 @@ def _amax_kernel(a, multipliers, interpret, tiles):
     steps_per_strip = max(d for d in range(1, max(1, tiles.amax_strip // tile_r) + 1) if steps % d == 0)
     strip = steps_per_strip * tile_r
 
-    def kernel(a_ref, m_ref, row_amax_ref, col_amax_ref):
+    def kernel(a_ref, *refs):
+        m_ref, (row_amax_ref, col_amax_ref) = (refs[0] if multipliers is not None else None), refs[-2:]
+
         def step(i, acc):
             rows_i = pl.ds(i * tile_r, tile_r)
-            v = a_ref[rows_i, :].astype(jnp.float32)
-            row_amax_ref[rows_i] = _abs_max(v, axis=1)
-            return _nan_max(acc, jnp.abs(_times_multipliers(v, m_ref[rows_i][:, None])))
+            v = a_ref[rows_i, :]
+            row_amax_ref[rows_i] = _from_magnitude_bits(jnp.max(_magnitude_bits(v), axis=1), a.dtype)
+            if m_ref is not None:
+                v = _times_multipliers(v.astype(jnp.float32), m_ref[rows_i][:, None])
+            return jnp.maximum(acc, _magnitude_bits(v))
 
-        acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.float32))
-        col_amax_ref[...] = _abs_max(acc, axis=0)
+        acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.int32))
+        col_amax_ref[...] = _from_magnitude_bits(jnp.max(acc, axis=0), a.dtype if m_ref is None else jnp.float32)
 
     squeezed = pl.squeezed
+    m_spec = [] if multipliers is None else [pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))]
     return pl.pallas_call(
         kernel, grid=(b, cols // tile_c, num_rows // strip),
-        in_specs=[pl.BlockSpec((squeezed, strip, tile_c), lambda g, j, i: (g, i, j)),
-                  pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))],
+        in_specs=[pl.BlockSpec((squeezed, strip, tile_c), lambda g, j, i: (g, i, j))] + m_spec,
         out_specs=[pl.BlockSpec((squeezed, squeezed, strip), lambda g, j, i: (g, j, i)),
                    pl.BlockSpec((squeezed, squeezed, tile_c), lambda g, j, i: (g, i, j))],
         out_shape=[shape_like((b, cols // tile_c, num_rows), jnp.float32, a),
                    shape_like((b, num_rows // strip, cols), jnp.float32, a)],
         compiler_params=_params(tiles.amax_warps), interpret=interpret,
-        name="fp8_amax_rows_and_columns")(a, multipliers)
+        name="fp8_amax_rows_and_columns")(a, *([] if multipliers is None else [multipliers]))
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))

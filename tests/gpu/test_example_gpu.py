@@ -92,6 +92,7 @@ def test_moe_layer_cuda_matches_reference():
         _close(g, w, name, rel=1e-2)
 
 
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("alignment, fp8", [(1, False), (64, False), (128, True)])
 def test_grouped_layer_matches_capacity(alignment, fp8):
     """The NNX MoE layer with expert_impl="grouped" (the CUDA kernels'

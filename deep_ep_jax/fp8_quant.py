@@ -299,21 +299,22 @@ def _amax_kernel(a, multipliers, interpret, tiles):
     strip = steps_per_strip * tile_r
 
     def kernel(a_ref, *refs):
-        m_ref, (row_amax_ref, col_amax_ref) = (refs[0] if multipliers is not None else None), refs[-2:]
+        *m_ref, row_amax_ref, col_amax_ref = refs  # m_ref: [the multipliers' ref], or none
 
         def step(i, acc):
             rows_i = pl.ds(i * tile_r, tile_r)
             v = a_ref[rows_i, :]
             row_amax_ref[rows_i] = _from_magnitude_bits(jnp.max(_magnitude_bits(v), axis=1), a.dtype)
-            if m_ref is not None:
-                v = _times_multipliers(v.astype(jnp.float32), m_ref[rows_i][:, None])
+            if m_ref:
+                v = _times_multipliers(v.astype(jnp.float32), m_ref[0][rows_i][:, None])
             return jnp.maximum(acc, _magnitude_bits(v))
 
         acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.int32))
-        col_amax_ref[...] = _from_magnitude_bits(jnp.max(acc, axis=0), a.dtype if m_ref is None else jnp.float32)
+        col_amax_ref[...] = _from_magnitude_bits(jnp.max(acc, axis=0), jnp.float32 if m_ref else a.dtype)
 
     squeezed = pl.squeezed
-    m_spec = [] if multipliers is None else [pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))]
+    m_args, m_spec = ([], []) if multipliers is None else (
+        [multipliers], [pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))])
     return pl.pallas_call(
         kernel, grid=(b, cols // tile_c, num_rows // strip),
         in_specs=[pl.BlockSpec((squeezed, strip, tile_c), lambda g, j, i: (g, i, j))] + m_spec,
@@ -322,7 +323,7 @@ def _amax_kernel(a, multipliers, interpret, tiles):
         out_shape=[shape_like((b, cols // tile_c, num_rows), jnp.float32, a),
                    shape_like((b, num_rows // strip, cols), jnp.float32, a)],
         compiler_params=_params(tiles.amax_warps), interpret=interpret,
-        name="fp8_amax_rows_and_columns")(a, *([] if multipliers is None else [multipliers]))
+        name="fp8_amax_rows_and_columns")(a, *m_args)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5, 6))

@@ -13,7 +13,7 @@ The experts run with --expert-impl, one or a comma list timed in one run
 grouped matmul, where ragged_dot expands to a dense dot that does not fit),
 "grouped" (expert-major rows from dispatch_expert_major, grouped_matmul:
 Mosaic GPU kernels on Hopper), "grouped_fp8" (the same with FP8 forward and
-input-gradient matmuls: the weights' FP8 copies are made once per jitted
+input-gradient matmuls, the rows sent as FP8: the weights' FP8 copies are made once per jitted
 call, as once per optimizer step of --steps micro-batches, their cost
 included), "grouped_fp8_dw" (the weight gradients from FP8 operands too:
 fp8_expert_weights' default; --steps 1 makes the copies every step)
@@ -68,6 +68,7 @@ import moe_layer as ml
 from timing import print_kernel_breakdown
 
 from deep_ep_jax import Buffer
+from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.expert_major import default_num_rows
 
 GiB = 2**30
@@ -330,13 +331,14 @@ def pick_sizes(args, mesh, inputs, impls):
     return sizes
 
 
-def describe(impl, sizes, ragged_name):
+def describe(impl, sizes, ragged_name, hidden):
     if impl == "capacity":
         return (f"capacity experts ({sizes['capacity']} slots per expert, largest load "
                 f"{sizes['largest_expert_load']}, nothing dropped)")
     if impl == "grouped" or impl in FP8_IMPLS:
         gradients = "forward, input and weight gradients" if FP8_IMPLS.get(impl) else "forward and input gradients"
-        fp8 = f", FP8 {gradients}, weight copies made once per jitted call" if impl != "grouped" else ""
+        rows = ", rows sent as FP8" if hidden % FP8_BLOCK == 0 else ""  # as the example does where it can
+        fp8 = f", FP8 {gradients}{rows}, weight copies made once per jitted call" if impl != "grouped" else ""
         return (f"{impl} experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
                 f"{sizes['largest_rows_per_rank']}, nothing dropped{fp8})")
     return f"ragged_dot experts ({ragged_name})"
@@ -411,7 +413,7 @@ def main():
         print(
             f"MoE layer forward+backward: {num_ranks} x {devices[0].device_kind}, jax {jax.__version__}, "
             f"{tokens} tokens/device, hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
-            f"top-{args.top_k}, {'; '.join(describe(impl, sizes, ragged_name) for impl in impls)}; "
+            f"top-{args.top_k}, {'; '.join(describe(impl, sizes, ragged_name, args.hidden) for impl in impls)}; "
             f"{args.steps} steps per jitted call, {args.reps} calls"
         )
         pool_desc = f"of XLA's {pool / GiB:.1f} GiB pool" if pool else "(pool size unknown)"

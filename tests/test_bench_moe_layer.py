@@ -57,7 +57,8 @@ def test_grouped_fp8_beside_grouped():
     run = _run("--expert-impl", "grouped,grouped_fp8,grouped_fp8_dw")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients," in run.stdout, run.stdout
-    assert "grouped_fp8_dw experts (" in run.stdout and "FP8 forward, input and weight gradients" in run.stdout
+    assert "grouped_fp8_dw experts (" in run.stdout, run.stdout
+    assert "FP8 forward, input and weight gradients, rows sent as FP8" in run.stdout, run.stdout
     for impl in ("grouped_fp8", "grouped_fp8_dw"):
         diff = float(re.search(rf"xla: {impl} experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
         assert 0 < diff < 0.5, run.stdout

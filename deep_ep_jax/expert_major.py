@@ -68,9 +68,11 @@ def expand(
       fp8_rows: quantize bf16 recv_x per row first (fp8_quant.quantize_rows)
         and expand its FP8 rows: expert_x is then an Fp8Rows for
         grouped_matmul(..., fp8_weights=), through which recv_x's gradient
-        flows (the rows are those of quantize_rows(expert_x), bit for bit).
+        flows (its rows that hold a pair are those of quantize_rows(expert_x),
+        bit for bit; unused rows have data and scale 0).
 
-    Returns (expert_x [num_rows, H] in recv_x's form, unused rows 0; layout).
+    Returns (expert_x [num_rows, H] in recv_x's form (an Fp8Rows with
+    fp8_rows), unused rows 0; layout).
     """
     fn = "expand"
     if not fp8_rows:
@@ -113,8 +115,10 @@ def dispatch_expert_major(
     fp8_rows: quantize bf16 x per row (fp8_quant.quantize_rows) and send
     and expand its FP8 rows (half the bytes of bf16): expert_x is then an
     Fp8Rows for grouped_matmul(..., fp8_weights=), through which x's
-    gradient flows back (a combine, as dispatch's own). Its rows are those of
-    quantize_rows(expert_x) without it, bit for bit.
+    gradient flows back (a combine, as dispatch's own). Its rows that hold a
+    pair are those of quantize_rows(expert_x) without it, bit for bit. While
+    x's or the weights' gradient is taken, the matmul's dx is computed and
+    sent back even if only one of them is asked for.
 
     Returns (expert_x, layout, recv_topk_weights float32 [N, K], handle):
     what `combine_expert_major` takes back, with the expert outputs.
@@ -334,18 +338,19 @@ def _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, 
 
 def _rows_gradient_sink_fwd(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer):
     return _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer), \
-        (recv_w, recv_idx, layout, handle)
+        (recv_idx, layout, handle)
 
 
 def _rows_gradient_sink_bwd(ops, buffer, residuals, cotangents):
-    recv_w, recv_idx, layout, handle = residuals
+    recv_idx, layout, handle = residuals
     g_rows, g_recv_w = cotangents
     g_x = ops.reduce_rows(g_rows, None, layout)
     g_w = None
     if buffer is not None:
         g_x, g_w = normal.dispatch_backward(g_x, g_recv_w, recv_idx, handle, buffer)
     no_grad = lambda tree: jax.tree.map(lambda _: None, tree)
-    return g_x, g_w, None if recv_w is None else jnp.zeros_like(recv_w), None, no_grad(layout), no_grad(handle)
+    # recv_w passed through: its gradient went to topk_weights' above.
+    return g_x, g_w, None, None, no_grad(layout), no_grad(handle)
 
 
 _rows_gradient_sink.defvjp(_rows_gradient_sink_fwd, _rows_gradient_sink_bwd)

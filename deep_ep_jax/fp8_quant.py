@@ -82,9 +82,10 @@ def quantize_rows(a, *, impl: str = "auto", interpret: bool = False, tiles: Quan
         raise ValueError(f"quantize_rows: a needs a row axis, got shape {tuple(a.shape)}")
     rows, cols = int(np.prod(a.shape[:-1])), a.shape[-1]
     chunk = min(tiles.rows_chunk, cols & -cols)  # the widest power of two that divides C, at most rows_chunk
-    fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL
+    fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL and _kernel_dtype(a)
     if not _use_triton(impl, interpret, fits, "quantize_rows",
-                       f"rows a multiple of {tiles.rows}, C a multiple of 16 and at most 2^31 - 1 elements"):
+                       f"16- or 32-bit floats, rows a multiple of {tiles.rows}, C a multiple of 16 and at most "
+                       f"2^31 - 1 elements"):
         return _quantize_rows_xla(a)
     data, scales = _rows_kernel(a.reshape(rows, cols), chunk, interpret, tiles)
     return data.reshape(a.shape), scales.reshape(a.shape[:-1])
@@ -106,12 +107,12 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
         raise ValueError(f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, "
                          f"got {tuple(col_multipliers.shape)}")
     row_multiple, col_multiple = math.lcm(tiles.amax_rows, tiles.tile_rows), math.lcm(tiles.amax_cols, tiles.tile_cols)
-    fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0
+    fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0 and _kernel_dtype(a)
     multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
     a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
     z_t = lambda: jnp.swapaxes(_times_multipliers(a.astype(jnp.float32), multipliers[..., None]), 1, 2)  # XLA's
     if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
-                       f"R a multiple of {row_multiple} and C of {col_multiple}"):
+                       f"16- or 32-bit floats, R a multiple of {row_multiple} and C of {col_multiple}"):
         return (*_quantize_rows_xla(a), *_quantize_rows_xla(z_t()))
     row_parts, col_parts = _amax_kernel(a, None if col_multipliers is None else multipliers, interpret, tiles)
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
@@ -147,6 +148,11 @@ def _abs_max(v, axis):
     """max |v| along axis, NaN where v holds one (Triton's max drops NaNs, and so do XLA's CPU reductions at
     some shapes)."""
     return jnp.where(jnp.max(jnp.where(v != v, 1.0, 0.0), axis=axis) > 0, jnp.nan, jnp.max(jnp.abs(v), axis=axis))
+
+
+def _kernel_dtype(a) -> bool:
+    """Whether the kernels take a's dtype: 16- or 32-bit floats (_magnitude_bits)."""
+    return jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize in (2, 4)
 
 
 def _magnitude_bits(v):

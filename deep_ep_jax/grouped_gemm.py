@@ -40,7 +40,8 @@ groups (G times the work) unless JAX's Pallas-Triton lowering is switched on
 
 FP8 (`fp8_weights=fp8_weights(w)`): y and dx from float8_e4m3fn operands, x
 and dy quantized with one scale per row inside (or x given quantized, as an
-`Fp8Rows`), w from its copies (one scale per output channel); dw as without FP8. With `fp8_weights(w,
+`Fp8Rows`), w from its copies (one scale per output channel); dw as without FP8
+(from the dequantized rows where x is an `Fp8Rows`). With `fp8_weights(w,
 weight_grad=True)` dw too: dw[g] = x_g^T dy_g from the forward's quantized x
 (kept instead of x) and dy times x's row scales, quantized with one scale per
 column (faster on one H200, for the SwiGLU and the MoE layer alike). The
@@ -173,7 +174,8 @@ class Fp8Rows:
     grouped_matmul(..., fp8_weights=) in place of x: its forward reads them, so x need not exist in bf16
     (`dispatch_expert_major(..., fp8_rows=True)` sends rows as FP8 and regroups them so). The rows'
     gradient (bf16) is the cotangent of `grad_sink`: zeros standing for x in the forward, never read,
-    whose producer routes that gradient back to where the rows came from (FP8 values carry none)."""
+    whose producer routes that gradient back to where the rows came from (FP8 values carry none: read
+    `data` and `scales` elsewhere and that use sends no gradient back)."""
 
     data: jax.Array  # float8_e4m3fn [M, K]
     scales: jax.Array  # float32 [M]: x[m] ~= data[m] * scales[m]
@@ -572,23 +574,22 @@ def _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes,
     x_data, x_scales = (x.data, x.scales) if given_rows else quantize_rows(x)
     y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
                     scale, w.dtype)
-    if w8.weight_grad:
-        x_for_dw = (x_data, x_scales)
-    else:  # dw in w's dtype, from the rows the forward read
-        x_for_dw = (x_data.astype(jnp.float32) * x_scales[:, None]).astype(w.dtype) if given_rows else x
-    # An Fp8Rows' FP8 arrays get zero cotangents (shaped by these), its grad_sink dx.
-    rows_like = (x.data, x.scales) if given_rows else None
-    return y, (x_for_dw, rows_like, w, w8, group_sizes, valid_sizes, scale)
+    # dw from the FP8 rows (with w8.weight_grad, or dequantized where x came quantized), else from x.
+    x_for_dw = (x_data, x_scales) if w8.weight_grad or given_rows else x
+    return y, (x_for_dw, w, w8, group_sizes, valid_sizes, scale)
 
 
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
-    x_for_dw, rows_like, w, w8, group_sizes, valid_sizes, scale = residuals
+    x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
     if w8.weight_grad:  # dy's padding rows are left out by their 0 multipliers (dx's kernel stores 0 there)
         x_data, x_scales = x_for_dw
         x_scales = jnp.where(_valid_rows(dy.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
         dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(x_scales, dy)
         dw = _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, w.dtype)
     else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
+        if given_rows:  # the rows the forward read, in w's dtype
+            x_data, x_scales = x_for_dw
+            x_for_dw = (x_data.astype(jnp.float32) * x_scales[:, None]).astype(w.dtype)
         dy = _padding_zeroed(dy, group_sizes, valid_sizes)
         dy_data, dy_scales = quantize_rows(dy)
         dw = _weight_grad(use_mgpu, blocks, True, x_for_dw, dy, group_sizes, valid_sizes, scale)
@@ -597,8 +598,8 @@ def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
     dx = vary_over(dx, vma(group_sizes))
-    if given_rows:
-        dx = Fp8Rows(*(jnp.zeros_like(a) for a in rows_like), dx)
+    if given_rows:  # the FP8 arrays carry no gradient; grad_sink's cotangent is dx
+        dx = Fp8Rows(jnp.zeros_like(x_data), jnp.zeros_like(x_scales), dx)
     return dx, vary_over(dw, vma(w)), no_grad, None, None, None
 
 

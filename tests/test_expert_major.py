@@ -381,22 +381,24 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
         def step(x, idx, w, w_e, c):
             loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e)[0].astype(jnp.float32) * c)
             y, expert_x = layer(x, idx, w, w_e)
-            return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e)
+            # x's gradient alone too (the weights constant): the same rows' gradient, sent back alone.
+            return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e), jax.grad(loss)(x, w, w_e)
         return _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
 
-    (y8, rows8, grads8), (y, rows_bf16, grads) = run(True), run(False)
+    (y8, rows8, grads8, g_x8), (y, rows_bf16, grads, g_x) = run(True), run(False)
     assert isinstance(rows8, Fp8Rows)
     for r in range(num_ranks):
         data, scales = fp8_quant.quantize_rows(rows_bf16[r], impl="xla")
         used = np.abs(np.asarray(rows_bf16[r], np.float32)).max(axis=1) > 0
         np.testing.assert_array_equal(_bits(rows8.data[r])[used], _bits(data)[used])
         np.testing.assert_array_equal(np.asarray(rows8.scales[r])[used], np.asarray(scales)[used])
-        assert (_bits(rows8.data[r])[~used] == 0).all()
+        assert (_bits(rows8.data[r])[~used] == 0).all() and (np.asarray(rows8.scales[r])[~used] == 0).all()
     assert np.abs(np.asarray(y, np.float32)).max() > 0
     np.testing.assert_array_equal(_bits(y8), _bits(y))
-    for name, a, b in zip(("x", "weights"), grads8[:2], grads[:2]):
+    for name, a, b in zip(("x", "weights", "x alone"), (*grads8[:2], g_x8), (*grads[:2], grads[0])):
         assert np.abs(np.asarray(b, np.float32)).max() > 0, name
         np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"gradient of {name}")
+    np.testing.assert_array_equal(_bits(g_x), _bits(grads[0]))
     if weight_grad:
         np.testing.assert_array_equal(_bits(grads8[2]), _bits(grads[2]))
     else:

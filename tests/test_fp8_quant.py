@@ -111,10 +111,17 @@ def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit():
     a = jnp.ones((3, 20), jnp.bfloat16)  # 3 rows: not a multiple of 2; 20 columns: no power of two >= 16
     for fn in (fp8_quant.quantize_rows, lambda a: fp8_quant.quantize_rows_and_columns(a[None])):
         assert "triton" not in jax.jit(fn).lower(a).as_text()
-    with pytest.raises(ValueError, match="impl='triton' needs rows a multiple of 2"):
+    with pytest.raises(ValueError, match="impl='triton' needs 16- or 32-bit floats, rows a multiple of 2"):
         fp8_quant.quantize_rows(a, impl="triton")
-    with pytest.raises(ValueError, match="impl=.triton. needs R a multiple of 64 and C of 128"):
+    with pytest.raises(ValueError, match="impl=.triton. needs 16- or 32-bit floats, R a multiple of 64 and C of 128"):
         fp8_quant.quantize_rows_and_columns(a[None], impl="triton")
+    # Shapes that tile, but 8-bit values: the kernels read 16 or 32 bits (XLA takes the rest).
+    fp8 = jnp.ones((64, 128), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs 16- or 32-bit floats"):
+        fp8_quant.quantize_rows(fp8, impl="triton")
+    with pytest.raises(ValueError, match="needs 16- or 32-bit floats"):
+        fp8_quant.quantize_rows_and_columns(fp8[None], impl="triton")
+    assert "triton" not in jax.jit(lambda a: fp8_quant.quantize_rows(a, interpret=True)).lower(fp8).as_text()
 
 
 @pytest.mark.parametrize("call,match", [

@@ -347,11 +347,17 @@ def _validate_fp8_rows(rows, w8):
         raise TypeError(f"{fn}: x given as Fp8Rows needs fp8_weights= (FP8 matmuls); pass bf16 x otherwise")
     _validate_array("x.grad_sink", rows.grad_sink, 2)
     shape = tuple(rows.grad_sink.shape)
-    for name, want_shape, want_dtype in (("data", shape, FP8_DTYPE), ("scales", shape[:1], jnp.float32)):
-        a = getattr(rows, name)
+    _validate_fields(rows, "x", (("data", shape, FP8_DTYPE), ("scales", shape[:1], jnp.float32)),
+                     " (x.grad_sink's rows)", "")
+
+
+def _validate_fields(obj, what, fields, context, hint):
+    """Each field (name, shape, dtype) of obj as given; else a ValueError naming `what`.name."""
+    for name, want_shape, want_dtype in fields:
+        a = getattr(obj, name)
         if tuple(a.shape) != want_shape or a.dtype != want_dtype:
-            raise ValueError(f"{fn}: x.{name} must be {jnp.dtype(want_dtype)} {want_shape} (x.grad_sink's rows), "
-                             f"got {a.dtype} {tuple(a.shape)}")
+            raise ValueError(f"grouped_matmul: {what}.{name} must be {jnp.dtype(want_dtype)} {want_shape}{context}, "
+                             f"got {a.dtype} {tuple(a.shape)}{hint}")
 
 
 def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
@@ -359,13 +365,10 @@ def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
     if not isinstance(w8, Fp8Weights):
         raise TypeError(f"{fn}: fp8_weights must be an Fp8Weights (from fp8_weights(w)), got {type(w8).__name__}")
     g, k, n = w.shape
-    for name, want_shape, want_dtype in (("forward", (g, n, k), FP8_DTYPE), ("forward_scales", (g, n), jnp.float32),
+    _validate_fields(w8, "fp8_weights", (("forward", (g, n, k), FP8_DTYPE), ("forward_scales", (g, n), jnp.float32),
                                          ("input_grad", (g, k, n), FP8_DTYPE),
-                                         ("input_grad_scales", (g, k), jnp.float32)):
-        a = getattr(w8, name)
-        if tuple(a.shape) != want_shape or a.dtype != want_dtype:
-            raise ValueError(f"{fn}: fp8_weights.{name} must be {jnp.dtype(want_dtype)} {want_shape} for w "
-                             f"{tuple(w.shape)}, got {a.dtype} {tuple(a.shape)}: make it with fp8_weights(w)")
+                                         ("input_grad_scales", (g, k), jnp.float32)),
+                     f" for w {tuple(w.shape)}", ": make it with fp8_weights(w)")
     if use_mgpu:
         if not aligned_groups:
             raise ValueError(f"{fn}: fp8_weights on the Mosaic GPU path needs aligned_groups=True (group sizes "

@@ -15,8 +15,8 @@ quantize_rows in one pass (a program takes a few whole rows: their amax, then th
 L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
 shared memory) instead of four. Their amaxes are integer maxima of |v|'s bits, in which NaN sorts above
 inf (a float max in Triton drops NaNs). Copies of 2^31 to 2^32 values (Pallas Triton indexes them with 32-bit
-offsets, which overflow) are stored by a kernel that writes pairs of values as 16-bit words (or by XLA,
-with QuantTiles(packed_stores=False)). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
+offsets, which overflow) are stored by a kernel that writes pairs of values as 16-bit words (16-bit a),
+or by XLA (32-bit a, or QuantTiles(packed_stores=False)). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
 its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a port is due.)
 """
 
@@ -61,8 +61,8 @@ class QuantTiles:
     tile_cols: int = 128
     store_warps: int = 4
     # Copies of 2^31 to 2^32 float8 values (Pallas Triton's 32-bit offsets overflow there): stored by a
-    # kernel that writes pairs of values as 16-bit words (True: 6.2 ms for w_in's two copies on one H200),
-    # or by XLA (False: 6.9 ms).
+    # kernel that reads pairs of 16-bit values as 32-bit words and writes pairs of float8 as 16-bit words
+    # (True: 5.3 ms for w_in's two copies on one H200), or by XLA (False: 6.9 ms).
     packed_stores: bool = True
 
 
@@ -118,7 +118,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
     if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
         rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, False)
-    elif tiles.packed_stores:
+    elif tiles.packed_stores and jnp.dtype(a.dtype).itemsize == 2:  # read as pairs in 32-bit words
         rows, cols = (_unpacked(w) for w in _rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
                                                                      interpret, tiles, True))
     else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them
@@ -337,14 +337,15 @@ def _amax_kernel(a, multipliers, interpret, tiles):
 def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, packed):
     """Both FP8 copies of a [B, R, C] given their scales, a tile per program (the columns' copy
     transposed in registers, through shared memory): float8 [B, R, C] and [B, C, R], or with `packed`
-    each pair of neighbouring values as one uint16 (the first in the low byte), uint16 [B, R, C / 2]
-    and [B, C, R / 2]. A packed program loads its tile as four quarters (even and odd rows by even and
-    odd columns): rows' pairs are a row's neighbouring columns, columns' pairs a column's neighbouring
-    rows."""
+    (16-bit a) each pair of neighbouring values as one uint16 (the first in the low byte), uint16
+    [B, R, C / 2] and [B, C, R / 2]. A packed program reads a as 32-bit words, each a row's two
+    neighbouring columns (contiguous loads; strided ones of single values ran at 2.4 TB/s), its even
+    rows and its odd rows apart: rows' pairs are a word's two values, columns' pairs a column's values in
+    neighbouring rows."""
     from jax.experimental import pallas as pl
 
     b, num_rows, cols = a.shape
-    tile_r, tile_c = tiles.tile_rows, tiles.tile_cols
+    dtype, tile_r, tile_c = a.dtype, tiles.tile_rows, tiles.tile_cols
     per_word, out_dtype = (2, jnp.uint16) if packed else (1, FP8_DTYPE)
 
     def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
@@ -360,22 +361,28 @@ def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, 
         as_word = lambda q: lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
         return as_word(low) | (as_word(high) << 8)
 
-    def packed_kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
+    def halves(words):  # uint32 words -> (low, high) values of a's dtype, as float32
+        value = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype).astype(jnp.float32)
+        return value(words & np.uint32(0xFFFF)), value(words >> np.uint32(16))
+
+    def packed_kernel(words_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
         row_inverse = [_reciprocal(row_scales_ref[r], interpret)[:, None] for r in parity_r]
         col_inverse = [_reciprocal(col_scales_ref[c], interpret)[None, :] for c in parity_c]
         m = [m_ref[r][:, None] for r in parity_r]
-        v = [[a_ref[r, c].astype(jnp.float32) for c in parity_c] for r in parity_r]  # v[row parity][col parity]
+        v = [halves(words_ref[r, :]) for r in parity_r]  # v[row parity][column parity]
         for i, r in enumerate(parity_r):
             rows_ref[r, :] = pair(*(_to_fp8(v[i][j], row_inverse[i]) for j in range(2)))
         for j, c in enumerate(parity_c):
             cols_ref[c, :] = pair(*(_to_fp8(_times_multipliers(v[i][j], m[i]), col_inverse[j]) for i in range(2))).T
 
+    if packed:  # each row's neighbouring columns as one 32-bit word (a bitcast: no copy)
+        a = lax.bitcast_convert_type(a.reshape(b, num_rows, cols // 2, 2), jnp.uint32)
     squeezed = pl.squeezed
     row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
     return pl.pallas_call(
         packed_kernel if packed else kernel, grid=(b, num_rows // tile_r, cols // tile_c),
-        in_specs=[pl.BlockSpec((squeezed, tile_r, tile_c), lambda g, i, j: (g, i, j)), row_vector, row_vector,
-                  pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
+        in_specs=[pl.BlockSpec((squeezed, tile_r, tile_c // per_word), lambda g, i, j: (g, i, j)), row_vector,
+                  row_vector, pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
         out_specs=[pl.BlockSpec((squeezed, tile_r, tile_c // per_word), lambda g, i, j: (g, i, j)),
                    pl.BlockSpec((squeezed, tile_c, tile_r // per_word), lambda g, i, j: (g, j, i))],
         out_shape=[shape_like((b, num_rows, cols // per_word), out_dtype, a),

@@ -4,10 +4,12 @@ weight_grad(transposed=True) for dw, each timed at the MoE benchmark's shapes pe
 checked against float32 dots of the dequantized operands.
 
     python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX] [--kernels forward,weight_grad]
+                                        [--shapes 7168x4096,2048x7168]
 
 Shapes and groups as benchmarks/hopper_gemm_sweep.py (one rank's 128 experts of random top-8
-routing, groups aligned to 128 rows holding their pairs; the SwiGLU's two matmuls, K x N =
-7168 x 4096 and 2048 x 7168, each on its own line). Operands: x quantized per row, w's forward
+routing, groups aligned to 128 rows holding their pairs; by default the SwiGLU's two matmuls, K x N =
+7168 x 4096 and 2048 x 7168, each on its own line; their input gradients are 4096 x 7168 and 7168 x 2048
+for rows_matmul). Operands: x quantized per row, w's forward
 copy (grouped_gemm.fp8_weights). The error is the largest |y - y_ref| over four groups (the
 largest, the first, the middle and the last) as a fraction of their largest |y_ref|, y_ref in
 float32 (HIGHEST precision) on the dequantized operands, outside any jit; bf16 output rounding
@@ -49,6 +51,9 @@ CONFIGS = [
       steady_pipeline=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True),
+    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True),
+    T(64, 128, 256, 3, grid_minor_n=True, grid_tile_width=4, split_rows=True, promote=True),
+    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, cluster_n=True),
 ]
 WEIGHT_GRAD_CONFIGS = [
     # warpgroups split N (128 x 256 CTA tile), no promotion
@@ -157,6 +162,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
     parser.add_argument("--kernels", default=",".join(KERNELS))
+    parser.add_argument("--shapes", default="7168x4096,2048x7168", help="K x N of each matmul, comma-separated")
     args = parser.parse_args()
     counts, sizes = routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
     num_rows = -(-int(sizes.sum()) // 128) * 128
@@ -164,7 +170,7 @@ def main():
     print(f"pairs {int(counts.sum())}, M {num_rows}; errors over groups {groups}")
     for name in args.kernels.split(","):
         configs, make_operands, make_references, kernel_call = KERNELS[name]
-        for i, (k, n) in enumerate([(7168, 4096), (2048, 7168)]):
+        for i, (k, n) in enumerate(tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")):
             ops = make_operands(jax.random.key(i), k, n, num_rows, sizes, counts)
             want = make_references(ops, sizes, counts, groups)  # {group: (index of the output, float32 values)}
             flops = 2 * int(counts.sum()) * k * n

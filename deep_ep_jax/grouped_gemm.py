@@ -95,12 +95,6 @@ class AlignedTiles:
     weight_grad: HopperTiles
     fp8: HopperTiles  # forward and input gradient on FP8 operands (fp8_weights=)
     fp8_weight_grad: HopperTiles  # weight gradient on FP8 operands (fp8_weights(w, weight_grad=True))
-    # forward and input gradient on FP8 operands whose contraction is at least FP8_LONG_CONTRACTION, where
-    # the output columns are a multiple of its CTA's (else fp8's); its row tile must be fp8's
-    fp8_long: HopperTiles
-
-
-FP8_LONG_CONTRACTION = 4096
 
 
 # The best of `benchmarks/hopper_gemm_sweep.py` on one H200 (jax 0.11.2, 2026-12-01) at the MoE
@@ -116,12 +110,6 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
     # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error).
     fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
-    # The same with two CTAs sharing the row tile (cluster_n: TMA multicast, a quarter less read from L2 per
-    # step), which pays where a tile has many K steps: 1.99 against 2.14 ms at K x N = 7168 x 4096, 2.08 against
-    # 2.12 at 4096 x 7168 and 0.98 against 1.00 at 7168 x 2048, but 1.18 against 1.09 at 2048 x 7168
-    # (benchmarks/fp8_gemm_sweep.py --shapes ..., one H200, 2026-12-02).
-    fp8_long=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True,
-                         cluster_n=True),
     # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
     # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits
     # are as exact as promotion there (3.3e-3 of the largest value against 3.0e-3); a longer one (a group
@@ -276,7 +264,7 @@ def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     kernels (pass it as the expert-major layout's alignment)."""
     a = blocks.aligned or DEFAULT_ALIGNED_TILES
     return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k,
-                    hopper_gemm.row_tile(a.fp8), hopper_gemm.row_tile(a.fp8_long), a.fp8_weight_grad.tile_k)
+                    hopper_gemm.row_tile(a.fp8), a.fp8_weight_grad.tile_k)
 
 
 def _sizes_aligned(group_sizes, blocks):
@@ -625,7 +613,7 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
     """out [M, C'] = scale * (a_data * a_scales) @ (w_data * w_scales)[g]^T, 0 on padding rows:
     a_data float8 [M, C] with one scale per row (a_scales [M]), w_data float8 [G, C', C], w_scales [G, C']."""
     if use_mgpu:
-        tiles = _fp8_tiles(blocks.aligned, a_data.shape[1], w_data.shape[1])
+        tiles = blocks.aligned.fp8
         groups, rows = _row_tiles(group_sizes, valid_sizes, a_data.shape[0], hopper_gemm.row_tile(tiles))
         out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
                                       out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
@@ -633,15 +621,6 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
     a, w = _dequantized(a_data, a_scales[:, None], w_data, w_scales[..., None])
     out = _ragged_dot_rhs_transposed(a, w, group_sizes)
     return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(out_dtype)
-
-
-def _fp8_tiles(tiles: AlignedTiles, contraction: int, out_cols: int) -> HopperTiles:
-    """The FP8 forward's or input gradient's tiles: fp8_long for a long contraction where they fit."""
-    long = tiles.fp8_long
-    if (contraction >= FP8_LONG_CONTRACTION and contraction % long.tile_k == 0
-            and out_cols % hopper_gemm.cta_cols(long) == 0):
-        return long
-    return tiles.fp8
 
 
 def _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, out_dtype):

@@ -78,10 +78,11 @@ def expand(
     if not fp8_rows:
         return _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
     _check_fp8_rows_input(fn, recv_x, "recv_x")
-    expert_pair, layout = _expand(fn, _quantized_pair(recv_x), recv_topk_idx, num_local_experts, alignment,
-                                  num_rows, backend)
-    sink, _ = _rows_gradient_sink(recv_x, None, None, None, layout, None, _backend(fn, backend), None)
-    return _fp8_rows(expert_pair, sink), layout
+    pair = _quantized_pair(recv_x)
+    expert_pair, layout = _expand(fn, pair, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
+    ops = _backend(fn, backend)
+    sink, _ = _rows_gradient_sink(recv_x, None, None, None, layout, None, ops, None)
+    return _fp8_rows(expert_pair, sink, pair[0], layout, ops), layout
 
 
 def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
@@ -133,9 +134,9 @@ def dispatch_expert_major(
     expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
                                buffer.backend)
     if fp8_rows:
-        sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle,
-                                           _backend(fn, buffer.backend), buffer)
-        expert_x = _fp8_rows(expert_x, sink)
+        ops = _backend(fn, buffer.backend)
+        sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer)
+        expert_x = _fp8_rows(expert_x, sink, recv_x[0], layout, ops)
     if buffer.config.checks:
         message = f"{fn}: more (row, expert) pairs arrived than num_rows={layout.num_rows}; the excess was dropped"
         v.raise_if_any(buffer, [(layout.num_dropped > 0, message)])
@@ -217,9 +218,12 @@ def _quantized_pair(x):
     return data, jnp.broadcast_to(scales[:, None], (x.shape[0], x.shape[1] // FP8_BLOCK))
 
 
-def _fp8_rows(expert_pair, grad_sink):
+def _fp8_rows(expert_pair, grad_sink, token_data, layout, ops):
+    """The Fp8Rows of the expanded pair, with data_t gathered straight from the token rows (a separate
+    call: dropped by XLA where nothing reads it, as without the FP8 weight gradient)."""
     data, block_scales = expert_pair
-    return Fp8Rows(data, block_scales[:, 0], grad_sink)
+    data_t = ops.expand_rows_transposed(lax.stop_gradient(token_data), layout)  # FP8 carries no gradient
+    return Fp8Rows(data, block_scales[:, 0], grad_sink, data_t)
 
 
 def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
@@ -242,16 +246,17 @@ def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
 
 @dataclasses.dataclass(frozen=True)
 class _Ops:
-    """The three local operations of one backend (hashable: a custom_vjp's static argument)."""
+    """The local operations of one backend (hashable: a custom_vjp's static argument)."""
 
     expert_layout: Callable
     expand_rows: Callable
+    expand_rows_transposed: Callable
     reduce_rows: Callable
     check: Callable | None = None  # the kernels' own trace-time limits
 
 
 _XLA = _Ops(reference_expert_major.expert_layout, reference_expert_major.expand_rows,
-            reference_expert_major.reduce_rows)
+            reference_expert_major.expand_rows_transposed, reference_expert_major.reduce_rows)
 
 
 @functools.cache
@@ -263,7 +268,8 @@ def _cuda_ops(by_platform: bool) -> _Ops:
 
     lifecycle.register_ffi_targets()
     if not by_platform:
-        return _Ops(cuda.expert_layout, cuda.expand_rows, cuda.reduce_rows, cuda.check_shapes)
+        return _Ops(cuda.expert_layout, cuda.expand_rows, cuda.expand_rows_transposed, cuda.reduce_rows,
+                    cuda.check_shapes)
 
     def on_platform(name):
         def op(*args, **static):
@@ -272,8 +278,8 @@ def _cuda_ops(by_platform: bool) -> _Ops:
             return lax.platform_dependent(*args, **branches)
         return op
 
-    return _Ops(on_platform("expert_layout"), on_platform("expand_rows"), on_platform("reduce_rows"),
-                cuda.check_shapes)
+    return _Ops(on_platform("expert_layout"), on_platform("expand_rows"), on_platform("expand_rows_transposed"),
+                on_platform("reduce_rows"), cuda.check_shapes)
 
 
 def _varying_as_inputs(fn):

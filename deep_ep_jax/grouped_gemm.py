@@ -180,6 +180,9 @@ class Fp8Rows:
     data: jax.Array  # float8_e4m3fn [M, K]
     scales: jax.Array  # float32 [M]: x[m] ~= data[m] * scales[m]
     grad_sink: jax.Array  # bf16 [M, K] zeros; its cotangent is x's gradient
+    # float8_e4m3fn [K, M], data transposed, which the FP8 weight gradient reads (FP8 WGMMA takes both
+    # operands contraction-major), or None: then the matmul transposes data itself. expand makes it.
+    data_t: jax.Array | None = None
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
@@ -243,9 +246,9 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     scale = jnp.ones((1,), jnp.float32) if kept is None else jnp.where(kept, 1.0, jnp.nan).astype(jnp.float32)[None]
     x_leaves, x_tree = jax.tree.flatten(x)  # [x], or an Fp8Rows' arrays
     *x_leaves, w, group_sizes, valid_sizes, scale = vary_together(*x_leaves, w, group_sizes, valid_sizes, scale)
-    if padded_rows != num_rows:
-        x_leaves = [jnp.pad(a, ((0, padded_rows - num_rows),) + ((0, 0),) * (a.ndim - 1)) for a in x_leaves]
     x = jax.tree.unflatten(x_tree, x_leaves)
+    if padded_rows != num_rows:
+        x = _padded_rows(x, padded_rows - num_rows)
     if fp8_weights is not None:
         y = _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, fp8_weights, group_sizes, valid_sizes, scale)
     else:
@@ -341,14 +344,25 @@ def _validate(x, w, group_sizes, impl, blocks):
         raise ValueError(f"{fn}: w needs at least one group, got shape {tuple(w.shape)}")
 
 
+def _padded_rows(x, extra):
+    """x (an array [M, ...] or an Fp8Rows) with `extra` rows of zeros after its M (data_t: columns)."""
+    def pad(a, axis=0):
+        return jnp.pad(a, [(0, extra if d == axis else 0) for d in range(a.ndim)])
+    if isinstance(x, Fp8Rows):
+        return Fp8Rows(pad(x.data), pad(x.scales), pad(x.grad_sink), None if x.data_t is None else pad(x.data_t, 1))
+    return pad(x)
+
+
 def _validate_fp8_rows(rows, w8):
     fn = "grouped_matmul"
     if w8 is None:
         raise TypeError(f"{fn}: x given as Fp8Rows needs fp8_weights= (FP8 matmuls); pass bf16 x otherwise")
     _validate_array("x.grad_sink", rows.grad_sink, 2)
     shape = tuple(rows.grad_sink.shape)
-    _validate_fields(rows, "x", (("data", shape, FP8_DTYPE), ("scales", shape[:1], jnp.float32)),
-                     " (x.grad_sink's rows)", "")
+    fields = (("data", shape, FP8_DTYPE), ("scales", shape[:1], jnp.float32))
+    if rows.data_t is not None:
+        fields += (("data_t", shape[::-1], FP8_DTYPE),)
+    _validate_fields(rows, "x", fields, " (x.grad_sink's rows)", "")
 
 
 def _validate_fields(obj, what, fields, context, hint):
@@ -577,18 +591,23 @@ def _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes,
     x_data, x_scales = (x.data, x.scales) if given_rows else quantize_rows(x)
     y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
                     scale, w.dtype)
-    # dw from the FP8 rows (with w8.weight_grad, or dequantized where x came quantized), else from x.
-    x_for_dw = (x_data, x_scales) if w8.weight_grad or given_rows else x
+    # dw from the FP8 rows, transposed (with w8.weight_grad), or dequantized where x came quantized, else from x.
+    if w8.weight_grad:
+        x_data_t = x.data_t if given_rows and x.data_t is not None else x_data.T
+        x_for_dw = (x_data_t, x_scales)
+    else:
+        x_for_dw = (x_data, x_scales) if given_rows else x
     return y, (x_for_dw, w, w8, group_sizes, valid_sizes, scale)
 
 
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
     x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
     if w8.weight_grad:  # dy's padding rows are left out by their 0 multipliers (dx's kernel stores 0 there)
-        x_data, x_scales = x_for_dw
+        x_data_t, x_scales = x_for_dw
         x_scales = jnp.where(_valid_rows(dy.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
         dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(x_scales, dy)
-        dw = _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, w.dtype)
+        dw = _fp8_weight_grad(use_mgpu, blocks, x_data_t, z_data_t, z_scales, group_sizes, valid_sizes, scale,
+                              w.dtype)
     else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
         if given_rows:  # the rows the forward read, in w's dtype
             x_data, x_scales = x_for_dw
@@ -601,8 +620,8 @@ def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
     dx = vary_over(dx, vma(group_sizes))
-    if given_rows:  # the FP8 arrays carry no gradient; grad_sink's cotangent is dx
-        dx = Fp8Rows(jnp.zeros_like(x_data), jnp.zeros_like(x_scales), dx)
+    if given_rows:  # the FP8 arrays carry no gradient (None: zeros); grad_sink's cotangent is dx
+        dx = Fp8Rows(None, None, dx, None)
     return dx, vary_over(dw, vma(w)), no_grad, None, None, None
 
 
@@ -623,17 +642,17 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
     return _padding_zeroed(out, group_sizes, valid_sizes, scale).astype(out_dtype)
 
 
-def _fp8_weight_grad(use_mgpu, blocks, x_data, z_data_t, z_scales, group_sizes, valid_sizes, scale, out_dtype):
-    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g from x = x_data * x_scales (per row), as
-    (x_data_g^T z_data_g) * z's column scales (fp8_backward_operands). Padding rows of z are 0
-    (x_data there may be anything finite)."""
+def _fp8_weight_grad(use_mgpu, blocks, x_data_t, z_data_t, z_scales, group_sizes, valid_sizes, scale, out_dtype):
+    """dw [G, K, N]: dw[g] = scale * x_g^T dy_g from x = x_data * x_scales (per row; x_data_t is x_data
+    transposed, [K, M]), as (x_data_g^T z_data_g) * z's column scales (fp8_backward_operands). Padding rows
+    of z are 0 (x_data there may be anything finite)."""
     if use_mgpu:
         tiles = blocks.aligned.fp8_weight_grad
-        # FP8 WGMMA reads both operands contraction-major: x^T [K, M] (a transposed copy of the FP8 rows).
-        dw = hopper_gemm.weight_grad(x_data.T, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
+        # FP8 WGMMA reads both operands contraction-major: x^T [K, M], z^T [N, M].
+        dw = hopper_gemm.weight_grad(x_data_t, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
                                      scale, tiles, transposed=True, col_scales=z_scales, out_dtype=out_dtype)
         return vary_over(dw, vma(group_sizes))
-    x, z = _dequantized(x_data, 1.0, z_data_t.T, z_scales)
+    x, z = _dequantized(x_data_t.T, 1.0, z_data_t.T, z_scales)
     return _ragged_weight_grad(x, z, group_sizes, scale).astype(out_dtype)
 
 

@@ -2,6 +2,7 @@
 tests/oracle.py, bit for bit, on CPU devices, under jit and shard_map with
 check_vma=True (shard_map's default)."""
 
+import functools
 import zlib
 
 import jax
@@ -393,6 +394,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
         np.testing.assert_array_equal(_bits(rows8.data[r])[used], _bits(data)[used])
         np.testing.assert_array_equal(np.asarray(rows8.scales[r])[used], np.asarray(scales)[used])
         assert (_bits(rows8.data[r])[~used] == 0).all() and (np.asarray(rows8.scales[r])[~used] == 0).all()
+        np.testing.assert_array_equal(_bits(rows8.data_t[r]), _bits(rows8.data[r]).T)  # the weight gradient's
     assert np.abs(np.asarray(y, np.float32)).max() > 0
     np.testing.assert_array_equal(_bits(y8), _bits(y))
     for name, a, b in zip(("x", "weights", "x alone"), (*grads8[:2], g_x8), (*grads[:2], grads[0])):
@@ -423,6 +425,9 @@ def test_fp8_rows_errors():
         dej.grouped_matmul(rows, w_e, sizes)
     bad = Fp8Rows(rows.data, rows.scales[:-1], rows.grad_sink)
     with pytest.raises(ValueError, match=r"x.scales must be float32 \(12,\)"):
+        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=fp8_weights(w_e))
+    bad = Fp8Rows(rows.data, rows.scales, rows.grad_sink, rows.data)
+    with pytest.raises(ValueError, match=r"x.data_t must be float8_e4m3fn \(128, 12\)"):
         dej.grouped_matmul(bad, w_e, sizes, fp8_weights=fp8_weights(w_e))
 
 
@@ -542,6 +547,17 @@ def test_cuda_path_lowers_under_check_vma(monkeypatch):
 
     text = _per_rank(fp8_step, num_ranks).lower(data, scales, jnp.asarray(idx % experts_per_rank)).as_text()
     assert re.search(r"deep_ep_jax_expand_rows.*-> \(tensor<\d+x128xf8E4M3FN>, tensor<\d+x1xf32>\)", text)
+
+    # fp8_rows: the transposed FP8 rows from their own target ([H, rows]), dropped where nothing reads them.
+    def rows_step(x, idx, read_t):
+        rows, _ = dej.expand(x, idx, num_local_experts=experts_per_rank, backend="cuda", fp8_rows=True)
+        return rows.data_t if read_t else rows.data
+
+    for read_t in (True, False):
+        lowered = _per_rank(functools.partial(rows_step, read_t=read_t), num_ranks).lower(
+            x, jnp.asarray(idx % experts_per_rank))
+        pattern = r"deep_ep_jax_expand_rows_transposed.*num_topk = 2 : i64.*-> tensor<128x\d+xf8E4M3FN>"
+        assert bool(re.search(pattern, lowered.as_text())) == read_t
 
 
 def test_trace_time_errors():

@@ -31,6 +31,12 @@ namespace {
   RET(ffi::AnyBuffer, expert_x_scales)              \
   ATTR(int64_t, num_topk)
 
+#define EXPAND_ROWS_TRANSPOSED(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::AnyBuffer, x)                                       \
+  ARG(ffi::Buffer<ffi::S32>, row_pair)                         \
+  RET(ffi::AnyBuffer, expert_x_t)                              \
+  ATTR(int64_t, num_topk)
+
 // weights [N, K] for the weighted sum, [N, 0] for the plain one.
 #define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
   ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
@@ -101,6 +107,26 @@ ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
                                        stream));
 }
 
+ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSED)) {
+  constexpr const char* fn = "expand_rows_transposed";
+  const Dims dims = x.dimensions(), row_dims = row_pair.dimensions();
+  if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
+  const int64_t num_src_rows = dims[0], hidden = dims[1];
+  if (x.element_type() != ffi::DataType::F8E4M3FN || expert_x_t->element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid(fn, "x and expert_x_t must be float8_e4m3fn");
+  }
+  if (hidden % kFp8Block != 0) return Invalid(fn, "hidden must be a multiple of " + Str(kFp8Block));
+  if (row_dims.size() != 1 || row_dims[0] > INT_MAX) return Invalid(fn, "row_pair must be [rows] with rows <= INT_MAX");
+  const int64_t num_rows = row_dims[0];
+  if (num_topk < 1 || num_src_rows * num_topk > INT_MAX) {
+    return Invalid(fn, "num_topk must be positive with N * num_topk <= INT_MAX, got " + Str(num_topk));
+  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "expert_x_t", expert_x_t->dimensions(), {hidden, num_rows}));
+  return Launched(fn, LaunchExpandRowsTransposed(static_cast<const uint8_t*>(x.untyped_data()), row_pair.typed_data(),
+                                                 int(num_rows), int(num_src_rows), int(num_topk), hidden,
+                                                 static_cast<uint8_t*>(expert_x_t->untyped_data()), stream));
+}
+
 ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
   constexpr const char* fn = "reduce_rows";
   const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
@@ -126,6 +152,8 @@ DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expert_layout", ExpertLayoutHandler, Compute
                        {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows", ExpandRowsHandler, ExpandRows, EXPAND_ROWS,
                        {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows_transposed", ExpandRowsTransposedHandler, ExpandRowsTransposed,
+                       EXPAND_ROWS_TRANSPOSED, {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
                        {ffi::Traits::kCmdBufferCompatible});
 

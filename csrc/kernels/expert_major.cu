@@ -18,6 +18,9 @@ constexpr int kPlaceThreads = 512;
 constexpr int kPlaceItems = 8;  // consecutive pairs per thread and scan
 constexpr int kExpandThreads = 256;
 constexpr int kReduceThreads = 128;
+constexpr int kTransposeThreads = 256;
+constexpr int kTransposeTile = 128;  // rows and bytes of a tile (a 128-byte line each way)
+constexpr int kChunk = 16;           // bytes per vector: a row's chunk, or a column's 16 rows
 constexpr int kMaxGridBlocks = 1 << 16;  // grid-stride loops cover the rest
 
 // Pairs per local expert: shared-memory histograms, then one atomic per
@@ -149,6 +152,52 @@ __global__ void __launch_bounds__(kExpandThreads)
   }
 }
 
+// One block per tile of 128 expert-major rows by 128 bytes (grid-stride):
+// the rows' token bytes gathered into shared memory in 16-byte chunks, then
+// each column's 128 bytes written as a row of dst_t. Chunk c of tile row r
+// sits at chunk c ^ (r / 16 % 8): a thread reading 16 rows of one column and
+// its neighbours reading the other 16-row runs of that column hit different banks.
+__global__ void __launch_bounds__(kTransposeThreads)
+    ExpandRowsTransposedKernel(const uint8_t* __restrict__ src, const int* __restrict__ row_pair, int num_rows,
+                               int num_src_rows, int num_topk, int64_t bytes_per_row, uint8_t* __restrict__ dst_t) {
+  constexpr int kChunksPerRow = kTransposeTile / kChunk;
+  __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
+  const int64_t row_tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile;
+  const int64_t num_tiles = row_tiles * (bytes_per_row / kTransposeTile);
+  const bool vector_stores = num_rows % kChunk == 0;  // each column's 16-row runs 16-byte aligned
+  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+    const int64_t first_row = (t % row_tiles) * kTransposeTile, first_byte = (t / row_tiles) * kTransposeTile;
+    for (int i = threadIdx.x; i < kTransposeTile * kChunksPerRow; i += blockDim.x) {
+      const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+      const int64_t row = first_row + r;
+      const int pair = row < num_rows ? row_pair[row] : -1;
+      const int64_t token = pair >= 0 ? pair / num_topk : -1;
+      int4 chunk = make_int4(0, 0, 0, 0);
+      if (token >= 0 && token < num_src_rows) {
+        chunk = *reinterpret_cast<const int4*>(src + token * bytes_per_row + first_byte + c * kChunk);
+      }
+      *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTransposeTile * kChunksPerRow; i += blockDim.x) {
+      const int col = i / kChunksPerRow, run = i % kChunksPerRow;  // rows run * 16 .. + 15 of byte column col
+      const int64_t row = first_row + run * kChunk;
+      if (row >= num_rows) continue;
+      const uint8_t* from = tile + run * kChunk * kTransposeTile + ((col / kChunk) ^ run) * kChunk + col % kChunk;
+      uint8_t* to = dst_t + (first_byte + col) * int64_t(num_rows) + row;
+      if (vector_stores) {
+        alignas(16) uint8_t bytes[kChunk];
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) bytes[j] = from[j * kTransposeTile];
+        *reinterpret_cast<int4*>(to) = *reinterpret_cast<const int4*>(bytes);
+      } else {
+        for (int j = 0; j < kChunk && row + j < num_rows; ++j) to[j] = from[j * kTransposeTile];
+      }
+    }
+    __syncthreads();  // the next tile rewrites the shared memory
+  }
+}
+
 // One block per token row (grid-stride), one thread per 8 channels: the sum
 // over k in order, each product rounded before its add, as the reference.
 template <bool kWeighted>
@@ -221,6 +270,15 @@ cudaError_t LaunchExpandRows(const ExpandArrays& arrays, const int* row_pair, in
   const int warps = kExpandThreads / kWarpSize;
   ExpandRowsKernel<<<GridBlocks(num_rows, warps, kMaxGridBlocks), kExpandThreads, 0, stream>>>(
       arrays, row_pair, num_rows, num_src_rows, num_topk);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchExpandRowsTransposed(const uint8_t* src, const int* row_pair, int num_rows, int num_src_rows,
+                                       int num_topk, int64_t bytes_per_row, uint8_t* dst_t, cudaStream_t stream) {
+  if (num_rows == 0 || bytes_per_row == 0) return cudaSuccess;
+  const int64_t tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile * (bytes_per_row / kTransposeTile);
+  ExpandRowsTransposedKernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(
+      src, row_pair, num_rows, num_src_rows, num_topk, bytes_per_row, dst_t);
   return cudaGetLastError();
 }
 

@@ -35,6 +35,13 @@ struct ExpandArrays {
 cudaError_t LaunchExpandRows(const ExpandArrays& arrays, const int* row_pair, int num_rows, int num_src_rows,
                              int num_topk, cudaStream_t stream);
 
+// dst_t [bytes_per_row, num_rows] = the bytes of LaunchExpandRows' dst for one
+// array src [num_src_rows, bytes_per_row], transposed: dst_t[b, i] = byte b of
+// token row row_pair[i] / num_topk, or 0 (the FP8 rows' operand of the FP8
+// weight gradient, gathered without a row-major copy). bytes_per_row % 128 == 0.
+cudaError_t LaunchExpandRowsTransposed(const uint8_t* src, const int* row_pair, int num_rows, int num_src_rows,
+                                       int num_topk, int64_t bytes_per_row, uint8_t* dst_t, cudaStream_t stream);
+
 // out[n] = bf16(0 + term(n, 0) + term(n, 1) + ...) in float32 over k with
 // pair_row[n, k] in [0, num_rows): term = weight * float32(expert_y row),
 // rounded to float32 before the add (no fused multiply-add), or the row

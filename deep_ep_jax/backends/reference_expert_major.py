@@ -64,6 +64,12 @@ def expand_rows(xs, layout):
     return tuple(out)
 
 
+def expand_rows_transposed(x, layout):
+    """float8 x [N, H] -> expand_rows((x,), layout)[0] transposed, [H, num_rows]."""
+    (rows,) = expand_rows((x,), layout)
+    return lax.bitcast_convert_type(_as_bits(rows).T, x.dtype)
+
+
 def reduce_rows(expert_y, weights, layout):
     """out[n] = bf16(0.0 + term(n, 0) + term(n, 1) + ...) in float32, over k
     with pair_row[n, k] >= 0; term = w[n, k] * float32(expert_y[row]) rounded

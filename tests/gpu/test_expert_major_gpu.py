@@ -348,6 +348,42 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
 
 
 @pytest.mark.gpu(min_gpus=1)
+@pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
+    (128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)])
+def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows):
+    """expand(..., fp8_rows=True) on one GPU, 8192 received rows of 7168, top-8: the expert rows' FP8
+    values transposed (Fp8Rows.data_t, which their own kernel gathers from the token rows for the FP8
+    weight gradient) equal data.T and the numpy oracle's expansion of the quantized token rows, bit for
+    bit, over an allocator left full of NaN; 20001 rows: a partial tile, rows not a multiple of 16 (byte
+    stores), pairs dropped."""
+    from deep_ep_jax.backends.cuda import lifecycle
+    from deep_ep_jax.fp8_quant import quantize_rows
+
+    lifecycle.register_ffi_targets()
+    num_tokens, topk, hidden = 8192, 8, 7168
+    rng = np.random.default_rng()
+    idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
+    x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
+    run = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
+                                               num_rows=num_rows, backend="cuda", fp8_rows=True))
+    assert "deep_ep_jax_expand_rows_transposed" in run.lower(x).as_text()
+    rows = num_rows or deep_ep_jax.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
+    testing.poison_allocator(testing.ep_mesh(1, AXIS, platform="gpu"), AXIS, [((hidden, rows), jnp.float8_e4m3fn)])
+    expert_x, layout = run(x)
+    assert expert_x.data_t.shape == (hidden, rows)
+    data_t = bits(expert_x.data_t)
+    np.testing.assert_array_equal(data_t, bits(expert_x.data).T, err_msg=f"{kind}: data_t against data.T")
+    want_layout = oracle.expert_layout(np.asarray(idx), num_local_experts, alignment, rows)
+    np.testing.assert_array_equal(np.asarray(layout.row_pair), want_layout["row_pair"])
+    tokens = bits(jax.jit(quantize_rows)(x)[0])
+    want = oracle.expert_expand(tokens, want_layout["row_pair"], topk).T
+    np.testing.assert_array_equal(data_t, want, err_msg=f"{kind}: data_t against the oracle")
+    assert (data_t != 0).any() == (kind != "nothing")
+    if num_rows is not None:
+        assert want_layout["num_dropped"] > 0, "this case is meant to drop pairs"
+
+
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("kind", ["minus_one", "one_expert"])
 def test_fp8_rows_match_rows_quantized_in_the_matmul(kind):
     """dispatch_expert_major(fp8_rows=True) (rows sent and expanded as FP8) into the FP8 grouped matmul

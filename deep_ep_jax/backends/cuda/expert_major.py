@@ -20,8 +20,10 @@ EXPERT_LAYOUT = FfiTarget(
 )
 EXPAND_ROWS = FfiTarget("deep_ep_jax_expand_rows", ("expert_x", "expert_x_scales"), vmap_method="sequential",
                         ordered=False)
+EXPAND_ROWS_TRANSPOSED = FfiTarget("deep_ep_jax_expand_rows_transposed", ("expert_x_t",), vmap_method="sequential",
+                                   ordered=False)
 REDUCE_ROWS = FfiTarget("deep_ep_jax_reduce_rows", ("out",), vmap_method="sequential", ordered=False)
-TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, REDUCE_ROWS)
+TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS)
 
 
 def check_shapes(fn, *, num_local_experts, hidden, rows_dtype):
@@ -52,6 +54,12 @@ def expand_rows(xs, layout):
                  "expert_x_scales": jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32)}
     out = EXPAND_ROWS(None, out_types, x, scales, layout.row_pair, num_topk=np.int64(num_topk))
     return (out["expert_x"],) if len(xs) == 1 else (out["expert_x"], out["expert_x_scales"])
+
+
+def expand_rows_transposed(x, layout):
+    out_types = {"expert_x_t": jax.ShapeDtypeStruct((x.shape[1], layout.num_rows), x.dtype)}
+    return EXPAND_ROWS_TRANSPOSED(None, out_types, x, layout.row_pair,
+                                  num_topk=np.int64(layout.pair_row.shape[1]))["expert_x_t"]
 
 
 def reduce_rows(expert_y, weights, layout):

@@ -161,35 +161,48 @@ __global__ void __launch_bounds__(kTransposeThreads)
     ExpandRowsTransposedKernel(const uint8_t* __restrict__ src, const int* __restrict__ row_pair, int num_rows,
                                int num_src_rows, int num_topk, int64_t bytes_per_row, uint8_t* __restrict__ dst_t) {
   constexpr int kChunksPerRow = kTransposeTile / kChunk;
+  constexpr int kItems = kTransposeTile * kChunksPerRow / kTransposeThreads;  // chunks per thread, each way
+  static_assert(kItems * kTransposeThreads == kTransposeTile * kChunksPerRow);
   __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
   const int64_t row_tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile;
   const int64_t num_tiles = row_tiles * (bytes_per_row / kTransposeTile);
   const bool vector_stores = num_rows % kChunk == 0;  // each column's 16-row runs 16-byte aligned
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const int64_t first_row = (t % row_tiles) * kTransposeTile, first_byte = (t / row_tiles) * kTransposeTile;
-    for (int i = threadIdx.x; i < kTransposeTile * kChunksPerRow; i += blockDim.x) {
-      const int r = i / kChunksPerRow, c = i % kChunksPerRow;
-      const int64_t row = first_row + r;
+    // All of a thread's loads in flight at once: its rows' pairs, then their chunks.
+    int64_t token[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int64_t row = first_row + (k * kTransposeThreads + threadIdx.x) / kChunksPerRow;
       const int pair = row < num_rows ? row_pair[row] : -1;
-      const int64_t token = pair >= 0 ? pair / num_topk : -1;
-      int4 chunk = make_int4(0, 0, 0, 0);
-      if (token >= 0 && token < num_src_rows) {
-        chunk = *reinterpret_cast<const int4*>(src + token * bytes_per_row + first_byte + c * kChunk);
-      }
-      *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk;
+      token[k] = pair >= 0 && pair / num_topk < num_src_rows ? pair / num_topk : -1;
+    }
+    int4 chunk[kItems];
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int c = (k * kTransposeThreads + threadIdx.x) % kChunksPerRow;
+      const uint8_t* from = src + token[k] * bytes_per_row + first_byte + c * kChunk;
+      chunk[k] = token[k] >= 0 ? *reinterpret_cast<const int4*>(from) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int i = k * kTransposeThreads + threadIdx.x, r = i / kChunksPerRow, c = i % kChunksPerRow;
+      *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk[k];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTransposeTile * kChunksPerRow; i += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const int i = k * kTransposeThreads + threadIdx.x;
       const int col = i / kChunksPerRow, run = i % kChunksPerRow;  // rows run * 16 .. + 15 of byte column col
       const int64_t row = first_row + run * kChunk;
       if (row >= num_rows) continue;
       const uint8_t* from = tile + run * kChunk * kTransposeTile + ((col / kChunk) ^ run) * kChunk + col % kChunk;
       uint8_t* to = dst_t + (first_byte + col) * int64_t(num_rows) + row;
-      if (vector_stores) {
-        alignas(16) uint8_t bytes[kChunk];
+      if (vector_stores) {  // the 16 bytes packed in registers, little-endian
+        uint32_t words[4] = {0, 0, 0, 0};
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j) bytes[j] = from[j * kTransposeTile];
-        *reinterpret_cast<int4*>(to) = *reinterpret_cast<const int4*>(bytes);
+        for (int j = 0; j < kChunk; ++j) words[j / 4] |= uint32_t(from[j * kTransposeTile]) << (8 * (j % 4));
+        *reinterpret_cast<int4*>(to) = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
       } else {
         for (int j = 0; j < kChunk && row + j < num_rows; ++j) to[j] = from[j * kTransposeTile];
       }

@@ -14,10 +14,11 @@ FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` f
 quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
 L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
 shared memory) instead of four. Their amaxes are integer maxima of |v|'s bits, in which NaN sorts above
-inf (a float max in Triton drops NaNs). Copies of 2^31 to 2^32 values (Pallas Triton indexes them with 32-bit
-offsets, which overflow) are stored by a kernel that writes pairs of values as 16-bit words (16-bit a),
-or by XLA (32-bit a, or QuantTiles(packed_stores=False)). `fp8_weights` reads an expert's weights this way, and the FP8 weight gradient
-its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a port is due.)
+inf (a float max in Triton drops NaNs). Copies of 2^31 to 2^32 values (Pallas Triton indexes them with
+32-bit offsets, which overflow) are stored by a kernel that writes pairs of values as 16-bit words
+(16-bit a), or by XLA (32-bit a, or QuantTiles(packed_stores=False)). `fp8_weights` reads an expert's
+weights this way, and the FP8 weight gradient its dy. (jax 0.11 marks Pallas' Triton backend deprecated
+in favour of Mosaic GPU: a port is due.)
 """
 
 from __future__ import annotations

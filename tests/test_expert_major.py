@@ -408,6 +408,28 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
         assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b) and not np.array_equal(a, b)
 
 
+def test_fp8_rows_without_data_t():
+    """An Fp8Rows without data_t (the matmul then transposes data itself) gives the same output and
+    gradients, bit for bit, as expand's, whose data_t the FP8 weight gradient reads."""
+    idx = jnp.asarray(_local_ids(11, 1, 12, 3, 2, "minus_one"))
+    x = dt.random_rows(12, (12, H))
+    w_e = dt.random_rows(13, (3, H, 64)) * 0.1
+
+    def loss(x, w_e, keep_t):
+        rows, layout = dej.expand(x, idx, num_local_experts=3, alignment=8, fp8_rows=True)
+        assert rows.data_t is not None
+        rows = rows if keep_t else Fp8Rows(rows.data, rows.scales, rows.grad_sink)
+        y = dej.grouped_matmul(rows, w_e, layout.padded_group_sizes(8), impl="xla", valid_sizes=layout.group_sizes,
+                               fp8_weights=fp8_weights(w_e, weight_grad=True))
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    with_t, without_t = run(x, w_e, True), run(x, w_e, False)
+    for a, b in zip(jax.tree.leaves(with_t), jax.tree.leaves(without_t)):
+        assert np.abs(np.asarray(a, np.float32)).max() > 0
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def test_fp8_rows_errors():
     x = jnp.zeros((6, H), jnp.bfloat16)
     idx = jnp.zeros((6, 2), jnp.int32)

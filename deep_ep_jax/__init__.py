@@ -12,6 +12,7 @@ from deep_ep_jax.expert_major import (
     combine_expert_major,
     dispatch_expert_major,
     expand,
+    grouped_matmul_reduce,
     reduce,
 )
 from deep_ep_jax.grouped_gemm import grouped_matmul
@@ -45,6 +46,7 @@ __all__ = [
     "expand",
     "get_dispatch_layout",
     "grouped_matmul",
+    "grouped_matmul_reduce",
     "low_latency_combine",
     "low_latency_combine_recv",
     "low_latency_combine_send",

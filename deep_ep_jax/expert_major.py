@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deep_ep_jax import _native, normal
+from deep_ep_jax import _native, fp8_quant, grouped_gemm, normal
 from deep_ep_jax import validation as v
 from deep_ep_jax.backends import reference_expert_major
 from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.fp8_quant import quantize_rows
-from deep_ep_jax.grouped_gemm import Fp8Rows
+from deep_ep_jax.grouped_gemm import Fp8Rows, grouped_matmul
 from deep_ep_jax.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.validation import Rows
 from deep_ep_jax.varying import vary_over, vma
@@ -97,6 +97,35 @@ def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayo
     Returns bf16 [N, H], the rows `combine` takes.
     """
     return _reduce("reduce", expert_y, recv_topk_weights, layout, backend)
+
+
+def grouped_matmul_reduce(x, w, group_sizes, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
+                          backend: str = "auto", **matmul) -> jax.Array:
+    """reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend):
+    the experts' last matmul and the weighted sum per row as one function (bf16 [N, H], the rows
+    `combine` takes; the same values).
+
+    With matmul's fp8_weights=fp8_weights(w, weight_grad=True) its backward never writes the expert
+    rows' bf16 gradient (w[n, k] * dy[n] on every row of a pair): the token rows' gradient is
+    quantized once per row and gathered into the FP8 operands of dx (its FP8 rows, each scaled by its
+    pair's weight) and of dw (gathered transposed and quantized per column with multipliers, by
+    `expand_rows_transposed`; w's N a multiple of 128, its tiles). Otherwise it is the composition above.
+    """
+    fn = "grouped_matmul_reduce"
+    w8 = matmul.get("fp8_weights")
+    if w8 is None or not getattr(w8, "weight_grad", False) or getattr(w, "shape", (0,) * 3)[-1] % FP8_BLOCK:
+        return reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend)
+    unknown = set(matmul) - {"impl", "block_sizes", "aligned_groups", "valid_sizes", "fp8_weights"}
+    if unknown:
+        raise TypeError(f"{fn}: unknown grouped_matmul arguments {sorted(unknown)}")
+    call = grouped_gemm.prepared_call(x, w, group_sizes, matmul.get("impl", "auto"), matmul.get("block_sizes"),
+                                      matmul.get("aligned_groups", False), matmul.get("valid_sizes"), w8)
+    hidden = w.shape[2]
+    ops = _check_reduce(fn, jax.ShapeDtypeStruct((call.num_rows, hidden), w.dtype), recv_topk_weights, layout,
+                        backend)
+    x, w, group_sizes, valid_sizes, scale = call.arrays
+    return _fp8_matmul_reduce(call.static, call.num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale,
+                              recv_topk_weights, layout)
 
 
 def dispatch_expert_major(
@@ -227,6 +256,13 @@ def _fp8_rows(expert_pair, grad_sink, token_data, layout, ops):
 
 
 def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
+    ops = _check_reduce(fn, expert_y, recv_topk_weights, layout, backend)
+    return _reduce_rows(expert_y, recv_topk_weights, layout, ops)
+
+
+def _check_reduce(fn, expert_y, recv_topk_weights, layout, backend) -> _Ops:
+    """Raises where expert_y (an array or its shape and dtype), the weights and layout do not go
+    together; returns the backend's operations."""
     _check_layout(fn, layout)
     (expert_y,), num_rows, hidden = v.check_tokens(expert_y, None, fn, allow_fp8=False, name="expert_y")
     if num_rows != layout.num_rows:
@@ -238,7 +274,7 @@ def _reduce(fn, expert_y, recv_topk_weights, layout, backend):
     ops = _backend(fn, backend)
     if ops.check is not None:
         ops.check(fn, num_local_experts=layout.group_sizes.shape[0], hidden=hidden, rows_dtype=expert_y.dtype)
-    return _reduce_rows(expert_y, recv_topk_weights, layout, ops)
+    return ops
 
 
 # Backends -----------------------------------------------------------------------
@@ -372,19 +408,72 @@ def _reduce_rows_fwd(expert_y, weights, layout, ops):
 
 
 def _reduce_rows_bwd(ops, residuals, g_y):
-    # d expert_y[pair_row[n, k]] = bf16(w[n, k] * dy[n]); d w[n, k] = sum_h dy[n, h] * expert_y[pair_row[n, k], h]
-    # in float32; unused rows and pairs with no row get 0. Pure JAX on every backend.
+    # d expert_y[pair_row[n, k]] = bf16(w[n, k] * dy[n]); unused rows get 0. Pure JAX on every backend.
     expert_y, weights, layout = residuals
-    num_topk = layout.pair_row.shape[1]
-    used = layout.row_pair >= 0
-    pair = jnp.where(used, layout.row_pair, 0)
-    dy = g_y[pair // num_topk].astype(jnp.float32)  # [num_rows, H]: each row's token row of dy
+    used, pair, dy = _rows_of_pairs(g_y, layout)
     w = weights.reshape(-1)[pair]
     g_expert_y = jnp.where(used[:, None], (w[:, None] * dy).astype(expert_y.dtype), jnp.zeros((), expert_y.dtype))
+    return g_expert_y, _weights_grad(dy, used, expert_y, layout), jax.tree.map(lambda _: None, layout)
+
+
+def _rows_of_pairs(g_y, layout):
+    """(used bool [num_rows], pair int32 [num_rows] (0 where unused), float32 [num_rows, H]: each row's
+    token row of g_y)."""
+    used = layout.row_pair >= 0
+    pair = jnp.where(used, layout.row_pair, 0)
+    return used, pair, g_y[pair // layout.pair_row.shape[1]].astype(jnp.float32)
+
+
+def _weights_grad(dy, used, expert_y, layout):
+    """d w[n, k] = sum_h dy[n, h] * expert_y[pair_row[n, k], h] in float32 (dy: _rows_of_pairs' rows);
+    0 for pairs with no row."""
     g_w_of_row = jnp.where(used, jnp.sum(dy * expert_y.astype(jnp.float32), axis=1), 0.0)
     has = layout.pair_row >= 0
-    g_w = jnp.where(has, g_w_of_row[jnp.where(has, layout.pair_row, 0)], 0.0)
-    return g_expert_y, g_w, jax.tree.map(lambda _: None, layout)
+    return jnp.where(has, g_w_of_row[jnp.where(has, layout.pair_row, 0)], 0.0)
 
 
 _reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_matmul_reduce(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights, layout):
+    """grouped_matmul_reduce on grouped_matmul's prepared arrays (FP8 with its weight gradient)."""
+    return _fp8_matmul_reduce_fwd(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights,
+                                  layout)[0]
+
+
+def _fp8_matmul_reduce_fwd(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights, layout):
+    y, matmul_residuals = grouped_gemm.fp8_forward(*matmul_static, x, w, w8, group_sizes, valid_sizes, scale)
+    expert_y = y[:num_rows]
+    return ops.reduce_rows(expert_y, weights, layout), (matmul_residuals, expert_y, weights, layout)
+
+
+def _fp8_matmul_reduce_bwd(matmul_static, num_rows, ops, residuals, g_y):
+    matmul_residuals, expert_y, weights, layout = residuals
+    used, pair, dy = _rows_of_pairs(g_y, layout)  # read only by the weights' gradient: XLA fuses the gather
+    g_weights = _weights_grad(dy, used, expert_y, layout)
+    w_row = jnp.where(used, weights.reshape(-1)[pair], 0.0)  # each row's pair weight: its dy is w_row * g_y[n]
+    # dx's operand: g_y's FP8 rows gathered, each scaled by its token row's scale times w_row.
+    g_data, g_scales = quantize_rows(g_y)
+    dy_data, dy_block_scales = ops.expand_rows((g_data, jnp.broadcast_to(g_scales[:, None], (
+        g_y.shape[0], g_y.shape[1] // FP8_BLOCK))), layout)
+    dy_scales = dy_block_scales[:, 0] * w_row
+    # dw's: z = dy * x's row scales quantized per column, i.e. g_y's rows gathered times the multipliers
+    # m = w_row * x_scales. A column's amax is max over token rows of |g_y[n]| * (the largest |m| of n's
+    # rows): |g * m| = |g| * |m| in float32, so the same value as over the gathered rows, from fewer.
+    m = w_row * grouped_gemm.fp8_dw_row_scales(matmul_residuals)[:num_rows]
+    has = layout.pair_row >= 0
+    token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
+    z_scales, z_inverse = fp8_quant.column_scales(g_y, token_m)
+    z_data_t = ops.expand_rows_transposed(g_y, layout, m, z_inverse)
+    extra = matmul_residuals[0][1].shape[0] - num_rows  # rows grouped_matmul padded x with
+    if extra:
+        dy_data, dy_scales = jnp.pad(dy_data, ((0, extra), (0, 0))), jnp.pad(dy_scales, (0, extra))
+        z_data_t = jnp.pad(z_data_t, ((0, 0), (0, extra)))
+    use_mgpu, blocks, given_rows = matmul_static
+    dw = grouped_gemm.fp8_weight_grad_of(use_mgpu, blocks, matmul_residuals, z_data_t, z_scales)
+    matmul_cotangents = grouped_gemm.fp8_cotangents(*matmul_static, matmul_residuals, dy_data, dy_scales, dw)
+    return (*matmul_cotangents, g_weights, jax.tree.map(lambda _: None, layout))
+
+
+_fp8_matmul_reduce.defvjp(_fp8_matmul_reduce_fwd, _fp8_matmul_reduce_bwd)

@@ -127,6 +127,16 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     return rows, row_scales, cols, col_scales
 
 
+def column_scales(a, row_multipliers):
+    """(scales float32 [C], their inverses [C]) of the columns of z = a * row_multipliers[:, None] (a [R,
+    C], row_multipliers float32 [R]; a row whose multiplier is 0 is 0 in z), as quantize_rows_and_columns'
+    column copy has them: for copies of z whose rows are a's, each with a multiplier of at most that
+    row's in magnitude (|a * m| = |a| * |m| exactly in float32, so the largest is in z)."""
+    a, row_multipliers = lax.stop_gradient(a), lax.stop_gradient(row_multipliers)
+    scales = _scales(_abs_max(_times_multipliers(a.astype(jnp.float32), row_multipliers[:, None]), axis=0))
+    return scales, _inverse(scales)[:, 0]
+
+
 # XLA ---------------------------------------------------------------------------------------------------
 
 

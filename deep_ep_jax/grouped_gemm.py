@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -218,6 +219,32 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     which the forward reads as they are; dx is then the cotangent of
     x.grad_sink (and without w's FP8 weight gradient, dw comes from the
     dequantized rows)."""
+    call = prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_sizes, fp8_weights)
+    x, w, group_sizes, valid_sizes, scale = call.arrays
+    if fp8_weights is not None:
+        y = _grouped_matmul_fp8(*call.static, x, w, fp8_weights, group_sizes, valid_sizes, scale)
+    else:
+        y = _grouped_matmul(call.use_mgpu, call.blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)
+    return y[:call.num_rows]
+
+
+class PreparedCall(NamedTuple):
+    """grouped_matmul's arguments validated and made ready for its custom_vjps."""
+
+    use_mgpu: bool
+    blocks: GroupedMatmulBlocks
+    given_rows: bool  # x is an Fp8Rows
+    num_rows: int  # x's rows (the arrays' may be padded past them: slice the output back)
+    arrays: tuple  # (x, w, group_sizes, valid_sizes, scale), varying together
+
+    @property
+    def static(self):
+        """The FP8 custom_vjp's static arguments."""
+        return self.use_mgpu, self.blocks, self.given_rows
+
+
+def prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_sizes, fp8_weights) -> PreparedCall:
+    """grouped_matmul's validation and preparation: the shared sizes, the promise's scale, padded rows."""
     blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     given_rows = isinstance(x, Fp8Rows)
     if given_rows:
@@ -249,11 +276,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
     x = jax.tree.unflatten(x_tree, x_leaves)
     if padded_rows != num_rows:
         x = _padded_rows(x, padded_rows - num_rows)
-    if fp8_weights is not None:
-        y = _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, fp8_weights, group_sizes, valid_sizes, scale)
-    else:
-        y = _grouped_matmul(use_mgpu, blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)
-    return y[:num_rows]
+    return PreparedCall(use_mgpu, blocks, given_rows, num_rows, (x, w, group_sizes, valid_sizes, scale))
 
 
 def row_multiple(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
@@ -584,10 +607,10 @@ def _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, val
     """_grouped_matmul from FP8 operands: x and dy quantized here (x given
     quantized where given_rows: an Fp8Rows), w as w8 (dw in w's dtype, or
     with w8.weight_grad from FP8 operands). w is not read: it types dw."""
-    return _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale)[0]
+    return fp8_forward(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale)[0]
 
 
-def _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale):
+def fp8_forward(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale):
     x_data, x_scales = (x.data, x.scales) if given_rows else quantize_rows(x)
     y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
                     scale, w.dtype)
@@ -603,11 +626,8 @@ def _grouped_matmul_fp8_fwd(use_mgpu, blocks, given_rows, x, w, w8, group_sizes,
 def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
     x_for_dw, w, w8, group_sizes, valid_sizes, scale = residuals
     if w8.weight_grad:  # dy's padding rows are left out by their 0 multipliers (dx's kernel stores 0 there)
-        x_data_t, x_scales = x_for_dw
-        x_scales = jnp.where(_valid_rows(dy.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
-        dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(x_scales, dy)
-        dw = _fp8_weight_grad(use_mgpu, blocks, x_data_t, z_data_t, z_scales, group_sizes, valid_sizes, scale,
-                              w.dtype)
+        dy_data, dy_scales, z_data_t, z_scales = fp8_backward_operands(fp8_dw_row_scales(residuals), dy)
+        dw = fp8_weight_grad_of(use_mgpu, blocks, residuals, z_data_t, z_scales)
     else:  # sizes are aligned on the Mosaic GPU path (_validate_fp8)
         if given_rows:  # the rows the forward read, in w's dtype
             x_data, x_scales = x_for_dw
@@ -615,8 +635,27 @@ def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
         dy = _padding_zeroed(dy, group_sizes, valid_sizes)
         dy_data, dy_scales = quantize_rows(dy)
         dw = _weight_grad(use_mgpu, blocks, True, x_for_dw, dy, group_sizes, valid_sizes, scale)
+    return fp8_cotangents(use_mgpu, blocks, given_rows, residuals, dy_data, dy_scales, dw)
+
+
+def fp8_dw_row_scales(residuals):
+    """x's row scales of the forward (with fp8_weights(w, weight_grad=True)), 0 on padding rows: the
+    multipliers that move onto dy for the FP8 weight gradient (fp8_backward_operands)."""
+    (_, x_scales), _, _, group_sizes, valid_sizes, _ = residuals
+    return jnp.where(_valid_rows(x_scales.shape[0], group_sizes, valid_sizes), x_scales, 0.0)
+
+
+def fp8_weight_grad_of(use_mgpu, blocks, residuals, z_data_t, z_scales):
+    """dw from the forward's FP8 rows and z (dy times x's row scales) quantized per column, transposed."""
+    (x_data_t, _), w, _, group_sizes, valid_sizes, scale = residuals
+    return _fp8_weight_grad(use_mgpu, blocks, x_data_t, z_data_t, z_scales, group_sizes, valid_sizes, scale, w.dtype)
+
+
+def fp8_cotangents(use_mgpu, blocks, given_rows, residuals, dy_data, dy_scales, dw):
+    """_grouped_matmul_fp8's cotangents: dx from dy's FP8 rows (dy_data [M, N], dy_scales [M]), and dw."""
+    _, w, w8, group_sizes, valid_sizes, scale = residuals
     dx = _fp8_matmul(use_mgpu, blocks, dy_data, dy_scales, w8.input_grad, w8.input_grad_scales, group_sizes,
-                     valid_sizes, scale, dy.dtype)
+                     valid_sizes, scale, w.dtype)
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
     dx = vary_over(dx, vma(group_sizes))
@@ -625,7 +664,7 @@ def _grouped_matmul_fp8_bwd(use_mgpu, blocks, given_rows, residuals, dy):
     return dx, vary_over(dw, vma(w)), no_grad, None, None, None
 
 
-_grouped_matmul_fp8.defvjp(_grouped_matmul_fp8_fwd, _grouped_matmul_fp8_bwd)
+_grouped_matmul_fp8.defvjp(fp8_forward, _grouped_matmul_fp8_bwd)
 
 
 def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_sizes, valid_sizes, scale, out_dtype):

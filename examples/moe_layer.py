@@ -10,9 +10,9 @@ Three ways to run the experts (`expert_impl`):
   Pairs beyond `capacity` are dropped; `capacity_overflow` counts them.
 - "grouped": `dispatch_expert_major` puts one row per (token, local expert)
   pair straight into expert-major rows, `grouped_matmul` runs the SwiGLU on
-  them (JAX's Mosaic GPU kernels on Hopper, ragged_dot elsewhere) and
-  `combine_expert_major` weights and combines them: no argsort, gather or
-  scatter. `expert_rows` rows per rank (default: the worst case); pairs past
+  them (JAX's Mosaic GPU kernels on Hopper, ragged_dot elsewhere), its last
+  matmul and the weighted sum per row in one (`grouped_matmul_reduce`), and
+  `combine` brings the rows back: no argsort, gather or scatter. `expert_rows` rows per rank (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
 With "grouped", `fp8=fp8_expert_weights(w_in, w_out, mesh=, axis_name=)` runs the experts'
 matmuls on FP8 operands (make the copies once per optimizer step and pass
@@ -46,12 +46,11 @@ from jax.sharding import PartitionSpec as P
 from deep_ep_jax import (
     Buffer,
     combine,
-    combine_expert_major,
     dispatch,
     dispatch_expert_major,
     expand,
     grouped_matmul,
-    reduce,
+    grouped_matmul_reduce,
 )
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu
@@ -235,14 +234,18 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None,
+                   reduce_with=None):
     """SwiGLU experts on expert-major rows: expert_x bf16 [M, H] (or, with
     fp8, the Fp8Rows of expand or dispatch_expert_major(fp8_rows=True)), group g
     the next group_sizes[g] rows (rows past them give 0), every size a
     multiple of `alignment`; pairs (optional): the rows at each group's start
     that hold a pair (the layout's group_sizes), the rest being padding;
     fp8 (optional): fp8_expert_weights(w_in, w_out), for FP8 matmuls.
-    Returns bf16 [M, H]."""
+    Returns bf16 [M, H]; with reduce_with=(recv_topk_weights, layout) the
+    rows reduced with the weights, bf16 [N, H] (grouped_matmul_reduce: with
+    FP8 weight gradients, the backward never writes the expert rows' bf16
+    gradient)."""
     # Sizes of whole row tiles: say so, and grouped_matmul needs no device-side choice of kernels.
     # The pairs let the weight gradient skip the padding rows.
     kwargs = dict(aligned_groups=alignment % aligned_rows() == 0, valid_sizes=pairs)
@@ -250,6 +253,9 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, fp8_weights=w_in8, **kwargs)
     gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
     hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    if reduce_with is not None:
+        return grouped_matmul_reduce(hidden, w_out.astype(jnp.bfloat16), group_sizes, *reduce_with,
+                                     fp8_weights=w_out8, **kwargs)
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
 
 
@@ -295,9 +301,8 @@ def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, e
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
     expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
                               alignment=alignment, num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, recv_x))
-    expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
-                              layout.group_sizes, fp8)
-    return reduce(expert_y, recv_topk_weights, layout)
+    return swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
+                          layout.group_sizes, fp8, reduce_with=(recv_topk_weights, layout))
 
 
 def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
@@ -375,9 +380,9 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
             x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
             num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, x))
-        expert_y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment),
-                                  expert_alignment, layout.group_sizes, fp8)
-        return combine_expert_major(expert_y, recv_weights, layout, handle, buffer=buffer)
+        y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment), expert_alignment,
+                           layout.group_sizes, fp8, reduce_with=(recv_weights, layout))
+        return combine(y, handle, buffer=buffer)  # combine_expert_major's combine, the reduction done above
     recv_x, recv_idx, recv_weights, handle = dispatch(
         x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
     )

@@ -278,3 +278,14 @@ def quantize_fp8(x, round_scale=False):
     """x [..., H] (bf16 values) -> (FP8 values as float32 [..., H], float32 scales [..., H / 128])."""
     scales = fp8_scales(x, round_scale)
     return fp8_values(x, scales), scales
+
+
+def expert_expand_quantized_t(x, row_pair, topk, row_multipliers, col_inverse):
+    """The expert rows of bf16 x [N, H] (expert_expand) quantized and transposed, float32 values [H, rows]:
+    e4m3(clip(x[row] * m[row] * inv[c], -448, 448)), each product rounded to float32; 0 where the row is
+    unused or its multiplier m is 0."""
+    rows = expert_expand(np.asarray(x, np.float32), row_pair, topk).astype(np.float32)
+    m = np.asarray(row_multipliers, np.float32)[:, None]
+    v = np.where(m == 0, np.float32(0), rows * m)
+    scaled = np.clip(v * np.asarray(col_inverse, np.float32)[None, :], np.float32(-FP8_MAX), np.float32(FP8_MAX))
+    return e4m3_round(scaled).T

@@ -31,9 +31,13 @@ namespace {
   RET(ffi::AnyBuffer, expert_x_scales)              \
   ATTR(int64_t, num_topk)
 
+// float8 x is copied (row_multipliers and col_inverse_scales [0]); bf16 x is
+// quantized with row_multipliers [rows] and col_inverse_scales [H].
 #define EXPAND_ROWS_TRANSPOSED(ARG, REMAINING_ARGS, RET, ATTR) \
   ARG(ffi::AnyBuffer, x)                                       \
   ARG(ffi::Buffer<ffi::S32>, row_pair)                         \
+  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                  \
+  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)               \
   RET(ffi::AnyBuffer, expert_x_t)                              \
   ATTR(int64_t, num_topk)
 
@@ -112,18 +116,23 @@ ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSE
   const Dims dims = x.dimensions(), row_dims = row_pair.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
   const int64_t num_src_rows = dims[0], hidden = dims[1];
-  if (x.element_type() != ffi::DataType::F8E4M3FN || expert_x_t->element_type() != ffi::DataType::F8E4M3FN) {
-    return Invalid(fn, "x and expert_x_t must be float8_e4m3fn");
-  }
+  const bool quantize = x.element_type() == ffi::DataType::BF16;
+  if (!quantize && x.element_type() != ffi::DataType::F8E4M3FN) return Invalid(fn, "x must be float8_e4m3fn or bf16");
+  if (expert_x_t->element_type() != ffi::DataType::F8E4M3FN) return Invalid(fn, "expert_x_t must be float8_e4m3fn");
   if (hidden % kFp8Block != 0) return Invalid(fn, "hidden must be a multiple of " + Str(kFp8Block));
   if (row_dims.size() != 1 || row_dims[0] > INT_MAX) return Invalid(fn, "row_pair must be [rows] with rows <= INT_MAX");
   const int64_t num_rows = row_dims[0];
   if (num_topk < 1 || num_src_rows * num_topk > INT_MAX) {
     return Invalid(fn, "num_topk must be positive with N * num_topk <= INT_MAX, got " + Str(num_topk));
   }
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "row_multipliers", row_multipliers.dimensions(), {quantize ? num_rows : 0}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "col_inverse_scales", col_inverse_scales.dimensions(), {quantize ? hidden : 0}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "expert_x_t", expert_x_t->dimensions(), {hidden, num_rows}));
-  return Launched(fn, LaunchExpandRowsTransposed(static_cast<const uint8_t*>(x.untyped_data()), row_pair.typed_data(),
-                                                 int(num_rows), int(num_src_rows), int(num_topk), hidden,
+  return Launched(fn, LaunchExpandRowsTransposed(x.untyped_data(), quantize, row_pair.typed_data(), int(num_rows),
+                                                 int(num_src_rows), int(num_topk), hidden,
+                                                 row_multipliers.typed_data(), col_inverse_scales.typed_data(),
                                                  static_cast<uint8_t*>(expert_x_t->untyped_data()), stream));
 }
 

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <cuda_fp8.h>
+
 #include "kernels/device.cuh"
 #include "kernels/expert_major.h"
 
@@ -152,42 +154,77 @@ __global__ void __launch_bounds__(kExpandThreads)
   }
 }
 
-// One block per tile of 128 expert-major rows by 128 bytes (grid-stride):
+// 16 bf16 values as 16 float8_e4m3fn bytes: fp8(v * multiplier * inverse[j]),
+// each product rounded (no fused multiply-add), rounded to nearest even, +-448
+// where larger (satfinite keeps NaN): fp8_quant's maths, bit for bit.
+__device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float multiplier,
+                                               const float* __restrict__ inverse) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(bf16);
+  uint32_t words[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float4 s = __ldg(reinterpret_cast<const float4*>(inverse) + q);
+    const float2 a = __bfloat1622float2(pairs[2 * q]), b = __bfloat1622float2(pairs[2 * q + 1]);
+    const float2 low = make_float2(__fmul_rn(__fmul_rn(a.x, multiplier), s.x), __fmul_rn(__fmul_rn(a.y, multiplier), s.y));
+    const float2 high = make_float2(__fmul_rn(__fmul_rn(b.x, multiplier), s.z), __fmul_rn(__fmul_rn(b.y, multiplier), s.w));
+    words[q] = uint32_t(__nv_cvt_float2_to_fp8x2(low, __NV_SATFINITE, __NV_E4M3)) |
+               (uint32_t(__nv_cvt_float2_to_fp8x2(high, __NV_SATFINITE, __NV_E4M3)) << 16);
+  }
+  return make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
+}
+
+// One block per tile of 128 expert-major rows by 128 output bytes (grid-stride):
 // the rows' token bytes gathered into shared memory in 16-byte chunks, then
 // each column's 128 bytes written as a row of dst_t. Chunk c of tile row r
 // sits at chunk c ^ (r / 16 % 8): a thread reading 16 rows of one column and
 // its neighbours reading the other 16-row runs of that column hit different banks.
+// kQuantize: the token rows are bf16, each chunk read as 32 bytes and quantized
+// (QuantizedChunk) with its row's multiplier; a row whose multiplier is 0 gives 0.
+template <bool kQuantize>
 __global__ void __launch_bounds__(kTransposeThreads)
     ExpandRowsTransposedKernel(const uint8_t* __restrict__ src, const int* __restrict__ row_pair, int num_rows,
-                               int num_src_rows, int num_topk, int64_t bytes_per_row, uint8_t* __restrict__ dst_t) {
+                               int num_src_rows, int num_topk, int64_t hidden,
+                               const float* __restrict__ row_multipliers, const float* __restrict__ col_inverse_scales,
+                               uint8_t* __restrict__ dst_t) {
   constexpr int kChunksPerRow = kTransposeTile / kChunk;
   constexpr int kItems = kTransposeTile * kChunksPerRow / kTransposeThreads;  // chunks per thread, each way
+  constexpr int kLoads = kQuantize ? 2 : 1;  // 16-byte loads per chunk
+  constexpr int64_t kSrcBytes = kQuantize ? 2 : 1;
   static_assert(kItems * kTransposeThreads == kTransposeTile * kChunksPerRow);
   __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
   const int64_t row_tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile;
-  const int64_t num_tiles = row_tiles * (bytes_per_row / kTransposeTile);
+  const int64_t num_tiles = row_tiles * (hidden / kTransposeTile);
   const bool vector_stores = num_rows % kChunk == 0;  // each column's 16-row runs 16-byte aligned
   for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t first_row = (t % row_tiles) * kTransposeTile, first_byte = (t / row_tiles) * kTransposeTile;
-    // All of a thread's loads in flight at once: its rows' pairs, then their chunks.
+    const int64_t first_row = (t % row_tiles) * kTransposeTile, first_col = (t / row_tiles) * kTransposeTile;
+    // All of a thread's loads in flight at once: its rows' pairs (and multipliers), then their chunks.
     int64_t token[kItems];
+    float multiplier[kItems];
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int64_t row = first_row + (k * kTransposeThreads + threadIdx.x) / kChunksPerRow;
       const int pair = row < num_rows ? row_pair[row] : -1;
       token[k] = pair >= 0 && pair / num_topk < num_src_rows ? pair / num_topk : -1;
+      multiplier[k] = kQuantize && token[k] >= 0 ? row_multipliers[row] : 1.0f;
+      if (multiplier[k] == 0.0f) token[k] = -1;
     }
-    int4 chunk[kItems];
+    int4 raw[kItems][kLoads];
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int c = (k * kTransposeThreads + threadIdx.x) % kChunksPerRow;
-      const uint8_t* from = src + token[k] * bytes_per_row + first_byte + c * kChunk;
-      chunk[k] = token[k] >= 0 ? *reinterpret_cast<const int4*>(from) : make_int4(0, 0, 0, 0);
+      const int4* from = reinterpret_cast<const int4*>(src + (token[k] * hidden + first_col + c * kChunk) * kSrcBytes);
+#pragma unroll
+      for (int h = 0; h < kLoads; ++h) raw[k][h] = token[k] >= 0 ? from[h] : make_int4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int i = k * kTransposeThreads + threadIdx.x, r = i / kChunksPerRow, c = i % kChunksPerRow;
-      *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk[k];
+      int4 chunk = raw[k][0];
+      if constexpr (kQuantize) {
+        chunk = token[k] >= 0 ? QuantizedChunk(raw[k], multiplier[k], col_inverse_scales + first_col + c * kChunk)
+                              : make_int4(0, 0, 0, 0);
+      }
+      *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk;
     }
     __syncthreads();
 #pragma unroll
@@ -197,7 +234,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
       const int64_t row = first_row + run * kChunk;
       if (row >= num_rows) continue;
       const uint8_t* from = tile + run * kChunk * kTransposeTile + ((col / kChunk) ^ run) * kChunk + col % kChunk;
-      uint8_t* to = dst_t + (first_byte + col) * int64_t(num_rows) + row;
+      uint8_t* to = dst_t + (first_col + col) * int64_t(num_rows) + row;
       if (vector_stores) {  // the 16 bytes packed in registers, little-endian
         uint32_t words[4] = {0, 0, 0, 0};
 #pragma unroll
@@ -286,12 +323,15 @@ cudaError_t LaunchExpandRows(const ExpandArrays& arrays, const int* row_pair, in
   return cudaGetLastError();
 }
 
-cudaError_t LaunchExpandRowsTransposed(const uint8_t* src, const int* row_pair, int num_rows, int num_src_rows,
-                                       int num_topk, int64_t bytes_per_row, uint8_t* dst_t, cudaStream_t stream) {
-  if (num_rows == 0 || bytes_per_row == 0) return cudaSuccess;
-  const int64_t tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile * (bytes_per_row / kTransposeTile);
-  ExpandRowsTransposedKernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(
-      src, row_pair, num_rows, num_src_rows, num_topk, bytes_per_row, dst_t);
+cudaError_t LaunchExpandRowsTransposed(const void* src, bool quantize, const int* row_pair, int num_rows,
+                                       int num_src_rows, int num_topk, int64_t hidden, const float* row_multipliers,
+                                       const float* col_inverse_scales, uint8_t* dst_t, cudaStream_t stream) {
+  if (num_rows == 0 || hidden == 0) return cudaSuccess;
+  const int64_t tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile * (hidden / kTransposeTile);
+  auto kernel = quantize ? ExpandRowsTransposedKernel<true> : ExpandRowsTransposedKernel<false>;
+  kernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(src), row_pair, num_rows, num_src_rows, num_topk, hidden, row_multipliers,
+      col_inverse_scales, dst_t);
   return cudaGetLastError();
 }
 

@@ -35,12 +35,16 @@ struct ExpandArrays {
 cudaError_t LaunchExpandRows(const ExpandArrays& arrays, const int* row_pair, int num_rows, int num_src_rows,
                              int num_topk, cudaStream_t stream);
 
-// dst_t [bytes_per_row, num_rows] = the bytes of LaunchExpandRows' dst for one
-// array src [num_src_rows, bytes_per_row], transposed: dst_t[b, i] = byte b of
-// token row row_pair[i] / num_topk, or 0 (the FP8 rows' operand of the FP8
-// weight gradient, gathered without a row-major copy). bytes_per_row % 128 == 0.
-cudaError_t LaunchExpandRowsTransposed(const uint8_t* src, const int* row_pair, int num_rows, int num_src_rows,
-                                       int num_topk, int64_t bytes_per_row, uint8_t* dst_t, cudaStream_t stream);
+// dst_t [hidden, num_rows] = LaunchExpandRows' rows of src [num_src_rows,
+// hidden] transposed: dst_t[c, i] = value c of token row row_pair[i] /
+// num_topk, or 0 (the FP8 weight gradient's operand, gathered without a
+// row-major copy). src is float8 (copied as bytes), or with `quantize` bf16,
+// quantized: fp8(src * row_multipliers[i] * col_inverse_scales[c]), each
+// product rounded, saturated to +-448 (0 where the multiplier is 0).
+// hidden % 128 == 0.
+cudaError_t LaunchExpandRowsTransposed(const void* src, bool quantize, const int* row_pair, int num_rows,
+                                       int num_src_rows, int num_topk, int64_t hidden, const float* row_multipliers,
+                                       const float* col_inverse_scales, uint8_t* dst_t, cudaStream_t stream);
 
 // out[n] = bf16(0 + term(n, 0) + term(n, 1) + ...) in float32 over k with
 // pair_row[n, k] in [0, num_rows): term = weight * float32(expert_y row),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from deep_ep_jax.fp8_quant import _times_multipliers, _to_fp8  # fp8_quant's maths, shared
 from deep_ep_jax.handle import ExpertLayout
 
 
@@ -64,10 +65,16 @@ def expand_rows(xs, layout):
     return tuple(out)
 
 
-def expand_rows_transposed(x, layout):
-    """float8 x [N, H] -> expand_rows((x,), layout)[0] transposed, [H, num_rows]."""
+def expand_rows_transposed(x, layout, row_multipliers=None, col_inverse_scales=None):
+    """expand_rows((x,), layout)[0] transposed, float8 [H, num_rows]: x float8 [N, H] as it is, or bf16
+    [N, H] with row_multipliers float32 [num_rows] and col_inverse_scales float32 [H] quantized as
+    fp8_quant does: fp8(clip(x[row] * row_multipliers[i] * col_inverse_scales[c], -448, 448)), each
+    product rounded; 0 where the multiplier is 0 (and on unused rows)."""
     (rows,) = expand_rows((x,), layout)
-    return lax.bitcast_convert_type(_as_bits(rows).T, x.dtype)
+    if row_multipliers is None:
+        return lax.bitcast_convert_type(_as_bits(rows).T, x.dtype)
+    v = _times_multipliers(rows.astype(jnp.float32), row_multipliers[:, None])
+    return _to_fp8(v, col_inverse_scales[None, :]).T
 
 
 def reduce_rows(expert_y, weights, layout):

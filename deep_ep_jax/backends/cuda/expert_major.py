@@ -56,9 +56,11 @@ def expand_rows(xs, layout):
     return (out["expert_x"],) if len(xs) == 1 else (out["expert_x"], out["expert_x_scales"])
 
 
-def expand_rows_transposed(x, layout):
-    out_types = {"expert_x_t": jax.ShapeDtypeStruct((x.shape[1], layout.num_rows), x.dtype)}
-    return EXPAND_ROWS_TRANSPOSED(None, out_types, x, layout.row_pair,
+def expand_rows_transposed(x, layout, row_multipliers=None, col_inverse_scales=None):
+    if row_multipliers is None:  # float8 x: its bytes
+        row_multipliers = col_inverse_scales = jnp.zeros((0,), jnp.float32)
+    out_types = {"expert_x_t": jax.ShapeDtypeStruct((x.shape[1], layout.num_rows), jnp.float8_e4m3fn)}
+    return EXPAND_ROWS_TRANSPOSED(None, out_types, x, layout.row_pair, row_multipliers, col_inverse_scales,
                                   num_topk=np.int64(layout.pair_row.shape[1]))["expert_x_t"]
 
 

@@ -466,7 +466,8 @@ def _fp8_matmul_reduce_bwd(matmul_static, num_rows, ops, residuals, g_y):
     token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
     z_scales, z_inverse = fp8_quant.column_scales(g_y, token_m)
     z_data_t = ops.expand_rows_transposed(g_y, layout, m, z_inverse)
-    extra = matmul_residuals[0][1].shape[0] - num_rows  # rows grouped_matmul padded x with
+    (_, x_scales), *_ = matmul_residuals
+    extra = x_scales.shape[0] - num_rows  # rows grouped_matmul padded x with (its row multiple)
     if extra:
         dy_data, dy_scales = jnp.pad(dy_data, ((0, extra), (0, 0))), jnp.pad(dy_scales, (0, extra))
         z_data_t = jnp.pad(z_data_t, ((0, 0), (0, extra)))

@@ -54,7 +54,7 @@ def test_too_few_expert_rows_refused():
 def test_grouped_fp8_beside_grouped():
     """grouped_fp8 and grouped_fp8_dw (FP8 expert matmuls, the weights' copies made once per call; the
     latter's weight gradients on FP8 too) run beside grouped, their forwards close to the bf16 one's."""
-    run = _run("--expert-impl", "grouped,grouped_fp8,grouped_fp8_dw")
+    run = _run("--expert-impl", "grouped,grouped_fp8,grouped_fp8_dw", "--no-local")  # local: the test above
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "grouped_fp8 experts (" in run.stdout and "FP8 forward and input gradients," in run.stdout, run.stdout
     assert "grouped_fp8_dw experts (" in run.stdout, run.stdout

@@ -466,14 +466,20 @@ def test_column_scales_from_token_rows():
     seed = _seed("column_scales")
     rng = np.random.default_rng(seed)
     idx = jnp.asarray(_local_ids(seed, 1, 24, 3, 2, "minus_one"))
-    _, layout = dej.expand(dt.random_rows(seed, (24, H)), idx, num_local_experts=3, alignment=8, num_rows=64)
     g = dt.random_rows(seed + 1, (24, H))
-    m = jnp.asarray((rng.standard_normal(64) * (np.asarray(layout.row_pair) >= 0)).astype(np.float32))
-    gathered = em._XLA.expand_rows((g,), layout)[0]
-    want = fp8_quant.quantize_rows_and_columns(gathered[None], m[None], impl="xla")[3][0]
-    has = layout.pair_row >= 0
-    token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
-    scales, inverse = fp8_quant.column_scales(g, token_m)
+    m = jnp.asarray(rng.standard_normal(64).astype(np.float32))
+
+    @jax.jit
+    def both(g, m):
+        _, layout = dej.expand(g, idx, num_local_experts=3, alignment=8, num_rows=64)
+        m = jnp.where(layout.row_pair >= 0, m, 0.0)
+        gathered = em._XLA.expand_rows((g,), layout)[0]
+        want = fp8_quant.quantize_rows_and_columns(gathered[None], m[None], impl="xla")[3][0]
+        has = layout.pair_row >= 0
+        token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
+        return want, *fp8_quant.column_scales(g, token_m)
+
+    want, scales, inverse = both(g, m)
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want))
     np.testing.assert_array_equal(np.asarray(inverse), np.float32(1) / np.asarray(want))
 
@@ -532,9 +538,9 @@ def test_grouped_matmul_reduce(routing):
 def test_grouped_matmul_reduce_errors():
     x = jnp.zeros((6, H), jnp.bfloat16)
     idx = jnp.zeros((6, 2), jnp.int32)
-    rows, layout = dej.expand(x, idx, num_local_experts=2)
+    rows, layout = jax.jit(lambda x, idx: dej.expand(x, idx, num_local_experts=2))(x, idx)  # compiled once
     w_e = jnp.zeros((2, H, H), jnp.bfloat16)
-    w8 = fp8_weights(w_e, weight_grad=True)
+    w8 = jax.eval_shape(lambda w_e: fp8_weights(w_e, weight_grad=True), w_e)  # refused before it is read
     w = jnp.ones((6, 2), jnp.float32)
     sizes = layout.padded_group_sizes(1)
     with pytest.raises(TypeError, match=r"grouped_matmul_reduce: unknown grouped_matmul arguments \['alignment'\]"):

@@ -151,7 +151,7 @@ def test_grad_bf16_rows():
         return jax.lax.psum(jnp.sum(dej.combine(recv_x * 3, handle, buffer=buffer).astype(jnp.float32)), "ep")
 
     f = jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P(), check_vma=False)
-    g = jax.grad(f)(x, jnp.asarray(idx), jnp.asarray(w))
+    g = jax.jit(jax.grad(f))(x, jnp.asarray(idx), jnp.asarray(w))
     assert g.dtype == jnp.bfloat16
     in_ranks = np.zeros((num_ranks * num_tokens,))
     for t, row in enumerate(idx):

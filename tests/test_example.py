@@ -1,6 +1,7 @@
 """The Flax MoE example: the layer against dense per-token maths, and the
 training script end to end (its loss must fall). CPU, reference backend."""
 
+import functools
 import os
 import re
 import subprocess
@@ -47,6 +48,15 @@ def dense_moe(x, topk_idx, topk_weights, w_in, w_out):
     return out
 
 
+@jax.jit
+def _dense_and_grads(x, topk_idx, topk_weights, w_in, w_out, probe):
+    """dense_moe and the gradients of <dense_moe(...), probe> for (x, topk_weights, w_in, w_out), under one
+    jit (run eagerly, each of its ops compiles on its own; jitted, one compile per shape for the module)."""
+    loss = lambda x, w, wi, wo: jnp.sum(dense_moe(x, topk_idx, w, wi, wo).astype(jnp.float32) * probe)
+    return dense_moe(x, topk_idx, topk_weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(
+        x, topk_weights, w_in, w_out)
+
+
 def _assert_close(got, want, what, rel=3e-2):
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), f"{what}: non-finite values"
@@ -89,12 +99,12 @@ def test_expert_ffn_ignores_padding_and_empty_slots():
         return jnp.sum(fn(x, idx, weights, w_in, w_out).astype(jnp.float32) * probe)
 
     clean = jnp.where(jnp.arange(num_rows)[:, None] < num_valid, x, 0)
+    want_y, want = _dense_and_grads(clean.astype(jnp.float32), idx, weights, w_in, w_out, probe)  # bf16 values
     got = jax.jit(ml.expert_ffn)(x, idx, weights, w_in, w_out)
-    _assert_close(got, dense_moe(clean, idx, weights, w_in, w_out), "expert_ffn")
+    _assert_close(got, want_y, "expert_ffn")
     assert (np.asarray(got[num_valid:], np.float32) == 0).all() and (np.asarray(got[3], np.float32) == 0).all()
 
     grads = jax.jit(jax.grad(lambda *a: loss(ml.expert_ffn, *a), argnums=(0, 1, 2, 3)))(x, weights, w_in, w_out)
-    want = jax.grad(lambda *a: loss(dense_moe, *a), argnums=(0, 1, 2, 3))(clean.astype(jnp.float32), weights, w_in, w_out)
     for name, g, w in zip(("x", "weights", "w_in", "w_out"), grads, want):
         _assert_close(g, w, f"grad {name}")
     assert (np.asarray(grads[0][num_valid:], np.float32) == 0).all()
@@ -102,6 +112,30 @@ def test_expert_ffn_ignores_padding_and_empty_slots():
 
 MOE_FFN_CASES = ([(kind, "ragged_dot", 1) for kind in dt.ROUTING_KINDS]
                  + [(kind, "grouped", 1) for kind in dt.ROUTING_KINDS] + [("rank_empty", "grouped", 3)])
+
+
+@functools.cache
+def _moe_ffn_and_grads(impl, alignment, expert_rows=None):
+    """(buffer, f): f(x, idx, weights, w_in, w_out, probe) is moe_ffn on the (data, expert) mesh and the
+    gradients of <output, probe> for (x, weights, w_in, w_out), under one jit. Built once per expert path:
+    the routing kinds share its compile (idx and probe are arguments, not constants of the trace)."""
+    mesh = _mesh()
+    num_experts = 2 * mesh.shape["expert"]
+    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    tokens, experts = P(("data", "expert")), P("expert")
+    sharded = jax.shard_map(  # shard_map's defaults (check_vma=True), as the example
+        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=impl,
+                              expert_rows=expert_rows, expert_alignment=alignment),
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, experts, experts),
+        out_specs=tokens,
+    )
+
+    def fwd_and_grads(x, idx, weights, w_in, w_out, probe):
+        loss = lambda x, w, wi, wo: jnp.sum(sharded(x, idx, w, wi, wo).astype(jnp.float32) * probe)
+        return sharded(x, idx, weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+
+    return buffer, jax.jit(fwd_and_grads)
 
 
 @pytest.mark.parametrize(("kind", "impl", "alignment"), MOE_FFN_CASES)
@@ -112,29 +146,15 @@ def test_moe_ffn_matches_dense(kind, impl, alignment):
     mesh = _mesh()
     num_ranks = mesh.shape["expert"]
     num_experts, num_tokens = 2 * num_ranks, 12 * mesh.size
-    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
     idx, weights = dt.make_routing(4, num_tokens, num_experts, K, num_ranks, kind)
     idx, weights = jnp.asarray(idx), jnp.asarray(weights)
     x = dt.random_rows(5, (num_tokens, H), jnp.float32)
     w_in, w_out = _weights(6, num_experts)
     probe = dt.random_rows(7, (num_tokens, H), jnp.float32)
 
-    tokens, experts = P(("data", "expert")), P("expert")
-    sharded = jax.shard_map(  # shard_map's defaults (check_vma=True), as the example
-        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=impl,
-                              expert_alignment=alignment),
-        mesh=mesh,
-        in_specs=(tokens, tokens, tokens, experts, experts),
-        out_specs=tokens,
-    )
-
-    def loss(fn, x, weights, w_in, w_out):
-        return jnp.sum(fn(x, idx, weights, w_in, w_out).astype(jnp.float32) * probe)
-
-    got = jax.jit(sharded)(x, idx, weights, w_in, w_out)
-    _assert_close(got, dense_moe(x, idx, weights, w_in, w_out), f"{kind}: output")
-    grads = jax.jit(jax.grad(lambda *a: loss(sharded, *a), argnums=(0, 1, 2, 3)))(x, weights, w_in, w_out)
-    want = jax.grad(lambda *a: loss(dense_moe, *a), argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+    got, grads = _moe_ffn_and_grads(impl, alignment)[1](x, idx, weights, w_in, w_out, probe)
+    want_y, want = _dense_and_grads(x, idx, weights, w_in, w_out, probe)
+    _assert_close(got, want_y, f"{kind}: output")
     for name, g, w in zip(("x", "topk_weights", "w_in", "w_out"), grads, want):
         _assert_close(g, w, f"{kind}: grad {name}")
 
@@ -154,7 +174,7 @@ def test_moe_module():
         return dense_moe(x.reshape(-1, H), idx, weights, w_in, w_out).reshape(x.shape), aux
 
     y, aux = jax.jit(lambda x: layer(x))(x)
-    want_y, want_aux = dense(x, router, w_in, w_out)
+    want_y, want_aux = jax.jit(dense)(x, router, w_in, w_out)  # jitted: one compile, not one per op
     assert y.shape == x.shape and y.dtype == x.dtype
     _assert_close(y, want_y, "MoE output")
     np.testing.assert_allclose(aux, want_aux, rtol=1e-5)
@@ -166,7 +186,7 @@ def test_moe_module():
 
     apply = lambda x, *p: ml.moe_apply(x, *p, top_k=2, buffer=buffer)
     grads = jax.jit(jax.grad(lambda *p: loss(apply, *p), argnums=(0, 1, 2)))(router, w_in, w_out)
-    want = jax.grad(lambda *p: loss(dense, *p), argnums=(0, 1, 2))(router, w_in, w_out)
+    want = jax.jit(jax.grad(lambda *p: loss(dense, *p), argnums=(0, 1, 2)))(router, w_in, w_out)
     for name, g, w in zip(("router", "w_in", "w_out"), grads, want):
         _assert_close(g, w, f"grad {name}")
 
@@ -216,10 +236,22 @@ def _random_recv(seed, num_rows, num_valid, num_local):
     return jnp.asarray(x, jnp.bfloat16), idx, weights
 
 
+@functools.cache
+def _expert_ffn_and_grads(impl, capacity=None, expert_rows=None, alignment=None):
+    """f(x, idx, weights, w_in, w_out, probe) -> expert_ffn's output and the gradients of <output, probe>
+    for (x, weights, w_in, w_out), under one jit. Built once per configuration, so that cases and tests of
+    one shape share its compile (idx and probe are arguments, not constants of the trace)."""
+    def f(x, idx, weights, w_in, w_out, probe):
+        fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl=impl, capacity=capacity,
+                                                expert_rows=expert_rows, expert_alignment=alignment)
+        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
+        return fn(x, weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+
+    return jax.jit(f)
+
+
 def _ffn_and_grads(impl, capacity, x, idx, weights, w_in, w_out, probe):
-    fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl=impl, capacity=capacity)
-    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
-    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(x, weights, w_in, w_out)
+    return _expert_ffn_and_grads(impl, capacity)(x, idx, weights, w_in, w_out, probe)
 
 
 @pytest.mark.parametrize("skewed", [False, True])
@@ -293,11 +325,17 @@ def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
     return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
 
 
+@functools.cache
+def _ragged_dot_layer():
+    """The ragged_dot layer's output and gradients on _layer_inputs(1, 9): computed once, for both cases below."""
+    return _layer_and_grads(*_layer_inputs(1, 9), "ragged_dot")
+
+
 @pytest.mark.parametrize("impl", ["capacity", "grouped"])
 def test_moe_module_matches_ragged_dot(impl):
     """The whole layer (dispatch, capacity or grouped experts, combine) against ragged_dot."""
     buffer, x, params = _layer_inputs(1, 9)
-    (y_impl, g_impl), (y_rag, g_rag) = (_layer_and_grads(buffer, x, params, i) for i in (impl, "ragged_dot"))
+    (y_impl, g_impl), (y_rag, g_rag) = _layer_and_grads(buffer, x, params, impl), _ragged_dot_layer()
     _assert_close(y_impl, y_rag, f"{impl}: layer output", rel=1e-2)
     for name, a, b in zip(("router", "w_in", "w_out"), g_impl, g_rag):
         _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
@@ -318,8 +356,10 @@ def test_moe_apply_fp8_experts(hidden):
         assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), f"fp8 {name}: {np.linalg.norm(a - b) / np.linalg.norm(b):.3g}"
         assert not np.array_equal(a, b), f"fp8 {name}: identical to bf16, so FP8 did not run"
     with pytest.raises(ValueError, match="fp8 expert weights need expert_impl='grouped'"):
-        ml.moe_apply(x, *params, top_k=2, buffer=buffer, expert_impl="capacity",
-                     fp8=jax.jit(ml.fp8_expert_weights)(*params[1:]))  # one compile, not an op's each
+        # A trace-time check: traced (eval_shape), so that nothing compiles or runs op by op.
+        fp8 = jax.eval_shape(ml.fp8_expert_weights, *params[1:])
+        jax.eval_shape(lambda x, p, fp8: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl="capacity",
+                                                      fp8=fp8), x, params, fp8)
 
 
 def test_fp8_expert_weights_per_rank(monkeypatch):
@@ -348,10 +388,7 @@ def test_fp8_expert_weights_per_rank(monkeypatch):
 
 
 def _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe):
-    fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl="grouped", expert_rows=rows,
-                                            expert_alignment=alignment)
-    loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
-    return jax.jit(lambda *a: (fn(*a), jax.grad(loss, argnums=(0, 1, 2, 3))(*a)))(x, weights, w_in, w_out)
+    return _expert_ffn_and_grads("grouped", None, rows, alignment)(x, idx, weights, w_in, w_out, probe)
 
 
 @pytest.mark.parametrize("skewed", [False, True])
@@ -430,7 +467,7 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
     mesh = _mesh()
     num_ranks, num_groups = mesh.shape["expert"], mesh.shape["data"]
     num_experts, num_tokens, expert_rows = 2 * num_ranks, 12 * mesh.size, 20
-    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
+    buffer, fwd_and_grads = _moe_ffn_and_grads("grouped", alignment, expert_rows)
     idx, weights = dt.make_routing(33, num_tokens, num_experts, K, num_ranks, "minus_one")
     kept = _kept_routing(idx, num_experts, num_ranks, num_groups, expert_rows, alignment)
     dropped = int((idx >= 0).sum() - (kept >= 0).sum())
@@ -438,7 +475,7 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
     overflow = ml.expert_rows_overflow(idx, num_experts, num_ranks, expert_rows, alignment, num_groups=num_groups)
     assert int(overflow) == dropped
 
-    tokens, experts = P(("data", "expert")), P("expert")
+    tokens = P(("data", "expert"))
 
     def num_dropped(x, idx, w):
         layout = dej.dispatch_expert_major(x.astype(jnp.bfloat16), idx, w, num_experts=num_experts, buffer=buffer,
@@ -450,20 +487,12 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
     layouts = jax.jit(jax.shard_map(num_dropped, mesh=mesh, in_specs=(tokens,) * 3, out_specs=P()))
     assert int(layouts(x, idx, weights)) == dropped
 
-    sharded = jax.shard_map(
-        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl="grouped",
-                              expert_rows=expert_rows, expert_alignment=alignment),
-        mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts), out_specs=tokens)
     w_in, w_out = _weights(35, num_experts)
     probe = dt.random_rows(36, (num_tokens, H), jnp.float32)
 
-    def loss(fn, idx, x, weights, w_in, w_out):
-        return jnp.sum(fn(x, idx, weights, w_in, w_out).astype(jnp.float32) * probe)
-
-    got = jax.jit(sharded)(x, idx, weights, w_in, w_out)
-    _assert_close(got, dense_moe(x, kept, weights, w_in, w_out), "dropped: output")
-    grads = jax.jit(jax.grad(lambda *a: loss(sharded, idx, *a), argnums=(0, 1, 2, 3)))(x, weights, w_in, w_out)
-    want = jax.grad(lambda *a: loss(dense_moe, kept, *a), argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+    got, grads = fwd_and_grads(x, idx, weights, w_in, w_out, probe)  # moe_ffn, grouped, expert_rows 20
+    want_y, want = _dense_and_grads(x, kept, weights, w_in, w_out, probe)
+    _assert_close(got, want_y, "dropped: output")
     for name, g, w in zip(("x", "topk_weights", "w_in", "w_out"), grads, want):
         _assert_close(g, w, f"dropped: grad {name}")
 

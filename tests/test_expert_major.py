@@ -74,6 +74,19 @@ def _check_layout(layout, idx, num_local_experts, alignment, num_rows):
     return want
 
 
+@functools.cache
+def _expand_reduce_step(num_ranks, num_local_experts, alignment, rows):
+    """The jitted per-rank step of the test below, built once per (alignment, rows): the routings
+    (arguments of the step) share its compile."""
+    def step(x, idx, w, y_in):
+        expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=rows)
+        y = dej.reduce(y_in, w, layout)
+        # Unused rows never reach the sum, whatever they hold.
+        poisoned = jnp.where((layout.row_pair >= 0)[:, None], y_in, jnp.asarray(jnp.nan, y_in.dtype))
+        return expert_x, layout, y, dej.reduce(poisoned, w, layout)
+    return _per_rank(step, num_ranks)
+
+
 @pytest.mark.parametrize("alignment, rows", [(1, None), (8, None), (128, None), (1, 7), (8, 20), (128, 130)])
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_expand_reduce_against_oracle(routing, alignment, rows):
@@ -85,14 +98,9 @@ def test_expand_reduce_against_oracle(routing, alignment, rows):
     num_rows = rows or em.default_num_rows(num_tokens, topk, num_local_experts, alignment)
     y_in = dt.random_rows(seed + 3, (num_ranks * num_rows, H))
 
-    def step(x, idx, w, y_in):
-        expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=rows)
-        y = dej.reduce(y_in, w, layout)
-        # Unused rows never reach the sum, whatever they hold.
-        poisoned = jnp.where((layout.row_pair >= 0)[:, None], y_in, jnp.asarray(jnp.nan, y_in.dtype))
-        return expert_x, layout, y, dej.reduce(poisoned, w, layout)
-
-    expert_x, layout, y, y_poisoned = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), y_in)
+    run = _expand_reduce_step(num_ranks, num_local_experts, alignment, rows)
+    # As numpy: the checks index per rank (indexing a jax array runs a gather op by op).
+    expert_x, layout, y, y_poisoned = jax.tree.map(np.asarray, run(x, jnp.asarray(idx), jnp.asarray(w), y_in))
     assert expert_x.shape == (num_ranks, num_rows, H) and expert_x.dtype == jnp.bfloat16
     x, y_in = np.asarray(x).reshape(num_ranks, num_tokens, H), np.asarray(y_in).reshape(num_ranks, num_rows, H)
     idx, w = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
@@ -135,22 +143,11 @@ def test_expand_fp8_pair():
         np.testing.assert_array_equal(expert_scales[r], oracle.expert_expand(scales[r], want["row_pair"], topk))
 
 
-@pytest.mark.parametrize("routing", ["random", "minus_one", "rank_empty", "rank_gets_nothing", "duplicates"])
-@pytest.mark.parametrize("alignment", [1, 8])
-def test_dispatch_combine_expert_major_against_oracle(routing, alignment):
-    """The whole path: dispatch, expand, an expert, reduce, combine."""
-    num_ranks, num_tokens, experts_per_rank, topk = 4, 10, 3, 3
-    num_experts = num_ranks * experts_per_rank
-    seed = _seed(routing, alignment)
-    mesh = dt.ep_mesh(num_ranks, platform="cpu")
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
-    base = "minus_one" if routing in ("duplicates", "rank_gets_nothing") else routing
-    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, base)
-    if routing == "duplicates":
-        idx[::2, 1] = idx[::2, 0]
-    if routing == "rank_gets_nothing":  # no token picks an expert of rank 1
-        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
-    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+@functools.cache
+def _dispatch_combine_step(num_ranks, num_experts, alignment):
+    """The jitted per-rank step of the test below, built once per alignment: the routings (arguments of
+    the step) share its compile."""
+    buffer = dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
 
     def step(x, idx, w):
         expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
@@ -159,8 +156,27 @@ def test_dispatch_combine_expert_major_against_oracle(routing, alignment):
         expert_y = jnp.where((layout.row_pair >= 0)[:, None], expert_x * 2, jnp.ones((), expert_x.dtype))
         out = dej.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
         return expert_y, layout, recv_w, out
+    return _per_rank(step, num_ranks)
 
-    expert_y, layout, recv_w, out = _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w))
+
+@pytest.mark.parametrize("routing", ["random", "minus_one", "rank_empty", "rank_gets_nothing", "duplicates"])
+@pytest.mark.parametrize("alignment", [1, 8])
+def test_dispatch_combine_expert_major_against_oracle(routing, alignment):
+    """The whole path: dispatch, expand, an expert, reduce, combine."""
+    num_ranks, num_tokens, experts_per_rank, topk = 4, 10, 3, 3
+    num_experts = num_ranks * experts_per_rank
+    seed = _seed(routing, alignment)
+    base = "minus_one" if routing in ("duplicates", "rank_gets_nothing") else routing
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, base)
+    if routing == "duplicates":
+        idx[::2, 1] = idx[::2, 0]
+    if routing == "rank_gets_nothing":  # no token picks an expert of rank 1
+        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+
+    run = _dispatch_combine_step(num_ranks, num_experts, alignment)
+    # As numpy: the checks index per rank (indexing a jax array runs a gather op by op).
+    expert_y, layout, recv_w, out = jax.tree.map(np.asarray, run(x, jnp.asarray(idx), jnp.asarray(w)))
     xs = np.asarray(x).reshape(num_ranks, num_tokens, H)
     received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
                                num_experts, num_ranks * num_tokens)
@@ -353,6 +369,27 @@ def _fp8_rows_layer(buffer, num_experts, alignment, num_rows, fp8_rows, weight_g
     return layer
 
 
+@functools.cache
+def _fp8_rows_buffer(num_ranks):
+    return dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+
+
+@functools.cache
+def _fp8_rows_step(local, num_ranks, num_experts, rows, fp8_rows, weight_grad):
+    """The jitted per-rank step of the test below: the layer's output, its expert rows and gradients. Built
+    once per configuration, so that routings of one configuration share its compile (the routing is an
+    argument of the step, not a constant)."""
+    layer = _fp8_rows_layer(None if local else _fp8_rows_buffer(num_ranks), num_experts, 8, rows, fp8_rows,
+                            weight_grad)
+
+    def step(x, idx, w, w_e, c):
+        loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e)[0].astype(jnp.float32) * c)
+        y, expert_x = layer(x, idx, w, w_e)
+        # x's gradient alone too (the weights constant): the same rows' gradient, sent back alone.
+        return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e), jax.grad(loss)(x, w, w_e)
+    return _per_rank(step, num_ranks)
+
+
 @pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize("routing, rows, weight_grad", [("minus_one", None, True), ("duplicates", None, False),
                                                          ("rank_gets_nothing", None, True), ("random", 24, True)])
@@ -364,7 +401,6 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
     num_ranks, num_tokens, experts_per_rank, topk, n_out = 4, 10, 3, 3, 64
     num_experts = num_ranks * experts_per_rank
     seed = _seed("fp8_rows", local, routing, rows)
-    buffer = None if local else dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
     idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
     if routing == "duplicates":
         idx[::2, 1] = idx[::2, 0]
@@ -377,14 +413,8 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
     c = dt.random_rows(seed + 3, (num_ranks * num_tokens, n_out), jnp.float32)  # the loss's cotangent
 
     def run(fp8_rows):
-        layer = _fp8_rows_layer(buffer, num_experts, 8, rows, fp8_rows, weight_grad)
-
-        def step(x, idx, w, w_e, c):
-            loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e)[0].astype(jnp.float32) * c)
-            y, expert_x = layer(x, idx, w, w_e)
-            # x's gradient alone too (the weights constant): the same rows' gradient, sent back alone.
-            return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e), jax.grad(loss)(x, w, w_e)
-        return _per_rank(step, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
+        step = _fp8_rows_step(local, num_ranks, num_experts, rows, fp8_rows, weight_grad)
+        return step(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
 
     (y8, rows8, grads8, g_x8), (y, rows_bf16, grads, g_x) = run(True), run(False)
     assert isinstance(rows8, Fp8Rows)
@@ -494,8 +524,14 @@ def _matmul_reduce_grads(fused, fp8, weight_grad, routing, exact=False):
     w_e = dt.random_rows(seed + 2, (3, H, 2 * H)) * 0.1
     w = jnp.asarray(np.random.default_rng(seed).random((48, 3)).astype(np.float32))
     c = dt.random_rows(seed + 3, (48, 2 * H), jnp.float32)
+    return _matmul_reduce_fn(fused, fp8, weight_grad, exact)(x, w_e, w, idx, c)
 
-    def layer(x, w_e, w):
+
+@functools.cache
+def _matmul_reduce_fn(fused, fp8, weight_grad, exact):
+    """_matmul_reduce_grads' jitted function, built once per configuration: the routings share its compile
+    (idx and the loss's cotangent c are arguments, not constants of the trace)."""
+    def layer(x, w_e, w, idx):
         expert_x, layout = dej.expand(x, idx, num_local_experts=3, alignment=8)
         kwargs = dict(valid_sizes=layout.group_sizes, impl="xla")
         if fp8:
@@ -507,8 +543,10 @@ def _matmul_reduce_grads(fused, fp8, weight_grad, routing, exact=False):
             return dej.grouped_matmul_reduce(expert_x, w_e, sizes, w, layout, **kwargs)
         return dej.reduce(dej.grouped_matmul(expert_x, w_e, sizes, **kwargs).astype(jnp.bfloat16), w, layout)
 
-    loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w).astype(jnp.float32) * c)
-    return jax.jit(lambda x, w_e, w: (layer(x, w_e, w), jax.grad(loss, argnums=(0, 1, 2))(x, w_e, w)))(x, w_e, w)
+    def f(x, w_e, w, idx, c):
+        loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w, idx).astype(jnp.float32) * c)
+        return layer(x, w_e, w, idx), jax.grad(loss, argnums=(0, 1, 2))(x, w_e, w)
+    return jax.jit(f)
 
 
 @pytest.mark.parametrize("routing", ["minus_one", "one_expert", "rank_gets_nothing"])
@@ -565,17 +603,19 @@ def test_fp8_rows_errors():
         dej.expand(x.astype(jnp.float32), idx, num_local_experts=2, fp8_rows=True)
     with pytest.raises(ValueError, match="expand: fp8_rows=True needs hidden a multiple of 128"):
         dej.expand(x[:, :96], idx, num_local_experts=2, fp8_rows=True)
-    rows, layout = dej.expand(x, idx, num_local_experts=2, fp8_rows=True)
+    # Compiled once each (op by op, the quantizations would compile every op on its own).
+    rows, layout = jax.jit(lambda x, idx: dej.expand(x, idx, num_local_experts=2, fp8_rows=True))(x, idx)
     w_e = jnp.zeros((2, H, 64), jnp.bfloat16)
+    w8 = jax.jit(fp8_weights)(w_e)
     sizes = layout.padded_group_sizes(1)
     with pytest.raises(TypeError, match="x given as Fp8Rows needs fp8_weights"):
         dej.grouped_matmul(rows, w_e, sizes)
     bad = Fp8Rows(rows.data, rows.scales[:-1], rows.grad_sink)
     with pytest.raises(ValueError, match=r"x.scales must be float32 \(12,\)"):
-        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=fp8_weights(w_e))
+        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=w8)
     bad = Fp8Rows(rows.data, rows.scales, rows.grad_sink, rows.data)
     with pytest.raises(ValueError, match=r"x.data_t must be float8_e4m3fn \(128, 12\)"):
-        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=fp8_weights(w_e))
+        dej.grouped_matmul(bad, w_e, sizes, fp8_weights=w8)
 
 
 def test_outside_shard_map_and_auto_backend():

@@ -1,5 +1,7 @@
 """The reference backend against the contract (tests/oracle.py), on CPU."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,14 +17,12 @@ from deep_ep_jax.backends import reference
 H = 256
 
 
-def _run_dispatch(num_ranks, num_tokens, num_experts, topk, kind, seed=0, num_worst_tokens=None, fp8=False):
+@functools.cache
+def _dispatch_step(num_ranks, num_experts, num_worst_tokens):
+    """The jitted per-rank dispatch, layout and combine, built once per configuration: the routing kinds
+    (arguments of the step) share its compile."""
     mesh = dt.ep_mesh(num_ranks, platform="cpu")
     buffer = dej.Buffer(mesh, "ep", backend="xla")
-    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
-    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
-    y = dt.random_rows(seed + 2, (num_ranks * (num_worst_tokens or num_ranks * num_tokens), H))
-    if fp8:
-        x = dej.backends.reference.quantize_fp8(x)
 
     def step(x, idx, w, y):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(
@@ -32,8 +32,19 @@ def _run_dispatch(num_ranks, num_tokens, num_experts, topk, kind, seed=0, num_wo
         out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
         return recv_x, recv_idx, recv_w, handle, layout, out, out_w
 
-    outs = dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), y)
-    return (x, idx, w, y), outs
+    return dt.per_rank(step, mesh, "ep")
+
+
+def _run_dispatch(num_ranks, num_tokens, num_experts, topk, kind, seed=0, num_worst_tokens=None, fp8=False):
+    """Inputs (x as given to dispatch) and the outputs, as numpy: the checks index them per rank, and
+    indexing a jax array would compile a gather for each new slice."""
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    y = dt.random_rows(seed + 2, (num_ranks * (num_worst_tokens or num_ranks * num_tokens), H))
+    if fp8:
+        x = dej.backends.reference.quantize_fp8(x)
+    outs = _dispatch_step(num_ranks, num_experts, num_worst_tokens)(x, jnp.asarray(idx), jnp.asarray(w), y)
+    return (x, idx, w, y), jax.tree.map(np.asarray, outs)
 
 
 def _shards(a, num_ranks):
@@ -107,6 +118,21 @@ def test_num_worst_tokens_overflow_is_visible():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
 
 
+@functools.cache
+def _per_host_step(num_ranks, num_tokens, num_experts, gpus_per_host, worst):
+    """(buffer, the jitted per-rank dispatch and combine) for the test below, built once per configuration:
+    the routing kinds (arguments of the step) share its compile."""
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=gpus_per_host))
+
+    def step(idx, w, y):
+        _, _, recv_w, handle = dej.dispatch(jnp.zeros((num_tokens, H), jnp.bfloat16), idx, w,
+                                            num_experts=num_experts, buffer=buffer, num_worst_tokens=worst)
+        return dej.combine(y, handle, recv_w, buffer=buffer)
+
+    return buffer, dt.per_rank(step, mesh, "ep")
+
+
 @pytest.mark.parametrize("gpus_per_host", [1, 2, 4])
 @pytest.mark.parametrize("kind,worst_fraction", [("random", None), ("one_expert", None), ("rank_empty", None),
                                                  ("minus_one", None), ("random", 0.3)])
@@ -120,20 +146,14 @@ def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction):
     num_experts = 2 * num_ranks
     worst = None if worst_fraction is None else int(worst_fraction * num_ranks * num_tokens)
     rows = worst or num_ranks * num_tokens
-    mesh = dt.ep_mesh(num_ranks, platform="cpu")
-    buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=gpus_per_host))
+    buffer, run = _per_host_step(num_ranks, num_tokens, num_experts, gpus_per_host, worst)
     assert buffer.rank_hosts == tuple(r // gpus_per_host for r in range(num_ranks))
     rng = np.random.default_rng()
     idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     y = rng.standard_normal((num_ranks * rows, H), np.float32)
     y = np.where(rng.random(y.shape) < 0.5, np.sign(y) * np.float32(1 << 24), y).astype(ml_dtypes.bfloat16)
 
-    def step(idx, w, y):
-        _, _, recv_w, handle = dej.dispatch(jnp.zeros((num_tokens, H), jnp.bfloat16), idx, w,
-                                            num_experts=num_experts, buffer=buffer, num_worst_tokens=worst)
-        return dej.combine(y, handle, recv_w, buffer=buffer)
-
-    out, out_w = dt.per_rank(step, mesh, "ep")(jnp.asarray(idx), jnp.asarray(w), jnp.asarray(y))
+    out, out_w = run(jnp.asarray(idx), jnp.asarray(w), jnp.asarray(y))
     idxs, ws = _shards(idx, num_ranks), _shards(w, num_ranks)
     expected = oracle.dispatch(np.zeros((num_ranks, num_tokens, 1)), idxs, ws, num_experts, rows)
     if worst is not None:
@@ -194,20 +214,12 @@ def test_two_dimensional_mesh():
         assert int(np.asarray(num_recv)[group * 4 : (group + 1) * 4].sum()) == sent
 
 
-@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
-def test_low_latency_contract(use_fp8, round_scale, kind):
-    """Dispatch and combine against tests/oracle.py, bit for bit: rows (FP8
-    values and scales as the oracle quantises them), handles, combine sums."""
-    num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
+@functools.cache
+def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
+    """The jitted per-rank low-latency dispatch and combine for the test below, built once per
+    configuration: the routing kinds (arguments of the step) share its compile."""
     mesh = dt.ep_mesh(num_ranks, platform="cpu")
     buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens)
-    rng = np.random.default_rng()
-    seed = int(rng.integers(1 << 30))
-    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
-    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
-    epr = num_experts // num_ranks
-    y = dt.random_rows(seed + 2, (num_ranks * epr, num_ranks * max_tokens, H))
 
     def step(x, idx, w, y):
         recv_x, count, handle = dej.low_latency_dispatch(
@@ -217,7 +229,25 @@ def test_low_latency_contract(use_fp8, round_scale, kind):
         out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, out
 
-    recv_x, count, handle, out = dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), y)
+    return dt.per_rank(step, mesh, "ep")
+
+
+@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
+def test_low_latency_contract(use_fp8, round_scale, kind):
+    """Dispatch and combine against tests/oracle.py, bit for bit: rows (FP8
+    values and scales as the oracle quantises them), handles, combine sums."""
+    num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
+    epr = num_experts // num_ranks
+    y = dt.random_rows(seed + 2, (num_ranks * epr, num_ranks * max_tokens, H))
+
+    run = _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale)
+    # As numpy: the checks slice per rank and expert (a jax array would compile a gather per slice).
+    recv_x, count, handle, out = jax.tree.map(np.asarray, run(x, jnp.asarray(idx), jnp.asarray(w), y))
     xs, idxs, ws = _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks)
     expected = oracle.low_latency_dispatch(xs, idxs, num_experts, max_tokens)
     if use_fp8:

@@ -188,6 +188,7 @@ class Worker:
             data = self.put((self.rng.standard_normal((R * TOKENS, HIDDEN), np.float32) * 8).astype(jnp.float8_e4m3fn))
             scales = self.put(self.rng.random((R * TOKENS, HIDDEN // 128), np.float32) + 0.5)
             recv_data, recv_scales, num_recv = run(data, scales, idx, w)
+            num_recv = np.asarray(num_recv)  # indexed per rank below: numpy, not an eager gather per index
             assert recv_data.dtype == jnp.float8_e4m3fn and recv_scales.dtype == jnp.float32
             assert recv_data.shape == (R, R * TOKENS, HIDDEN) and recv_scales.shape == (R, R * TOKENS, HIDDEN // 128)
             both = np.concatenate([_shards(data, R), _shards(scales, R)], axis=-1)  # one oracle call for both

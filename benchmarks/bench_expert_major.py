@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import environment, kernel_breakdown
+from timing import device_times, environment, same_bits
 
 from deep_ep_jax import fp8_quant
 from deep_ep_jax.backends import reference_expert_major as xla_ops
@@ -73,12 +73,6 @@ def cases(args, layout, num_rows):
     ]
 
 
-def same_bits(got, want):
-    return all(g.shape == w.shape and np.array_equal(np.asarray(g.astype(jnp.float32)),
-                                                     np.asarray(w.astype(jnp.float32)), equal_nan=True)
-               for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096, help="token rows (received rows) per rank")
@@ -110,7 +104,7 @@ def main():
         for backend, fn in fns.items():
             run = jax.jit(fn)
             outputs[backend] = jax.block_until_ready(run(*inputs))
-            spans = np.asarray([kernel_breakdown(run, inputs, 1)[2] for _ in range(args.repeats)])
+            spans, _ = device_times(run, inputs, args.repeats)
             median = float(np.median(spans))
             print(f"| {name} | {backend} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
                   f"{moved / median * 1e-9 if median else float('nan'):.0f} |", flush=True)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import environment, kernel_breakdown
+from timing import device_times, environment, same_bits
 
 from deep_ep_jax import fp8_quant
 
@@ -71,22 +71,8 @@ SWEEP = {
 }
 
 
-def device_times(run, args, repeats):
-    """(span seconds of each of `repeats` profiled calls, {kernel: seconds} of the last)."""
-    spans, table = [], {}
-    for _ in range(repeats):
-        table, _, span = kernel_breakdown(run, args, 1)
-        spans.append(span)
-    return np.asarray(spans), {name: seconds for name, (_, seconds) in table.items()}
-
-
 def bytes_moved(a, outputs):
     return a.nbytes + sum(o.nbytes for o in outputs)
-
-
-def same_bits(got, want):
-    g, w = (np.asarray(jnp.asarray(t).astype(jnp.float32)) for t in (got, want))
-    return g.shape == w.shape and np.array_equal(g, w, equal_nan=True)
 
 
 def main():
@@ -136,7 +122,7 @@ def main():
                                         kernels=kernels))
         if len(outputs) == 2:
             first, second = outputs.values()
-            agree = all(same_bits(g, w) for g, w in zip(first, second))
+            agree = same_bits(first, second)
             print(f"| {name} | {' and '.join(outputs)} agree bit for bit: {agree} | | | |", flush=True)
             results.append(dict(case=name, agree=agree))
         del a, outputs

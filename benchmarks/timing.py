@@ -4,7 +4,8 @@
 and 2n operations (docs/design.md section 3: the difference cancels the fixed host
 cost of a call). `kernel_events` / `kernel_durations` / `kernel_breakdown` (and its printer):
 kernels' times, read from a JAX profile (CUPTI) of one run (kernel_breakdown: the second of two
-made back to back); `span_per_op`: the device's time per operation of a profiled chain.
+made back to back); `device_times`: the device time of repeated profiled calls; `span_per_op`: the
+device's time per operation of a profiled chain. `same_bits`: outputs compared bit for bit.
 `environment`: what a result was measured on."""
 
 from __future__ import annotations
@@ -118,6 +119,23 @@ def print_kernel_breakdown(title, run, args, num_steps, top=12):
     rest = sum(seconds for _, (_, seconds) in ranked[top:])
     if rest:
         print(f"| {len(ranked) - top} others | | {rest * 1e3:.3f} | {rest / busy:.1%} |")
+
+
+def device_times(run, args, repeats):
+    """(span seconds of each of `repeats` profiled calls (kernel_breakdown's), {kernel: seconds} of the last)."""
+    spans, table = [], {}
+    for _ in range(repeats):
+        table, _, span = kernel_breakdown(run, args, 1)
+        spans.append(span)
+    return np.asarray(spans), {name: seconds for name, (_, seconds) in table.items()}
+
+
+def same_bits(got, want):
+    """Whether two arrays, or pytrees of them, hold the same values in the same shapes, NaN for NaN."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    return len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) and all(
+        g.shape == w.shape and np.array_equal(np.asarray(g.astype(np.float32)), np.asarray(w.astype(np.float32)),
+                                              equal_nan=True) for g, w in pairs)
 
 
 def span_per_op(events, num_ops):

@@ -427,9 +427,13 @@ def _rows_of_pairs(g_y, layout):
 def _weights_grad(dy, used, expert_y, layout):
     """d w[n, k] = sum_h dy[n, h] * expert_y[pair_row[n, k], h] in float32 (dy: _rows_of_pairs' rows);
     0 for pairs with no row."""
-    g_w_of_row = jnp.where(used, jnp.sum(dy * expert_y.astype(jnp.float32), axis=1), 0.0)
+    return _of_pairs(jnp.where(used, jnp.sum(dy * expert_y.astype(jnp.float32), axis=1), 0.0), layout)
+
+
+def _of_pairs(row_values, layout):
+    """[N, K]: each pair's value of its row (row_values [num_rows]), 0 for pairs with no row."""
     has = layout.pair_row >= 0
-    return jnp.where(has, g_w_of_row[jnp.where(has, layout.pair_row, 0)], 0.0)
+    return jnp.where(has, row_values[jnp.where(has, layout.pair_row, 0)], 0.0)
 
 
 _reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
@@ -462,8 +466,7 @@ def _fp8_matmul_reduce_bwd(matmul_static, num_rows, ops, residuals, g_y):
     # m = w_row * x_scales. A column's amax is max over token rows of |g_y[n]| * (the largest |m| of n's
     # rows): |g * m| = |g| * |m| in float32, so the same value as over the gathered rows, from fewer.
     m = w_row * grouped_gemm.fp8_dw_row_scales(matmul_residuals)[:num_rows]
-    has = layout.pair_row >= 0
-    token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
+    token_m = jnp.max(_of_pairs(jnp.abs(m), layout), axis=1)
     z_scales, z_inverse = fp8_quant.column_scales(g_y, token_m)
     z_data_t = ops.expand_rows_transposed(g_y, layout, m, z_inverse)
     (_, x_scales), *_ = matmul_residuals
@@ -471,7 +474,7 @@ def _fp8_matmul_reduce_bwd(matmul_static, num_rows, ops, residuals, g_y):
     if extra:
         dy_data, dy_scales = jnp.pad(dy_data, ((0, extra), (0, 0))), jnp.pad(dy_scales, (0, extra))
         z_data_t = jnp.pad(z_data_t, ((0, 0), (0, extra)))
-    use_mgpu, blocks, given_rows = matmul_static
+    use_mgpu, blocks, _ = matmul_static
     dw = grouped_gemm.fp8_weight_grad_of(use_mgpu, blocks, matmul_residuals, z_data_t, z_scales)
     matmul_cotangents = grouped_gemm.fp8_cotangents(*matmul_static, matmul_residuals, dy_data, dy_scales, dw)
     return (*matmul_cotangents, g_weights, jax.tree.map(lambda _: None, layout))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -99,6 +100,11 @@ def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayo
     return _reduce("reduce", expert_y, recv_topk_weights, layout, backend)
 
 
+# grouped_matmul's keyword arguments and their defaults, which grouped_matmul_reduce passes on.
+_MATMUL_DEFAULTS = {name: p.default for name, p in inspect.signature(grouped_matmul).parameters.items()
+                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
 def grouped_matmul_reduce(x, w, group_sizes, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
                           backend: str = "auto", **matmul) -> jax.Array:
     """reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend):
@@ -115,11 +121,12 @@ def grouped_matmul_reduce(x, w, group_sizes, recv_topk_weights: jax.Array, layou
     w8 = matmul.get("fp8_weights")
     if w8 is None or not getattr(w8, "weight_grad", False) or getattr(w, "shape", (0,) * 3)[-1] % FP8_BLOCK:
         return reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend)
-    unknown = set(matmul) - {"impl", "block_sizes", "aligned_groups", "valid_sizes", "fp8_weights"}
+    unknown = set(matmul) - set(_MATMUL_DEFAULTS)
     if unknown:
         raise TypeError(f"{fn}: unknown grouped_matmul arguments {sorted(unknown)}")
-    call = grouped_gemm.prepared_call(x, w, group_sizes, matmul.get("impl", "auto"), matmul.get("block_sizes"),
-                                      matmul.get("aligned_groups", False), matmul.get("valid_sizes"), w8)
+    matmul = {**_MATMUL_DEFAULTS, **matmul}  # grouped_matmul's own defaults
+    call = grouped_gemm.prepared_call(x, w, group_sizes, matmul["impl"], matmul["block_sizes"],
+                                      matmul["aligned_groups"], matmul["valid_sizes"], w8)
     hidden = w.shape[2]
     ops = _check_reduce(fn, jax.ShapeDtypeStruct((call.num_rows, hidden), w.dtype), recv_topk_weights, layout,
                         backend)

@@ -25,6 +25,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT too
   shared_gpu_teardown  Buffers made, used (low latency last) and destroyed in a loop
                while peers still receive; every Buffer's results equal the first's
+  shared_gpu_moe_layer  with launch --ranks-per-gpu K: the MoE layer's grouped path (bf16 and
+               FP8) forward and gradients against dense maths, each process its own rank;
+               with --cpu, the xla backend's
   internode_low_latency  with DEEP_EP_JAX_GPUS_PER_HOST=1 (every rank its own "host"):
                CUDA low-latency mode over NVSHMEM vs the xla backend
   large_ep_low_latency   with launch --ranks-per-gpu K --all-gpus-visible and
@@ -529,6 +532,75 @@ def case_shared_gpu(sequence_starts=(None,)):
     buffer.destroy()
 
 
+
+def case_shared_gpu_moe_layer():
+    """Launched with --ranks-per-gpu K: the MoE layer's grouped path across
+    processes (examples/moe_layer.py's moe_ffn, expert_impl="grouped":
+    dispatch_expert_major, grouped_matmul, grouped_matmul_reduce, combine),
+    in bf16 and with the weights' FP8 copies (rows sent as FP8, every matmul
+    on FP8 operands, FP8 weight gradients), forward and the gradients of x,
+    the weights and the experts, each process checking its own rank against
+    dense float32 maths of the whole layer (tests/test_example.py's
+    dense_moe) on its CPU: bf16 within 3% of the largest value, FP8 within
+    10% as a norm. Fresh routing, one expert for every token (a group past
+    the FP8 weight gradient's promotion threshold), a rank that receives
+    nothing, -1 entries. With launch --cpu, the xla backend and ragged_dot."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    import moe_layer as ml
+    from test_example import _dense_and_grads
+
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    # 320 tokens: with every token on one expert, its group (640 rows at 2 ranks) is promoted in the FP8 dw.
+    tokens, hidden, ffn, topk, num_experts = 320, 1024, 512, 4, 4 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, config=dej.Config(timeout_s=150))
+    put, run = _own_rank_io(mesh, "shared_gpu_moe_layer", buffer.config.timeout_s)
+    alignment = ml.default_expert_alignment()
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    local = slice(rank * num_experts // num_ranks, (rank + 1) * num_experts // num_ranks)
+    w_in = (rng.standard_normal((num_experts, hidden, 2 * ffn), np.float32) * hidden**-0.5).astype(jnp.bfloat16)
+    w_out = (rng.standard_normal((num_experts, ffn, hidden), np.float32) * ffn**-0.5).astype(jnp.bfloat16)
+
+    def layer(fp8):
+        def fn(x, idx, weights, w_in, w_out, probe):
+            def loss(x, weights, w_in, w_out):
+                copies = ml.fp8_expert_weights(w_in, w_out) if fp8 else None
+                y = ml.moe_ffn(x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts,
+                               expert_impl="grouped", expert_alignment=alignment, fp8=copies)
+                return jnp.sum(y.astype(jnp.float32) * probe), y
+
+            (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, weights, w_in, w_out)
+            return (y, *grads)
+        return fn
+
+    layers = {fp8: layer(fp8) for fp8 in (False, True)}  # one compile each, reused by every routing
+    for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+        idx, weights = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks,
+                                       kind)
+        x = rng.standard_normal((num_ranks * tokens, hidden), np.float32).astype(jnp.bfloat16)
+        probe = rng.standard_normal((num_ranks * tokens, hidden), np.float32)
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            y, grads = _dense_and_grads(x.astype(np.float32), idx, weights, w_in.astype(np.float32),
+                                        w_out.astype(np.float32), probe)
+        want = [np.asarray(a, np.float32) for a in (y[mine], grads[0][mine], grads[1][mine], grads[2][local],
+                                                     grads[3][local])]
+        for fp8, fn in layers.items():
+            got = run(fn, *map(put, (x, idx, weights, w_in, w_out, probe)))
+            errors = []
+            for name, g, w in zip(("y", "grad x", "grad weights", "grad w_in", "grad w_out"), got, want):
+                what = f"{kind} fp8={fp8}: {name}"
+                g = np.asarray(g, np.float32)
+                assert np.isfinite(g).all(), f"{what}: non-finite values"
+                if fp8:  # FP8 operands (3 mantissa bits): a few percent off as a norm
+                    errors.append(np.linalg.norm(g - w) / (np.linalg.norm(w) + 1e-30))
+                    assert errors[-1] <= 0.1, f"{what}: relative error {errors[-1]:.3g}"
+                else:  # of the largest value
+                    errors.append(np.abs(g - w).max() / (np.abs(w).max() + 1e-6))
+                    assert errors[-1] <= 3e-2, f"{what}: max error {errors[-1]:.3g} of the largest value"
+            log(f"shared_gpu_moe_layer {kind} fp8={fp8}: ok (errors of y and the 4 gradients: "
+                f"{', '.join(f'{e:.2g}' for e in errors)})")
+    buffer.destroy()
+
 def case_shared_gpu_wrap():
     """shared_gpu's checks across the 2^31 and 2^32 wraps of the sequence
     numbers (normal mode crossing at its first and second call, low latency
@@ -992,6 +1064,7 @@ CASES = {
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "shared_gpu_order": case_shared_gpu_order,
     "shared_gpu_teardown": case_shared_gpu_teardown,
+    "shared_gpu_moe_layer": case_shared_gpu_moe_layer,
     "internode_low_latency": case_internode_low_latency,
     "large_ep_low_latency": case_large_ep_low_latency,
     "internode_normal": case_internode_normal,

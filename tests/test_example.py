@@ -34,17 +34,18 @@ def _bf16(a):
 
 def dense_moe(x, topk_idx, topk_weights, w_in, w_out):
     """sum_k w_k * SwiGLU_{idx_k}(x) per token, with the layer's bf16 roundings
-    of inputs and weights; slots with ids outside [0, E) contribute nothing."""
-    num_experts = w_in.shape[0]
-    valid = (topk_idx >= 0) & (topk_idx < num_experts)
-    idx = jnp.where(valid, topk_idx, 0)
+    of inputs and weights; slots with ids outside [0, E) contribute nothing.
+    Expert by expert over every token (each expert's weights read once, not
+    gathered per token: the memory of a dense layer), times the weight of the
+    token's slot for that expert (0 where it has none)."""
     x = _bf16(x)
     out = jnp.zeros(x.shape, jnp.float32)
-    for k in range(topk_idx.shape[1]):
-        gate, up = jnp.split(jnp.einsum("th,thf->tf", x, _bf16(w_in[idx[:, k]])), 2, axis=-1)
+    for e in range(w_in.shape[0]):
+        chosen = topk_idx == e
+        gate, up = jnp.split(x @ _bf16(w_in[e]), 2, axis=-1)
         h = _bf16(jax.nn.silu(_bf16(gate)) * _bf16(up))
-        y = _bf16(jnp.einsum("tf,tfh->th", h, _bf16(w_out[idx[:, k]])))
-        out = out + jnp.where(valid[:, k], topk_weights[:, k], 0.0)[:, None] * y
+        y = _bf16(h @ _bf16(w_out[e]))
+        out = out + jnp.sum(jnp.where(chosen, topk_weights, 0.0), axis=1)[:, None] * y
     return out
 
 

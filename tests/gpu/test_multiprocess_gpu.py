@@ -1,7 +1,8 @@
 """One process per GPU (CUDA IPC between processes), started by
 deep_ep_jax.launch: the normal-mode and low-latency suites' core comparisons
-against the xla backend, and a peer process that dies mid-loop ending in the
-kernels' timeout error on the survivors. The worker is
+against the xla backend, the MoE layer's grouped path against dense maths,
+and a peer process that dies mid-loop ending in the kernels' timeout error on
+the survivors. The worker is
 tests/multiprocess_worker.py; each launch is also runnable by hand:
 
     python -m deep_ep_jax.launch -n 2 -- tests/multiprocess_worker.py normal low_latency
@@ -88,6 +89,21 @@ def test_processes_sharing_gpus():
     code, output, _ = _launch(["shared_gpu"], timeout=280, extra=["--ranks-per-gpu", str(ranks_per_gpu)],
                               num_processes=num_processes)
     _assert_cases_ok(code, output, ["shared_gpu"], num_processes)
+
+
+@pytest.mark.gpu(min_gpus=1)  # no XLA collective across processes: both ranks may share one GPU
+def test_moe_layer_across_processes():
+    """The MoE layer's grouped path with each rank in its own process (one per
+    GPU, at least two, sharing a single GPU): expert-major dispatch of bf16
+    and FP8 rows, the grouped GEMMs on Hopper's kernels, the reduction and
+    combine, forward and every gradient against dense maths, for fresh, one
+    expert, a rank that receives nothing and -1 routing (worker case
+    shared_gpu_moe_layer)."""
+    num_processes, extra = _at_least_two_processes()
+    code, output, elapsed = _launch(["shared_gpu_moe_layer"], timeout=500, extra=extra, num_processes=num_processes)
+    _assert_cases_ok(code, output, ["shared_gpu_moe_layer"], num_processes)
+    print(f"{num_processes} processes, {elapsed:.0f} s", *(line for line in output.splitlines() if ": ok (" in line),
+          sep="\n")
 
 
 def test_sequence_wrap_across_processes():

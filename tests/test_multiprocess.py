@@ -49,16 +49,6 @@ def test_reference_backend_across_processes(num_processes, devices_per_process):
             assert f"[rank {rank}] process {rank}/{num_processes}: CASE {case} OK" in output, output[-4000:]
 
 
-@needs_cpu_collectives
-def test_moe_layer_case_across_processes():
-    """The worker case that checks the MoE layer's grouped path with a process per rank on GPUs
-    (tests/gpu/test_multiprocess_gpu.py), here on the xla backend: its own checks hold."""
-    code, output, _ = _launch(2, [WORKER, "shared_gpu_moe_layer"], timeout=400)
-    assert code == 0, output[-4000:]
-    for rank in range(2):
-        assert f"[rank {rank}] process {rank}/2: CASE shared_gpu_moe_layer OK" in output, output[-4000:]
-
-
 def test_launcher_stops_the_others_when_one_fails(tmp_path):
     # Rank 1 fails once every rank has said hello (files in tmp_path), so a
     # slow start of the others on a busy machine cannot hide their greeting.

@@ -532,7 +532,6 @@ def case_shared_gpu(sequence_starts=(None,)):
     buffer.destroy()
 
 
-
 def case_shared_gpu_moe_layer():
     """Launched with --ranks-per-gpu K: the MoE layer's grouped path across
     processes (examples/moe_layer.py's moe_ffn, expert_impl="grouped":
@@ -600,6 +599,7 @@ def case_shared_gpu_moe_layer():
             log(f"shared_gpu_moe_layer {kind} fp8={fp8}: ok (errors of y and the 4 gradients: "
                 f"{', '.join(f'{e:.2g}' for e in errors)})")
     buffer.destroy()
+
 
 def case_shared_gpu_wrap():
     """shared_gpu's checks across the 2^31 and 2^32 wraps of the sequence

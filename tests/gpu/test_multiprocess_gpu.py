@@ -91,15 +91,16 @@ def test_processes_sharing_gpus():
     _assert_cases_ok(code, output, ["shared_gpu"], num_processes)
 
 
-@pytest.mark.gpu(min_gpus=1)  # no XLA collective across processes: both ranks may share one GPU
-def test_moe_layer_across_processes():
+@pytest.mark.gpu(min_gpus=1)  # no XLA collective across processes: ranks may share one GPU
+@pytest.mark.parametrize("ranks", ["one_per_gpu", "eight"])
+def test_moe_layer_across_processes(ranks):
     """The MoE layer's grouped path with each rank in its own process (one per
-    GPU, at least two, sharing a single GPU): expert-major dispatch of bf16
-    and FP8 rows, the grouped GEMMs on Hopper's kernels, the reduction and
-    combine, forward and every gradient against dense maths, for fresh, one
-    expert, a rank that receives nothing and -1 routing (worker case
-    shared_gpu_moe_layer)."""
-    num_processes, extra = _at_least_two_processes()
+    GPU, at least two, sharing a single GPU; or 8, the GPUs shared as
+    needed): expert-major dispatch of bf16 and FP8 rows, the grouped GEMMs on
+    Hopper's kernels, the reduction and combine, forward and every gradient
+    against dense maths, for fresh, one expert, a rank that receives nothing
+    and -1 routing (worker case shared_gpu_moe_layer)."""
+    num_processes, extra = _at_least_two_processes() if ranks == "one_per_gpu" else (8, sharing_args(8))
     code, output, elapsed = _launch(["shared_gpu_moe_layer"], timeout=500, extra=extra, num_processes=num_processes)
     _assert_cases_ok(code, output, ["shared_gpu_moe_layer"], num_processes)
     print(f"{num_processes} processes, {elapsed:.0f} s", *(line for line in output.splitlines() if ": ok (" in line),

@@ -22,9 +22,14 @@ import hopper_gemm_sweep as sweep
 from deep_ep_jax import grouped_gemm as gg
 
 
-def bf16_kernels():
+def routing():
+    """(pairs per group, 128-aligned group sizes, rows): hopper_gemm_sweep.py's routing."""
     counts, sizes = sweep.routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
-    num_rows = -(-int(sizes.sum()) // 256) * 256
+    return counts, sizes, -(-int(sizes.sum()) // 256) * 256
+
+
+def bf16_kernels():
+    counts, sizes, num_rows = routing()
     for kernel in ("forward", "input_grad", "weight_grad"):
         tiles = getattr(gg.DEFAULT_ALIGNED_TILES, kernel)
         for a, b in sweep.operands(jax.random.key(1), kernel, num_rows, sizes, counts):
@@ -36,8 +41,7 @@ def bf16_kernels():
 def fp8_weight_grads():
     import fp8_gemm_sweep as fs
 
-    counts, sizes = sweep.routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
-    num_rows = -(-int(sizes.sum()) // 256) * 256
+    counts, sizes, num_rows = routing()
     tiles = gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
     for k, n in ((7168, 4096), (2048, 7168)):
         ops = fs.weight_grad_operands(jax.random.key(1), k, n, num_rows, sizes, counts)

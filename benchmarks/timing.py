@@ -132,10 +132,10 @@ def device_times(run, args, repeats):
 
 def same_bits(got, want):
     """Whether two arrays, or pytrees of them, hold the same values in the same shapes, NaN for NaN."""
-    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(want))
-    return len(jax.tree.leaves(got)) == len(jax.tree.leaves(want)) and all(
+    got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+    return len(got) == len(want) and all(
         g.shape == w.shape and np.array_equal(np.asarray(g.astype(np.float32)), np.asarray(w.astype(np.float32)),
-                                              equal_nan=True) for g, w in pairs)
+                                              equal_nan=True) for g, w in zip(got, want))
 
 
 def span_per_op(events, num_ops):

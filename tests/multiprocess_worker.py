@@ -546,7 +546,7 @@ def case_shared_gpu_moe_layer():
     nothing, -1 entries. With launch --cpu, the xla backend and ragged_dot."""
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     import moe_layer as ml
-    from test_example import _dense_and_grads
+    from test_example import _dense_and_grads, output_and_grads
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     # 640 tokens in all: with every token on one expert, its group (640 rows) is promoted in the FP8 dw.
@@ -562,13 +562,12 @@ def case_shared_gpu_moe_layer():
 
     def layer(fp8):
         def fn(x, idx, weights, w_in, w_out, probe):
-            def loss(x, weights, w_in, w_out):
+            def layer(x, weights, w_in, w_out):
                 copies = ml.fp8_expert_weights(w_in, w_out) if fp8 else None
-                y = ml.moe_ffn(x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts,
-                               expert_impl="grouped", expert_alignment=alignment, fp8=copies)
-                return jnp.sum(y.astype(jnp.float32) * probe), y
+                return ml.moe_ffn(x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts,
+                                  expert_impl="grouped", expert_alignment=alignment, fp8=copies)
 
-            (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, weights, w_in, w_out)
+            y, grads = output_and_grads(layer, (x, weights, w_in, w_out), probe)
             return (y, *grads)
         return fn
 

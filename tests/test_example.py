@@ -49,13 +49,22 @@ def dense_moe(x, topk_idx, topk_weights, w_in, w_out):
     return out
 
 
+def output_and_grads(fn, args, probe):
+    """(fn(*args), the gradients of <fn(*args), probe> for every argument), the forward run once."""
+    def loss(*a):
+        y = fn(*a)
+        return jnp.sum(y.astype(jnp.float32) * probe), y
+
+    (_, y), grads = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
+    return y, grads
+
+
 @jax.jit
 def _dense_and_grads(x, topk_idx, topk_weights, w_in, w_out, probe):
     """dense_moe and the gradients of <dense_moe(...), probe> for (x, topk_weights, w_in, w_out), under one
     jit (run eagerly, each of its ops compiles on its own; jitted, one compile per shape for the module)."""
-    loss = lambda x, w, wi, wo: jnp.sum(dense_moe(x, topk_idx, w, wi, wo).astype(jnp.float32) * probe)
-    return dense_moe(x, topk_idx, topk_weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(
-        x, topk_weights, w_in, w_out)
+    return output_and_grads(lambda x, w, wi, wo: dense_moe(x, topk_idx, w, wi, wo), (x, topk_weights, w_in, w_out),
+                            probe)
 
 
 def _assert_close(got, want, what, rel=3e-2):
@@ -133,8 +142,7 @@ def _moe_ffn_and_grads(impl, alignment, expert_rows=None):
     )
 
     def fwd_and_grads(x, idx, weights, w_in, w_out, probe):
-        loss = lambda x, w, wi, wo: jnp.sum(sharded(x, idx, w, wi, wo).astype(jnp.float32) * probe)
-        return sharded(x, idx, weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+        return output_and_grads(lambda x, w, wi, wo: sharded(x, idx, w, wi, wo), (x, weights, w_in, w_out), probe)
 
     return buffer, jax.jit(fwd_and_grads)
 
@@ -245,8 +253,7 @@ def _expert_ffn_and_grads(impl, capacity=None, expert_rows=None, alignment=None)
     def f(x, idx, weights, w_in, w_out, probe):
         fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl=impl, capacity=capacity,
                                                 expert_rows=expert_rows, expert_alignment=alignment)
-        loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * probe)
-        return fn(x, weights, w_in, w_out), jax.grad(loss, argnums=(0, 1, 2, 3))(x, weights, w_in, w_out)
+        return output_and_grads(fn, (x, weights, w_in, w_out), probe)
 
     return jax.jit(f)
 

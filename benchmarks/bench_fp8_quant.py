@@ -1,12 +1,13 @@
-"""FP8 quantization of the grouped GEMM's operands: the Triton kernels of deep_ep_jax.fp8_quant against
-the same maths in XLA, at one rank's shapes of the MoE benchmark.
+"""FP8 quantization of the grouped GEMM's operands: the kernels of deep_ep_jax.fp8_quant (Triton's, and
+the extension's CUDA ones for quantize_rows_and_columns) against the same maths in XLA, at one rank's
+shapes of the MoE benchmark.
 
     python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--sweep]
 
 Per case and impl: device time per call (from the first kernel's start to the last one's end, in a
 profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
 time gives for the bytes a call must move (its input read once, its outputs written once); then
-whether the two impls' outputs agree bit for bit (NaN for NaN). --sweep: the Triton kernels' time
+whether each impl's outputs agree with the first's bit for bit (NaN for NaN). --sweep: the Triton kernels' time
 with other tiles (fp8_quant.QuantTiles), one field group at a time, one profiled call each. Cases:
   fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
   rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
@@ -80,7 +81,8 @@ def main():
     p.add_argument("--experts", type=int, default=128, help="experts per rank (the weights' E)")
     p.add_argument("--rows", type=int, default=40704, help="expert-major rows (a multiple of 128)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--impls", default="xla,triton")
+    p.add_argument("--impls", default="xla,triton,cuda",
+                   help="cuda: the extension's kernels (quantize_rows_and_columns only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
                    help="also the Triton kernels with other tiles: all groups, or those named (rows,amax,store,packed)")
@@ -98,6 +100,8 @@ def main():
         a = jax.block_until_ready(make())
         outputs = {}
         for impl in impls:
+            if impl == "cuda" and name.startswith("rows"):
+                continue
             run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl, fp8_quant.DEFAULT_TILES))
             outputs[impl] = jax.block_until_ready(run(a, m))
             moved = bytes_moved(a, outputs[impl])
@@ -120,11 +124,11 @@ def main():
                           + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()), flush=True)
                     results.append(dict(case=name, impl="triton", tiles=fields, seconds=spans.tolist(),
                                         kernels=kernels))
-        if len(outputs) == 2:
-            first, second = outputs.values()
-            agree = same_bits(first, second)
-            print(f"| {name} | {' and '.join(outputs)} agree bit for bit: {agree} | | | |", flush=True)
-            results.append(dict(case=name, agree=agree))
+        (first, first_out), *others = outputs.items()
+        for other, other_out in others:
+            agree = same_bits(first_out, other_out)
+            print(f"| {name} | {first} and {other} agree bit for bit: {agree} | | | |", flush=True)
+            results.append(dict(case=name, agree=agree, impls=[first, other]))
         del a, outputs
     if args.json:
         with open(args.json, "w") as f:

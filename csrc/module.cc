@@ -74,6 +74,7 @@ std::map<std::string, int64_t> Limits() {
       {"max_layout_bins", kMaxLayoutBins},
       {"max_blocks", intranode::kMaxBlocks},
       {"max_warps", intranode::kMaxWarps},
+      {"max_amax_strip_rows", kMaxAmaxStripRows},
   };
 }
 

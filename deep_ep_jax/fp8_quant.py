@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from deep_ep_jax import _native
 from deep_ep_jax.varying import shape_like, vary_together
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -99,7 +100,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     z = a * col_multipliers[..., None] (float32 [B, R], default 1; a row whose multiplier is 0 is 0 in z,
     whatever a holds there, NaN included: so padding rows are left out) quantized per column of z and
     transposed (quantize_rows(swapaxes(z, 1, 2))). impl, interpret, tiles: as quantize_rows."""
-    _check_impl(impl)
+    _check_impl(impl, IMPLS + ("cuda",))
     a = lax.stop_gradient(a)
     col_multipliers = None if col_multipliers is None else lax.stop_gradient(col_multipliers)
     if a.ndim != 3:
@@ -107,6 +108,8 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     if col_multipliers is not None and tuple(col_multipliers.shape) != a.shape[:2]:
         raise ValueError(f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, "
                          f"got {tuple(col_multipliers.shape)}")
+    if _use_cuda(impl, a):
+        return _cuda_rows_and_columns(a, col_multipliers)
     row_multiple, col_multiple = math.lcm(tiles.amax_rows, tiles.tile_rows), math.lcm(tiles.amax_cols, tiles.tile_cols)
     fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0 and _kernel_dtype(a)
     multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
@@ -232,9 +235,23 @@ def _quantize_rows_xla(a, scales=None):
 # Choice ---------------------------------------------------------------------------------------------------
 
 
-def _check_impl(impl):
-    if impl not in IMPLS:
-        raise ValueError(f"fp8_quant: impl must be one of {IMPLS}, got {impl!r}")
+def _check_impl(impl, impls=IMPLS):
+    if impl not in impls:
+        raise ValueError(f"fp8_quant: impl must be one of {impls}, got {impl!r}")
+
+
+def _use_cuda(impl, a) -> bool:
+    """Whether quantize_rows_and_columns runs the extension's kernels (bf16 a, C a multiple of 128)."""
+    fits = a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31
+    if impl == "cuda":
+        if not fits:
+            raise ValueError(f"quantize_rows_and_columns: impl='cuda' needs bf16 a with C a multiple of 128, got "
+                             f"{a.dtype} {tuple(a.shape)}")
+        reason = _native.unavailable_reason()
+        if reason:
+            raise RuntimeError(f"quantize_rows_and_columns: impl='cuda' is not available: {reason}")
+        return True
+    return impl == "auto" and fits and triton_fp8_gpu() and _native.unavailable_reason() is None
 
 
 def _use_triton(impl, interpret, fits, fn, need) -> bool:
@@ -250,6 +267,24 @@ def triton_fp8_gpu(device=None) -> bool:
     device = jax.devices()[0] if device is None else device
     major, _, minor = str(getattr(device, "compute_capability", "0")).partition(".")
     return getattr(device, "platform", None) == "gpu" and (int(major or 0), int(minor or 0)) >= (8, 9)
+
+
+# CUDA kernels (the extension's; csrc/kernels/expert_major.cu) ---------------------------------------------
+
+
+def _cuda_rows_and_columns(a, col_multipliers):
+    from deep_ep_jax.backends.cuda import expert_major as cuda
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    lifecycle.register_ffi_targets()
+    if col_multipliers is not None:
+        a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))
+    row_bits, col_bits = cuda.fp8_amax(a, col_multipliers)
+    as_float = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
+    row_scales, col_scales = _scales(as_float(row_bits)), _scales(as_float(jnp.max(col_bits, axis=1)))
+    rows, cols = cuda.fp8_rows_and_columns(a, col_multipliers, _inverse(row_scales)[..., 0],
+                                           _inverse(col_scales)[..., 0])
+    return rows, row_scales, cols, col_scales
 
 
 # Triton kernels -------------------------------------------------------------------------------------------

@@ -41,6 +41,24 @@ namespace {
   RET(ffi::AnyBuffer, expert_x_t)                              \
   ATTR(int64_t, num_topk)
 
+// The two passes of fp8_quant.quantize_rows_and_columns on bf16 x [B, R, C]:
+// the amaxes as magnitude bits (kernels/expert_major.h), then both copies.
+// row_multipliers [B, R], or [0] for none.
+#define FP8_AMAX(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::BF16>, x)                 \
+  ARG(ffi::Buffer<ffi::F32>, row_multipliers)    \
+  RET(ffi::Buffer<ffi::S32>, row_amax)           \
+  RET(ffi::Buffer<ffi::S32>, col_amax_parts)     \
+  ATTR(int64_t, strip_rows)
+
+#define FP8_ROWS_AND_COLUMNS(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::BF16>, x)                             \
+  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                \
+  ARG(ffi::Buffer<ffi::F32>, row_inverse_scales)             \
+  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)             \
+  RET(ffi::AnyBuffer, rows)                                  \
+  RET(ffi::AnyBuffer, cols)
+
 // weights [N, K] for the weighted sum, [N, 0] for the plain one.
 #define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
   ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
@@ -130,10 +148,75 @@ ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSE
   DEEP_EP_JAX_RETURN_IF_ERROR(
       ExpectShape(fn, "col_inverse_scales", col_inverse_scales.dimensions(), {quantize ? hidden : 0}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "expert_x_t", expert_x_t->dimensions(), {hidden, num_rows}));
-  return Launched(fn, LaunchExpandRowsTransposed(x.untyped_data(), quantize, row_pair.typed_data(), int(num_rows),
-                                                 int(num_src_rows), int(num_topk), hidden,
-                                                 row_multipliers.typed_data(), col_inverse_scales.typed_data(),
-                                                 static_cast<uint8_t*>(expert_x_t->untyped_data()), stream));
+  TransposedRows rows{};
+  rows.src = static_cast<const uint8_t*>(x.untyped_data());
+  rows.row_pair = row_pair.typed_data();
+  rows.num_rows = int(num_rows);
+  rows.num_src_rows = int(num_src_rows);
+  rows.num_topk = int(num_topk);
+  rows.hidden = hidden;
+  rows.batch = 1;
+  rows.row_multipliers = row_multipliers.typed_data();
+  rows.col_inverse_scales = col_inverse_scales.typed_data();
+  rows.dst_t = static_cast<uint8_t*>(expert_x_t->untyped_data());
+  return Launched(fn, LaunchTransposedRows(rows, quantize, stream));
+}
+
+// x [B, R, C] and row_multipliers [B, R] or [0] (none) of both FP8 targets.
+ffi::Error CheckFp8Copies(const char* fn, const Dims& dims, const Dims& multiplier_dims, int64_t col_multiple) {
+  if (dims.size() != 3) return Invalid(fn, "x must be [B, R, C], got " + ShapeString(dims));
+  if (dims[1] > INT_MAX) return Invalid(fn, "R must be at most INT_MAX, got " + Str(dims[1]));
+  if (dims[2] % col_multiple != 0) return Invalid(fn, "C must be a multiple of " + Str(col_multiple));
+  if (!IsShape(multiplier_dims, {dims[0], dims[1]}) && !IsShape(multiplier_dims, {0})) {
+    return Invalid(fn, "row_multipliers must be [B, R] or [0], got " + ShapeString(multiplier_dims));
+  }
+  return ffi::Error::Success();
+}
+
+const float* OrNull(const ffi::Buffer<ffi::F32>& a) { return a.element_count() == 0 ? nullptr : a.typed_data(); }
+
+ffi::Error Fp8Amax(DEEP_EP_JAX_HANDLER_PARAMS(FP8_AMAX)) {
+  constexpr const char* fn = "fp8_amax_rows_and_columns";
+  const Dims dims = x.dimensions();
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), 16));
+  if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows) {
+    return Invalid(fn, "strip_rows must be in [1, " + Str(kMaxAmaxStripRows) + "], got " + Str(strip_rows));
+  }
+  const int64_t strips = (dims[1] + strip_rows - 1) / strip_rows;
+  if (dims[0] * strips > INT_MAX) return Invalid(fn, "B * strips must be at most INT_MAX");
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "row_amax", row_amax->dimensions(), {dims[0], dims[1]}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "col_amax_parts", col_amax_parts->dimensions(), {dims[0], strips, dims[2]}));
+  return Launched(fn, LaunchAmaxRowsAndColumns(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), dims[0],
+                                               int(dims[1]), dims[2], OrNull(row_multipliers), int(strip_rows),
+                                               row_amax->typed_data(), col_amax_parts->typed_data(), stream));
+}
+
+ffi::Error Fp8RowsAndColumns(DEEP_EP_JAX_HANDLER_PARAMS(FP8_ROWS_AND_COLUMNS)) {
+  constexpr const char* fn = "fp8_rows_and_columns";
+  const Dims dims = x.dimensions();
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), kFp8Block));
+  const int64_t batch = dims[0], num_rows = dims[1], hidden = dims[2];
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "row_inverse_scales", row_inverse_scales.dimensions(), {batch, num_rows}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "col_inverse_scales", col_inverse_scales.dimensions(), {batch, hidden}));
+  if (rows->element_type() != ffi::DataType::F8E4M3FN || cols->element_type() != ffi::DataType::F8E4M3FN) {
+    return Invalid(fn, "rows and cols must be float8_e4m3fn");
+  }
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "rows", rows->dimensions(), {batch, num_rows, hidden}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "cols", cols->dimensions(), {batch, hidden, num_rows}));
+  TransposedRows copy{};
+  copy.src = static_cast<const uint8_t*>(x.untyped_data());
+  copy.num_rows = copy.num_src_rows = int(num_rows);
+  copy.num_topk = 1;
+  copy.hidden = hidden;
+  copy.batch = batch;
+  copy.row_multipliers = OrNull(row_multipliers);
+  copy.col_inverse_scales = col_inverse_scales.typed_data();
+  copy.row_inverse_scales = row_inverse_scales.typed_data();
+  copy.dst_rows = static_cast<uint8_t*>(rows->untyped_data());
+  copy.dst_t = static_cast<uint8_t*>(cols->untyped_data());
+  return Launched(fn, LaunchTransposedRows(copy, true, stream));
 }
 
 ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
@@ -163,6 +246,10 @@ DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows", ExpandRowsHandler, ExpandRows,
                        {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows_transposed", ExpandRowsTransposedHandler, ExpandRowsTransposed,
                        EXPAND_ROWS_TRANSPOSED, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_amax_rows_and_columns", Fp8AmaxHandler, Fp8Amax, FP8_AMAX,
+                       {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_rows_and_columns", Fp8RowsAndColumnsHandler, Fp8RowsAndColumns,
+                       FP8_ROWS_AND_COLUMNS, {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
                        {ffi::Traits::kCmdBufferCompatible});
 

@@ -4,6 +4,7 @@
 // are integers placed in a fixed order, sums run over k in order with the
 // multiply and the add rounded separately.
 #include <algorithm>
+#include <climits>
 #include <cstdint>
 
 #include <cuda_fp8.h>
@@ -24,6 +25,10 @@ constexpr int kTransposeThreads = 256;
 constexpr int kTransposeTile = 128;  // rows and bytes of a tile (a 128-byte line each way)
 constexpr int kChunk = 16;           // bytes per vector: a row's chunk, or a column's 16 rows
 constexpr int kMaxGridBlocks = 1 << 16;  // grid-stride loops cover the rest
+constexpr int kAmaxThreads = 256;
+constexpr int kAmaxWarps = kAmaxThreads / kWarpSize;
+constexpr int kAmaxBand = kWarpSize * kChunk;  // columns a warp covers per row: 16 bf16 (32 bytes) a lane
+constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
 
 // Pairs per local expert: shared-memory histograms, then one atomic per
 // non-empty bin into the zeroed counts (integer sums: any order gives the same).
@@ -154,16 +159,18 @@ __global__ void __launch_bounds__(kExpandThreads)
   }
 }
 
-// 16 bf16 values as 16 float8_e4m3fn bytes: fp8(v * multiplier * inverse[j]),
-// each product rounded (no fused multiply-add), rounded to nearest even, +-448
-// where larger (satfinite keeps NaN): fp8_quant's maths, bit for bit.
+// 16 bf16 values as 16 float8_e4m3fn bytes: fp8(v * multiplier * inverse[j])
+// (inverse null: 1), each product rounded (no fused multiply-add), rounded to
+// nearest even, +-448 where larger (satfinite keeps NaN): fp8_quant's maths,
+// bit for bit.
 __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float multiplier,
                                                const float* __restrict__ inverse) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(bf16);
   uint32_t words[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const float4 s = __ldg(reinterpret_cast<const float4*>(inverse) + q);
+    const float4 s = inverse != nullptr ? __ldg(reinterpret_cast<const float4*>(inverse) + q)
+                                        : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     const float2 a = __bfloat1622float2(pairs[2 * q]), b = __bfloat1622float2(pairs[2 * q + 1]);
     const float2 low = make_float2(__fmul_rn(__fmul_rn(a.x, multiplier), s.x), __fmul_rn(__fmul_rn(a.y, multiplier), s.y));
     const float2 high = make_float2(__fmul_rn(__fmul_rn(b.x, multiplier), s.z), __fmul_rn(__fmul_rn(b.y, multiplier), s.w));
@@ -173,40 +180,50 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
   return make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
 }
 
-// One block per tile of 128 expert-major rows by 128 output bytes (grid-stride):
-// the rows' token bytes gathered into shared memory in 16-byte chunks, then
-// each column's 128 bytes written as a row of dst_t. Chunk c of tile row r
+// One block per tile of 128 rows by 128 output bytes of one batch entry
+// (grid-stride): the rows' bytes gathered into shared memory in 16-byte chunks,
+// then each column's 128 bytes written as a row of dst_t. Chunk c of tile row r
 // sits at chunk c ^ (r / 16 % 8): a thread reading 16 rows of one column and
 // its neighbours reading the other 16-row runs of that column hit different banks.
-// kQuantize: the token rows are bf16, each chunk read as 32 bytes and quantized
+// kQuantize: the rows are bf16, each chunk read as 32 bytes and quantized
 // (QuantizedChunk) with its row's multiplier; a row whose multiplier is 0 gives 0.
-template <bool kQuantize>
-__global__ void __launch_bounds__(kTransposeThreads)
-    ExpandRowsTransposedKernel(const uint8_t* __restrict__ src, const int* __restrict__ row_pair, int num_rows,
-                               int num_src_rows, int num_topk, int64_t hidden,
-                               const float* __restrict__ row_multipliers, const float* __restrict__ col_inverse_scales,
-                               uint8_t* __restrict__ dst_t) {
+// kRowCopy (with kQuantize): each chunk also quantized with its row's inverse
+// scale into dst_rows, in place (the per-row copy from the same read).
+template <bool kQuantize, bool kRowCopy>
+__global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(TransposedRows p) {
+  static_assert(kQuantize || !kRowCopy);
   constexpr int kChunksPerRow = kTransposeTile / kChunk;
   constexpr int kItems = kTransposeTile * kChunksPerRow / kTransposeThreads;  // chunks per thread, each way
   constexpr int kLoads = kQuantize ? 2 : 1;  // 16-byte loads per chunk
   constexpr int64_t kSrcBytes = kQuantize ? 2 : 1;
   static_assert(kItems * kTransposeThreads == kTransposeTile * kChunksPerRow);
   __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
+  const int num_rows = p.num_rows;
+  const int64_t hidden = p.hidden;
   const int64_t row_tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile;
-  const int64_t num_tiles = row_tiles * (hidden / kTransposeTile);
+  const int64_t tiles_per_entry = row_tiles * (hidden / kTransposeTile);
   const bool vector_stores = num_rows % kChunk == 0;  // each column's 16-row runs 16-byte aligned
-  for (int64_t t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-    const int64_t first_row = (t % row_tiles) * kTransposeTile, first_col = (t / row_tiles) * kTransposeTile;
+  for (int64_t t = blockIdx.x; t < tiles_per_entry * p.batch; t += gridDim.x) {
+    const int64_t b = t / tiles_per_entry, in_entry = t % tiles_per_entry;
+    const int64_t first_row = (in_entry % row_tiles) * kTransposeTile;
+    const int64_t first_col = (in_entry / row_tiles) * kTransposeTile;
+    const uint8_t* src = p.src + b * p.num_src_rows * hidden * kSrcBytes;
+    const int64_t entry_rows = b * num_rows;  // this entry's first row in the [batch, rows] arrays
     // All of a thread's loads in flight at once: its rows' pairs (and multipliers), then their chunks.
     int64_t token[kItems];
     float multiplier[kItems];
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int64_t row = first_row + (k * kTransposeThreads + threadIdx.x) / kChunksPerRow;
-      const int pair = row < num_rows ? row_pair[row] : -1;
-      token[k] = pair >= 0 && pair / num_topk < num_src_rows ? pair / num_topk : -1;
-      multiplier[k] = kQuantize && token[k] >= 0 ? row_multipliers[row] : 1.0f;
-      if (multiplier[k] == 0.0f) token[k] = -1;
+      if (p.row_pair == nullptr) {
+        token[k] = row < num_rows ? row : -1;
+      } else {
+        const int pair = row < num_rows ? p.row_pair[row] : -1;
+        token[k] = pair >= 0 && pair / p.num_topk < p.num_src_rows ? pair / p.num_topk : -1;
+      }
+      multiplier[k] = kQuantize && token[k] >= 0 && p.row_multipliers != nullptr
+                          ? p.row_multipliers[entry_rows + row] : 1.0f;
+      if (!kRowCopy && multiplier[k] == 0.0f) token[k] = -1;  // nothing of the row is needed
     }
     int4 raw[kItems][kLoads];
 #pragma unroll
@@ -221,12 +238,21 @@ __global__ void __launch_bounds__(kTransposeThreads)
       const int i = k * kTransposeThreads + threadIdx.x, r = i / kChunksPerRow, c = i % kChunksPerRow;
       int4 chunk = raw[k][0];
       if constexpr (kQuantize) {
-        chunk = token[k] >= 0 ? QuantizedChunk(raw[k], multiplier[k], col_inverse_scales + first_col + c * kChunk)
-                              : make_int4(0, 0, 0, 0);
+        const float* inverse = p.col_inverse_scales + b * hidden + first_col + c * kChunk;
+        chunk = token[k] >= 0 && multiplier[k] != 0.0f ? QuantizedChunk(raw[k], multiplier[k], inverse)
+                                                        : make_int4(0, 0, 0, 0);
+      }
+      if constexpr (kRowCopy) {
+        if (token[k] >= 0) {
+          const int64_t row = entry_rows + first_row + r;
+          *reinterpret_cast<int4*>(p.dst_rows + row * hidden + first_col + c * kChunk) =
+              QuantizedChunk(raw[k], p.row_inverse_scales[row], nullptr);
+        }
       }
       *reinterpret_cast<int4*>(tile + r * kTransposeTile + (c ^ (r / kChunk % kChunksPerRow)) * kChunk) = chunk;
     }
     __syncthreads();
+    uint8_t* dst_t = p.dst_t + b * hidden * num_rows;
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
       const int i = k * kTransposeThreads + threadIdx.x;
@@ -246,6 +272,82 @@ __global__ void __launch_bounds__(kTransposeThreads)
     }
     __syncthreads();  // the next tile rewrites the shared memory
   }
+}
+
+// |v|'s bits as a non-negative int: ordered as |v| is, NaN above inf, so an
+// integer max keeps NaNs (fp8_quant._magnitude_bits).
+__device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v) & 0x7fffffff; }
+
+// One block per (batch entry, strip of strip_rows rows), walking the columns in
+// bands of kAmaxBand: lane l of each warp holds columns band + 16 l .. + 15 of
+// rows warp, warp + kAmaxWarps, ... Each row's amax is complete in the block
+// (a warp-wide max per band, kept in shared memory); the columns' amax over the
+// strip is written per strip, for the caller to reduce.
+__global__ void __launch_bounds__(kAmaxThreads)
+    AmaxRowsAndColumnsKernel(const int4* __restrict__ x, int num_rows, int64_t cols,
+                             const float* __restrict__ row_multipliers, int strip_rows, int num_strips,
+                             int* __restrict__ row_amax, int* __restrict__ col_amax_parts) {
+  __shared__ int row_max[kMaxAmaxStripRows];
+  __shared__ int col_max[kAmaxWarps][kChunk][kWarpSize];  // column 16 l + j of the band at [j][l]: no conflicts
+  const int64_t b = blockIdx.x / num_strips;
+  const int strip = blockIdx.x % num_strips;
+  const int64_t first_row = b * num_rows + int64_t(strip) * strip_rows;  // in the [batch * rows] view
+  const int rows = min(strip_rows, num_rows - strip * strip_rows);
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) row_max[r] = 0;
+  __syncthreads();
+  for (int64_t band = 0; band < cols; band += kAmaxBand) {
+    const int64_t col = band + lane * kChunk;
+    const bool in_row = col < cols;
+    int col_bits[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) col_bits[j] = 0;
+    for (int r0 = warp; r0 < rows; r0 += kAmaxWarps * kAmaxUnroll) {
+      int4 raw[kAmaxUnroll][2];
+      float multiplier[kAmaxUnroll];
+#pragma unroll
+      for (int u = 0; u < kAmaxUnroll; ++u) {  // every load in flight before any use
+        const int r = r0 + u * kAmaxWarps;
+        const bool load = r < rows && in_row;
+        const int4* from = x + ((first_row + r) * cols + col) / 8;
+        raw[u][0] = load ? from[0] : make_int4(0, 0, 0, 0);
+        raw[u][1] = load ? from[1] : make_int4(0, 0, 0, 0);
+        multiplier[u] = row_multipliers != nullptr && r < rows ? row_multipliers[first_row + r] : 1.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kAmaxUnroll; ++u) {
+        const int r = r0 + u * kAmaxWarps;
+        if (r >= rows) break;  // the same for the whole warp
+        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
+        int bits = 0;
+#pragma unroll
+        for (int j = 0; j < kChunk / 2; ++j) {
+          const float2 v = __bfloat1622float2(pairs[j]);
+          bits = max(bits, max(MagnitudeBits(v.x), MagnitudeBits(v.y)));
+          if (row_multipliers == nullptr) {
+            col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(v.x));
+            col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(v.y));
+          } else if (multiplier[u] != 0.0f) {  // a row whose multiplier is 0 is 0 in z
+            col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(__fmul_rn(v.x, multiplier[u])));
+            col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(__fmul_rn(v.y, multiplier[u])));
+          }
+        }
+        bits = __reduce_max_sync(0xffffffffu, bits);
+        if (lane == 0) row_max[r] = max(row_max[r], bits);  // row r is always this warp's
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) col_max[warp][j][lane] = col_bits[j];
+    __syncthreads();
+    for (int c = threadIdx.x; c < kAmaxBand && band + c < cols; c += blockDim.x) {
+      int bits = 0;
+#pragma unroll
+      for (int w = 0; w < kAmaxWarps; ++w) bits = max(bits, col_max[w][c % kChunk][c / kChunk]);
+      col_amax_parts[(b * num_strips + strip) * cols + band + c] = bits;
+    }
+    __syncthreads();  // the next band rewrites col_max
+  }
+  for (int r = threadIdx.x; r < rows; r += blockDim.x) row_amax[first_row + r] = row_max[r];
 }
 
 // One block per token row (grid-stride), one thread per 8 channels: the sum
@@ -323,15 +425,26 @@ cudaError_t LaunchExpandRows(const ExpandArrays& arrays, const int* row_pair, in
   return cudaGetLastError();
 }
 
-cudaError_t LaunchExpandRowsTransposed(const void* src, bool quantize, const int* row_pair, int num_rows,
-                                       int num_src_rows, int num_topk, int64_t hidden, const float* row_multipliers,
-                                       const float* col_inverse_scales, uint8_t* dst_t, cudaStream_t stream) {
-  if (num_rows == 0 || hidden == 0) return cudaSuccess;
-  const int64_t tiles = (int64_t(num_rows) + kTransposeTile - 1) / kTransposeTile * (hidden / kTransposeTile);
-  auto kernel = quantize ? ExpandRowsTransposedKernel<true> : ExpandRowsTransposedKernel<false>;
-  kernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(
-      static_cast<const uint8_t*>(src), row_pair, num_rows, num_src_rows, num_topk, hidden, row_multipliers,
-      col_inverse_scales, dst_t);
+cudaError_t LaunchTransposedRows(const TransposedRows& rows, bool quantize, cudaStream_t stream) {
+  if (rows.num_rows == 0 || rows.hidden == 0 || rows.batch == 0) return cudaSuccess;
+  const int64_t tiles = rows.batch * ((int64_t(rows.num_rows) + kTransposeTile - 1) / kTransposeTile) *
+                        (rows.hidden / kTransposeTile);
+  auto kernel = !quantize ? TransposedRowsKernel<false, false>
+                : rows.dst_rows != nullptr ? TransposedRowsKernel<true, true> : TransposedRowsKernel<true, false>;
+  kernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(rows);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int num_rows, int64_t cols,
+                                     const float* row_multipliers, int strip_rows, int* row_amax,
+                                     int* col_amax_parts, cudaStream_t stream) {
+  if (batch == 0 || num_rows == 0 || cols == 0) return cudaSuccess;
+  if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows || cols % kChunk != 0) return cudaErrorInvalidValue;
+  const int num_strips = (num_rows + strip_rows - 1) / strip_rows;
+  if (batch * num_strips > INT_MAX) return cudaErrorInvalidValue;
+  AmaxRowsAndColumnsKernel<<<int(batch * num_strips), kAmaxThreads, 0, stream>>>(
+      reinterpret_cast<const int4*>(x), num_rows, cols, row_multipliers, strip_rows, num_strips, row_amax,
+      col_amax_parts);
   return cudaGetLastError();
 }
 

@@ -7,8 +7,9 @@ shapes of the MoE benchmark.
 Per case and impl: device time per call (from the first kernel's start to the last one's end, in a
 profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
 time gives for the bytes a call must move (its input read once, its outputs written once); then
-whether each impl's outputs agree with the first's bit for bit (NaN for NaN). --sweep: the Triton kernels' time
-with other tiles (fp8_quant.QuantTiles), one field group at a time, one profiled call each. Cases:
+whether each impl's outputs agree with the first's bit for bit (NaN for NaN); an impl a case's function
+does not take (triton for quantize_rows, cuda for quantize_rows_and_columns) is left out. --sweep: the
+Triton kernel's time with other tiles (fp8_quant.QuantTiles), one profiled call each. Cases:
   fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
   rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
   backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, 7168] and
@@ -44,7 +45,7 @@ def cases(args):
                                                                                                       shape[-1:]))
         return (jax.random.normal(next(keys), shape, jnp.bfloat16) * scale).astype(jnp.bfloat16)
 
-    both = lambda a, m, impl, tiles: fp8_quant.quantize_rows_and_columns(a, m, impl=impl, tiles=tiles)
+    both = lambda a, m, impl, tiles: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
     rows = lambda a, m, impl, tiles: fp8_quant.quantize_rows(a, impl=impl, tiles=tiles)
     e, r = args.experts, args.rows
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
@@ -62,13 +63,6 @@ def cases(args):
 SWEEP = {
     "rows": [dict(rows=r, rows_chunk=c, rows_warps=w) for r, c, w in
              ((4, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (2, 2048, 4))],
-    "amax": [dict(amax_rows=r, amax_cols=c, amax_warps=w, amax_strip=s) for r, c, w, s in
-             ((64, 128, 4, 1024), (16, 256, 4, 1024), (32, 256, 4, 1024), (32, 128, 4, 4096), (32, 128, 8, 1024))],
-    "store": [dict(tile_rows=r, tile_cols=c, store_warps=w) for r, c, w in
-              ((128, 128, 4), (128, 128, 8), (128, 64, 4), (256, 128, 8), (128, 256, 8), (64, 64, 4))],
-    # copies of 2^31 to 2^32 values (w_in's) stored by XLA instead of as 16-bit pairs (the default; the
-    # store group's tiles apply to the packed kernel too); the others are unchanged
-    "packed": [dict(packed_stores=False)],
 }
 
 
@@ -85,7 +79,7 @@ def main():
                    help="cuda: the extension's kernels (quantize_rows_and_columns only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
-                   help="also the Triton kernels with other tiles: all groups, or those named (rows,amax,store,packed)")
+                   help="also quantize_rows' Triton kernel with other tiles")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     unknown = set(filter(None, args.sweep.split(","))) - set(SWEEP)
@@ -95,25 +89,25 @@ def main():
     print(f"# {env}")
     impls = args.impls.split(",")
     results = []
-    print("\n| case | impl | ms median | ms min-max | GB/s | Triton kernels, ms |\n|---|---|---|---|---|---|")
+    print("\n| case | impl | ms median | ms min-max | GB/s | kernels, ms |\n|---|---|---|---|---|---|")
     for name, fn, make, m in cases(args):
         a = jax.block_until_ready(make())
         outputs = {}
         for impl in impls:
-            if impl == "cuda" and name.startswith("rows"):
+            if impl not in (fp8_quant.IMPLS if name.startswith("rows") else fp8_quant.ROWS_AND_COLUMNS_IMPLS):
                 continue
             run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl, fp8_quant.DEFAULT_TILES))
             outputs[impl] = jax.block_until_ready(run(a, m))
             moved = bytes_moved(a, outputs[impl])
             spans, kernels = device_times(run, (a, m), args.repeats)
             median = float(np.median(spans))
-            by_kernel = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()) if impl == "triton" else ""
+            by_kernel = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()) if impl != "xla" else ""
             print(f"| {name} | {impl} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
                   f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}", flush=True)
             results.append(dict(case=name, impl=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
         if args.sweep and "triton" in impls:
             for group, variants in SWEEP.items():
-                if group not in args.sweep.split(",") or (group == "rows") != (name.startswith("rows")):
+                if group not in args.sweep.split(",") or not name.startswith("rows"):
                     continue
                 for fields in variants:
                     tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, **fields)

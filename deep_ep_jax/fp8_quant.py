@@ -9,23 +9,21 @@
 A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448, 448) rounded to the
 nearest float8_e4m3fn (ties to even), 1 / scale correctly rounded: the same maths, bit for bit, as numpy's,
 on every path (XLA's GPU division is not correctly rounded: the XLA path refines it). XLA computes it on
-CPUs (and for shapes that do not fit the tiles below) in a pass per reduction and per conversion. On CUDA GPUs with
-FP8 conversions (compute capability 8.9 and up) Pallas Triton kernels read `a` fewer times:
-quantize_rows in one pass (a program takes a few whole rows: their amax, then their values again, from
-L2), quantize_rows_and_columns in two (both amaxes; then both outputs, the columns' transposed through
-shared memory) instead of four. Their amaxes are integer maxima of |v|'s bits, in which NaN sorts above
-inf (a float max in Triton drops NaNs). Copies of 2^31 to 2^32 values (Pallas Triton indexes them with
-32-bit offsets, which overflow) are stored by a kernel that writes pairs of values as 16-bit words
-(16-bit a), or by XLA (32-bit a, or QuantTiles(packed_stores=False)). `fp8_weights` reads an expert's
-weights this way, and the FP8 weight gradient its dy. (jax 0.11 marks Pallas' Triton backend deprecated
-in favour of Mosaic GPU: a port is due.)
+CPUs (and where the kernels below do not take the shape) in a pass per reduction and per conversion. On
+CUDA GPUs with FP8 conversions (compute capability 8.9 and up) kernels read `a` fewer times:
+quantize_rows a Pallas Triton kernel in one pass (a program takes a few whole rows: their amax, then their
+values again, from L2); quantize_rows_and_columns the extension's CUDA kernels in two (both amaxes; then
+both copies from one read, the columns' transposed through shared memory), with 64-bit offsets (the
+weights' copies hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts
+above inf (a float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight
+gradient quantizes its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a
+port of quantize_rows is due.)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,31 +39,20 @@ FP8_MAX = 448.0
 # activations' FP8 (an all-zero row gets zeros).
 FP8_MIN_AMAX = 1e-30
 
-IMPLS = ("auto", "triton", "xla")
+IMPLS = ("auto", "triton", "xla")  # quantize_rows
+ROWS_AND_COLUMNS_IMPLS = ("auto", "cuda", "xla")  # quantize_rows_and_columns
 # Pallas Triton indexes an array of at most 4 GiB with 32-bit offsets, which overflow past 2^31 float8
 # elements (past 4 GiB it takes 64-bit ones).
 _MAX_ELEMENTS_PER_CALL = 2**31 - 1
-_MAX_PACKED_ELEMENTS = 2**32  # float8 values stored as pairs: 2^31 16-bit words
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantTiles:
-    """The Triton kernels' tiles (powers of two) and warps per program."""
+    """quantize_rows' Triton kernel: its tiles (powers of two) and warps per program."""
 
-    rows: int = 2  # quantize_rows: a program's rows (their bytes stay in L2 between its two reads)
-    rows_chunk: int = 2048  # quantize_rows: columns per load, at most
+    rows: int = 2  # a program's rows (their bytes stay in L2 between its two reads)
+    rows_chunk: int = 2048  # columns per load, at most
     rows_warps: int = 4
-    amax_rows: int = 32  # quantize_rows_and_columns' first pass: a program walks a strip of rows
-    amax_cols: int = 128  # amax_cols wide, amax_rows at a time, at most amax_strip long
-    amax_strip: int = 1024
-    amax_warps: int = 4
-    tile_rows: int = 64  # its second pass: a program's tile
-    tile_cols: int = 128
-    store_warps: int = 4
-    # Copies of 2^31 to 2^32 float8 values (Pallas Triton's 32-bit offsets overflow there): stored by a
-    # kernel that reads pairs of 16-bit values as 32-bit words and writes pairs of float8 as 16-bit words
-    # (True: 5.3 ms for w_in's two copies on one H200), or by XLA (False: 6.9 ms).
-    packed_stores: bool = True
 
 
 # The best of `benchmarks/bench_fp8_quant.py --sweep` on one H200 (jax 0.11.2, 2026-12-02) at the MoE
@@ -93,14 +80,14 @@ def quantize_rows(a, *, impl: str = "auto", interpret: bool = False, tiles: Quan
     return data.reshape(a.shape), scales.reshape(a.shape[:-1])
 
 
-def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", interpret: bool = False,
-                              tiles: QuantTiles = DEFAULT_TILES):
+def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
     """a [B, R, C] -> (rows float8 [B, R, C], row_scales float32 [B, R], cols float8 [B, C, R],
     col_scales float32 [B, C]): rows is a quantized per row (quantize_rows(a)); cols is
     z = a * col_multipliers[..., None] (float32 [B, R], default 1; a row whose multiplier is 0 is 0 in z,
     whatever a holds there, NaN included: so padding rows are left out) quantized per column of z and
-    transposed (quantize_rows(swapaxes(z, 1, 2))). impl, interpret, tiles: as quantize_rows."""
-    _check_impl(impl, IMPLS + ("cuda",))
+    transposed (quantize_rows(swapaxes(z, 1, 2))). impl: "auto" (the extension's CUDA kernels where they
+    run and take a: bf16, C a multiple of 128; else XLA), "cuda" or "xla". No gradient flows through."""
+    _check_impl(impl, ROWS_AND_COLUMNS_IMPLS)
     a = lax.stop_gradient(a)
     col_multipliers = None if col_multipliers is None else lax.stop_gradient(col_multipliers)
     if a.ndim != 3:
@@ -108,26 +95,13 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto", in
     if col_multipliers is not None and tuple(col_multipliers.shape) != a.shape[:2]:
         raise ValueError(f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, "
                          f"got {tuple(col_multipliers.shape)}")
+    if col_multipliers is not None:
+        a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))  # (shard_map) typed alike
     if _use_cuda(impl, a):
         return _cuda_rows_and_columns(a, col_multipliers)
-    row_multiple, col_multiple = math.lcm(tiles.amax_rows, tiles.tile_rows), math.lcm(tiles.amax_cols, tiles.tile_cols)
-    fits = a.shape[1] % row_multiple == 0 and a.shape[2] % col_multiple == 0 and _kernel_dtype(a)
-    multipliers = jnp.ones(a.shape[:2], jnp.float32) if col_multipliers is None else col_multipliers
-    a, multipliers = vary_together(a, multipliers.astype(jnp.float32))  # (shard_map) typed as one another
-    z_t = lambda: jnp.swapaxes(_times_multipliers(a.astype(jnp.float32), multipliers[..., None]), 1, 2)  # XLA's
-    if not _use_triton(impl, interpret, fits, "quantize_rows_and_columns",
-                       f"16- or 32-bit floats, R a multiple of {row_multiple} and C of {col_multiple}"):
-        return (*_quantize_rows_xla(a), *_quantize_rows_xla(z_t()))
-    row_parts, col_parts = _amax_kernel(a, None if col_multipliers is None else multipliers, interpret, tiles)
-    row_scales, col_scales = _scales(_abs_max(row_parts, axis=1)), _scales(_abs_max(col_parts, axis=1))
-    if not _MAX_ELEMENTS_PER_CALL < a.size <= _MAX_PACKED_ELEMENTS:
-        rows, cols = _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, False)
-    elif tiles.packed_stores and jnp.dtype(a.dtype).itemsize == 2:  # read as pairs in 32-bit words
-        rows, cols = (_unpacked(w) for w in _rows_and_columns_kernel(a, multipliers, row_scales, col_scales,
-                                                                     interpret, tiles, True))
-    else:  # the float8 outputs' 32-bit offsets would overflow: XLA writes them
-        (rows, _), (cols, _) = _quantize_rows_xla(a, row_scales), _quantize_rows_xla(z_t(), col_scales)
-    return rows, row_scales, cols, col_scales
+    z = a.astype(jnp.float32) if col_multipliers is None else _times_multipliers(a.astype(jnp.float32),
+                                                                                  col_multipliers[..., None])
+    return (*_quantize_rows_xla(a), *_quantize_rows_xla(jnp.swapaxes(z, 1, 2)))
 
 
 def column_scales(a, row_multipliers):
@@ -277,8 +251,6 @@ def _cuda_rows_and_columns(a, col_multipliers):
     from deep_ep_jax.backends.cuda import lifecycle
 
     lifecycle.register_ffi_targets()
-    if col_multipliers is not None:
-        a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))
     row_bits, col_bits = cuda.fp8_amax(a, col_multipliers)
     as_float = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
     row_scales, col_scales = _scales(as_float(row_bits)), _scales(as_float(jnp.max(col_bits, axis=1)))
@@ -335,110 +307,3 @@ def _rows_kernel(a, chunk, interpret, tiles):
         out_specs=[block, pl.BlockSpec((tiles.rows,), lambda i: (i,))],
         out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((num_rows,), jnp.float32, a)],
         compiler_params=_params(tiles.rows_warps), interpret=interpret, name="fp8_quantize_rows")(a)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _amax_kernel(a, multipliers, interpret, tiles):
-    """a [B, R, C] -> (row amax per amax_cols columns [B, C / amax_cols, R], column amax of a * multipliers
-    (None: of a) per strip of rows [B, R / strip, C]): a program walks a strip of rows amax_cols wide,
-    amax_rows rows at a time, and keeps the columns' maxima elementwise until its end (one reduction
-    across rows). Maxima of magnitude bits (_magnitude_bits), converted back at the end."""
-    from jax.experimental import pallas as pl
-
-    b, num_rows, cols = a.shape
-    tile_r, tile_c = tiles.amax_rows, tiles.amax_cols
-    steps = num_rows // tile_r
-    steps_per_strip = max(d for d in range(1, max(1, tiles.amax_strip // tile_r) + 1) if steps % d == 0)
-    strip = steps_per_strip * tile_r
-
-    def kernel(a_ref, *refs):
-        *m_ref, row_amax_ref, col_amax_ref = refs  # m_ref: [the multipliers' ref], or none
-
-        def step(i, acc):
-            rows_i = pl.ds(i * tile_r, tile_r)
-            v = a_ref[rows_i, :]
-            row_amax_ref[rows_i] = _from_magnitude_bits(jnp.max(_magnitude_bits(v), axis=1), a.dtype)
-            if m_ref:
-                v = _times_multipliers(v.astype(jnp.float32), m_ref[0][rows_i][:, None])
-            return jnp.maximum(acc, _magnitude_bits(v))
-
-        acc = lax.fori_loop(0, steps_per_strip, step, jnp.zeros((tile_r, tile_c), jnp.int32))
-        col_amax_ref[...] = _from_magnitude_bits(jnp.max(acc, axis=0), jnp.float32 if m_ref else a.dtype)
-
-    squeezed = pl.squeezed
-    m_args, m_spec = ([], []) if multipliers is None else (
-        [multipliers], [pl.BlockSpec((squeezed, strip), lambda g, j, i: (g, i))])
-    return pl.pallas_call(
-        kernel, grid=(b, cols // tile_c, num_rows // strip),
-        in_specs=[pl.BlockSpec((squeezed, strip, tile_c), lambda g, j, i: (g, i, j))] + m_spec,
-        out_specs=[pl.BlockSpec((squeezed, squeezed, strip), lambda g, j, i: (g, j, i)),
-                   pl.BlockSpec((squeezed, squeezed, tile_c), lambda g, j, i: (g, i, j))],
-        out_shape=[shape_like((b, cols // tile_c, num_rows), jnp.float32, a),
-                   shape_like((b, num_rows // strip, cols), jnp.float32, a)],
-        compiler_params=_params(tiles.amax_warps), interpret=interpret,
-        name="fp8_amax_rows_and_columns")(a, *m_args)
-
-
-@functools.partial(jax.jit, static_argnums=(4, 5, 6))
-def _rows_and_columns_kernel(a, multipliers, row_scales, col_scales, interpret, tiles, packed):
-    """Both FP8 copies of a [B, R, C] given their scales, a tile per program (the columns' copy
-    transposed in registers, through shared memory): float8 [B, R, C] and [B, C, R], or with `packed`
-    (16-bit a) each pair of neighbouring values as one uint16 (the first in the low byte), uint16
-    [B, R, C / 2] and [B, C, R / 2]. A packed program reads a as 32-bit words, each a row's two
-    neighbouring columns (contiguous loads; strided ones of single values ran at 2.4 TB/s), its even
-    rows and its odd rows apart: rows' pairs are a word's two values, columns' pairs a column's values in
-    neighbouring rows."""
-    from jax.experimental import pallas as pl
-
-    b, num_rows, cols = a.shape
-    dtype, tile_r, tile_c = a.dtype, tiles.tile_rows, tiles.tile_cols
-    per_word, out_dtype = (2, jnp.uint16) if packed else (1, FP8_DTYPE)
-
-    def kernel(a_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
-        v = a_ref[...].astype(jnp.float32)
-        rows_ref[...] = _to_fp8(v, _reciprocal(row_scales_ref[...], interpret)[:, None])
-        cols_ref[...] = _to_fp8(_times_multipliers(v, m_ref[...][:, None]),
-                                _reciprocal(col_scales_ref[...], interpret)[None, :]).T
-
-    parity_r = (pl.ds(0, tile_r // 2, stride=2), pl.ds(1, tile_r // 2, stride=2))
-    parity_c = (pl.ds(0, tile_c // 2, stride=2), pl.ds(1, tile_c // 2, stride=2))
-
-    def pair(low, high):
-        as_word = lambda q: lax.bitcast_convert_type(q, jnp.uint8).astype(jnp.uint16)
-        return as_word(low) | (as_word(high) << 8)
-
-    def halves(words):  # uint32 words -> (low, high) values of a's dtype, as float32
-        value = lambda bits: lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype).astype(jnp.float32)
-        return value(words & np.uint32(0xFFFF)), value(words >> np.uint32(16))
-
-    def packed_kernel(words_ref, m_ref, row_scales_ref, col_scales_ref, rows_ref, cols_ref):
-        row_inverse = [_reciprocal(row_scales_ref[r], interpret)[:, None] for r in parity_r]
-        col_inverse = [_reciprocal(col_scales_ref[c], interpret)[None, :] for c in parity_c]
-        m = [m_ref[r][:, None] for r in parity_r]
-        v = [halves(words_ref[r, :]) for r in parity_r]  # v[row parity][column parity]
-        for i, r in enumerate(parity_r):
-            rows_ref[r, :] = pair(*(_to_fp8(v[i][j], row_inverse[i]) for j in range(2)))
-        for j, c in enumerate(parity_c):
-            cols_ref[c, :] = pair(*(_to_fp8(_times_multipliers(v[i][j], m[i]), col_inverse[j]) for i in range(2))).T
-
-    if packed:  # each row's neighbouring columns as one 32-bit word (a bitcast: no copy)
-        a = lax.bitcast_convert_type(a.reshape(b, num_rows, cols // 2, 2), jnp.uint32)
-    squeezed = pl.squeezed
-    row_vector = pl.BlockSpec((squeezed, tile_r), lambda g, i, j: (g, i))
-    return pl.pallas_call(
-        packed_kernel if packed else kernel, grid=(b, num_rows // tile_r, cols // tile_c),
-        in_specs=[pl.BlockSpec((squeezed, tile_r, tile_c // per_word), lambda g, i, j: (g, i, j)), row_vector,
-                  row_vector, pl.BlockSpec((squeezed, tile_c), lambda g, i, j: (g, j))],
-        out_specs=[pl.BlockSpec((squeezed, tile_r, tile_c // per_word), lambda g, i, j: (g, i, j)),
-                   pl.BlockSpec((squeezed, tile_c, tile_r // per_word), lambda g, i, j: (g, j, i))],
-        out_shape=[shape_like((b, num_rows, cols // per_word), out_dtype, a),
-                   shape_like((b, cols, num_rows // per_word), out_dtype, a)],
-        compiler_params=_params(tiles.store_warps), interpret=interpret,
-        name="fp8_quantize_rows_and_columns" + ("_packed" if packed else ""),
-    )(a, multipliers, row_scales, col_scales)
-
-
-def _unpacked(words):
-    """uint16 [..., n] of float8 pairs (first in the low byte) -> float8 [..., 2 n]."""
-    data = lax.bitcast_convert_type(words, jnp.uint8)  # [..., n, 2], the low byte first
-    return lax.bitcast_convert_type(data.reshape(words.shape[:-1] + (2 * words.shape[-1],)), FP8_DTYPE)

@@ -1,5 +1,5 @@
-"""deep_ep_jax.fp8_quant on CPU: the XLA maths against numpy, the Triton kernels (in Pallas'
-interpreter) against the XLA maths bit for bit, their lowering for CUDA, and the errors.
+"""deep_ep_jax.fp8_quant on CPU: the XLA maths against numpy, quantize_rows' Triton kernel (in Pallas'
+interpreter) against the XLA maths bit for bit, the kernels' lowering for CUDA, and the errors.
 The kernels on a GPU: tests/gpu/test_fp8_quant_gpu.py."""
 
 import dataclasses
@@ -82,50 +82,32 @@ def test_rows_kernel_matches_xla(shape):
     assert_same(fp8_quant.quantize_rows(a, impl="triton", interpret=True), want, f"quantize_rows {shape}")
 
 
-@pytest.mark.parametrize("multipliers", [False, True])
-@pytest.mark.parametrize("stores", ["kernel", "xla", "packed"])
-def test_rows_and_columns_kernel_matches_xla(multipliers, stores, monkeypatch):
-    """xla, packed: float8 outputs too large for the store kernel's offsets (as past 2^31 elements) are
-    XLA's, or the packed kernel's (pairs as 16-bit words)."""
-    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=stores == "packed")
-    if stores != "kernel":
-        monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", 2 * 384 * 256)
-    rng = np.random.default_rng()
-    a = skewed(rng, (5, 384, 256))
-    a[1, 200, 17] = np.nan
-    m = None
-    if multipliers:  # rows 300-309 left out of the columns (one of them holds a NaN and an inf)
-        m = np.exp(3 * rng.standard_normal((5, 384))).astype(np.float32)
-        m[:, 300:310] = 0
-        a[2, 305, 3:5] = [np.nan, np.inf]
-    want = fp8_quant.quantize_rows_and_columns(a, m, impl="xla")
-    got = fp8_quant.quantize_rows_and_columns(a, m, impl="triton", interpret=True, tiles=tiles)
-    assert_same(got, want, f"quantize_rows_and_columns, multipliers {multipliers}, {stores} stores")
-    assert np.isnan(as_float(want[1])[1, 200]) and np.isnan(as_float(want[3])[1, 17])
-    if multipliers:
-        assert not as_float(want[2])[2, :, 300:310].any() and np.isfinite(as_float(want[3])[2]).all()
-
-
-def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit():
-    """On CPU, and for shapes the kernels cannot tile, "auto" is the XLA maths (no Triton call)."""
+def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit(monkeypatch):
+    """On CPU, and for shapes the kernels cannot tile, "auto" is the XLA maths (no kernel call)."""
     a = jnp.ones((3, 20), jnp.bfloat16)  # 3 rows: not a multiple of 2; 20 columns: no power of two >= 16
     for fn in (fp8_quant.quantize_rows, lambda a: fp8_quant.quantize_rows_and_columns(a[None])):
-        assert "triton" not in jax.jit(fn).lower(a).as_text()
+        text = jax.jit(fn).lower(a).as_text()
+        assert "triton" not in text and "deep_ep_jax" not in text
     with pytest.raises(ValueError, match="impl='triton' needs 16- or 32-bit floats, rows a multiple of 2"):
         fp8_quant.quantize_rows(a, impl="triton")
-    with pytest.raises(ValueError, match="impl=.triton. needs 16- or 32-bit floats, R a multiple of 64 and C of 128"):
-        fp8_quant.quantize_rows_and_columns(a[None], impl="triton")
     # Shapes that tile, but 8-bit values: the kernels read 16 or 32 bits (XLA takes the rest).
     fp8 = jnp.ones((64, 128), jnp.float8_e4m3fn)
     with pytest.raises(ValueError, match="needs 16- or 32-bit floats"):
         fp8_quant.quantize_rows(fp8, impl="triton")
-    with pytest.raises(ValueError, match="needs 16- or 32-bit floats"):
-        fp8_quant.quantize_rows_and_columns(fp8[None], impl="triton")
     assert "triton" not in jax.jit(lambda a: fp8_quant.quantize_rows(a, interpret=True)).lower(fp8).as_text()
+    # The CUDA kernels take bf16 with C a multiple of 128, and need the extension on a GPU.
+    with pytest.raises(ValueError, match="impl='cuda' needs bf16 a with C a multiple of 128"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 192), jnp.bfloat16), impl="cuda")
+    with pytest.raises(ValueError, match="impl='cuda' needs bf16"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.float32), impl="cuda")
+    monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: "no GPU here")
+    with pytest.raises(RuntimeError, match="impl='cuda' is not available: no GPU here"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.bfloat16), impl="cuda")
 
 
 @pytest.mark.parametrize("call,match", [
     (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"), "impl must be one of"),
+    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
     (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
     (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
     (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 16)), jnp.ones((8,))), "col_multipliers must be"),
@@ -135,23 +117,26 @@ def test_errors(call, match):
         call()
 
 
-def test_kernels_lower_for_cuda(monkeypatch):
-    """The Triton kernels lower (to Triton IR, inside XLA custom calls) on this CPU machine."""
+def test_rows_kernel_lowers_for_cuda():
+    """quantize_rows' Triton kernel lowers (to Triton IR, inside an XLA custom call) on this CPU machine."""
+    a = jax.ShapeDtypeStruct((2, 256, 384), jnp.bfloat16)
+    text = jax.jit(lambda a: fp8_quant.quantize_rows(a, impl="triton")).trace(a).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert 'name = "fp8_quantize_rows"' in text
+
+
+@pytest.mark.extension
+def test_rows_and_columns_lower_for_cuda(monkeypatch):
+    """quantize_rows_and_columns lowers to the extension's two custom calls (amaxes, then both copies)."""
     a = jax.ShapeDtypeStruct((2, 256, 384), jnp.bfloat16)
     m = jax.ShapeDtypeStruct((2, 256), jnp.float32)
-    for fn, args, names in (
-            (lambda a: fp8_quant.quantize_rows(a, impl="triton"), (a,), ["fp8_quantize_rows"]),
-            (lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="triton"), (a, m),
-             ["fp8_amax_rows_and_columns", "fp8_quantize_rows_and_columns"])):
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        for name in names:
-            assert f'name = "{name}"' in text, name
-    # The packed stores, for copies past the store kernel's offsets.
-    monkeypatch.setattr(fp8_quant, "_MAX_ELEMENTS_PER_CALL", 1024)
-    packed = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=True)
-    text = jax.jit(lambda a: fp8_quant.quantize_rows_and_columns(a, impl="triton", tiles=packed)).trace(a).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert 'name = "fp8_quantize_rows_and_columns_packed"' in text
+    monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
+    for multipliers in (None, m):
+        text = jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="cuda")).trace(
+            a, multipliers).lower(lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+        assert len(calls) == 2, calls
+        assert "@deep_ep_jax_fp8_amax_rows_and_columns" in calls[0] and "@deep_ep_jax_fp8_rows_and_columns" in calls[1]
 
 
 @pytest.mark.parametrize("ulps", [-2, -1, 1, 2])

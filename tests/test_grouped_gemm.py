@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from deep_ep_jax import _native
 from deep_ep_jax import grouped_gemm as gg
 from deep_ep_jax import grouped_matmul, hopper_gemm, testing
 
@@ -330,18 +331,23 @@ def test_bad_block_sizes():
 @pytest.fixture
 def gpu_core_count(monkeypatch):
     """transposed_ragged_dot_mgpu reads jax.devices()[0].core_count while tracing: a GPU's SM count; an
-    H200's platform and compute capability make impl="auto" choices (fp8_quant's Triton kernels) a GPU's."""
+    H200's platform and compute capability make impl="auto" choices (fp8_quant's kernels) a GPU's, the
+    extension's CUDA kernels included where it is built."""
     fake = type("FakeGpu", (), {"core_count": 132, "platform": "gpu", "compute_capability": "9.0"})()
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
+    if _native.load_error() is None:
+        monkeypatch.setattr(_native, "unavailable_reason", lambda: None)
 
 
 def mosaic_calls(lowered):
     return lowered.as_text().count("stablehlo.custom_call @mosaic_gpu")
 
 
-def triton_calls(lowered):
-    """fp8_quant's kernels: fp8_weights' two, one per row quantization (one for both of dy's with FP8 dw)."""
-    return lowered.as_text().count("stablehlo.custom_call @__gpu$xla.gpu.triton")
+def quantization_calls(lowered):
+    """fp8_quant's kernels: one per row quantization (Triton's); quantize_rows_and_columns' two (the
+    extension's: fp8_weights, and dy's with the FP8 dw), or none where the extension is not built (XLA)."""
+    text = lowered.as_text()
+    return text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") + text.count("stablehlo.custom_call @deep_ep_jax_fp8_")
 
 
 def test_mgpu_path_lowers(gpu_core_count):
@@ -425,9 +431,10 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
                 jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
                 jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
         lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
-        # Triton: fp8_weights' 2 passes, x's rows, dy's rows (or with the FP8 dw, dy's 2 passes)
-        want = {None: (6, 0), "bf16_dw": (3, 4), "fp8_dw": (3, 5)}[fp8]
-        assert (mosaic_calls(lowered), triton_calls(lowered)) == want
+        # fp8_weights' 2 passes, x's rows, dy's rows (or with the FP8 dw, dy's 2 passes)
+        both = 2 if _native.load_error() is None else 0  # quantize_rows_and_columns' calls
+        want = {None: (6, 0), "bf16_dw": (3, both + 2), "fp8_dw": (3, 2 * both + 1)}[fp8]
+        assert (mosaic_calls(lowered), quantization_calls(lowered)) == want
 
 
 # FP8 (fp8_weights=) ---------------------------------------------------------------
@@ -530,7 +537,8 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
     assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()
     # fp8_weights 2 (an amax and a store pass), x 1, dy 1 (or with FP8 dw, its rows and columns: 2 passes)
-    assert triton_calls(lowered) == (5 if weight_grad else 4)
+    both = 2 if _native.load_error() is None else 0  # quantize_rows_and_columns' calls
+    assert quantization_calls(lowered) == (2 * both + 1 if weight_grad else both + 2)
 
 
 def test_weight_grad_promoted_halves_lowers(gpu_core_count):

@@ -1,14 +1,11 @@
-"""deep_ep_jax.fp8_quant's kernels on a GPU (Triton's, and the extension's for quantize_rows_and_columns),
+"""deep_ep_jax.fp8_quant's kernels on a GPU (quantize_rows' Triton one, quantize_rows_and_columns' CUDA ones),
 at the MoE benchmark's shapes per rank, on skewed values with zero, NaN, inf and tiny rows: numpy's
 quantization bit for bit on sampled rows, and the XLA maths (which tests/test_fp8_quant.py checks against
 numpy on CPU; on GPUs it refines XLA's division, which is not correctly rounded) bit for bit everywhere;
-impl="auto" must pick the kernels here (the extension's where they take the shape).
+impl="auto" must pick the kernels here.
 
     pytest -m gpu tests/gpu/test_fp8_quant_gpu.py -v
 """
-
-import dataclasses
-import functools
 
 import grouped_gemm_oracle as oracle
 import jax
@@ -76,39 +73,27 @@ def test_rows_kernel(shape):
     check(f"quantize_rows {shape}", a, got, run(a, impl="xla"), rng)
 
 
-# (shape, multipliers, impl): fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past what
-# the Triton store kernel can index, so XLA stores them from its amaxes' scales, or the packed kernel
-# does; 16), the FP8 weight gradient's dy with x's row scales, and for the extension's kernels a batch of
-# rows that is no multiple of the tiles (a partial tile of 1000 rows: byte stores; strips cut short).
-ROWS_AND_COLUMNS = [((80, 7168, 4096), False, "cuda"), ((16, 2048, 7168), False, "cuda"),
-                    ((1, 40832, 4096), True, "cuda"), ((1, 40704, 7168), True, "cuda"), ((3, 1000, 384), True, "cuda"),
-                    ((80, 7168, 4096), False, "triton"), ((80, 7168, 4096), False, "triton packed"),
-                    ((16, 2048, 7168), False, "triton"), ((1, 40704, 7168), True, "triton"),
-                    ((1, 40704, 4096), True, "triton")]
+# (shape, multipliers): fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past 32-bit
+# offsets; 16), the FP8 weight gradient's dy with x's row scales, and a batch of rows that is no multiple
+# of the tiles (a partial tile of 1000 rows: byte stores; strips cut short).
+ROWS_AND_COLUMNS = [((80, 7168, 4096), False), ((16, 2048, 7168), False), ((1, 40832, 4096), True),
+                    ((1, 40704, 7168), True), ((3, 1000, 384), True)]
 
 
-@pytest.mark.parametrize("shape,multipliers,impl", ROWS_AND_COLUMNS)
-def test_rows_and_columns_kernels(shape, multipliers, impl):
+@pytest.mark.parametrize("shape,multipliers", ROWS_AND_COLUMNS)
+def test_rows_and_columns_kernels(shape, multipliers):
     rng = np.random.default_rng()
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     a = skewed(key1, shape)
     m = jnp.exp(3 * jax.random.normal(key2, shape[:2])) if multipliers else None
     if multipliers:  # rows left out of the columns' copy, one of them holding a NaN
         m = m.at[:, 1].set(0).at[:, 40:47].set(0)
-    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, packed_stores=impl == "triton packed")
-    run = jax.jit(functools.partial(fp8_quant.quantize_rows_and_columns, tiles=tiles), static_argnames="impl")
-    if impl == "cuda":
-        assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), \
-            "impl='auto' did not pick the extension's kernels"
-        got = run(a, m)
-    else:
-        text = run.lower(a, m, impl="triton").as_text()
-        store = "fp8_quantize_rows_and_columns_packed" if impl == "triton packed" else "fp8_quantize_rows_and_columns\""
-        assert "fp8_amax_rows_and_columns" in text, "impl='triton' did not run the Triton kernels"
-        assert (store in text) == (a.size < 2**31 or impl == "triton packed"), "the store kernel"
-        got = run(a, m, impl="triton")
+    run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="impl")
+    assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), \
+        "impl='auto' did not pick the extension's kernels"
+    got = run(a, m)
     xla = run(a, m, impl="xla")
-    what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}, {impl}"
+    what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}"
     check(f"{what}, rows", a, got[:2], xla[:2], rng)
     z_t = jnp.swapaxes(jnp.where(m[..., None] == 0, 0.0, a.astype(jnp.float32) * m[..., None]) if multipliers
                        else a.astype(jnp.float32), 1, 2)

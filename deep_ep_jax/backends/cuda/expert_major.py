@@ -28,8 +28,9 @@ FP8_AMAX = FfiTarget("deep_ep_jax_fp8_amax_rows_and_columns", ("row_amax", "col_
 FP8_ROWS_AND_COLUMNS = FfiTarget("deep_ep_jax_fp8_rows_and_columns", ("rows", "cols"), vmap_method="sequential",
                                  ordered=False)
 TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS, FP8_AMAX, FP8_ROWS_AND_COLUMNS)
-# Blocks the amax kernel should have at least, where rows allow: a few per SM.
-_AMAX_MIN_BLOCKS = 1024
+# Blocks the amax kernel should have at least, where rows allow: two per SM (fewer partial column
+# maxima than more blocks would leave; benchmarks/RESULTS.md, "quantize_rows_and_columns on CUDA").
+_AMAX_MIN_BLOCKS = 256
 
 
 def check_shapes(fn, *, num_local_experts, hidden, rows_dtype):

@@ -370,29 +370,38 @@ def test_moe_apply_fp8_experts(hidden):
                                                       fp8=fp8), x, params, fp8)
 
 
-def test_fp8_expert_weights_per_rank(monkeypatch):
+def test_fp8_expert_weights_per_rank():
     """With mesh and axis_name, each rank makes the copies of its own experts: the same values as the
-    copies of the whole weights, split over the axis; lowered for CUDA, the quantization kernels' grids
-    cover one rank's experts (without them, every device would quantize all the experts)."""
+    copies of the whole weights, split over the axis."""
     buffer, _, (_, w_in, w_out) = _layer_inputs(4, 11)
     mesh, axis = buffer.mesh, buffer.axis_name
-    num_local = w_in.shape[0] // mesh.shape[axis]
     per_rank = jax.jit(lambda a, b: ml.fp8_expert_weights(a, b, mesh=mesh, axis_name=axis))(w_in, w_out)
     whole = jax.jit(ml.fp8_expert_weights)(w_in, w_out)
     for got, want in zip(jax.tree.leaves(per_rank), jax.tree.leaves(whole)):
         assert got.sharding.spec[0] == axis
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-
-    monkeypatch.setattr(fp8_quant, "triton_fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
-    split = NamedSharding(mesh, P(axis))  # shapes the kernels tile
-    shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]
-    for kwargs, experts in ((dict(mesh=mesh, axis_name=axis), num_local), ({}, w_in.shape[0])):
-        text = jax.jit(lambda a, b, kw=kwargs: ml.fp8_expert_weights(a, b, **kw)).trace(*shapes).lower(
-            lowering_platforms=("cuda",)).as_text()
-        grids = {int(g) for g in re.findall(r"grid_x = (\d+) : i32", text)}  # grid x: the experts (the batch)
-        assert text.count("xla.gpu.triton") == 4 and grids == {experts}, (kwargs.keys(), grids)
     with pytest.raises(ValueError, match="give both mesh and axis_name"):
         ml.fp8_expert_weights(w_in, w_out, mesh=mesh)
+
+
+@pytest.mark.extension
+def test_fp8_expert_weights_lower_per_rank(monkeypatch):
+    """Lowered for CUDA, the quantization kernels (the extension's: an amax and a store call per weight)
+    take one rank's experts with mesh and axis_name (without them, every device would quantize all the
+    experts)."""
+    buffer, _, (_, w_in, _) = _layer_inputs(4, 11)
+    mesh, axis = buffer.mesh, buffer.axis_name
+    monkeypatch.setattr(fp8_quant, "triton_fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
+    monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
+    split = NamedSharding(mesh, P(axis))
+    shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]
+    for kwargs, experts in ((dict(mesh=mesh, axis_name=axis), w_in.shape[0] // mesh.shape[axis]),
+                            ({}, w_in.shape[0])):
+        text = jax.jit(lambda a, b, kw=kwargs: ml.fp8_expert_weights(a, b, **kw)).trace(*shapes).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call @deep_ep_jax_fp8_" in line]
+        batches = {int(b) for line in calls for b in re.findall(r"\(tensor<(\d+)x\d+x\d+xbf16>", line)}
+        assert len(calls) == 4 and batches == {experts}, (kwargs.keys(), calls)
 
 
 def _grouped_and_grads(rows, alignment, x, idx, weights, w_in, w_out, probe):

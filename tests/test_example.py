@@ -68,11 +68,13 @@ def _dense_and_grads(x, topk_idx, topk_weights, w_in, w_out, probe):
 
 
 def _assert_close(got, want, what, rel=3e-2):
+    """Asserts got is finite and within rel of want's largest value; returns the error as that fraction."""
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all(), f"{what}: non-finite values"
     scale = np.abs(want).max() + 1e-6
     err = np.abs(got - want).max()
     assert err <= rel * scale, f"{what}: max error {err:.3g} vs scale {scale:.3g}"
+    return err / scale
 
 
 def _mesh():

@@ -1,17 +1,19 @@
-"""FP8 quantization of the grouped GEMM's operands: the kernels of deep_ep_jax.fp8_quant (Triton's, and
-the extension's CUDA ones for quantize_rows_and_columns) against the same maths in XLA, at one rank's
-shapes of the MoE benchmark.
+"""FP8 quantization of the grouped GEMM's operands: the kernels of deep_ep_jax.fp8_quant (the extension's
+CUDA ones, and quantize_rows' Triton one) against the same maths in XLA, at one rank's shapes of the MoE
+benchmark.
 
-    python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--sweep]
+    python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--cases a,b] [--sweep]
 
 Per case and impl: device time per call (from the first kernel's start to the last one's end, in a
 profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
 time gives for the bytes a call must move (its input read once, its outputs written once); then
 whether each impl's outputs agree with the first's bit for bit (NaN for NaN); an impl a case's function
-does not take (triton for quantize_rows, cuda for quantize_rows_and_columns) is left out. --sweep: the
+does not take (triton for quantize_rows_and_columns) is left out. --sweep: the
 Triton kernel's time with other tiles (fp8_quant.QuantTiles), one profiled call each. Cases:
   fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
   rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
+  swiglu h                                  quantize_rows(gate_up [rows, 4096], swiglu=True): the hidden
+                                            rows of the SwiGLU (triton: XLA's SwiGLU, then the kernel)
   backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, 7168] and
                                             [1, rows, 4096] with x's row scales (the FP8 weight gradient)
 """
@@ -47,6 +49,12 @@ def cases(args):
 
     both = lambda a, m, impl, tiles: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
     rows = lambda a, m, impl, tiles: fp8_quant.quantize_rows(a, impl=impl, tiles=tiles)
+
+    def swiglu(a, m, impl, tiles):  # triton: the SwiGLU by XLA, then the Triton kernel (no fused one)
+        if impl == "triton":
+            return fp8_quant.quantize_rows(fp8_quant.swiglu_values(a), impl=impl, tiles=tiles)
+        return fp8_quant.quantize_rows(a, swiglu=True, impl=impl)
+
     e, r = args.experts, args.rows
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
     return [
@@ -54,10 +62,14 @@ def cases(args):
         ("fp8_weights(w_out)", both, lambda: normal((e, 2048, 7168)), None),
         ("rows x", rows, lambda: normal((r, 7168)), None),
         ("rows h", rows, lambda: normal((r, 2048)), None),
+        ("swiglu h", swiglu, lambda: normal((r, 4096)), None),
         ("backward dy_out", both, lambda: normal((1, r, 7168)), x_scales),
         ("backward dy_in", both, lambda: normal((1, r, 4096)), x_scales),
     ]
 
+
+# The cases of quantize_rows_and_columns (the others are quantize_rows').
+BOTH_CASES = ("fp8_weights(w_in)", "fp8_weights(w_out)", "backward dy_out", "backward dy_in")
 
 # --sweep: tiles tried, one group of QuantTiles' fields at a time (the others at their defaults).
 SWEEP = {
@@ -76,8 +88,9 @@ def main():
     p.add_argument("--rows", type=int, default=40704, help="expert-major rows (a multiple of 128)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--impls", default="xla,triton,cuda",
-                   help="cuda: the extension's kernels (quantize_rows_and_columns only)")
+                   help="cuda: the extension's kernels; triton: quantize_rows' Triton kernel")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
                    help="also quantize_rows' Triton kernel with other tiles")
     p.add_argument("--json", help="write the results here")
@@ -90,11 +103,14 @@ def main():
     impls = args.impls.split(",")
     results = []
     print("\n| case | impl | ms median | ms min-max | GB/s | kernels, ms |\n|---|---|---|---|---|---|")
+    chosen = set(filter(None, args.cases.split(",")))
     for name, fn, make, m in cases(args):
+        if chosen and name not in chosen:
+            continue
         a = jax.block_until_ready(make())
         outputs = {}
         for impl in impls:
-            if impl not in (fp8_quant.IMPLS if name.startswith("rows") else fp8_quant.ROWS_AND_COLUMNS_IMPLS):
+            if impl not in (fp8_quant.ROWS_AND_COLUMNS_IMPLS if name in BOTH_CASES else fp8_quant.IMPLS):
                 continue
             run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl, fp8_quant.DEFAULT_TILES))
             outputs[impl] = jax.block_until_ready(run(a, m))

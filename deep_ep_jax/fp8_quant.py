@@ -1,6 +1,7 @@
 """FP8 quantization of the grouped GEMM's operands: one scale per row, or per row and per column.
 
     data, scales = quantize_rows(a)               # a [..., C] -> float8 [..., C], float32 [...]
+    data, scales = quantize_rows(gate_up, swiglu=True)   # the rows of swiglu_values(gate_up [..., 2C])
     rows, row_scales, cols, col_scales = quantize_rows_and_columns(a, col_multipliers)
         # a [B, R, C] -> rows: a quantized per row, as quantize_rows;
         #               cols [B, C, R]: (a * col_multipliers[..., None]) quantized per column, transposed
@@ -10,14 +11,15 @@ A scale is max(amax, FP8_MIN_AMAX) / 448 and a value clip(v * (1 / scale), -448,
 nearest float8_e4m3fn (ties to even), 1 / scale correctly rounded: the same maths, bit for bit, as numpy's,
 on every path (XLA's GPU division is not correctly rounded: the XLA path refines it). XLA computes it on
 CPUs (and where the kernels below do not take the shape) in a pass per reduction and per conversion. On
-CUDA GPUs with FP8 conversions (compute capability 8.9 and up) kernels read `a` fewer times:
-quantize_rows a Pallas Triton kernel in one pass (a program takes a few whole rows: their amax, then their
-values again, from L2); quantize_rows_and_columns the extension's CUDA kernels in two (both amaxes; then
-both copies from one read, the columns' transposed through shared memory), with 64-bit offsets (the
-weights' copies hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts
-above inf (a float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight
-gradient quantizes its dy. (jax 0.11 marks Pallas' Triton backend deprecated in favour of Mosaic GPU: a
-port of quantize_rows is due.)
+CUDA GPUs with FP8 conversions (compute capability 8.9 and up) the extension's CUDA kernels read `a` fewer
+times: quantize_rows in one pass (a warp per row: its amax, then its values again, from L1 or L2), with
+swiglu=True from gate_up, so that the SwiGLU's bf16 rows are never written (its values are XLA's maths
+where XLA's exp rounds as CUDA's expf); quantize_rows_and_columns in two (both amaxes; then both copies
+from one read, the columns' transposed through shared memory), with 64-bit offsets (the weights' copies
+hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts above inf (a
+float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight gradient
+quantizes its dy. quantize_rows also has a Pallas Triton kernel (impl="triton"; jax 0.11 marks Pallas'
+Triton backend deprecated), which "auto" takes for other float dtypes where it tiles them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ FP8_MAX = 448.0
 # activations' FP8 (an all-zero row gets zeros).
 FP8_MIN_AMAX = 1e-30
 
-IMPLS = ("auto", "triton", "xla")  # quantize_rows
+IMPLS = ("auto", "cuda", "triton", "xla")  # quantize_rows
 ROWS_AND_COLUMNS_IMPLS = ("auto", "cuda", "xla")  # quantize_rows_and_columns
 # Pallas Triton indexes an array of at most 4 GiB with 32-bit offsets, which overflow past 2^31 float8
 # elements (past 4 GiB it takes 64-bit ones).
@@ -60,16 +62,29 @@ class QuantTiles:
 DEFAULT_TILES = QuantTiles()
 
 
-def quantize_rows(a, *, impl: str = "auto", interpret: bool = False, tiles: QuantTiles = DEFAULT_TILES):
+def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto", interpret: bool = False,
+                  tiles: QuantTiles = DEFAULT_TILES):
     """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row.
-    impl: "auto" (Triton where it runs and the shape fits, else XLA), "triton" or "xla";
-    interpret: run the Triton kernel in Pallas' interpreter (CPU tests). No gradient flows through
-    (rounding's derivative is 0 almost everywhere; both functions stop it). tiles: the kernels'."""
+    swiglu=True: a [..., 2C] holds [gate, up] and the rows quantized are swiglu(a), bf16 (never written).
+    impl: "auto" (the extension's CUDA kernel where it runs and takes a: bf16, C a multiple of 8; else
+    Triton where it runs and the shape fits; else XLA), "cuda", "triton" or "xla"; interpret: run the
+    Triton kernel in Pallas' interpreter (CPU tests). No gradient flows through (rounding's derivative is 0
+    almost everywhere; every path stops it). tiles: the Triton kernel's."""
     _check_impl(impl)
     a = lax.stop_gradient(a)
     if a.ndim < 1:
         raise ValueError(f"quantize_rows: a needs a row axis, got shape {tuple(a.shape)}")
-    rows, cols = int(np.prod(a.shape[:-1])), a.shape[-1]
+    if swiglu and (a.shape[-1] % 2 or a.dtype != jnp.bfloat16):
+        raise ValueError(f"quantize_rows: swiglu=True needs bf16 a [..., 2C], got {a.dtype} {tuple(a.shape)}")
+    cols = a.shape[-1] // 2 if swiglu else a.shape[-1]
+    if _use_cuda("quantize_rows", impl, a, a.dtype == jnp.bfloat16 and cols % 8 == 0,
+                 "bf16 a with C a multiple of 8"):
+        return _cuda_quantize_rows(a, swiglu)
+    if swiglu:
+        if impl == "triton":
+            raise ValueError("quantize_rows: swiglu=True has no Triton kernel (impl='cuda' or 'xla')")
+        return _quantize_rows_xla(swiglu_values(a))
+    rows = int(np.prod(a.shape[:-1]))
     chunk = min(tiles.rows_chunk, cols & -cols)  # the widest power of two that divides C, at most rows_chunk
     fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL and _kernel_dtype(a)
     if not _use_triton(impl, interpret, fits, "quantize_rows",
@@ -78,6 +93,12 @@ def quantize_rows(a, *, impl: str = "auto", interpret: bool = False, tiles: Quan
         return _quantize_rows_xla(a)
     data, scales = _rows_kernel(a.reshape(rows, cols), chunk, interpret, tiles)
     return data.reshape(a.shape), scales.reshape(a.shape[:-1])
+
+
+def swiglu_values(gate_up):
+    """bf16(silu(gate) * up) in float32 of gate_up [..., 2C] = [gate, up] along the last axis: [..., C]."""
+    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
 
 
 def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
@@ -97,7 +118,9 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
                          f"got {tuple(col_multipliers.shape)}")
     if col_multipliers is not None:
         a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))  # (shard_map) typed alike
-    if _use_cuda(impl, a):
+    if _use_cuda("quantize_rows_and_columns", impl, a,
+                 a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31,
+                 "bf16 a with C a multiple of 128"):
         return _cuda_rows_and_columns(a, col_multipliers)
     z = a.astype(jnp.float32) if col_multipliers is None else _times_multipliers(a.astype(jnp.float32),
                                                                                   col_multipliers[..., None])
@@ -214,16 +237,15 @@ def _check_impl(impl, impls=IMPLS):
         raise ValueError(f"fp8_quant: impl must be one of {impls}, got {impl!r}")
 
 
-def _use_cuda(impl, a) -> bool:
-    """Whether quantize_rows_and_columns runs the extension's kernels (bf16 a, C a multiple of 128)."""
-    fits = a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31
+def _use_cuda(fn, impl, a, fits, need) -> bool:
+    """Whether fn runs the extension's kernels: impl "cuda" (which raises where a does not fit them or the
+    extension does not load), or "auto" where they fit and run (a GPU with FP8 conversions)."""
     if impl == "cuda":
         if not fits:
-            raise ValueError(f"quantize_rows_and_columns: impl='cuda' needs bf16 a with C a multiple of 128, got "
-                             f"{a.dtype} {tuple(a.shape)}")
+            raise ValueError(f"{fn}: impl='cuda' needs {need}, got {a.dtype} {tuple(a.shape)}")
         reason = _native.unavailable_reason()
         if reason:
-            raise RuntimeError(f"quantize_rows_and_columns: impl='cuda' is not available: {reason}")
+            raise RuntimeError(f"{fn}: impl='cuda' is not available: {reason}")
         return True
     return impl == "auto" and fits and triton_fp8_gpu() and _native.unavailable_reason() is None
 
@@ -246,11 +268,21 @@ def triton_fp8_gpu(device=None) -> bool:
 # CUDA kernels (the extension's; csrc/kernels/expert_major.cu) ---------------------------------------------
 
 
-def _cuda_rows_and_columns(a, col_multipliers):
+def _cuda_ops():
+    """The extension's FP8 targets (backends/cuda/expert_major.py), registered with XLA."""
     from deep_ep_jax.backends.cuda import expert_major as cuda
     from deep_ep_jax.backends.cuda import lifecycle
 
     lifecycle.register_ffi_targets()
+    return cuda
+
+
+def _cuda_quantize_rows(a, swiglu):
+    return _cuda_ops().fp8_quantize_rows(a, swiglu)
+
+
+def _cuda_rows_and_columns(a, col_multipliers):
+    cuda = _cuda_ops()
     row_bits, col_bits = cuda.fp8_amax(a, col_multipliers)
     as_float = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
     row_scales, col_scales = _scales(as_float(row_bits)), _scales(as_float(jnp.max(col_bits, axis=1)))

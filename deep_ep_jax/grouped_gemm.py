@@ -67,7 +67,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from deep_ep_jax import hopper_gemm
-from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns
+from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
 from deep_ep_jax.hopper_gemm import HopperTiles
 from deep_ep_jax.varying import vary_over, vary_together, vma
 
@@ -184,6 +184,41 @@ class Fp8Rows:
     # float8_e4m3fn [K, M], data transposed, which the FP8 weight gradient reads (FP8 WGMMA takes both
     # operands contraction-major), or None: then the matmul transposes data itself. expand makes it.
     data_t: jax.Array | None = None
+
+
+def swiglu(gate_up, *, fp8_rows: bool = False):
+    """silu(gate) * up in float32, bf16 [M, F], of gate_up bf16 [M, 2F] = [gate, up] along its last axis
+    (the experts' first matmul's output). fp8_rows=True: the same rows as an Fp8Rows (quantize_rows of
+    them) for the next grouped_matmul(..., fp8_weights=), made in one pass over gate_up by the extension's
+    kernel where it runs: the bf16 rows are never written. Its gradient reaches gate_up through the
+    Fp8Rows' grad_sink. Meant for fp8_weights(w, weight_grad=True), whose dw reads the FP8 rows anyway;
+    with bf16 weight gradients dw would come from the dequantized rows."""
+    if not fp8_rows:
+        return swiglu_values(gate_up)
+    _validate_array("gate_up", gate_up, 2)
+    if gate_up.dtype != jnp.bfloat16 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu: fp8_rows=True needs bf16 gate_up [M, 2F], got {gate_up.dtype} "
+                         f"{tuple(gate_up.shape)}")
+    data, scales = quantize_rows(gate_up, swiglu=True)  # no gradient: the sink's backward gives gate_up's
+    return Fp8Rows(data, scales, _swiglu_sink(gate_up))
+
+
+@jax.custom_vjp
+def _swiglu_sink(gate_up):
+    """Zeros shaped as swiglu(gate_up), whose cotangent (the rows' gradient) is taken back through
+    swiglu_values."""
+    return vary_over(jnp.zeros((gate_up.shape[0], gate_up.shape[1] // 2), gate_up.dtype), vma(gate_up))
+
+
+def _swiglu_sink_fwd(gate_up):
+    return _swiglu_sink(gate_up), gate_up
+
+
+def _swiglu_sink_bwd(gate_up, g_rows):
+    return jax.vjp(swiglu_values, gate_up)[1](g_rows)
+
+
+_swiglu_sink.defvjp(_swiglu_sink_fwd, _swiglu_sink_bwd)
 
 
 def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,

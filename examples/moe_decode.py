@@ -60,6 +60,7 @@ from deep_ep_jax import (
     low_latency_dispatch_send,
     low_latency_overlap,
 )
+from deep_ep_jax.grouped_gemm import swiglu
 
 # --------------------------------------------------------------------------
 # Experts on the low-latency dispatch's rows (per rank)
@@ -94,8 +95,7 @@ def expert_mlp(recv_x, recv_count, w_in, w_out, num_rows: int):
         rows = [blocks.reshape(q.shape)]
     x = rows[0].astype(jnp.bfloat16)
 
-    gate, up = jnp.split(grouped_matmul(x, w_in.astype(jnp.bfloat16), recv_count).astype(jnp.float32), 2, -1)
-    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    hidden = swiglu(grouped_matmul(x, w_in.astype(jnp.bfloat16), recv_count))
     out = grouped_matmul(hidden, w_out.astype(jnp.bfloat16), recv_count)
 
     # Expand: row i of expert e is packed row offsets[e] + i.

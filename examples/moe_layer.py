@@ -53,7 +53,7 @@ from deep_ep_jax import (
     grouped_matmul_reduce,
 )
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu
+from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu, swiglu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
 
@@ -122,9 +122,7 @@ def _expert_ffn_ragged(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out):
     # the ragged_dot lowering does with rows past sum(group_sizes).
     pairs = jnp.where(valid[order][:, None], _take_pairs(recv_x, order, topk), 0).astype(jnp.bfloat16)
 
-    gate_up = jax.lax.ragged_dot(pairs, w_in.astype(jnp.bfloat16), group_sizes)
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    hidden = swiglu(jax.lax.ragged_dot(pairs, w_in.astype(jnp.bfloat16), group_sizes))
     # bf16 products keep the backward's grouped matmuls in bf16 too.
     out = jax.lax.ragged_dot(hidden, w_out.astype(jnp.bfloat16), group_sizes)
     out = out.astype(jnp.float32) * recv_topk_weights.reshape(-1)[order][:, None]
@@ -225,9 +223,7 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     # Padding rows of recv_x may hold any bits (NaN too): only kept pairs are read.
     slots = _rows_to_slots(recv_x.astype(jnp.bfloat16), slot_pair, pair_slot, topk)
     slots = slots.reshape(num_local_experts, capacity, hidden)
-    gate_up = jnp.einsum("ech,ehf->ecf", slots, w_in.astype(jnp.bfloat16))
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    hidden_act = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    hidden_act = swiglu(jnp.einsum("ech,ehf->ecf", slots, w_in.astype(jnp.bfloat16)))
     out = jnp.einsum("ecf,efh->ech", hidden_act, w_out.astype(jnp.bfloat16)).reshape(num_slots, hidden)
 
     out = _slots_to_pairs(out, pair_slot, slot_pair).astype(jnp.float32) * recv_topk_weights.reshape(-1)[:, None]
@@ -251,8 +247,8 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     kwargs = dict(aligned_groups=alignment % aligned_rows() == 0, valid_sizes=pairs)
     w_in8, w_out8 = fp8 or (None, None)
     gate_up = grouped_matmul(expert_x, w_in.astype(jnp.bfloat16), group_sizes, fp8_weights=w_in8, **kwargs)
-    gate, up = jnp.split(gate_up.astype(jnp.float32), 2, axis=-1)
-    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    # With FP8 weight gradients the hidden rows go straight to FP8 (one pass over gate_up).
+    hidden = swiglu(gate_up, fp8_rows=w_out8 is not None and w_out8.weight_grad)
     if reduce_with is not None:
         return grouped_matmul_reduce(hidden, w_out.astype(jnp.bfloat16), group_sizes, *reduce_with,
                                      fp8_weights=w_out8, **kwargs)

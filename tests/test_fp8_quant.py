@@ -106,7 +106,11 @@ def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit(monkeypatch):
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"), "impl must be one of"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="mgpu"), "impl must be one of"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"), "impl='cuda' needs bf16 a with C a multiple of 8"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True), r"swiglu=True needs bf16 a \[..., 2C\]"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), swiglu=True), r"swiglu=True needs bf16"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 32), jnp.bfloat16), swiglu=True, impl="triton"), "no Triton kernel"),
     (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
     (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
     (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
@@ -123,6 +127,41 @@ def test_rows_kernel_lowers_for_cuda():
     text = jax.jit(lambda a: fp8_quant.quantize_rows(a, impl="triton")).trace(a).lower(
         lowering_platforms=("cuda",)).as_text()
     assert 'name = "fp8_quantize_rows"' in text
+
+
+def test_swiglu_rows_match_numpy():
+    """quantize_rows(gate_up, swiglu=True) quantizes swiglu_values(gate_up): bf16(silu(gate) * up), within
+    bf16's rounding of float64 maths (XLA's exp and numpy's may differ in float32's last bit), then
+    numpy's quantization of those bf16 values bit for bit."""
+    rng = np.random.default_rng()
+    gate_up = skewed(rng, (3, 64, 2 * 136))
+    gate_up[0, 5, :10] = [100, -100, 90, -90, 0, np.nan, np.inf, -np.inf, 1e-30, -1e-30]
+    data, scales = jax.jit(lambda a: fp8_quant.quantize_rows(a, swiglu=True, impl="xla"))(gate_up)
+    hidden = as_float(fp8_quant.swiglu_values(gate_up))
+    g, u = np.split(np.asarray(gate_up, np.float64), 2, axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        exact = g / (1 + np.exp(-g)) * u
+    finite = np.isfinite(exact)
+    # atol: the tiny row's products fall to float32's subnormals, which XLA's CPU code flushes to 0.
+    np.testing.assert_allclose(hidden[finite], exact[finite], rtol=2**-8, atol=1e-30)
+    assert np.array_equal(np.isnan(hidden), np.isnan(exact))
+    want_values, want_scales = oracle.fp8_row_parts(hidden)
+    np.testing.assert_array_equal(as_float(scales), want_scales[..., 0])
+    np.testing.assert_array_equal(as_float(data), want_values)
+    assert data.shape == (3, 64, 136)
+
+
+@pytest.mark.extension
+def test_rows_lower_for_cuda(monkeypatch):
+    """quantize_rows (and its swiglu rows) lower to the extension's one custom call."""
+    monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
+    for shape, swiglu in (((2, 256, 392), False), ((256, 2 * 392), True)):
+        a = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+        text = jax.jit(lambda a: fp8_quant.quantize_rows(a, swiglu=swiglu, impl="cuda")).trace(a).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+        assert len(calls) == 1 and "@deep_ep_jax_fp8_quantize_rows" in calls[0], calls
+        assert f"swiglu = {str(swiglu).lower()}" in calls[0], calls[0]
 
 
 @pytest.mark.extension

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax import _native
+from deep_ep_jax import _native, fp8_quant
 from deep_ep_jax import grouped_gemm as gg
 from deep_ep_jax import grouped_matmul, hopper_gemm, testing
 
@@ -476,6 +476,38 @@ def test_fp8_matches_numpy(kind, num_groups, weight_grad):
     for got, want, name in ((y, oracle.forward(x, w, sizes), "y"), (dx, oracle.input_grad(dy, w, sizes), "dx"),
                             (dw, oracle.weight_grad(x, dy, sizes), "dw")):
         assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 0.1 * np.linalg.norm(want), f"{what}: {name}"
+
+
+def test_swiglu_fp8_rows_match_bf16_rows():
+    """swiglu(gate_up, fp8_rows=True) into grouped_matmul with FP8 weight gradients: the same y and the
+    same gradients of gate_up and w, bit for bit, as the bf16 rows swiglu(gate_up), which the matmul
+    quantizes itself the same way; the rows' gradient reaches gate_up through the grad_sink."""
+    rng = np.random.default_rng()
+    num_rows, num_groups, ffn = 96, 4, 40
+    sizes = make_sizes(rng, "padding", num_rows, num_groups)
+    gate_up = np.asarray(rng.standard_normal((num_rows, 2 * ffn)) * 2, ml_dtypes.bfloat16)
+    w = np.asarray(rng.standard_normal((num_groups, ffn, N)) / np.sqrt(ffn), ml_dtypes.bfloat16)
+    dy = np.asarray(rng.standard_normal((num_rows, N)), ml_dtypes.bfloat16)
+
+    def run(fp8_rows):
+        def f(gate_up, w):
+            rows = gg.swiglu(gate_up, fp8_rows=fp8_rows)
+            assert isinstance(rows, gg.Fp8Rows) == fp8_rows
+            return grouped_matmul(rows, w, sizes, impl="xla", fp8_weights=gg.fp8_weights(w, weight_grad=True))
+        y, vjp = jax.vjp(f, gate_up, w)
+        return (y, *vjp(dy))
+
+    got, want = jax.jit(lambda: run(True))(), jax.jit(lambda: run(False))()
+    for name, g, w_ in zip(("y", "d gate_up", "dw"), got, want):
+        assert g.dtype == w_.dtype and g.shape == w_.shape, name
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32), err_msg=name)
+    assert np.abs(np.asarray(got[1], np.float32)[: int(sizes.sum())]).max() > 0
+    rows = jax.jit(lambda a: gg.swiglu(a, fp8_rows=True))(gate_up)
+    want_data, want_scales = fp8_quant.quantize_rows(gg.swiglu(gate_up), impl="xla")
+    np.testing.assert_array_equal(np.asarray(rows.data, np.float32), np.asarray(want_data, np.float32))
+    np.testing.assert_array_equal(np.asarray(rows.scales), np.asarray(want_scales))
+    with pytest.raises(ValueError, match=r"fp8_rows=True needs bf16 gate_up \[M, 2F\]"):
+        gg.swiglu(jnp.ones((4, 6), jnp.float32), fp8_rows=True)
 
 
 def test_fp8_weights_copies():

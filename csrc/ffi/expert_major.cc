@@ -59,6 +59,14 @@ namespace {
   RET(ffi::AnyBuffer, rows)                                  \
   RET(ffi::AnyBuffer, cols)
 
+// fp8_quant.quantize_rows of bf16 x [..., C] (swiglu: of silu(g) * u of x
+// [..., 2C] = [g, u]) into data float8 [..., C] and scales [...].
+#define FP8_QUANTIZE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
+  ARG(ffi::Buffer<ffi::BF16>, x)                          \
+  RET(ffi::AnyBuffer, data)                               \
+  RET(ffi::Buffer<ffi::F32>, scales)                      \
+  ATTR(bool, swiglu)
+
 // weights [N, K] for the weighted sum, [N, 0] for the plain one.
 #define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
   ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
@@ -219,6 +227,26 @@ ffi::Error Fp8RowsAndColumns(DEEP_EP_JAX_HANDLER_PARAMS(FP8_ROWS_AND_COLUMNS)) {
   return Launched(fn, LaunchTransposedRows(copy, true, stream));
 }
 
+ffi::Error Fp8QuantizeRows(DEEP_EP_JAX_HANDLER_PARAMS(FP8_QUANTIZE_ROWS)) {
+  constexpr const char* fn = "fp8_quantize_rows";
+  const Dims dims = x.dimensions();
+  if (dims.size() < 1) return Invalid(fn, "x needs a row axis");
+  const int64_t cols = swiglu ? dims.back() / 2 : dims.back();
+  if (cols % 8 != 0 || (swiglu && dims.back() % 2 != 0)) {
+    return Invalid(fn, std::string("C must be a multiple of 8") + (swiglu ? " (x's last axis 2C)" : "") + ", got " +
+                           ShapeString(dims));
+  }
+  const int64_t num_rows = cols == 0 ? 0 : x.element_count() / dims.back();
+  if (data->element_type() != ffi::DataType::F8E4M3FN) return Invalid(fn, "data must be float8_e4m3fn");
+  if (int64_t(data->element_count()) != num_rows * cols || int64_t(scales->element_count()) != num_rows) {
+    return Invalid(fn, "data must hold the rows' " + Str(num_rows * cols) + " values, scales their " +
+                           Str(num_rows) + " scales");
+  }
+  return Launched(fn, LaunchQuantizeRows(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), num_rows, cols,
+                                         swiglu, static_cast<uint8_t*>(data->untyped_data()), scales->typed_data(),
+                                         stream));
+}
+
 ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
   constexpr const char* fn = "reduce_rows";
   const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
@@ -250,6 +278,8 @@ DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_amax_rows_and_columns", Fp8AmaxHandler, 
                        {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_rows_and_columns", Fp8RowsAndColumnsHandler, Fp8RowsAndColumns,
                        FP8_ROWS_AND_COLUMNS, {ffi::Traits::kCmdBufferCompatible});
+DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_quantize_rows", Fp8QuantizeRowsHandler, Fp8QuantizeRows, FP8_QUANTIZE_ROWS,
+                       {ffi::Traits::kCmdBufferCompatible});
 DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
                        {ffi::Traits::kCmdBufferCompatible});
 

@@ -354,6 +354,22 @@ __device__ __forceinline__ void BlockExclusiveScan(int (&values)[kCounters], int
 }
 
 // ---------------------------------------------------------------------------
+// FP8 and float maths as XLA computes them for the reference (bit-exact results).
+
+constexpr float kFp8Max = 448.0f;
+// XLA rewrites amax / 448 as amax * (1 / 448): a constant divisor becomes a
+// multiply by its float32 reciprocal.
+constexpr float kInvFp8Max = 1.0f / kFp8Max;
+
+// XLA lowers float32 division to div.full.f32 (-nvptx-prec-divf32=1): up to
+// 2 ulp off, not correctly rounded.
+__device__ __forceinline__ float DivFull(float a, float b) {
+  float r;
+  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// ---------------------------------------------------------------------------
 // bf16 sums in float32.
 
 // Accumulates 8 bf16 in float; packs 8 floats back to bf16 (round to nearest even).

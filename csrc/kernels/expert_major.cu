@@ -29,6 +29,9 @@ constexpr int kAmaxThreads = 256;
 constexpr int kAmaxWarps = kAmaxThreads / kWarpSize;
 constexpr int kAmaxBand = kWarpSize * kChunk;  // columns a warp covers per row: 16 bf16 (32 bytes) a lane
 constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
+constexpr int kQuantizeRowsThreads = 256;      // a warp per row
+constexpr int kQuantizeRowsUnroll = 4;         // chunks per lane with their loads in flight at once
+constexpr float kFp8MinAmax = 1e-30f;          // fp8_quant.FP8_MIN_AMAX
 
 // Pairs per local expert: shared-memory histograms, then one atomic per
 // non-empty bin into the zeroed counts (integer sums: any order gives the same).
@@ -159,10 +162,15 @@ __global__ void __launch_bounds__(kExpandThreads)
   }
 }
 
+// float8_e4m3fn of (a.x, a.y): rounded to nearest even, +-448 where larger
+// (satfinite keeps NaN), as fp8_quant's clip and convert, bit for bit.
+__device__ __forceinline__ uint32_t ToFp8x2(float2 a) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3));
+}
+
 // 16 bf16 values as 16 float8_e4m3fn bytes: fp8(v * multiplier * inverse[j])
-// (inverse null: 1), each product rounded (no fused multiply-add), rounded to
-// nearest even, +-448 where larger (satfinite keeps NaN): fp8_quant's maths,
-// bit for bit.
+// (inverse null: 1), each product rounded (no fused multiply-add): fp8_quant's
+// maths, bit for bit.
 __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float multiplier,
                                                const float* __restrict__ inverse) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(bf16);
@@ -174,8 +182,7 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
     const float2 a = __bfloat1622float2(pairs[2 * q]), b = __bfloat1622float2(pairs[2 * q + 1]);
     const float2 low = make_float2(__fmul_rn(__fmul_rn(a.x, multiplier), s.x), __fmul_rn(__fmul_rn(a.y, multiplier), s.y));
     const float2 high = make_float2(__fmul_rn(__fmul_rn(b.x, multiplier), s.z), __fmul_rn(__fmul_rn(b.y, multiplier), s.w));
-    words[q] = uint32_t(__nv_cvt_float2_to_fp8x2(low, __NV_SATFINITE, __NV_E4M3)) |
-               (uint32_t(__nv_cvt_float2_to_fp8x2(high, __NV_SATFINITE, __NV_E4M3)) << 16);
+    words[q] = ToFp8x2(low) | (ToFp8x2(high) << 16);
   }
   return make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
 }
@@ -350,6 +357,94 @@ __global__ void __launch_bounds__(kAmaxThreads)
   for (int r = threadIdx.x; r < rows; r += blockDim.x) row_amax[first_row + r] = row_max[r];
 }
 
+// 8 values of a row from its 16-byte chunk(s) as float32: bf16 values, or with
+// kSwiglu bf16(silu(g) * u) of the gate chunk raw[0] and the up chunk raw[1]
+// (silu(g) = g * (1 / (1 + exp(-g))), each operation rounded and the division
+// XLA's div.full: as XLA's jax.nn.silu(g) * u where its exp is expf's).
+template <bool kSwiglu>
+__device__ __forceinline__ void RowValues(const int4 (&raw)[kSwiglu ? 2 : 1], float (&v)[8]) {
+  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&raw[0]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 two = __bfloat1622float2(a[j]);
+    v[2 * j] = two.x;
+    v[2 * j + 1] = two.y;
+  }
+  if constexpr (kSwiglu) {
+    const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw[1]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 up = __bfloat1622float2(b[j]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float g = v[2 * j + h], sigmoid = DivFull(1.0f, __fadd_rn(1.0f, expf(-g)));
+        v[2 * j + h] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(g, sigmoid), h ? up.y : up.x)));
+      }
+    }
+  }
+}
+
+// One warp per row (grid-stride): the row's amax (magnitude bits), then its
+// values again (from L1/L2) times the correctly rounded inverse of its scale,
+// max(amax, FP8_MIN_AMAX) / 448, in float8: fp8_quant.quantize_rows, bit for
+// bit. A row is `chunks` 16-byte chunks of bf16 src (kSwiglu: 2 * chunks, the
+// gate's then the up's) and of 8 bytes of dst.
+template <bool kSwiglu>
+__global__ void __launch_bounds__(kQuantizeRowsThreads)
+    QuantizeRowsKernel(const int4* __restrict__ src, int64_t num_rows, int64_t chunks, uint2* __restrict__ dst,
+                       float* __restrict__ scales) {
+  constexpr int kLoads = kSwiglu ? 2 : 1;
+  constexpr int64_t kStep = int64_t(kWarpSize) * kQuantizeRowsUnroll;
+  const int lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
+  for (int64_t row = int64_t(blockIdx.x) * warps + threadIdx.x / kWarpSize; row < num_rows;
+       row += int64_t(gridDim.x) * warps) {
+    const int4* in = src + row * chunks * kLoads;
+    // Loads of kQuantizeRowsUnroll chunks in flight, then their values (0 past the row).
+    auto load = [&](int64_t first, int4 (&raw)[kQuantizeRowsUnroll][kLoads]) {
+#pragma unroll
+      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
+        const int64_t c = first + u * kWarpSize;
+#pragma unroll
+        for (int h = 0; h < kLoads; ++h) raw[u][h] = c < chunks ? in[h * chunks + c] : make_int4(0, 0, 0, 0);
+      }
+    };
+    int bits = 0;
+    for (int64_t first = lane; first < chunks; first += kStep) {
+      int4 raw[kQuantizeRowsUnroll][kLoads];
+      load(first, raw);
+#pragma unroll
+      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
+        float v[8];
+        RowValues<kSwiglu>(raw[u], v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) bits = max(bits, MagnitudeBits(v[j]));
+      }
+    }
+    const float amax = __int_as_float(__reduce_max_sync(0xffffffffu, bits));
+    const float scale = amax != amax ? amax : __fmul_rn(fmaxf(amax, kFp8MinAmax), kInvFp8Max);
+    const float inverse = __frcp_rn(scale);  // correctly rounded, as fp8_quant._inverse
+    for (int64_t first = lane; first < chunks; first += kStep) {
+      int4 raw[kQuantizeRowsUnroll][kLoads];
+      load(first, raw);
+#pragma unroll
+      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
+        const int64_t c = first + u * kWarpSize;
+        if (c >= chunks) break;
+        float v[8];
+        RowValues<kSwiglu>(raw[u], v);
+        uint32_t words[2];
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          words[q] = ToFp8x2(make_float2(__fmul_rn(v[4 * q], inverse), __fmul_rn(v[4 * q + 1], inverse))) |
+                     (ToFp8x2(make_float2(__fmul_rn(v[4 * q + 2], inverse), __fmul_rn(v[4 * q + 3], inverse))) << 16);
+        }
+        dst[row * chunks + c] = make_uint2(words[0], words[1]);
+      }
+    }
+    if (lane == 0) scales[row] = scale;
+  }
+}
+
 // One block per token row (grid-stride), one thread per 8 channels: the sum
 // over k in order, each product rounded before its add, as the reference.
 template <bool kWeighted>
@@ -445,6 +540,18 @@ cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int 
   AmaxRowsAndColumnsKernel<<<int(batch * num_strips), kAmaxThreads, 0, stream>>>(
       reinterpret_cast<const int4*>(x), num_rows, cols, row_multipliers, strip_rows, num_strips, row_amax,
       col_amax_parts);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchQuantizeRows(const __nv_bfloat16* src, int64_t num_rows, int64_t cols, bool swiglu, uint8_t* dst,
+                               float* scales, cudaStream_t stream) {
+  if (num_rows == 0 || cols == 0) return cudaSuccess;
+  if (cols % 8 != 0) return cudaErrorInvalidValue;
+  const int warps = kQuantizeRowsThreads / kWarpSize;
+  const int blocks = GridBlocks(num_rows, warps, kMaxGridBlocks);
+  auto kernel = swiglu ? QuantizeRowsKernel<true> : QuantizeRowsKernel<false>;
+  kernel<<<blocks, kQuantizeRowsThreads, 0, stream>>>(reinterpret_cast<const int4*>(src), num_rows, cols / 8,
+                                                      reinterpret_cast<uint2*>(dst), scales);
   return cudaGetLastError();
 }
 

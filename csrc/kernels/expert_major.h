@@ -68,6 +68,15 @@ cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int 
                                      const float* row_multipliers, int strip_rows, int* row_amax,
                                      int* col_amax_parts, cudaStream_t stream);
 
+// fp8_quant.quantize_rows of bf16 rows, bit for bit: dst float8 [num_rows,
+// cols] and scales [num_rows], scale = max(amax, 1e-30) * (1 / 448) (NaN where
+// the row holds one), dst = fp8(v * (1 / scale)), 1 / scale correctly rounded.
+// The rows are src [num_rows, cols], or with `swiglu` the values bf16(silu(g)
+// * u) of src [num_rows, 2 * cols] = [g, u] (XLA's maths where its exp is
+// CUDA's expf). cols % 8 == 0.
+cudaError_t LaunchQuantizeRows(const __nv_bfloat16* src, int64_t num_rows, int64_t cols, bool swiglu, uint8_t* dst,
+                               float* scales, cudaStream_t stream);
+
 // out[n] = bf16(0 + term(n, 0) + term(n, 1) + ...) in float32 over k with
 // pair_row[n, k] in [0, num_rows): term = weight * float32(expert_y row),
 // rounded to float32 before the add (no fused multiply-add), or the row

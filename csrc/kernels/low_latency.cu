@@ -43,7 +43,6 @@ constexpr int kThreads = 512;
 constexpr int kBlocksPerSm = 1;
 constexpr int kWarps = kThreads / 32;
 constexpr int kScanScratch = kWarpSize + 1;  // BlockExclusiveScanInPlace: a sum per warp, the total
-constexpr float kFp8Max = 448.0f;
 
 enum Kernel { kDispatchSend = 0, kDispatchRecv = 1, kCombineSend = 2, kCombineRecv = 3, kNumKernels = 4 };
 
@@ -284,17 +283,7 @@ __device__ __forceinline__ float CeilPow2(float s) {
   return __uint_as_float(exponent);
 }
 
-// FP8 scales follow what XLA computes for the reference (bit-exact results):
-// XLA rewrites amax / 448 as amax * (1 / 448) (a constant divisor becomes a
-// multiply by its float32 reciprocal), and lowers float32 division to
-// div.full.f32 (-nvptx-prec-divf32=1), so 1 / scale uses the same instruction.
-constexpr float kInvFp8Max = 1.0f / kFp8Max;
-__device__ __forceinline__ float DivFull(float a, float b) {
-  float r;
-  asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
+// FP8 scales follow what XLA computes for the reference (kInvFp8Max, DivFull).
 __device__ __forceinline__ uint32_t Fp8x2(float a, float b, float inv_scale) {
   float2 v;
   v.x = fminf(fmaxf(__fmul_rn(a, inv_scale), -kFp8Max), kFp8Max);

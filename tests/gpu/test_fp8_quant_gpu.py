@@ -1,8 +1,8 @@
-"""deep_ep_jax.fp8_quant's kernels on a GPU (quantize_rows' Triton one, quantize_rows_and_columns' CUDA ones),
-at the MoE benchmark's shapes per rank, on skewed values with zero, NaN, inf and tiny rows: numpy's
-quantization bit for bit on sampled rows, and the XLA maths (which tests/test_fp8_quant.py checks against
-numpy on CPU; on GPUs it refines XLA's division, which is not correctly rounded) bit for bit everywhere;
-impl="auto" must pick the kernels here.
+"""deep_ep_jax.fp8_quant's kernels on a GPU (quantize_rows' CUDA and Triton ones, quantize_rows_and_columns'
+CUDA ones), at the MoE benchmark's shapes per rank, on skewed values with zero, NaN, inf and tiny rows:
+numpy's quantization bit for bit on sampled rows, and the XLA maths (which tests/test_fp8_quant.py checks
+against numpy on CPU; on GPUs it refines XLA's division, which is not correctly rounded) bit for bit
+everywhere; impl="auto" must pick the extension's kernels here.
 
     pytest -m gpu tests/gpu/test_fp8_quant_gpu.py -v
 """
@@ -10,6 +10,7 @@ impl="auto" must pick the kernels here.
 import grouped_gemm_oracle as oracle
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -62,15 +63,70 @@ def check(what, values, got, xla, rng):
     np.testing.assert_array_equal(as_float(flat_data[rows]), want_data, err_msg=f"{what}: data, rows {rows}")
 
 
-@pytest.mark.parametrize("shape", [(40704, 7168), (40704, 2048), (2, 1024, 4096)])
+@pytest.mark.parametrize("shape", [(40704, 7168), (40704, 2048), (2, 1024, 4096), (3, 999, 392)])
 def test_rows_kernel(shape):
+    """quantize_rows on the extension's kernel ("auto" picks it), and on the Triton one where it tiles."""
     rng = np.random.default_rng()
     a = skewed(jax.random.key(rng.integers(1 << 30)), shape)
     run = jax.jit(fp8_quant.quantize_rows, static_argnames="impl")
-    assert "fp8_quantize_rows" in run.lower(a).as_text(), "impl='auto' did not pick the Triton kernel"
+    assert "deep_ep_jax_fp8_quantize_rows" in run.lower(a).as_text(), "impl='auto' did not pick the CUDA kernel"
     got = run(a)
     assert np.isnan(as_float(got[1])[..., 1]).all(), "a NaN must make its row's scale NaN"
-    check(f"quantize_rows {shape}", a, got, run(a, impl="xla"), rng)
+    xla = run(a, impl="xla")
+    check(f"quantize_rows {shape}", a, got, xla, rng)
+    if shape[-1] % 16 == 0 and np.prod(shape[:-1]) % 2 == 0:
+        check(f"quantize_rows {shape}, Triton", a, run(a, impl="triton"), xla, rng)
+
+
+def swiglu_float64(gate_up):
+    """bf16(silu(gate) * up), the maths in float64: [..., C] float32."""
+    g, u = np.split(as_float(gate_up).astype(np.float64), 2, axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        h = g / (1 + np.exp(-g)) * u
+    return np.asarray(h.astype(ml_dtypes.bfloat16), np.float32)
+
+
+@pytest.mark.parametrize("shape", [(40704, 4096), (3, 999, 784)])
+def test_swiglu_rows_kernel(shape):
+    """quantize_rows(gate_up, swiglu=True) on the extension's kernel: bf16(silu(g) * u) quantized per
+    row, never written. Against XLA's maths (swiglu_values, then quantize_rows), bit for bit but where
+    XLA's exp rounds otherwise than CUDA's expf (counted and shown), and against float64 maths on
+    sampled rows. Gates reach +-100 (exp(100) overflows to inf: silu 0), with NaN, inf, zero and tiny
+    rows."""
+    rng = np.random.default_rng()
+    key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
+    gate_up = skewed(key1, shape).astype(jnp.float32)
+    lead = (slice(None),) * (len(shape) - 2)
+    gate_up = gate_up.at[lead + (slice(4, 8), slice(0, 64))].set(
+        100 * jax.random.uniform(key2, shape[:-2] + (4, 64), minval=-1)).astype(jnp.bfloat16)
+    run = jax.jit(fp8_quant.quantize_rows, static_argnames=("swiglu", "impl"))
+    assert "deep_ep_jax_fp8_quantize_rows" in run.lower(gate_up, swiglu=True).as_text()
+    data, scales = run(gate_up, swiglu=True)
+    xla_data, xla_scales = run(gate_up, swiglu=True, impl="xla")
+    assert data.shape == xla_data.shape == shape[:-1] + (shape[-1] // 2,)
+    count, where = _differ(data, xla_data)
+    scale_count = int(np.sum(~((as_float(scales) == as_float(xla_scales)) |
+                                (np.isnan(as_float(scales)) & np.isnan(as_float(xla_scales))))))
+    print(f"swiglu {shape}: {int(count)} of {data.size} values and {scale_count} of {scales.size} scales differ "
+          f"from XLA's maths")
+    assert int(count) <= data.size * 1e-4 and scale_count <= scales.size * 1e-3, \
+        f"{int(count)} values and {scale_count} scales differ from XLA's, the first at {where.tolist()}"
+    assert np.isnan(as_float(scales)[..., 1]).all(), "a NaN must make its row's scale NaN"
+    # Sampled rows against float64 maths: within FP8's rounding (2^-4 relative, 2^-9 scales near 0) and
+    # bf16's (2^-8).
+    flat_h = swiglu_float64(gate_up).reshape(-1, shape[-1] // 2)
+    flat_data, flat_scales = as_float(data).reshape(flat_h.shape), as_float(scales).reshape(-1)
+    rows = np.unique(np.concatenate([[0, 3, 4, 5, 6, 7], rng.integers(0, flat_h.shape[0], 60)]))
+    rows = rows[np.isfinite(flat_scales[rows])]  # not the NaN and inf rows (checked against XLA above)
+    got = flat_data[rows] * flat_scales[rows, None]
+    want = flat_h[rows]
+    amax = np.max(np.abs(want), axis=1, keepdims=True)
+    np.testing.assert_allclose(flat_scales[rows], np.maximum(amax[:, 0], 1e-30) / 448, rtol=2**-7,
+                               err_msg="swiglu: scales against float64 maths")
+    bound = 2**-4 * np.abs(want) + 2**-8 * np.abs(want) + 2**-9 * flat_scales[rows, None]
+    bad = ~(np.abs(got - want) <= bound)
+    assert not bad.any(), f"swiglu: {bad.sum()} values off float64 maths, rows {rows[np.any(bad, axis=1)][:5]}"
+    assert not flat_data[0].any(), "an all-zero row must give zeros"
 
 
 # (shape, multipliers): fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past 32-bit

@@ -27,7 +27,10 @@ FP8_AMAX = FfiTarget("deep_ep_jax_fp8_amax_rows_and_columns", ("row_amax", "col_
                      vmap_method="sequential", ordered=False)
 FP8_ROWS_AND_COLUMNS = FfiTarget("deep_ep_jax_fp8_rows_and_columns", ("rows", "cols"), vmap_method="sequential",
                                  ordered=False)
-TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS, FP8_AMAX, FP8_ROWS_AND_COLUMNS)
+FP8_QUANTIZE_ROWS = FfiTarget("deep_ep_jax_fp8_quantize_rows", ("data", "scales"), vmap_method="sequential",
+                              ordered=False)
+TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS, FP8_AMAX, FP8_ROWS_AND_COLUMNS,
+           FP8_QUANTIZE_ROWS)
 # Blocks the amax kernel should have at least, where rows allow: two per SM (fewer partial column
 # maxima than more blocks would leave; benchmarks/RESULTS.md, "quantize_rows_and_columns on CUDA").
 _AMAX_MIN_BLOCKS = 256
@@ -104,6 +107,16 @@ def fp8_rows_and_columns(a, row_multipliers, row_inverse_scales, col_inverse_sca
     out = FP8_ROWS_AND_COLUMNS(None, out_types, a, _or_empty(row_multipliers), row_inverse_scales,
                                col_inverse_scales)
     return out["rows"], out["cols"]
+
+
+def fp8_quantize_rows(a, swiglu):
+    """bf16 a [..., C] -> (float8 [..., C], float32 [...]): fp8_quant.quantize_rows(a, swiglu=swiglu) (with
+    swiglu, a is [..., 2C])."""
+    shape = a.shape[:-1] + (a.shape[-1] // 2 if swiglu else a.shape[-1],)
+    out_types = {"data": jax.ShapeDtypeStruct(shape, jnp.float8_e4m3fn),
+                 "scales": jax.ShapeDtypeStruct(a.shape[:-1], jnp.float32)}
+    out = FP8_QUANTIZE_ROWS(None, out_types, a, swiglu=bool(swiglu))
+    return out["data"], out["scales"]
 
 
 def _or_empty(row_multipliers):

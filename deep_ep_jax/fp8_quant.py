@@ -83,7 +83,8 @@ def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto", interpret: boo
     if swiglu:
         if impl == "triton":
             raise ValueError("quantize_rows: swiglu=True has no Triton kernel (impl='cuda' or 'xla')")
-        return _quantize_rows_xla(swiglu_values(a))
+        # The barrier: the rows rounded to bf16 as stored (XLA would otherwise keep them in float32).
+        return _quantize_rows_xla(lax.optimization_barrier(swiglu_values(a)))
     rows = int(np.prod(a.shape[:-1]))
     chunk = min(tiles.rows_chunk, cols & -cols)  # the widest power of two that divides C, at most rows_chunk
     fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL and _kernel_dtype(a)

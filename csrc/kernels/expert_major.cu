@@ -31,6 +31,7 @@ constexpr int kAmaxBand = kWarpSize * kChunk;  // columns a warp covers per row:
 constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
 constexpr int kQuantizeRowsThreads = 256;      // a warp per row
 constexpr int kQuantizeRowsUnroll = 4;         // chunks per lane with their loads in flight at once
+constexpr int kSwigluCachedChunks = 8;         // chunks a lane keeps between the passes: rows of up to 2048
 constexpr float kFp8MinAmax = 1e-30f;          // fp8_quant.FP8_MIN_AMAX
 
 // Pairs per local expert: shared-memory histograms, then one atomic per
@@ -384,64 +385,92 @@ __device__ __forceinline__ void RowValues(const int4 (&raw)[kSwiglu ? 2 : 1], fl
   }
 }
 
+// A row's scale from its amax's magnitude bits: max(amax, FP8_MIN_AMAX) * (1 / 448), NaN where
+// amax is; and its correctly rounded inverse (fp8_quant._scales, _inverse).
+__device__ __forceinline__ float2 RowScaleAndInverse(int amax_bits) {
+  const float amax = __int_as_float(amax_bits);
+  const float scale = amax != amax ? amax : __fmul_rn(fmaxf(amax, kFp8MinAmax), kInvFp8Max);
+  return make_float2(scale, __frcp_rn(scale));
+}
+
+// fp8(v[j] * inverse), each product rounded.
+__device__ __forceinline__ uint2 QuantizedValues(const float (&v)[8], float inverse) {
+  uint32_t words[2];
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    words[q] = ToFp8x2(make_float2(__fmul_rn(v[4 * q], inverse), __fmul_rn(v[4 * q + 1], inverse))) |
+               (ToFp8x2(make_float2(__fmul_rn(v[4 * q + 2], inverse), __fmul_rn(v[4 * q + 3], inverse))) << 16);
+  }
+  return make_uint2(words[0], words[1]);
+}
+
 // One warp per row (grid-stride): the row's amax (magnitude bits), then its
-// values again (from L1/L2) times the correctly rounded inverse of its scale,
-// max(amax, FP8_MIN_AMAX) / 448, in float8: fp8_quant.quantize_rows, bit for
-// bit. A row is `chunks` 16-byte chunks of bf16 src (kSwiglu: 2 * chunks, the
-// gate's then the up's) and of 8 bytes of dst.
-template <bool kSwiglu>
+// values times the inverse of its scale in float8: fp8_quant.quantize_rows, bit
+// for bit. A row is `chunks` 16-byte chunks of bf16 src (kSwiglu: 2 * chunks,
+// the gate's then the up's) and of 8 bytes of dst. kCached 0: the second pass
+// reads the row again (from L1 or L2); kCached > 0 (chunks <= 32 * kCached):
+// a lane keeps its chunks' values in registers, as bf16, between the passes
+// (the SwiGLU's exp and division then run once per value).
+template <bool kSwiglu, int kCached>
 __global__ void __launch_bounds__(kQuantizeRowsThreads)
     QuantizeRowsKernel(const int4* __restrict__ src, int64_t num_rows, int64_t chunks, uint2* __restrict__ dst,
                        float* __restrict__ scales) {
   constexpr int kLoads = kSwiglu ? 2 : 1;
-  constexpr int64_t kStep = int64_t(kWarpSize) * kQuantizeRowsUnroll;
+  constexpr int kUnroll = kCached > 0 ? kCached : kQuantizeRowsUnroll;  // chunks a lane loads at once
+  constexpr int64_t kStep = int64_t(kWarpSize) * kUnroll;
   const int lane = threadIdx.x % kWarpSize, warps = blockDim.x / kWarpSize;
   for (int64_t row = int64_t(blockIdx.x) * warps + threadIdx.x / kWarpSize; row < num_rows;
        row += int64_t(gridDim.x) * warps) {
     const int4* in = src + row * chunks * kLoads;
-    // Loads of kQuantizeRowsUnroll chunks in flight, then their values (0 past the row).
-    auto load = [&](int64_t first, int4 (&raw)[kQuantizeRowsUnroll][kLoads]) {
+    // Loads of kUnroll chunks in flight, then their values (0 past the row).
+    auto load = [&](int64_t first, int4 (&raw)[kUnroll][kLoads]) {
 #pragma unroll
-      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = first + u * kWarpSize;
 #pragma unroll
         for (int h = 0; h < kLoads; ++h) raw[u][h] = c < chunks ? in[h * chunks + c] : make_int4(0, 0, 0, 0);
       }
     };
     int bits = 0;
+    int4 kept[kCached > 0 ? kCached : 1];  // kCached: the values as bf16
     for (int64_t first = lane; first < chunks; first += kStep) {
-      int4 raw[kQuantizeRowsUnroll][kLoads];
+      int4 raw[kUnroll][kLoads];
       load(first, raw);
 #pragma unroll
-      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
+      for (int u = 0; u < kUnroll; ++u) {
         float v[8];
         RowValues<kSwiglu>(raw[u], v);
 #pragma unroll
         for (int j = 0; j < 8; ++j) bits = max(bits, MagnitudeBits(v[j]));
+        if constexpr (kCached > 0) kept[u] = PackBf16x8(v);  // exact: the values are bf16
       }
     }
-    const float amax = __int_as_float(__reduce_max_sync(0xffffffffu, bits));
-    const float scale = amax != amax ? amax : __fmul_rn(fmaxf(amax, kFp8MinAmax), kInvFp8Max);
-    const float inverse = __frcp_rn(scale);  // correctly rounded, as fp8_quant._inverse
-    for (int64_t first = lane; first < chunks; first += kStep) {
-      int4 raw[kQuantizeRowsUnroll][kLoads];
-      load(first, raw);
+    const float2 scale = RowScaleAndInverse(__reduce_max_sync(0xffffffffu, bits));
+    if constexpr (kCached > 0) {
 #pragma unroll
-      for (int u = 0; u < kQuantizeRowsUnroll; ++u) {
-        const int64_t c = first + u * kWarpSize;
+      for (int u = 0; u < kCached; ++u) {
+        const int64_t c = lane + u * kWarpSize;
         if (c >= chunks) break;
+        const int4 values[1] = {kept[u]};
         float v[8];
-        RowValues<kSwiglu>(raw[u], v);
-        uint32_t words[2];
+        RowValues<false>(values, v);
+        dst[row * chunks + c] = QuantizedValues(v, scale.y);
+      }
+    } else {
+      for (int64_t first = lane; first < chunks; first += kStep) {
+        int4 raw[kUnroll][kLoads];
+        load(first, raw);
 #pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          words[q] = ToFp8x2(make_float2(__fmul_rn(v[4 * q], inverse), __fmul_rn(v[4 * q + 1], inverse))) |
-                     (ToFp8x2(make_float2(__fmul_rn(v[4 * q + 2], inverse), __fmul_rn(v[4 * q + 3], inverse))) << 16);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t c = first + u * kWarpSize;
+          if (c >= chunks) break;
+          float v[8];
+          RowValues<kSwiglu>(raw[u], v);
+          dst[row * chunks + c] = QuantizedValues(v, scale.y);
         }
-        dst[row * chunks + c] = make_uint2(words[0], words[1]);
       }
     }
-    if (lane == 0) scales[row] = scale;
+    if (lane == 0) scales[row] = scale.x;
   }
 }
 
@@ -549,7 +578,9 @@ cudaError_t LaunchQuantizeRows(const __nv_bfloat16* src, int64_t num_rows, int64
   if (cols % 8 != 0) return cudaErrorInvalidValue;
   const int warps = kQuantizeRowsThreads / kWarpSize;
   const int blocks = GridBlocks(num_rows, warps, kMaxGridBlocks);
-  auto kernel = swiglu ? QuantizeRowsKernel<true> : QuantizeRowsKernel<false>;
+  const bool cached = swiglu && cols / 8 <= kWarpSize * kSwigluCachedChunks;
+  auto kernel = !swiglu ? QuantizeRowsKernel<false, 0>
+                : cached ? QuantizeRowsKernel<true, kSwigluCachedChunks> : QuantizeRowsKernel<true, 0>;
   kernel<<<blocks, kQuantizeRowsThreads, 0, stream>>>(reinterpret_cast<const int4*>(src), num_rows, cols / 8,
                                                       reinterpret_cast<uint2*>(dst), scales);
   return cudaGetLastError();

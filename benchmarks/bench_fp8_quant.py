@@ -1,19 +1,18 @@
-"""FP8 quantization of the grouped GEMM's operands: the kernels of deep_ep_jax.fp8_quant (the extension's
-CUDA ones, and quantize_rows' Triton one) against the same maths in XLA, at one rank's shapes of the MoE
-benchmark.
+"""FP8 quantization of the grouped GEMM's operands: the extension's CUDA kernels of deep_ep_jax.fp8_quant
+against the same maths in XLA, at one rank's shapes of the MoE benchmark.
 
-    python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--cases a,b] [--sweep]
+    python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--cases a,b]
 
 Per case and impl: device time per call (from the first kernel's start to the last one's end, in a
 profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
 time gives for the bytes a call must move (its input read once, its outputs written once); then
-whether each impl's outputs agree with the first's bit for bit (NaN for NaN); an impl a case's function
-does not take (triton for quantize_rows_and_columns) is left out. --sweep: the
-Triton kernel's time with other tiles (fp8_quant.QuantTiles), one profiled call each. Cases:
+whether each impl's outputs agree with the first's bit for bit (NaN for NaN). Cases:
   fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
   rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
-  swiglu h                                  quantize_rows(gate_up [rows, 4096], swiglu=True): the hidden
-                                            rows of the SwiGLU (triton: XLA's SwiGLU, then the kernel)
+  swiglu h                                  quantize_rows(gate_up [rows, 4096], swiglu=True): the
+                                            SwiGLU's hidden rows
+  swiglu h unfused                          the same as XLA's SwiGLU (bf16 rows written), then
+                                            quantize_rows of them
   backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, 7168] and
                                             [1, rows, 4096] with x's row scales (the FP8 weight gradient)
 """
@@ -21,7 +20,6 @@ Triton kernel's time with other tiles (fp8_quant.QuantTiles), one profiled call 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import sys
@@ -30,6 +28,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import device_times, environment, same_bits
@@ -47,14 +46,12 @@ def cases(args):
                                                                                                       shape[-1:]))
         return (jax.random.normal(next(keys), shape, jnp.bfloat16) * scale).astype(jnp.bfloat16)
 
-    both = lambda a, m, impl, tiles: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
-    rows = lambda a, m, impl, tiles: fp8_quant.quantize_rows(a, impl=impl, tiles=tiles)
-
-    def swiglu(a, m, impl, tiles):  # triton: the SwiGLU by XLA, then the Triton kernel (no fused one)
-        if impl == "triton":
-            return fp8_quant.quantize_rows(fp8_quant.swiglu_values(a), impl=impl, tiles=tiles)
-        return fp8_quant.quantize_rows(a, swiglu=True, impl=impl)
-
+    both = lambda a, m, impl: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
+    rows = lambda a, m, impl: fp8_quant.quantize_rows(a, impl=impl)
+    swiglu = lambda a, m, impl: fp8_quant.quantize_rows(a, swiglu=True, impl=impl)
+    # The barrier: XLA's SwiGLU writes its bf16 rows, as before the fused kernel.
+    unfused = lambda a, m, impl: fp8_quant.quantize_rows(lax.optimization_barrier(fp8_quant.swiglu_values(a)),
+                                                         impl=impl)
     e, r = args.experts, args.rows
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
     return [
@@ -63,19 +60,10 @@ def cases(args):
         ("rows x", rows, lambda: normal((r, 7168)), None),
         ("rows h", rows, lambda: normal((r, 2048)), None),
         ("swiglu h", swiglu, lambda: normal((r, 4096)), None),
+        ("swiglu h unfused", unfused, lambda: normal((r, 4096)), None),
         ("backward dy_out", both, lambda: normal((1, r, 7168)), x_scales),
         ("backward dy_in", both, lambda: normal((1, r, 4096)), x_scales),
     ]
-
-
-# The cases of quantize_rows_and_columns (the others are quantize_rows').
-BOTH_CASES = ("fp8_weights(w_in)", "fp8_weights(w_out)", "backward dy_out", "backward dy_in")
-
-# --sweep: tiles tried, one group of QuantTiles' fields at a time (the others at their defaults).
-SWEEP = {
-    "rows": [dict(rows=r, rows_chunk=c, rows_warps=w) for r, c, w in
-             ((4, 1024, 4), (8, 1024, 8), (16, 512, 4), (16, 512, 8), (2, 2048, 4))],
-}
 
 
 def bytes_moved(a, outputs):
@@ -87,17 +75,11 @@ def main():
     p.add_argument("--experts", type=int, default=128, help="experts per rank (the weights' E)")
     p.add_argument("--rows", type=int, default=40704, help="expert-major rows (a multiple of 128)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--impls", default="xla,triton,cuda",
-                   help="cuda: the extension's kernels; triton: quantize_rows' Triton kernel")
+    p.add_argument("--impls", default="xla,cuda", help="cuda: the extension's kernels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
-    p.add_argument("--sweep", nargs="?", const=",".join(SWEEP), default="",
-                   help="also quantize_rows' Triton kernel with other tiles")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    unknown = set(filter(None, args.sweep.split(","))) - set(SWEEP)
-    if unknown:
-        p.error(f"--sweep: no group {sorted(unknown)}; the groups are {list(SWEEP)}")
     env = environment()
     print(f"# {env}")
     impls = args.impls.split(",")
@@ -110,9 +92,7 @@ def main():
         a = jax.block_until_ready(make())
         outputs = {}
         for impl in impls:
-            if impl not in (fp8_quant.ROWS_AND_COLUMNS_IMPLS if name in BOTH_CASES else fp8_quant.IMPLS):
-                continue
-            run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl, fp8_quant.DEFAULT_TILES))
+            run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl))
             outputs[impl] = jax.block_until_ready(run(a, m))
             moved = bytes_moved(a, outputs[impl])
             spans, kernels = device_times(run, (a, m), args.repeats)
@@ -121,19 +101,6 @@ def main():
             print(f"| {name} | {impl} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
                   f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}", flush=True)
             results.append(dict(case=name, impl=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
-        if args.sweep and "triton" in impls:
-            for group, variants in SWEEP.items():
-                if group not in args.sweep.split(",") or not name.startswith("rows"):
-                    continue
-                for fields in variants:
-                    tiles = dataclasses.replace(fp8_quant.DEFAULT_TILES, **fields)
-                    run = jax.jit(lambda a, m, tiles=tiles: fn(a, m, "triton", tiles))
-                    spans, kernels = device_times(run, (a, m), 1)
-                    print(f"| {name} | triton {fields} | {np.median(spans) * 1e3:.3f} | "
-                          f"{spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | | "
-                          + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()), flush=True)
-                    results.append(dict(case=name, impl="triton", tiles=fields, seconds=spans.tolist(),
-                                        kernels=kernels))
         (first, first_out), *others = outputs.items()
         for other, other_out in others:
             agree = same_bits(first_out, other_out)

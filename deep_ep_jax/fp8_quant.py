@@ -18,14 +18,11 @@ where XLA's exp rounds as CUDA's expf); quantize_rows_and_columns in two (both a
 from one read, the columns' transposed through shared memory), with 64-bit offsets (the weights' copies
 hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts above inf (a
 float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight gradient
-quantizes its dy. quantize_rows also has a Pallas Triton kernel (impl="triton"; jax 0.11 marks Pallas'
-Triton backend deprecated), which "auto" takes for other float dtypes where it tiles them.
+quantizes its dy. The kernels take bf16; other dtypes take the XLA maths everywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +30,7 @@ import numpy as np
 from jax import lax
 
 from deep_ep_jax import _native
-from deep_ep_jax.varying import shape_like, vary_together
+from deep_ep_jax.varying import vary_together
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0
@@ -41,35 +38,15 @@ FP8_MAX = 448.0
 # activations' FP8 (an all-zero row gets zeros).
 FP8_MIN_AMAX = 1e-30
 
-IMPLS = ("auto", "cuda", "triton", "xla")  # quantize_rows
-ROWS_AND_COLUMNS_IMPLS = ("auto", "cuda", "xla")  # quantize_rows_and_columns
-# Pallas Triton indexes an array of at most 4 GiB with 32-bit offsets, which overflow past 2^31 float8
-# elements (past 4 GiB it takes 64-bit ones).
-_MAX_ELEMENTS_PER_CALL = 2**31 - 1
+IMPLS = ("auto", "cuda", "xla")
 
 
-@dataclasses.dataclass(frozen=True)
-class QuantTiles:
-    """quantize_rows' Triton kernel: its tiles (powers of two) and warps per program."""
-
-    rows: int = 2  # a program's rows (their bytes stay in L2 between its two reads)
-    rows_chunk: int = 2048  # columns per load, at most
-    rows_warps: int = 4
-
-
-# The best of `benchmarks/bench_fp8_quant.py --sweep` on one H200 (jax 0.11.2, 2026-12-02) at the MoE
-# benchmark's shapes per rank (benchmarks/RESULTS.md).
-DEFAULT_TILES = QuantTiles()
-
-
-def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto", interpret: bool = False,
-                  tiles: QuantTiles = DEFAULT_TILES):
+def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto"):
     """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row.
-    swiglu=True: a [..., 2C] holds [gate, up] and the rows quantized are swiglu(a), bf16 (never written).
-    impl: "auto" (the extension's CUDA kernel where it runs and takes a: bf16, C a multiple of 8; else
-    Triton where it runs and the shape fits; else XLA), "cuda", "triton" or "xla"; interpret: run the
-    Triton kernel in Pallas' interpreter (CPU tests). No gradient flows through (rounding's derivative is 0
-    almost everywhere; every path stops it). tiles: the Triton kernel's."""
+    swiglu=True: a [..., 2C] holds [gate, up] and the rows quantized are swiglu_values(a), bf16 (never
+    written). impl: "auto" (the extension's CUDA kernel where it runs and takes a: bf16, C a multiple of
+    8; else XLA), "cuda" or "xla". No gradient flows through (rounding's derivative is 0 almost
+    everywhere; both paths stop it)."""
     _check_impl(impl)
     a = lax.stop_gradient(a)
     if a.ndim < 1:
@@ -79,21 +56,10 @@ def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto", interpret: boo
     cols = a.shape[-1] // 2 if swiglu else a.shape[-1]
     if _use_cuda("quantize_rows", impl, a, a.dtype == jnp.bfloat16 and cols % 8 == 0,
                  "bf16 a with C a multiple of 8"):
-        return _cuda_quantize_rows(a, swiglu)
-    if swiglu:
-        if impl == "triton":
-            raise ValueError("quantize_rows: swiglu=True has no Triton kernel (impl='cuda' or 'xla')")
-        # The barrier: the rows rounded to bf16 as stored (XLA would otherwise keep them in float32).
+        return _cuda_ops().fp8_quantize_rows(a, swiglu)
+    if swiglu:  # the barrier: the rows rounded to bf16 as stored (XLA would otherwise keep them in float32)
         return _quantize_rows_xla(lax.optimization_barrier(swiglu_values(a)))
-    rows = int(np.prod(a.shape[:-1]))
-    chunk = min(tiles.rows_chunk, cols & -cols)  # the widest power of two that divides C, at most rows_chunk
-    fits = rows % tiles.rows == 0 and chunk >= 16 and a.size <= _MAX_ELEMENTS_PER_CALL and _kernel_dtype(a)
-    if not _use_triton(impl, interpret, fits, "quantize_rows",
-                       f"16- or 32-bit floats, rows a multiple of {tiles.rows}, C a multiple of 16 and at most "
-                       f"2^31 - 1 elements"):
-        return _quantize_rows_xla(a)
-    data, scales = _rows_kernel(a.reshape(rows, cols), chunk, interpret, tiles)
-    return data.reshape(a.shape), scales.reshape(a.shape[:-1])
+    return _quantize_rows_xla(a)
 
 
 def swiglu_values(gate_up):
@@ -109,7 +75,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
     whatever a holds there, NaN included: so padding rows are left out) quantized per column of z and
     transposed (quantize_rows(swapaxes(z, 1, 2))). impl: "auto" (the extension's CUDA kernels where they
     run and take a: bf16, C a multiple of 128; else XLA), "cuda" or "xla". No gradient flows through."""
-    _check_impl(impl, ROWS_AND_COLUMNS_IMPLS)
+    _check_impl(impl)
     a = lax.stop_gradient(a)
     col_multipliers = None if col_multipliers is None else lax.stop_gradient(col_multipliers)
     if a.ndim != 3:
@@ -157,30 +123,8 @@ def _times_multipliers(v, m):
 
 
 def _abs_max(v, axis):
-    """max |v| along axis, NaN where v holds one (Triton's max drops NaNs, and so do XLA's CPU reductions at
-    some shapes)."""
+    """max |v| along axis, NaN where v holds one (XLA's CPU reductions drop NaNs at some shapes)."""
     return jnp.where(jnp.max(jnp.where(v != v, 1.0, 0.0), axis=axis) > 0, jnp.nan, jnp.max(jnp.abs(v), axis=axis))
-
-
-def _kernel_dtype(a) -> bool:
-    """Whether the kernels take a's dtype: 16- or 32-bit floats (_magnitude_bits)."""
-    return jnp.issubdtype(a.dtype, jnp.floating) and jnp.dtype(a.dtype).itemsize in (2, 4)
-
-
-def _magnitude_bits(v):
-    """|v|'s bits (float v of 16 or 32 bits) as non-negative int32: ordered as |v| is, NaN above inf. So
-    an integer max is a max of |v| that keeps NaNs, in one operation per element (Triton's float max
-    drops NaNs: _abs_max needs a second reduction to find them)."""
-    width = 8 * jnp.dtype(v.dtype).itemsize
-    bits = lax.bitcast_convert_type(v, jnp.int16 if width == 16 else jnp.int32).astype(jnp.int32)
-    return bits & np.int32((1 << (width - 1)) - 1)  # the sign cleared (and a 16-bit value's extension)
-
-
-def _from_magnitude_bits(bits, dtype):
-    """float32 of the value of dtype whose magnitude bits are `bits` (_magnitude_bits' inverse)."""
-    width = 8 * jnp.dtype(dtype).itemsize
-    bits = bits.astype(jnp.int16) if width == 16 else bits
-    return lax.bitcast_convert_type(bits, dtype).astype(jnp.float32)
 
 
 def _nan_max(a, b):
@@ -233,9 +177,9 @@ def _quantize_rows_xla(a, scales=None):
 # Choice ---------------------------------------------------------------------------------------------------
 
 
-def _check_impl(impl, impls=IMPLS):
-    if impl not in impls:
-        raise ValueError(f"fp8_quant: impl must be one of {impls}, got {impl!r}")
+def _check_impl(impl):
+    if impl not in IMPLS:
+        raise ValueError(f"fp8_quant: impl must be one of {IMPLS}, got {impl!r}")
 
 
 def _use_cuda(fn, impl, a, fits, need) -> bool:
@@ -248,19 +192,12 @@ def _use_cuda(fn, impl, a, fits, need) -> bool:
         if reason:
             raise RuntimeError(f"{fn}: impl='cuda' is not available: {reason}")
         return True
-    return impl == "auto" and fits and triton_fp8_gpu() and _native.unavailable_reason() is None
+    return impl == "auto" and fits and fp8_gpu() and _native.unavailable_reason() is None
 
 
-def _use_triton(impl, interpret, fits, fn, need) -> bool:
-    if impl == "xla":
-        return False
-    if impl == "triton" and not fits:
-        raise ValueError(f"{fn}: impl='triton' needs {need}")
-    return bool(fits) and (impl == "triton" or interpret or triton_fp8_gpu())
-
-
-def triton_fp8_gpu(device=None) -> bool:
-    """Whether `device` (default jax.devices()[0]) is a CUDA GPU whose Triton kernels convert to FP8."""
+def fp8_gpu(device=None) -> bool:
+    """Whether `device` (default jax.devices()[0]) is a CUDA GPU that converts to FP8 (compute capability
+    8.9 and up), where the kernels run."""
     device = jax.devices()[0] if device is None else device
     major, _, minor = str(getattr(device, "compute_capability", "0")).partition(".")
     return getattr(device, "platform", None) == "gpu" and (int(major or 0), int(minor or 0)) >= (8, 9)
@@ -278,10 +215,6 @@ def _cuda_ops():
     return cuda
 
 
-def _cuda_quantize_rows(a, swiglu):
-    return _cuda_ops().fp8_quantize_rows(a, swiglu)
-
-
 def _cuda_rows_and_columns(a, col_multipliers):
     cuda = _cuda_ops()
     row_bits, col_bits = cuda.fp8_amax(a, col_multipliers)
@@ -290,53 +223,3 @@ def _cuda_rows_and_columns(a, col_multipliers):
     rows, cols = cuda.fp8_rows_and_columns(a, col_multipliers, _inverse(row_scales)[..., 0],
                                            _inverse(col_scales)[..., 0])
     return rows, row_scales, cols, col_scales
-
-
-# Triton kernels -------------------------------------------------------------------------------------------
-
-
-def _reciprocal(v, interpret):
-    """1 / v correctly rounded: Triton's f32 division is approximate (div.full), rcp.rn is exact."""
-    if interpret:
-        return 1.0 / v
-    from jax.experimental.pallas import triton as pltriton
-
-    (r,) = pltriton.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[v], constraints="=r,r", pack=1,
-                                           result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, v.dtype)])
-    return r
-
-
-def _params(num_warps):
-    from jax.experimental.pallas import triton as pltriton
-
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=3)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _rows_kernel(a, chunk, interpret, tiles):
-    """a [M, C] -> (float8 [M, C], scales [M]): tiles.rows rows per program, read twice."""
-    from jax.experimental import pallas as pl
-
-    num_rows, cols = a.shape
-    steps = cols // chunk
-
-    def kernel(a_ref, data_ref, scales_ref):
-        def amax_step(j, amax_bits):
-            return jnp.maximum(amax_bits, jnp.max(_magnitude_bits(a_ref[:, pl.ds(j * chunk, chunk)]), axis=1))
-
-        amax_bits = lax.fori_loop(0, steps, amax_step, jnp.zeros((tiles.rows,), jnp.int32))
-        scales = _scales(_from_magnitude_bits(amax_bits, a.dtype))
-        inverse = _reciprocal(scales, interpret)[:, None]
-        scales_ref[...] = scales
-
-        @pl.loop(0, steps)
-        def _(j):
-            cols_j = pl.ds(j * chunk, chunk)
-            data_ref[:, cols_j] = _to_fp8(a_ref[:, cols_j].astype(jnp.float32), inverse)
-
-    block = pl.BlockSpec((tiles.rows, cols), lambda i: (i, 0))
-    return pl.pallas_call(
-        kernel, grid=(num_rows // tiles.rows,), in_specs=[block],
-        out_specs=[block, pl.BlockSpec((tiles.rows,), lambda i: (i,))],
-        out_shape=[shape_like(a.shape, FP8_DTYPE, a), shape_like((num_rows,), jnp.float32, a)],
-        compiler_params=_params(tiles.rows_warps), interpret=interpret, name="fp8_quantize_rows")(a)

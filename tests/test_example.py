@@ -393,7 +393,7 @@ def test_fp8_expert_weights_lower_per_rank(monkeypatch):
     experts)."""
     buffer, _, (_, w_in, _) = _layer_inputs(4, 11)
     mesh, axis = buffer.mesh, buffer.axis_name
-    monkeypatch.setattr(fp8_quant, "triton_fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
+    monkeypatch.setattr(fp8_quant, "fp8_gpu", lambda device=None: True)  # the kernels' path, lowered
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
     split = NamedSharding(mesh, P(axis))
     shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]

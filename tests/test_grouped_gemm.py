@@ -344,10 +344,14 @@ def mosaic_calls(lowered):
 
 
 def quantization_calls(lowered):
-    """fp8_quant's kernels: one per row quantization (Triton's); quantize_rows_and_columns' two (the
-    extension's: fp8_weights, and dy's with the FP8 dw), or none where the extension is not built (XLA)."""
-    text = lowered.as_text()
-    return text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") + text.count("stablehlo.custom_call @deep_ep_jax_fp8_")
+    """fp8_quant's kernels (the extension's): one per row quantization, two per quantize_rows_and_columns
+    (fp8_weights, and dy's with the FP8 dw); none where the extension is not built (XLA's maths)."""
+    return lowered.as_text().count("stablehlo.custom_call @deep_ep_jax_fp8_")
+
+
+def extension_calls(n):
+    """n kernel calls, or 0 where the extension is not built."""
+    return n if _native.load_error() is None else 0
 
 
 def test_mgpu_path_lowers(gpu_core_count):
@@ -432,8 +436,7 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
                 jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
         lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
         # fp8_weights' 2 passes, x's rows, dy's rows (or with the FP8 dw, dy's 2 passes)
-        both = 2 if _native.load_error() is None else 0  # quantize_rows_and_columns' calls
-        want = {None: (6, 0), "bf16_dw": (3, both + 2), "fp8_dw": (3, 2 * both + 1)}[fp8]
+        want = {None: (6, 0), "bf16_dw": (3, extension_calls(4)), "fp8_dw": (3, extension_calls(5))}[fp8]
         assert (mosaic_calls(lowered), quantization_calls(lowered)) == want
 
 
@@ -569,8 +572,7 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
     assert mosaic_calls(lowered) == 3 and "f8E4M3FN" in lowered.as_text()
     # fp8_weights 2 (an amax and a store pass), x 1, dy 1 (or with FP8 dw, its rows and columns: 2 passes)
-    both = 2 if _native.load_error() is None else 0  # quantize_rows_and_columns' calls
-    assert quantization_calls(lowered) == (2 * both + 1 if weight_grad else both + 2)
+    assert quantization_calls(lowered) == extension_calls(5 if weight_grad else 4)
 
 
 def test_weight_grad_promoted_halves_lowers(gpu_core_count):

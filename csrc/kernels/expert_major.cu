@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
 }
 
 // |v|'s bits as a non-negative int: ordered as |v| is, NaN above inf, so an
-// integer max keeps NaNs (fp8_quant._magnitude_bits).
+// integer max keeps NaNs.
 __device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v) & 0x7fffffff; }
 
 // One block per (batch entry, strip of strip_rows rows), walking the columns in

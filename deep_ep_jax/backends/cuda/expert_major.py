@@ -84,8 +84,9 @@ def reduce_rows(expert_y, weights, layout):
 
 def fp8_amax(a, row_multipliers=None):
     """bf16 a [B, R, C] -> (row_amax int32 [B, R], col_amax_parts int32 [B, strips, C]): magnitude bits
-    (fp8_quant._magnitude_bits of float32) of each row's amax of a, and of each column's amax of a *
-    row_multipliers[..., None] (None: of a) over each strip of rows, for the caller to reduce."""
+    (|v|'s float32 bits, sign cleared: ordered as |v|, NaN above inf) of each row's amax of a, and of each
+    column's amax of a * row_multipliers[..., None] (None: of a) over each strip of rows, for the caller
+    to reduce."""
     batch, num_rows, cols = a.shape
     strip = limit("max_amax_strip_rows")  # long strips: fewer partial maxima
     while strip > 32 and batch * -(-num_rows // strip) < _AMAX_MIN_BLOCKS:

@@ -360,8 +360,8 @@ __global__ void __launch_bounds__(kAmaxThreads)
 
 // 8 values of a row from its 16-byte chunk(s) as float32: bf16 values, or with
 // kSwiglu bf16(silu(g) * u) of the gate chunk raw[0] and the up chunk raw[1]
-// (silu(g) = g * (1 / (1 + exp(-g))), each operation rounded and the division
-// XLA's div.full: as XLA's jax.nn.silu(g) * u where its exp is expf's).
+// (silu(g) = g * (1 / (1 + exp(-g))), each operation rounded, the division
+// XLA's div.full: XLA's jax.nn.silu(g) * u bit for bit, its exp being expf's).
 template <bool kSwiglu>
 __device__ __forceinline__ void RowValues(const int4 (&raw)[kSwiglu ? 2 : 1], float (&v)[8]) {
   const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&raw[0]);

@@ -72,8 +72,8 @@ cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int 
 // cols] and scales [num_rows], scale = max(amax, 1e-30) * (1 / 448) (NaN where
 // the row holds one), dst = fp8(v * (1 / scale)), 1 / scale correctly rounded.
 // The rows are src [num_rows, cols], or with `swiglu` the values bf16(silu(g)
-// * u) of src [num_rows, 2 * cols] = [g, u] (XLA's maths where its exp is
-// CUDA's expf). cols % 8 == 0.
+// * u) of src [num_rows, 2 * cols] = [g, u] (XLA's maths: its exp is CUDA's
+// expf, its division div.full). cols % 8 == 0.
 cudaError_t LaunchQuantizeRows(const __nv_bfloat16* src, int64_t num_rows, int64_t cols, bool swiglu, uint8_t* dst,
                                float* scales, cudaStream_t stream);
 

@@ -372,7 +372,7 @@ __device__ __forceinline__ float DivFull(float a, float b) {
 // ---------------------------------------------------------------------------
 // bf16 sums in float32.
 
-// Accumulates 8 bf16 in float; packs 8 floats back to bf16 (round to nearest even).
+// Accumulates 8 bf16 in float; unpacks 8 bf16 to floats; packs 8 floats back to bf16 (round to nearest even).
 __device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
   const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -380,6 +380,16 @@ __device__ __forceinline__ void AddBf16x8(float (&acc)[8], const int4& v) {
     const float2 f = __bfloat1622float2(pairs[j]);
     acc[2 * j] += f.x;
     acc[2 * j + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ void UnpackBf16x8(const int4& v, float (&f)[8]) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 two = __bfloat1622float2(pairs[j]);
+    f[2 * j] = two.x;
+    f[2 * j + 1] = two.y;
   }
 }
 

@@ -364,13 +364,7 @@ __global__ void __launch_bounds__(kAmaxThreads)
 // XLA's div.full: XLA's jax.nn.silu(g) * u bit for bit, its exp being expf's).
 template <bool kSwiglu>
 __device__ __forceinline__ void RowValues(const int4 (&raw)[kSwiglu ? 2 : 1], float (&v)[8]) {
-  const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(&raw[0]);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 two = __bfloat1622float2(a[j]);
-    v[2 * j] = two.x;
-    v[2 * j + 1] = two.y;
-  }
+  UnpackBf16x8(raw[0], v);
   if constexpr (kSwiglu) {
     const __nv_bfloat162* b = reinterpret_cast<const __nv_bfloat162*>(&raw[1]);
 #pragma unroll
@@ -490,15 +484,9 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (int k = 0; k < num_topk; ++k) {
         const int row = rows[k];
         if (row < 0 || row >= num_rows) continue;
-        const int4 y = expert_y[int64_t(row) * vectors_per_row + v];
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&y);
+        const int4 y = expert_y[int64_t(row) * vectors_per_row + v];  // one 16-byte load
         float f[8];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 two = __bfloat1622float2(pairs[j]);
-          f[2 * j] = two.x;
-          f[2 * j + 1] = two.y;
-        }
+        UnpackBf16x8(y, f);
         if constexpr (kWeighted) {
           const float w = weights[n * num_topk + k];
 #pragma unroll

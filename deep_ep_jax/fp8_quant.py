@@ -14,15 +14,14 @@ CPUs (and where the kernels below do not take the shape) in a pass per reduction
 CUDA GPUs with FP8 conversions (compute capability 8.9 and up) the extension's CUDA kernels read `a` fewer
 times: quantize_rows in one pass (a warp per row: its amax, then its values again, from L1 or L2), with
 swiglu=True from gate_up, so that the SwiGLU's bf16 rows are never written (its exp and division are
-XLA's: the same values, bit for bit, on jax 0.11); quantize_rows_and_columns in two (both amaxes; then both copies
-from one read, the columns' transposed through shared memory), with 64-bit offsets (the weights' copies
-hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts above inf (a
+XLA's: the same values, bit for bit, on jax 0.11); quantize_rows_and_columns in two (both amaxes; then
+both copies from one read, the columns' transposed through shared memory), with 64-bit offsets (the
+weights' copies hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts above inf (a
 float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight gradient
 quantizes its dy. The kernels take bf16; other dtypes take the XLA maths everywhere.
 """
 
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp

@@ -187,16 +187,15 @@ class Fp8Rows:
 
 
 def swiglu(gate_up, *, fp8_rows: bool = False):
-    """silu(gate) * up in float32, bf16 [M, F], of gate_up bf16 [M, 2F] = [gate, up] along its last axis
-    (the experts' first matmul's output). fp8_rows=True: the same rows as an Fp8Rows (quantize_rows of
+    """silu(gate) * up in float32, bf16 [..., F], of gate_up bf16 [..., 2F] = [gate, up] along its last
+    axis (the experts' first matmul's output). fp8_rows=True: the same rows as an Fp8Rows (quantize_rows of
     them) for the next grouped_matmul(..., fp8_weights=), made in one pass over gate_up by the extension's
     kernel where it runs: the bf16 rows are never written. Its gradient reaches gate_up through the
     Fp8Rows' grad_sink. Meant for fp8_weights(w, weight_grad=True), whose dw reads the FP8 rows anyway;
     with bf16 weight gradients dw would come from the dequantized rows."""
     if not fp8_rows:
         return swiglu_values(gate_up)
-    _validate_array("gate_up", gate_up, 2)
-    if gate_up.dtype != jnp.bfloat16 or gate_up.shape[1] % 2:
+    if getattr(gate_up, "ndim", None) != 2 or gate_up.dtype != jnp.bfloat16 or gate_up.shape[1] % 2:
         raise ValueError(f"swiglu: fp8_rows=True needs bf16 gate_up [M, 2F], got {gate_up.dtype} "
                          f"{tuple(gate_up.shape)}")
     data, scales = quantize_rows(gate_up, swiglu=True)  # no gradient: the sink's backward gives gate_up's

@@ -91,8 +91,10 @@ def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit(monkeypatch):
 
 @pytest.mark.parametrize("call,match", [
     (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="triton"), "impl must be one of"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"), "impl='cuda' needs bf16 a with C a multiple of 8"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True), r"swiglu=True needs bf16 a \[..., 2C\]"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"),
+     "impl='cuda' needs bf16 a with C a multiple of 8"),
+    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True),
+     r"swiglu=True needs bf16 a \[..., 2C\]"),
     (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), swiglu=True), r"swiglu=True needs bf16"),
     (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
     (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),

@@ -86,6 +86,9 @@ def main():
     results = []
     print("\n| case | impl | ms median | ms min-max | GB/s | kernels, ms |\n|---|---|---|---|---|---|")
     chosen = set(filter(None, args.cases.split(",")))
+    names = [case[0] for case in cases(args)]
+    if chosen - set(names):
+        p.error(f"--cases: no case {sorted(chosen - set(names))}; the cases are {names}")
     for name, fn, make, m in cases(args):
         if chosen and name not in chosen:
             continue

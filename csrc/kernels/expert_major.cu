@@ -445,9 +445,8 @@ __global__ void __launch_bounds__(kQuantizeRowsThreads)
       for (int u = 0; u < kCached; ++u) {
         const int64_t c = lane + u * kWarpSize;
         if (c >= chunks) break;
-        const int4 values[1] = {kept[u]};
         float v[8];
-        RowValues<false>(values, v);
+        UnpackBf16x8(kept[u], v);
         dst[row * chunks + c] = QuantizedValues(v, scale.y);
       }
     } else {

@@ -16,9 +16,9 @@ times: quantize_rows in one pass (a warp per row: its amax, then its values agai
 swiglu=True from gate_up, so that the SwiGLU's bf16 rows are never written (its exp and division are
 XLA's: the same values, bit for bit, on jax 0.11); quantize_rows_and_columns in two (both amaxes; then
 both copies from one read, the columns' transposed through shared memory), with 64-bit offsets (the
-weights' copies hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts above inf (a
-float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8 weight gradient
-quantizes its dy. The kernels take bf16; other dtypes take the XLA maths everywhere.
+weights' copies hold more than 2^31 values). Amaxes are integer maxima of |v|'s bits, in which NaN sorts
+above inf (a float max drops NaNs). `fp8_weights` copies an expert's weights this way, and the FP8
+weight gradient quantizes its dy. The kernels take bf16; other dtypes take the XLA maths everywhere.
 """
 
 from __future__ import annotations

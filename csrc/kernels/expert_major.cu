@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
     const int64_t first_row = (in_entry % row_tiles) * kTransposeTile;
     const int64_t first_col = (in_entry / row_tiles) * kTransposeTile;
     const int64_t entry_src_rows = b * p.num_src_rows;
-    // This entry's source rows, as bf16 values (kQuantize) or float8 bytes.
+    // This entry's source rows as bf16 (kQuantize; float8 rows are read as bytes of p.src).
     const __nv_bfloat16* src_bf16 = reinterpret_cast<const __nv_bfloat16*>(p.src) + entry_src_rows * hidden;
     const int64_t entry_rows = b * num_rows;  // this entry's first row in the [batch, rows] arrays
     // All of a thread's loads in flight at once: its rows' pairs (and multipliers), then their chunks.

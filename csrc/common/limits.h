@@ -60,8 +60,8 @@ constexpr int kMaxLocalExperts = 4096;
 // Row arrays a token carries: bf16 rows, or FP8 rows and their float32 scales.
 constexpr int kMaxRowArrays = 2;
 
-// The FP8 copies' amax kernel (kernels/expert_major.h): rows per block, whose
-// maxima it keeps in shared memory.
+// The FP8 copies' amax kernel (kernels/expert_major.h): the most rows a block
+// walks (a strip; each strip leaves one partial maximum per column).
 constexpr int kMaxAmaxStripRows = 512;
 
 // get_dispatch_layout: num_experts + num_ranks, its per-block shared-memory

@@ -295,76 +295,73 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
 // integer max keeps NaNs.
 __device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v) & 0x7fffffff; }
 
-// One block per (batch entry, strip of strip_rows rows), walking the columns in
-// bands of kAmaxBand: lane l of each warp holds columns band + 16 l .. + 15 of
-// rows warp, warp + kAmaxWarps, ... Each row's amax is complete in the block
-// (a warp-wide max per band, kept in shared memory); the columns' amax over the
-// strip is written per strip, for the caller to reduce.
+// One block per (batch entry, strip of strip_rows rows, band of kAmaxBand
+// columns): lane l of each warp holds columns band + 16 l .. + 15 of rows warp,
+// warp + kAmaxWarps, ... Each row's amax over the band is a warp-wide max,
+// merged into row_amax (zeroed before) by an integer atomicMax: any order gives
+// the same. The columns' amax over the strip is written per strip, for the
+// caller to reduce. A band per block, not the strip's bands in turn: a strip of
+// activations' rows is short, and its blocks then filled the GPU only 28% (2.8
+// TB/s, benchmarks/RESULTS.md).
 __global__ void __launch_bounds__(kAmaxThreads)
     AmaxRowsAndColumnsKernel(const int4* __restrict__ x, int num_rows, int64_t cols,
                              const float* __restrict__ row_multipliers, int strip_rows, int num_strips,
-                             int* __restrict__ row_amax, int* __restrict__ col_amax_parts) {
-  __shared__ int row_max[kMaxAmaxStripRows];
+                             int num_bands, int* __restrict__ row_amax, int* __restrict__ col_amax_parts) {
   __shared__ int col_max[kAmaxWarps][kChunk][kWarpSize];  // column 16 l + j of the band at [j][l]: no conflicts
-  const int64_t b = blockIdx.x / num_strips;
-  const int strip = blockIdx.x % num_strips;
+  const int64_t b = blockIdx.x / (int64_t(num_strips) * num_bands);
+  const int strip = blockIdx.x / num_bands % num_strips;
+  const int64_t band = int64_t(blockIdx.x % num_bands) * kAmaxBand;
   const int64_t first_row = b * num_rows + int64_t(strip) * strip_rows;  // in the [batch * rows] view
   const int rows = min(strip_rows, num_rows - strip * strip_rows);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) row_max[r] = 0;
-  __syncthreads();
-  for (int64_t band = 0; band < cols; band += kAmaxBand) {
-    const int64_t col = band + lane * kChunk;
-    const bool in_row = col < cols;
-    int col_bits[kChunk];
+  const int64_t col = band + lane * kChunk;
+  const bool in_row = col < cols;
+  int col_bits[kChunk];
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) col_bits[j] = 0;
-    for (int r0 = warp; r0 < rows; r0 += kAmaxWarps * kAmaxUnroll) {
-      int4 raw[kAmaxUnroll][2];
-      float multiplier[kAmaxUnroll];
+  for (int j = 0; j < kChunk; ++j) col_bits[j] = 0;
+  for (int r0 = warp; r0 < rows; r0 += kAmaxWarps * kAmaxUnroll) {
+    int4 raw[kAmaxUnroll][2];
+    float multiplier[kAmaxUnroll];
 #pragma unroll
-      for (int u = 0; u < kAmaxUnroll; ++u) {  // every load in flight before any use
-        const int r = r0 + u * kAmaxWarps;
-        const bool load = r < rows && in_row;
-        const int4* from = x + ((first_row + r) * cols + col) / 8;
-        raw[u][0] = load ? from[0] : make_int4(0, 0, 0, 0);
-        raw[u][1] = load ? from[1] : make_int4(0, 0, 0, 0);
-        multiplier[u] = row_multipliers != nullptr && r < rows ? row_multipliers[first_row + r] : 1.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kAmaxUnroll; ++u) {
-        const int r = r0 + u * kAmaxWarps;
-        if (r >= rows) break;  // the same for the whole warp
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
-        int bits = 0;
-#pragma unroll
-        for (int j = 0; j < kChunk / 2; ++j) {
-          const float2 v = __bfloat1622float2(pairs[j]);
-          bits = max(bits, max(MagnitudeBits(v.x), MagnitudeBits(v.y)));
-          if (row_multipliers == nullptr) {
-            col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(v.x));
-            col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(v.y));
-          } else if (multiplier[u] != 0.0f) {  // a row whose multiplier is 0 is 0 in z
-            col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(__fmul_rn(v.x, multiplier[u])));
-            col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(__fmul_rn(v.y, multiplier[u])));
-          }
-        }
-        bits = __reduce_max_sync(0xffffffffu, bits);
-        if (lane == 0) row_max[r] = max(row_max[r], bits);  // row r is always this warp's
-      }
+    for (int u = 0; u < kAmaxUnroll; ++u) {  // every load in flight before any use
+      const int r = r0 + u * kAmaxWarps;
+      const bool load = r < rows && in_row;
+      const int4* from = x + ((first_row + r) * cols + col) / 8;
+      raw[u][0] = load ? from[0] : make_int4(0, 0, 0, 0);
+      raw[u][1] = load ? from[1] : make_int4(0, 0, 0, 0);
+      multiplier[u] = row_multipliers != nullptr && r < rows ? row_multipliers[first_row + r] : 1.0f;
     }
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) col_max[warp][j][lane] = col_bits[j];
-    __syncthreads();
-    for (int c = threadIdx.x; c < kAmaxBand && band + c < cols; c += blockDim.x) {
+    for (int u = 0; u < kAmaxUnroll; ++u) {
+      const int r = r0 + u * kAmaxWarps;
+      if (r >= rows) break;  // the same for the whole warp
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(raw[u]);
       int bits = 0;
 #pragma unroll
-      for (int w = 0; w < kAmaxWarps; ++w) bits = max(bits, col_max[w][c % kChunk][c / kChunk]);
-      col_amax_parts[(b * num_strips + strip) * cols + band + c] = bits;
+      for (int j = 0; j < kChunk / 2; ++j) {
+        const float2 v = __bfloat1622float2(pairs[j]);
+        bits = max(bits, max(MagnitudeBits(v.x), MagnitudeBits(v.y)));
+        if (row_multipliers == nullptr) {
+          col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(v.x));
+          col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(v.y));
+        } else if (multiplier[u] != 0.0f) {  // a row whose multiplier is 0 is 0 in z
+          col_bits[2 * j] = max(col_bits[2 * j], MagnitudeBits(__fmul_rn(v.x, multiplier[u])));
+          col_bits[2 * j + 1] = max(col_bits[2 * j + 1], MagnitudeBits(__fmul_rn(v.y, multiplier[u])));
+        }
+      }
+      bits = __reduce_max_sync(0xffffffffu, bits);
+      if (lane == 0 && bits != 0) atomicMax(row_amax + first_row + r, bits);
     }
-    __syncthreads();  // the next band rewrites col_max
   }
-  for (int r = threadIdx.x; r < rows; r += blockDim.x) row_amax[first_row + r] = row_max[r];
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) col_max[warp][j][lane] = col_bits[j];
+  __syncthreads();
+  for (int c = threadIdx.x; c < kAmaxBand && band + c < cols; c += blockDim.x) {
+    int bits = 0;
+#pragma unroll
+    for (int w = 0; w < kAmaxWarps; ++w) bits = max(bits, col_max[w][c % kChunk][c / kChunk]);
+    col_amax_parts[(b * num_strips + strip) * cols + band + c] = bits;
+  }
 }
 
 // 8 values of a row from its 16-byte chunk(s) as float32: bf16 values, or with
@@ -561,10 +558,14 @@ cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int 
   if (batch == 0 || num_rows == 0 || cols == 0) return cudaSuccess;
   if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows || cols % kChunk != 0) return cudaErrorInvalidValue;
   const int num_strips = (num_rows + strip_rows - 1) / strip_rows;
-  if (batch * num_strips > INT_MAX) return cudaErrorInvalidValue;
-  AmaxRowsAndColumnsKernel<<<int(batch * num_strips), kAmaxThreads, 0, stream>>>(
-      reinterpret_cast<const int4*>(x), num_rows, cols, row_multipliers, strip_rows, num_strips, row_amax,
-      col_amax_parts);
+  const int64_t num_bands = (cols + kAmaxBand - 1) / kAmaxBand;
+  if (batch * num_strips * num_bands > INT_MAX) return cudaErrorInvalidValue;
+  // The rows' maxima are merged by atomicMax from 0 (magnitude bits are never negative).
+  const cudaError_t err = cudaMemsetAsync(row_amax, 0, sizeof(int) * size_t(batch) * num_rows, stream);
+  if (err != cudaSuccess) return err;
+  AmaxRowsAndColumnsKernel<<<int(batch * num_strips * num_bands), kAmaxThreads, 0, stream>>>(
+      reinterpret_cast<const int4*>(x), num_rows, cols, row_multipliers, strip_rows, num_strips, int(num_bands),
+      row_amax, col_amax_parts);
   return cudaGetLastError();
 }
 

@@ -31,9 +31,11 @@ FP8_QUANTIZE_ROWS = FfiTarget("deep_ep_jax_fp8_quantize_rows", ("data", "scales"
                               ordered=False)
 TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS, FP8_AMAX, FP8_ROWS_AND_COLUMNS,
            FP8_QUANTIZE_ROWS)
-# Blocks the amax kernel should have at least, where rows allow: two per SM (fewer partial column
-# maxima than more blocks would leave; benchmarks/RESULTS.md, "quantize_rows_and_columns on CUDA").
-_AMAX_MIN_BLOCKS = 256
+# Blocks the amax kernel should have at least, where rows allow: about eight per SM, in waves of three
+# (fewer partial column maxima than more blocks would leave; benchmarks/RESULTS.md). A block takes a
+# strip of rows by a band of _AMAX_BAND columns (kAmaxBand of kernels/expert_major.cu).
+_AMAX_MIN_BLOCKS = 1024
+_AMAX_BAND = 512
 
 
 def check_shapes(fn, *, num_local_experts, hidden, rows_dtype):
@@ -89,7 +91,8 @@ def fp8_amax(a, row_multipliers=None):
     to reduce."""
     batch, num_rows, cols = a.shape
     strip = limit("max_amax_strip_rows")  # long strips: fewer partial maxima
-    while strip > 32 and batch * -(-num_rows // strip) < _AMAX_MIN_BLOCKS:
+    bands = -(-cols // _AMAX_BAND)  # a block per (entry, strip, band)
+    while strip > 32 and batch * -(-num_rows // strip) * bands < _AMAX_MIN_BLOCKS:
         strip //= 2
     strips = -(-num_rows // strip)
     out_types = {"row_amax": jax.ShapeDtypeStruct((batch, num_rows), jnp.int32),

@@ -190,9 +190,11 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
 
 // One block per tile of 128 rows by 128 output bytes of one batch entry
 // (grid-stride): the rows' bytes gathered into shared memory in 16-byte chunks,
-// then each column's 128 bytes written as a row of dst_t. Chunk c of tile row r
-// sits at chunk c ^ (r / 16 % 8): a thread reading 16 rows of one column and
-// its neighbours reading the other 16-row runs of that column hit different banks.
+// then each column's 128 bytes written as a row of dst_t: a thread reads 16 rows
+// of 4 columns as words and transposes them by byte permutes (a quarter of the
+// shared loads of one byte each; the x^T gather 15% faster, benchmarks/RESULTS.md).
+// Chunk c of tile row r sits at chunk c ^ (r / 16 % 8): a thread reading a 16-row
+// run and its neighbours reading the other runs of those columns hit different banks.
 // kQuantize: the rows are bf16, each chunk read as 32 bytes and quantized
 // (QuantizedChunk) with its row's multiplier; a row whose multiplier is 0 gives 0.
 // kRowCopy (with kQuantize): each chunk also quantized with its row's inverse
@@ -204,6 +206,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
   constexpr int kItems = kTransposeTile * kChunksPerRow / kTransposeThreads;  // chunks per thread, each way
   constexpr int kLoads = kQuantize ? 2 : 1;  // 16-byte loads per chunk
   static_assert(kItems * kTransposeThreads == kTransposeTile * kChunksPerRow);
+  static_assert(kTransposeThreads == kTransposeTile / 4 * kChunksPerRow);  // the stores: 4 columns by a run each
   __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
   const int num_rows = p.num_rows;
   const int64_t hidden = p.hidden;
@@ -270,21 +273,34 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
     }
     __syncthreads();
     uint8_t* dst_t = p.dst_t + b * hidden * num_rows;
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int i = k * kTransposeThreads + threadIdx.x;
-      const int col = i / kChunksPerRow, run = i % kChunksPerRow;  // rows run * 16 .. + 15 of byte column col
+    {  // 4 byte columns by one 16-row run per thread: 16 words of the tile transposed by byte permutes
+      const int run = threadIdx.x % kChunksPerRow, group = threadIdx.x / kChunksPerRow;  // columns 4 group ..+3
       const int64_t row = first_row + run * kChunk;
-      if (row >= num_rows) continue;
-      const uint8_t* from = tile + run * kChunk * kTransposeTile + ((col / kChunk) ^ run) * kChunk + col % kChunk;
-      uint8_t* to = dst_t + (first_col + col) * int64_t(num_rows) + row;
-      if (vector_stores) {  // the 16 bytes packed in registers, little-endian
-        uint32_t words[4] = {0, 0, 0, 0};
+      if (row < num_rows) {
+        const uint32_t* from = reinterpret_cast<const uint32_t*>(tile + run * kChunk * kTransposeTile +
+                                                                 ((group * 4 / kChunk) ^ run) * kChunk) + group % 4;
+        uint32_t cols[4][4];  // [column][rows 4 q .. 4 q + 3], little-endian
 #pragma unroll
-        for (int j = 0; j < kChunk; ++j) words[j / 4] |= uint32_t(from[j * kTransposeTile]) << (8 * (j % 4));
-        *reinterpret_cast<int4*>(to) = make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
-      } else {
-        for (int j = 0; j < kChunk && row + j < num_rows; ++j) to[j] = from[j * kTransposeTile];
+        for (int q = 0; q < 4; ++q) {
+          uint32_t w[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) w[i] = from[(4 * q + i) * (kTransposeTile / 4)];
+          const uint32_t low01 = __byte_perm(w[0], w[1], 0x5140), low23 = __byte_perm(w[2], w[3], 0x5140);
+          const uint32_t high01 = __byte_perm(w[0], w[1], 0x7362), high23 = __byte_perm(w[2], w[3], 0x7362);
+          cols[0][q] = __byte_perm(low01, low23, 0x5410);
+          cols[1][q] = __byte_perm(low01, low23, 0x7632);
+          cols[2][q] = __byte_perm(high01, high23, 0x5410);
+          cols[3][q] = __byte_perm(high01, high23, 0x7632);
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          uint8_t* to = dst_t + (first_col + group * 4 + c) * int64_t(num_rows) + row;
+          if (vector_stores) {
+            *reinterpret_cast<int4*>(to) = make_int4(int(cols[c][0]), int(cols[c][1]), int(cols[c][2]), int(cols[c][3]));
+          } else {
+            for (int j = 0; j < kChunk && row + j < num_rows; ++j) to[j] = uint8_t(cols[c][j / 4] >> (8 * (j % 4)));
+          }
+        }
       }
     }
     __syncthreads();  // the next tile rewrites the shared memory

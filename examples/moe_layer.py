@@ -259,7 +259,7 @@ def fp8_expert_weights(w_in, w_out, weight_grad: bool = True, *, mesh=None, axis
     """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
     their forward, input-gradient and weight-gradient matmuls then run on FP8
     operands (with weight_grad=False the weight gradients stay bf16). Make
-    them once per optimizer step (they read all the weights: about 9.2 ms for
+    them once per optimizer step (they read all the weights: about 9.1 ms for
     a DeepSeek-V3-sized rank on one H200) and pass them to every
     micro-batch's step: FP8 pays off from about three micro-batches per
     optimizer step (benchmarks/RESULTS.md). mesh, axis_name: where the

@@ -75,6 +75,7 @@ std::map<std::string, int64_t> Limits() {
       {"max_blocks", intranode::kMaxBlocks},
       {"max_warps", intranode::kMaxWarps},
       {"max_amax_strip_rows", kMaxAmaxStripRows},
+      {"amax_band_cols", kAmaxBandCols},
   };
 }
 

@@ -60,9 +60,11 @@ constexpr int kMaxLocalExperts = 4096;
 // Row arrays a token carries: bf16 rows, or FP8 rows and their float32 scales.
 constexpr int kMaxRowArrays = 2;
 
-// The FP8 copies' amax kernel (kernels/expert_major.h): the most rows a block
-// walks (a strip; each strip leaves one partial maximum per column).
+// The FP8 copies' amax kernel (kernels/expert_major.h): a block takes a strip
+// of at most kMaxAmaxStripRows rows (each strip leaves one partial maximum per
+// column) by a band of kAmaxBandCols columns (16 per lane of a warp).
 constexpr int kMaxAmaxStripRows = 512;
+constexpr int kAmaxBandCols = 512;
 
 // get_dispatch_layout: num_experts + num_ranks, its per-block shared-memory
 // histograms (48 KiB, the default dynamic shared memory limit).

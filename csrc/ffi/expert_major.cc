@@ -191,7 +191,8 @@ ffi::Error Fp8Amax(DEEP_EP_JAX_HANDLER_PARAMS(FP8_AMAX)) {
     return Invalid(fn, "strip_rows must be in [1, " + Str(kMaxAmaxStripRows) + "], got " + Str(strip_rows));
   }
   const int64_t strips = (dims[1] + strip_rows - 1) / strip_rows;
-  if (dims[0] * strips > INT_MAX) return Invalid(fn, "B * strips must be at most INT_MAX");
+  const int64_t bands = (dims[2] + kAmaxBandCols - 1) / kAmaxBandCols;
+  if (dims[0] * strips * bands > INT_MAX) return Invalid(fn, "B * strips * bands must be at most INT_MAX");
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "row_amax", row_amax->dimensions(), {dims[0], dims[1]}));
   DEEP_EP_JAX_RETURN_IF_ERROR(
       ExpectShape(fn, "col_amax_parts", col_amax_parts->dimensions(), {dims[0], strips, dims[2]}));

@@ -27,7 +27,8 @@ constexpr int kChunk = 16;           // bytes per vector: a row's chunk, or a co
 constexpr int kMaxGridBlocks = 1 << 16;  // grid-stride loops cover the rest
 constexpr int kAmaxThreads = 256;
 constexpr int kAmaxWarps = kAmaxThreads / kWarpSize;
-constexpr int kAmaxBand = kWarpSize * kChunk;  // columns a warp covers per row: 16 bf16 (32 bytes) a lane
+constexpr int kAmaxBand = kAmaxBandCols;  // columns a warp covers per row: 16 bf16 (32 bytes) a lane
+static_assert(kAmaxBand == kWarpSize * kChunk);
 constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
 constexpr int kQuantizeRowsThreads = 256;      // a warp per row
 constexpr int kQuantizeRowsUnroll = 4;         // chunks per lane with their loads in flight at once

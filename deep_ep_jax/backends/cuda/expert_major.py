@@ -32,10 +32,8 @@ FP8_QUANTIZE_ROWS = FfiTarget("deep_ep_jax_fp8_quantize_rows", ("data", "scales"
 TARGETS = (EXPERT_LAYOUT, EXPAND_ROWS, EXPAND_ROWS_TRANSPOSED, REDUCE_ROWS, FP8_AMAX, FP8_ROWS_AND_COLUMNS,
            FP8_QUANTIZE_ROWS)
 # Blocks the amax kernel should have at least, where rows allow: about eight per SM, in waves of three
-# (fewer partial column maxima than more blocks would leave; benchmarks/RESULTS.md). A block takes a
-# strip of rows by a band of _AMAX_BAND columns (kAmaxBand of kernels/expert_major.cu).
+# (fewer partial column maxima than more blocks would leave; benchmarks/RESULTS.md).
 _AMAX_MIN_BLOCKS = 1024
-_AMAX_BAND = 512
 
 
 def check_shapes(fn, *, num_local_experts, hidden, rows_dtype):
@@ -91,7 +89,7 @@ def fp8_amax(a, row_multipliers=None):
     to reduce."""
     batch, num_rows, cols = a.shape
     strip = limit("max_amax_strip_rows")  # long strips: fewer partial maxima
-    bands = -(-cols // _AMAX_BAND)  # a block per (entry, strip, band)
+    bands = -(-cols // limit("amax_band_cols"))  # a block per (entry, strip, band of columns)
     while strip > 32 and batch * -(-num_rows // strip) * bands < _AMAX_MIN_BLOCKS:
         strip //= 2
     strips = -(-num_rows // strip)

@@ -27,8 +27,7 @@ constexpr int kChunk = 16;           // bytes per vector: a row's chunk, or a co
 constexpr int kMaxGridBlocks = 1 << 16;  // grid-stride loops cover the rest
 constexpr int kAmaxThreads = 256;
 constexpr int kAmaxWarps = kAmaxThreads / kWarpSize;
-constexpr int kAmaxBand = kAmaxBandCols;  // columns a warp covers per row: 16 bf16 (32 bytes) a lane
-static_assert(kAmaxBand == kWarpSize * kChunk);
+static_assert(kAmaxBandCols == kWarpSize * kChunk);  // a warp covers a band's row: 16 bf16 (32 bytes) a lane
 constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
 constexpr int kQuantizeRowsThreads = 256;      // a warp per row
 constexpr int kQuantizeRowsUnroll = 4;         // chunks per lane with their loads in flight at once
@@ -193,7 +192,7 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
 // (grid-stride): the rows' bytes gathered into shared memory in 16-byte chunks,
 // then each column's 128 bytes written as a row of dst_t: a thread reads 16 rows
 // of 4 columns as words and transposes them by byte permutes (a quarter of the
-// shared loads of one byte each; the x^T gather 15% faster, benchmarks/RESULTS.md).
+// shared loads of one byte each; the x^T gather 16% faster, benchmarks/RESULTS.md).
 // Chunk c of tile row r sits at chunk c ^ (r / 16 % 8): a thread reading a 16-row
 // run and its neighbours reading the other runs of those columns hit different banks.
 // kQuantize: the rows are bf16, each chunk read as 32 bytes and quantized
@@ -312,7 +311,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
 // integer max keeps NaNs.
 __device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v) & 0x7fffffff; }
 
-// One block per (batch entry, strip of strip_rows rows, band of kAmaxBand
+// One block per (batch entry, strip of strip_rows rows, band of kAmaxBandCols
 // columns): lane l of each warp holds columns band + 16 l .. + 15 of rows warp,
 // warp + kAmaxWarps, ... Each row's amax over the band is a warp-wide max,
 // merged into row_amax (zeroed before) by an integer atomicMax: any order gives
@@ -327,7 +326,7 @@ __global__ void __launch_bounds__(kAmaxThreads)
   __shared__ int col_max[kAmaxWarps][kChunk][kWarpSize];  // column 16 l + j of the band at [j][l]: no conflicts
   const int64_t b = blockIdx.x / (int64_t(num_strips) * num_bands);
   const int strip = blockIdx.x / num_bands % num_strips;
-  const int64_t band = int64_t(blockIdx.x % num_bands) * kAmaxBand;
+  const int64_t band = int64_t(blockIdx.x % num_bands) * kAmaxBandCols;
   const int64_t first_row = b * num_rows + int64_t(strip) * strip_rows;  // in the [batch * rows] view
   const int rows = min(strip_rows, num_rows - strip * strip_rows);
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
@@ -373,7 +372,7 @@ __global__ void __launch_bounds__(kAmaxThreads)
 #pragma unroll
   for (int j = 0; j < kChunk; ++j) col_max[warp][j][lane] = col_bits[j];
   __syncthreads();
-  for (int c = threadIdx.x; c < kAmaxBand && band + c < cols; c += blockDim.x) {
+  for (int c = threadIdx.x; c < kAmaxBandCols && band + c < cols; c += blockDim.x) {
     int bits = 0;
 #pragma unroll
     for (int w = 0; w < kAmaxWarps; ++w) bits = max(bits, col_max[w][c % kChunk][c / kChunk]);
@@ -575,7 +574,7 @@ cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int 
   if (batch == 0 || num_rows == 0 || cols == 0) return cudaSuccess;
   if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows || cols % kChunk != 0) return cudaErrorInvalidValue;
   const int num_strips = (num_rows + strip_rows - 1) / strip_rows;
-  const int64_t num_bands = (cols + kAmaxBand - 1) / kAmaxBand;
+  const int64_t num_bands = (cols + kAmaxBandCols - 1) / kAmaxBandCols;
   if (batch * num_strips * num_bands > INT_MAX) return cudaErrorInvalidValue;
   // The rows' maxima are merged by atomicMax from 0 (magnitude bits are never negative).
   const cudaError_t err = cudaMemsetAsync(row_amax, 0, sizeof(int) * size_t(batch) * num_rows, stream);

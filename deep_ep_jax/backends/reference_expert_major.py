@@ -71,10 +71,26 @@ def expand_rows_transposed(x, layout, row_multipliers=None, col_inverse_scales=N
     fp8_quant does: fp8(clip(x[row] * row_multipliers[i] * col_inverse_scales[c], -448, 448)), each
     product rounded; 0 where the multiplier is 0 (and on unused rows)."""
     (rows,) = expand_rows((x,), layout)
-    if row_multipliers is None:
-        return lax.bitcast_convert_type(_as_bits(rows).T, x.dtype)
-    v = _times_multipliers(rows.astype(jnp.float32), row_multipliers[:, None])
-    return _to_fp8(v, col_inverse_scales[None, :]).T
+    if row_multipliers is not None:
+        v = _times_multipliers(rows.astype(jnp.float32), row_multipliers[:, None])
+        rows = _to_fp8(v, col_inverse_scales[None, :])
+    return lax.bitcast_convert_type(_transposed(_as_bits(rows)), rows.dtype)
+
+
+def _transposed(bits):
+    """bits [R, H] -> [H, R], a block of columns per loop step. The loop reads the rows from a buffer:
+    as one transpose, XLA's GPU fusion pulled the rows' gathers, and the dispatch's gathers and index
+    maths behind them, into the transpose, which then took 3.7 ms for x^T in the MoE benchmark's layer
+    on an H200 (the layer 2.3 ms per step slower; benchmarks/RESULTS.md)."""
+    num_rows, hidden = bits.shape
+    block = next(b for b in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if hidden % b == 0)
+
+    def body(i, out):
+        cols = lax.dynamic_slice_in_dim(bits, i * block, block, axis=1)
+        return lax.dynamic_update_slice_in_dim(out, cols.T, i * block, axis=0)
+
+    out = lax.full_like(bits, 0, shape=(hidden, num_rows))  # typed like bits (varying over the same axes)
+    return lax.fori_loop(0, hidden // block, body, out)
 
 
 def reduce_rows(expert_y, weights, layout):

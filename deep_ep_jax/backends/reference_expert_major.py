@@ -9,6 +9,8 @@ functions take clean arguments (local ids outside [0, L) already -1).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -83,7 +85,7 @@ def _transposed(bits):
     maths behind them, into the transpose, which then took 3.7 ms for x^T in the MoE benchmark's layer
     on an H200 (the layer 2.3 ms per step slower; benchmarks/RESULTS.md)."""
     num_rows, hidden = bits.shape
-    block = next(b for b in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1) if hidden % b == 0)
+    block = math.gcd(hidden, 1024)  # the largest power of two up to 1024 that divides hidden
 
     def body(i, out):
         cols = lax.dynamic_slice_in_dim(bits, i * block, block, axis=1)

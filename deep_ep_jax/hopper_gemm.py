@@ -586,9 +586,9 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                             plgpu.barrier_wait(scales_loaded.at[wg])
 
                     def store(acc, rows=None):  # rows: of the warpgroup's part (a half tile's)
-                        if scaled:
-                            acc = acc * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,))
-                        _store(plgpu, t, out_smem, wg, dst if rows is None else dst.at[rows], acc * scale_gmem[0])
+                        # The column scales come times `scale`: one product per element in the epilogue.
+                        acc = acc * (lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,)) if scaled else scale_gmem[0])
+                        _store(plgpu, t, out_smem, wg, dst if rows is None else dst.at[rows], acc)
 
                     def promoted_pass(count, a_rows=None):
                         """(count after, float32 total): each of the tile's row steps (with a_rows: of those
@@ -646,5 +646,5 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    scales = (col_scales,) if scaled else ()
+    scales = (col_scales * scale,) if scaled else ()  # exact for scale 1; NaN everywhere for NaN, as before
     return _kernel(body, (g, k, n), out_dtype, t)(group_starts, group_steps, scale, *scales, x, dy)

@@ -447,3 +447,40 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad):
             x_block, z_block = (np.asarray(a, np.float64) for a in (x[pairs, k0:k0 + 128], dy[pairs, n0:n0 + 128]))
         assert_close_numpy(dw[g, k0:k0 + 128, n0:n0 + 128], x_block.T @ z_block,
                            f"{what}: dw[{g}] block at ({k0}, {n0}), {count} pairs")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+@pytest.mark.parametrize("shape", [(256, 256, 3), (2048, 2048, 8)], ids=["one_tile_per_cta", "tiles_per_cta"])
+def test_fp8_weight_grad_kernel(shape, scale):
+    """hopper_gemm.weight_grad on FP8 operands called straight: groups of 0
+    to 6 row steps of 128 rows (those over 4 promoted in halves), K x N small
+    enough that each CTA gets at most one tile, or large enough for several
+    per CTA, with a `scale` of 1 or not (the kernel takes the column scales
+    times it). dw against float32 dots of the same FP8 values times the
+    column scales and `scale`; the empty groups' dw exactly zero."""
+    k, n, num_groups = shape
+    tiles = gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    steps = np.resize(np.array([3, 0, 1, 5, 4, 6, 2, 3], np.int32), num_groups)
+    sizes = steps * tiles.tile_k
+    num_rows = int(sizes.sum())
+    kx, kz, ks = jax.random.split(jax.random.key(seed), 3)
+    x_t = (jax.random.normal(kx, (k, num_rows), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+    z_t = (jax.random.normal(kz, (n, num_rows), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+    col_scales = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 2.0)
+    starts = jnp.asarray(np.cumsum(sizes) - sizes, jnp.int32)
+    dw = jax.jit(lambda x_t, z_t, c: hopper_gemm.weight_grad(
+        x_t, z_t, starts, jnp.asarray(steps), jnp.full((1,), scale, jnp.float32), tiles, transposed=True,
+        col_scales=c, out_dtype=jnp.bfloat16))(x_t, z_t, col_scales)
+    x32, z32 = np.asarray(x_t, np.float32), np.asarray(z_t, np.float32)
+    what = f"fp8 weight_grad, K x N {k} x {n}, scale {scale} (seed {seed})"
+    for g in range(num_groups):
+        rows = slice(int(starts[g]), int(starts[g]) + int(sizes[g]))
+        got = np.asarray(dw[g], np.float32)
+        if sizes[g] == 0:
+            assert not got.any(), f"{what}: dw[{g}] of an empty group is not zero"
+            continue
+        want = (x32[:, rows] @ z32[:, rows].T) * np.asarray(col_scales)[None, :] * scale
+        err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        assert err <= RTOL, f"{what}: dw[{g}] ({steps[g]} row steps) off by {err:.3g} of its largest value"

@@ -9,8 +9,8 @@
 #            COMMAND in each of them, in turn, ROUNDS times, e.g.
 #            scripts/ab.sh run 2 python3 benchmarks/bench_low_latency.py --backends cuda --repeats 6
 #
-# Each output block starts with "=== <n> <rev> round <i>". The device has no
-# git, hence the two steps.
+# Each output block starts with "=== <n> <rev> round <i> <time>". The device
+# has no git, hence the two steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,14 +29,23 @@ case "${1:-}" in
     rounds=$2
     shift 2
     export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+    # With $OUT set: the GPUs' power draw, power limit and SM clock every 200 ms into $OUT/gpu_power.csv,
+    # to read beside the blocks' start times (is a kernel held back by the power limit?).
+    if [[ -n "${OUT:-}" ]] && command -v nvidia-smi > /dev/null; then
+      nvidia-smi --query-gpu=timestamp,index,power.draw,power.limit,clocks.sm,temperature.gpu \
+        --format=csv -lms 200 >> "$OUT/gpu_power.csv" 2>&1 &
+      trap "kill $! 2> /dev/null" EXIT
+    fi
+    builds=()
     for dir in .ab/*/; do
       (cd "$dir" && python3 setup.py -q build_ext --inplace > build.log 2>&1 && echo "built $dir" ||
         { echo "build failed in $dir"; tail -20 build.log; }) &
+      builds+=($!)
     done
-    wait
+    wait "${builds[@]}"
     for ((i = 1; i <= rounds; i++)); do
       for dir in .ab/*/; do
-        echo "=== $(basename "$dir") $(cat "$dir/REV") round $i"
+        echo "=== $(basename "$dir") $(cat "$dir/REV") round $i $(date +%T)"
         (cd "$dir" && PYTHONPATH="$PWD" "$@")
       done
     done

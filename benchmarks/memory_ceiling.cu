@@ -7,14 +7,12 @@
 #include <cstdio>
 #include <cuda_runtime.h>
 
+template <bool kStreaming>  // streaming: evict-first stores (__stcs)
 __global__ void Write(int4* d, size_t n, int v) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    d[i] = make_int4(v, v + 1, v + 2, int(i));
-}
-
-__global__ void WriteStreaming(int4* d, size_t n, int v) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    __stcs(d + i, make_int4(v, v + 1, v + 2, int(i)));
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const int4 value = make_int4(v, v + 1, v + 2, int(i));
+    if constexpr (kStreaming) __stcs(d + i, value); else d[i] = value;
+  }
 }
 
 __global__ void Copy(const int4* s, int4* d, size_t n) {
@@ -50,8 +48,8 @@ int main() {
       float ms[5];
       for (int c = 0; c < 5; ++c) {
         cudaEventRecord(start);
-        if (c == 0) Write<<<blocks, 256>>>(b, n, round);
-        if (c == 1) WriteStreaming<<<blocks, 256>>>(b, n, round);
+        if (c == 0) Write<false><<<blocks, 256>>>(b, n, round);
+        if (c == 1) Write<true><<<blocks, 256>>>(b, n, round);
         if (c == 2) Copy<<<blocks, 256>>>(a, b, n);
         if (c == 3) Read<<<blocks, 256>>>(a, n, out);
         if (c == 4) cudaMemsetAsync(b, round, bytes);

@@ -32,8 +32,11 @@ case "${1:-}" in
     # With $OUT set: the GPUs' power draw, power limit and SM clock every 200 ms into $OUT/gpu_power.csv,
     # to read beside the blocks' start times (is a kernel held back by the power limit?).
     if [[ -n "${OUT:-}" ]] && command -v nvidia-smi > /dev/null; then
-      nvidia-smi --query-gpu=timestamp,index,power.draw,power.limit,clocks.sm,temperature.gpu \
-        --format=csv -lms 200 >> "$OUT/gpu_power.csv" 2>&1 &
+      # The event reasons say why the clock is below its maximum; older drivers lack the field.
+      query=timestamp,index,power.draw,power.limit,clocks.sm,temperature.gpu
+      nvidia-smi --query-gpu=$query,clocks_event_reasons.active --format=csv > /dev/null 2>&1 &&
+        query=$query,clocks_event_reasons.active
+      nvidia-smi --query-gpu=$query --format=csv -lms 200 >> "$OUT/gpu_power.csv" 2>&1 &
       trap "kill $! 2> /dev/null" EXIT
     fi
     builds=()

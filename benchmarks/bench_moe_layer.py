@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
 import moe_layer as ml
-from timing import print_kernel_breakdown
+from timing import gpu_meters, power_summary, print_kernel_breakdown
 
 from deep_ep_jax import Buffer
 from deep_ep_jax.config import FP8_BLOCK
@@ -265,14 +265,18 @@ def compile_steps(args, layer, copies, inputs):
 
 
 def time_steps(args, compiled, inputs):
+    """(seconds per step of each call, power_summary's pair for all of them)."""
     router, w_in, w_out, x = inputs
     jax.block_until_ready(compiled(x, router, w_in, w_out))  # warm-up
     per_step = []
+    meters = gpu_meters()
+    start = time.perf_counter()
     for _ in range(args.reps):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(x, router, w_in, w_out))
         per_step.append((time.perf_counter() - t0) / args.steps)
-    return per_step
+    power = power_summary(meters, gpu_meters(), time.perf_counter() - start, args.reps * args.steps)
+    return per_step, power
 
 
 def time_copies(args, copies, inputs):
@@ -427,12 +431,14 @@ def main():
         # Useful expert FLOPs per device: 3 matmuls of 2*H*F per routed (token, expert),
         # three times over for forward + backward.
         flops = 3 * 3 * 2 * tokens * args.top_k * args.hidden * args.ffn
-        results, outputs = {}, {}
+        results, outputs, powers = {}, {}, {}
         for row in rows:
             if row[1] != "local":
                 outputs[row] = forward(layers[row], fp8_copies(row[0], mesh), inputs)
-            per_step = time_steps(args, compiled[row][0], inputs)
+            per_step, (joules, power_line) = time_steps(args, compiled[row][0], inputs)
             med = statistics.median(per_step)
+            if power_line:
+                powers[row] = power_line
             results[row] = {
                 "impl": row[0],
                 "layer": row[1],
@@ -442,6 +448,7 @@ def main():
                 "expert_tflops": flops / med / 1e12,
                 "memory_gib": None if compiled[row][1] is None else compiled[row][1] / GiB,
                 "num_sms": buffers[row[1]].config.num_sms if row[1] == "cuda" else None,
+                "joules_per_step": joules,
             }
             if args.profile:
                 router, w_in, w_out, x = inputs
@@ -463,6 +470,8 @@ def main():
             r["comm_share"] = 1 - local["median_ms"] / r["median_ms"]
         print(f"| {label}, {impl} experts | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
               f"| {r['expert_tflops']:.1f} | {share} |")
+    for (impl, v), line in powers.items():
+        print(f"{v} layer, {impl} experts, the timed calls: {line}")
     for impl, ms in copies_ms.items():
         print(f"{impl}: the FP8 weight copies alone take {ms:.2f} ms per call (median of {args.reps}), made once per "
               f"jitted call: {ms / args.steps:.2f} ms of each of its {args.steps} steps above")

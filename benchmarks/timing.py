@@ -6,12 +6,15 @@ cost of a call). `kernel_events` / `kernel_durations` / `kernel_breakdown` (and 
 kernels' times, read from a JAX profile (CUPTI) of one run (kernel_breakdown: the second of two
 made back to back); `device_times`: the device time of repeated profiled calls; `span_per_op`: the
 device's time per operation of a profiled chain. `same_bits`: outputs compared bit for bit.
-`environment`: what a result was measured on."""
+`gpu_meters` / `power_summary`: the GPUs' energy over a timed run, and how long the power cap held their
+clocks down (a run held down by it gets faster only with less work). `environment`: what a result was
+measured on."""
 
 from __future__ import annotations
 
 import collections
 import glob
+import subprocess
 import sys
 import tempfile
 import time
@@ -169,6 +172,39 @@ def touch(a, value):
     dependency that links one operation of a chain to the next, as an
     in-place one-element update XLA cannot drop."""
     return lax.dynamic_update_slice(a, value.astype(a.dtype), (0, 0))
+
+
+_METER_FIELDS = ("total_energy_consumption", "clocks_event_reasons_counters.sw_power_cap")
+
+
+def gpu_meters():
+    """{field: [value per GPU]}: nvidia-smi's energy counter (mJ since the driver loaded) and, where the
+    driver has it, the time the software power cap has held the clocks down (us); {} without nvidia-smi."""
+    for fields in (_METER_FIELDS, _METER_FIELDS[:1]):
+        try:
+            out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10, check=True).stdout
+            rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines()]
+            return {field: [row[i] for row in rows] for i, field in enumerate(fields)}
+        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+            continue
+    return {}
+
+
+def power_summary(before, after, seconds, steps):
+    """(joules per step per GPU, one line saying it with the mean power and the share of the time the power
+    cap held the clocks down), from gpu_meters() read before and after `steps` steps that took `seconds`;
+    (None, "") without readings."""
+    energy = _METER_FIELDS[0]
+    if energy not in before or energy not in after or seconds <= 0 or steps <= 0:
+        return None, ""
+    joules = np.mean(np.subtract(after[energy], before[energy])) / 1e3
+    line = f"{joules / steps:.2f} J per step per GPU, mean {joules / seconds:.0f} W"
+    capped = _METER_FIELDS[1]
+    if capped in before and capped in after:
+        share = np.mean(np.subtract(after[capped], before[capped])) / 1e6 / seconds
+        line += f", clocks held down by the power cap {min(share, 1.0):.0%} of the time"
+    return joules / steps, line
 
 
 def environment():

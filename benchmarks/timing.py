@@ -13,8 +13,8 @@ measured on."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import glob
-import subprocess
 import sys
 import tempfile
 import time
@@ -174,35 +174,43 @@ def touch(a, value):
     return lax.dynamic_update_slice(a, value.astype(a.dtype), (0, 0))
 
 
-_METER_FIELDS = ("total_energy_consumption", "clocks_event_reasons_counters.sw_power_cap")
-
-
 def gpu_meters():
-    """{field: [value per GPU]}: nvidia-smi's energy counter (mJ since the driver loaded) and, where the
-    driver has it, the time the software power cap has held the clocks down (us); {} without nvidia-smi."""
-    for fields in (_METER_FIELDS, _METER_FIELDS[:1]):
-        try:
-            out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10, check=True).stdout
-            rows = [[float(v) for v in line.split(",")] for line in out.strip().splitlines()]
-            return {field: [row[i] for row in rows] for i, field in enumerate(fields)}
-        except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-            continue
-    return {}
+    """[(energy in mJ since the driver loaded, ns the power cap has held the clocks down, or None)] per GPU
+    that NVML sees (the driver's libnvidia-ml, through ctypes); [] where it is absent or fails."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return []
+    if nvml.nvmlInit_v2() != 0:
+        return []
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return []
+        readings = []
+        for i in range(count.value):
+            handle, energy = ctypes.c_void_p(), ctypes.c_ulonglong()
+            violation = (ctypes.c_ulonglong * 2)()  # nvmlViolationTime_t: reference time, violation time (ns)
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(energy)) != 0):
+                return []
+            capped = nvml.nvmlDeviceGetViolationStatus(handle, 0, violation) == 0  # 0: NVML_PERF_POLICY_POWER
+            readings.append((energy.value, violation[1] if capped else None))
+        return readings
+    finally:
+        nvml.nvmlShutdown()
 
 
 def power_summary(before, after, seconds, steps):
-    """(joules per step per GPU, one line saying it with the mean power and the share of the time the power
-    cap held the clocks down), from gpu_meters() read before and after `steps` steps that took `seconds`;
-    (None, "") without readings."""
-    energy = _METER_FIELDS[0]
-    if energy not in before or energy not in after or seconds <= 0 or steps <= 0:
+    """(joules per step per GPU, a line saying it with the mean power and the share of the time the power cap
+    held the clocks down), from gpu_meters() read before and after `steps` steps that took `seconds`, averaged
+    over the GPUs; (None, "") without readings."""
+    if not before or len(before) != len(after) or seconds <= 0 or steps <= 0:
         return None, ""
-    joules = np.mean(np.subtract(after[energy], before[energy])) / 1e3
+    joules = np.mean([a[0] - b[0] for b, a in zip(before, after)]) / 1e3
     line = f"{joules / steps:.2f} J per step per GPU, mean {joules / seconds:.0f} W"
-    capped = _METER_FIELDS[1]
-    if capped in before and capped in after:
-        share = np.mean(np.subtract(after[capped], before[capped])) / 1e6 / seconds
+    if all(r[1] is not None for r in before + after):
+        share = np.mean([a[1] - b[1] for b, a in zip(before, after)]) / 1e9 / seconds
         line += f", clocks held down by the power cap {min(share, 1.0):.0%} of the time"
     return joules / steps, line
 

@@ -4,7 +4,7 @@ weight_grad(transposed=True) for dw, each timed at the MoE benchmark's shapes pe
 checked against float32 dots of the dequantized operands.
 
     python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX] [--kernels forward,weight_grad]
-                                        [--shapes 7168x4096,2048x7168]
+                                        [--shapes 7168x4096,2048x7168] [--sustain 2]
 
 Shapes and groups as benchmarks/hopper_gemm_sweep.py (one rank's 128 experts of random top-8
 routing, groups aligned to 128 rows holding their pairs; by default the SwiGLU's two matmuls, K x N =
@@ -15,6 +15,11 @@ largest, the first, the middle and the last) as a fraction of their largest |y_r
 float32 (HIGHEST precision) on the dequantized operands, outside any jit; bf16 output rounding
 alone gives about 3e-3. dw likewise, from x's FP8 values and z = dy * x's row scales
 quantized per column (grouped_gemm._fp8_weight_grad), over all of each group's pair rows.
+
+The time is from short chains with idle gaps between them, where the GPU keeps its highest clock. Inside
+the MoE layer's step the GPU runs at its power limit and a lower clock (benchmarks/RESULTS.md), so
+--sustain S also runs each configuration back to back for about S seconds and prints its time and
+energy per call under that load (energy from NVML, where the driver has it).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_grouped_gemm import routed_group_sizes
 from hopper_gemm_sweep import pair_rows
-from timing import chain_seconds
+from timing import chain_seconds, sustained
 
 from deep_ep_jax import grouped_gemm as gg
 from deep_ep_jax import hopper_gemm as hg
@@ -138,8 +143,8 @@ def weight_grad_call(t, ops, sizes, counts):
 
 
 def seconds(t, ops, sizes, counts, repeats, call=call):
-    """Seconds per call, from chains of 3 and 6 (each call's scales, the operands' last, depend on the
-    previous output)."""
+    """(seconds per call from chains of 3 and 6, the chain of 6): each call's scales, the operands' last,
+    depend on the previous output."""
     def chain(length):
         def run(*ops):
             def body(_, scales):
@@ -148,7 +153,8 @@ def seconds(t, ops, sizes, counts, repeats, call=call):
 
             return lax.fori_loop(0, length, body, ops[-1])[:1]
         return jax.jit(run)
-    return chain_seconds(chain(3), chain(6), ops, 3, repeats)
+    long = chain(6)
+    return chain_seconds(chain(3), long, ops, 3, repeats), long
 
 
 KERNELS = {  # name: (configurations, operands, references, call)
@@ -163,6 +169,8 @@ def main():
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--shapes", default="7168x4096,2048x7168", help="K x N of each matmul, comma-separated")
+    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                        help="also time each configuration run back to back for about this long (and its energy)")
     args = parser.parse_args()
     counts, sizes = routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
     num_rows = -(-int(sizes.sum()) // 128) * 128
@@ -179,11 +187,15 @@ def main():
                     out = jax.jit(lambda *ops, t=t: kernel_call(t, ops, sizes, counts))(*ops)
                     err = max(float(jnp.max(jnp.abs(out[index].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
                               for index, ref in want.values())
-                    secs = seconds(t, ops, sizes, counts, args.repeats, kernel_call)
+                    secs, chain6 = seconds(t, ops, sizes, counts, args.repeats, kernel_call)
                     med = np.median(secs)
                     print(f"{name} {k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-"
                           f"{np.max(secs) * 1e3:.3f}) {flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}",
                           flush=True)
+                    if args.sustain:
+                        per_call, (_, power) = sustained(chain6, ops, 6, args.sustain)
+                        print(f"  sustained {args.sustain:g} s: {per_call * 1e3:.3f} ms per call"
+                              f"{'; ' + power if power else ''}", flush=True)
                 except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
                     text = "".join(traceback.format_exception_only(type(e), e))
                     print(f"{name} {k} x {n} {t}: FAILED {text[:1500]}", flush=True)

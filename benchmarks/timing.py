@@ -7,7 +7,8 @@ kernels' times, read from a JAX profile (CUPTI) of one run (kernel_breakdown: th
 made back to back); `device_times`: the device time of repeated profiled calls; `span_per_op`: the
 device's time per operation of a profiled chain. `same_bits`: outputs compared bit for bit.
 `gpu_meters` / `power_summary`: the GPUs' energy over a timed run, and how long the power cap held their
-clocks down (a run held down by it gets faster only with less work). `environment`: what a result was
+clocks down (a run held down by it gets faster only with less work); `sustained`: time and energy per
+operation under sustained load. `environment`: what a result was
 measured on."""
 
 from __future__ import annotations
@@ -167,6 +168,22 @@ def chain_seconds(short, long, args, length, repeats):
     return np.asarray(samples)
 
 
+def sustained(run, args, ops_per_call, seconds=2.0):
+    """(seconds per operation, power_summary's pair per operation) of a compiled run(*args) of ops_per_call
+    operations, called back to back without waiting for about `seconds`: the clock the GPU holds under
+    sustained load, as inside a model's step (chain_seconds' short chains, idle between them, can run
+    at a higher clock where the power cap binds)."""
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(*args))
+    calls = max(2, int(seconds / max(time.perf_counter() - t0, 1e-6)))
+    meters = gpu_meters()
+    t0 = time.perf_counter()
+    jax.block_until_ready([run(*args) for _ in range(calls)])
+    elapsed = time.perf_counter() - t0
+    ops = calls * ops_per_call
+    return elapsed / ops, power_summary(meters, gpu_meters(), elapsed, ops, unit="call")
+
+
 def touch(a, value):
     """a with its first element replaced by `value` ([1, 1]): the data
     dependency that links one operation of a chain to the next, as an
@@ -201,14 +218,14 @@ def gpu_meters():
         nvml.nvmlShutdown()
 
 
-def power_summary(before, after, seconds, steps):
+def power_summary(before, after, seconds, steps, unit="step"):
     """(joules per step per GPU, a line saying it with the mean power and the share of the time the power cap
-    held the clocks down), from gpu_meters() read before and after `steps` steps that took `seconds`, averaged
-    over the GPUs; (None, "") without readings."""
+    held the clocks down), from gpu_meters() read before and after `steps` steps (or calls: `unit`) that took
+    `seconds`, averaged over the GPUs; (None, "") without readings."""
     if not before or len(before) != len(after) or seconds <= 0 or steps <= 0:
         return None, ""
     joules = np.mean([a[0] - b[0] for b, a in zip(before, after)]) / 1e3
-    line = f"{joules / steps:.2f} J per step per GPU, mean {joules / seconds:.0f} W"
+    line = f"{joules / steps:.3g} J per {unit} per GPU, mean {joules / seconds:.0f} W"
     if all(r[1] is not None for r in before + after):
         share = np.mean([a[1] - b[1] for b, a in zip(before, after)]) / 1e9 / seconds
         line += f", clocks held down by the power cap {min(share, 1.0):.0%} of the time"

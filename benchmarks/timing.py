@@ -8,8 +8,7 @@ made back to back); `device_times`: the device time of repeated profiled calls; 
 device's time per operation of a profiled chain. `same_bits`: outputs compared bit for bit.
 `gpu_meters` / `power_summary`: the GPUs' energy over a timed run, and how long the power cap held their
 clocks down (a run held down by it gets faster only with less work); `sustained`: time and energy per
-operation under sustained load. `environment`: what a result was
-measured on."""
+operation under sustained load. `environment`: what a result was measured on."""
 
 from __future__ import annotations
 

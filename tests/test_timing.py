@@ -1,5 +1,6 @@
 """benchmarks/timing.py's kernel breakdown on made-up profile events: time
-per step by kernel name, busy time against the span, the first GPU only."""
+per step by kernel name, busy time against the span, the first GPU only; its
+energy summary on made-up meter readings."""
 
 import sys
 from pathlib import Path
@@ -55,3 +56,21 @@ def test_last_of_runs():
     assert timing.last_of_runs(events, 2) == [("/device:GPU:0", "a", 10, 11), ("/device:GPU:0", "b", 12, 13),
                                               ("/device:GPU:1", "a", 6, 9)]
     assert sorted(timing.last_of_runs(events, 1)) == sorted(events)
+
+
+def test_power_summary_averages_the_gpus():
+    """Joules per step from the energy counters (mJ), mean power over the span, and the share of it the
+    power cap held the clocks down (ns), each averaged over the GPUs."""
+    before = [(1_000, 0), (5_000, 2 * 10**8)]
+    after = [(21_000, 10**9), (35_000, 8 * 10**8)]  # 20 J and 30 J; 1.0 s and 0.6 s capped
+    joules, line = timing.power_summary(before, after, seconds=2.5, steps=10)
+    assert joules == pytest.approx(2.5)
+    assert line == "2.5 J per step per GPU, mean 10 W, clocks held down by the power cap 32% of the time"
+
+
+def test_power_summary_without_readings():
+    """No NVML (a CPU machine): nothing to say; a GPU without the power-cap counter: energy only."""
+    assert timing.power_summary([], [], seconds=1.0, steps=1) == (None, "")
+    assert timing.power_summary([(0, None)], [], seconds=1.0, steps=1) == (None, "")
+    joules, line = timing.power_summary([(0, None)], [(3_000, None)], seconds=1.0, steps=3, unit="call")
+    assert joules == pytest.approx(1.0) and line == "1 J per call per GPU, mean 3 W"

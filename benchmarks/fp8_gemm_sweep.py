@@ -4,7 +4,7 @@ weight_grad(transposed=True) for dw, each timed at the MoE benchmark's shapes pe
 checked against float32 dots of the dequantized operands.
 
     python benchmarks/fp8_gemm_sweep.py [--repeats 5] [--match REGEX] [--kernels forward,weight_grad]
-                                        [--shapes 7168x4096,2048x7168] [--sustain 2]
+                                        [--shapes 7168x4096,2048x7168] [--sustain 2] [--random-padding]
 
 Shapes and groups as benchmarks/hopper_gemm_sweep.py (one rank's 128 experts of random top-8
 routing, groups aligned to 128 rows holding their pairs; by default the SwiGLU's two matmuls, K x N =
@@ -76,10 +76,12 @@ WEIGHT_GRAD_CONFIGS = [
 ]
 
 
-def operands(key, k, n, num_rows, sizes, counts):
-    """(x data, x row scales, w's forward copy, its scales): x's rows that hold no pair are zeros."""
+def operands(key, k, n, num_rows, sizes, counts, random_padding=False):
+    """(x data, x row scales, w's forward copy, its scales): x's rows that hold no pair are zeros, as in the
+    layer, or with random_padding random like the others (what multiplying a padding row costs)."""
     kx, kw = jax.random.split(key)
-    x = jnp.where(pair_rows(num_rows, sizes, counts)[:, None], jax.random.normal(kx, (num_rows, k), jnp.bfloat16), 0)
+    x = jax.random.normal(kx, (num_rows, k), jnp.bfloat16)
+    x = x if random_padding else jnp.where(pair_rows(num_rows, sizes, counts)[:, None], x, 0)
     w = jax.random.normal(kw, (len(sizes), k, n), jnp.bfloat16) * jnp.bfloat16(k**-0.5)
     x_data, x_scales = jax.jit(gg.quantize_rows)(x)
     w8 = jax.jit(gg.fp8_weights)(w)
@@ -169,6 +171,8 @@ def main():
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--shapes", default="7168x4096,2048x7168", help="K x N of each matmul, comma-separated")
+    parser.add_argument("--random-padding", action="store_true",
+                        help="forward: x's padding rows random instead of zero (the layer's are zero)")
     parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                         help="also time each configuration run back to back for about this long (and its energy)")
     args = parser.parse_args()
@@ -179,7 +183,8 @@ def main():
     for name in args.kernels.split(","):
         configs, make_operands, make_references, kernel_call = KERNELS[name]
         for i, (k, n) in enumerate(tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")):
-            ops = make_operands(jax.random.key(i), k, n, num_rows, sizes, counts)
+            padding = dict(random_padding=True) if args.random_padding and name == "forward" else {}
+            ops = make_operands(jax.random.key(i), k, n, num_rows, sizes, counts, **padding)
             want = make_references(ops, sizes, counts, groups)  # {group: (index of the output, float32 values)}
             flops = 2 * int(counts.sum()) * k * n
             for t in (t for t in configs if re.search(args.match, repr(t))):

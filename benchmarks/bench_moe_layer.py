@@ -35,6 +35,11 @@ Before running, each compiled step's memory per device (arguments + outputs
 pool (75% of the GPU by default); where it does not fit, tokens per device are
 halved until it does, and the run says so.
 
+Where the driver's NVML library is there, each layer's timed calls are also
+given in joules per step per GPU, with the mean power and the share of the
+time the power cap held the clocks down (on an H200 this layer runs at its
+power limit, so a shorter step needs less energy, benchmarks/RESULTS.md).
+
 Each jitted call runs --steps forward+backward passes in a fori_loop (each
 step's input depends on the previous step's gradient, so XLA can neither
 hoist nor drop them), which amortises the ~300 us host cost of a jitted

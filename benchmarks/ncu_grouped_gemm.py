@@ -3,12 +3,15 @@
 The forward, input gradient and weight gradient of both matmuls on one GPU, with the routing and
 128-aligned groups of hopper_gemm_sweep.py and grouped_gemm.DEFAULT_ALIGNED_TILES. With --fp8-weight-grad,
 instead the two FP8 weight gradients (w_in's, then w_out's) as fp8_gemm_sweep.py calls them, with
-DEFAULT_ALIGNED_TILES.fp8_weight_grad. From benchmarks/:
+DEFAULT_ALIGNED_TILES.fp8_weight_grad; with --fp8-forward, the two FP8 forwards (w_in's y, then
+w_out's) with DEFAULT_ALIGNED_TILES.fp8. From benchmarks/:
 
     ncu --clock-control none --kernel-name regex:"mosaic|body" --launch-count 6 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis python3 ncu_grouped_gemm.py
     ncu --clock-control none --kernel-name regex:body --launch-count 2 --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis python3 ncu_grouped_gemm.py --fp8-weight-grad
+    ncu --clock-control none --kernel-name regex:body --launch-count 1 \\
+        --metrics dram__bytes_read.sum,lts__t_sector_hit_rate.pct python3 ncu_grouped_gemm.py --fp8-forward
 """
 
 from __future__ import annotations
@@ -38,17 +41,25 @@ def bf16_kernels():
             print(f"{kernel}: {a.shape} x {b.shape}", flush=True)
 
 
-def fp8_weight_grads():
+def fp8_kernels(kernel):
+    """fp8_gemm_sweep.py's `kernel` ("forward" or "weight_grad") of w_in, then of w_out, with its tiles in
+    DEFAULT_ALIGNED_TILES (fp8 or fp8_weight_grad)."""
     import fp8_gemm_sweep as fs
 
+    _, make_operands, _, call = fs.KERNELS[kernel]
+    tiles = gg.DEFAULT_ALIGNED_TILES.fp8 if kernel == "forward" else gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
     counts, sizes, num_rows = routing()
-    tiles = gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
     for k, n in ((7168, 4096), (2048, 7168)):
-        ops = fs.weight_grad_operands(jax.random.key(1), k, n, num_rows, sizes, counts)
-        run = jax.jit(lambda *ops: fs.weight_grad_call(tiles, ops, sizes, counts))
+        ops = make_operands(jax.random.key(1), k, n, num_rows, sizes, counts)
+        run = jax.jit(lambda *ops: call(tiles, ops, sizes, counts))
         jax.block_until_ready(run(*ops))
-        print(f"fp8 weight_grad: x^T {ops[0].shape}, z^T {ops[1].shape}", flush=True)
+        print(f"fp8 {kernel}: operands {[tuple(a.shape) for a in ops]}", flush=True)
 
 
 if __name__ == "__main__":
-    fp8_weight_grads() if "--fp8-weight-grad" in sys.argv[1:] else bf16_kernels()
+    if "--fp8-weight-grad" in sys.argv[1:]:
+        fp8_kernels("weight_grad")
+    elif "--fp8-forward" in sys.argv[1:]:
+        fp8_kernels("forward")
+    else:
+        bf16_kernels()

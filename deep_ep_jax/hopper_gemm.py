@@ -23,7 +23,11 @@ split the CTA's tile along N, so the warpgroups share the row tile's loads
 The CTAs are persistent (one per SM, or one per cluster of two whose CTAs
 share the row tile by TMA multicast) and walk the tiles in an order that
 keeps a group's weights and a row tile's rows in L2 while they are reused.
-Tiles past the last group are not computed, only stored as zeros.
+That reuse relies on the CTAs that share a weight tile stepping through K
+together: a tile made shorter than the rest (one that leaves out its padding
+rows' products) breaks the step, and the extra HBM reads cost more than the
+products saved (benchmarks/RESULTS.md). Tiles past the last group are not
+computed, only stored as zeros.
 
 rows_matmul also takes float8_e4m3fn x and w (w as [G, N, K]: FP8 WGMMA
 reads both operands K-major) with a float32 scale per row of x and per

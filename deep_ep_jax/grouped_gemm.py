@@ -555,7 +555,7 @@ def _row_tiles(group_sizes, valid_sizes, num_rows, tile_m):
 
 def _rows_matmul(x, w, group_sizes, valid_sizes, scale, tiles, transpose_rhs=False):
     """hopper_gemm.rows_matmul on aligned groups."""
-    groups, rows = _row_tiles(group_sizes, valid_sizes, x.shape[0], tiles.tile_m)
+    groups, rows = _row_tiles(group_sizes, valid_sizes, x.shape[0], hopper_gemm.row_tile(tiles))
     return hopper_gemm.rows_matmul(x, w, groups, rows, scale, tiles, transpose_rhs=transpose_rhs)
 
 

@@ -274,6 +274,23 @@ def test_mgpu_shape_rules():
     assert gg.row_multiple(dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)) == 64  # the row-tiled ones
 
 
+def test_bf16_rows_matmul_takes_the_kernels_row_tiles(monkeypatch):
+    """With split_rows tiles (two warpgroups of tile_m rows), the bf16 path hands
+    rows_matmul one (group, data rows) entry per 2 tile_m rows, the kernel's row
+    tile, not per tile_m: else every tile past the first reads another's group."""
+    seen = {}
+
+    def fake_rows_matmul(x, w, groups, rows, scale, tiles, transpose_rhs=False):
+        seen.update(groups=groups.tolist(), rows=rows.tolist())
+        return x
+
+    monkeypatch.setattr(hopper_gemm, "rows_matmul", fake_rows_matmul)
+    tiles = hopper_gemm.HopperTiles(64, 128, 64, 4, split_rows=True)
+    sizes, valid = jnp.array([256, 128], jnp.int32), jnp.array([200, 64], jnp.int32)
+    gg._rows_matmul(jnp.zeros((512, 8)), None, sizes, valid, None, tiles)
+    assert seen == {"groups": [0, 0, 1, -1], "rows": [128, 72, 64, 0]}
+
+
 def test_row_tiles_and_aligned_fit():
     """The row tiles' groups (empty groups skipped, -1 past the last group) and
     data rows (of the group's valid rows; 0 past the last group), and which

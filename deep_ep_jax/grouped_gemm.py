@@ -553,10 +553,10 @@ def _row_tiles(group_sizes, valid_sizes, num_rows, tile_m):
     return jnp.where(past, -1, groups), jnp.where(past, 0, rows).astype(jnp.int32)
 
 
-def _rows_matmul(x, w, group_sizes, valid_sizes, scale, tiles, transpose_rhs=False):
-    """hopper_gemm.rows_matmul on aligned groups."""
+def _rows_matmul(x, w, group_sizes, valid_sizes, scale, tiles, transpose_rhs=False, **kernel_args):
+    """hopper_gemm.rows_matmul on aligned groups (kernel_args: its out_dtype and FP8 scales)."""
     groups, rows = _row_tiles(group_sizes, valid_sizes, x.shape[0], hopper_gemm.row_tile(tiles))
-    return hopper_gemm.rows_matmul(x, w, groups, rows, scale, tiles, transpose_rhs=transpose_rhs)
+    return hopper_gemm.rows_matmul(x, w, groups, rows, scale, tiles, transpose_rhs=transpose_rhs, **kernel_args)
 
 
 def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, scale):
@@ -705,10 +705,8 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
     """out [M, C'] = scale * (a_data * a_scales) @ (w_data * w_scales)[g]^T, 0 on padding rows:
     a_data float8 [M, C] with one scale per row (a_scales [M]), w_data float8 [G, C', C], w_scales [G, C']."""
     if use_mgpu:
-        tiles = blocks.aligned.fp8
-        groups, rows = _row_tiles(group_sizes, valid_sizes, a_data.shape[0], hopper_gemm.row_tile(tiles))
-        out = hopper_gemm.rows_matmul(a_data, w_data, groups, rows, scale, tiles, transpose_rhs=True,
-                                      out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
+        out = _rows_matmul(a_data, w_data, group_sizes, valid_sizes, scale, blocks.aligned.fp8, transpose_rhs=True,
+                           out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
         return vary_over(out, vma(group_sizes))
     a, w = _dequantized(a_data, a_scales[:, None], w_data, w_scales[..., None])
     out = _ragged_dot_rhs_transposed(a, w, group_sizes)

@@ -4,7 +4,8 @@ The forward, input gradient and weight gradient of both matmuls on one GPU, with
 128-aligned groups of hopper_gemm_sweep.py and grouped_gemm.DEFAULT_ALIGNED_TILES. With --fp8-weight-grad,
 instead the two FP8 weight gradients (w_in's, then w_out's) as fp8_gemm_sweep.py calls them, with
 DEFAULT_ALIGNED_TILES.fp8_weight_grad; with --fp8-forward, the two FP8 forwards (w_in's y, then
-w_out's) with DEFAULT_ALIGNED_TILES.fp8. From benchmarks/:
+w_out's) with DEFAULT_ALIGNED_TILES.fp8. --tiles "HopperTiles(...)" replaces an FP8 kernel's tiles
+(as fp8_gemm_sweep.py prints them). From benchmarks/:
 
     ncu --clock-control none --kernel-name regex:"mosaic|body" --launch-count 6 \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis python3 ncu_grouped_gemm.py
@@ -23,6 +24,7 @@ import numpy as np
 
 import hopper_gemm_sweep as sweep
 from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax import hopper_gemm as hg
 
 
 def routing():
@@ -41,13 +43,14 @@ def bf16_kernels():
             print(f"{kernel}: {a.shape} x {b.shape}", flush=True)
 
 
-def fp8_kernels(kernel):
-    """fp8_gemm_sweep.py's `kernel` ("forward" or "weight_grad") of w_in, then of w_out, with its tiles in
-    DEFAULT_ALIGNED_TILES (fp8 or fp8_weight_grad)."""
+def fp8_kernels(kernel, tiles=None):
+    """fp8_gemm_sweep.py's `kernel` ("forward" or "weight_grad") of w_in, then of w_out, with `tiles` or
+    else its tiles in DEFAULT_ALIGNED_TILES (fp8 or fp8_weight_grad)."""
     import fp8_gemm_sweep as fs
 
     _, make_operands, _, call = fs.KERNELS[kernel]
-    tiles = gg.DEFAULT_ALIGNED_TILES.fp8 if kernel == "forward" else gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
+    if tiles is None:
+        tiles = gg.DEFAULT_ALIGNED_TILES.fp8 if kernel == "forward" else gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
     counts, sizes, num_rows = routing()
     for k, n in ((7168, 4096), (2048, 7168)):
         ops = make_operands(jax.random.key(1), k, n, num_rows, sizes, counts)
@@ -57,9 +60,11 @@ def fp8_kernels(kernel):
 
 
 if __name__ == "__main__":
-    if "--fp8-weight-grad" in sys.argv[1:]:
-        fp8_kernels("weight_grad")
-    elif "--fp8-forward" in sys.argv[1:]:
-        fp8_kernels("forward")
+    args = sys.argv[1:]
+    tiles = eval(args[args.index("--tiles") + 1], {"HopperTiles": hg.HopperTiles}) if "--tiles" in args else None
+    if "--fp8-weight-grad" in args:
+        fp8_kernels("weight_grad", tiles)
+    elif "--fp8-forward" in args:
+        fp8_kernels("forward", tiles)
     else:
         bf16_kernels()

@@ -68,6 +68,9 @@ class HopperTiles:
     max_concurrent_steps: int = 4
     grid_minor_n: bool = True  # walk N fastest (a row tile's rows stay in L2)
     grid_tile_width: int = 1  # tiles along the minor dimension per band (planar_snake)
+    # rows_matmul, walking M fastest tile by tile: each band of row tiles ends where a group does (about
+    # grid_tile_width of them), so no group's weight tiles are read by two bands.
+    group_bands: bool = False
     cluster_n: bool = False  # two CTAs share the row tile by multicast (adjacent N tiles)
     # A CTA's tiles form one pipeline: the loads of its next tile start while it finishes and stores
     # this one. rows_matmul: a pipeline of pipelines over the row tiles that hold groups, when the K
@@ -210,6 +213,8 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
     m, k = x.shape
     n = w.shape[1] if transpose_rhs else w.shape[2]
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if t.group_bands and (t.grid_minor_n or t.cluster_n or t.steady_pipeline):
+        raise ValueError("rows_matmul: group_bands walks M fastest, without cluster_n or steady_pipeline")
     cluster = 2 if t.cluster_n else 1
     cta_m, cta_n = row_tile(t), cta_cols(t) // cluster
     m_iters, n_iters, k_iters = m // cta_m, n // (cta_n * cluster), k // t.tile_k
@@ -242,11 +247,11 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
         raise ValueError("rows_matmul: give both row_scales and col_scales, or neither")
 
     def body(tile_group_gmem, tile_rows_gmem, scale_gmem, *refs):
-        # With scales: row and column scales; with steady: the count of row tiles that hold groups;
-        # then x, w, out.
+        # With scales: row and column scales; then the walk's table: with steady, the count of row tiles
+        # that hold groups, with group_bands, the tile order; then x, w, out.
         *extra, x_gmem, w_gmem, out_gmem = refs
         row_scales_gmem, col_scales_gmem = extra[:2] if scaled else (None, None)
-        num_row_tiles_gmem = extra[2:] if scaled else extra
+        walk_gmem = extra[2:] if scaled else extra
         ignore = lambda *_, **__: None
 
         # Each compute warpgroup's row and column scales, loaded while its tile accumulates.
@@ -328,7 +333,11 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
             if not steady:
                 @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
                 def _tiles(info):
-                    mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), minor, t.grid_tile_width)
+                    if t.group_bands:
+                        order = walk_gmem[0][info.index[0]]
+                        mi, ni = order // n_iters, order % n_iters
+                    else:
+                        mi, ni = plgpu.planar_snake(info.index[0], (m_iters, n_iters), minor, t.grid_tile_width)
 
                     @pl.when(tile_group_gmem[mi] >= 0)
                     def _():
@@ -340,7 +349,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
             else:
                 # Only the row tiles that hold groups (a prefix), so that every step of a CTA runs a
                 # pipeline: the first starts the chain, the last ends it, one alone does both.
-                num_m = num_row_tiles_gmem[0][0]
+                num_m = walk_gmem[0][0]
 
                 @plgpu.nd_loop((num_m * n_iters,), collective_axes="cluster_grid")
                 def _tiles(info):
@@ -365,9 +374,28 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # The groups' tiles come first; their count is needed only for the steady walk.
-    num_row_tiles = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),) if steady else ()
+    if steady:
+        walk = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),)
+    else:
+        walk = (_group_band_order(tile_group, n_iters, t.grid_tile_width),) if t.group_bands else ()
     scales = (row_scales, col_scales) if scaled else ()
-    return _kernel(body, (m, n), out_dtype, t)(tile_group, tile_rows, scale, *scales, *num_row_tiles, x, w)
+    return _kernel(body, (m, n), out_dtype, t)(tile_group, tile_rows, scale, *scales, *walk, x, w)
+
+
+def _group_band_order(tile_group, n_iters, width):
+    """int32 [len(tile_group) * n_iters]: the tiles (row tile * n_iters + column) in walking order, for
+    group_bands. Each group's row tiles go to band first_tile // width (its first tile's); a band's tiles
+    are walked row tile fastest, column by column."""
+    num = tile_group.shape[0]
+    index = jnp.arange(num, dtype=jnp.int32)
+    starts = lambda v: jnp.concatenate([jnp.ones(1, bool), v[1:] != v[:-1]])  # where a run of equal values starts
+    band = lax.cummax(jnp.where(starts(tile_group), index, 0)) // width
+    band_start = lax.cummax(jnp.where(starts(band), index, 0))
+    band_end = lax.cummin(jnp.where(jnp.append(starts(band)[1:], True), index + 1, num), reverse=True)
+    cols = jnp.arange(n_iters, dtype=jnp.int32)
+    position = (band_start * n_iters)[:, None] + cols[None, :] * (band_end - band_start)[:, None] \
+        + (index - band_start)[:, None]
+    return jnp.zeros(num * n_iters, jnp.int32).at[position.reshape(-1)].set(jnp.arange(num * n_iters, dtype=jnp.int32))
 
 
 def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed: bool = False,

@@ -431,6 +431,27 @@ def test_steady_pipeline_lowers(gpu_core_count):
     assert mosaic_calls(jax.jit(dw).trace(x, dy, sizes).lower(lowering_platforms=("cuda",))) == 1
 
 
+def test_group_bands_order_and_lowers(gpu_core_count):
+    """HopperTiles.group_bands: every tile once, each band's row tiles whole groups (a group goes to the
+    band of its first tile // grid_tile_width), row tiles fastest; rows_matmul lowers with it."""
+    groups = jnp.array([0, 0, 0, 2, 2, 3, 5, 5, 5, 5, -1, -1], jnp.int32)
+    order = hopper_gemm._group_band_order(groups, 3, 4).tolist()
+    assert sorted(order) == list(range(36))
+    bands = [range(0, 5), range(5, 10), range(10, 12)]  # groups 0 and 2; 3 and 5; past the groups
+    assert [divmod(o, 3) for o in order] == [(mi, ni) for band in bands for ni in range(3) for mi in band]
+    tiles = dataclasses.replace(gg.DEFAULT_ALIGNED_TILES.forward, group_bands=True)
+    x, w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16)
+
+    def run(x, w, sizes, tiles=tiles):
+        groups, rows = gg._row_tiles(sizes, sizes // 2, 1024, 128)
+        return hopper_gemm.rows_matmul(x, w, groups, rows, jnp.ones((1,), jnp.float32), tiles)
+
+    sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+    assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
+    with pytest.raises(ValueError, match="group_bands walks M fastest"):
+        jax.jit(functools.partial(run, tiles=dataclasses.replace(tiles, grid_minor_n=True))).trace(x, w, sizes)
+
+
 @pytest.mark.parametrize("fp8", [None, "bf16_dw", "fp8_dw"])
 def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
     """The same under shard_map with check_vma: the kernels' outputs get the right types

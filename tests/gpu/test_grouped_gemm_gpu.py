@@ -277,24 +277,28 @@ def check_against_reference(what, got, want, data):
         assert not bool(jnp.any(jnp.where(data, 0, g))), f"{what}: {name} is not 0 on rows that are not pairs"
 
 
-@pytest.mark.parametrize("steady", [False, True], ids=["tile_by_tile", "steady_pipeline"])
+@pytest.mark.parametrize("walk", ["tile_by_tile", "steady_pipeline", "group_bands"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_aligned_kernels_directly(kind, steady):
+def test_aligned_kernels_directly(kind, walk):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
-    pipelines in rows_matmul, one ring over every row step in weight_grad).
-    rows_matmul's data rows are each group's pairs (the rest of x and dy
+    pipelines in rows_matmul, one ring over every row step in weight_grad),
+    and with rows_matmul's tiles walked in bands that end with a group
+    (HopperTiles.group_bands). rows_matmul's data rows are each group's pairs (the rest of x and dy
     random, not zero): its output must be exactly 0 on every other row, the
     tiles past the groups included (it stores their zeros itself)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
-    if steady:
+    if walk == "steady_pipeline":
         tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
                                   for f in dataclasses.fields(tiles)))
+    elif walk == "group_bands":
+        tiles = dataclasses.replace(tiles, forward=dataclasses.replace(tiles.forward, group_bands=True),
+                                    input_grad=dataclasses.replace(tiles.input_grad, group_bands=True))
     align = gg.aligned_rows()
     counts = routed_sizes(rng, kind)
     sizes = (-(-counts // align) * align).astype(np.int32)
@@ -317,7 +321,7 @@ def test_aligned_kernels_directly(kind, steady):
     pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
     want_y, want_dx, _ = per_group_reference(*pairs_only[:1], w, sizes, pairs_only[1])
     want_dw = per_group_reference(x, w, sizes, dy)[2]  # dw: every row of the groups
-    what = f"aligned kernels, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
+    what = f"aligned kernels, {walk}, {kind} (seed {seed}, {total} rows, {int((sizes == 0).sum())} empty groups)"
     check_against_reference(what, (y, dx, dw), (want_y, want_dx, want_dw), data)
     assert not bool(jnp.any(dw[sizes == 0])), f"{what}: dw of empty groups is not zero"
     check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, pair_rows)

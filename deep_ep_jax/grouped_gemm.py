@@ -110,7 +110,8 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # K steps of 256 float8 (two 128-byte swizzled tiles), each added to a float32 total (promote), for which
     # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
     # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error).
-    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
+    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True,
+                    group_bands=True),
     # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
     # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits
     # are as exact as promotion there (3.3e-3 of the largest value against 3.0e-3); a longer one (a group

@@ -26,8 +26,10 @@ keeps a group's weights and a row tile's rows in L2 while they are reused.
 That reuse relies on the CTAs that share a weight tile stepping through K
 together: a tile made shorter than the rest (one that leaves out its padding
 rows' products) breaks the step, and the extra HBM reads cost more than the
-products saved (benchmarks/RESULTS.md). Tiles past the last group are not
-computed, only stored as zeros.
+products saved (benchmarks/RESULTS.md). With group_bands, rows_matmul's
+bands of row tiles end where a group does, so no group's weights are read by
+two bands (planar_snake's bands of fixed width cut through groups). Tiles
+past the last group are not computed, only stored as zeros.
 
 rows_matmul also takes float8_e4m3fn x and w (w as [G, N, K]: FP8 WGMMA
 reads both operands K-major) with a float32 scale per row of x and per

@@ -418,6 +418,8 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
     over the group's rows), and dw has out_dtype (default x's); t.split_rows
     has the compute warpgroups split the CTA's tile by K rows (2 tile_m x
     tile_n). Only as one pipeline."""
+    if t.group_bands:
+        raise ValueError(f"weight_grad: group_bands is rows_matmul's walk, got {t}")
     if transposed or col_scales is not None or t.promote or t.split_rows or t.promote_after_steps:
         if not (transposed and t.steady_pipeline and not t.cluster_n):
             raise ValueError("weight_grad: col_scales, promote, split_rows and promote_after_steps need "

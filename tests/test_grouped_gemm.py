@@ -450,6 +450,8 @@ def test_group_bands_order_and_lowers(gpu_core_count):
     assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
     with pytest.raises(ValueError, match="group_bands walks M fastest"):
         jax.jit(functools.partial(run, tiles=dataclasses.replace(tiles, grid_minor_n=True))).trace(x, w, sizes)
+    with pytest.raises(ValueError, match="group_bands is rows_matmul's walk"):
+        hopper_gemm.weight_grad(x, x, sizes, sizes, jnp.ones((1,), jnp.float32), tiles)
 
 
 @pytest.mark.parametrize("fp8", [None, "bf16_dw", "fp8_dw"])

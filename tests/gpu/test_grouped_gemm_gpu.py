@@ -286,9 +286,10 @@ def test_aligned_kernels_directly(kind, walk):
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of
     pipelines in rows_matmul, one ring over every row step in weight_grad),
     and with rows_matmul's tiles walked in bands that end with a group
-    (HopperTiles.group_bands). rows_matmul's data rows are each group's pairs (the rest of x and dy
-    random, not zero): its output must be exactly 0 on every other row, the
-    tiles past the groups included (it stores their zeros itself)."""
+    (HopperTiles.group_bands). rows_matmul's data rows are each group's
+    pairs (the rest of x and dy random, not zero): its output must be
+    exactly 0 on every other row, the tiles past the groups included (it
+    stores their zeros itself)."""
     rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]

@@ -162,7 +162,9 @@ CONFIGS = {
     # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
     + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
     + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)]
-    + [T(128, 128, 64, 3, grid_minor_n=False, grid_tile_width=4, epi_tile_m=128, epi_tile_n=128)],
+    + [T(128, 128, 64, 3, grid_minor_n=False, grid_tile_width=4, epi_tile_m=128, epi_tile_n=128)]
+    # bands of row tiles that end with a group (the FP8 forward's default walk)
+    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, group_bands=True) for w in (2, 4)],
     "weight_grad": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(4, False), (8, False), (4, True)]]
     + [T(128, 128, 128, 2, grid_tile_width=4), T(128, 128, 64, 3, grid_tile_width=4),
        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8)]

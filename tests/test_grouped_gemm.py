@@ -415,9 +415,8 @@ def test_steady_pipeline_lowers(gpu_core_count):
             w = jax.ShapeDtypeStruct((4, 1024, 512) if transpose else (4, 512, 1024), jnp.bfloat16)
 
             def run(x, w, sizes, tiles=tiles, transpose=transpose):
-                groups, rows = gg._row_tiles(sizes, sizes // 2, 1024, 128)
-                return hopper_gemm.rows_matmul(x, w, groups, rows, jnp.ones((1,), jnp.float32), tiles,
-                                               transpose_rhs=transpose)
+                return gg._rows_matmul(x, w, sizes, sizes // 2, jnp.ones((1,), jnp.float32), tiles,
+                                       transpose_rhs=transpose)
 
             assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
     # weight_grad: one ring of stages over every row step of a CTA's tiles
@@ -443,8 +442,7 @@ def test_group_bands_order_and_lowers(gpu_core_count):
     x, w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16)
 
     def run(x, w, sizes, tiles=tiles):
-        groups, rows = gg._row_tiles(sizes, sizes // 2, 1024, 128)
-        return hopper_gemm.rows_matmul(x, w, groups, rows, jnp.ones((1,), jnp.float32), tiles)
+        return gg._rows_matmul(x, w, sizes, sizes // 2, jnp.ones((1,), jnp.float32), tiles)
 
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
     assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1

@@ -309,8 +309,7 @@ def test_aligned_kernels_directly(kind, walk):
     jsizes, jcounts, unit = jnp.asarray(sizes), jnp.asarray(counts), jnp.ones((1,), jnp.float32)
 
     def rows_matmul(a, w, t, transpose_rhs=False):
-        groups, rows = gg._row_tiles(jsizes, jcounts, num_rows, hopper_gemm.row_tile(t))
-        return hopper_gemm.rows_matmul(a, w, groups, rows, unit, t, transpose_rhs=transpose_rhs)
+        return gg._rows_matmul(a, w, jsizes, jcounts, unit, t, transpose_rhs=transpose_rhs)
 
     y = jax.jit(lambda x, w: rows_matmul(x, w, tiles.forward))(x, w)
     dx = jax.jit(lambda dy, w: rows_matmul(dy, w, tiles.input_grad, transpose_rhs=True))(dy, w)

@@ -375,7 +375,8 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    # The groups' tiles come first; their count is needed only for the steady walk.
+    # The walk's table: the steady walk's count of row tiles that hold groups (they come first), or
+    # group_bands' tile order.
     if steady:
         walk = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),)
     else:

@@ -58,9 +58,8 @@ CONFIGS = [
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True),
     # bands of row tiles that end with a group, so that no group's weights are read by two bands
-    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, group_bands=True),
-    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True, group_bands=True),
-    T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True, group_bands=True),
+    *(T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=w, split_rows=True, promote=True, group_bands=True)
+      for w in (4, 8, 2, 3, 5, 6)),
     T(64, 128, 256, 3, grid_minor_n=True, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, cluster_n=True),
 ]

@@ -111,8 +111,9 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
     # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error). Bands of row tiles
     # that end with a group read w_in's y's operands once (4.17 GB of HBM reads against 5.18): the layer's
-    # step 14.28-14.40 ms against 14.72-14.79.
-    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True,
+    # step 14.28-14.40 ms against 14.72-14.79. Bands of about 2 row tiles (a group or two) are about 1%
+    # faster than bands of 4 in the four matmuls and the layer (14.18-14.23 ms against 14.23-14.51).
+    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True,
                     group_bands=True),
     # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
     # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits

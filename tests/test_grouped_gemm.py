@@ -434,10 +434,13 @@ def test_group_bands_order_and_lowers(gpu_core_count):
     """HopperTiles.group_bands: every tile once, each band's row tiles whole groups (a group goes to the
     band of its first tile // grid_tile_width), row tiles fastest; rows_matmul lowers with it."""
     groups = jnp.array([0, 0, 0, 2, 2, 3, 5, 5, 5, 5, -1, -1], jnp.int32)
-    order = hopper_gemm._group_band_order(groups, 3, 4).tolist()
-    assert sorted(order) == list(range(36))
-    bands = [range(0, 5), range(5, 10), range(10, 12)]  # groups 0 and 2; 3 and 5; past the groups
-    assert [divmod(o, 3) for o in order] == [(mi, ni) for band in bands for ni in range(3) for mi in band]
+    for width, bands in [
+        (4, [range(0, 5), range(5, 10), range(10, 12)]),  # groups 0 and 2; 3 and 5; past the groups
+        (2, [range(0, 3), range(3, 5), range(5, 6), range(6, 10), range(10, 12)]),  # a band per group
+    ]:
+        order = hopper_gemm._group_band_order(groups, 3, width).tolist()
+        assert sorted(order) == list(range(36))
+        assert [divmod(o, 3) for o in order] == [(mi, ni) for band in bands for ni in range(3) for mi in band]
     tiles = dataclasses.replace(gg.DEFAULT_ALIGNED_TILES.forward, group_bands=True)
     x, w = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), jax.ShapeDtypeStruct((4, 512, 1024), jnp.bfloat16)
 

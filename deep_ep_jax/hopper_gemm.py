@@ -379,8 +379,10 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
     # group_bands' tile order.
     if steady:
         walk = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),)
+    elif t.group_bands:
+        walk = (_group_band_order(tile_group, n_iters, t.grid_tile_width),)
     else:
-        walk = (_group_band_order(tile_group, n_iters, t.grid_tile_width),) if t.group_bands else ()
+        walk = ()
     scales = (row_scales, col_scales) if scaled else ()
     return _kernel(body, (m, n), out_dtype, t)(tile_group, tile_rows, scale, *scales, *walk, x, w)
 

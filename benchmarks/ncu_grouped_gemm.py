@@ -17,6 +17,7 @@ w_out's) with DEFAULT_ALIGNED_TILES.fp8. --tiles "HopperTiles(...)" replaces an 
 
 from __future__ import annotations
 
+import ast
 import sys
 
 import jax
@@ -59,9 +60,22 @@ def fp8_kernels(kernel, tiles=None):
         print(f"fp8 {kernel}: operands {[tuple(a.shape) for a in ops]}", flush=True)
 
 
+def parse_tiles(text):
+    """--tiles' value as fp8_gemm_sweep.py prints it, "HopperTiles(tile_m=64, ...)": names and literals
+    only, nothing evaluated."""
+    call = ast.parse(text, mode="eval").body
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "HopperTiles"
+            and not call.args and all(kw.arg for kw in call.keywords)):
+        raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r}")
+    try:
+        return hg.HopperTiles(**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})
+    except (TypeError, ValueError) as e:  # a name HopperTiles does not have, a value that is not a literal
+        raise SystemExit(f"--tiles: {text!r}: {e}") from e
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    tiles = eval(args[args.index("--tiles") + 1], {"HopperTiles": hg.HopperTiles}) if "--tiles" in args else None
+    tiles = parse_tiles(args[args.index("--tiles") + 1]) if "--tiles" in args else None
     if "--fp8-weight-grad" in args:
         fp8_kernels("weight_grad", tiles)
     elif "--fp8-forward" in args:

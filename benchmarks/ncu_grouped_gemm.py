@@ -63,7 +63,10 @@ def fp8_kernels(kernel, tiles=None):
 def parse_tiles(text):
     """--tiles' value as fp8_gemm_sweep.py prints it, "HopperTiles(tile_m=64, ...)": names and literals
     only, nothing evaluated."""
-    call = ast.parse(text, mode="eval").body
+    try:
+        call = ast.parse(text, mode="eval").body
+    except SyntaxError as e:  # text pasted short, e.g. "HopperTiles("
+        raise SystemExit(f"--tiles: {text!r} is not HopperTiles(name=value, ...): {e.msg}") from e
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "HopperTiles"
             and not call.args and all(kw.arg for kw in call.keywords)):
         raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r}")

@@ -25,7 +25,8 @@ def test_anything_else_refused(text):
         ncu.parse_tiles(text)
 
 
-@pytest.mark.parametrize("text", ["HopperTiles(tile_n=__import__('os').getpid())", "HopperTiles(tile_q=64)"])
+@pytest.mark.parametrize("text", ["HopperTiles(tile_n=__import__('os').getpid())", "HopperTiles(tile_q=64)",
+                                  "HopperTiles(", "HopperTiles(tile_n=64"])
 def test_names_and_literals_only(text):
     with pytest.raises(SystemExit, match="--tiles: "):
         ncu.parse_tiles(text)

@@ -66,7 +66,7 @@ def parse_tiles(text):
     try:
         call = ast.parse(text, mode="eval").body
     except SyntaxError as e:  # text pasted short, e.g. "HopperTiles("
-        raise SystemExit(f"--tiles: {text!r} is not HopperTiles(name=value, ...): {e.msg}") from e
+        raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r} ({e.msg})") from e
     if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "HopperTiles"
             and not call.args and all(kw.arg for kw in call.keywords)):
         raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r}")

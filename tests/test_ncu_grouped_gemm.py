@@ -19,14 +19,13 @@ def test_printed_tiles_read_back():
 
 
 @pytest.mark.parametrize("text", ["HopperTiles(128)", "Tiles(tile_n=64)", "__import__('os').getpid()",
-                                  "HopperTiles(**{'tile_n': 64})"])
+                                  "HopperTiles(**{'tile_n': 64})", "HopperTiles(", "HopperTiles(tile_n=64"])
 def test_anything_else_refused(text):
     with pytest.raises(SystemExit, match="--tiles: expected HopperTiles"):
         ncu.parse_tiles(text)
 
 
-@pytest.mark.parametrize("text", ["HopperTiles(tile_n=__import__('os').getpid())", "HopperTiles(tile_q=64)",
-                                  "HopperTiles(", "HopperTiles(tile_n=64"])
+@pytest.mark.parametrize("text", ["HopperTiles(tile_n=__import__('os').getpid())", "HopperTiles(tile_q=64)"])
 def test_names_and_literals_only(text):
     with pytest.raises(SystemExit, match="--tiles: "):
         ncu.parse_tiles(text)

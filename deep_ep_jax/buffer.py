@@ -122,7 +122,7 @@ class Buffer:
         self.hidden = hidden
         self.num_experts = num_experts
         self.config = config if config is not None else Config()
-        self.buffer_id = None
+        self.buffer_id: int | None = None  # the extension's, set by the CUDA backend when it allocates
         self.num_nvl_bytes = self.num_rdma_bytes = 0
         # Decided by the CUDA backend (backends/cuda/lifecycle.py) when it allocates:
         self.ipc = False  # peers in other processes, reached through CUDA IPC
@@ -150,7 +150,8 @@ class Buffer:
         else:
             self.rank_hosts = _reference_hosts(mesh, axis_name, self.config)
             self.num_nodes = max(self.rank_hosts) + 1
-        self._reference_traffic = {}  # xla backend, Config.count_traffic: {rank: {op: counters}}
+        # xla backend, Config.count_traffic: {rank: {op: counters}}
+        self._reference_traffic: dict[int, dict[str, dict[str, int]]] = {}
         self.ops = _ops(self.backend, self.spans_hosts)
 
     # Traffic counters (Config.count_traffic) ------------------------------
@@ -175,6 +176,7 @@ class Buffer:
         else:
             from deep_ep_jax import _native
 
+            assert self.buffer_id is not None  # a live CUDA Buffer has one (lifecycle.allocate)
             counts = {}
             for rank, kinds in _native.extension().read_traffic(int(self.buffer_id)):
                 ops = counts.setdefault(rank, {})
@@ -196,6 +198,7 @@ class Buffer:
         else:
             from deep_ep_jax import _native
 
+            assert self.buffer_id is not None
             _native.extension().reset_traffic(int(self.buffer_id))
 
     def _check_counting(self, fn_name: str) -> None:

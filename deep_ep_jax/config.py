@@ -53,7 +53,7 @@ def _env(name: str, default, parse, what: str):
         raise ValueError(f"environment variable {name}={value!r} is not {what}") from None
 
 
-def _env_int(name: str, default: int | None) -> int | None:
+def _env_int(name: str, default: int) -> int:
     return _env(name, default, int, "an integer")
 
 
@@ -62,7 +62,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def _env_optional_int(name: str) -> int | None:
-    return _env_int(name, None)
+    return _env(name, None, int, "an integer")
 
 
 def _parse_bool(value: str) -> bool:

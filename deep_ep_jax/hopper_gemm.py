@@ -377,6 +377,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
 
     # The walk's table: the steady walk's count of row tiles that hold groups (they come first), or
     # group_bands' tile order.
+    walk: tuple[jax.Array, ...]
     if steady:
         walk = (jnp.sum(tile_group >= 0, dtype=jnp.int32).reshape(1),)
     elif t.group_bands:

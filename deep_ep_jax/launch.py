@@ -49,7 +49,8 @@ def initialize(**kwargs) -> None:
     import jax
 
     try:
-        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
+        # A flag's attribute is made at run time, so type checkers do not know it.
+        if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except AttributeError:  # an old jax without the option: CPU runs stay single-process
         pass

@@ -83,7 +83,9 @@ def group_nodes(hosts, gpus_per_host=None) -> list[int]:
     in rank order. With gpus_per_host, each host's ranks (in rank order) are
     cut into nodes of that many, as if on different hosts: that is how one
     machine emulates several (Config.gpus_per_host)."""
-    nodes, index, seen = [], {}, {}
+    nodes: list[int] = []
+    index: dict[tuple[str, int], int] = {}  # (host, cut) -> node
+    seen: dict[str, int] = {}  # host -> its ranks so far
     for host in hosts:
         i = seen.get(host, 0)
         seen[host] = i + 1

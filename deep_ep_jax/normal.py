@@ -9,6 +9,7 @@ layout (no count exchange). Both are shared by every backend.
 from __future__ import annotations
 
 import functools
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,15 @@ def dispatch(
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
         v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)])
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
+
+
+@overload
+def combine(x: jax.Array, handle: DispatchHandle, topk_weights: None = None, *, buffer: Buffer) -> jax.Array: ...
+
+
+@overload
+def combine(x: jax.Array, handle: DispatchHandle, topk_weights: jax.Array, *,
+            buffer: Buffer) -> tuple[jax.Array, jax.Array]: ...
 
 
 def combine(

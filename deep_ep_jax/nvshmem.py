@@ -31,7 +31,7 @@ HEAP_SLACK_BYTES = 256 << 20
 
 _lock = threading.Lock()
 _initialized_device = None
-_live_buffers = weakref.WeakSet()  # Buffers in the symmetric heap, destroyed before finalize
+_live_buffers: weakref.WeakSet = weakref.WeakSet()  # Buffers in the symmetric heap, destroyed before finalize
 
 
 def xla_nvshmem_enabled(xla_flags: str | None = None) -> bool:

@@ -8,8 +8,9 @@ reference backend.
 """
 
 import os
+import sys
 
-if "--cpu" in os.sys.argv or not os.path.exists("/dev/nvidia0"):
+if "--cpu" in sys.argv or not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax

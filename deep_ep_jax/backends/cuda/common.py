@@ -89,7 +89,7 @@ def _varying_axes(x) -> frozenset:
     vma = getattr(aval, "vma", None)
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
+    return frozenset(vma or ())
 
 
 def _varying_like(outputs, inputs, axis_name):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TypeVar
 
 # Channels per FP8 scale: FP8 rows [T, H] come with float32 scales [T, H // FP8_BLOCK]
 # (the API's contract; the CUDA extension's own value is checked equal when its
@@ -53,7 +54,10 @@ def _env(name: str, default, parse, what: str):
         raise ValueError(f"environment variable {name}={value!r} is not {what}") from None
 
 
-def _env_int(name: str, default: int) -> int:
+_Default = TypeVar("_Default")  # int, or None for an optional setting
+
+
+def _env_int(name: str, default: _Default) -> int | _Default:
     return _env(name, default, int, "an integer")
 
 
@@ -62,7 +66,7 @@ def _env_float(name: str, default: float) -> float:
 
 
 def _env_optional_int(name: str) -> int | None:
-    return _env(name, None, int, "an integer")
+    return _env_int(name, None)
 
 
 def _parse_bool(value: str) -> bool:

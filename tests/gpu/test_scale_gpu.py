@@ -13,7 +13,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   mode, against tests/oracle.py (worker case shared_gpu);
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
   ranks per host, several hosts) against the oracle's per-host order;
-* traffic counters (Config.count_traffic) at 2 x 2, 2 x 4 and 2 x 8 against
+* traffic counters (Config.count_traffic) at 1 x 2, 1 x 8 (one host's
+  staged kernels over CUDA IPC), 2 x 2, 2 x 4 and 2 x 8 against
   tests/oracle.py's traffic() (worker case traffic);
 * shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
   sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
@@ -163,10 +164,12 @@ def test_pipelined_combine_fits_its_grids():
     assert not ext.internode_combine_pipeline_fits(0, 1 << 20, num_warps)
 
 
-@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (2, 8)])
-def test_traffic_counters_across_hosts(num_hosts, ranks_per_host):
-    """The internode kernels' counters (rows and bytes over NVLink and the
-    network, per operation) equal tests/oracle.py's traffic() on every rank."""
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (1, 8), (2, 2), (2, 4), (2, 8)])
+def test_traffic_counters_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
+    """The kernels' counters (rows and bytes over NVLink and the network, per
+    operation) equal tests/oracle.py's traffic() on every rank: one host's
+    staged kernels across processes (CUDA IPC, 1 x 2 and 1 x 8) and the
+    internode ones (2 x 2 ... 2 x 8)."""
     _run_hosts_case("traffic", num_hosts, ranks_per_host, 200, "traffic R={num_ranks} on {num_hosts} hosts")
 
 

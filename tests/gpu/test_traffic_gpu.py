@@ -2,8 +2,9 @@
 GPUs at hand, direct and staged: after dispatch, combine and combine's
 backward (a cached dispatch), each rank's counters equal the xla backend's
 and tests/oracle.py's traffic(), fresh random and skewed routing, and
-num_worst_tokens drops. Across hosts (the internode kernels, several ranks
-per GPU): tests/gpu/test_scale_gpu.py::test_traffic_counters_across_hosts.
+num_worst_tokens drops. Across processes, several ranks per GPU (the
+staged kernels over CUDA IPC, and the internode kernels across hosts):
+tests/gpu/test_scale_gpu.py::test_traffic_counters_with_ranks_sharing_gpus.
 
     pytest -q -m gpu tests/gpu/test_traffic_gpu.py
 """

@@ -311,7 +311,6 @@ def pool_bytes(device):
         return None
 
 
-
 def parse_impls(text, on_gpu, fast_ragged_dot):
     """--expert-impl's comma list, "auto" resolved; in order, no repeats."""
     impls = []

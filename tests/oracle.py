@@ -158,7 +158,6 @@ def low_latency_combine(y, received, idx, w, num_experts):
     return out
 
 
-
 def expert_layout(idx, num_local_experts, alignment, num_rows):
     """Expert-major rows of one rank: idx [N, K] local ids (others name no
     expert) -> dict of group_sizes [L], group_offsets [L], pair_row [N, K]
@@ -213,6 +212,7 @@ def expert_reduce(y, w, pair_row):
             acc = acc + (row if w is None else np.float32(w[n, k]) * row)
         out[n] = acc
     return out
+
 
 # --------------------------------------------------------------------------
 # Number formats, written from their definitions (no ml_dtypes, no jax).

@@ -460,7 +460,6 @@ def test_fp8_rows_without_data_t():
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-
 @pytest.mark.parametrize("routing", ["minus_one", "one_expert", "rank_gets_nothing"])
 def test_expand_rows_transposed_quantized(routing):
     """The xla backend's expand_rows_transposed of bf16 rows (the fused FP8 weight gradient's operand)

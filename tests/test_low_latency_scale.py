@@ -15,7 +15,6 @@ import deep_ep_jax as dej
 from deep_ep_jax import _native, info
 from deep_ep_jax.backends.cuda import (
     common,
-    internode,
     intranode,
     lifecycle,
     low_latency,

@@ -297,7 +297,6 @@ def _record(buffer, op, rank, nvlink_rows, network_rows, row_bytes):
     jax.debug.callback(add, rank, nvlink_rows, network_rows)
 
 
-
 def _count_moves(buffer, op, handle, sent_to, row_bytes):
     """Dispatch and cached dispatch: a row goes over NVLink when its mover (the
     source, or the forwarder on the destination's host) is not its

@@ -33,6 +33,8 @@ bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 def poison_allocator(mesh, per_rank_shapes):
     testing.poison_allocator(mesh, AXIS, per_rank_shapes)
+
+
 TARGETS = ("deep_ep_jax_expert_layout", "deep_ep_jax_expand_rows", "deep_ep_jax_reduce_rows")
 LAYOUT_FIELDS = ("group_sizes", "group_offsets", "pair_row", "row_pair", "num_dropped")
 
@@ -51,9 +53,6 @@ def buffers(mesh):
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     yield cuda, xla
     cuda.destroy()
-
-
-
 
 
 def expert_rows(layout, expert_x):
@@ -279,7 +278,6 @@ def test_auto_backend_and_loop(mesh):
     assert np.abs(np.asarray(got)).max() > 0
 
 
-
 # One GPU, the standard size: the local targets outside shard_map ----------------
 
 
@@ -381,7 +379,6 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows):
     assert (data_t != 0).any() == (kind != "nothing")
     if num_rows is not None:
         assert want_layout["num_dropped"] > 0, "this case is meant to drop pairs"
-
 
 
 @pytest.mark.gpu(min_gpus=1)

@@ -37,6 +37,8 @@ bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 def poison_allocator(mesh, per_rank_shapes):
     testing.poison_allocator(mesh, AXIS, per_rank_shapes)
+
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
 
@@ -55,11 +57,6 @@ def buffers(mesh):
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     yield cuda, xla
     cuda.destroy()
-
-
-
-
-
 
 
 def make_x(seed, num_ranks, num_tokens, hidden, fp8):
@@ -748,4 +745,3 @@ def test_region_hint_cpu():
     x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
     _trace_dispatch(_FakeBuffer(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
                     topk=16, num_experts=32)
-

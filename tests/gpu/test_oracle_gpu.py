@@ -56,6 +56,8 @@ bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 def poison_allocator(mesh, per_rank_shapes):
     testing.poison_allocator(mesh, AXIS, per_rank_shapes)
+
+
 NUM_RANKS = 2
 HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
 NORMAL_TOKENS = 4096  # per rank
@@ -91,8 +93,6 @@ def fresh_seed():
     return int(np.random.default_rng().integers(1 << 31))
 
 
-
-
 def random_bf16(rng, shape):
     """Random bf16 values of both signs, magnitudes in [2^-7, 2): random bits
     with the top 5 exponent bits fixed (a normal generator takes seconds here)."""
@@ -121,7 +121,6 @@ def random_fp8_pairs(rng, num_rows, hidden):
     data = rng.integers(0, 256, (num_rows, hidden), np.uint8)
     scales = np.exp2(rng.uniform(-20, 20, (num_rows, hidden // 128))).astype(np.float32)
     return data.view(ml_dtypes.float8_e4m3fn), scales
-
 
 
 _lowering_checked = set()
@@ -311,4 +310,3 @@ def test_low_latency_bf16(mesh, low_latency_buffer, kind):
                                               ("random", True), ("rank_empty", True)])
 def test_low_latency_fp8(mesh, low_latency_buffer, kind, round_scale):
     check_low_latency(low_latency_buffer, mesh, kind, True, round_scale, fresh_seed(), exact_division=False)
-

@@ -1,5 +1,7 @@
 """The expert-major CUDA targets (csrc/ffi/expert_major.cc) against the xla
-backend and the numpy oracle (tests/oracle.py), on 2 GPUs.
+backend and the numpy oracle (tests/oracle.py): the standard case through
+dispatch on 2 GPUs, the local targets per rank on 2 GPUs or, where there is
+one, on one.
 
 Everything must match bit for bit: the layout (group sizes and offsets, each
 pair's row, each row's pair, the drop count), the expanded rows (unused rows
@@ -41,10 +43,16 @@ LAYOUT_FIELDS = ("group_sizes", "group_offsets", "pair_row", "row_pair", "num_dr
 
 @pytest.fixture(scope="module")
 def mesh():
+    return testing.ep_mesh(2, AXIS, platform="gpu")
+
+
+@pytest.fixture(scope="module")
+def local_mesh():
+    """2 ranks, or 1 on a one-GPU host: the local targets exchange nothing."""
     from deep_ep_jax.backends.cuda import lifecycle
 
     lifecycle.register_ffi_targets()  # for the raw target calls, made without a Buffer
-    return testing.ep_mesh(2, AXIS, platform="gpu")
+    return testing.ep_mesh(min(2, len(jax.devices("gpu"))), AXIS, platform="gpu")
 
 
 @pytest.fixture(scope="module")
@@ -165,16 +173,17 @@ def local_runner(mesh, backend, num_local_experts, alignment, num_rows, fp8):
     return testing.per_rank(fn, mesh, AXIS, check_vma=True)
 
 
-def local_ids(seed, num_tokens, num_local_experts, topk, kind):
-    """int32 [2 * N, K] local ids of both ranks' rows."""
-    if kind == "nothing_on_rank_1":
-        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, "random")
-        idx[num_tokens:] = -1
+def local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, kind):
+    """int32 [R * N, K] local ids of every rank's rows ("nothing_on_last_rank":
+    at one rank, nothing on its last half of rows)."""
+    if kind == "nothing_on_last_rank":
+        idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "random")
+        idx[(num_ranks - 1) * num_tokens if num_ranks > 1 else num_tokens // 2:] = -1
     elif kind == "duplicates":
-        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, "minus_one")
+        idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "minus_one")
         idx[::3, 1] = idx[::3, 0]
     else:
-        idx, _ = testing.make_routing(seed, 2 * num_tokens, num_local_experts, topk, 1, kind)
+        idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, kind)
     return idx
 
 
@@ -187,23 +196,25 @@ CASES = [
     (1000, 8, 128, 256, 1, 500, "random", False),  # pairs dropped
     (1000, 8, 64, 256, 128, 700, "one_expert", False),  # one group, cut
     (517, 8, 32, 128, 16, None, "duplicates", False),
-    (300, 8, 4096, 64, 4, None, "nothing_on_rank_1", False),  # the most local experts
+    (300, 8, 4096, 64, 4, None, "nothing_on_last_rank", False),  # the most local experts
     (300, 4, 16, 256, 8, None, "minus_one", True),  # FP8: 8-byte scale rows
     (300, 8, 128, 7168, 128, None, "random", True),  # FP8: 224-byte scale rows
 ]
 
 
+@pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}-K{c[1]}-L{c[2]}-H{c[3]}-a{c[4]}-r{c[5]}-{c[6]}" +
                                              ("-fp8" if c[7] else "") for c in CASES])
-def test_targets_match_reference(mesh, case):
+def test_targets_match_reference(local_mesh, case):
+    mesh, num_ranks = local_mesh, local_mesh.shape[AXIS]
     num_tokens, topk, num_local_experts, hidden, alignment, num_rows, kind, fp8 = case
     seed = sum(case[:5])
-    idx = local_ids(seed, num_tokens, num_local_experts, topk, kind)
-    x = testing.random_rows(seed + 1, (2 * num_tokens, hidden))
+    idx = local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, kind)
+    x = testing.random_rows(seed + 1, (num_ranks * num_tokens, hidden))
     if fp8:
         x = tuple(reference.quantize_fp8(x))
     w = jnp.asarray(np.random.default_rng(seed + 2).random(idx.shape).astype(np.float32) + 0.1)
-    c = testing.random_rows(seed + 3, (2 * num_tokens, hidden), jnp.float32)
+    c = testing.random_rows(seed + 3, (num_ranks * num_tokens, hidden), jnp.float32)
     args = (x, jnp.asarray(idx), w, c)
     rows = num_rows or deep_ep_jax.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
 
@@ -222,22 +233,25 @@ def test_targets_match_reference(mesh, case):
 
     layout = got[1]
     dropped = 0
-    for r in range(2):
-        want_layout = oracle.expert_layout(idx.reshape(2, num_tokens, topk)[r], num_local_experts, alignment, rows)
+    for r in range(num_ranks):
+        want_layout = oracle.expert_layout(idx.reshape(num_ranks, num_tokens, topk)[r], num_local_experts, alignment,
+                                           rows)
         for field in LAYOUT_FIELDS:
             np.testing.assert_array_equal(getattr(rank(layout, r), field), want_layout[field], err_msg=field)
         dropped += want_layout["num_dropped"]
     assert (dropped > 0) == (num_rows is not None)
-    if kind == "nothing_on_rank_1":
-        assert (np.asarray(layout.row_pair[1]) == -1).all()
+    if kind == "nothing_on_last_rank" and num_ranks > 1:
+        assert (np.asarray(layout.row_pair[-1]) == -1).all()
 
 
-def test_raw_ids_skipped_by_the_kernels(mesh):
+@pytest.mark.gpu(min_gpus=1)
+def test_raw_ids_skipped_by_the_kernels(local_mesh):
     """The layout kernel itself ignores ids outside [0, L) (the API replaces
     them with -1 first) and places duplicates as two pairs."""
+    mesh, num_ranks = local_mesh, local_mesh.shape[AXIS]
     num_local_experts, topk, num_tokens = 24, 8, 777
     rng = np.random.default_rng(5)
-    idx = rng.integers(-3, num_local_experts + 3, size=(2 * num_tokens, topk), dtype=np.int32)
+    idx = rng.integers(-3, num_local_experts + 3, size=(num_ranks * num_tokens, topk), dtype=np.int32)
     idx[:, 1] = idx[:, 0]
     idx[::5] = -1
     clean = np.where((idx < 0) | (idx >= num_local_experts), -1, idx).astype(np.int32)
@@ -248,13 +262,15 @@ def test_raw_ids_skipped_by_the_kernels(mesh):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field), err_msg=field)
 
 
-def test_auto_backend_and_loop(mesh):
+@pytest.mark.gpu(min_gpus=1)
+def test_auto_backend_and_loop(local_mesh):
     """backend="auto" runs the kernels on GPUs (under check_vma=True), also
     inside a jitted fori_loop (command buffers); each iteration routes
     differently and the sums must equal the xla backend's."""
+    mesh, num_ranks = local_mesh, local_mesh.shape[AXIS]
     num_tokens, topk, num_local_experts, hidden, iters = 256, 8, 16, 512, 20
-    idx = local_ids(9, num_tokens, num_local_experts, topk, "minus_one")
-    x = testing.random_rows(10, (2 * num_tokens, hidden))
+    idx = local_ids(9, num_ranks, num_tokens, num_local_experts, topk, "minus_one")
+    x = testing.random_rows(10, (num_ranks * num_tokens, hidden))
     w = jnp.asarray(np.random.default_rng(11).random(idx.shape).astype(np.float32))
 
     def make(backend):

@@ -165,8 +165,8 @@ def dispatch_expert_major(
     if fp8_rows:  # x and the weights get their gradients from _rows_gradient_sink's backward
         _check_fp8_rows_input(fn, x, "x")
         sent, sent_weights = _quantized_pair(x), lax.stop_gradient(topk_weights)
-    recv_x, recv_idx, recv_w, handle = normal.dispatch(
-        sent, topk_idx, sent_weights, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
+    recv_x, recv_idx, recv_w, handle = normal.dispatch_as(
+        fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens)
     expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
                                buffer.backend)
     if fp8_rows:

@@ -60,7 +60,11 @@ def dispatch(
     are valid, ordered by source rank then source token; if more rows arrive
     than N, the last ones are dropped and counted in handle.num_dropped_tokens.
     """
-    fn = "dispatch"
+    return dispatch_as("dispatch", x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens)
+
+
+def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens):
+    """`dispatch`, its errors and run-time checks naming `fn` (the function the user called)."""
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     xs, num_tokens, _ = v.check_tokens(x, buffer, fn)

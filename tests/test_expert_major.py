@@ -841,3 +841,9 @@ def test_wrapper_errors():
 
     with pytest.raises(ValueError, match=r"dispatch_expert_major: alignment must be an int in \[1, "):
         run(bad_alignment)
+
+    def bad_routing(x, idx, w):  # dispatch's own checks name the function the user called
+        return dej.dispatch_expert_major(x, idx.astype(jnp.float32), w, num_experts=num_experts, buffer=buffer)
+
+    with pytest.raises(TypeError, match="^dispatch_expert_major: topk_idx must be int32, got float32"):
+        run(bad_routing)

@@ -325,6 +325,7 @@ def main(argv=None):
     args, margs = parse_args(argv)
     fast_ragged_dot = use_fast_ragged_dot()
     mesh = moe_flax.make_mesh(margs.ep)
+    moe_flax.check_model_args(margs, mesh, batch_flag="--train-batch")  # margs.batch is the training batch
     on_gpu = jax.devices()[0].platform != "cpu"
     per_device = args.batch or (128 if on_gpu else 16)
     if per_device <= 0 or per_device % 2:

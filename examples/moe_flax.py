@@ -158,14 +158,23 @@ def init_training(args, mesh: Mesh, buffer: Buffer):
     return params, opt_state, train_step
 
 
+def check_model_args(args, mesh, batch_flag="--batch"):
+    """Exits with a message on model options the mesh or the model cannot take."""
+    if args.batch % mesh.size:
+        raise SystemExit(f"{batch_flag} {args.batch} must divide by the {mesh.size} devices")
+    if args.experts % mesh.shape["expert"]:
+        raise SystemExit(f"--experts {args.experts} must divide by the expert axis ({mesh.shape['expert']})")
+    if not 1 <= args.top_k <= args.experts:
+        raise SystemExit(f"--top-k {args.top_k} must be in [1, --experts {args.experts}]")
+    if args.heads < 1 or args.hidden % args.heads:
+        raise SystemExit(f"--hidden {args.hidden} must divide by --heads {args.heads}")
+
+
 def train(args, progress: bool = True):
     """Trains; returns (the language-model loss of every step, the loss floor)."""
     fast_ragged_dot = use_fast_ragged_dot()
     mesh = make_mesh(args.ep)
-    if args.batch % mesh.size:
-        raise SystemExit(f"--batch {args.batch} must divide by the {mesh.size} devices")
-    if args.experts % mesh.shape["expert"]:
-        raise SystemExit(f"--experts {args.experts} must divide by the expert axis ({mesh.shape['expert']})")
+    check_model_args(args, mesh)
     buffer = Buffer(mesh, "expert", backend=args.backend, hidden=args.hidden, num_experts=args.experts)
     print(
         f"devices: {mesh.size} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, "

@@ -443,6 +443,8 @@ class MoE(nnx.Module):
                  expert_alignment: int | None = None):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"MoE: top_k {top_k} must be in [1, num_experts={num_experts}]")
         _check_expert_args("MoE", expert_impl, expert_rows, expert_alignment)
         self.top_k = top_k
         self.buffer = buffer

@@ -516,12 +516,29 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
         _assert_close(g, w, f"dropped: grad {name}")
 
 
+@pytest.mark.parametrize("script,argv,message", [
+    ("moe_flax.py", ["--top-k", "9"], "--top-k 9 must be in [1, --experts 8]"),
+    ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
+    ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
+    ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
+    ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
+])
+def test_examples_reject_bad_model_options(script, argv, message):
+    """The examples exit with one line naming the option, before building anything."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == message, run.stderr[-2000:]
+
+
 def test_expert_args_rejected_at_trace_time():
     mesh = _mesh()
     num_experts = 2 * mesh.shape["expert"]
     buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
     with pytest.raises(ValueError, match="expert_impl must be one of"):
         ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(0), expert_impl="dense")
+    with pytest.raises(ValueError, match=rf"MoE: top_k {num_experts + 1} must be in \[1, num_experts={num_experts}\]"):
+        ml.MoE(H, F, num_experts, num_experts + 1, buffer=buffer, rngs=nnx.Rngs(0))
     layer = ml.MoE(H, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(0))
     x = dt.random_rows(37, (4 * mesh.size, H), jnp.float32)
     params = (layer.router[...], layer.w_in[...], layer.w_out[...])

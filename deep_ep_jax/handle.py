@@ -43,6 +43,10 @@ class LowLatencyHandle:
     recv_src_rank: jax.Array  # int32 [E/R, R*M]: source rank of each row, -1 for padding
     recv_src_token: jax.Array  # int32 [E/R, R*M]: source token index, -1 for padding
     recv_src_topk: jax.Array  # int32 [E/R, R*M]: which top-k slot of the source token, -1 for padding
+    # The dispatch's topk_idx was [num_tokens, num_topk] on every rank: its combine's must be too (rows
+    # come back to (token, k) slots by these shapes, so another shape would read slots nothing wrote).
+    num_tokens: int = dataclasses.field(metadata=dict(static=True))
+    num_topk: int = dataclasses.field(metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

@@ -136,9 +136,10 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
     if topk_weights is None:
         raise TypeError(f"{fn}: topk_weights is required")
-    max_tokens = rows[1] // buffer.num_ranks
-    if num_tokens > max_tokens:
-        raise ValueError(f"{fn}: topk_idx has {num_tokens} tokens, more than the dispatch's maximum {max_tokens}")
+    dispatched = (handle.num_tokens, handle.num_topk)
+    if tuple(topk_idx.shape) != dispatched:
+        raise ValueError(f"{fn}: topk_idx must be the dispatch's, {list(dispatched)}, got {list(topk_idx.shape)} "
+                         f"(each row returns to the (token, k) slot it was dispatched from)")
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
     return x, topk_idx, topk_weights, handle
 

@@ -264,7 +264,11 @@ def _swap(position, value):
         (_swap(1, lambda i: i.astype(jnp.int16)), TypeError, "topk_idx must be int32, got int16"),
         (_swap(1, lambda i: i[:, 0]), ValueError, r"topk_idx must be \[8, topk\], got shape \(8,\)"),
         (lambda args: (args[0], jnp.concatenate([args[1]] * 2), jnp.concatenate([args[2]] * 2), args[3]), ValueError,
-         "topk_idx has 16 tokens, more than the dispatch's maximum 8"),
+         r"topk_idx must be the dispatch's, \[8, 2\], got \[16, 2\] \(each row returns to the \(token, k\) slot"),
+        (lambda args: (args[0], args[1][:4], args[2][:4], args[3]), ValueError,
+         r"topk_idx must be the dispatch's, \[8, 2\], got \[4, 2\]"),
+        (lambda args: (args[0], args[1][:, :1], args[2][:, :1], args[3]), ValueError,
+         r"topk_idx must be the dispatch's, \[8, 2\], got \[8, 1\]"),
     ],
 )
 @pytest.mark.parametrize("combine", [dej.low_latency_combine, dej.low_latency_combine_send])

@@ -363,6 +363,7 @@ class _DispatchPending:
     recv_xs: tuple  # [R(source), M, H] (+ scales)
     recv_idx: jax.Array  # [R(source), M, K] local expert ids or -1
     num_experts: int = dataclasses.field(metadata=dict(static=True))
+    num_tokens: int = dataclasses.field(metadata=dict(static=True))  # T of the dispatch (<= M)
 
 
 @jax.tree_util.register_dataclass
@@ -392,7 +393,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, num_max_dispatch_toke
     }
     received = _exchange(payload, buffer.axis_name)
     recv_xs = tuple(_from_bits(r, a.dtype) for r, a in zip(received["xs"], xs))
-    return _DispatchPending(recv_xs, received["idx"], num_experts)
+    return _DispatchPending(recv_xs, received["idx"], num_experts, num_tokens)
 
 
 def low_latency_dispatch_recv(pending, *, buffer):
@@ -417,6 +418,8 @@ def low_latency_dispatch_recv(pending, *, buffer):
         recv_src_rank=jnp.where(valid, table // (max_tokens * topk), -1),
         recv_src_token=jnp.where(valid, (table // topk) % max_tokens, -1),
         recv_src_topk=jnp.where(valid, table % topk, -1),
+        num_tokens=pending.num_tokens,
+        num_topk=topk,
     )
     return recv_xs, recv_count, handle
 

@@ -159,7 +159,8 @@ def test_low_latency_combine_errors_on_cuda(mesh):
         """Per rank: x [E/R, R*M, H], the handle's arrays [E/R, R*M], top-k [M, K]."""
         rows = (num_ranks * num_local, num_ranks * max_tokens)
         handle = dej.LowLatencyHandle(*(jax.ShapeDtypeStruct(shape, i32) for shape in
-                                        ((num_ranks * num_local,), rows, rows, rows)))
+                                        ((num_ranks * num_local,), rows, rows, rows)),
+                                      num_tokens=max_tokens, num_topk=combine_topk)  # as a dispatch of this top-k
         args = (jax.ShapeDtypeStruct(rows + (combine_hidden,), jnp.bfloat16),
                 jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), i32),
                 jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), jnp.float32), handle)

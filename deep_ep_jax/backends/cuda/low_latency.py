@@ -70,6 +70,7 @@ class DispatchPending:
     hidden: int = dataclasses.field(metadata=dict(static=True))
     num_topk: int = dataclasses.field(metadata=dict(static=True))
     use_fp8: bool = dataclasses.field(metadata=dict(static=True))
+    num_tokens: int = dataclasses.field(metadata=dict(static=True))  # T of the dispatch (<= max_tokens)
     # An overlapped send's inputs: the receive takes them so that XLA keeps
     # them while the send, beside XLA's stream, may still read them.
     keep_alive: tuple = ()
@@ -182,7 +183,7 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
     """Checks a dispatch's send half; returns (its pending value less the
     token, the custom call's attributes)."""
     max_tokens = int(max_tokens)
-    _, hidden, num_topk = _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn)
+    num_tokens, hidden, num_topk = _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn)
     ext = _native.extension()
     shared = ext.low_latency_shared_bytes(buffer.num_ranks, num_experts, hidden, bool(use_fp8))
     max_shared = limit("low_latency_max_shared_bytes")
@@ -196,7 +197,8 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
                                                  bool(use_fp8))
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     _check_send_area(buffer, max_tokens, num_topk, hidden, fn)
-    pending = DispatchPending(None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8))
+    pending = DispatchPending(None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8),
+                              int(num_tokens))
     attrs = dict(num_experts=np.int64(num_experts), max_tokens=np.int64(max_tokens), use_fp8=bool(use_fp8),
                  round_scale=bool(round_scale))
     return pending, attrs
@@ -221,7 +223,8 @@ def _dispatch_out_types(pending, buffer):
 
 def _dispatch_results(pending, out):
     handle = LowLatencyHandle(recv_count=out["recv_count"], recv_src_rank=out["recv_src_rank"],
-                              recv_src_token=out["recv_src_token"], recv_src_topk=out["recv_src_topk"])
+                              recv_src_token=out["recv_src_token"], recv_src_topk=out["recv_src_topk"],
+                              num_tokens=pending.num_tokens, num_topk=pending.num_topk)
     recv_xs = (out["recv_x"], out["recv_scales"]) if pending.use_fp8 else (out["recv_x"],)
     return recv_xs, out["recv_count"], handle
 

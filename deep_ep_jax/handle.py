@@ -2,7 +2,8 @@
 
 Both backends produce the same handle, so combine, the cached dispatch of
 combine's backward, and the custom_vjp rules are shared. All fields are device
-arrays; shapes are static (T tokens, R ranks, N = num_worst_tokens rows,
+arrays (the low-latency handle also keeps its dispatch's T and K, static);
+shapes are static (T tokens, R ranks, N = num_worst_tokens rows,
 E experts, K top-k, M = num_max_dispatch_tokens_per_rank).
 """
 

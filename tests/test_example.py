@@ -305,12 +305,14 @@ def test_capacity_drops_pairs_past_capacity():
     assert int(ml.capacity_overflow(jnp.asarray(idx), num_local, capacity)) == dropped
     w_in, w_out = _weights(21, num_local)
     probe = dt.random_rows(22, (num_rows, H), jnp.float32)
-    kept_w = np.where(kept_idx >= 0, weights, 0.0).astype(np.float32)
-    y, g = _ffn_and_grads("capacity", capacity, x, jnp.asarray(idx), jnp.asarray(kept_w), w_in, w_out, probe)
-    want_y, want_g = _ffn_and_grads("ragged_dot", None, x, jnp.asarray(kept_idx), jnp.asarray(kept_w), w_in, w_out, probe)
+    # The capacity path gets every pair with its weight; the reference only the kept ones.
+    y, g = _ffn_and_grads("capacity", capacity, x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out, probe)
+    want_y, want_g = _ffn_and_grads("ragged_dot", None, x, jnp.asarray(kept_idx), jnp.asarray(weights), w_in, w_out,
+                                    probe)
     _assert_close(y, want_y, "dropped: output", rel=1e-2)
-    for name, a, b in zip(("x", "w_in", "w_out"), (g[0], g[2], g[3]), (want_g[0], want_g[2], want_g[3])):
+    for name, a, b in zip(("x", "weights", "w_in", "w_out"), g, want_g):
         _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
+    assert (np.asarray(g[1])[kept_idx < 0] == 0).all()  # a dropped pair's weight gets no gradient
 
 
 def _layer_inputs(layer_seed, x_seed, hidden=H):

@@ -169,7 +169,7 @@ def pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_p
         assert len(pairs) <= num_nodes  # the kernel's shared arrays: one slot per pair, at most H
         done = dict.fromkeys(pairs, 0)
         while True:
-            open_pairs = 0
+            open_pairs, moved = 0, False
             for node, c in pairs:
                 key = (f, node, c)
                 if key not in tails:
@@ -182,10 +182,11 @@ def pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_p
                 source = rank_at[node * per_host + local[f]]
                 for i in range(done[(node, c)], min(tails[key], count)):
                     forward_packet(f, source, head + i)
+                    moved = True
                 done[(node, c)] = min(tails[key], count)
             if open_pairs == 0:
                 return
-            yield
+            yield None if moved else False  # False: it only waited (interleave's deadlock check)
 
     steps = [sender(s, c) for s in range(num_ranks) for c in range(channels)]
     steps += [forwarder(f, block) for f in range(num_ranks) for block in range(forwarders)]

@@ -527,7 +527,8 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
 ])
 def test_examples_reject_bad_model_options(script, argv, message):
     """The examples exit with one line naming the option, before building anything."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")  # the messages' device counts
     run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv], capture_output=True, text=True,
                          env=env, timeout=300)
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == message, run.stderr[-2000:]

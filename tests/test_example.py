@@ -28,6 +28,14 @@ import moe_layer as ml
 H, F, K = 32, 16, 3
 
 
+def run_example(script, *argv):
+    """examples/<script> run on 8 virtual CPU devices, on any host."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+
+
 def _bf16(a):
     return a.astype(jnp.bfloat16).astype(jnp.float32)
 
@@ -207,11 +215,8 @@ def test_training_example_loss_falls(tmp_path, impl):
     """examples/moe_flax.py trains on 8 virtual CPU devices and its loss falls
     (with the default experts, and with --expert-impl grouped)."""
     plot = tmp_path / "loss.png"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    cmd = [sys.executable, str(ROOT / "examples" / "moe_flax.py"), "--steps", "8", "--log-every", "1",
-           "--no-progress", "--plot", str(plot)] + (["--expert-impl", impl] if impl else [])
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = run_example("moe_flax.py", "--steps", "8", "--log-every", "1", "--no-progress", "--plot", str(plot),
+                      *(["--expert-impl", impl] if impl else []))
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "backend xla" in run.stdout and "'data': 2, 'expert': 4" in run.stdout, run.stdout
     assert f"experts {impl or 'ragged_dot'}" in run.stdout, run.stdout
@@ -224,10 +229,7 @@ def test_training_example_loss_falls(tmp_path, impl):
 def test_quickstart_runs():
     """examples/quickstart.py on 8 virtual CPU devices: the xla backend, and
     its own check against one-device maths passes."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py"), "--cpu"], env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
+    run = run_example("quickstart.py", "--cpu")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     lines = run.stdout.splitlines()
     assert "8 x cpu devices, backend=xla" in lines, run.stdout
@@ -527,10 +529,7 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
 ])
 def test_examples_reject_bad_model_options(script, argv, message):
     """The examples exit with one line naming the option, before building anything."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")  # the messages' device counts
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv], capture_output=True, text=True,
-                         env=env, timeout=300)
+    run = run_example(script, *argv)  # 8 devices on any host: the messages' device counts
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == message, run.stderr[-2000:]
 
 

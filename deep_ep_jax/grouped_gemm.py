@@ -28,6 +28,9 @@ a ValueError where the shapes do not fit. Notes on the mgpu path:
 - The row-tiled kernels' cost follows M, not sum(group_sizes): tiles past
   the last group still run (and are thrown away); the warp-specialized ones
   skip them. Keep M near the worst case you need.
+- JAX's row-tiled kernels lower tiles at most `ROW_TILED_MAX_BLOCK_N`
+  columns wide (256 before jax 0.12, 128 from it; `DEFAULT_BLOCKS` follows);
+  wider `block_sizes` raise a ValueError.
 - M not a multiple of `row_multiple(blocks)` (128 by default) costs a padded
   copy of x; make the expert-major layout's row count a multiple of it.
 - dw multiplies some padding rows of x by zero (just past the last group,
@@ -135,12 +138,21 @@ class GroupedMatmulBlocks:
     aligned: AlignedTiles | None = DEFAULT_ALIGNED_TILES  # None: row-tiled kernels only
 
 
+# The widest row tiles (block_n) of ragged_dot_mgpu that this jax lowers: from jax 0.12 Mosaic GPU's
+# layout inference rejects its 256-column tiles ("Failed to infer a possible set of layouts"; the kernel's
+# own tests use 64 and 128).
+ROW_TILED_MAX_BLOCK_N = 256 if jax.__version_info__ < (0, 12) else 128
+
 # The best of `benchmarks/bench_grouped_gemm.py --sweep` on one H200 (jax 0.11.2,
 # 2026-12-01) at the MoE benchmark's shapes per rank: 32768 pairs in 128 groups,
-# K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md).
+# K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md). From jax 0.12, 64 x 128 row tiles with
+# 6 stages (in that sweep, not yet timed on jax 0.12).
+_ROW_TILE_N, _ROW_TILE_STAGES = (256, 5) if ROW_TILED_MAX_BLOCK_N >= 256 else (128, 6)
 DEFAULT_BLOCKS = GroupedMatmulBlocks(
-    forward=KernelBlocks(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=1),
-    input_grad=KernelBlocks(block_m=64, block_n=256, block_k=64, max_concurrent_steps=5, grid_block_n=2),
+    forward=KernelBlocks(block_m=64, block_n=_ROW_TILE_N, block_k=64, max_concurrent_steps=_ROW_TILE_STAGES,
+                         grid_block_n=1),
+    input_grad=KernelBlocks(block_m=64, block_n=_ROW_TILE_N, block_k=64, max_concurrent_steps=_ROW_TILE_STAGES,
+                            grid_block_n=2),
     weight_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
 )
 
@@ -471,8 +483,21 @@ def _use_mgpu(impl, x, w, blocks) -> bool:
     if impl == "mgpu":
         if reason:
             raise ValueError(f"grouped_matmul: impl='mgpu' cannot run: {reason}")
-        return True
-    return reason is None and is_hopper_gpu()
+    elif reason or not is_hopper_gpu():
+        return False
+    _check_row_tiles_lower(blocks)
+    return True
+
+
+def _check_row_tiles_lower(blocks):
+    """A clear error for row tiles this jax's Mosaic GPU cannot lower (its own error comes at lowering
+    and names no block size)."""
+    for name in ("forward", "input_grad"):
+        block_n = getattr(blocks, name).block_n
+        if block_n > ROW_TILED_MAX_BLOCK_N:
+            raise ValueError(f"grouped_matmul: block_sizes.{name}.block_n={block_n} is wider than the "
+                             f"{ROW_TILED_MAX_BLOCK_N} columns jax {jax.__version__} lowers for "
+                             f"ragged_dot_mgpu; use at most {ROW_TILED_MAX_BLOCK_N} (DEFAULT_BLOCKS does)")
 
 
 def _clamp_group_sizes(group_sizes, num_rows):

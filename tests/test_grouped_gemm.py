@@ -403,6 +403,22 @@ def test_mgpu_path_lowers(gpu_core_count):
         assert mosaic_calls(promised) == 3 and "stablehlo.case" not in promised.as_text()
 
 
+def test_row_tiles_wider_than_jax_lowers_raise(gpu_core_count, monkeypatch):
+    """Row tiles wider than this jax's Mosaic GPU lowers (256 columns from jax 0.12, whose own error comes
+    at lowering and names no block size) raise a ValueError at trace time on the Mosaic GPU path, forced
+    or chosen by impl="auto"; DEFAULT_BLOCKS stays within; impl="xla" ignores block sizes."""
+    blocks = gg.DEFAULT_BLOCKS
+    assert max(blocks.forward.block_n, blocks.input_grad.block_n) <= gg.ROW_TILED_MAX_BLOCK_N
+    monkeypatch.setattr(gg, "ROW_TILED_MAX_BLOCK_N", 128)
+    wide = dataclasses.replace(blocks, forward=dataclasses.replace(blocks.forward, block_n=128),
+                               input_grad=dataclasses.replace(blocks.input_grad, block_n=256))
+    args = S((1000, 512), jnp.bfloat16), S((4, 512, 256), jnp.bfloat16), S((4,), jnp.int32)
+    for impl in ("mgpu", "auto"):
+        with pytest.raises(ValueError, match=r"block_sizes.input_grad.block_n=256 is wider than the 128 columns"):
+            jax.jit(functools.partial(grouped_matmul, impl=impl, block_sizes=wide)).trace(*args)
+    jax.jit(functools.partial(grouped_matmul, impl="xla", block_sizes=wide)).trace(*args)
+
+
 def test_steady_pipeline_lowers(gpu_core_count):
     """rows_matmul as one pipeline of pipelines per CTA (HopperTiles.steady_pipeline)
     lowers for CUDA, plain and transposed, with and without multicast; so does

@@ -126,7 +126,9 @@ def test_standard_case(mesh, buffers, alignment):
     assert np.abs(np.asarray(got[5], np.float32)).max() > 0 and np.abs(np.asarray(got[6])).max() > 0
 
     # Against the oracle, which shares no code with the package.
-    expert_x, layout, recv_w, reduced, out = got[:5]
+    # On the host: indexing a sharded jax.Array (expert_x[r]) runs an XLA program whose all-reduce turns
+    # -0.0 into +0.0 (random_rows holds a few), which the oracle keeps.
+    expert_x, layout, recv_w, reduced, out = jax.tree.map(np.asarray, got[:5])
     xs = np.asarray(x).reshape(num_ranks, num_tokens, hidden)
     received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
                                num_experts, num_worst)

@@ -282,7 +282,9 @@ def test_auto_backend_and_loop(local_mesh):
                 expert_x, layout = deep_ep_jax.expand(x, shifted, num_local_experts=num_local_experts,
                                                       alignment=8, backend=backend)
                 y = deep_ep_jax.reduce(expert_rows(layout, expert_x), w, layout, backend=backend)
-                return acc + y.astype(jnp.float32)
+                # The barrier keeps y's rounding to bf16: XLA on GPUs may drop an f32 -> bf16 -> f32
+                # round trip (excess precision), which the kernels' bf16 output cannot.
+                return acc + lax.optimization_barrier(y).astype(jnp.float32)
 
             return lax.fori_loop(0, iters, body, jnp.zeros_like(x, jnp.float32))  # zeros_like: x's vma
 

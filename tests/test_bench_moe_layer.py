@@ -5,22 +5,16 @@ device and the impl in every JSON row (--profile runs, finding no GPU
 kernels); too few expert rows are refused."""
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from script_run import run_script
+
 SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--experts", "16", "--top-k", "4",
          "--backends", "xla", "--steps", "2", "--reps", "2"]
 
 
 def _run(*extra):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_moe_layer.py"), *SMALL, *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    return run_script("benchmarks/bench_moe_layer.py", *SMALL, *extra, devices=4)
 
 
 def test_capacity_and_grouped_in_one_run(tmp_path):

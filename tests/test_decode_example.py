@@ -2,9 +2,7 @@
 low-latency dispatch's expert-major rows against dense maths, its logits
 check, and the script end to end on 8 virtual CPU devices (reference backend)."""
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import moe_decode as md
+from script_run import run_script
 
 H, F = 256, 64
 
@@ -110,12 +109,9 @@ def test_check_logits_fails_beyond_tolerance(capsys):
 def test_decode_example_runs():
     """The script with tiny sizes: the reference backend on a 2 x 4 mesh, the
     check passes, timings and tokens per second are printed."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    cmd = [sys.executable, str(ROOT / "examples" / "moe_decode.py"), "--train-steps", "3", "--train-batch", "16",
-           "--batch", "4", "--prompt-len", "3", "--decode-steps", "2", "--repeats", "1", "--hidden", "64",
-           "--ffn", "64", "--vocab", "64", "--seq-len", "8"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    run = run_script("examples/moe_decode.py", "--train-steps", "3", "--train-batch", "16", "--batch", "4",
+                     "--prompt-len", "3", "--decode-steps", "2", "--repeats", "1", "--hidden", "64", "--ffn", "64",
+                     "--vocab", "64", "--seq-len", "8")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "mesh {'data': 2, 'expert': 4}, backends ['xla']" in run.stdout, run.stdout
     checks = [line for line in run.stdout.splitlines() if line.startswith("check (xla): ")]

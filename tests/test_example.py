@@ -2,9 +2,7 @@
 training script end to end (its loss must fall). CPU, reference backend."""
 
 import functools
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,16 +22,14 @@ from deep_ep_jax.expert_major import default_num_rows
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import moe_layer as ml
+from script_run import run_script
 
 H, F, K = 32, 16, 3
 
 
 def run_example(script, *argv):
     """examples/<script> run on 8 virtual CPU devices, on any host."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    return run_script(f"examples/{script}", *argv)
 
 
 def _bf16(a):

@@ -270,7 +270,9 @@ def fp8_values(x, scales, inverse_ulps=0, block=FP8_BLOCK):
     for _ in range(abs(inverse_ulps)):
         inv = np.nextafter(inv, np.float32(np.inf if inverse_ulps > 0 else 0.0)).astype(np.float32)
     blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
-    scaled = np.clip(blocks * inv[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX))
+    # A block holding inf has scale inf, so inv 0, and its inf * 0 is NaN, as in the kernels.
+    with np.errstate(invalid="ignore"):
+        scaled = np.clip(blocks * inv[..., None], np.float32(-FP8_MAX), np.float32(FP8_MAX))
     return e4m3_round(scaled).reshape(x.shape)
 
 

@@ -23,10 +23,11 @@ step's input depending on the previous step's output; time per step = the
 difference / n; median and p10-p90 over --repeats.
 
 --sweep times each Mosaic kernel alone (forward, input gradient, weight
-gradient; both matmuls' shapes summed) over a small grid of block sizes, in
-one jitted loop per configuration, checks each against the xla path, and
-prints the best, as a GroupedMatmulBlocks to paste into DEFAULT_BLOCKS; the
-SwiGLU is then timed with them.
+gradient; both matmuls' shapes summed) over a small grid of block sizes
+(tiles at most 128 wide from jax 0.12), in one jitted loop per configuration,
+checks each against the Mosaic kernel with DEFAULT_BLOCKS, and prints the
+best, as a GroupedMatmulBlocks to paste into DEFAULT_BLOCKS; the SwiGLU is
+then timed with them. --sweep-kernels sweeps some of the three only.
 """
 
 from __future__ import annotations
@@ -126,10 +127,14 @@ def time_step(step, inputs, length, repeats):
 
 # Block-size sweep ---------------------------------------------------------------
 
-# (block_m, block_n, max_concurrent_steps, grid_block_n) of ragged_dot_mgpu: around the best of a first,
-# wider sweep on the H200 (64, 256, 5, 1); block_n must divide both matmuls' N (4096 and 7168).
+# (block_m, block_n, max_concurrent_steps, grid_block_n) of ragged_dot_mgpu; block_n must divide both matmuls'
+# N (4096 and 7168). Up to jax 0.11: around the best of a first, wider sweep on the H200 (64, 256, 5, 1).
+# From jax 0.12, which lowers tiles at most 128 wide (gg.ROW_TILED_MAX_BLOCK_N): those tiles' depths and grids.
 ROW_TILED = [(64, 256, 5, 1), (64, 256, 6, 1), (64, 256, 4, 1), (128, 256, 4, 1), (128, 256, 3, 1),
              (192, 128, 4, 1), (64, 256, 5, 2), (128, 128, 6, 8), (128, 128, 5, 8), (64, 128, 6, 1)]
+if gg.ROW_TILED_MAX_BLOCK_N < 256:
+    ROW_TILED = [(64, 128, 4, 1), (64, 128, 6, 1), (64, 128, 8, 1), (64, 128, 6, 2), (64, 128, 6, 8),
+                 (128, 128, 4, 1), (128, 128, 5, 1), (128, 128, 4, 2), (128, 128, 5, 8), (192, 128, 4, 1)]
 SWEEP_GRIDS = {
     "forward": [gg.KernelBlocks(m, n, 64, steps, gbn) for m, n, steps, gbn in ROW_TILED],
     "input_grad": [gg.KernelBlocks(m, n, 64, steps, gbn) for m, n, steps, gbn in ROW_TILED],
@@ -183,14 +188,15 @@ def loop_seconds(fn, operands, length, repeats):
     return float(np.median(samples)), outputs
 
 
-def sweep(key, num_rows, sizes, w_in, w_out, repeats):
+def sweep(key, num_rows, sizes, w_in, w_out, repeats, kernels=tuple(SWEEP_GRIDS)):
     """{kernel: best KernelBlocks}, each checked against the Mosaic kernel with DEFAULT_BLOCKS (on the
     group rows), which tests/gpu/test_grouped_gemm_gpu.py checks against numpy: the xla path may be a
     dense dot over all groups here (no Pallas-Triton ragged_dot), too large to run."""
     total = int(sizes.sum())
     sizes = jnp.asarray(sizes)
     best = {}
-    for kernel, grid in SWEEP_GRIDS.items():
+    for kernel in kernels:
+        grid = SWEEP_GRIDS[kernel]
         operands = kernel_operands(key, kernel, num_rows, sizes, w_in, w_out)
         want = jax.jit(kernel_call(kernel, gg.DEFAULT_BLOCKS, "mgpu"))(operands)
         if kernel != "weight_grad":  # the groups' rows are compared (the rest is zeros)
@@ -255,6 +261,8 @@ def main(argv=None):
     p.add_argument("--fp8-weight-grad", action="store_true",
                    help="with --fp8, also each impl with fp8_weights(w, weight_grad=True) (FP8 weight gradient too)")
     p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
+    p.add_argument("--sweep-kernels", default=",".join(SWEEP_GRIDS),
+                   help="with --sweep, a comma list of the kernels to sweep (the others keep DEFAULT_BLOCKS)")
     p.add_argument("--chain", type=int, default=5, help="steps per timed program (and twice that)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -262,6 +270,9 @@ def main(argv=None):
                    help="also print where a forward+backward step's device time goes, kernel by kernel")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
+    kernels = args.sweep_kernels.split(",")
+    if unknown := set(kernels) - set(SWEEP_GRIDS):
+        p.error(f"--sweep-kernels: {sorted(unknown)} not among {list(SWEEP_GRIDS)}")
 
     start = time.perf_counter()
     env = environment()
@@ -294,7 +305,7 @@ def main(argv=None):
     print(f"# aligned_groups={aligned}, valid_sizes {'set' if valid is not None else 'unset'}")
     swept = {}
     if args.sweep and "mgpu" in impls:
-        swept = sweep(jax.random.key(args.seed + 1), num_rows, sizes, w_in, w_out, args.repeats)
+        swept = sweep(jax.random.key(args.seed + 1), num_rows, sizes, w_in, w_out, args.repeats, kernels)
         blocks = dataclasses.replace(blocks, **swept)
         print(f"\n# best: {blocks}")
 

@@ -143,16 +143,16 @@ class GroupedMatmulBlocks:
 # own tests use 64 and 128).
 ROW_TILED_MAX_BLOCK_N = 256 if jax.__version_info__ < (0, 12) else 128
 
-# The best of `benchmarks/bench_grouped_gemm.py --sweep` on one H200 (jax 0.11.2,
-# 2026-12-01) at the MoE benchmark's shapes per rank: 32768 pairs in 128 groups,
-# K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md). From jax 0.12, 64 x 128 row tiles with
-# 6 stages (in that sweep, not yet timed on jax 0.12).
-_ROW_TILE_N, _ROW_TILE_STAGES = (256, 5) if ROW_TILED_MAX_BLOCK_N >= 256 else (128, 6)
+# The best of `benchmarks/bench_grouped_gemm.py --sweep` at the MoE benchmark's shapes per rank: 32768 pairs
+# in 128 groups, K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md). Up to jax 0.11: 64 x 256 row tiles
+# (one H200, jax 0.11.2, 2026-12-01). From jax 0.12: 128 x 128 row tiles, 5 stages, grid_block_n 4 (one H100,
+# jax 0.12.0.1, 2026-12-05: 9.3 + 9.0 ms for both matmuls' forward and input gradient, against 14.1 + 11.3
+# for the untimed guess before, 64 x 128 tiles, 6 stages, grid_block_n 1 and 2).
+_FORWARD, _INPUT_GRAD = ((KernelBlocks(64, 256, 64, 5, grid_block_n=1), KernelBlocks(64, 256, 64, 5, grid_block_n=2))
+                         if ROW_TILED_MAX_BLOCK_N >= 256 else (KernelBlocks(128, 128, 64, 5, grid_block_n=4),) * 2)
 DEFAULT_BLOCKS = GroupedMatmulBlocks(
-    forward=KernelBlocks(block_m=64, block_n=_ROW_TILE_N, block_k=64, max_concurrent_steps=_ROW_TILE_STAGES,
-                         grid_block_n=1),
-    input_grad=KernelBlocks(block_m=64, block_n=_ROW_TILE_N, block_k=64, max_concurrent_steps=_ROW_TILE_STAGES,
-                            grid_block_n=2),
+    forward=_FORWARD,
+    input_grad=_INPUT_GRAD,
     weight_grad=KernelBlocks(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=4),
 )
 

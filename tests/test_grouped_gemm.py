@@ -271,7 +271,9 @@ def test_mgpu_shape_rules():
     assert "N=200" in gg.mgpu_unsupported_reason((1000, 512), (4, 512, 200), jnp.bfloat16)
     assert gg.aligned_rows() == 128  # the warp-specialized kernels' row tile
     assert gg.row_multiple() == 128  # every kernel's row tile
-    assert gg.row_multiple(dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)) == 64  # the row-tiled ones
+    kb = gg.KernelBlocks
+    row_tiled = gg.GroupedMatmulBlocks(kb(64, 128, 64, 6, 1), kb(64, 128, 64, 6, 2), kb(128, 128, 64, 4, 4), None)
+    assert gg.row_multiple(row_tiled) == 64  # the row-tiled kernels' row tiles and the weight gradient's k step
 
 
 def test_bf16_rows_matmul_takes_the_kernels_row_tiles(monkeypatch):

@@ -130,9 +130,10 @@ def time_step(step, inputs, length, repeats):
 # (block_m, block_n, max_concurrent_steps, grid_block_n) of ragged_dot_mgpu; block_n must divide both matmuls'
 # N (4096 and 7168). Up to jax 0.11: around the best of a first, wider sweep on the H200 (64, 256, 5, 1).
 # From jax 0.12, which lowers tiles at most 128 wide (gg.ROW_TILED_MAX_BLOCK_N): those tiles' depths and grids.
-ROW_TILED = [(64, 256, 5, 1), (64, 256, 6, 1), (64, 256, 4, 1), (128, 256, 4, 1), (128, 256, 3, 1),
-             (192, 128, 4, 1), (64, 256, 5, 2), (128, 128, 6, 8), (128, 128, 5, 8), (64, 128, 6, 1)]
-if gg.ROW_TILED_MAX_BLOCK_N < 256:
+if gg.ROW_TILED_MAX_BLOCK_N >= 256:
+    ROW_TILED = [(64, 256, 5, 1), (64, 256, 6, 1), (64, 256, 4, 1), (128, 256, 4, 1), (128, 256, 3, 1),
+                 (192, 128, 4, 1), (64, 256, 5, 2), (128, 128, 6, 8), (128, 128, 5, 8), (64, 128, 6, 1)]
+else:
     ROW_TILED = [(64, 128, 6, 1), (64, 128, 6, 2), (64, 128, 6, 8), (128, 128, 4, 2), (128, 128, 4, 8),
                  (128, 128, 5, 8), (128, 128, 6, 8), (128, 128, 5, 4), (128, 128, 5, 16), (128, 128, 4, 16)]
 SWEEP_GRIDS = {
@@ -188,10 +189,11 @@ def loop_seconds(fn, operands, length, repeats):
     return float(np.median(samples)), outputs
 
 
-def sweep(key, num_rows, sizes, w_in, w_out, repeats, kernels=tuple(SWEEP_GRIDS)):
-    """{kernel: best KernelBlocks}, each checked against the Mosaic kernel with DEFAULT_BLOCKS (on the
-    group rows), which tests/gpu/test_grouped_gemm_gpu.py checks against numpy: the xla path may be a
-    dense dot over all groups here (no Pallas-Triton ragged_dot), too large to run."""
+def sweep(key, num_rows, sizes, w_in, w_out, repeats, kernels):
+    """{kernel: best KernelBlocks} for each of `kernels` (keys of SWEEP_GRIDS), each checked against the
+    Mosaic kernel with DEFAULT_BLOCKS (on the group rows), which tests/gpu/test_grouped_gemm_gpu.py checks
+    against numpy: the xla path may be a dense dot over all groups here (no Pallas-Triton ragged_dot), too
+    large to run."""
     total = int(sizes.sum())
     sizes = jnp.asarray(sizes)
     best = {}

@@ -148,8 +148,10 @@ ROW_TILED_MAX_BLOCK_N = 256 if jax.__version_info__ < (0, 12) else 128
 # (one H200, jax 0.11.2, 2026-12-01). From jax 0.12: 128 x 128 row tiles, 5 stages, grid_block_n 4 (one H100,
 # jax 0.12.0.1, 2026-12-05: 9.3 + 9.0 ms for both matmuls' forward and input gradient, against 14.1 + 11.3
 # for the untimed guess before, 64 x 128 tiles, 6 stages, grid_block_n 1 and 2).
-_FORWARD, _INPUT_GRAD = ((KernelBlocks(64, 256, 64, 5, grid_block_n=1), KernelBlocks(64, 256, 64, 5, grid_block_n=2))
-                         if ROW_TILED_MAX_BLOCK_N >= 256 else (KernelBlocks(128, 128, 64, 5, grid_block_n=4),) * 2)
+if ROW_TILED_MAX_BLOCK_N >= 256:
+    _FORWARD, _INPUT_GRAD = KernelBlocks(64, 256, 64, 5, grid_block_n=1), KernelBlocks(64, 256, 64, 5, grid_block_n=2)
+else:
+    _FORWARD = _INPUT_GRAD = KernelBlocks(128, 128, 64, 5, grid_block_n=4)
 DEFAULT_BLOCKS = GroupedMatmulBlocks(
     forward=_FORWARD,
     input_grad=_INPUT_GRAD,

@@ -272,6 +272,8 @@ def main(argv=None):
                    help="also print where a forward+backward step's device time goes, kernel by kernel")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
+    if unknown := set(args.impls.split(",")) - {"mgpu", "xla"}:
+        p.error(f"--impls: {sorted(unknown)} not among ['mgpu', 'xla']")
     kernels = args.sweep_kernels.split(",")
     if unknown := set(kernels) - set(SWEEP_GRIDS):
         p.error(f"--sweep-kernels: {sorted(unknown)} not among {list(SWEEP_GRIDS)}")

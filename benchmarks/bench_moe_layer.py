@@ -219,6 +219,8 @@ def layer_fn(args, mesh, buffer, impl, sizes):
 
 # grouped experts on FP8 operands: whether the weight gradients are too (fp8_expert_weights' weight_grad)
 FP8_IMPLS = {"grouped_fp8": False, "grouped_fp8_dw": True}
+# --expert-impl's names; "auto" first (parse_impls resolves it to one of the rest)
+IMPL_NAMES = ("auto", *ml.EXPERT_IMPLS, *FP8_IMPLS)
 
 
 def fp8_copies(impl, mesh):
@@ -317,8 +319,8 @@ def parse_impls(text, on_gpu, fast_ragged_dot):
     for name in (n.strip() for n in text.split(",") if n.strip()):
         if name == "auto":
             name = "capacity" if on_gpu and not fast_ragged_dot else "ragged_dot"
-        if name not in (*ml.EXPERT_IMPLS, *FP8_IMPLS):
-            raise SystemExit(f"--expert-impl: {name!r} is not one of auto, {', '.join((*ml.EXPERT_IMPLS, *FP8_IMPLS))}")
+        if name not in IMPL_NAMES[1:]:
+            raise SystemExit(f"--expert-impl: {name!r} is not one of {', '.join(IMPL_NAMES)}")
         if name not in impls:
             impls.append(name)
     if not impls:
@@ -360,7 +362,7 @@ def main():
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--expert-impl", dest="impl", default="auto",
-                   help="comma list of auto, capacity, grouped, ragged_dot (auto: ragged_dot on CPU or with the "
+                   help=f"comma list of {', '.join(IMPL_NAMES)} (auto: ragged_dot on CPU or with the "
                         "Pallas-Triton grouped matmul, else capacity)")
     p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
     p.add_argument("--expert-rows", type=int, default=0,
@@ -430,7 +432,8 @@ def main():
             print(f"memory per device, GiB, {impl} experts: {mem or 'not reported'} {pool_desc}")
         print(f"compile {compile_s:.0f} s for all")
         if "cuda" in buffers:
-            print(f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB per device")
+            print(f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB "
+                  "per device")
 
         # Useful expert FLOPs per device: 3 matmuls of 2*H*F per routed (token, expert),
         # three times over for forward + backward.
@@ -484,7 +487,8 @@ def main():
         cuda, xla = (impl, "cuda"), (impl, "xla")
         if cuda in results and xla in results:
             diff = np.abs(outputs[cuda] - outputs[xla]).max()
-            print(f"speedup of the layer ({impl} experts): {results[xla]['median_ms'] / results[cuda]['median_ms']:.2f}x; "
+            speedup = results[xla]["median_ms"] / results[cuda]["median_ms"]
+            print(f"speedup of the layer ({impl} experts): {speedup:.2f}x; "
                   f"forward outputs of the two backends: max |diff| = {diff:.3g}")
     # The other expert paths against the first, on the same backend.
     (first_impl, first_v), first_out = next(iter(outputs.items()))

@@ -56,3 +56,14 @@ def test_grouped_fp8_beside_grouped():
     for impl in ("grouped_fp8", "grouped_fp8_dw"):
         diff = float(re.search(rf"xla: {impl} experts .* max \|diff\| = ([0-9.e-]+)", run.stdout).group(1))
         assert 0 < diff < 0.5, run.stdout
+
+
+def test_expert_impl_names_in_help_and_refusal():
+    """--help lists every --expert-impl the run takes, and an unknown one is refused naming them all."""
+    names = "auto, ragged_dot, capacity, grouped, grouped_fp8, grouped_fp8_dw"
+    shown = run_script("benchmarks/bench_moe_layer.py", "--help", devices=1)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert names in " ".join(shown.stdout.split()), shown.stdout
+    run = _run("--expert-impl", "grouped,bogus")
+    assert run.returncode != 0
+    assert f"--expert-impl: 'bogus' is not one of {names}" in run.stderr, run.stderr[-2000:]

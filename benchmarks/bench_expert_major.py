@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import device_times, environment, same_bits
 
-from deep_ep_jax import fp8_quant
+from deep_ep_jax import _native, fp8_quant
 from deep_ep_jax.backends import reference_expert_major as xla_ops
 from deep_ep_jax.backends.cuda import expert_major as cuda_ops
 from deep_ep_jax.backends.cuda import lifecycle
@@ -86,6 +86,8 @@ def main():
     args = p.parse_args()
     if args.hidden % FP8_BLOCK:
         p.error(f"--hidden must be a multiple of {FP8_BLOCK}")
+    if reason := _native.unavailable_reason():
+        p.error(f"the CUDA kernels cannot run here, and this benchmark compares them: {reason}")
     lifecycle.register_ffi_targets()
     env = environment()
     print(f"# {env}")

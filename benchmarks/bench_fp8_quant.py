@@ -33,7 +33,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import device_times, environment, same_bits
 
-from deep_ep_jax import fp8_quant
+from deep_ep_jax import _native, fp8_quant
 
 
 def cases(args):
@@ -80,9 +80,13 @@ def main():
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    impls = args.impls.split(",")
+    if unknown := set(impls) - {"xla", "cuda"}:
+        p.error(f"--impls: {sorted(unknown)} not among ['xla', 'cuda']")
+    if "cuda" in impls and (reason := _native.unavailable_reason()):
+        p.error(f"--impls cuda: the CUDA kernels cannot run here ({reason}); --impls xla times XLA's alone")
     env = environment()
     print(f"# {env}")
-    impls = args.impls.split(",")
     results = []
     print("\n| case | impl | ms median | ms min-max | GB/s | kernels, ms |\n|---|---|---|---|---|---|")
     chosen = set(filter(None, args.cases.split(",")))

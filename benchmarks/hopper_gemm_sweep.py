@@ -188,6 +188,8 @@ def main():
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip timing the row-tiled kernels (they still check each configuration)")
     args = parser.parse_args()
+    if not gg.is_hopper_gpu():
+        parser.error(f"needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees {jax.devices()[0].device_kind}")
     if ALIGN % args.align:
         parser.error(f"--align must divide {ALIGN}")
     rng = np.random.default_rng(0)

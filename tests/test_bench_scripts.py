@@ -1,6 +1,6 @@
 """The benchmarks no other test runs, run as a user on a CPU-only machine would: those that time XLA
-run at small shapes and write what they say; those that compare against the CUDA kernels refuse up front,
-saying why, instead of failing inside a trace."""
+run at small shapes and write what they say; those that need the CUDA kernels or a Hopper GPU refuse up
+front, saying why, instead of failing inside a trace."""
 
 import json
 import re
@@ -41,6 +41,14 @@ def test_cuda_only_benchmarks_refuse_on_cpu():
                            "--impls cuda: the CUDA kernels cannot run here (")):
         run = run_script(*argv, devices=1)
         assert run.returncode == 2 and message in run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_hopper_only_benchmarks_refuse_on_cpu():
+    for script in ("hopper_gemm_sweep.py", "fp8_gemm_sweep.py", "ncu_grouped_gemm.py"):
+        run = run_script(f"benchmarks/{script}", devices=1)
+        assert run.returncode != 0, script
+        assert "needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees cpu" in run.stderr, \
+            run.stdout[-2000:] + run.stderr[-2000:]
 
 
 def test_bench_fp8_quant_xla_alone():

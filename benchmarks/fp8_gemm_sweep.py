@@ -37,7 +37,7 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_grouped_gemm import routed_group_sizes
-from hopper_gemm_sweep import pair_rows
+from hopper_gemm_sweep import not_hopper, pair_rows
 from timing import chain_seconds, sustained
 
 from deep_ep_jax import grouped_gemm as gg
@@ -179,8 +179,8 @@ def main():
     parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
                         help="also time each configuration run back to back for about this long (and its energy)")
     args = parser.parse_args()
-    if not gg.is_hopper_gpu():
-        parser.error(f"needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees {jax.devices()[0].device_kind}")
+    if reason := not_hopper():
+        parser.error(reason)
     counts, sizes = routed_group_sizes(np.random.default_rng(0), 4096, 2, 256, 8, 128)
     num_rows = -(-int(sizes.sum()) // 128) * 128
     groups = sorted({int(np.argmax(counts)), 0, len(sizes) // 2, len(sizes) - 1})

@@ -45,6 +45,14 @@ T = hg.HopperTiles
 UNIT = np.ones((1,), np.float32)  # the kernels' scale: 1
 
 
+def not_hopper():
+    """Why the Mosaic GPU kernels cannot run here, or None on a Hopper GPU (these sweeps' only target)."""
+    if gg.is_hopper_gpu():
+        return None
+    return ("needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; "
+            f"JAX sees {jax.devices()[0].device_kind}")
+
+
 def call(kernel, t, a, b, sizes, counts):
     """The kernel on groups of `sizes` (numpy) holding `counts` pairs each, its index maps made as
     grouped_matmul makes them (valid_sizes = counts), but at trace time: constants of the program,
@@ -188,8 +196,8 @@ def main():
     parser.add_argument("--no-baseline", action="store_true",
                         help="skip timing the row-tiled kernels (they still check each configuration)")
     args = parser.parse_args()
-    if not gg.is_hopper_gpu():
-        parser.error(f"needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees {jax.devices()[0].device_kind}")
+    if reason := not_hopper():
+        parser.error(reason)
     if ALIGN % args.align:
         parser.error(f"--align must divide {ALIGN}")
     rng = np.random.default_rng(0)

@@ -77,8 +77,8 @@ def parse_tiles(text):
 
 
 if __name__ == "__main__":
-    if not gg.is_hopper_gpu():
-        sys.exit(f"ncu_grouped_gemm.py: needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees {jax.devices()[0].device_kind}")
+    if reason := sweep.not_hopper():
+        sys.exit(f"ncu_grouped_gemm.py: {reason}")
     args = sys.argv[1:]
     tiles = parse_tiles(args[args.index("--tiles") + 1]) if "--tiles" in args else None
     if "--fp8-weight-grad" in args:

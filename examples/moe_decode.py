@@ -335,8 +335,8 @@ def main(argv=None):
                          f"--seq-len {margs.seq_len} (the model's positions), with a prompt of at least 1")
     if args.fp8 and margs.hidden % 128:
         raise SystemExit(f"--fp8 needs --hidden a multiple of 128, got {margs.hidden}")
-    if args.repeats < 1:
-        raise SystemExit("--repeats must be at least 1")
+    if args.repeats < 1 or args.decode_steps < 1:
+        raise SystemExit(f"--repeats {args.repeats} and --decode-steps {args.decode_steps} must be at least 1")
 
     train_buffer = Buffer(mesh, "expert", backend=margs.backend, hidden=margs.hidden, num_experts=margs.experts)
     backends = [train_buffer.backend] + (["xla"] if train_buffer.backend == "cuda" else [])

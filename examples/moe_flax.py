@@ -160,6 +160,11 @@ def init_training(args, mesh: Mesh, buffer: Buffer):
 
 def check_model_args(args, mesh, batch_flag="--batch"):
     """Exits with a message on model options the mesh or the model cannot take."""
+    for flag in ("seq_len", "vocab", "branching", "hidden", "ffn", "layers", "experts", "log_every"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.branching > args.vocab:
+        raise SystemExit(f"--branching {args.branching} must be at most --vocab {args.vocab} (distinct successors)")
     if args.batch % mesh.size:
         raise SystemExit(f"{batch_flag} {args.batch} must divide by the {mesh.size} devices")
     if args.experts % mesh.shape["expert"]:

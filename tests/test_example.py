@@ -521,7 +521,13 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
     ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
     ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
     ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
+    ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
+    ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
     ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
+    ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),
+    ("moe_decode.py", ["--prompt-len", "0"], "--prompt-len 0 + --decode-steps 32 must be at most --seq-len 64 "
+                                             "(the model's positions), with a prompt of at least 1"),
+    ("moe_decode.py", ["--decode-steps", "0"], "--repeats 5 and --decode-steps 0 must be at least 1"),
 ])
 def test_examples_reject_bad_model_options(script, argv, message):
     """The examples exit with one line naming the option, before building anything."""

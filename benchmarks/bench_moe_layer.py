@@ -389,8 +389,13 @@ def main():
     impls = parse_impls(args.impl, on_gpu, fast_ragged_dot)
     mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "expert"))
     num_ranks = mesh.size
+    for flag in ("tokens", "hidden", "ffn", "steps", "reps"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} {getattr(args, flag)} must be at least 1")
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} must divide by the {num_ranks} devices")
+    if not 1 <= args.top_k <= args.experts:
+        raise SystemExit(f"--top-k {args.top_k} must be in [1, --experts {args.experts}]")
     if on_gpu and "ragged_dot" in impls and not fast_ragged_dot:
         print("warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
               "expect out-of-memory at large sizes (use --expert-impl capacity or grouped)", file=sys.stderr)

@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import chain_seconds, environment, print_kernel_breakdown, touch
+from timing import chain_seconds, check_counts, environment, print_kernel_breakdown, touch
 
 from deep_ep_jax import grouped_gemm as gg
 
@@ -272,6 +272,7 @@ def main(argv=None):
                    help="also print where a forward+backward step's device time goes, kernel by kernel")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
+    check_counts(p, args, "tokens", "ranks", "experts", "topk", "hidden", "ffn", "align", "chain", "repeats")
     if unknown := set(args.impls.split(",")) - {"mgpu", "xla"}:
         p.error(f"--impls: {sorted(unknown)} not among ['mgpu', 'xla']")
     kernels = args.sweep_kernels.split(",")

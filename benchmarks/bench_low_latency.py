@@ -39,7 +39,7 @@ from jax import lax
 import deep_ep_jax
 from deep_ep_jax import testing
 
-from timing import chain_seconds, environment, kernel_events, span_per_op, touch
+from timing import chain_seconds, check_counts, environment, kernel_events, span_per_op, touch
 
 AXIS = "ep"
 WHOLE_KERNELS = ("DispatchKernel", "CombineKernel")  # low_latency_dispatch / _combine: one kernel each
@@ -261,6 +261,7 @@ def main(argv=None):
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel device times")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args(argv)
+    check_counts(parser, args, "tokens", "hidden", "experts", "topk", "chain", "repeats")
 
     on_gpu = jax.default_backend() == "gpu"
     backends = args.backends or (["cuda", "xla"] if on_gpu else ["xla"])
@@ -330,7 +331,8 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, case=dataclasses.asdict(case), call_overhead_us=overhead * 1e6,
                            results=results, kernel_us={f"{g} {k}": v * 1e6 for (g, k), v in kernels.items()},
-                           span_us_per_op={op: {g: v * 1e6 for g, v in per_gpu.items()} for op, per_gpu in spans.items()}),
+                           span_us_per_op={op: {g: v * 1e6 for g, v in per_gpu.items()}
+                                           for op, per_gpu in spans.items()}),
                       f, indent=1)
         print(f"wrote {args.json}")
     return results

@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
 import moe_layer as ml
-from timing import gpu_meters, power_summary, print_kernel_breakdown
+from timing import check_counts, gpu_meters, power_summary, print_kernel_breakdown
 
 from deep_ep_jax import Buffer
 from deep_ep_jax.config import FP8_BLOCK
@@ -381,6 +381,7 @@ def main():
                    help="also print where each layer's step goes on the first GPU: the TOP (12) kernels by time")
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
+    check_counts(p, args, "tokens", "hidden", "ffn", "experts", "top_k", "steps", "reps")
     args.expert_alignment = args.expert_alignment or ml.default_expert_alignment()
 
     fast_ragged_dot = ml.use_fast_ragged_dot()
@@ -389,13 +390,8 @@ def main():
     impls = parse_impls(args.impl, on_gpu, fast_ragged_dot)
     mesh = Mesh(np.array(devices).reshape(1, -1), ("data", "expert"))
     num_ranks = mesh.size
-    for flag in ("tokens", "hidden", "ffn", "steps", "reps"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} {getattr(args, flag)} must be at least 1")
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} must divide by the {num_ranks} devices")
-    if not 1 <= args.top_k <= args.experts:
-        raise SystemExit(f"--top-k {args.top_k} must be in [1, --experts {args.experts}]")
     if on_gpu and "ragged_dot" in impls and not fast_ragged_dot:
         print("warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
               "expect out-of-memory at large sizes (use --expert-impl capacity or grouped)", file=sys.stderr)

@@ -47,7 +47,7 @@ import deep_ep_jax
 from deep_ep_jax import launch, testing
 from deep_ep_jax.backends import reference
 
-from timing import chain_seconds, environment, kernel_durations, touch
+from timing import chain_seconds, check_counts, environment, kernel_durations, touch
 
 AXIS = "ep"
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
@@ -312,6 +312,7 @@ def main(argv=None):
     parser.add_argument("--plot", default="bench_normal_sweep.png", help="PNG path of the --sweep plot")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args(argv)
+    check_counts(parser, args, "tokens", "hidden", "experts", "topk", "chain", "repeats")
     if launch.NUM_PROCESSES_VAR in os.environ:  # one process per GPU: python -m deep_ep_jax.launch -n R -- ...
         launch.initialize()
 

@@ -231,6 +231,17 @@ def power_summary(before, after, seconds, steps, unit="step"):
     return joules / steps, line
 
 
+def check_counts(parser, args, *names):
+    """parser.error on the first of the integer options `names` (args' attribute names) below 1, and on a
+    top-k past the experts: sizes, chain lengths and repeats that would fail later inside a trace."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    for name in ("topk", "top_k"):
+        if name in names and getattr(args, name) > args.experts:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at most --experts {args.experts}")
+
+
 def environment():
     """Versions, devices, date and command line, recorded beside the results."""
     devices = jax.devices()

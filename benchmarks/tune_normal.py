@@ -20,6 +20,7 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_normal as bench  # noqa: E402
+from timing import check_counts  # noqa: E402
 import deep_ep_jax  # noqa: E402
 from deep_ep_jax import testing  # noqa: E402
 
@@ -39,6 +40,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    check_counts(parser, args, "tokens", "hidden", "experts", "topk", "chain", "repeats")
 
     mesh = testing.ep_mesh(len(jax.devices()), bench.AXIS)
     case = bench.Case(args.tokens, args.hidden, args.experts, args.topk)

@@ -5,6 +5,8 @@ front, saying why, instead of failing inside a trace."""
 import json
 import re
 
+import pytest
+
 from script_run import run_script
 
 
@@ -56,3 +58,15 @@ def test_bench_fp8_quant_xla_alone():
                      "--impls", "xla", devices=1)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert re.search(r"^\| swiglu h \| xla \|", run.stdout, re.M), run.stdout
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_low_latency.py", ["--chain", "0"], "--chain 0 must be at least 1"),
+    ("bench_normal.py", ["--repeats", "0"], "--repeats 0 must be at least 1"),
+    ("tune_normal.py", ["--experts", "16", "--topk", "17"], "--topk 17 must be at most --experts 16"),
+    ("bench_grouped_gemm.py", ["--align", "0"], "--align 0 must be at least 1"),
+])
+def test_counts_below_one_refused(script, argv, message):
+    """timing.check_counts: one argparse error naming the flag, before any device work."""
+    run = run_script(f"benchmarks/{script}", *argv, devices=4)
+    assert run.returncode == 2 and run.stderr.strip().endswith(message), run.stdout[-2000:] + run.stderr[-2000:]

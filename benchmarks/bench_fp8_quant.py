@@ -81,8 +81,8 @@ def main():
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     impls = args.impls.split(",")
-    if unknown := set(impls) - {"xla", "cuda"}:
-        p.error(f"--impls: {sorted(unknown)} not among ['xla', 'cuda']")
+    if unknown := set(impls) - set(fp8_quant.IMPLS[1:]):  # fp8_quant's impls but "auto"
+        p.error(f"--impls: {sorted(unknown)} not among {list(fp8_quant.IMPLS[1:])}")
     if "cuda" in impls and (reason := _native.unavailable_reason()):
         p.error(f"--impls cuda: the CUDA kernels cannot run here ({reason}); --impls xla times XLA's alone")
     env = environment()

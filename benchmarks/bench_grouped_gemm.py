@@ -273,8 +273,8 @@ def main(argv=None):
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
     check_counts(p, args, "tokens", "ranks", "experts", "topk", "hidden", "ffn", "align", "chain", "repeats")
-    if unknown := set(args.impls.split(",")) - {"mgpu", "xla"}:
-        p.error(f"--impls: {sorted(unknown)} not among ['mgpu', 'xla']")
+    if unknown := set(args.impls.split(",")) - set(gg.IMPLS[1:]):  # grouped_matmul's impls but "auto"
+        p.error(f"--impls: {sorted(unknown)} not among {list(gg.IMPLS[1:])}")
     kernels = args.sweep_kernels.split(",")
     if unknown := set(kernels) - set(SWEEP_GRIDS):
         p.error(f"--sweep-kernels: {sorted(unknown)} not among {list(SWEEP_GRIDS)}")

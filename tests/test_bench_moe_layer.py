@@ -2,7 +2,8 @@
 expert paths in one run, each beside the XLA-collectives layer and its
 experts alone, sizes from the true routing (nothing dropped), memory per
 device and the impl in every JSON row (--profile runs, finding no GPU
-kernels); too few expert rows are refused."""
+kernels); too few expert rows, unknown --expert-impl names (all of which --help
+lists) and sizes below 1 are refused."""
 
 import json
 import re

@@ -29,11 +29,15 @@ def _per_rank(fn, num_ranks):
 
 def _local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, routing):
     """int32 [R * N, K] local expert ids of each rank's received rows."""
-    if routing in ("duplicates", "rank_gets_nothing"):
+    if routing in ("duplicates", "rank_gets_nothing", "expert_gets_nothing"):
         idx, _ = dt.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "minus_one")
         if routing == "duplicates":  # a row naming one expert twice gives two pairs
             idx[::3, 1] = idx[::3, 0]
+        elif routing == "expert_gets_nothing":  # an empty group between full ones
+            assert num_local_experts > 2
+            idx[idx == 1] = -1
         else:
+            assert num_ranks > 1, "one rank cannot be the rank that gets nothing"
             idx[num_tokens : 2 * num_tokens] = -1
         return idx
     kind_ranks = 2 if routing == "rank_empty" else 1  # rank_empty: only the first half of the experts
@@ -406,17 +410,30 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
     """Rows sent (or expanded) as FP8 (fp8_rows=True) are quantize_rows of the bf16 expert rows, bit for
     bit, and the layer's output and its gradients for x, the weights and the experts are those of bf16
     rows quantized inside grouped_matmul, bit for bit (dw from the dequantized rows without the FP8
-    weight gradient: close); with skewed routing and pairs dropped (rows=24)."""
+    weight gradient: close); with -1 entries, duplicate ids, a rank that gets nothing (no row of its own, or
+    none sent to it) and pairs dropped (random routing, rows=24)."""
     num_ranks, num_tokens, experts_per_rank, topk, n_out = 4, 10, 3, 3, 64
     num_experts = num_ranks * experts_per_rank
     seed = _seed("fp8_rows", local, routing, rows)
-    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    kind = "random" if routing == "random" else "minus_one"
+    idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     if routing == "duplicates":
         idx[::2, 1] = idx[::2, 0]
-    if routing == "rank_gets_nothing":
-        idx[(idx >= experts_per_rank) & (idx < 2 * experts_per_rank)] = -1
     if local:  # every rank's own rows on its local experts
         idx = np.where(idx >= 0, idx % experts_per_rank, -1).astype(np.int32)
+    if routing == "rank_gets_nothing":
+        if local:  # rank 1's rows name no expert
+            idx[num_tokens : 2 * num_tokens] = -1
+        else:  # no row names an expert of rank 1
+            idx[idx // experts_per_rank == 1] = -1
+    # Pairs per (rank, local expert), each group padded to 8 rows: past `rows` on a rank, some are dropped.
+    valid = idx >= 0
+    owner = np.broadcast_to(np.arange(len(idx))[:, None] // num_tokens, idx.shape) if local else idx // experts_per_rank
+    pairs = np.zeros((num_ranks, experts_per_rank), np.int64)
+    np.add.at(pairs, (owner[valid], idx[valid] % experts_per_rank), 1)
+    needed = (-(-pairs // 8) * 8).sum(axis=1)
+    assert routing != "rank_gets_nothing" or needed[1] == 0, needed
+    assert rows is None or needed.max() > rows, needed
     x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
     w_e = dt.random_rows(seed + 2, (num_ranks * experts_per_rank, H, n_out)) * 0.1
     c = dt.random_rows(seed + 3, (num_ranks * num_tokens, n_out), jnp.float32)  # the loss's cotangent
@@ -469,7 +486,7 @@ def test_fp8_rows_without_data_t():
         np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
-@pytest.mark.parametrize("routing", ["minus_one", "one_expert", "rank_gets_nothing"])
+@pytest.mark.parametrize("routing", ["minus_one", "one_expert", "expert_gets_nothing"])
 def test_expand_rows_transposed_quantized(routing):
     """The xla backend's expand_rows_transposed of bf16 rows (the fused FP8 weight gradient's operand)
     against the numpy oracle, bit for bit: token rows gathered, times their row's multiplier (some 0,
@@ -557,7 +574,7 @@ def _matmul_reduce_fn(fused, fp8, weight_grad, exact):
     return jax.jit(f)
 
 
-@pytest.mark.parametrize("routing", ["minus_one", "one_expert", "rank_gets_nothing"])
+@pytest.mark.parametrize("routing", ["minus_one", "one_expert", "expert_gets_nothing"])
 def test_grouped_matmul_reduce(routing):
     """grouped_matmul_reduce's output and pair weights' gradient equal reduce(grouped_matmul(...))'s bit
     for bit. With FP8 weight gradients (its own backward: the token rows' gradient quantized once and

@@ -18,6 +18,7 @@ import deep_ep_jax as dej
 from deep_ep_jax import fp8_quant
 from deep_ep_jax import testing as dt
 from deep_ep_jax.expert_major import default_num_rows
+from deep_ep_jax.grouped_gemm import Fp8Rows
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -324,15 +325,20 @@ def _layer_inputs(layer_seed, x_seed, hidden=H):
     return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
 
 
-def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
-    """moe_apply's output and the gradients of sum(sin(output)) for (router, w_in, w_out), under one jit;
+def _layer_and_grads_fn(buffer, x, impl, use_fp8=False):
+    """(router, w_in, w_out) -> moe_apply's output and the gradients of sum(sin(output)) for them;
     use_fp8: with the weights' FP8 copies made inside."""
     def apply(router, w_in, w_out):
         fp8 = ml.fp8_expert_weights(w_in, w_out, mesh=buffer.mesh, axis_name=buffer.axis_name) if use_fp8 else None
         return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8)[0]
 
     loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
-    return jax.jit(lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p)))(*params)
+    return lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p))
+
+
+def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
+    """_layer_and_grads_fn's results on params, under one jit."""
+    return jax.jit(_layer_and_grads_fn(buffer, x, impl, use_fp8))(*params)
 
 
 @functools.cache
@@ -355,8 +361,9 @@ def test_moe_module_matches_ragged_dot(impl):
 def test_moe_apply_fp8_experts(hidden):
     """The layer with FP8 expert matmuls (fp8=fp8_expert_weights(...), grouped
     experts) close to the bf16 one, forward and gradients, on the global
-    weights split over the expert axis (hidden 128: the rows sent as FP8);
-    other expert paths refuse fp8."""
+    weights split over the expert axis (hidden 128: the rows sent as FP8),
+    and each matmul given the FP8 operands it should get; other expert
+    paths refuse fp8."""
     buffer, x, params = _layer_inputs(3, 10, hidden)
     (y8, g8), (y, g) = (_layer_and_grads(buffer, x, params, "grouped", use_fp8) for use_fp8 in (True, False))
     for name, a, b in (("output", y8, y), *zip(("grad router", "grad w_in", "grad w_out"), g8, g)):
@@ -365,6 +372,22 @@ def test_moe_apply_fp8_experts(hidden):
         # FP8 operands (3 mantissa bits): a few percent off as a norm, never more than 10%.
         assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), f"fp8 {name}: {np.linalg.norm(a - b) / np.linalg.norm(b):.3g}"
         assert not np.array_equal(a, b), f"fp8 {name}: identical to bf16, so FP8 did not run"
+    # The wiring (the FP8 maths itself is checked against numpy in test_grouped_gemm.py): both matmuls take
+    # the FP8 copies with FP8 weight gradients; the first takes FP8 rows where the hidden size allows them
+    # (whole 128-wide blocks), the second always (the SwiGLU's output goes straight to FP8).
+    calls = []
+
+    def spy(fn):
+        def recorded(rows, w, *args, fp8_weights=None, **kwargs):
+            calls.append((isinstance(rows, Fp8Rows), fp8_weights is not None and fp8_weights.weight_grad))
+            return fn(rows, w, *args, fp8_weights=fp8_weights, **kwargs)
+        return recorded
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("grouped_matmul", "grouped_matmul_reduce"):
+            patch.setattr(ml, name, spy(getattr(ml, name)))
+        jax.eval_shape(_layer_and_grads_fn(buffer, x, "grouped", True), *params)
+    assert calls == [(hidden % 128 == 0, True), (True, True)] * 2, calls  # the output's trace, then grad's
     with pytest.raises(ValueError, match="fp8 expert weights need expert_impl='grouped'"):
         # A trace-time check: traced (eval_shape), so that nothing compiles or runs op by op.
         fp8 = jax.eval_shape(ml.fp8_expert_weights, *params[1:])

@@ -12,6 +12,9 @@ reason, only where the hardware lacks what they need: no CUDA GPU (CI's CPU
 machines), or fewer GPUs than the test needs. With DEEP_EP_JAX_REQUIRE_GPU=1
 (scripts/device_run.sh sets it) every skip of a `gpu` test is a failure, so a
 device run cannot be green by skipping.
+
+Random inputs come from the `rng` fixture: a fresh seed each run, printed, so
+that a failure's report says how to make its inputs again.
 """
 
 import os
@@ -23,6 +26,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REQUIRE_GPU_ENV = "DEEP_EP_JAX_REQUIRE_GPU"
@@ -92,3 +96,15 @@ def pytest_runtest_makereport(item, call):
         why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"{REQUIRE_GPU_ENV}=1: a gpu test must not skip, but this one did: {why}"
+
+
+SEED_ENV = "DEEP_EP_JAX_TEST_SEED"
+
+
+@pytest.fixture
+def rng():
+    """A numpy Generator on a fresh seed each run (fresh inputs), or on $DEEP_EP_JAX_TEST_SEED. The seed is
+    printed, so a failure's report shows it and the same inputs can be made again."""
+    seed = int(os.environ.get(SEED_ENV) or np.random.SeedSequence().entropy % (1 << 63))
+    print(f"rng seed {seed} (the same inputs again: {SEED_ENV}={seed})")
+    return np.random.default_rng(seed)

@@ -56,11 +56,10 @@ def _counts(rng, kind, num_local, capacity):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kind", ["random", "one_expert", "none"])
-def test_expert_mlp_matches_dense(kind, fp8):
+def test_expert_mlp_matches_dense(kind, fp8, rng):
     """Compaction, grouped matmuls and expansion: the outputs of the valid
     rows equal per-expert dense maths, padding rows (NaN in the input) give
     zeros, whether the packed bound is tight or loose."""
-    rng = np.random.default_rng()
     num_local, capacity = 5, 12
     counts = _counts(rng, kind, num_local, capacity)
     x = rng.standard_normal((num_local, capacity, H)).astype(np.float32)
@@ -85,10 +84,9 @@ def test_expert_mlp_matches_dense(kind, fp8):
         assert (np.asarray(got, np.float32)[padding] == 0).all()
 
 
-def test_check_logits_fails_beyond_tolerance(capsys):
+def test_check_logits_fails_beyond_tolerance(capsys, rng):
     """The example's check: passes within tolerance and with a few outlying
     sequences (router near-ties), fails on more of them or on NaN."""
-    rng = np.random.default_rng()
     want = rng.standard_normal((100, 32)).astype(np.float32)
     scale = np.abs(want).max()
     assert md.check_logits(want + 0.009 * scale, want, "xla", fp8=False)

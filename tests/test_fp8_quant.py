@@ -36,8 +36,7 @@ def assert_same(got, want, what):
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (2, 64, 7168 // 14), (8, 16)])
-def test_rows_match_numpy(shape):
-    rng = np.random.default_rng()
+def test_rows_match_numpy(shape, rng):
     a = skewed(rng, shape)
     data, scales = jax.jit(lambda a: fp8_quant.quantize_rows(a, impl="xla"))(a)
     want_values, want_scales = oracle.fp8_row_parts(a)
@@ -47,8 +46,7 @@ def test_rows_match_numpy(shape):
     assert not as_float(data)[..., 0, :].any(), "an all-zero row must quantize to zeros"
 
 
-def test_rows_and_columns_match_numpy():
-    rng = np.random.default_rng()
+def test_rows_and_columns_match_numpy(rng):
     a = skewed(rng, (3, 256, 128))
     m = np.exp(rng.standard_normal((3, 256))).astype(np.float32)
     m[:, 200:210] = 0  # rows left out of the columns' copy, whatever they hold
@@ -135,10 +133,9 @@ def test_rows_and_columns_lower_for_cuda(monkeypatch):
 
 
 @pytest.mark.parametrize("ulps", [-2, -1, 1, 2])
-def test_reciprocal_refined_from_an_approximation(ulps):
+def test_reciprocal_refined_from_an_approximation(ulps, rng):
     """The XLA path's 1 / scale is correct from a start up to 2 ulp off (XLA's GPU division, div.full):
     here the start is moved by `ulps` float32 steps from numpy's correctly rounded reciprocal."""
-    rng = np.random.default_rng()
     m = np.concatenate([rng.uniform(0.5, 1.0, 200_000), [0.5, np.nextafter(1, 0), np.nextafter(0.5, 1)]])
     m = m.astype(np.float32)
     exact = np.float32(1) / m

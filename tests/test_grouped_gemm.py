@@ -85,8 +85,7 @@ def check_against_oracle(x, w, sizes, dy, y, dx, dw, what):
 @pytest.mark.parametrize("kind,num_groups", [
     ("random", 6), ("all_in_one", 6), ("padding", 6), ("all_empty", 4), ("random", 1), ("padding", 1),
 ])
-def test_matches_numpy(kind, num_groups):
-    rng = np.random.default_rng()
+def test_matches_numpy(kind, num_groups, rng):
     num_rows = int(rng.integers(40, 120))
     sizes = make_sizes(rng, kind, num_rows, num_groups)
     x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
@@ -94,9 +93,8 @@ def test_matches_numpy(kind, num_groups):
     check_against_oracle(x, w, sizes, dy, y, dx, dw, f"{kind}, sizes {sizes.tolist()}")
 
 
-def test_float32_gradients_match_ragged_dot_autodiff():
+def test_float32_gradients_match_ragged_dot_autodiff(rng):
     """In float32, the custom_vjp against JAX's own derivative of ragged_dot."""
-    rng = np.random.default_rng()
     num_rows, num_groups = 70, 5
     sizes = make_sizes(rng, "padding", num_rows, num_groups)
     x, w, dy = (np.asarray(a, np.float32) for a in make_inputs(rng, num_rows, num_groups, sizes))
@@ -109,9 +107,8 @@ def test_float32_gradients_match_ragged_dot_autodiff():
     np.testing.assert_allclose(dw, want_dw, rtol=1e-5, atol=1e-5)
 
 
-def test_grad_of_a_swiglu_loss():
+def test_grad_of_a_swiglu_loss(rng):
     """jax.grad through two grouped matmuls (the experts' SwiGLU) against numpy."""
-    rng = np.random.default_rng()
     num_rows, num_groups, ffn = 64, 4, 16
     sizes = make_sizes(rng, "padding", num_rows, num_groups)
     x = np.asarray(rng.standard_normal((num_rows, K)), np.float32)
@@ -138,12 +135,11 @@ def test_grad_of_a_swiglu_loss():
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
 
 
-def test_aligned_groups_promise():
+def test_aligned_groups_promise(rng):
     """aligned_groups=True: sizes that keep the promise (multiples of
     aligned_rows(), empty groups, the last cut at row M) give the same results
     as without it; one that breaks it makes all of y, dx and dw NaN: never
     silently wrong, on every backend."""
-    rng = np.random.default_rng()
     align = gg.aligned_rows()
     num_groups, num_rows = 4, 5 * align + 40  # M not a multiple of the alignment: the last group is cut
 
@@ -165,9 +161,8 @@ def test_aligned_groups_promise():
         grouped_matmul(x, w, kept, aligned_groups=1)
 
 
-def test_group_sizes_are_clamped():
+def test_group_sizes_are_clamped(rng):
     """Negative sizes count as 0; groups past row M are cut at M."""
-    rng = np.random.default_rng()
     num_rows, num_groups = 30, 4
     given = np.array([-5, 20, 25, 7], np.int32)
     used = np.array([0, 20, 10, 0], np.int32)
@@ -176,11 +171,10 @@ def test_group_sizes_are_clamped():
     check_against_oracle(x, w, used, dy, y, dx, dw, "clamped sizes")
 
 
-def test_valid_sizes_make_the_rest_of_a_group_padding():
+def test_valid_sizes_make_the_rest_of_a_group_padding(rng):
     """valid_sizes: a group's rows past its valid count (holding junk here) act
     as padding rows: y and dx exactly zero there, dw without them; counts
     above a group's size are clamped to it, negative ones to 0."""
-    rng = np.random.default_rng()
     num_rows, num_groups = 60, 4
     sizes = np.array([16, 0, 24, 16], np.int32)
     valid = np.array([5, 3, 24, -2], np.int32)  # 3 > 0 and -2 < 0: clamped to 0 and 0
@@ -208,10 +202,9 @@ def test_valid_sizes_make_the_rest_of_a_group_padding():
         grouped_matmul(x, w, sizes, valid_sizes=np.zeros(4, np.float32))
 
 
-def test_shard_map_per_rank():
+def test_shard_map_per_rank(rng):
     """Per rank under shard_map (check_vma on) over 8 CPU devices: each rank its
     own experts and sizes (one rank all in one group, one with no rows at all)."""
-    rng = np.random.default_rng()
     num_ranks, num_rows, num_groups = 8, 48, 3
     mesh = testing.ep_mesh(num_ranks, "ep", platform="cpu")
     kinds = ["all_in_one", "all_empty"] + ["random", "padding"] * 3
@@ -226,9 +219,8 @@ def test_shard_map_per_rank():
                              f"rank {r} ({kinds[r]}, sizes {sizes[r].tolist()})")
 
 
-def test_shard_map_replicated_weights_sum_their_gradient():
+def test_shard_map_replicated_weights_sum_their_gradient(rng):
     """Weights replicated over the axis: dw is the sum of every rank's x_g^T dy_g."""
-    rng = np.random.default_rng()
     num_ranks, num_rows, num_groups = 8, 40, 3
     mesh = testing.ep_mesh(num_ranks, "ep", platform="cpu")
     sizes = [make_sizes(rng, "padding", num_rows, num_groups) for _ in range(num_ranks)]
@@ -516,12 +508,11 @@ def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None, we
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
 @pytest.mark.parametrize("kind,num_groups", [("random", 6), ("all_in_one", 6), ("padding", 6), ("padding", 1)])
-def test_fp8_matches_numpy(kind, num_groups, weight_grad):
+def test_fp8_matches_numpy(kind, num_groups, weight_grad, rng):
     """y and dx from FP8 operands (per-row x and dy, the FP8 weight copies),
     against numpy on the same quantized values and near the bf16 maths; dw as
     without FP8, or with weight_grad=True from FP8 operands too (x's values,
     dy times x's row scales quantized per column); junk padding rows stay out."""
-    rng = np.random.default_rng()
     num_rows = int(rng.integers(40, 120))
     sizes = make_sizes(rng, kind, num_rows, num_groups)
     x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
@@ -540,11 +531,10 @@ def test_fp8_matches_numpy(kind, num_groups, weight_grad):
         assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 0.1 * np.linalg.norm(want), f"{what}: {name}"
 
 
-def test_swiglu_fp8_rows_match_bf16_rows():
+def test_swiglu_fp8_rows_match_bf16_rows(rng):
     """swiglu(gate_up, fp8_rows=True) into grouped_matmul with FP8 weight gradients: the same y and the
     same gradients of gate_up and w, bit for bit, as the bf16 rows swiglu(gate_up), which the matmul
     quantizes itself the same way; the rows' gradient reaches gate_up through the grad_sink."""
-    rng = np.random.default_rng()
     num_rows, num_groups, ffn = 96, 4, 40
     sizes = make_sizes(rng, "padding", num_rows, num_groups)
     gate_up = np.asarray(rng.standard_normal((num_rows, 2 * ffn)) * 2, ml_dtypes.bfloat16)
@@ -572,9 +562,8 @@ def test_swiglu_fp8_rows_match_bf16_rows():
         gg.swiglu(jnp.ones((4, 6), jnp.float32), fp8_rows=True)
 
 
-def test_fp8_weights_copies():
+def test_fp8_weights_copies(rng):
     """fp8_weights(w): float8 data in each matmul's layout, one float32 scale per output channel."""
-    rng = np.random.default_rng()
     w = np.asarray(rng.standard_normal((3, K, N)) * np.exp(rng.standard_normal((3, 1, N))), ml_dtypes.bfloat16)
     w8 = jax.jit(gg.fp8_weights)(w)
     assert not w8.weight_grad and jax.jit(functools.partial(gg.fp8_weights, weight_grad=True))(w).weight_grad

@@ -406,14 +406,13 @@ LARGE_GROUPS = [(2, 8, 16, 8), (4, 8, 8, 8), (8, 8, 4, 8), (16, 8, 3, 8)]
 @pytest.mark.parametrize("num_hosts,gpus_per_host,num_tokens,topk", SMALL_GROUPS + LARGE_GROUPS)
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
 @pytest.mark.parametrize("fraction", [1.0, 0.3])
-def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind, fraction):
+def test_model_matches_contract(num_hosts, gpus_per_host, num_tokens, topk, kind, fraction, rng):
     num_ranks = num_hosts * gpus_per_host
     num_experts, hidden = 4 * num_ranks, 2
     rows = max(1, int(fraction * num_tokens * num_ranks))
     idx, w = testing.make_routing(num_ranks, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)
     w = np.asarray(w).reshape(num_ranks, num_tokens, topk)
-    rng = np.random.default_rng()
     x = rng.standard_normal((num_ranks, num_tokens, hidden))
     nodes = multiprocess.group_nodes(["machine"] * num_ranks, gpus_per_host)
     landing, src_idx, packets, handle = model_dispatch(x, idx, nodes, num_experts, rows)

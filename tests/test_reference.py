@@ -136,7 +136,7 @@ def _per_host_step(num_ranks, num_tokens, num_experts, gpus_per_host, worst):
 @pytest.mark.parametrize("gpus_per_host", [1, 2, 4])
 @pytest.mark.parametrize("kind,worst_fraction", [("random", None), ("one_expert", None), ("rank_empty", None),
                                                  ("minus_one", None), ("random", 0.3)])
-def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction):
+def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction, rng):
     """8 ranks cut into hosts of G (Config.gpus_per_host): combine sums each
     host's rows in rank order, rounds the partial to bf16 (weights: float32),
     then sums the partials in host order (tests/oracle.py, bit for bit).
@@ -148,7 +148,6 @@ def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction):
     rows = worst or num_ranks * num_tokens
     buffer, run = _per_host_step(num_ranks, num_tokens, num_experts, gpus_per_host, worst)
     assert buffer.rank_hosts == tuple(r // gpus_per_host for r in range(num_ranks))
-    rng = np.random.default_rng()
     idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     y = rng.standard_normal((num_ranks * rows, H), np.float32)
     y = np.where(rng.random(y.shape) < 0.5, np.sign(y) * np.float32(1 << 24), y).astype(ml_dtypes.bfloat16)
@@ -234,11 +233,10 @@ def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
 
 @pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
-def test_low_latency_contract(use_fp8, round_scale, kind):
+def test_low_latency_contract(use_fp8, round_scale, kind, rng):
     """Dispatch and combine against tests/oracle.py, bit for bit: rows (FP8
     values and scales as the oracle quantises them), handles, combine sums."""
     num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     x = dt.random_rows(seed + 1, (num_ranks * num_tokens, H))
@@ -331,10 +329,9 @@ def test_oracle_e4m3_rounding_agrees_with_ml_dtypes():
     _assert_bits_equal(oracle.e4m3_round(values), want, "e4m3 rounding")
 
 
-def test_oracle_bf16_rounding_agrees_with_ml_dtypes():
+def test_oracle_bf16_rounding_agrees_with_ml_dtypes(rng):
     import ml_dtypes
 
-    rng = np.random.default_rng()
     values = np.concatenate([rng.standard_normal(1 << 16).astype(np.float32) * np.float32(1e3),
                              ((rng.integers(0, 1 << 16, 1 << 12, dtype=np.uint32) << 16) | 0x8000).view(np.float32)])
     values = values[np.isfinite(values)]  # the second half: exact ties

@@ -33,11 +33,10 @@ def _buffer(gpus_per_host, count=True):
 @pytest.mark.parametrize("gpus_per_host", [None, 4, 2, 1])
 @pytest.mark.parametrize("kind,worst", [("random", None), ("one_expert", None), ("rank_empty", None),
                                         ("minus_one", None), ("random", 0.3)])
-def test_counters_match_the_oracle(gpus_per_host, kind, worst):
+def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
     mesh, buffer = _buffer(gpus_per_host)
     num_worst_tokens = None if worst is None else int(worst * R * T)
     rows = num_worst_tokens or R * T
-    rng = np.random.default_rng()
     idx, w = dt.make_routing(int(rng.integers(1 << 30)), R * T, E, K, R, kind)
     x = rng.standard_normal((R * T, H), np.float32).astype(ml_dtypes.bfloat16)
     y = rng.standard_normal((R * rows, H), np.float32).astype(ml_dtypes.bfloat16)

@@ -319,7 +319,7 @@ def _distinct_local_ids(rng, num_rows, topk, num_local_experts, kind):
 @pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
     (128, 128, "random", None), (128, 1, "random", None), (128, 1, "one_expert", None),
     (128, 128, "nothing", None), (128, 1, "random", 20000), (16, 8, "random", None)])
-def test_local_targets_standard_size(num_local_experts, alignment, kind, num_rows):
+def test_local_targets_standard_size(num_local_experts, alignment, kind, num_rows, rng):
     """expand and reduce on one GPU, 8192 received rows of 7168 (4096 tokens x
     2 ranks), top-8: the CUDA targets against the xla backend bit for bit
     (rows, layout, reduced rows, both gradients) and against the numpy oracle
@@ -328,7 +328,6 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
 
     lifecycle.register_ffi_targets()
     num_tokens, topk, hidden = 8192, 8, 7168
-    rng = np.random.default_rng()
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
     w = jnp.asarray(rng.random((num_tokens, topk)).astype(np.float32) + 0.1)
@@ -368,7 +367,7 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
     (128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)])
-def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows):
+def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     """expand(..., fp8_rows=True) on one GPU, 8192 received rows of 7168, top-8: the expert rows' FP8
     values transposed (Fp8Rows.data_t, which their own kernel gathers from the token rows for the FP8
     weight gradient) equal data.T and the numpy oracle's expansion of the quantized token rows, bit for
@@ -379,7 +378,6 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows):
 
     lifecycle.register_ffi_targets()
     num_tokens, topk, hidden = 8192, 8, 7168
-    rng = np.random.default_rng()
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
     run = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
@@ -404,7 +402,7 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows):
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
     (128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)])
-def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows):
+def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     """The transposed expansion of bf16 token rows, quantized (the fused FP8 weight gradient's operand
     in grouped_matmul_reduce), on one GPU, 8192 rows of 7168, top-8: the CUDA target against the xla
     backend on the GPU (all of it) and the numpy oracle (three 128-column tiles, the last included), bit
@@ -414,7 +412,6 @@ def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows)
 
     lifecycle.register_ffi_targets()
     num_tokens, topk, hidden = 8192, 8, 7168
-    rng = np.random.default_rng()
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
     _, layout = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts,
@@ -442,7 +439,7 @@ def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows)
 
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("kind", ["random", "one_expert"])
-def test_grouped_matmul_reduce_fp8(kind):
+def test_grouped_matmul_reduce_fp8(kind, rng):
     """grouped_matmul_reduce with FP8 weight gradients (Mosaic GPU kernels; its backward quantizes the
     token rows' gradient once and gathers it) against reduce(grouped_matmul(...)) on one GPU, 4096 rows
     of 2048 into 7168, top-8 over 8 local experts: the output and the pair weights' gradient bit for
@@ -450,7 +447,6 @@ def test_grouped_matmul_reduce_fp8(kind):
     from deep_ep_jax.grouped_gemm import fp8_weights
 
     num_tokens, topk, local_experts, hidden, out = 4096, 8, 8, 2048, 7168
-    rng = np.random.default_rng()
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
     w_e = testing.random_rows(int(rng.integers(1 << 30)), (local_experts, hidden, out)) * 0.02
@@ -491,7 +487,7 @@ def test_grouped_matmul_reduce_fp8(kind):
 
 @pytest.mark.gpu(min_gpus=1)
 @pytest.mark.parametrize("kind", ["minus_one", "one_expert"])
-def test_fp8_rows_match_rows_quantized_in_the_matmul(kind):
+def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
     """dispatch_expert_major(fp8_rows=True) (rows sent and expanded as FP8) into the FP8 grouped matmul
     (Mosaic GPU kernels, FP8 weight gradient), then combine_expert_major, on the cuda backend: the output
     and the gradients of x, the weights and the experts equal, bit for bit, those of bf16 rows quantized
@@ -503,7 +499,6 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind):
     num_tokens, hidden, local_experts, topk = 4096, 7168, 32, 8
     num_experts = num_ranks * local_experts
     mesh = testing.ep_mesh(num_ranks, AXIS, platform="gpu")
-    rng = np.random.default_rng()
     idx, w = testing.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
                                   kind)
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))

@@ -64,9 +64,8 @@ def check(what, values, got, xla, rng):
 
 
 @pytest.mark.parametrize("shape", [(40704, 7168), (40704, 2048), (2, 1024, 4096), (3, 999, 392)])
-def test_rows_kernel(shape):
+def test_rows_kernel(shape, rng):
     """quantize_rows on the extension's kernel ("auto" picks it)."""
-    rng = np.random.default_rng()
     a = skewed(jax.random.key(rng.integers(1 << 30)), shape)
     run = jax.jit(fp8_quant.quantize_rows, static_argnames="impl")
     assert "deep_ep_jax_fp8_quantize_rows" in run.lower(a).as_text(), "impl='auto' did not pick the CUDA kernel"
@@ -84,13 +83,12 @@ def swiglu_float64(gate_up):
 
 
 @pytest.mark.parametrize("shape", [(40704, 4096), (3, 999, 784)])
-def test_swiglu_rows_kernel(shape):
+def test_swiglu_rows_kernel(shape, rng):
     """quantize_rows(gate_up, swiglu=True) on the extension's kernel: bf16(silu(g) * u) quantized per
     row, never written. Against XLA's maths (swiglu_values, its rows stored as bf16, then quantize_rows)
     bit for bit (its exp and division are XLA's), numpy's quantization of XLA's SwiGLU rows on sampled
     rows, and float64 maths on sampled rows. Gates reach
     +-100 (exp(100) overflows to inf: silu 0), with NaN, inf, zero and tiny rows."""
-    rng = np.random.default_rng()
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     gate_up = skewed(key1, shape).astype(jnp.float32)
     lead = (slice(None),) * (len(shape) - 2)
@@ -129,8 +127,7 @@ ROWS_AND_COLUMNS = [((80, 7168, 4096), False), ((16, 2048, 7168), False), ((1, 4
 
 
 @pytest.mark.parametrize("shape,multipliers", ROWS_AND_COLUMNS)
-def test_rows_and_columns_kernels(shape, multipliers):
-    rng = np.random.default_rng()
+def test_rows_and_columns_kernels(shape, multipliers, rng):
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     a = skewed(key1, shape)
     m = jnp.exp(3 * jax.random.normal(key2, shape[:2])) if multipliers else None

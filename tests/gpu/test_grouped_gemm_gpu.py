@@ -173,10 +173,9 @@ def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, data_rows=None):
 @pytest.mark.parametrize("aligned", [False, True], ids=["row_tiled", "aligned"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
+def test_mgpu_matches_reference_and_numpy(layer, kind, aligned, rng):
     """Group sizes as routed, or rounded up to gg.aligned_rows() (the
     warp-specialized kernels' case; the others take the row-tiled kernels)."""
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS[layer]
     sizes = routed_sizes(rng, kind)
@@ -213,13 +212,12 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned):
 
 
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_valid_sizes_leave_out_padding_rows(kind):
+def test_valid_sizes_leave_out_padding_rows(kind, rng):
     """The expert-major layout's case: groups rounded up to gg.aligned_rows(),
     valid_sizes their pairs. Junk (1e3) on every padding row of x and dy,
     inside the groups and past them; y and dx must be exactly zero there, and
     y, dx and dw equal the per-group dots of the pair rows alone (the weight
     gradient's kernel stops at the row step that covers a group's pairs)."""
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     counts = routed_sizes(rng, kind)
@@ -249,12 +247,11 @@ def test_valid_sizes_leave_out_padding_rows(kind):
         assert not bool(jnp.any(jnp.where(junk, g, 0))), f"{what}: {name} is not zero on padding rows"
 
 
-def test_broken_promise_makes_everything_nan():
+def test_broken_promise_makes_everything_nan(rng):
     """aligned_groups=True with sizes that are not multiples of
     gg.aligned_rows(): the warp-specialized kernels run anyway (there is no
     lax.cond to fall back on) and every value of y, dx and dw is NaN (the
     kernels' scale), never silently wrong."""
-    rng = np.random.default_rng()
     k, n, num_rows = 512, 256, 512
     x = rng.standard_normal((num_rows, k)).astype(jnp.bfloat16)
     w = rng.standard_normal((4, k, n)).astype(jnp.bfloat16)
@@ -287,7 +284,7 @@ def check_against_reference(what, got, want, data):
 
 @pytest.mark.parametrize("walk", ["tile_by_tile", "steady_pipeline", "group_bands"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
-def test_aligned_kernels_directly(kind, walk):
+def test_aligned_kernels_directly(kind, walk, rng):
     """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
@@ -298,7 +295,6 @@ def test_aligned_kernels_directly(kind, walk):
     pairs (the rest of x and dy random, not zero): its output must be
     exactly 0 on every other row, the tiles past the groups included (it
     stores their zeros itself)."""
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
@@ -336,10 +332,9 @@ def test_aligned_kernels_directly(kind, walk):
 
 
 @pytest.mark.gpu(min_gpus=2)
-def test_mgpu_per_rank_under_shard_map():
+def test_mgpu_per_rank_under_shard_map(rng):
     """Two GPUs, each its own experts and sizes (one all in one group, one
     skewed with padding), shard_map with check_vma, against numpy."""
-    rng = np.random.default_rng()
     num_ranks, num_rows, num_groups, k, n = 2, 4096, 8, 1024, 512
     mesh = testing.ep_mesh(num_ranks, "ep", platform="gpu")
     sizes = [np.array([0, 0, 3000, 0, 0, 0, 0, 0], np.int32),
@@ -392,7 +387,7 @@ def _fp8_operands(x, w, dy):
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 @pytest.mark.parametrize("layer", list(LAYERS))
-def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad):
+def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, rng):
     """fp8_weights= on the warp-specialized kernels (FP8 WGMMA for y and dx,
     and for dw with weight_grad=True, else bf16): groups aligned to 128 whose
     first rows are the pairs (valid_sizes), finite junk on every other row of
@@ -400,7 +395,6 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad):
     of the operands they are computed from (dequantized), and against numpy on
     sampled rows (y and dx, numpy's own quantization) and dw blocks; all three
     near the bf16 maths; y and dx exactly 0 off the pairs."""
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     k, n = LAYERS[layer]
     align = gg.aligned_rows()
@@ -463,7 +457,7 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad):
 
 @pytest.mark.parametrize("scale", [1.0, 0.7])
 @pytest.mark.parametrize("shape", [(256, 256, 3), (2048, 2048, 8)], ids=["one_tile_per_cta", "tiles_per_cta"])
-def test_fp8_weight_grad_kernel(shape, scale):
+def test_fp8_weight_grad_kernel(shape, scale, rng):
     """hopper_gemm.weight_grad on FP8 operands called straight: groups of 0
     to 6 row steps of 128 rows (those over 4 promoted in halves), K x N small
     enough that each CTA gets at most one tile, or large enough for several
@@ -472,7 +466,6 @@ def test_fp8_weight_grad_kernel(shape, scale):
     column scales and `scale`; the empty groups' dw exactly zero."""
     k, n, num_groups = shape
     tiles = gg.DEFAULT_ALIGNED_TILES.fp8_weight_grad
-    rng = np.random.default_rng()
     seed = int(rng.integers(1 << 30))
     steps = np.resize(np.array([3, 0, 1, 5, 4, 6, 2, 3], np.int32), num_groups)
     sizes = steps * tiles.tile_k

@@ -25,7 +25,7 @@ T, H, K = 64, 512, 4
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_one_host_counters(monkeypatch, staged):
+def test_one_host_counters(monkeypatch, staged, rng):
     monkeypatch.setenv(intranode.STAGED_ENV, "1" if staged else "0")
     mesh = dt.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
     num_ranks = mesh.shape[AXIS]
@@ -34,7 +34,6 @@ def test_one_host_counters(monkeypatch, staged):
     cuda = dej.Buffer(mesh, AXIS, backend="cuda", hidden=H, config=config)
     xla = dej.Buffer(mesh, AXIS, backend="xla", config=config)
     assert cuda.backend == "cuda" and cuda.staged == staged, cuda
-    rng = np.random.default_rng()
     for kind, worst in [("random", None), ("one_expert", None), ("rank_empty", None), ("random", 0.4)]:
         num_worst_tokens = None if worst is None else int(worst * num_ranks * T)
         rows = num_worst_tokens or num_ranks * T

@@ -85,17 +85,17 @@ def all_subsets(num_ranks, num_experts, topk, seed):
 
 @pytest.mark.parametrize("num_hosts,gpus_per_host,num_experts,topk",
                          [(2, 2, 8, 3), (2, 1, 6, 2), (3, 2, 12, 2), (2, 4, 8, 4)])
-def test_counts_on_every_subset(num_hosts, gpus_per_host, num_experts, topk):
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_counts_on_every_subset(num_hosts, gpus_per_host, num_experts, topk, rng):
+    seed = int(rng.integers(1 << 30))
     idx = all_subsets(num_hosts * gpus_per_host, num_experts, topk, seed)
     assert_counts_match(idx, gpus_per_host, num_experts)
 
 
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
 @pytest.mark.parametrize("num_hosts,gpus_per_host", [(2, 1), (2, 4), (3, 2), (4, 2)])
-def test_counts_on_skewed_routing(kind, num_hosts, gpus_per_host):
+def test_counts_on_skewed_routing(kind, num_hosts, gpus_per_host, rng):
     num_ranks, num_tokens, num_experts, topk = num_hosts * gpus_per_host, 23, 4 * num_hosts * gpus_per_host, 3
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(rng.integers(1 << 30))
     idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx = np.asarray(idx).reshape(num_ranks, num_tokens, topk)
     t = assert_counts_match(idx, gpus_per_host, num_experts)
@@ -113,9 +113,9 @@ def exact_expectations(num_hosts, gpus_per_host, num_experts, topk):
     return {k: v / idx.shape[0] / idx.shape[1] for k, v in totals.items()}
 
 
-def test_sampled_routing_matches_the_enumeration():
+def test_sampled_routing_matches_the_enumeration(rng):
     case = im.Case(num_tokens=20000, hidden=128, num_experts=8, topk=3)
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(rng.integers(1 << 30))
     idx = im.sample_routing(case, 2, 2, seed)
     assert idx.min() >= 0 and idx.max() < case.num_experts
     assert (np.sort(idx, -1)[..., 1:] != np.sort(idx, -1)[..., :-1]).all()  # distinct experts per token
@@ -125,8 +125,8 @@ def test_sampled_routing_matches_the_enumeration():
         assert abs(got[key] - want["dest_" + key if key in ("ranks", "hosts") else key]) < 0.03, key
 
 
-def test_node_limited_routing():
-    seed = int(np.random.default_rng().integers(1 << 30))
+def test_node_limited_routing(rng):
+    seed = int(rng.integers(1 << 30))
     one_host = im.per_token(im.traffic(im.sample_routing(im.Case(2000, 128, 8, 2, max_hosts=1), 4, 1, seed), 1, 8))
     assert one_host["hosts"] == 1.0
     assert abs(one_host["remote_hosts"] - 0.75) < 0.03  # the chosen host is uniform over 4
@@ -137,9 +137,9 @@ def test_node_limited_routing():
     assert unlimited["hosts"] > 4  # the limit did something
 
 
-def test_more_hosts_more_network_rows():
+def test_more_hosts_more_network_rows(rng):
     case, machine = im.Case(num_tokens=64), im.Machine()
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(rng.integers(1 << 30))
     results = im.run(case, machine, [(2, 8), (4, 8), (8, 8), (16, 8)], seed)
     remote_hosts = [r["per_token"]["remote_hosts"] for r in results]
     assert remote_hosts == sorted(remote_hosts) and len(set(remote_hosts)) == 4, remote_hosts
@@ -157,13 +157,13 @@ def test_more_hosts_more_network_rows():
 
 
 @pytest.mark.parametrize("num_hosts,gpus_per_host", [(2, 2), (3, 2), (2, 8), (4, 4)])
-def test_network_rows_per_token_are_remote_destinations(num_hosts, gpus_per_host):
+def test_network_rows_per_token_are_remote_destinations(num_hosts, gpus_per_host, rng):
     """Dispatch and combine reduced per host: one network row per remote
     destination host of a token; combine per rank: one per remote destination
     rank; counted here straight from the routing."""
     num_ranks = num_hosts * gpus_per_host
     case = im.Case(num_tokens=31, hidden=256, num_experts=4 * num_ranks, topk=4)
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(rng.integers(1 << 30))
     idx, _ = testing.make_routing(seed, num_ranks * 31, case.num_experts, case.topk, num_ranks, "minus_one")
     idx = np.asarray(idx).reshape(num_ranks, 31, case.topk)
     t = im.traffic(idx, gpus_per_host, case.num_experts)

@@ -66,6 +66,11 @@ def test_grad_matches_dense(num_ranks, kind):
     np.testing.assert_allclose(value, want_value, rtol=2e-2)
     assert grads[0].dtype == jnp.bfloat16
     _assert_grads_close(grads, want_grads, ("x", "topk_weights", "experts"))
+    # Exactly 0, not just small: the -1 slots' weights, and the rows that go to no expert.
+    unsent = np.asarray(idx < 0)
+    assert kind != "minus_one" or unsent.all(axis=1).any()
+    assert (np.asarray(grads[1])[unsent] == 0).all()
+    assert (np.asarray(grads[0], np.float32)[unsent.all(axis=1)] == 0).all()
 
 
 @pytest.mark.parametrize("kind", ["random", "minus_one"])

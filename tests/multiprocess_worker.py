@@ -914,7 +914,8 @@ def case_internode_low_latency():
 def case_internode_normal():
     """Normal mode across (emulated) hosts against the xla backend: the
     single-host suite's comparisons, bit for bit (handle, rows, padding,
-    combine's rank-ordered float32 sums), on poisoned outputs, fresh data."""
+    combine's rank-ordered float32 sums), on poisoned outputs, with the suite's
+    seeded inputs."""
     import test_normal_gpu as suite
     from deep_ep_jax.backends.cuda import sizes
 

@@ -15,6 +15,11 @@ What must match, and how exactly:
   not read.
 - normal combine: bit for bit (float32 sum in rank order, one bf16 rounding:
   the oracle sums in that order too), with the weights' sum.
+- get_dispatch_layout: per rank, its counts per rank and per expert and
+  is_token_in_rank, exactly.
+- combine's backward (the cached dispatch along the handle): each valid row
+  and its weights get the cotangent of the token they came from, bit for
+  bit; padding rows get 0.
 - low-latency dispatch: counts, handles and rows bit for bit; FP8 scales bit
   for bit; FP8 values bit for bit with round_scale (1 / scale is a power of
   two, exact). Without round_scale only, the kernels take 1 / scale with
@@ -146,10 +151,12 @@ def _per_rank(step, mesh):
 
 @functools.cache
 def normal_step(buffer):
-    def step(x, idx, w, y):
+    def step(x, idx, w, y, g_out, g_out_w):
+        layout = deep_ep_jax.get_dispatch_layout(idx, num_experts=NUM_EXPERTS, buffer=buffer)
         recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=NUM_EXPERTS, buffer=buffer)
-        out, out_w = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
-        return recv_x, recv_idx, recv_w, handle, out, out_w
+        (out, out_w), combine_vjp = jax.vjp(lambda y, recv_w: deep_ep_jax.combine(y, handle, recv_w, buffer=buffer),
+                                            y, recv_w)
+        return recv_x, recv_idx, recv_w, handle, out, out_w, layout, combine_vjp((g_out, g_out_w))
 
     return step
 
@@ -170,13 +177,16 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
     y = nan_bf16((R, N, H))
     for r in range(R):
         y[r, : len(expected[r]["x"])] = random_bf16(rng, (len(expected[r]["x"]), H))
+    # Cotangents of combine's outputs, for its backward.
+    g_out, g_out_w = random_bf16(rng, (R * T, H)), rng.standard_normal((R * T, K), np.float32)
 
     data_dtype = ml_dtypes.float8_e4m3fn if fp8 else ml_dtypes.bfloat16
     outputs = [((N, H), data_dtype), ((N, K), np.int32), ((N, K), np.float32), ((N,), np.int32),
-               ((T, H), ml_dtypes.bfloat16), ((T, K), np.float32)]
+               ((T, H), ml_dtypes.bfloat16), ((T, K), np.float32), ((N, H), ml_dtypes.bfloat16), ((T, R), np.bool_)]
     poison_allocator(mesh, outputs + ([((N, H // 128), np.float32)] if fp8 else []))
-    recv_x, recv_idx, recv_w, handle, out, out_w = run_per_rank(
-        buffer, mesh, normal_step(buffer), x_in, jnp.asarray(idx), jnp.asarray(w), y.reshape(R * N, H))
+    recv_x, recv_idx, recv_w, handle, out, out_w, layout, (g_y, g_recv_w) = run_per_rank(
+        buffer, mesh, normal_step(buffer), x_in, jnp.asarray(idx), jnp.asarray(w), y.reshape(R * N, H), g_out,
+        g_out_w)
 
     where = f"normal mode, {kind}, {'FP8' if fp8 else 'bf16'}, seed {seed}"
     epr = E // R
@@ -201,9 +211,16 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
         assert (handle.recv_src_idx[r, n:] == -1).all() and (handle.recv_src_rank[r, n:] == -1).all(), (where, r)
         per_expert = np.bincount(want_idx[want_idx >= 0], minlength=epr)
         np.testing.assert_array_equal(handle.num_recv_tokens_per_expert[r], per_expert, err_msg=where)
-        per_rank, _, in_rank = oracle.layout(idxs[r], E, R)
+        per_rank, per_global_expert, in_rank = oracle.layout(idxs[r], E, R)
         np.testing.assert_array_equal(handle.num_tokens_per_rank[r], per_rank, err_msg=where)
         np.testing.assert_array_equal(handle.is_token_in_rank[r], in_rank, err_msg=where)
+        for name, got, want in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), layout,
+                                   (per_rank, per_global_expert, in_rank)):
+            np.testing.assert_array_equal(got[r], want, err_msg=f"{where}: get_dispatch_layout's {name}")
+        # Combine's backward: row i gets the cotangent of token src[i] of rank rank[i]; padding rows 0.
+        assert_bits_equal(g_y[r, :n], g_out[rank * T + src], f"{where}: rank {r} combine's row gradients")
+        assert_bits_equal(g_recv_w[r, :n], g_out_w[rank * T + src], f"{where}: rank {r} combine's weight gradients")
+        assert (bits(g_y[r, n:]) == 0).all() and (bits(g_recv_w[r, n:]) == 0).all(), (where, r)
     if kind == "rank_empty":  # the skew really happened
         assert int(handle.num_recv_tokens[-1]) == 0
     if kind == "one_expert":

@@ -98,20 +98,34 @@ def standard_runner(buffer, mesh, num_experts, alignment):
     return testing.per_rank(fn, mesh, AXIS, check_vma=True)
 
 
-@pytest.mark.parametrize("alignment", [128, 1])
-def test_standard_case(mesh, buffers, alignment):
-    """4096 tokens per rank, hidden 7168, top-8 of 256 experts, 2 ranks."""
-    cuda, xla = buffers
-    num_tokens, hidden, num_experts, topk, num_ranks = 4096, 7168, 256, 8, 2
-    local_experts = num_experts // num_ranks
-    idx, w = testing.make_routing(alignment, num_ranks * num_tokens, num_experts, topk, num_ranks)
-    x = testing.random_rows(alignment + 1, (num_ranks * num_tokens, hidden))
-    c = testing.random_rows(alignment + 2, (num_ranks * num_tokens, hidden), jnp.float32)
-    args = (x, jnp.asarray(idx), jnp.asarray(w), c)
-
-    run = standard_runner(cuda, mesh, num_experts, alignment)
-    text = run.lower(*args).as_text()
+@pytest.mark.parametrize("alignment, kind", [(128, "random"), (1, "random"), (128, "one_expert"),
+                                             (128, "rank_empty"), (1, "minus_one")])
+def test_standard_case(mesh, buffers, alignment, kind, rng):
+    """4096 tokens per rank, hidden 7168, top-8 of 256 experts, 2 ranks; fresh random and skewed routing."""
+    cuda, _ = buffers
+    args = standard_inputs(int(rng.integers(1 << 30)), mesh.shape[AXIS], 4096, 7168, 256, 8, kind)
+    text = standard_runner(cuda, mesh, 256, alignment).lower(*args).as_text()
     assert all(t in text for t in TARGETS), "the CUDA targets must be in the program"
+    check_standard_case(mesh, buffers, alignment, 256, args)
+
+
+def standard_inputs(seed, num_ranks, num_tokens, hidden, num_experts, topk, kind):
+    """(x, topk_idx, topk_weights, the loss's cotangent) of every rank, stacked."""
+    idx, w = testing.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+    x = testing.random_rows(seed + 1, (num_ranks * num_tokens, hidden))
+    c = testing.random_rows(seed + 2, (num_ranks * num_tokens, hidden), jnp.float32)
+    return x, jnp.asarray(idx), jnp.asarray(w), c
+
+
+def check_standard_case(mesh, buffers, alignment, num_experts, args):
+    """buffers' first backend against the second (bit for bit but the weights' gradient) and the oracle."""
+    cuda, xla = buffers
+    x, idx, w, _ = args
+    idx, w = np.asarray(idx), np.asarray(w)
+    num_ranks = mesh.shape[AXIS]
+    (num_tokens, hidden), topk = (x.shape[0] // num_ranks, x.shape[1]), idx.shape[1]
+    local_experts = num_experts // num_ranks
+    run = standard_runner(cuda, mesh, num_experts, alignment)
     num_worst = num_ranks * num_tokens
     num_rows = num_worst * topk + local_experts * (alignment - 1)
     poison_allocator(mesh, [((num_rows, hidden), jnp.bfloat16), ((num_worst, topk), jnp.int32),

@@ -55,7 +55,17 @@ def _shards(a, num_ranks):
 @pytest.mark.parametrize("num_ranks", [2, 4, 8])
 @pytest.mark.parametrize("kind", dt.ROUTING_KINDS)
 def test_dispatch_combine_contract(num_ranks, kind):
-    num_tokens, num_experts, topk = 12, 4 * num_ranks, 3
+    _check_contract(num_ranks, 12, 4 * num_ranks, 3, kind)
+
+
+@pytest.mark.parametrize("kind", ["random", "one_expert", "minus_one"])
+def test_single_token(kind):
+    """One token per rank, top-2 of 4 experts on 2 ranks."""
+    _check_contract(2, 1, 4, 2, kind)
+
+
+def _check_contract(num_ranks, num_tokens, num_experts, topk, kind):
+    """Dispatch, layout and combine against the oracle, bit for bit."""
     (x, idx, w, y), (recv_x, recv_idx, recv_w, handle, layout, out, out_w) = _run_dispatch(
         num_ranks, num_tokens, num_experts, topk, kind
     )
@@ -89,13 +99,6 @@ def test_dispatch_combine_contract(num_ranks, kind):
     # Combining the received weights gives the original weights of valid slots back.
     valid_w = np.where((idxs >= 0) & (idxs < num_experts), ws, 0)
     np.testing.assert_allclose(np.asarray(out_w).reshape(valid_w.shape), valid_w, rtol=0, atol=0)
-
-
-def test_single_token():
-    (x, idx, w, y), (recv_x, recv_idx, _, handle, _, out, _) = _run_dispatch(2, 1, 4, 2, "random")
-    assert handle.recv_src_idx.shape == (2, 2)
-    total = int(np.asarray(handle.num_recv_tokens).sum())
-    assert 2 <= total <= 4
 
 
 def test_num_worst_tokens_overflow_is_visible():
@@ -179,12 +182,15 @@ def test_fp8_pair_roundtrip():
     data, scales = recv_x
     assert data.dtype == jnp.float8_e4m3fn and scales.dtype == jnp.float32
     assert data.shape == (num_ranks, num_ranks * 8, H) and scales.shape == (num_ranks, num_ranks * 8, H // 128)
-    xd, xs = _shards(x[0], num_ranks), _shards(x[1], num_ranks)
+    # The oracle places the pairs' rows (data and scales side by side, as float32).
+    both = np.concatenate([_shards(x[0], num_ranks), _shards(x[1], num_ranks)], -1)
+    expected = oracle.dispatch(both, _shards(idx, num_ranks), _shards(w, num_ranks), 8, num_ranks * 8)
     for r in range(num_ranks):
-        n = int(handle.num_recv_tokens[r])
-        src, rank = np.asarray(handle.recv_src_idx[r, :n]), np.asarray(handle.recv_src_rank[r, :n])
-        np.testing.assert_array_equal(np.asarray(data[r, :n].astype(jnp.float32)), xd[rank, src])
-        np.testing.assert_array_equal(scales[r, :n], xs[rank, src])
+        n = len(expected[r]["x"])
+        assert int(handle.num_recv_tokens[r]) == n > 0
+        want = np.reshape(expected[r]["x"], (n, -1))
+        np.testing.assert_array_equal(np.asarray(data[r, :n].astype(jnp.float32)), want[:, :H])
+        np.testing.assert_array_equal(scales[r, :n], want[:, H:])
 
 
 def test_two_dimensional_mesh():

@@ -866,13 +866,23 @@ def case_traffic():
 
 
 def case_hosts():
+    """The hostname exchange, each process naming itself as if processes 2i and 2i + 1 shared a machine
+    (so a process that kept only its own name, or all of one, fails), under keys of this case's own; then
+    the nodes it gives."""
     import socket
+    from unittest import mock
 
-    names = multiprocess.hostnames(timeout_s=30)
-    assert names == {p: socket.gethostname() for p in range(jax.process_count())}, names
-    count = jax.process_count()
-    assert multiprocess.group_nodes([names[p] for p in range(count)]) == [0] * count
-    assert multiprocess.group_nodes([names[p] for p in range(count)], 1) == list(range(count))
+    count, me = jax.process_count(), jax.process_index()
+    saved = multiprocess._hostnames
+    multiprocess._hostnames = None  # traded once per process: this case trades its own names
+    with mock.patch.object(socket, "gethostname", return_value=f"machine{me // 2}"), \
+            mock.patch.object(multiprocess, "HOST_KEY_PREFIX", multiprocess.HOST_KEY_PREFIX + "/case_hosts"):
+        names = multiprocess.hostnames(timeout_s=30)
+    multiprocess._hostnames = saved
+    assert names == {p: f"machine{p // 2}" for p in range(count)}, names
+    hosts = [names[p] for p in range(count)]
+    assert multiprocess.group_nodes(hosts) == [p // 2 for p in range(count)]
+    assert multiprocess.group_nodes(hosts, 1) == list(range(count))
 
 
 def _internode_mesh():

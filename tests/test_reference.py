@@ -267,7 +267,8 @@ def test_low_latency_contract(use_fp8, round_scale, kind, rng):
             np.testing.assert_array_equal(handle.recv_src_rank[r, e, :n], src)
             np.testing.assert_array_equal(handle.recv_src_token[r, e, :n], tok)
             np.testing.assert_array_equal(handle.recv_src_topk[r, e, :n], [k for _, _, k in slots])
-            assert (handle.recv_src_rank[r, e, n:] == -1).all()
+            for padding in (handle.recv_src_rank, handle.recv_src_token, handle.recv_src_topk):
+                assert (padding[r, e, n:] == -1).all()
             if use_fp8:
                 _assert_bits_equal(data[r, e, :n], want_data[src, tok], f"FP8 values of rank {r} expert {e}")
                 _assert_bits_equal(scales[r, e, :n], want_scales[src, tok], f"scales of rank {r} expert {e}")

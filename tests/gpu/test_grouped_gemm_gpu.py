@@ -37,7 +37,9 @@ pytestmark = pytest.mark.gpu(min_gpus=1)  # one GPU, but the shard_map case
 
 NUM_PAIRS, NUM_ROWS, NUM_GROUPS = 32768, 33000, 128
 LAYERS = {"w_in": (7168, 4096), "w_out": (2048, 7168)}  # (K, N): gate+up of ffn 2048, then down
-RTOL = 1e-2  # bf16 outputs of float32 sums: one bf16 rounding apart at most
+# bf16 outputs of float32 sums in different orders: each value within 1% of itself (a bf16 step is 0.4-0.8%)
+# plus 1% of the array's largest value (excess_error, assert_close_numpy).
+RTOL = 1e-2
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -426,9 +426,7 @@ def _moe_matmul_grads(buffer, mesh, num_experts):
 @pytest.mark.parametrize("kind", ["random", "minus_one", "rank_empty"])
 def test_gradients_exact(mesh, buffers, kind):
     cuda, xla = buffers
-    num_ranks = mesh.shape[AXIS]
-    if kind == "rank_empty" and num_ranks < 2:
-        pytest.skip("needs 2 ranks")
+    num_ranks = mesh.shape[AXIS]  # at least 2: the mesh fixture's, or the internode worker's
     num_tokens, hidden, num_experts = 200, 1024, 8 * num_ranks
     x = testing.random_rows(1, (num_ranks * num_tokens, hidden))
     idx, w = routing(2, num_ranks, num_tokens, num_experts, 4, kind)

@@ -219,7 +219,9 @@ def test_soak_against_reference(mesh, rng):
                         recv_x, _, recv_w, handle = dej.dispatch(carry, routing[0], routing[1], num_experts=e,
                                                                  buffer=buffer)
                         out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
-                        return carry, (out, out_w, handle.num_recv_tokens)
+                        # Where each row came from too: rows placed wrongly but consistently with the handle
+                        # would combine back right.
+                        return carry, (out, out_w, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
                     _, outs = lax.scan(body, x, (idx.reshape(steps, t, k), w.reshape(steps, t, k)))
                     return outs
                 programs[(shape, name)] = dt.per_rank(fn, mesh, AXIS)

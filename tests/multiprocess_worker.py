@@ -867,8 +867,8 @@ def case_traffic():
 
 def case_hosts():
     """The hostname exchange, each process naming itself as if processes 2i and 2i + 1 shared a machine
-    (so a process that kept only its own name, or all of one, fails), under keys of this case's own; then
-    the nodes it gives."""
+    (so an exchange that kept only a process's own name fails), under keys of this case's own; then the
+    nodes the names give: pairs of processes, or one each with gpus_per_host=1."""
     import socket
     from unittest import mock
 

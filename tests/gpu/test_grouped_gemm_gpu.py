@@ -74,12 +74,15 @@ def make_inputs(key, k, n, num_rows=NUM_ROWS):
     return x, w, dy
 
 
-def poison_outputs(x, w, outputs="y dx dw"):
-    """The allocator gets freed NaN arrays (made on the GPU) of y [M, N], dx [M, K] and dw [G, K, N], bf16,
-    for x [M, K], w [G, K, N]."""
-    (rows, k), (groups, _, n) = x.shape, w.shape
-    shapes = {"y": (rows, n), "dx": (rows, k), "dw": (groups, k, n)}
-    jax.block_until_ready([jnp.full(shapes[name], jnp.nan, jnp.bfloat16) for name in outputs.split()])
+def poison_outputs(*shapes):
+    """Hands the allocator freed bf16 NaN arrays of these shapes (made on the GPU), which it tends to give
+    back for the next outputs."""
+    jax.block_until_ready([jnp.full(shape, jnp.nan, jnp.bfloat16) for shape in shapes])
+
+
+def output_shapes(x, w):
+    """The shapes of y [M, N], dx [M, K] and dw [G, K, N] for x [M, K], w [G, K, N]."""
+    return (x.shape[0], w.shape[2]), x.shape, w.shape
 
 
 def with_junk_padding(a, total):
@@ -205,7 +208,7 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned, rng):
     lowered = forward_and_grads.lower(x, w, sizes, dy, impl="auto").as_text()
     assert lowered.count("custom_call @mosaic_gpu") == 6, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
 
-    poison_outputs(x, w)
+    poison_outputs(*output_shapes(x, w))
     got = forward_and_grads(x, w, sizes, dy, impl="mgpu")
     want = per_group_reference(x, w, sizes, dy)
     for name, g, r in zip(("y", "dx", "dw"), got, want):
@@ -250,7 +253,7 @@ def test_valid_sizes_leave_out_padding_rows(kind, rng):
                                                      aligned_groups=True, valid_sizes=jnp.asarray(counts)), x, w)
         return (y, *vjp(dy))
 
-    poison_outputs(x, w)
+    poison_outputs(*output_shapes(x, w))
     got = run(x_junk, w, dy_junk)
     zeroed = [jnp.where(junk, jnp.zeros((), a.dtype), a) for a in (x, dy)]
     want = per_group_reference(zeroed[0], w, sizes, zeroed[1])
@@ -330,7 +333,7 @@ def test_aligned_kernels_directly(kind, walk, rng):
     def rows_matmul(a, w, t, transpose_rhs=False):
         return gg._rows_matmul(a, w, jsizes, jcounts, unit, t, transpose_rhs=transpose_rhs)
 
-    poison_outputs(x, w)
+    poison_outputs(*output_shapes(x, w))
     y = jax.jit(lambda x, w: rows_matmul(x, w, tiles.forward))(x, w)
     dx = jax.jit(lambda dy, w: rows_matmul(dy, w, tiles.input_grad, transpose_rhs=True))(dy, w)
     dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
@@ -431,7 +434,7 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, r
                                                      valid_sizes=jcounts, fp8_weights=w8), x, w)
         return (y, *vjp(dy))
 
-    poison_outputs(x, w)
+    poison_outputs(*output_shapes(x, w))
     y, dx, dw = run(x, w, dy)
     pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
     xq, w_forward, w_input_grad, dyq, x_values, z_t, z_scales = _fp8_operands(pairs_only[0], w, pairs_only[1])
@@ -492,8 +495,7 @@ def test_fp8_weight_grad_kernel(shape, scale, rng):
     z_t = (jax.random.normal(kz, (n, num_rows), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
     col_scales = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 2.0)
     starts = jnp.asarray(np.cumsum(sizes) - sizes, jnp.int32)
-    poison_outputs(jax.ShapeDtypeStruct((num_rows, k), x_t.dtype), jax.ShapeDtypeStruct((num_groups, k, n), x_t.dtype),
-                   "dw")
+    poison_outputs((num_groups, k, n))
     dw = jax.jit(lambda x_t, z_t, c: hopper_gemm.weight_grad(
         x_t, z_t, starts, jnp.asarray(steps), jnp.full((1,), scale, jnp.float32), tiles, transposed=True,
         col_scales=c, out_dtype=jnp.bfloat16))(x_t, z_t, col_scales)

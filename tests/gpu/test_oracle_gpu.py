@@ -94,10 +94,6 @@ def low_latency_buffer(mesh):
 # Helpers ---------------------------------------------------------------------
 
 
-def fresh_seed():
-    return int(np.random.default_rng().integers(1 << 31))
-
-
 def random_bf16(rng, shape):
     """Random bf16 values of both signs, magnitudes in [2^-7, 2): random bits
     with the top 5 exponent bits fixed (a normal generator takes seconds here)."""
@@ -235,13 +231,13 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
 
 
 @pytest.mark.parametrize("kind", testing.ROUTING_KINDS)
-def test_normal_mode_bf16(mesh, normal_buffer, kind):
-    check_normal_mode(normal_buffer, mesh, kind, fp8=False, seed=fresh_seed())
+def test_normal_mode_bf16(mesh, normal_buffer, kind, rng):
+    check_normal_mode(normal_buffer, mesh, kind, fp8=False, seed=int(rng.integers(1 << 31)))
 
 
 @pytest.mark.parametrize("kind", ["random", "minus_one"])
-def test_normal_mode_fp8(mesh, normal_buffer, kind):
-    check_normal_mode(normal_buffer, mesh, kind, fp8=True, seed=fresh_seed())
+def test_normal_mode_fp8(mesh, normal_buffer, kind, rng):
+    check_normal_mode(normal_buffer, mesh, kind, fp8=True, seed=int(rng.integers(1 << 31)))
 
 
 # Low-latency mode ------------------------------------------------------------
@@ -319,11 +315,12 @@ def check_low_latency(buffer, mesh, kind, use_fp8, round_scale, seed, exact_divi
 
 
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "out_of_range"])  # FP8 below has minus_one
-def test_low_latency_bf16(mesh, low_latency_buffer, kind):
-    check_low_latency(low_latency_buffer, mesh, kind, False, False, fresh_seed(), exact_division=False)
+def test_low_latency_bf16(mesh, low_latency_buffer, kind, rng):
+    check_low_latency(low_latency_buffer, mesh, kind, False, False, int(rng.integers(1 << 31)), exact_division=False)
 
 
 @pytest.mark.parametrize("kind,round_scale", [("random", False), ("one_expert", False), ("minus_one", False),
                                               ("random", True), ("rank_empty", True)])
-def test_low_latency_fp8(mesh, low_latency_buffer, kind, round_scale):
-    check_low_latency(low_latency_buffer, mesh, kind, True, round_scale, fresh_seed(), exact_division=False)
+def test_low_latency_fp8(mesh, low_latency_buffer, kind, round_scale, rng):
+    seed = int(rng.integers(1 << 31))
+    check_low_latency(low_latency_buffer, mesh, kind, True, round_scale, seed, exact_division=False)

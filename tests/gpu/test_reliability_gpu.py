@@ -51,11 +51,6 @@ def _assert_bitwise_equal(a, b, what=""):
         np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=what)
 
 
-def _fresh_seed():
-    """A new seed every run (named in the failure messages, to reproduce one)."""
-    return int(np.random.default_rng().integers(1 << 30))
-
-
 def _assert_same_values(a, b):
     """Exactly equal values (+0 == -0: XLA may fold a sum of zeros to either)."""
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -74,14 +69,14 @@ def _valid_rows_only(outputs):
     return (np.where(valid[..., None], np.asarray(recv_x), np.zeros((), recv_x.dtype)), *rest)
 
 
-def test_determinism_normal(mesh):
+def test_determinism_normal(mesh, rng):
     """The same inputs give bit-identical outputs: in separate executions of
     one program, and in another program that runs two round trips (the
     second on the first's output, with another routing) and returns both,
     so that neither can be compiled away or merged with the other."""
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, num_experts = 1024, 4096, 64
-    seed = _fresh_seed()
+    seed = int(rng.integers(1 << 30))
     buffer = dej.Buffer(mesh, AXIS, backend="cuda")
     idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, 8, num_ranks)
     idx2, w2 = dt.make_routing(seed + 1, num_ranks * num_tokens, num_experts, 8, num_ranks, "minus_one")
@@ -104,10 +99,10 @@ def test_determinism_normal(mesh):
     buffer.destroy()
 
 
-def test_determinism_low_latency(mesh):
+def test_determinism_low_latency(mesh, rng):
     num_ranks = mesh.shape[AXIS]
     max_tokens, hidden, num_experts = 128, 2048, 16 * num_ranks
-    seed = _fresh_seed()
+    seed = int(rng.integers(1 << 30))
     buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
                         num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
     idx, w = dt.make_routing(seed, num_ranks * max_tokens, num_experts, 8, num_ranks)

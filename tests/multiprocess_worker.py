@@ -17,7 +17,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   hosts        the hostname exchange and the host decision (CPU or GPU)
   shared_gpu   with launch --ranks-per-gpu K: CUDA normal and low-latency mode against
                tests/oracle.py, each process checking its own rank (no XLA collective:
-               NCCL refuses two ranks on one GPU); with --cpu, the xla backend
+               NCCL refuses two ranks on one GPU); with --cpu, the xla backend;
+               SHARED_GPU_SIZE=standard: at DeepEP's standard sizes
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
                numbers (staged one-host kernels, or internode ones across emulated hosts)
   shared_gpu_order independent round trips in one program (only the order chain orders
@@ -375,7 +376,7 @@ def _assert_low_latency_combine(out, y, expected, idxs, ws, rank, what):
     import oracle
 
     num_experts, num_ranks = y.shape[0], idxs.shape[0]
-    ys = y.astype(np.float32).reshape(num_ranks, num_experts // num_ranks, *y.shape[1:])
+    ys = y.reshape(num_ranks, num_experts // num_ranks, *y.shape[1:])  # the oracle reads rows as float32
     combined = oracle.low_latency_combine(ys, expected, idxs, ws, num_experts)[rank]
     np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=what)
 
@@ -386,18 +387,32 @@ def case_shared_gpu(sequence_starts=(None,)):
     tests/oracle.py. XLA's collectives across processes go through NCCL, which
     refuses two ranks on one GPU, so nothing here gathers: every process makes
     the same global inputs (seeded by the launch's coordinator port) and
-    checks its own rank. On CPU (launch --cpu) it runs the xla backend, to
-    check the case itself. sequence_starts: run every check once per start,
-    the Buffer's sequence numbers set there first (tests/gpu/test_wrap_gpu.py's
-    hook; None: as created)."""
+    checks its own rank. Combine's input rows past each rank's received rows
+    are NaN, so a row read that must not be shows. On CPU (launch --cpu) it
+    runs the xla backend, to check the case itself. sequence_starts: run
+    every check once per start, the Buffer's sequence numbers set there first
+    (tests/gpu/test_wrap_gpu.py's hook; None: as created).
+
+    Sizes: small by default, SHARED_GPU_TOKENS tokens per rank (more: e.g.
+    several chunks per channel of the pipelined dispatch); with
+    SHARED_GPU_SIZE=standard, DeepEP's standard case: 4096 tokens per rank,
+    hidden 7168, top-8, 256 experts (low-latency mode: 128 tokens per rank)."""
     import oracle
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
-    # SHARED_GPU_TOKENS: more tokens per rank, e.g. several chunks per channel of the pipelined dispatch.
-    num_tokens, hidden, topk, num_experts = int(os.environ.get("SHARED_GPU_TOKENS", "8")), 256, 4, 4 * num_ranks
+    size = os.environ.get("SHARED_GPU_SIZE", "small")
+    if size == "standard":
+        num_tokens, hidden, topk, num_experts, ll_tokens = 4096, 7168, 8, 256, 128
+    elif size == "small":
+        num_tokens = int(os.environ.get("SHARED_GPU_TOKENS", "8"))
+        hidden, topk, num_experts, ll_tokens = 256, 4, 4 * num_ranks, num_tokens
+    else:
+        raise ValueError(f"SHARED_GPU_SIZE={size!r}: 'small' or 'standard'")
+    log(f"shared_gpu sizes: {num_tokens} tokens per rank, hidden {hidden}, top-{topk}, {num_experts} experts, "
+        f"low-latency {ll_tokens} tokens per rank")
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
+                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=ll_tokens,
                         config=dej.Config(timeout_s=150))
     if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
@@ -405,10 +420,9 @@ def case_shared_gpu(sequence_starts=(None,)):
     gpus_per_host = _gpus_per_host(buffer)
     put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)
 
-    def routing(kind):
-        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
-                                 kind)
-        return idx, w, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
+    def routing(kind, tokens=num_tokens):
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
+        return idx, w, idx.reshape(num_ranks, tokens, topk), w.reshape(num_ranks, tokens, topk)
 
     def bf16_rows(shape, wide=False):
         # wide: half the values +-2^24, which cancel in sums, so that a sum in another order comes out different.
@@ -416,6 +430,15 @@ def case_shared_gpu(sequence_starts=(None,)):
         if wide:
             a = np.where(rng.random(shape) < 0.5, np.sign(a) * np.float32(1 << 24), a)
         return a.astype(jnp.bfloat16)
+
+    def rows_then_nan(shape, counts):
+        """Combine's input of the given [..., rows, H] shape: the first counts[i] rows of block i fresh (wide),
+        NaN past them."""
+        y = np.full(shape, np.nan, jnp.bfloat16)
+        blocks = y.reshape((-1,) + shape[-2:])
+        for block, n in zip(blocks, np.ravel(counts)):
+            block[:n] = bf16_rows((n, shape[-1]), True)
+        return y
 
     def normal(x, idx, w, y):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
@@ -430,10 +453,12 @@ def case_shared_gpu(sequence_starts=(None,)):
             log(f"shared_gpu from sequence number {start % 2**32}")
         for kind in dt.ROUTING_KINDS:
             idx, w, idxs, ws = routing(kind)
-            x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden), True)
-            recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(normal, *map(put, (x, idx, w, y)))
+            x = bf16_rows((num_ranks * num_tokens, hidden))
             expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
                                        num_experts, num_ranks * num_tokens)
+            y = rows_then_nan((num_ranks, num_ranks * num_tokens, hidden), [len(e["x"]) for e in expected])
+            recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(
+                normal, *map(put, (x, idx, w, y.reshape(-1, hidden))))
             want, n = expected[rank], len(expected[rank]["x"])
             assert int(num_recv) == n, (kind, int(num_recv), n)
             np.testing.assert_array_equal(recv_x[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
@@ -442,8 +467,7 @@ def case_shared_gpu(sequence_starts=(None,)):
             np.testing.assert_array_equal(src[:n], want["src"], err_msg=kind)
             np.testing.assert_array_equal(src_rank[:n], want["rank"], err_msg=kind)
             # Combine: per host (the buffer's hosts), then the hosts in order.
-            ys = y.astype(np.float32).reshape(num_ranks, num_ranks * num_tokens, hidden)
-            combined = oracle.combine(ys, expected, num_tokens, gpus_per_host)[rank]
+            combined = oracle.combine(y, expected, num_tokens, gpus_per_host)[rank]  # reads rows as float32
             np.testing.assert_array_equal(out, combined.astype(jnp.bfloat16).astype(np.float32), err_msg=kind)
             w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
             for r in range(num_ranks):
@@ -497,21 +521,22 @@ def case_shared_gpu(sequence_starts=(None,)):
 
             def low_latency(x, idx, w, y, use_fp8=use_fp8):
                 recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
-                                                                 num_max_dispatch_tokens_per_rank=num_tokens,
+                                                                 num_max_dispatch_tokens_per_rank=ll_tokens,
                                                                  use_fp8=use_fp8)
                 out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
                 return recv_x, count, handle, out
 
             for kind in ("random", "one_expert", "rank_empty", "minus_one"):
-                idx, _, idxs, _ = routing(kind)
+                idx, _, idxs, _ = routing(kind, ll_tokens)
                 w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
                 ws = w.reshape(idxs.shape)
-                x = bf16_rows((num_ranks * num_tokens, hidden))
-                y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
+                x = bf16_rows((num_ranks * ll_tokens, hidden))
+                xs = x.astype(np.float32).reshape(num_ranks, ll_tokens, hidden)
+                expected = oracle.low_latency_dispatch(xs, idxs, num_experts, ll_tokens)
+                y = rows_then_nan((num_experts, num_ranks * ll_tokens, hidden),
+                                  [len(slots) for experts in expected for slots in experts])
                 recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
                 rows = recv_x[0].astype(np.float32) if use_fp8 else recv_x
-                xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
-                expected = oracle.low_latency_dispatch(xs, idxs, num_experts, num_tokens)
                 for e, slots in enumerate(expected[rank]):
                     n, what = len(slots), f"{kind} fp8={use_fp8} expert {e}"
                     assert int(count[e]) == n, (what, int(count[e]), n)

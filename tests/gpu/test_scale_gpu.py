@@ -13,6 +13,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   mode, against tests/oracle.py (worker case shared_gpu);
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
   ranks per host, several hosts) against the oracle's per-host order;
+* the same at DeepEP's standard sizes (4096 tokens per rank, hidden 7168,
+  top-8, 256 experts) at 1 x 2 (staged one-host kernels), 2 x 1 and 2 x 2;
 * traffic counters (Config.count_traffic) at 1 x 2, 1 x 8 (one host's
   staged kernels over CUDA IPC), 2 x 2, 2 x 4 and 2 x 8 against
   tests/oracle.py's traffic() (worker case traffic);
@@ -111,6 +113,17 @@ def test_low_latency_beyond_eight_ranks(num_ranks):
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 8), (4, 4), (4, 8)])
 def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, SHARED_GPU_SUMMARY)
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1), (2, 2)])
+def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
+    """shared_gpu's checks at DeepEP's standard sizes (4096 tokens per rank,
+    hidden 7168, top-8, 256 experts; low-latency mode 128 tokens per rank),
+    the combine inputs NaN past the received rows: one host's staged kernels
+    across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, and 2 x 2
+    with combine reduced per host)."""
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 400, "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
+                    extra_env={"SHARED_GPU_SIZE": "standard"})
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (4, 2)])

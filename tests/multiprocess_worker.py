@@ -18,7 +18,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
   shared_gpu   with launch --ranks-per-gpu K: CUDA normal and low-latency mode against
                tests/oracle.py, each process checking its own rank (no XLA collective:
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend;
-               SHARED_GPU_SIZE=standard: at DeepEP's standard sizes
+               SHARED_GPU_SIZE=standard: at DeepEP's standard sizes (low latency: whole
+               calls and split halves)
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
                numbers (staged one-host kernels, or internode ones across emulated hosts)
   shared_gpu_order independent round trips in one program (only the order chain orders
@@ -383,11 +384,11 @@ def _assert_low_latency_combine(out, y, expected, idxs, ws, rank, what):
 
 def case_shared_gpu(sequence_starts=(None,)):
     """Launched with --ranks-per-gpu K (several processes per GPU): the CUDA
-    backend's normal mode (bf16 and an FP8 pair) and low-latency mode against
-    tests/oracle.py. XLA's collectives across processes go through NCCL, which
-    refuses two ranks on one GPU, so nothing here gathers: every process makes
-    the same global inputs (seeded by the launch's coordinator port) and
-    checks its own rank. Combine's input rows past each rank's received rows
+    backend's normal mode (bf16 and an FP8 pair) and low-latency mode (whole
+    calls and split halves) against tests/oracle.py. XLA's collectives across
+    processes go through NCCL, which refuses two ranks on one GPU, so nothing
+    here gathers: every process makes the same global inputs (seeded by the
+    launch's coordinator port) and checks its own rank. Combine's input rows past each rank's received rows
     are NaN, so a row read that must not be shows. On CPU (launch --cpu) it
     runs the xla backend, to check the case itself. sequence_starts: run
     every check once per start, the Buffer's sequence numbers set there first
@@ -517,14 +518,18 @@ def case_shared_gpu(sequence_starts=(None,)):
             np.testing.assert_array_equal(got, np.reshape(want, (n, both.shape[-1])), err_msg=kind)
             log(f"shared_gpu fp8 {kind}: ok")
 
-        for use_fp8 in (False, True):
+        for use_fp8, split in ((False, False), (True, False), (False, True), (True, True)):
 
-            def low_latency(x, idx, w, y, use_fp8=use_fp8):
-                recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
-                                                                 num_max_dispatch_tokens_per_rank=ll_tokens,
-                                                                 use_fp8=use_fp8)
-                out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
-                return recv_x, count, handle, out
+            def low_latency(x, idx, w, y, use_fp8=use_fp8, split=split):
+                kwargs = dict(buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=ll_tokens,
+                              use_fp8=use_fp8)
+                if split:  # the send and receive halves
+                    pending = dej.low_latency_dispatch_send(x, idx, **kwargs)
+                    recv_x, count, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
+                    pending = dej.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
+                    return recv_x, count, handle, dej.low_latency_combine_recv(pending, buffer=buffer)
+                recv_x, count, handle = dej.low_latency_dispatch(x, idx, **kwargs)
+                return recv_x, count, handle, dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
 
             for kind in ("random", "one_expert", "rank_empty", "minus_one"):
                 idx, _, idxs, _ = routing(kind, ll_tokens)
@@ -538,7 +543,7 @@ def case_shared_gpu(sequence_starts=(None,)):
                 recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
                 rows = recv_x[0].astype(np.float32) if use_fp8 else recv_x
                 for e, slots in enumerate(expected[rank]):
-                    n, what = len(slots), f"{kind} fp8={use_fp8} expert {e}"
+                    n, what = len(slots), f"{kind} fp8={use_fp8} split={split} expert {e}"
                     assert int(count[e]) == n, (what, int(count[e]), n)
                     if not n:
                         continue
@@ -552,7 +557,7 @@ def case_shared_gpu(sequence_starts=(None,)):
                     else:
                         np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
                 _assert_low_latency_combine(out, y, expected, idxs, ws, rank, kind)
-                log(f"shared_gpu low-latency {kind} fp8={use_fp8}: ok")
+                log(f"shared_gpu low-latency {kind} fp8={use_fp8} split={split}: ok")
     buffer.destroy()
 
 

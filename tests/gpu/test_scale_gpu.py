@@ -122,7 +122,7 @@ def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
     the combine inputs NaN past the received rows: one host's staged kernels
     across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, and 2 x 2
     with combine reduced per host)."""
-    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 400, "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
                     extra_env={"SHARED_GPU_SIZE": "standard"})
 
 

@@ -105,8 +105,14 @@ class Buffer:
             ("num_nvl_bytes", num_nvl_bytes),
             ("num_rdma_bytes", num_rdma_bytes),
         ):
-            if value is not None and (not isinstance(value, (int, np.integer)) or value <= 0):
+            if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                                      or value <= 0):
                 raise ValueError(f"Buffer: {name} must be a positive int or None, got {value!r}")
+        if not isinstance(low_latency_mode, (bool, np.bool_)):
+            raise TypeError(f"Buffer: low_latency_mode must be a bool, got {type(low_latency_mode).__name__} "
+                            f"{low_latency_mode!r}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"Buffer: config must be a deep_ep_jax.Config or None, got {type(config).__name__}")
         self.mesh = mesh
         self.axis_name = axis_name
         self.num_ranks = int(mesh.shape[axis_name])

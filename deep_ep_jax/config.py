@@ -30,8 +30,11 @@ naming the variable.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from typing import TypeVar
+
+import numpy as np
 
 # Channels per FP8 scale: FP8 rows [T, H] come with float32 scales [T, H // FP8_BLOCK]
 # (the API's contract; the CUDA extension's own value is checked equal when its
@@ -115,6 +118,20 @@ class Config:
         default_factory=lambda: _env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
 
     def __post_init__(self):
+        # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
+        for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", "gpus_per_host"):
+            value = getattr(self, name)
+            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+                    or name == "gpus_per_host" and value is None):
+                raise TypeError(f"Config.{name} must be an int{' or None' if name == 'gpus_per_host' else ''}, "
+                                f"got {type(value).__name__} {value!r}")
+        for name in ("checks", "count_traffic", "internode_pipeline"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"Config.{name} must be a bool, got {type(getattr(self, name)).__name__} "
+                                f"{getattr(self, name)!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real):
+            raise TypeError(f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} "
+                            f"{self.timeout_s!r}")
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).
         if self.num_sms < 1:
             raise ValueError(f"Config.num_sms must be >= 1, got {self.num_sms}")

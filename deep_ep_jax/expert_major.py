@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from deep_ep_jax import _native, fp8_quant, grouped_gemm, normal
@@ -34,7 +33,7 @@ from deep_ep_jax.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.validation import Rows
 from deep_ep_jax.varying import vary_over, vma
 
-INT32_MAX = 2**31 - 1  # rows and pairs are indexed with int32
+INT32_MAX = v.INT32_MAX  # rows and pairs are indexed with int32
 BACKENDS = ("auto", "cuda", "xla")
 
 
@@ -76,7 +75,7 @@ def expand(
     fp8_rows), unused rows 0; layout).
     """
     fn = "expand"
-    if not fp8_rows:
+    if not v.check_bool(fn, "fp8_rows", fp8_rows):
         return _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, backend)
     _check_fp8_rows_input(fn, recv_x, "recv_x")
     pair = _quantized_pair(recv_x)
@@ -161,6 +160,7 @@ def dispatch_expert_major(
     what `combine_expert_major` takes back, with the expert outputs.
     """
     fn = "dispatch_expert_major"
+    fp8_rows = v.check_bool(fn, "fp8_rows", fp8_rows)
     sent, sent_weights = x, topk_weights
     if fp8_rows:  # x and the weights get their gradients from _rows_gradient_sink's backward
         _check_fp8_rows_input(fn, x, "x")
@@ -200,12 +200,6 @@ def combine_expert_major(expert_y: jax.Array, recv_topk_weights: jax.Array, layo
 # Checks ------------------------------------------------------------------------
 
 
-def _check_int(fn, name, value, low, high=INT32_MAX):
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise ValueError(f"{fn}: {name} must be an int in [{low}, {high}], got {value!r}")
-    return int(value)
-
-
 def _check_layout(fn, layout):
     if not isinstance(layout, ExpertLayout):
         raise TypeError(f"{fn}: layout must be the ExpertLayout that expand returned, got {type(layout).__name__}")
@@ -219,15 +213,15 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
     num_topk = shape[1]
     if num_tokens < 1:
         raise ValueError(f"{fn}: recv_x must have at least one row")
-    num_local_experts = _check_int(fn, "num_local_experts", num_local_experts, 1)
-    alignment = _check_int(fn, "alignment", alignment, 1)
+    num_local_experts = v.check_int(fn, "num_local_experts", num_local_experts, 1)
+    alignment = v.check_int(fn, "alignment", alignment, 1)
     # Every row index, padding included, fits an int32.
     if num_tokens * num_topk + num_local_experts * (alignment - 1) > INT32_MAX:
         raise ValueError(f"{fn}: rows * topk + num_local_experts * (alignment - 1) must be <= {INT32_MAX} (int32 "
                          f"rows), got {num_tokens} * {num_topk} + {num_local_experts} * ({alignment} - 1)")
     if num_rows is None:
         num_rows = default_num_rows(num_tokens, num_topk, num_local_experts, alignment)
-    num_rows = _check_int(fn, "num_rows", num_rows, 1)
+    num_rows = v.check_int(fn, "num_rows", num_rows, 1)
     ops = _backend(fn, backend)
     if ops.check is not None:
         ops.check(fn, num_local_experts=num_local_experts, hidden=hidden, rows_dtype=xs[0].dtype)

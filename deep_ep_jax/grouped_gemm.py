@@ -70,6 +70,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from deep_ep_jax import hopper_gemm
+from deep_ep_jax import validation as v
 from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
 from deep_ep_jax.hopper_gemm import HopperTiles
 from deep_ep_jax.varying import vary_over, vary_together, vma
@@ -179,9 +180,10 @@ def fp8_weights(w, *, weight_grad: bool = False) -> Fp8Weights:
 
     Make them once per optimizer step, outside the gradient accumulation:
     they read all of w twice (fp8_quant.quantize_rows_and_columns)."""
-    _validate_array("w", w, 3)
-    if not isinstance(weight_grad, bool):
-        raise TypeError(f"fp8_weights: weight_grad must be a bool, got {type(weight_grad).__name__}")
+    _validate_array("w", w, 3, "fp8_weights")
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise TypeError(f"fp8_weights: w must be a floating array (the weights), got {w.dtype}")
+    weight_grad = v.check_bool("fp8_weights", "weight_grad", weight_grad)
     input_grad, input_grad_scales, forward, forward_scales = quantize_rows_and_columns(w)
     return Fp8Weights(forward, forward_scales, input_grad, input_grad_scales, weight_grad)
 
@@ -308,8 +310,7 @@ def prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_si
         if valid_sizes.shape != group_sizes.shape or not jnp.issubdtype(valid_sizes.dtype, jnp.integer):
             raise ValueError(f"grouped_matmul: valid_sizes must be integers shaped as group_sizes "
                              f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}")
-    if not isinstance(aligned_groups, bool):
-        raise TypeError(f"grouped_matmul: aligned_groups must be a bool, got {type(aligned_groups).__name__}")
+    aligned_groups = v.check_bool("grouped_matmul", "aligned_groups", aligned_groups)
     use_mgpu = _use_mgpu(impl, x_like, w, blocks)
     if fp8_weights is not None:
         _validate_fp8(fp8_weights, w, use_mgpu, aligned_groups, blocks)
@@ -392,11 +393,11 @@ def is_hopper_gpu(device=None) -> bool:
 # Validation and choice --------------------------------------------------------
 
 
-def _validate_array(name, a, rank):
+def _validate_array(name, a, rank, fn="grouped_matmul"):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"grouped_matmul: {name} must be an array, got {type(a).__name__}")
+        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
     if a.ndim != rank:
-        raise ValueError(f"grouped_matmul: {name} must have rank {rank}, got shape {tuple(a.shape)}")
+        raise ValueError(f"{fn}: {name} must have rank {rank}, got shape {tuple(a.shape)}")
 
 
 def _validate(x, w, group_sizes, impl, blocks):

@@ -4,7 +4,8 @@ Each operation comes whole and as a send half and a receive half, so other
 work (attention, shared experts) can run between them while the rows are in
 flight (DeepEP's `return_recv_hook`); `low_latency_overlap` places it there.
 On the CUDA backend a whole operation is one kernel, a half one kernel each.
-Not differentiable: decode only.
+Not differentiable (decode only): taking a gradient through one raises, on
+every backend.
 
 The CUDA kernels double-buffer, as DeepEP does: at most two low-latency
 operations of a buffer may be in flight, i.e. the send of an operation must
@@ -17,6 +18,8 @@ it waited for; it never corrupts data.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -37,13 +40,52 @@ def _check_mode(buffer, fn):
         raise ValueError(f"{fn}: the buffer was made without low_latency_mode=True")
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _not_differentiable(fn, x):
+    """x, refusing a gradient (JVP) through it with a message naming fn: the
+    kernels have no backward, and the xla backend must not differ."""
+    return x
+
+
+@_not_differentiable.defjvp
+def _refuse_gradient(fn, primals, tangents):
+    raise TypeError(f"{fn}: low-latency mode is not differentiable (decode only); train with dispatch and combine, "
+                    f"or apply jax.lax.stop_gradient to its inputs")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A send half's result: the backend's in-flight value, and which send of
+    which Buffer made it, so that a receive of another kind or Buffer is
+    refused at trace time (on the kernels it would wait until the timeout)."""
+
+    value: Any
+    send: str = dataclasses.field(metadata=dict(static=True))
+    buffer_key: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _receive(pending, buffer, fn):
+    """The backend's value of `pending`, after checking that fn (a _recv) may take it from its buffer."""
+    _check_mode(buffer, fn)
+    send = fn.replace("_recv", "_send")
+    if not isinstance(pending, _Pending):
+        raise TypeError(f"{fn}: pending must be what {send} returned, got {type(pending).__name__}")
+    if pending.send != send:
+        raise TypeError(f"{fn}: pending must be what {send} returned, got {pending.send}'s")
+    if pending.buffer_key != id(buffer):
+        raise ValueError(f"{fn}: pending comes from a send on another Buffer; receive with the Buffer that sent")
+    return pending.value
+
+
 def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, round_scale, fn):
     """Validates a dispatch; returns the backend's arguments (topk_idx sanitised)."""
     _check_mode(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
-    v.check_topk(topk_idx, None, num_tokens, num_experts, fn)
-    if not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+    v.check_topk(topk_idx, None, num_tokens, num_experts, fn, weighted=False)
+    use_fp8, round_scale = v.check_bool(fn, "use_fp8", use_fp8), v.check_bool(fn, "round_scale", round_scale)
+    if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
     if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:
         raise ValueError(
@@ -57,11 +99,11 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
         v.raise_if_any(buffer, [(bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")])
-    return (x, topk_idx), dict(
+    return (_not_differentiable(fn, x), topk_idx), dict(
         num_experts=num_experts,
         num_max_dispatch_tokens_per_rank=int(max_tokens),
-        use_fp8=bool(use_fp8),
-        round_scale=bool(round_scale),
+        use_fp8=use_fp8,
+        round_scale=round_scale,
         buffer=buffer,
     )
 
@@ -82,15 +124,16 @@ def low_latency_dispatch_send(
 ) -> Pending:
     """Send half of `low_latency_dispatch`; returns a pending value for
     `low_latency_dispatch_recv`."""
+    fn = "low_latency_dispatch_send"
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                       round_scale, "low_latency_dispatch_send")
-    return buffer.ops.low_latency_dispatch_send(*args, **kwargs)
+                                       round_scale, fn)
+    return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, id(buffer))
 
 
 def low_latency_dispatch_recv(pending: Pending, *, buffer: Buffer) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Receive half: returns (recv_x, recv_count, handle)."""
-    _check_mode(buffer, "low_latency_dispatch_recv")
-    return _dispatch_results(*buffer.ops.low_latency_dispatch_recv(pending, buffer=buffer))
+    value = _receive(pending, buffer, "low_latency_dispatch_recv")
+    return _dispatch_results(*buffer.ops.low_latency_dispatch_recv(value, buffer=buffer))
 
 
 def low_latency_dispatch(
@@ -124,7 +167,10 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     if not isinstance(handle, LowLatencyHandle):
         raise TypeError(f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
     rows = tuple(handle.recv_src_rank.shape)
-    shape, dtype = tuple(getattr(x, "shape", ())), jnp.dtype(getattr(x, "dtype", None))
+    if isinstance(x, (tuple, list)):
+        raise TypeError(f"{fn}: x must be the experts' bfloat16 outputs [{rows[0]}, {rows[1]}, hidden], got a "
+                        f"{type(x).__name__} (an FP8 dispatch's rows? dequantize them first)")
+    shape, dtype = v.shape_dtype(x, fn, "x")
     if dtype != jnp.bfloat16:
         raise TypeError(f"{fn}: x must be bfloat16, got {dtype}")
     if len(shape) != 3 or shape[:2] != rows:
@@ -132,16 +178,13 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     if buffer.hidden is not None and shape[2] != buffer.hidden:
         raise ValueError(f"{fn}: x has hidden {shape[2]} but the buffer was made for hidden {buffer.hidden}")
     num_experts = rows[0] * buffer.num_ranks
-    num_tokens = getattr(topk_idx, "shape", (None,))[0]
-    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
-    if topk_weights is None:
-        raise TypeError(f"{fn}: topk_weights is required")
+    v.check_topk(topk_idx, topk_weights, None, num_experts, fn)
     dispatched = (handle.num_tokens, handle.num_topk)
     if tuple(topk_idx.shape) != dispatched:
         raise ValueError(f"{fn}: topk_idx must be the dispatch's, {list(dispatched)}, got {list(topk_idx.shape)} "
                          f"(each row returns to the (token, k) slot it was dispatched from)")
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
-    return x, topk_idx, topk_weights, handle
+    return _not_differentiable(fn, x), topk_idx, _not_differentiable(fn, topk_weights), handle
 
 
 def low_latency_combine_send(
@@ -149,14 +192,15 @@ def low_latency_combine_send(
 ) -> Pending:
     """Send half of `low_latency_combine`; returns a pending value for
     `low_latency_combine_recv`."""
-    args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine_send")
-    return buffer.ops.low_latency_combine_send(*args, buffer=buffer)
+    fn = "low_latency_combine_send"
+    args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn)
+    return _Pending(buffer.ops.low_latency_combine_send(*args, buffer=buffer), fn, id(buffer))
 
 
 def low_latency_combine_recv(pending: Pending, *, buffer: Buffer) -> jax.Array:
     """Receive half: returns bf16 [T, H]."""
-    _check_mode(buffer, "low_latency_combine_recv")
-    return buffer.ops.low_latency_combine_recv(pending, buffer=buffer)
+    value = _receive(pending, buffer, "low_latency_combine_recv")
+    return buffer.ops.low_latency_combine_recv(value, buffer=buffer)
 
 
 def low_latency_combine(

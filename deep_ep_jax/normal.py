@@ -30,7 +30,7 @@ def get_dispatch_layout(
     fn = "get_dispatch_layout"
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    v.check_topk(topk_idx, None, getattr(topk_idx, "shape", (None,))[0], num_experts, fn)
+    v.check_topk(topk_idx, None, None, num_experts, fn, weighted=False)
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     layout = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
     if buffer.config.checks:
@@ -72,7 +72,8 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
         num_worst_tokens = worst
-    elif not isinstance(num_worst_tokens, (int, np.integer)) or not 1 <= num_worst_tokens <= worst:
+    elif (isinstance(num_worst_tokens, (bool, np.bool_)) or not isinstance(num_worst_tokens, (int, np.integer))
+          or not 1 <= num_worst_tokens <= worst):
         raise ValueError(
             f"{fn}: num_worst_tokens must be an int in [1, tokens * ranks = {worst}] (None means {worst}), "
             f"got {num_worst_tokens!r}"
@@ -115,7 +116,7 @@ def combine(
     if num_rows != handle.num_worst_tokens:
         raise ValueError(f"{fn}: x must have the handle's {handle.num_worst_tokens} rows, got {num_rows}")
     if topk_weights is not None:
-        shape, dtype = tuple(topk_weights.shape), jnp.dtype(topk_weights.dtype)
+        shape, dtype = v.shape_dtype(topk_weights, fn, "topk_weights")
         if dtype != jnp.float32 or len(shape) != 2 or shape[0] != num_rows:
             raise TypeError(f"{fn}: topk_weights must be float32 [{num_rows}, topk], got {dtype} {shape}")
     (out, out_w), order = _combine(x, topk_weights, handle, ordering.take(buffer), buffer)

@@ -28,6 +28,23 @@ Rows = Union[jax.Array, tuple[jax.Array, jax.Array]]
 Pending = Any
 
 
+INT32_MAX = 2**31 - 1
+
+
+def check_int(fn, name, value, low, high=INT32_MAX) -> int:
+    """value an int (not a bool) in [low, high]; returns it as a Python int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{fn}: {name} must be an int in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def check_bool(fn, name, value) -> bool:
+    """value a bool (a string such as "false" would count as true)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_buffer(buffer, fn):
     from deep_ep_jax.buffer import Buffer
 
@@ -60,7 +77,7 @@ def check_num_experts(num_experts, buffer, fn):
         raise ValueError(f"{fn}: num_experts is {num_experts} but the buffer was made for {buffer.num_experts}")
 
 
-def _shape_dtype(a, fn, name):
+def shape_dtype(a, fn, name):
     if not hasattr(a, "shape") or not hasattr(a, "dtype"):
         raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
     return tuple(a.shape), jnp.dtype(a.dtype)
@@ -77,8 +94,9 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
         if not allow_fp8:
             raise TypeError(f"{fn}: {name} must be one array here, not a pair")
         if len(x) != 2:
-            raise ValueError(f"{fn}: an FP8 {name} must be a pair (data, scales), got {len(x)} arrays")
-        (shape, dtype), (sshape, sdtype) = _shape_dtype(x[0], fn, f"{name}[0]"), _shape_dtype(x[1], fn, f"{name}[1]")
+            raise ValueError(f"{fn}: {name} must be a bfloat16 array or an FP8 pair (data, scales), got a "
+                             f"{type(x).__name__} of {len(x)} items")
+        (shape, dtype), (sshape, sdtype) = shape_dtype(x[0], fn, f"{name}[0]"), shape_dtype(x[1], fn, f"{name}[1]")
         if dtype != FP8_DTYPE:
             raise TypeError(f"{fn}: FP8 data {name}[0] must be float8_e4m3fn, got {dtype}")
         if len(shape) != 2:
@@ -90,7 +108,7 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
             raise TypeError(f"{fn}: FP8 scales {name}[1] must be float32 {want}, got {sdtype} {sshape}")
         xs = tuple(x)
     else:
-        shape, dtype = _shape_dtype(x, fn, name)
+        shape, dtype = shape_dtype(x, fn, name)
         if dtype != jnp.bfloat16:
             pair = " or an FP8 pair (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128])"
             raise TypeError(
@@ -106,18 +124,22 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
     return xs, num_tokens, hidden
 
 
-def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn):
-    """Returns K. topk_weights may be None."""
-    shape, dtype = _shape_dtype(topk_idx, fn, "topk_idx")
+def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weighted=True):
+    """Returns K. num_tokens None: topk_idx's own. weighted=False: the
+    function takes no weights (topk_weights is None); else they are required."""
+    shape, dtype = shape_dtype(topk_idx, fn, "topk_idx")
     if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
-    if len(shape) != 2 or shape[0] != num_tokens:
-        raise ValueError(f"{fn}: topk_idx must be [{num_tokens}, topk], got shape {shape}")
+    if len(shape) != 2 or shape[0] != (shape[0] if num_tokens is None else num_tokens):
+        raise ValueError(f"{fn}: topk_idx must be [{'tokens' if num_tokens is None else num_tokens}, topk], "
+                         f"got shape {shape}")
     topk = shape[1]
     if not 1 <= topk <= num_experts:
         raise ValueError(f"{fn}: topk must be in [1, num_experts={num_experts}], got {topk}")
-    if topk_weights is not None:
-        wshape, wdtype = _shape_dtype(topk_weights, fn, "topk_weights")
+    if weighted and topk_weights is None:
+        raise TypeError(f"{fn}: topk_weights is required: float32 {list(shape)}, topk_idx's shape")
+    if weighted:
+        wshape, wdtype = shape_dtype(topk_weights, fn, "topk_weights")
         if wdtype != jnp.float32:
             raise TypeError(f"{fn}: topk_weights must be float32, got {wdtype}")
         if wshape != shape:

@@ -818,7 +818,14 @@ def test_trace_time_errors():
         with pytest.raises(RuntimeError, match="expand: backend 'cuda' is not available"):
             expand(x, idx, backend="cuda")
 
+    for fp8_rows in ("no", 0):
+        with pytest.raises(TypeError, match="^expand: fp8_rows must be a bool"):
+            expand(x, idx, fp8_rows=fp8_rows)
+
     expert_x, layout = expand(x, idx, alignment=2)
+    for alignment in (0, -2, 2.0):
+        with pytest.raises(ValueError, match=r"^ExpertLayout.padded_group_sizes: alignment must be an int >= 1 \(the layout's\)"):
+            layout.padded_group_sizes(alignment)
     w = jnp.ones((6, 2), jnp.float32)
     with pytest.raises(ValueError, match=f"reduce: expert_y must have the layout's {layout.num_rows} rows"):
         dej.reduce(expert_x[1:], w, layout)
@@ -873,3 +880,15 @@ def test_wrapper_errors():
 
     with pytest.raises(TypeError, match="^dispatch_expert_major: topk_idx must be int32, got float32"):
         run(bad_routing)
+
+    def no_weights(x, idx, w):
+        return dej.dispatch_expert_major(x, idx, None, num_experts=num_experts, buffer=buffer)
+
+    with pytest.raises(TypeError, match="^dispatch_expert_major: topk_weights is required"):
+        run(no_weights)
+
+    def bad_flag(x, idx, w):
+        return dej.dispatch_expert_major(x, idx, w, num_experts=num_experts, buffer=buffer, fp8_rows="no")
+
+    with pytest.raises(TypeError, match="^dispatch_expert_major: fp8_rows must be a bool, got str 'no'"):
+        run(bad_flag)

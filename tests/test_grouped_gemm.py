@@ -599,9 +599,13 @@ def test_fp8_bad_arguments(overrides, match):
             S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32))
 
 
-def test_fp8_weights_bad_weight_grad():
+def test_fp8_weights_bad_arguments():
     with pytest.raises(TypeError, match="fp8_weights: weight_grad must be a bool, got int"):
         jax.eval_shape(functools.partial(gg.fp8_weights, weight_grad=1), S((3, K, N), jnp.bfloat16))
+    with pytest.raises(TypeError, match="^fp8_weights: w must be a floating array"):
+        jax.eval_shape(gg.fp8_weights, S((3, K, N), jnp.int32))
+    with pytest.raises(ValueError, match="^fp8_weights: w must have rank 3"):
+        jax.eval_shape(gg.fp8_weights, S((K, N), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])

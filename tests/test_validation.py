@@ -111,7 +111,26 @@ def test_hidden_mismatch(mesh):
         _trace(mesh, _dispatch(buffer), *_inputs())
 
 
-@pytest.mark.parametrize("n", [0, -1, R * T + 1, 2.5])
+def test_dispatch_needs_weights(mesh, buffer):
+    x, idx, _ = _inputs()
+    with pytest.raises(TypeError, match=r"^dispatch: topk_weights is required: float32 \[8, 2\]"):
+        _trace(mesh, lambda x, idx: dej.dispatch(x, idx, None, num_experts=E, buffer=buffer), x, idx)
+
+
+def test_not_rows(mesh, buffer):
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"^dispatch: x must be a bfloat16 array or an FP8 pair \(data, scales\), "
+                                         r"got a list of 3 items"):
+        _trace(mesh, lambda x, idx, w: dej.dispatch([x, x, x], idx, w, num_experts=E, buffer=buffer), x, idx, w)
+
+
+def test_scalar_topk_idx(mesh, buffer):
+    _, idx, _ = _inputs()
+    with pytest.raises(ValueError, match=r"^get_dispatch_layout: topk_idx must be \[tokens, topk\], got shape \(\)"):
+        _trace(mesh, lambda idx: dej.get_dispatch_layout(idx[0, 0], num_experts=E, buffer=buffer), idx)
+
+
+@pytest.mark.parametrize("n", [0, -1, R * T + 1, 2.5, True])
 def test_num_worst_tokens_out_of_range(mesh, buffer, n):
     with pytest.raises(ValueError, match="num_worst_tokens must be an int in"):
         _trace(mesh, _dispatch(buffer, num_worst_tokens=n), *_inputs())
@@ -159,6 +178,32 @@ def test_bad_backend_and_buffer_args(mesh):
         dej.Buffer(mesh, "ep", hidden=-3)
     with pytest.raises(ValueError, match="low_latency_mode=True needs num_max_dispatch_tokens_per_rank"):
         dej.Buffer(mesh, "ep", low_latency_mode=True)
+    with pytest.raises(ValueError, match="hidden must be a positive int or None, got True"):
+        dej.Buffer(mesh, "ep", hidden=True)
+    with pytest.raises(TypeError, match="low_latency_mode must be a bool, got str 'no'"):
+        dej.Buffer(mesh, "ep", low_latency_mode="no", num_max_dispatch_tokens_per_rank=8)
+    with pytest.raises(TypeError, match="config must be a deep_ep_jax.Config or None, got dict"):
+        dej.Buffer(mesh, "ep", config={"checks": True})
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("checks", "false", TypeError, "Config.checks must be a bool, got str 'false'"),
+    ("count_traffic", 1, TypeError, "Config.count_traffic must be a bool, got int 1"),
+    ("internode_pipeline", None, TypeError, "Config.internode_pipeline must be a bool"),
+    ("num_sms", 2.5, TypeError, "Config.num_sms must be an int, got float 2.5"),
+    ("num_sms", True, TypeError, "Config.num_sms must be an int, got bool True"),
+    ("num_warps", None, TypeError, "Config.num_warps must be an int, got NoneType"),
+    ("chunk_tokens", "2", TypeError, "Config.chunk_tokens must be an int, got str"),
+    ("low_latency_overlap_sms", 1.5, TypeError, "Config.low_latency_overlap_sms must be an int"),
+    ("gpus_per_host", 2.5, TypeError, "Config.gpus_per_host must be an int or None, got float 2.5"),
+    ("timeout_s", "10", TypeError, "Config.timeout_s must be a number of seconds, got str '10'"),
+    ("num_sms", 0, ValueError, "Config.num_sms must be >= 1"),
+    ("timeout_s", float("nan"), ValueError, r"Config.timeout_s must be in \(0, 3600\]"),
+])
+def test_config_fields(field, value, error, match):
+    with pytest.raises(error, match=f"^{match}"):
+        dej.Config(**{field: value})
+    dej.Config(num_sms=np.int64(8), timeout_s=np.float32(3), checks=np.bool_(True), gpus_per_host=None)  # numpy's fine
 
 
 def test_cuda_backend_unavailable_says_why(mesh):
@@ -198,6 +243,13 @@ def test_combine_bad_arguments(mesh, buffer):
     with pytest.raises(TypeError, match=r"topk_weights must be float32 \[32, topk\]"):
         _trace(mesh, weights_dtype, x, idx, w)
 
+    def weights_list(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x, handle, [recv_w], buffer=buffer)
+
+    with pytest.raises(TypeError, match="^combine: topk_weights must be an array, got list"):
+        _trace(mesh, weights_list, x, idx, w)
+
 
 def test_low_latency_bad_arguments(mesh):
     M = 4
@@ -223,6 +275,83 @@ def test_low_latency_bad_arguments(mesh):
 
     with pytest.raises(TypeError, match="x must be bfloat16, got float8_e4m3fn"):
         _trace(mesh, bad_combine, x[: R * M], idx[: R * M], _inputs()[2][: R * M])
+
+    def flag(name, value):
+        return lambda x, idx: dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M,
+                                                       num_experts=E, **{name: value})
+
+    with pytest.raises(TypeError, match="^low_latency_dispatch: use_fp8 must be a bool, got str 'false'"):
+        _trace(mesh, flag("use_fp8", "false"), x[: R * M], idx[: R * M])
+    with pytest.raises(TypeError, match="^low_latency_dispatch: round_scale must be a bool, got int 1"):
+        _trace(mesh, flag("round_scale", 1), x[: R * M], idx[: R * M])
+    with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be a positive int, got True"):
+        _trace(mesh, call(ll, True), x[: R * M], idx[: R * M])
+
+
+def _low_latency_round_trip(ll, split, M, stop_gradient=False):
+    """x, w -> low-latency dispatch, the rows as expert outputs, combine (whole or by halves)."""
+    def run(x, idx, w):
+        if stop_gradient:
+            x, w = jax.lax.stop_gradient((x, w))
+        kw = dict(buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, use_fp8=False)
+        if split:
+            recv, _, handle = dej.low_latency_dispatch_recv(dej.low_latency_dispatch_send(x, idx, **kw), buffer=ll)
+            pending = dej.low_latency_combine_send(recv, idx, w, handle, buffer=ll)
+            return dej.low_latency_combine_recv(pending, buffer=ll)
+        recv, _, handle = dej.low_latency_dispatch(x, idx, **kw)
+        return dej.low_latency_combine(recv, idx, w, handle, buffer=ll)
+    return run
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_low_latency_refuses_gradients(mesh, split):
+    """Low-latency mode has no backward on the kernels; the xla backend refuses
+    one too (rather than train on CPU what cannot train on GPUs)."""
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    x, idx, w = _inputs()
+    fn = "low_latency_dispatch_send" if split else "low_latency_dispatch"
+
+    def loss(x, w, stop_gradient=False):
+        run = dt.per_rank(_low_latency_round_trip(ll, split, T, stop_gradient), mesh, "ep")
+        return run(x, idx, w).astype(jnp.float32).sum()
+
+    with pytest.raises(TypeError, match=f"^{fn}: low-latency mode is not differentiable"):
+        jax.grad(loss)(x, w)
+    combine = "low_latency_combine_send" if split else "low_latency_combine"
+    with pytest.raises(TypeError, match=f"^{combine}: low-latency mode is not differentiable"):
+        jax.grad(loss, argnums=1)(x, w)  # the weights reach combine only
+    g_x, g_w = jax.grad(lambda x, w: loss(x, w, True), argnums=(0, 1))(x, w)  # stopped: zeros, as asked
+    assert not np.asarray(g_x, np.float32).any() and not np.asarray(g_w).any()
+    assert float(loss(x, w)) != 0  # the forward runs (and is not all zeros)
+
+
+def test_low_latency_receive_checks_what_it_takes(mesh):
+    """A receive takes what its own kind of send returned, on the same Buffer
+    (on the kernels another Buffer's receive would wait until the timeout)."""
+    ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    other = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    x, idx, w = _inputs()
+    kw = dict(num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+
+    def receive(kind, recv_buffer):
+        def run(x, idx, w):
+            pending = dej.low_latency_dispatch_send(x, idx, buffer=ll, **kw)
+            if kind == "dispatch":
+                return dej.low_latency_dispatch_recv(pending, buffer=recv_buffer)[0]
+            if kind == "combine":
+                return dej.low_latency_combine_recv(pending, buffer=recv_buffer)
+            return dej.low_latency_dispatch_recv(x, buffer=recv_buffer)[0]
+        return run
+
+    _trace(mesh, receive("dispatch", ll), x, idx, w)  # fine
+    with pytest.raises(TypeError, match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
+                                        "returned, got low_latency_dispatch_send's"):
+        _trace(mesh, receive("combine", ll), x, idx, w)
+    with pytest.raises(ValueError, match="^low_latency_dispatch_recv: pending comes from a send on another Buffer"):
+        _trace(mesh, receive("dispatch", other), x, idx, w)
+    with pytest.raises(TypeError, match="^low_latency_dispatch_recv: pending must be what low_latency_dispatch_send "
+                                        "returned, got "):
+        _trace(mesh, receive("array", ll), x, idx, w)
 
 
 def test_num_experts_differs_from_the_buffers(mesh):
@@ -262,7 +391,10 @@ def _swap(position, value):
         (_swap(2, lambda w: w[:, :1]), ValueError, "topk_weights must have topk_idx's shape"),
         (_swap(2, lambda w: w.astype(jnp.bfloat16)), TypeError, "topk_weights must be float32"),
         (_swap(1, lambda i: i.astype(jnp.int16)), TypeError, "topk_idx must be int32, got int16"),
-        (_swap(1, lambda i: i[:, 0]), ValueError, r"topk_idx must be \[8, topk\], got shape \(8,\)"),
+        (_swap(1, lambda i: i[:, 0]), ValueError, r"topk_idx must be \[tokens, topk\], got shape \(8,\)"),
+        (_swap(1, lambda i: i[0, 0]), ValueError, r"topk_idx must be \[tokens, topk\], got shape \(\)"),
+        (_swap(0, lambda y: (y.astype(jnp.float8_e4m3fn), y[..., :2].astype(jnp.float32))), TypeError,
+         r"x must be the experts' bfloat16 outputs \[2, 32, hidden\], got a tuple \(an FP8 dispatch's rows\?"),
         (lambda args: (args[0], jnp.concatenate([args[1]] * 2), jnp.concatenate([args[2]] * 2), args[3]), ValueError,
          r"topk_idx must be the dispatch's, \[8, 2\], got \[16, 2\] \(each row returns to the \(token, k\) slot"),
         (lambda args: (args[0], args[1][:4], args[2][:4], args[3]), ValueError,

@@ -185,8 +185,8 @@ def test_low_latency_combine_errors_on_cuda(mesh):
                                                     num_experts=num_experts)
             return dej.low_latency_combine_recv(pending, buffer=buffer)
 
-        with pytest.raises(TypeError, match="^low_latency_combine_recv: pending must come from the CUDA "
-                                            "low_latency_combine_send, got DispatchPending"):
+        with pytest.raises(TypeError, match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
+                                            "returned, got low_latency_dispatch_send's"):
             jax.eval_shape(dt.per_rank(receive_a_dispatch, mesh, AXIS),
                            jax.ShapeDtypeStruct((num_ranks * max_tokens, hidden), jnp.bfloat16),
                            jax.ShapeDtypeStruct((num_ranks * max_tokens, topk), i32))

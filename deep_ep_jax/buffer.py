@@ -9,6 +9,8 @@ the axis description.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 
@@ -16,6 +18,7 @@ from deep_ep_jax.backends import Ops
 from deep_ep_jax.config import TRAFFIC_FIELDS, Config
 
 BACKENDS = ("auto", "cuda", "xla")
+_keys = itertools.count()  # Buffer.key: unlike id(), never reused by a later Buffer
 
 
 def _is_gpu(device) -> bool:
@@ -128,6 +131,7 @@ class Buffer:
         self.hidden = hidden
         self.num_experts = num_experts
         self.config = config if config is not None else Config()
+        self.key = next(_keys)  # this Buffer among all of the process (a low-latency send's pending value names it)
         self.buffer_id: int | None = None  # the extension's, set by the CUDA backend when it allocates
         self.num_nvl_bytes = self.num_rdma_bytes = 0
         # Decided by the CUDA backend (backends/cuda/lifecycle.py) when it allocates:

@@ -73,7 +73,7 @@ def _receive(pending, buffer, fn):
         raise TypeError(f"{fn}: pending must be what {send} returned, got {type(pending).__name__}")
     if pending.send != send:
         raise TypeError(f"{fn}: pending must be what {send} returned, got {pending.send}'s")
-    if pending.buffer_key != id(buffer):
+    if pending.buffer_key != buffer.key:
         raise ValueError(f"{fn}: pending comes from a send on another Buffer; receive with the Buffer that sent")
     return pending.value
 
@@ -83,7 +83,7 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     _check_mode(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
-    v.check_topk(topk_idx, None, num_tokens, num_experts, fn, weighted=False)
+    v.check_topk(topk_idx, None, num_tokens, num_experts, fn, weights="none")
     use_fp8, round_scale = v.check_bool(fn, "use_fp8", use_fp8), v.check_bool(fn, "round_scale", round_scale)
     if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
@@ -127,7 +127,7 @@ def low_latency_dispatch_send(
     fn = "low_latency_dispatch_send"
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                        round_scale, fn)
-    return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, id(buffer))
+    return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, buffer.key)
 
 
 def low_latency_dispatch_recv(pending: Pending, *, buffer: Buffer) -> tuple[Rows, jax.Array, LowLatencyHandle]:
@@ -194,7 +194,7 @@ def low_latency_combine_send(
     `low_latency_combine_recv`."""
     fn = "low_latency_combine_send"
     args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn)
-    return _Pending(buffer.ops.low_latency_combine_send(*args, buffer=buffer), fn, id(buffer))
+    return _Pending(buffer.ops.low_latency_combine_send(*args, buffer=buffer), fn, buffer.key)
 
 
 def low_latency_combine_recv(pending: Pending, *, buffer: Buffer) -> jax.Array:

@@ -30,7 +30,7 @@ def get_dispatch_layout(
     fn = "get_dispatch_layout"
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    v.check_topk(topk_idx, None, None, num_experts, fn, weighted=False)
+    v.check_topk(topk_idx, None, None, num_experts, fn, weights="none")
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     layout = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
     if buffer.config.checks:
@@ -41,18 +41,18 @@ def get_dispatch_layout(
 def dispatch(
     x: Rows,
     topk_idx: jax.Array,
-    topk_weights: jax.Array,
+    topk_weights: jax.Array | None,
     *,
     num_experts: int,
     buffer: Buffer,
     num_worst_tokens: int | None = None,
-) -> tuple[Rows, jax.Array, jax.Array, DispatchHandle]:
+) -> tuple[Rows, jax.Array, jax.Array | None, DispatchHandle]:
     """Sends each token once to every rank owning one of its experts.
 
     Per rank, inside `shard_map` over `buffer.axis_name`:
       x: bf16 [T, H], or an FP8 pair (float8_e4m3fn [T, H], float32 [T, H // 128]).
       topk_idx: int32 [T, K] global expert ids, -1 for none.
-      topk_weights: float32 [T, K].
+      topk_weights: float32 [T, K], or None (recv_topk_weights is then None).
       num_worst_tokens: rows N of the outputs (default T * R, the worst case).
 
     Returns (recv_x [N, H] (or FP8 pair), recv_topk_idx int32 [N, K] local ids,
@@ -60,15 +60,16 @@ def dispatch(
     are valid, ordered by source rank then source token; if more rows arrive
     than N, the last ones are dropped and counted in handle.num_dropped_tokens.
     """
-    return dispatch_as("dispatch", x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens)
+    return dispatch_as("dispatch", x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, "optional")
 
 
-def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens):
-    """`dispatch`, its errors and run-time checks naming `fn` (the function the user called)."""
+def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, weights="required"):
+    """`dispatch`, its errors and run-time checks naming `fn` (the function the
+    user called); weights: whether fn takes topk_weights=None (v.check_topk)."""
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     xs, num_tokens, _ = v.check_tokens(x, buffer, fn)
-    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
+    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, weights=weights)
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
         num_worst_tokens = worst
@@ -158,8 +159,9 @@ def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_toke
 def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):
     """dispatch's gradients (x's bf16 [T, H], topk_weights' float32 [T, K]) from its received rows'
     (bf16 [N, H]) and weights': a combine of both."""
-    # Weights of experts on other ranks arrive as constant zeros.
-    g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
+    # Weights of experts on other ranks arrive as constant zeros (None: dispatched without weights).
+    if g_recv_w is not None:
+        g_recv_w = jnp.where(recv_idx >= 0, g_recv_w, 0.0)
     return buffer.ops.combine(g_recv_x, g_recv_w, handle, buffer=buffer)
 
 

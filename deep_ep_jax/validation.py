@@ -124,9 +124,9 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
     return xs, num_tokens, hidden
 
 
-def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weighted=True):
-    """Returns K. num_tokens None: topk_idx's own. weighted=False: the
-    function takes no weights (topk_weights is None); else they are required."""
+def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weights="required"):
+    """Returns K. num_tokens None: topk_idx's own. weights: "required",
+    "optional" (None allowed, else checked) or "none" (the function takes none)."""
     shape, dtype = shape_dtype(topk_idx, fn, "topk_idx")
     if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
@@ -136,9 +136,9 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weighted=
     topk = shape[1]
     if not 1 <= topk <= num_experts:
         raise ValueError(f"{fn}: topk must be in [1, num_experts={num_experts}], got {topk}")
-    if weighted and topk_weights is None:
+    if weights == "required" and topk_weights is None:
         raise TypeError(f"{fn}: topk_weights is required: float32 {list(shape)}, topk_idx's shape")
-    if weighted:
+    if weights != "none" and topk_weights is not None:
         wshape, wdtype = shape_dtype(topk_weights, fn, "topk_weights")
         if wdtype != jnp.float32:
             raise TypeError(f"{fn}: topk_weights must be float32, got {wdtype}")

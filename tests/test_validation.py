@@ -111,10 +111,25 @@ def test_hidden_mismatch(mesh):
         _trace(mesh, _dispatch(buffer), *_inputs())
 
 
-def test_dispatch_needs_weights(mesh, buffer):
-    x, idx, _ = _inputs()
-    with pytest.raises(TypeError, match=r"^dispatch: topk_weights is required: float32 \[8, 2\]"):
-        _trace(mesh, lambda x, idx: dej.dispatch(x, idx, None, num_experts=E, buffer=buffer), x, idx)
+def test_dispatch_without_weights(mesh, buffer):
+    """dispatch takes topk_weights=None (recv_topk_weights is None then), its
+    gradient too; dispatch_expert_major, whose reduce needs them, does not
+    (tests/test_expert_major.py)."""
+    x, idx, w = _inputs()
+
+    def x_gradient(weighted):
+        def step(x, idx, w):
+            def loss(x):
+                recv_x, _, recv_w, handle = dej.dispatch(x, idx, w if weighted else None, num_experts=E,
+                                                         buffer=buffer)
+                assert (recv_w is None) == (not weighted)
+                return dej.combine(recv_x, handle, buffer=buffer).astype(jnp.float32).sum()
+            return jax.grad(loss)(x)
+        return np.asarray(dt.per_rank(step, mesh, "ep")(x, idx, w), np.float32)
+
+    g = x_gradient(False)
+    np.testing.assert_array_equal(g, x_gradient(True))  # x's gradient does not involve the weights
+    assert np.abs(g).sum() > 0
 
 
 def test_not_rows(mesh, buffer):

@@ -1,6 +1,7 @@
 """Several processes on CPU, started by deep_ep_jax.launch: the xla backend
-across processes against the oracle, the key-value handle exchange (and its
-timeout), and the launcher's own behaviour (rank prefixes, failure handling).
+across processes against the oracle (also through the GPU scale tests' worker
+case), the key-value handle exchange (and its timeout), and the launcher's own
+behaviour (rank prefixes, failure handling).
 The worker is tests/multiprocess_worker.py."""
 
 import os
@@ -47,6 +48,20 @@ def test_reference_backend_across_processes(num_processes, devices_per_process):
     for rank in range(num_processes):
         for case in cases:
             assert f"[rank {rank}] process {rank}/{num_processes}: CASE {case} OK" in output, output[-4000:]
+
+
+@needs_cpu_collectives
+def test_shared_gpu_case_on_cpu():
+    """The worker case the GPU scale tests run (tests/gpu/test_scale_gpu.py),
+    here on the xla backend, so that its inputs, oracle checks and NaN poison
+    stay right between the GPU runs: normal mode, its cached dispatch, FP8
+    pairs, and low-latency mode whole and by halves."""
+    code, output, _ = _launch(2, [WORKER, "shared_gpu"])
+    assert code == 0, output[-4000:]
+    for rank in range(2):
+        assert f"[rank {rank}] process {rank}/2: CASE shared_gpu OK" in output, output[-4000:]
+    # 4 routings x (bf16, FP8) x (whole, halves) low-latency checks per rank.
+    assert output.count("shared_gpu low-latency ") == 2 * 16, output[-4000:]
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

@@ -12,10 +12,9 @@ from __future__ import annotations
 import itertools
 
 import jax
-import numpy as np
 
 from deep_ep_jax.backends import Ops
-from deep_ep_jax.config import TRAFFIC_FIELDS, Config
+from deep_ep_jax.config import TRAFFIC_FIELDS, Config, is_bool, is_int
 
 BACKENDS = ("auto", "cuda", "xla")
 _keys = itertools.count()  # Buffer.key: unlike id(), never reused by a later Buffer
@@ -108,10 +107,9 @@ class Buffer:
             ("num_nvl_bytes", num_nvl_bytes),
             ("num_rdma_bytes", num_rdma_bytes),
         ):
-            if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
-                                      or value <= 0):
+            if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"Buffer: {name} must be a positive int or None, got {value!r}")
-        if not isinstance(low_latency_mode, (bool, np.bool_)):
+        if not is_bool(low_latency_mode):
             raise TypeError(f"Buffer: low_latency_mode must be a bool, got {type(low_latency_mode).__name__} "
                             f"{low_latency_mode!r}")
         if config is not None and not isinstance(config, Config):

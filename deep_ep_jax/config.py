@@ -45,6 +45,18 @@ FP8_BLOCK = 128
 TRAFFIC_FIELDS = ("nvlink_rows", "nvlink_bytes", "network_rows", "network_bytes")
 
 
+# The scalar checks of every module's argument checks (here: this module
+# imports nothing of the package, so every module can use them).
+def is_bool(value) -> bool:
+    """A bool (a string such as "false" would count as true)."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def is_int(value) -> bool:
+    """An int, Python's or numpy's, but not a bool."""
+    return isinstance(value, (int, np.integer)) and not is_bool(value)
+
+
 def _env(name: str, default, parse, what: str):
     """The variable parsed, or default when unset or empty; a value that does
     not parse is an error naming the variable."""
@@ -121,15 +133,14 @@ class Config:
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
         for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", "gpus_per_host"):
             value = getattr(self, name)
-            if not (isinstance(value, numbers.Integral) and not isinstance(value, bool)
-                    or name == "gpus_per_host" and value is None):
+            if not (is_int(value) or name == "gpus_per_host" and value is None):
                 raise TypeError(f"Config.{name} must be an int{' or None' if name == 'gpus_per_host' else ''}, "
                                 f"got {type(value).__name__} {value!r}")
         for name in ("checks", "count_traffic", "internode_pipeline"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
+            if not is_bool(getattr(self, name)):
                 raise TypeError(f"Config.{name} must be a bool, got {type(getattr(self, name)).__name__} "
                                 f"{getattr(self, name)!r}")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, numbers.Real):
+        if is_bool(self.timeout_s) or not isinstance(self.timeout_s, numbers.Real):
             raise TypeError(f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} "
                             f"{self.timeout_s!r}")
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).

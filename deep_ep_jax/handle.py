@@ -13,7 +13,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from deep_ep_jax.config import is_int
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +75,7 @@ class ExpertLayout:
         for `grouped_matmul`, which takes groups back to back, all multiples of
         the alignment. Pass `valid_sizes=self.group_sizes` with them, so that
         the padding rows are left out. With alignment 1, the pairs per expert."""
-        if isinstance(alignment, (bool, np.bool_)) or not isinstance(alignment, (int, np.integer)) or alignment < 1:
+        if not is_int(alignment) or alignment < 1:
             raise ValueError(f"ExpertLayout.padded_group_sizes: alignment must be an int >= 1 (the layout's), "
                              f"got {alignment!r}")
         last = -(-self.group_sizes[-1:] // alignment) * alignment

@@ -24,12 +24,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from deep_ep_jax import validation as v
 from deep_ep_jax.buffer import Buffer
-from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.config import FP8_BLOCK, is_int
 from deep_ep_jax.handle import LowLatencyHandle
 from deep_ep_jax.validation import Pending, Rows
 
@@ -85,7 +84,7 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
     v.check_topk(topk_idx, None, num_tokens, num_experts, fn, weights="none")
     use_fp8, round_scale = v.check_bool(fn, "use_fp8", use_fp8), v.check_bool(fn, "round_scale", round_scale)
-    if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, (int, np.integer)) or max_tokens <= 0:
+    if not is_int(max_tokens) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
     if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:
         raise ValueError(

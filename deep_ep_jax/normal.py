@@ -13,11 +13,11 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from deep_ep_jax import ordering
 from deep_ep_jax import validation as v
 from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.config import is_int
 from deep_ep_jax.handle import DispatchHandle
 from deep_ep_jax.validation import Rows
 
@@ -73,8 +73,7 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
         num_worst_tokens = worst
-    elif (isinstance(num_worst_tokens, (bool, np.bool_)) or not isinstance(num_worst_tokens, (int, np.integer))
-          or not 1 <= num_worst_tokens <= worst):
+    elif not is_int(num_worst_tokens) or not 1 <= num_worst_tokens <= worst:
         raise ValueError(
             f"{fn}: num_worst_tokens must be an int in [1, tokens * ranks = {worst}] (None means {worst}), "
             f"got {num_worst_tokens!r}"

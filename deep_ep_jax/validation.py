@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.config import FP8_BLOCK, is_bool, is_int
 
 FP8_DTYPE = jnp.float8_e4m3fn
 
@@ -33,14 +33,14 @@ INT32_MAX = 2**31 - 1
 
 def check_int(fn, name, value, low, high=INT32_MAX) -> int:
     """value an int (not a bool) in [low, high]; returns it as a Python int."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{fn}: {name} must be an int in [{low}, {high}], got {value!r}")
     return int(value)
 
 
 def check_bool(fn, name, value) -> bool:
     """value a bool (a string such as "false" would count as true)."""
-    if not isinstance(value, (bool, np.bool_)):
+    if not is_bool(value):
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 

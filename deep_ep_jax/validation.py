@@ -15,7 +15,6 @@ from typing import Any, Callable, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from deep_ep_jax.config import FP8_BLOCK, is_bool, is_int
 
@@ -66,7 +65,7 @@ def check_buffer(buffer, fn):
 
 
 def check_num_experts(num_experts, buffer, fn):
-    if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
+    if not is_int(num_experts) or num_experts <= 0:
         raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
     if num_experts % buffer.num_ranks:
         raise ValueError(

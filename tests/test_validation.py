@@ -91,6 +91,12 @@ def test_topk_idx_must_be_int32(mesh, buffer, dtype):
             x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
 
 
+@pytest.mark.parametrize("n", [0, -4, 8.0, True, "8"])
+def test_num_experts_not_a_positive_int(mesh, buffer, n):
+    with pytest.raises(ValueError, match=r"^dispatch: num_experts must be a positive int"):
+        _trace(mesh, _dispatch(buffer, num_experts=n), *_inputs())
+
+
 def test_num_experts_not_divisible(mesh, buffer):
     with pytest.raises(ValueError, match=r"num_experts \(6\) must be divisible by the size of axis 'ep' \(4\)"):
         _trace(mesh, _dispatch(buffer, num_experts=6), *_inputs())

@@ -27,7 +27,9 @@ mpirun (no launcher variables) that falls back to jax's cluster detection.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -67,8 +69,44 @@ def initialize(**kwargs) -> None:
     jax.distributed.initialize(**kwargs)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out to outgoing connections (Linux's default
+    where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    """Free on every interface, as the coordinator binds it ('[::]:port')."""
+    families = [(socket.AF_INET, "0.0.0.0")] + ([(socket.AF_INET6, "::")] if socket.has_ipv6 else [])
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno == errno.EAFNOSUPPORT:
+                continue
+            return False
+    return True
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port for the coordinator, from below the ephemeral range: a port in
+    that range can be taken by any process's outgoing connection between this
+    check and the coordinator's bind (seen with 8 ranks starting at once),
+    while one below it is taken only by an explicit bind."""
+    low, high = _ephemeral_ports()
+    candidates = range(max(1024, low - 10000), low) if low > 2048 else range(high + 1, 65536)
+    rng = random.Random()
+    for _ in range(200 if len(candidates) else 0):
+        port = rng.choice(candidates)
+        if _bindable(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # everything tried was taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -56,6 +56,25 @@ def test_child_env_cpu_has_no_gpu():
     assert env["JAX_PLATFORMS"] == "cpu" and env["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def test_coordinator_port_is_below_the_ephemeral_range(monkeypatch):
+    """The coordinator's port is one no outgoing connection can take before
+    the coordinator binds it, and it is free on every interface."""
+    import socket
+
+    low, _ = launch._ephemeral_ports()
+    ports = {launch._free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports), ports
+    # A port held on the wildcard address is never handed out.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        assert not launch._bindable(taken)
+        monkeypatch.setattr(launch, "_ephemeral_ports", lambda: (taken + 1, 60999))
+        monkeypatch.setattr(launch.random.Random, "choice", lambda self, seq: taken)
+        assert launch._free_port() != taken  # every try was the held port: the OS picks one
+
+
 def test_too_few_gpus_are_refused(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(SystemExit, match=r"5 processes need 3 GPUs \(2 processes per GPU\), found 2 \(0,1\)"):

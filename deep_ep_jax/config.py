@@ -132,14 +132,14 @@ class Config:
     def __post_init__(self):
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
         for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", "gpus_per_host"):
-            value = getattr(self, name)
-            if not (is_int(value) or name == "gpus_per_host" and value is None):
-                raise TypeError(f"Config.{name} must be an int{' or None' if name == 'gpus_per_host' else ''}, "
+            value, optional = getattr(self, name), name == "gpus_per_host"
+            if not (is_int(value) or optional and value is None):
+                raise TypeError(f"Config.{name} must be an int{' or None' if optional else ''}, "
                                 f"got {type(value).__name__} {value!r}")
         for name in ("checks", "count_traffic", "internode_pipeline"):
-            if not is_bool(getattr(self, name)):
-                raise TypeError(f"Config.{name} must be a bool, got {type(getattr(self, name)).__name__} "
-                                f"{getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not is_bool(value):
+                raise TypeError(f"Config.{name} must be a bool, got {type(value).__name__} {value!r}")
         if is_bool(self.timeout_s) or not isinstance(self.timeout_s, numbers.Real):
             raise TypeError(f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} "
                             f"{self.timeout_s!r}")

@@ -394,10 +394,9 @@ def is_hopper_gpu(device=None) -> bool:
 
 
 def _validate_array(name, a, rank, fn="grouped_matmul"):
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"{fn}: {name} must be an array, got {type(a).__name__}")
-    if a.ndim != rank:
-        raise ValueError(f"{fn}: {name} must have rank {rank}, got shape {tuple(a.shape)}")
+    shape, _ = v.shape_dtype(a, fn, name)
+    if len(shape) != rank:
+        raise ValueError(f"{fn}: {name} must have rank {rank}, got shape {shape}")
 
 
 def _validate(x, w, group_sizes, impl, blocks):

@@ -129,7 +129,7 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weights="
     shape, dtype = shape_dtype(topk_idx, fn, "topk_idx")
     if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
-    if len(shape) != 2 or shape[0] != (shape[0] if num_tokens is None else num_tokens):
+    if len(shape) != 2 or num_tokens is not None and shape[0] != num_tokens:
         raise ValueError(f"{fn}: topk_idx must be [{'tokens' if num_tokens is None else num_tokens}, topk], "
                          f"got shape {shape}")
     topk = shape[1]

@@ -1,7 +1,8 @@
 """The READMEs' MoE snippets run as printed (8 CPU devices, the xla backend)
 and give the MoE layer's experts: against float32 maths token by token, on
-fresh random routing. README.md's expert-major path and examples/README.md's
-per-rank layer (dispatch, ragged_dot experts, combine)."""
+fresh random routing. README.md's expert-major path, examples/README.md's
+per-rank layer (dispatch, ragged_dot experts, combine) and its global-array
+snippet around it (moe_layer's route and MoE)."""
 
 import re
 from pathlib import Path
@@ -18,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 R, T, H, F, E, K = 8, 16, 64, 32, 256, 8
 
 
-def snippet(name, readme="README.md"):
-    """The README's python block that defines `name`."""
+def snippet(name, readme="README.md", text=None):
+    """The README's python block that defines `name` (or holds `text`)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / readme).read_text(), re.S)
-    [block] = [b for b in blocks if f"def {name}(" in b]
+    [block] = [b for b in blocks if (text or f"def {name}(") in b]
     return block
 
 
@@ -77,3 +78,29 @@ def test_examples_layer_snippet_runs_and_matches_float32():
             in_specs=(P("ep"),) * 5, out_specs=P("ep")))
         out = layer(x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out)
         check(out, x, idx, weights, w_in, w_out)
+
+
+def test_examples_global_snippet_runs_and_matches_float32(monkeypatch):
+    """examples/README.md's snippet around moe_ffn (a (data, expert) mesh, route, jax.shard_map, then the MoE
+    module): its shard_map's output against float32 maths on route's choice, the module's output shape."""
+    from flax import nnx
+
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    cpus = jax.devices("cpu")
+    monkeypatch.setattr(jax, "devices", lambda backend=None: cpus)  # the snippet's mesh on 8 CPU devices anywhere
+    x, _, _, w_in, w_out = inputs()
+    router_kernel = jnp.asarray(np.random.default_rng().standard_normal((H, E)), jnp.float32)
+    scope = {}
+    exec(snippet("moe_ffn", "examples/README.md"), scope)  # noqa: S102 (the README's own code)
+    scope.update(jax=jax, np=np, nnx=nnx, data=2, ep=R // 2, H=H, F=F, E=E, top_k=K, x=x,
+                 router_kernel=router_kernel, w_in=w_in, w_out=w_out)
+    functional, module = snippet(None, "examples/README.md", text="from moe_layer import").split("layer = MoE")
+    exec(functional, scope)  # noqa: S102
+    try:
+        assert scope["buffer"].backend == "xla"
+        check(scope["y"], x, np.asarray(scope["topk_idx"]), np.asarray(scope["topk_weights"]), w_in, w_out)
+        exec("layer = MoE" + module, scope)  # noqa: S102
+        assert scope["y"].shape == x.shape and np.isfinite(np.asarray(scope["y"], np.float32)).all()
+        assert np.isfinite(float(scope["aux_loss"]))
+    finally:
+        scope["buffer"].destroy()

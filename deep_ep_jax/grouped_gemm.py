@@ -17,7 +17,8 @@ layout's `alignment=128`), checked on the device at run time; other sizes
 take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
 `transposed_ragged_dot_mgpu` for dw), which compute a tile twice where it
 straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
-a ValueError where the shapes do not fit. Notes on the mgpu path:
+a ValueError where the shapes do not fit or jax's first device is no Hopper
+GPU. Notes on the mgpu path:
 - The warp-specialized kernels store the zeros of padding rows themselves
   (no pass over y or dx). JAX's row-tiled kernels leave rows past
   sum(group_sizes) unwritten: there the wrapper masks y and dx. On every
@@ -483,6 +484,10 @@ def _use_mgpu(impl, x, w, blocks) -> bool:
         return False
     reason = mgpu_unsupported_reason(x.shape, w.shape, x.dtype, blocks)
     if impl == "mgpu":
+        if not reason and not is_hopper_gpu():
+            device = jax.devices()[0]
+            reason = (f"its kernels need a Hopper GPU (compute capability 9.x), and jax's first device is "
+                      f"{getattr(device, 'device_kind', device.platform)}")
         if reason:
             raise ValueError(f"grouped_matmul: impl='mgpu' cannot run: {reason}")
     elif reason or not is_hopper_gpu():

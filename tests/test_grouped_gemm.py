@@ -331,6 +331,17 @@ def test_bad_arguments(overrides, match):
         bad_call(**overrides)
 
 
+@pytest.mark.parametrize("platform,capability,kind", [("cpu", "", "cpu"), ("gpu", "8.0", "NVIDIA A100")])
+def test_mgpu_needs_a_hopper_gpu(monkeypatch, platform, capability, kind):
+    """impl="mgpu" on shapes that fit its tiles, where jax's first device is no Hopper GPU: a ValueError that
+    says so at trace time (not an error from deep inside the kernels' tracing)."""
+    fake = type("FakeDevice", (), {"platform": platform, "compute_capability": capability, "device_kind": kind})()
+    monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
+    with pytest.raises(ValueError, match=rf"impl='mgpu' cannot run: .*Hopper GPU.*first device is {kind}\b"):
+        bad_call(impl="mgpu", x=S((1024, 512), jnp.bfloat16), w=S((4, 512, 256), jnp.bfloat16),
+                 group_sizes=S((4,), jnp.int32))
+
+
 def test_bad_block_sizes():
     with pytest.raises(TypeError, match="block_sizes must be a GroupedMatmulBlocks"):
         bad_call(block_sizes={"block_m": 64})
@@ -585,7 +596,9 @@ def test_fp8_weights_copies(rng):
     ({"w8_shape": (3, K, N)}, r"fp8_weights.forward must be float8_e4m3fn \(3, 48, 32\)"),
     ({"impl": "mgpu", "big": True}, "needs aligned_groups=True"),
 ])
-def test_fp8_bad_arguments(overrides, match):
+def test_fp8_bad_arguments(overrides, match, request):
+    if overrides.get("impl") == "mgpu":
+        request.getfixturevalue("gpu_core_count")  # past impl="mgpu"'s device check on any host
     big = overrides.pop("big", False)
     k, n = (512, 256) if big else (K, N)
     w = S((3, k, n), jnp.bfloat16)

@@ -44,10 +44,11 @@ def _ops(backend, spans_hosts) -> Ops:
     return Ops.of(layout, internode if spans_hosts else intranode, low_latency)
 
 
-def _reference_hosts(mesh, axis_name, config) -> tuple:
+def _reference_hosts(mesh, axis_name, config, low_latency_mode) -> tuple:
     """The host of each rank for the xla backend, decided as the CUDA backend
     decides it (hostnames, cut by Config.gpus_per_host). Its one program
-    serves every EP group of the mesh, so all must be cut alike."""
+    serves every EP group of the mesh, so all must be cut alike; and, as on
+    the CUDA backend, normal mode across hosts needs hosts of equal size."""
     from deep_ep_jax import multiprocess
 
     nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config.gpus_per_host, config.timeout_s)
@@ -55,6 +56,13 @@ def _reference_hosts(mesh, axis_name, config) -> tuple:
         raise NotImplementedError(
             f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "
             f"reference backend sums combine per host and needs one cut for all groups"
+        )
+    sizes = [nodes[0].count(h) for h in range(max(nodes[0]) + 1)]
+    if len(set(sizes)) > 1 and not low_latency_mode:
+        raise NotImplementedError(
+            f"Buffer(backend='xla'): normal mode across hosts needs the same number of ranks of the EP group on "
+            f"every host, as the CUDA backend does; got {sizes} (ranks per host); set Config.gpus_per_host / "
+            f"DEEP_EP_JAX_GPUS_PER_HOST to cut hosts evenly"
         )
     return tuple(nodes[0])
 
@@ -156,7 +164,7 @@ class Buffer:
 
             lifecycle.allocate(self, num_nvl_bytes, num_rdma_bytes)
         else:
-            self.rank_hosts = _reference_hosts(mesh, axis_name, self.config)
+            self.rank_hosts = _reference_hosts(mesh, axis_name, self.config, self.low_latency_mode)
             self.num_nodes = max(self.rank_hosts) + 1
         # xla backend, Config.count_traffic: {rank: {op: counters}}
         self._reference_traffic: dict[int, dict[str, dict[str, int]]] = {}
@@ -179,8 +187,14 @@ class Buffer:
         With several EP groups (other mesh axes), each rank sums its groups."""
         self._check_counting("Buffer.traffic")
         if self.backend == "xla":
+            from deep_ep_jax import multiprocess
+
             jax.effects_barrier()  # the counting callbacks of finished programs
-            counts = {rank: {op: dict(c) for op, c in ops.items()} for rank, ops in self._reference_traffic.items()}
+            # Every rank of this process, zeros where nothing was counted (as the CUDA counters read).
+            counts = {rank: {} for row in multiprocess.device_grid(self.mesh, self.axis_name)
+                      for rank, device in enumerate(row) if device.process_index == jax.process_index()}
+            counts.update({rank: {op: dict(c) for op, c in ops.items()}
+                           for rank, ops in self._reference_traffic.items()})
         else:
             from deep_ep_jax import _native
 

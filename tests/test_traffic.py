@@ -72,8 +72,8 @@ def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
         # Deduplication: per token once per remote host, in dispatch and in combine alike.
         assert totals["dispatch"] == totals["combine"] == totals["cached_dispatch"] > 0
     buffer.reset_traffic()
-    assert all(c == dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for ops in buffer.traffic().values()
-               for c in ops.values())
+    zeros = {op: dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for op in OPS}
+    assert buffer.traffic() == dict.fromkeys(range(R), zeros)  # every rank still listed, as on the CUDA backend
 
 
 def test_fp8_rows_count_their_scales():
@@ -96,3 +96,11 @@ def test_off_by_default():
         buffer.traffic()
     with pytest.raises(RuntimeError, match="count_traffic=True"):
         buffer.reset_traffic()
+
+
+def test_a_new_buffer_lists_every_rank_at_zero():
+    """Before any call, traffic() holds every rank of this process with zero counters (as the CUDA backend's)."""
+    _, buffer = _buffer(2)
+    zeros = {op: dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for op in OPS}
+    assert buffer.traffic() == dict.fromkeys(range(R), zeros)
+    buffer.destroy()

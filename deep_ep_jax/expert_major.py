@@ -167,6 +167,9 @@ def dispatch_expert_major(
         sent, sent_weights = _quantized_pair(x), lax.stop_gradient(topk_weights)
     recv_x, recv_idx, recv_w, handle = normal.dispatch_as(
         fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens)
+    if handle.num_worst_tokens < 1:
+        raise ValueError(f"{fn}: no row can arrive (x has 0 tokens per rank and num_worst_tokens is "
+                         f"{num_worst_tokens}), and the expert-major layout needs at least one row")
     expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
                                buffer.backend)
     if fp8_rows:

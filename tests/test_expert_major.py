@@ -892,3 +892,9 @@ def test_wrapper_errors():
 
     with pytest.raises(TypeError, match="^dispatch_expert_major: fp8_rows must be a bool, got str 'no'"):
         run(bad_flag)
+
+    def no_tokens(x, idx, w):  # 0 tokens per rank and no num_worst_tokens: no row can arrive
+        return dej.dispatch_expert_major(x[:0], idx[:0], w[:0], num_experts=num_experts, buffer=buffer)
+
+    with pytest.raises(ValueError, match="^dispatch_expert_major: no row can arrive .* needs at least one row"):
+        run(no_tokens)

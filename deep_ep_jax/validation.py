@@ -62,6 +62,13 @@ def check_buffer(buffer, fn):
             f"{fn}: axis {buffer.axis_name!r} has size {size} here but the buffer was made for "
             f"{buffer.num_ranks} ranks (a buffer of another mesh?)"
         )
+    # The CUDA backend finds each device's rank in the buffer's mesh: a mesh of other axes here would
+    # give ranks and EP groups other than the program's (or devices the buffer lacks).
+    here = jax.sharding.get_abstract_mesh()
+    made = dict(buffer.mesh.shape)
+    if not here.empty and dict(here.shape) != made:
+        raise ValueError(f"{fn}: the shard_map here is over a mesh of axes {dict(here.shape)}, but the buffer was "
+                         f"made on one of axes {made}; make the Buffer on the mesh its shard_map uses")
 
 
 def check_num_experts(num_experts, buffer, fn):

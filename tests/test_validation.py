@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
@@ -188,6 +189,18 @@ def test_buffer_of_another_mesh(buffer):
     small = dt.ep_mesh(2, platform="cpu")
     with pytest.raises(ValueError, match="axis 'ep' has size 2 here but the buffer was made for 4 ranks"):
         _trace(small, _dispatch(buffer), *[a[: 2 * T] for a in _inputs()])
+
+
+def test_buffer_of_a_mesh_with_other_axes(buffer):
+    """A buffer of the 4 ranks of mesh ('ep': 4) inside a shard_map over ('data': 2, 'ep': 4): the same EP axis
+    size, but the CUDA backend would find ranks (and devices) of another mesh; refused at trace time."""
+    wide = jax.sharding.Mesh(np.array(jax.devices("cpu")).reshape(2, R), ("data", "ep"))
+    tokens = P(("data", "ep"))
+    run = jax.jit(jax.shard_map(_dispatch(buffer), mesh=wide, in_specs=tokens, out_specs=tokens))
+    x, idx, w = _inputs()
+    with pytest.raises(ValueError, match=r"dispatch: the shard_map here is over a mesh of axes \{'data': 2, 'ep': 4\}, "
+                                         r"but the buffer was made on one of axes \{'ep': 4\}"):
+        run.trace(*(jnp.concatenate([a, a]) for a in (x, idx, w)))
 
 
 def test_bad_backend_and_buffer_args(mesh):

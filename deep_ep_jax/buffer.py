@@ -191,8 +191,9 @@ class Buffer:
 
             jax.effects_barrier()  # the counting callbacks of finished programs
             # Every rank of this process, zeros where nothing was counted (as the CUDA counters read).
-            counts = {rank: {} for row in multiprocess.device_grid(self.mesh, self.axis_name)
-                      for rank, device in enumerate(row) if device.process_index == jax.process_index()}
+            counts: dict[int, dict[str, dict[str, int]]] = {
+                rank: {} for row in multiprocess.device_grid(self.mesh, self.axis_name)
+                for rank, device in enumerate(row) if device.process_index == jax.process_index()}
             counts.update({rank: {op: dict(c) for op, c in ops.items()}
                            for rank, ops in self._reference_traffic.items()})
         else:

@@ -64,19 +64,26 @@ class ExpertLayout:
     pair_row: jax.Array  # int32 [N, K]: expert-major row of pair (n, k); -1 for no expert or dropped
     row_pair: jax.Array  # int32 [num_rows]: the pair n * K + k each row holds; -1 for unused rows
     num_dropped: jax.Array  # int32 []: pairs that did not fit in num_rows
+    alignment: int = dataclasses.field(metadata=dict(static=True))  # each group starts at a multiple of it
 
     @property
     def num_rows(self) -> int:
         return self.row_pair.shape[0]
 
-    def padded_group_sizes(self, alignment: int) -> jax.Array:
+    def padded_group_sizes(self, alignment: int | None = None) -> jax.Array:
         """int32 [L]: each group's rows up to the next group's start, the last
-        one rounded up to a multiple of `alignment` (the layout's): group sizes
+        one rounded up to a multiple of the layout's alignment: group sizes
         for `grouped_matmul`, which takes groups back to back, all multiples of
         the alignment. Pass `valid_sizes=self.group_sizes` with them, so that
-        the padding rows are left out. With alignment 1, the pairs per expert."""
-        if not is_int(alignment) or alignment < 1:
-            raise ValueError(f"ExpertLayout.padded_group_sizes: alignment must be an int >= 1 (the layout's), "
-                             f"got {alignment!r}")
-        last = -(-self.group_sizes[-1:] // alignment) * alignment
+        the padding rows are left out. With alignment 1, the pairs per expert.
+        `alignment`, if given, must be the layout's (a check on the caller's
+        assumption: other sizes would not match the groups' starts)."""
+        fn = "ExpertLayout.padded_group_sizes"
+        if alignment is not None:
+            if not is_int(alignment) or alignment < 1:
+                raise ValueError(f"{fn}: alignment must be an int >= 1 (the layout's), got {alignment!r}")
+            if alignment != self.alignment:
+                raise ValueError(f"{fn}: alignment {alignment} is not the layout's ({self.alignment}): its groups "
+                                 f"start at multiples of {self.alignment}")
+        last = -(-self.group_sizes[-1:] // self.alignment) * self.alignment
         return jnp.concatenate([jnp.diff(self.group_offsets), last])

@@ -826,6 +826,12 @@ def test_trace_time_errors():
     for alignment in (0, -2, 2.0):
         with pytest.raises(ValueError, match=r"^ExpertLayout.padded_group_sizes: alignment must be an int >= 1"):
             layout.padded_group_sizes(alignment)
+    for alignment in (1, 4):
+        with pytest.raises(ValueError, match=rf"^ExpertLayout.padded_group_sizes: alignment {alignment} is not the "
+                                             r"layout's \(2\)"):
+            layout.padded_group_sizes(alignment)
+    assert layout.alignment == 2
+    np.testing.assert_array_equal(layout.padded_group_sizes(), layout.padded_group_sizes(2))
     w = jnp.ones((6, 2), jnp.float32)
     with pytest.raises(ValueError, match=f"reduce: expert_y must have the layout's {layout.num_rows} rows"):
         dej.reduce(expert_x[1:], w, layout)

@@ -45,6 +45,7 @@ def expert_layout(topk_idx, *, num_local_experts, alignment, num_rows):
         pair_row=pair_row.reshape(-1, num_topk),
         row_pair=row_pair,
         num_dropped=(counts[:num_local_experts].sum() - group_sizes.sum()).astype(jnp.int32),
+        alignment=int(alignment),
     )
 
 

@@ -53,7 +53,7 @@ def expert_layout(topk_idx, *, num_local_experts, alignment, num_rows):
                  "pair_row": i32(num_tokens, num_topk), "row_pair": i32(num_rows), "num_dropped": i32(),
                  "pair_counts": i32(num_local_experts)}
     out = EXPERT_LAYOUT(None, out_types, jnp.asarray(topk_idx, jnp.int32), alignment=np.int64(alignment))
-    return ExpertLayout(**{name: out[name] for name in ExpertLayout.__dataclass_fields__})
+    return ExpertLayout(**{name: out[name] for name in out_types if name != "pair_counts"}, alignment=int(alignment))
 
 
 def expand_rows(xs, layout):

@@ -40,8 +40,10 @@ BACKENDS = ("auto", "cuda", "xla")
 def default_num_rows(num_tokens: int, num_topk: int, num_local_experts: int, alignment: int) -> int:
     """The worst case of expert-major rows for N = num_tokens received rows:
     N * min(K, L) pairs (a row names each local expert at most once, as top-k
-    routing does) plus up to alignment - 1 padding rows per group."""
-    return num_tokens * min(num_topk, num_local_experts) + num_local_experts * (alignment - 1)
+    routing does) plus up to alignment - 1 padding rows per group, rounded up
+    to a multiple of the alignment (as num_rows must be)."""
+    rows = num_tokens * min(num_topk, num_local_experts) + num_local_experts * (alignment - 1)
+    return -(-rows // alignment) * alignment
 
 
 def expand(
@@ -61,8 +63,9 @@ def expand(
       recv_x: bf16 [N, H] (or an FP8 pair (float8_e4m3fn [N, H], float32
         [N, H // 128])), e.g. dispatch's received rows.
       recv_topk_idx: int32 [N, K] local expert ids; ids outside [0, L) name no expert.
-      num_rows: rows of the result (default `default_num_rows`, the worst case);
-        pairs past it are dropped and counted in layout.num_dropped.
+      num_rows: rows of the result, a multiple of `alignment` (default
+        `default_num_rows`, the worst case); pairs past it are dropped and
+        counted in layout.num_dropped.
       backend: "cuda" (the kernels), "xla" (pure JAX) or "auto" (the kernels
         where the program runs on CUDA GPUs and the extension is built).
       fp8_rows: quantize bf16 recv_x per row first (fp8_quant.quantize_rows)
@@ -225,6 +228,12 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
     if num_rows is None:
         num_rows = default_num_rows(num_tokens, num_topk, num_local_experts, alignment)
     num_rows = v.check_int(fn, "num_rows", num_rows, 1)
+    if num_rows % alignment:
+        # A group cut at num_rows would end off the alignment: padded_group_sizes would break
+        # grouped_matmul's aligned_groups promise (its outputs all NaN).
+        down, up = num_rows // alignment * alignment, -(-num_rows // alignment) * alignment
+        raise ValueError(f"{fn}: num_rows ({num_rows}) must be a multiple of alignment ({alignment}), so every "
+                         f"group ends on it; use {up}" + (f" or {down}" if down else ""))
     ops = _backend(fn, backend)
     if ops.check is not None:
         ops.check(fn, num_local_experts=num_local_experts, hidden=hidden, rows_dtype=xs[0].dtype)

@@ -576,3 +576,6 @@ def test_expert_args_rejected_at_trace_time():
     with pytest.raises(ValueError, match="expert_alignment must be a positive int"):
         ml.expert_ffn(x, jnp.zeros((x.shape[0], 2), jnp.int32), jnp.ones((x.shape[0], 2)), *params[1:],
                       impl="grouped", expert_alignment=0)
+    with pytest.raises(ValueError, match="expert_rows 30 must be a multiple of the expert alignment 8"):
+        ml.expert_ffn(x, jnp.zeros((x.shape[0], 2), jnp.int32), jnp.ones((x.shape[0], 2)), *params[1:],
+                      impl="grouped", expert_rows=30, expert_alignment=8)

@@ -66,7 +66,25 @@ def initialize(**kwargs) -> None:
         kwargs.setdefault("cluster_detection_method", "deactivate")
         if os.environ.get(LOCAL_DEVICE_VAR):
             kwargs.setdefault("local_device_ids", [int(os.environ[LOCAL_DEVICE_VAR])])
+        sys.excepthook = _exit_at_once(sys.excepthook)
     jax.distributed.initialize(**kwargs)
+
+
+def _exit_at_once(excepthook):
+    """An excepthook that reports the exception, then exits the process at once. A process of the
+    launcher's that dies of an uncaught exception would otherwise wait in jax.distributed's shutdown
+    for the others (up to its 300 s), which may be waiting for it: the launcher would not see it fail
+    and stop them. Exiting skips the atexit handlers, which a failed rank does not need."""
+    def hook(exc_type, exc, tb):
+        excepthook(exc_type, exc, tb)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed
+                pass
+        os._exit(1)
+
+    return hook
 
 
 def _ephemeral_ports() -> tuple[int, int]:
@@ -213,6 +231,7 @@ def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=Fals
 
     status = 0
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    previous = _stop_on_termination()
     try:
         while [p.poll() for p in procs].count(None):  # polls every process (any() would stop early)
             failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode not in (None, 0)]
@@ -227,10 +246,15 @@ def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=Fals
             time.sleep(0.05)
     except KeyboardInterrupt:
         status = 130
+    except _Terminated as e:
+        status = 128 + e.signum
+        _report(out, lock, f"{signal.Signals(e.signum).name} received; stopping all processes")
     finally:
         _stop(procs)
         for t in pumps:
             t.join(timeout=5)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if status == 0:
         failed = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
         if failed:
@@ -238,6 +262,25 @@ def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=Fals
             _report(out, lock, f"rank {rank} exited with status {status}")
     # A signal (negative returncode) as the shell reports it.
     return status if status >= 0 else 128 - status
+
+
+class _Terminated(Exception):
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_termination() -> dict:
+    """SIGTERM and SIGHUP (a job's timeout or kill, a closed terminal) raise _Terminated in the launcher,
+    so that it stops its processes (which may not stop on SIGTERM: jax's preemption handling catches it,
+    hence _stop's SIGKILL) instead of leaving them running. Returns the handlers it replaced."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        raise _Terminated(signum)
+
+    return {signum: signal.signal(signum, handler) for signum in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def _report(out, lock, message):

@@ -5,6 +5,7 @@ behaviour (rank prefixes, failure handling).
 The worker is tests/multiprocess_worker.py."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -98,3 +99,53 @@ def test_launcher_timeout():
     code, output, elapsed = _launch(2, ["-c", "import time; time.sleep(100)"], timeout=60, launcher_timeout=2)
     assert code == 124 and "timeout after 2" in output, output
     assert elapsed < 20, elapsed
+
+
+def test_a_rank_dying_after_initialize_stops_the_others():
+    """A rank that dies of an exception after launch.initialize() exits at once (not after jax.distributed's
+    shutdown wait for the others), so the launcher stops the rank still sleeping and reports the failure."""
+    script = (
+        "import time\n"
+        "from deep_ep_jax import launch\n"
+        "launch.initialize()\n"
+        "import jax\n"
+        "if jax.process_index() == 1: raise RuntimeError('rank 1 fails')\n"
+        "time.sleep(100)\n"
+    )
+    code, output, elapsed = _launch(2, ["-c", script], timeout=90)
+    assert code == 1, output[-4000:]
+    assert "[rank 1] RuntimeError: rank 1 fails" in output and "rank 1 exited with status 1" in output, output[-4000:]
+    assert elapsed < 45, (elapsed, output[-4000:])
+
+
+def test_sigterm_to_the_launcher_stops_its_processes():
+    """SIGTERM to the launcher (a job's time limit, `timeout`) stops its processes, even initialised ones
+    (jax catches their SIGTERM; the launcher kills them), and the launcher exits with 128 + 15."""
+    script = (
+        "import os, time\n"
+        "from deep_ep_jax import launch\n"
+        "launch.initialize()\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "time.sleep(100)\n"
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    launcher = subprocess.Popen([sys.executable, "-m", "deep_ep_jax.launch", "-n", "2", "--cpu", "--", "-c", script],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids, lines = [], []
+    try:
+        while len(pids) < 2:
+            line = launcher.stdout.readline()
+            assert line, "the launcher ended before both ranks started: " + "".join(lines[-40:])
+            lines.append(line)
+            if "] pid " in line:
+                pids.append(int(line.split()[-1]))
+        launcher.send_signal(signal.SIGTERM)
+        rest, _ = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, "".join(lines) + rest
+    assert "[launch] SIGTERM received; stopping all processes" in rest, rest
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -18,7 +18,9 @@ XLA's own collectives across processes do not work there (NCCL refuses two
 ranks on one GPU). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1). Output lines are prefixed with
 the rank. The launcher waits for all; when one fails it kills the others and
-exits with that process's status.
+exits with that process's status (initialize() makes a process that dies of an
+uncaught exception exit at once, not after jax.distributed's shutdown wait).
+SIGTERM or SIGHUP to the launcher stops the processes too.
 
 The script calls `deep_ep_jax.launch.initialize()` first; under SLURM or
 mpirun (no launcher variables) that falls back to jax's cluster detection.

@@ -208,8 +208,10 @@ def low_latency_combine(
     """Per rank: x bf16 [E/R, R*M, H] expert outputs in the dispatch's rows.
     Returns bf16 [T, H]: out[t] = sum over k of topk_weights[t, k] * the
     output of expert topk_idx[t, k] for token t, reduced in float32 in k
-    order (k with topk_idx -1 skipped). The same as `low_latency_combine_send`
-    then `_recv`, in one kernel."""
+    order (k with topk_idx -1 skipped). topk_idx must be the dispatch's, values
+    as well as shape: the handle locates each (t, k)'s row only for the pairs
+    that dispatch sent, so another expert id there reads another token's row.
+    The same as `low_latency_combine_send` then `_recv`, in one kernel."""
     args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine")
     return buffer.ops.low_latency_combine(*args, buffer=buffer)
 

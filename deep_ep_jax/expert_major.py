@@ -189,6 +189,8 @@ def combine_expert_major(expert_y: jax.Array, recv_topk_weights: jax.Array, layo
                          handle: DispatchHandle, *, buffer: Buffer) -> jax.Array:
     """`reduce` of the expert outputs with the weights, then `combine`: bf16 [T, H]."""
     fn = "combine_expert_major"
+    v.check_buffer(buffer, fn)
+    v.check_tokens(expert_y, buffer, fn, allow_fp8=False, name="expert_y")  # its hidden, named here
     if not isinstance(handle, DispatchHandle):
         raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch_expert_major returned, "
                         f"got {type(handle).__name__}")

@@ -306,12 +306,17 @@ def main(argv=None) -> int:
                         help="process i uses GPU i // K, so that N processes share ceil(N / K) GPUs; time-sliced: "
                              "for correctness runs, not speed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (put `--` before the command, "
+                     f"e.g. `-n 2 -- -m pytest ...`)")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the script to run, e.g. `-n 2 -- script.py`")
     if args.num_processes < 1:
         parser.error("-n must be >= 1")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout:g}")
     if args.ranks_per_gpu < 1:
         parser.error("--ranks-per-gpu must be >= 1")
     if args.cpu and args.ranks_per_gpu > 1:

@@ -902,6 +902,16 @@ def test_wrapper_errors():
     with pytest.raises(TypeError, match="^dispatch_expert_major: fp8_rows must be a bool, got str 'no'"):
         run(bad_flag)
 
+    def other_hidden(x, idx, w):  # the buffer was made for hidden=H
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
+                                                                     buffer=hidden_buffer)
+        return dej.combine_expert_major(expert_x[:, : H // 2], recv_w, layout, handle, buffer=hidden_buffer)
+
+    hidden_buffer = dej.Buffer(mesh, "ep", backend="xla", hidden=H)
+    with pytest.raises(ValueError, match=f"^combine_expert_major: expert_y has hidden {H // 2} but the buffer was "
+                                         f"made for hidden {H}"):
+        run(other_hidden)
+
     def no_tokens(x, idx, w):  # 0 tokens per rank and no num_worst_tokens: no row can arrive
         return dej.dispatch_expert_major(x[:0], idx[:0], w[:0], num_experts=num_experts, buffer=buffer)
 

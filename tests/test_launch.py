@@ -92,6 +92,9 @@ def test_too_few_gpus_are_refused(monkeypatch):
     (["-n", "4", "--ranks-per-gpu", "0", "--", "-c", "pass"], "--ranks-per-gpu must be >= 1"),
     (["-n", "4", "--cpu", "--ranks-per-gpu", "2", "--", "-c", "pass"], "--cpu uses none"),
     (["-n", "4", "--ranks-per-gpu", "two", "--", "-c", "pass"], "invalid int value"),
+    (["-n", "2", "--timeout", "0", "--", "-c", "pass"], "--timeout must be > 0 seconds, got 0"),
+    (["-n", "2", "--timeout", "-5", "--", "-c", "pass"], "--timeout must be > 0 seconds, got -5"),
+    (["-n", "2", "--cpu", "-m", "pytest"], "unrecognized arguments: -m (put `--` before the command"),
 ])
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -335,7 +335,7 @@ def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None):
         raise ValueError(f"{fn}: expert_rows must be a positive int or None, got {expert_rows!r}")
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"{fn}: expert_alignment must be a positive int or None, got {alignment!r}")
-    if expert_rows is not None and expert_rows % alignment:
+    if impl == "grouped" and expert_rows is not None and expert_rows % alignment:
         raise ValueError(f"{fn}: expert_rows {expert_rows} must be a multiple of the expert alignment {alignment} "
                          f"(expert_alignment; on Hopper 128 by default)")
     return alignment

@@ -57,13 +57,8 @@ def _reference_hosts(mesh, axis_name, config, low_latency_mode) -> tuple:
             f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "
             f"reference backend sums combine per host and needs one cut for all groups"
         )
-    sizes = [nodes[0].count(h) for h in range(max(nodes[0]) + 1)]
-    if len(set(sizes)) > 1 and not low_latency_mode:
-        raise NotImplementedError(
-            f"Buffer(backend='xla'): normal mode across hosts needs the same number of ranks of the EP group on "
-            f"every host, as the CUDA backend does; got {sizes} (ranks per host); set Config.gpus_per_host / "
-            f"DEEP_EP_JAX_GPUS_PER_HOST to cut hosts evenly"
-        )
+    if not low_latency_mode:
+        multiprocess.ranks_per_host(nodes[0], "xla")
     return tuple(nodes[0])
 
 

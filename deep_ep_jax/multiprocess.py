@@ -94,6 +94,21 @@ def group_nodes(hosts, gpus_per_host=None) -> list[int]:
     return nodes
 
 
+def ranks_per_host(nodes, backend) -> list[int]:
+    """The ranks of each host of an EP group (nodes: each rank's host index);
+    raises unless every host holds the same number, as normal mode across
+    hosts needs (a token is forwarded by the GPU of the sender's local index)."""
+    nodes = [int(n) for n in nodes]
+    sizes = [nodes.count(n) for n in range(max(nodes) + 1)]
+    if len(set(sizes)) != 1:
+        raise NotImplementedError(
+            f"Buffer(backend='{backend}'): internode normal mode needs the same number of GPUs of the EP group on "
+            f"every host, got {sizes} (ranks per host); set Config.gpus_per_host / DEEP_EP_JAX_GPUS_PER_HOST to cut "
+            f"hosts evenly"
+        )
+    return sizes
+
+
 def device_grid(mesh, axis_name):
     """The mesh's devices as [group, rank]: one EP group per index of the
     other mesh axes, in rank order."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax import _native
+from deep_ep_jax import _native, multiprocess
 from deep_ep_jax.backends.cuda import common
 from deep_ep_jax.backends.cuda.common import FfiTarget
 
@@ -33,15 +33,8 @@ def check_nodes(nodes) -> int:
     number of ranks (a token is forwarded by the GPU of the sender's local
     index), at most one NVLink domain's (`max_nvlink_ranks`, 8: the kernels
     keep a host's ranks in fixed arrays). Returns the number of hosts."""
-    nodes = [int(n) for n in nodes]
-    num_nodes = max(nodes) + 1
-    sizes = [nodes.count(n) for n in range(num_nodes)]
-    if len(set(sizes)) != 1:
-        raise NotImplementedError(
-            f"Buffer(backend='cuda'): internode normal mode needs the same number of GPUs of the EP group on every "
-            f"host, got {sizes} (ranks per host); set Config.gpus_per_host / DEEP_EP_JAX_GPUS_PER_HOST to cut hosts "
-            f"evenly"
-        )
+    sizes = multiprocess.ranks_per_host(nodes, "cuda")
+    num_nodes = len(sizes)
     max_per_host = common.limit("max_nvlink_ranks")
     if sizes[0] > max_per_host:
         raise NotImplementedError(

@@ -50,6 +50,9 @@ class LowLatencyHandle:
     # come back to (token, k) slots by these shapes, so another shape would read slots nothing wrote).
     num_tokens: int = dataclasses.field(metadata=dict(static=True))
     num_topk: int = dataclasses.field(metadata=dict(static=True))
+    # The dispatch's topk_idx (ids outside [-1, E) as -1), which the combine's must equal: the
+    # low_latency_dispatch functions set it; `Config(checks=True)` compares them at run time.
+    topk_idx: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -62,10 +62,11 @@ class _Pending:
     value: Any
     send: str = dataclasses.field(metadata=dict(static=True))
     buffer_key: int = dataclasses.field(metadata=dict(static=True))
+    topk_idx: jax.Array | None = None  # a dispatch's (sanitised), for its handle
 
 
 def _receive(pending, buffer, fn):
-    """The backend's value of `pending`, after checking that fn (a _recv) may take it from its buffer."""
+    """`pending` (a _Pending), after checking that fn (a _recv) may take it from its buffer."""
     _check_mode(buffer, fn)
     send = fn.replace("_recv", "_send")
     if not isinstance(pending, _Pending):
@@ -74,7 +75,7 @@ def _receive(pending, buffer, fn):
         raise TypeError(f"{fn}: pending must be what {send} returned, got {pending.send}'s")
     if pending.buffer_key != buffer.key:
         raise ValueError(f"{fn}: pending comes from a send on another Buffer; receive with the Buffer that sent")
-    return pending.value
+    return pending
 
 
 def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, round_scale, fn):
@@ -107,8 +108,9 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     )
 
 
-def _dispatch_results(recv_xs, recv_count, handle):
-    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, handle
+def _dispatch_results(topk_idx, recv_xs, recv_count, handle):
+    """The public results of a dispatch of `topk_idx` (sanitised), its handle holding them for combine's check."""
+    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, dataclasses.replace(handle, topk_idx=topk_idx)
 
 
 def low_latency_dispatch_send(
@@ -126,13 +128,13 @@ def low_latency_dispatch_send(
     fn = "low_latency_dispatch_send"
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                        round_scale, fn)
-    return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, buffer.key)
+    return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, buffer.key, topk_idx=args[1])
 
 
 def low_latency_dispatch_recv(pending: Pending, *, buffer: Buffer) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Receive half: returns (recv_x, recv_count, handle)."""
-    value = _receive(pending, buffer, "low_latency_dispatch_recv")
-    return _dispatch_results(*buffer.ops.low_latency_dispatch_recv(value, buffer=buffer))
+    pending = _receive(pending, buffer, "low_latency_dispatch_recv")
+    return _dispatch_results(pending.topk_idx, *buffer.ops.low_latency_dispatch_recv(pending.value, buffer=buffer))
 
 
 def low_latency_dispatch(
@@ -157,7 +159,7 @@ def low_latency_dispatch(
     """
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                        round_scale, "low_latency_dispatch")
-    return _dispatch_results(*buffer.ops.low_latency_dispatch(*args, **kwargs))
+    return _dispatch_results(args[1], *buffer.ops.low_latency_dispatch(*args, **kwargs))
 
 
 def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
@@ -183,6 +185,10 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
         raise ValueError(f"{fn}: topk_idx must be the dispatch's, {list(dispatched)}, got {list(topk_idx.shape)} "
                          f"(each row returns to the (token, k) slot it was dispatched from)")
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
+    if buffer.config.checks and handle.topk_idx is not None:
+        v.raise_if_any(buffer, [((topk_idx != handle.topk_idx).any(),
+                                 f"{fn}: topk_idx is not the dispatch's (each (token, k) must name the expert it "
+                                 f"was dispatched to, or -1 where it was -1)")])
     return _not_differentiable(fn, x), topk_idx, _not_differentiable(fn, topk_weights), handle
 
 
@@ -198,8 +204,8 @@ def low_latency_combine_send(
 
 def low_latency_combine_recv(pending: Pending, *, buffer: Buffer) -> jax.Array:
     """Receive half: returns bf16 [T, H]."""
-    value = _receive(pending, buffer, "low_latency_combine_recv")
-    return buffer.ops.low_latency_combine_recv(value, buffer=buffer)
+    pending = _receive(pending, buffer, "low_latency_combine_recv")
+    return buffer.ops.low_latency_combine_recv(pending.value, buffer=buffer)
 
 
 def low_latency_combine(
@@ -210,7 +216,8 @@ def low_latency_combine(
     output of expert topk_idx[t, k] for token t, reduced in float32 in k
     order (k with topk_idx -1 skipped). topk_idx must be the dispatch's, values
     as well as shape: the handle locates each (t, k)'s row only for the pairs
-    that dispatch sent, so another expert id there reads another token's row.
+    that dispatch sent, so another expert id there reads another token's row
+    (`Config(checks=True)` raises a CheckError on that).
     The same as `low_latency_combine_send` then `_recv`, in one kernel."""
     args = _combine_arguments(x, topk_idx, topk_weights, handle, buffer, "low_latency_combine")
     return buffer.ops.low_latency_combine(*args, buffer=buffer)

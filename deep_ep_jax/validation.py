@@ -162,7 +162,8 @@ def sanitize_topk_idx(topk_idx, num_experts):
 
 class CheckError(ValueError):
     """`Config(checks=True)` found bad data at run time: expert ids outside
-    [-1, num_experts), or rows dropped past `num_worst_tokens`."""
+    [-1, num_experts), rows dropped past `num_worst_tokens`, or a
+    low-latency combine's topk_idx other than its dispatch's."""
 
 
 # Run-time failures wait here while a `checked` call runs, to be raised by it

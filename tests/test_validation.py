@@ -504,6 +504,35 @@ def test_checks_mode_layout_and_low_latency(mesh):
         dispatch(x, bad)
 
 
+@pytest.mark.parametrize("halves", [False, True])
+def test_checks_mode_low_latency_combine_of_other_topk_idx(mesh, halves):
+    """A combine's topk_idx must be its dispatch's: the handle locates rows only
+    for the pairs dispatched, so another id reads another token's row."""
+    ll = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True), low_latency_mode=True,
+                    num_max_dispatch_tokens_per_rank=T)
+    x, idx, w = _inputs()
+    kwargs = dict(buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
+
+    def round_trip(x, dispatch_idx, combine_idx, w):
+        if halves:
+            pending = dej.low_latency_dispatch_send(x, dispatch_idx, **kwargs)
+            recv_x, _, handle = dej.low_latency_dispatch_recv(pending, buffer=ll)
+            return dej.low_latency_combine_recv(dej.low_latency_combine_send(
+                recv_x, combine_idx, w, handle, buffer=ll), buffer=ll)
+        recv_x, _, handle = dej.low_latency_dispatch(x, dispatch_idx, **kwargs)
+        return dej.low_latency_combine(recv_x, combine_idx, w, handle, buffer=ll)
+
+    f = dej.checked(dt.per_rank(round_trip, mesh, "ep"))
+    f(x, idx, idx, w)  # the dispatch's passes
+    combine = "low_latency_combine_send" if halves else "low_latency_combine"
+    other = (idx[1, 0] + 1) % E
+    for combine_idx, ranks in [(idx.at[1, 0].set(other), 1), (idx.at[1, 0].set(-1).at[20, 1].set(-1), 2)]:
+        with pytest.raises(dej.CheckError, match=rf"^{combine}: topk_idx is not the dispatch's .*\(on {ranks} of 4"):
+            f(x, idx, combine_idx, w)
+    with pytest.raises(dej.CheckError, match=rf"^{combine}: topk_idx is not the dispatch's"):
+        f(x, idx.at[1, 0].set(-1), idx, w)  # an id where dispatch had -1
+
+
 def test_checks_mode_without_checked_raises_quietly(tmp_path):
     """Unwrapped, the program fails with JAX's error, whose last line is the
     CheckError: no traceback per rank, none at exit."""

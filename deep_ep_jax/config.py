@@ -9,7 +9,8 @@ them without touching code:
                              again that copy rows beside them)
   DEEP_EP_JAX_TIMEOUT_S      seconds a device-side wait spins before failing
   DEEP_EP_JAX_CHECKS         1: raise on bad data (expert ids out of range,
-                             num_worst_tokens overflow) instead of masking
+                             rows dropped, a low-latency combine's topk_idx
+                             other than its dispatch's) instead of masking
   DEEP_EP_JAX_LL_OVERLAP_SMS SMs of the low-latency send halves run beside XLA's
                              work (default 0: on XLA's stream, see Config)
   DEEP_EP_JAX_GPUS_PER_HOST  GPUs of an EP group per host (default: as the

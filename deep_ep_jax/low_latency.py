@@ -98,7 +98,13 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
         raise ValueError(f"{fn}: use_fp8 needs hidden to be a multiple of {FP8_BLOCK}, got {hidden}")
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
-        v.raise_if_any(buffer, [(bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})")])
+        capacity = buffer.num_ranks * max_tokens
+        v.raise_if_any(buffer, [
+            (bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})"),
+            (_rows_per_expert(topk_idx, num_experts, buffer).max() > capacity,
+             f"{fn}: more than {capacity} rows (ranks x num_max_dispatch_tokens_per_rank) for one expert, the rest "
+             f"dropped: a token lists an expert twice"),
+        ])
     return (_not_differentiable(fn, x), topk_idx), dict(
         num_experts=num_experts,
         num_max_dispatch_tokens_per_rank=int(max_tokens),
@@ -106,6 +112,12 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
         round_scale=round_scale,
         buffer=buffer,
     )
+
+
+def _rows_per_expert(topk_idx, num_experts, buffer):
+    """int32 [E]: the rows a dispatch of `topk_idx` (sanitised) sends to each expert, over all ranks."""
+    ids = jnp.where(topk_idx >= 0, topk_idx, num_experts).reshape(-1)
+    return lax.psum(jnp.zeros(num_experts, jnp.int32).at[ids].add(1, mode="drop"), buffer.axis_name)
 
 
 def _dispatch_results(topk_idx, recv_xs, recv_count, handle):
@@ -154,7 +166,8 @@ def low_latency_dispatch(
     [E/R, R*M, H // 128]); the first recv_count[e] rows of local expert e are
     valid, ordered by source rank then source token. A local expert can
     receive at most R*M rows; more (only possible when a token lists the same
-    expert twice) are dropped, and combining such a dispatch is undefined.
+    expert twice) are dropped, and combining such a dispatch is undefined
+    (`Config(checks=True)` raises a CheckError on that).
     The same as `low_latency_dispatch_send` then `_recv`, in one kernel.
     """
     args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,

@@ -162,8 +162,9 @@ def sanitize_topk_idx(topk_idx, num_experts):
 
 class CheckError(ValueError):
     """`Config(checks=True)` found bad data at run time: expert ids outside
-    [-1, num_experts), rows dropped past `num_worst_tokens`, or a
-    low-latency combine's topk_idx other than its dispatch's."""
+    [-1, num_experts), rows dropped (past `num_worst_tokens`, or past a
+    low-latency expert's rows), or a low-latency combine's topk_idx other
+    than its dispatch's."""
 
 
 # Run-time failures wait here while a `checked` call runs, to be raised by it

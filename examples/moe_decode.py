@@ -216,8 +216,9 @@ def train(margs, mesh, buffer):
         tokens = jax.device_put(chain.sample(rng, margs.batch, margs.seq_len + 1)[0], token_sharding)
         params, opt_state, lm_loss, _ = train_step(params, opt_state, tokens)
         losses.append(float(lm_loss))
-    print(f"trained {margs.steps} steps in {time.perf_counter() - start:.1f} s: loss {losses[0]:.3f} -> "
-          f"{losses[-1]:.3f} (uniform {np.log(margs.vocab):.3f})")
+    if losses:
+        print(f"trained {margs.steps} steps in {time.perf_counter() - start:.1f} s: loss {losses[0]:.3f} -> "
+              f"{losses[-1]:.3f} (uniform {np.log(margs.vocab):.3f})")
     return params, chain
 
 
@@ -306,7 +307,7 @@ def parse_args(argv=None):
         description=__doc__.split("\n\n")[0],
         epilog="Other options (--hidden --ffn --heads --layers --experts --top-k --vocab --seq-len --ep "
                "--backend --lr --seed ...) set the model and its training, as in moe_flax.py.")
-    p.add_argument("--train-steps", type=int, default=30)
+    p.add_argument("--train-steps", "--steps", type=int, default=30, help="training steps before decoding (0: none)")
     p.add_argument("--train-batch", type=int, default=32, help="sequences per training step (global)")
     p.add_argument("--batch", type=int, default=0,
                    help="sequences decoded per device, even (default: 128 on GPUs, 16 on a CPU)")
@@ -337,6 +338,8 @@ def main(argv=None):
         raise SystemExit(f"--fp8 needs --hidden a multiple of 128, got {margs.hidden}")
     if args.repeats < 1 or args.decode_steps < 1:
         raise SystemExit(f"--repeats {args.repeats} and --decode-steps {args.decode_steps} must be at least 1")
+    if args.train_steps < 0 or args.overlap_sms < 0:
+        raise SystemExit(f"--train-steps {args.train_steps} and --overlap-sms {args.overlap_sms} must be at least 0")
 
     train_buffer = Buffer(mesh, "expert", backend=margs.backend, hidden=margs.hidden, num_experts=margs.experts)
     backends = [train_buffer.backend] + (["xla"] if train_buffer.backend == "cuda" else [])

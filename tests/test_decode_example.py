@@ -104,12 +104,26 @@ def test_check_logits_fails_beyond_tolerance(capsys, rng):
     assert "FAILED" in capsys.readouterr().out
 
 
-def test_decode_example_runs():
+def test_steps_sets_the_training_steps():
+    """--steps (moe_flax's name) is --train-steps, not overridden by it."""
+    args, margs = md.parse_args(["--steps", "5", "--hidden", "64"])
+    assert (args.train_steps, margs.steps, margs.hidden) == (5, 5, 64)
+
+
+@pytest.mark.parametrize("flag", ["--train-steps", "--overlap-sms"])
+def test_negative_counts_exit_with_a_message(flag):
+    with pytest.raises(SystemExit, match="^--train-steps .* and --overlap-sms .* must be at least 0$"):
+        md.main([flag, "-1"])
+
+
+@pytest.mark.parametrize("train_steps", ["3", "0"])
+def test_decode_example_runs(train_steps):
     """The script with tiny sizes: the reference backend on a 2 x 4 mesh, the
     check passes with no sequence beyond the tolerance and every one within
     0.1% of the largest logit (the check itself allows more, for the GPU's
-    kernels and near-ties), timings and tokens per second are printed."""
-    run = run_script("examples/moe_decode.py", "--train-steps", "3", "--train-batch", "16", "--batch", "4",
+    kernels and near-ties), timings and tokens per second are printed; also
+    an untrained model (--train-steps 0)."""
+    run = run_script("examples/moe_decode.py", "--train-steps", train_steps, "--train-batch", "16", "--batch", "4",
                      "--prompt-len", "3", "--decode-steps", "2", "--repeats", "1", "--hidden", "64", "--ffn", "64",
                      "--vocab", "64", "--seq-len", "8")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]

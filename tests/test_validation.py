@@ -504,6 +504,23 @@ def test_checks_mode_layout_and_low_latency(mesh):
         dispatch(x, bad)
 
 
+@pytest.mark.parametrize("dispatch", [dej.low_latency_dispatch, dej.low_latency_dispatch_send])
+def test_checks_mode_low_latency_rows_dropped(mesh, dispatch):
+    """An expert holds R*M rows; more come only from a token naming it twice,
+    and are dropped: checks say so (and pass a duplicate that fits)."""
+    config = dej.Config(checks=True)
+    ll = dej.Buffer(mesh, "ep", backend="xla", config=config, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    x, idx, _ = _inputs()
+    f = dej.checked(dt.per_rank(lambda x, i: dispatch(x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T,
+                                                      num_experts=E, use_fp8=False), mesh, "ep"))
+    full = jnp.asarray(np.tile(np.arange(K, dtype=np.int32), (R * T, 1)))  # experts 0..K-1: R*T = R*M rows each
+    f(x, full)
+    f(x, full.at[0].set(3))  # a duplicate that fits
+    with pytest.raises(dej.CheckError, match=rf"^{dispatch.__name__}: more than {R * T} rows \(ranks x "
+                                             r"num_max_dispatch_tokens_per_rank\) for one expert, the rest dropped"):
+        f(x, jnp.asarray(full).at[9, 1].set(0))  # one row too many for expert 0, from rank 1
+
+
 @pytest.mark.parametrize("halves", [False, True])
 def test_checks_mode_low_latency_combine_of_other_topk_idx(mesh, halves):
     """A combine's topk_idx must be its dispatch's: the handle locates rows only

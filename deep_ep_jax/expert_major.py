@@ -31,7 +31,7 @@ from deep_ep_jax.fp8_quant import quantize_rows
 from deep_ep_jax.grouped_gemm import Fp8Rows, grouped_matmul
 from deep_ep_jax.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.validation import Rows
-from deep_ep_jax.varying import vary_over, vma
+from deep_ep_jax.varying import vary_over, vma, zero_rows_like
 
 INT32_MAX = v.INT32_MAX  # rows and pairs are indexed with int32
 BACKENDS = ("auto", "cuda", "xla")
@@ -367,16 +367,16 @@ def _expand_rows(xs, layout, ops):
 
 
 def _expand_rows_fwd(xs, layout, ops):
-    return _expand_rows(xs, layout, ops), layout
+    return _expand_rows(xs, layout, ops), (layout, tuple(x[:0] for x in xs))  # xs' types, as in dispatch
 
 
-def _expand_rows_bwd(ops, layout, g_expert_xs):
+def _expand_rows_bwd(ops, residuals, g_expert_xs):
+    layout, xs_like = residuals
     # Each pair's gradient row summed back to its row, float32 in k order.
     if len(g_expert_xs) == 1:
         g_xs = (ops.reduce_rows(g_expert_xs[0], None, layout),)
     else:  # FP8 rows carry no gradient, as in dispatch.
-        num_tokens = layout.pair_row.shape[0]
-        g_xs = tuple(jnp.zeros((num_tokens,) + g.shape[1:], g.dtype) for g in g_expert_xs)
+        g_xs = tuple(zero_rows_like(layout.pair_row.shape[0], x) for x in xs_like)
     return g_xs, jax.tree.map(lambda _: None, layout)
 
 

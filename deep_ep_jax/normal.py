@@ -20,6 +20,7 @@ from deep_ep_jax.buffer import Buffer
 from deep_ep_jax.config import is_int
 from deep_ep_jax.handle import DispatchHandle
 from deep_ep_jax.validation import Rows
+from deep_ep_jax.varying import zero_rows_like
 
 
 def get_dispatch_layout(
@@ -152,7 +153,7 @@ def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, 
 def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
     out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer)
     (_, recv_idx, _, handle), _ = out
-    return out, (handle, recv_idx)
+    return out, (handle, recv_idx, tuple(x[:0] for x in xs))  # xs' types, for FP8 rows' zero gradients
 
 
 def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):
@@ -165,7 +166,7 @@ def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):
 
 
 def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
-    handle, recv_idx = residuals
+    handle, recv_idx, xs_like = residuals
     (g_recv_xs, _, g_recv_w, _), _ = cotangents
     if len(g_recv_xs) == 1:
         g_x, g_w = dispatch_backward(g_recv_xs[0], g_recv_w, recv_idx, handle, buffer)
@@ -174,7 +175,7 @@ def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
         rows = jnp.zeros((num_worst_tokens, g_recv_xs[0].shape[1]), jnp.bfloat16)
         _, g_w = dispatch_backward(rows, g_recv_w, recv_idx, handle, buffer)
         num_tokens = handle.is_token_in_rank.shape[0]  # the inputs' rows, [T, ...]
-        g_xs = tuple(jnp.zeros((num_tokens,) + g.shape[1:], g.dtype) for g in g_recv_xs)
+        g_xs = tuple(zero_rows_like(num_tokens, x) for x in xs_like)
     return g_xs, g_w, None, None
 
 

@@ -4,6 +4,7 @@ custom call or a custom_vjp's cotangents must be typed as their inputs and prima
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 
@@ -18,6 +19,12 @@ def vary_over(a, axes):
     """a marked varying over `axes`, as far as it is not yet."""
     missing = tuple(sorted(set(axes) - vma(a)))
     return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def zero_rows_like(num_rows, like):
+    """Zeros [num_rows, like's other dims] of like's dtype, varying as `like` (a custom_vjp's zero
+    cotangent for a primal typed as `like`, which may have no rows: `x[:0]` keeps x's type at no cost)."""
+    return vary_over(jnp.zeros((num_rows,) + like.shape[1:], like.dtype), vma(like))
 
 
 def vary_together(*arrays):

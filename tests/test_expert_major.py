@@ -362,6 +362,35 @@ def test_fp8_rows_carry_no_gradient():
     assert (np.asarray(g_scales) == 0).all() and np.abs(np.asarray(g_w)).max() > 0
 
 
+def test_fp8_pair_gradients_under_check_vma():
+    """An FP8 pair sent by dispatch_expert_major (and expanded alone) under
+    shard_map's check_vma: zero cotangents typed as the pair, the weights'
+    gradients as without check_vma."""
+    num_ranks, num_tokens, num_experts, topk = 4, 8, 8, 2
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", hidden=H, num_experts=num_experts)
+    idx, w = dt.make_routing(7, num_ranks * num_tokens, num_experts, topk, num_ranks, "minus_one")
+    pair = reference.quantize_fp8(dt.random_rows(8, (num_ranks * num_tokens, H)))
+
+    def layer(data, scales, idx, w):
+        (expert_data, expert_scales), layout, recv_w, handle = dej.dispatch_expert_major(
+            (data, scales), idx, w, num_experts=num_experts, buffer=buffer)
+        y = reference.dequantize_fp8(expert_data, expert_scales).astype(jnp.bfloat16)
+        out = dej.combine_expert_major(y, recv_w, layout, handle, buffer=buffer)
+        (local_data, _), local = dej.expand((data, scales), jnp.where(idx < 2, idx, -1), num_local_experts=2)
+        return out, dej.reduce(local_data.astype(jnp.bfloat16), w, local)
+
+    def grads(check_vma):
+        f = dt.per_rank(layer, mesh, "ep", check_vma=check_vma)
+        loss = lambda *a: sum(jnp.sum(o.astype(jnp.float32)) for o in f(*a))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 3)))(*pair, jnp.asarray(idx), jnp.asarray(w))
+
+    (g_data, g_scales, g_w), want = grads(True), grads(False)
+    assert g_data.dtype == jnp.float8_e4m3fn and not np.asarray(g_data, np.float32).any()
+    assert not np.asarray(g_scales).any() and np.abs(np.asarray(g_w)).max() > 0
+    np.testing.assert_array_equal(np.asarray(g_w), np.asarray(want[2]))
+
+
 def _fp8_rows_layer(buffer, num_experts, alignment, num_rows, fp8_rows, weight_grad):
     """One rank's layer on FP8 matmuls: dispatch_expert_major (rows sent as FP8 with fp8_rows, or bf16 and
     quantized inside grouped_matmul), a grouped matmul per local expert, combine_expert_major; with buffer

@@ -17,7 +17,7 @@ from deep_ep_jax.backends import reference
 H, F = 16, 8
 
 
-def _sharded_loss(buffer, num_experts, num_worst_tokens=None):
+def _sharded_loss(buffer, num_experts, num_worst_tokens=None, check_vma=False):
     def per_rank(x, idx, w, experts, probe):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(
             x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
@@ -29,7 +29,7 @@ def _sharded_loss(buffer, num_experts, num_worst_tokens=None):
         out, out_w = dej.combine(rows.astype(jnp.bfloat16), handle, recv_w, buffer=buffer)
         return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * probe) + jnp.sum(out_w * probe[:, :1] ** 2), "ep")
 
-    return jax.jit(jax.shard_map(per_rank, mesh=buffer.mesh, in_specs=P("ep"), out_specs=P(), check_vma=False))
+    return jax.jit(jax.shard_map(per_rank, mesh=buffer.mesh, in_specs=P("ep"), out_specs=P(), check_vma=check_vma))
 
 
 def _dense_loss(x, idx, w, experts, probe):
@@ -73,11 +73,12 @@ def test_grad_matches_dense(num_ranks, kind):
     assert (np.asarray(grads[0], np.float32)[unsent.all(axis=1)] == 0).all()
 
 
+@pytest.mark.parametrize("check_vma", [False, True])
 @pytest.mark.parametrize("kind", ["random", "minus_one"])
-def test_grad_fp8_rows(kind):
-    """FP8 rows carry no gradient (zeros of the pair's shapes and dtypes);
-    the weights and the experts get the dense maths' gradients, with x the
-    dequantised FP8 rows."""
+def test_grad_fp8_rows(kind, check_vma):
+    """FP8 rows carry no gradient (zeros of the pair's shapes and dtypes,
+    typed as the pair under check_vma); the weights and the experts get the
+    dense maths' gradients, with x the dequantised FP8 rows."""
     num_ranks, num_tokens, num_experts, topk, hidden = 4, 8, 16, 3, 256  # FP8 needs hidden % 128 == 0
     mesh = dt.ep_mesh(num_ranks, platform="cpu")
     buffer = dej.Buffer(mesh, "ep", backend="xla")
@@ -87,7 +88,7 @@ def test_grad_fp8_rows(kind):
     experts = dt.random_rows(33, (num_experts, hidden, F), jnp.float32) * 0.1
     probe = dt.random_rows(34, (num_ranks * num_tokens, F), jnp.float32)
 
-    loss = _sharded_loss(buffer, num_experts)
+    loss = _sharded_loss(buffer, num_experts, check_vma=check_vma)
     value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
     dense_x = reference.dequantize_fp8(*x)
     want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(2, 3))(dense_x, idx, w, experts, probe)

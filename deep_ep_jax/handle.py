@@ -29,7 +29,7 @@ class DispatchHandle:
     recv_src_idx: jax.Array  # int32 [N]: source token of each received row; -1 for padding
     recv_src_rank: jax.Array  # int32 [N]: source rank of each received row; -1 for padding
     num_recv_tokens: jax.Array  # int32 []: valid rows, [0, num_recv_tokens)
-    num_recv_tokens_per_expert: jax.Array  # int32 [E/R]: valid rows holding each local expert
+    num_recv_tokens_per_expert: jax.Array  # int32 [E/R]: (row, k) entries of valid rows naming each local expert
     num_dropped_tokens: jax.Array  # int32 []: rows beyond num_worst_tokens, dropped (0 unless overflow)
 
     @property

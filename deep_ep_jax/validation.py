@@ -69,6 +69,13 @@ def check_buffer(buffer, fn):
     if not here.empty and dict(here.shape) != made:
         raise ValueError(f"{fn}: the shard_map here is over a mesh of axes {dict(here.shape)}, but the buffer was "
                          f"made on one of axes {made}; make the Buffer on the mesh its shard_map uses")
+    # Each device runs the kernels as its own rank: axes left to the compiler (shard_map's axis_names)
+    # would let it place the work of one call on other devices.
+    manual = set(getattr(here, "manual_axes", here.axis_names))
+    if not here.empty and manual != set(here.axis_names):
+        raise ValueError(f"{fn}: the shard_map here is manual over {sorted(manual)} of the mesh's axes "
+                         f"{list(here.axis_names)}; deep_ep_jax needs every axis manual (leave out shard_map's "
+                         f"axis_names)")
 
 
 def check_num_experts(num_experts, buffer, fn):

@@ -140,16 +140,25 @@ def default_capacity(num_rows: int, topk: int, num_local_experts: int) -> int:
     return -(-2 * mean // 128) * 128
 
 
-def capacity_overflow(topk_idx, num_experts: int, capacity: int):
+def _pairs_per_expert(topk_idx, num_experts: int, num_groups: int):
+    """int32 [num_groups, E]: the pairs each expert-parallel group routes to
+    each expert, topk_idx [T, K] being all tokens' routing split in order
+    over the groups."""
+    idx = jnp.asarray(topk_idx).reshape(num_groups, -1)
+    valid = (idx >= 0) & (idx < num_experts)
+    counts = jax.vmap(lambda i: jnp.bincount(i, length=num_experts + 1))(jnp.where(valid, idx, num_experts))
+    return counts[:, :num_experts]
+
+
+def capacity_overflow(topk_idx, num_experts: int, capacity: int, num_groups: int = 1):
     """(row, expert) pairs the capacity path drops, summed over all ranks.
 
-    topk_idx: int32 [T, K] global routing of all tokens. Each rank receives,
-    for each of its experts, every pair routed to it (dispatch drops nothing
-    at its default size), so expert e gets bincount(topk_idx)[e] pairs."""
-    idx = jnp.asarray(topk_idx).reshape(-1)
-    valid = (idx >= 0) & (idx < num_experts)
-    counts = jnp.bincount(jnp.where(valid, idx, num_experts), length=num_experts + 1)[:num_experts]
-    return jnp.sum(jnp.maximum(counts - capacity, 0))
+    topk_idx: int32 [T, K] routing of all tokens, split in order over
+    num_groups expert-parallel groups (num_groups: the size of the "data"
+    axis). Each rank receives, for each of its experts, every pair its group
+    routes to it (dispatch drops nothing at its default size), and keeps the
+    first `capacity`."""
+    return jnp.sum(jnp.maximum(_pairs_per_expert(topk_idx, num_experts, num_groups) - capacity, 0))
 
 
 def _take(a, index):
@@ -312,10 +321,7 @@ def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows
     to experts [r * L, (r + 1) * L) (dispatch drops nothing at its default
     size); expert e's group of rows starts after the earlier ones, each
     rounded up to `alignment`, and its pairs from row expert_rows on are dropped."""
-    idx = jnp.asarray(topk_idx).reshape(num_groups, -1)
-    valid = (idx >= 0) & (idx < num_experts)
-    counts = jax.vmap(lambda i: jnp.bincount(i, length=num_experts + 1))(jnp.where(valid, idx, num_experts))
-    counts = counts[:, :num_experts].reshape(num_groups, num_ranks, -1)  # [groups, R, L]
+    counts = _pairs_per_expert(topk_idx, num_experts, num_groups).reshape(num_groups, num_ranks, -1)  # [groups, R, L]
     aligned = -(-counts // alignment) * alignment
     start = jnp.cumsum(aligned, axis=-1) - aligned
     kept = jnp.clip(expert_rows - start, 0, counts)

@@ -314,6 +314,20 @@ def test_capacity_drops_pairs_past_capacity():
     assert (np.asarray(g[1])[kept_idx < 0] == 0).all()  # a dropped pair's weight gets no gradient
 
 
+def test_capacity_overflow_per_group():
+    """On a (data, expert) mesh each expert-parallel group fills its experts'
+    capacity on its own: its tokens (a contiguous part of topk_idx) are
+    counted apart from the other groups'."""
+    num_groups, num_experts, capacity = 2, 8, 3
+    idx, _ = dt.make_routing(40, 64, num_experts, K, 4, "minus_one")
+    want = 0
+    for group in np.split(idx, num_groups):
+        counts = np.bincount(group[group >= 0], minlength=num_experts)
+        want += int(np.maximum(counts - capacity, 0).sum())
+    assert int(ml.capacity_overflow(jnp.asarray(idx), num_experts, capacity, num_groups=num_groups)) == want
+    assert int(ml.capacity_overflow(jnp.asarray(idx), num_experts, capacity)) > want  # one group of all tokens
+
+
 def _layer_inputs(layer_seed, x_seed, hidden=H):
     """(buffer, x, (router, w_in, w_out)): a top-2 MoE of 2 experts per rank on the CPU mesh, global x."""
     mesh = _mesh()

@@ -203,6 +203,18 @@ def test_buffer_of_a_mesh_with_other_axes(buffer):
         run.trace(*(jnp.concatenate([a, a]) for a in (x, idx, w)))
 
 
+@pytest.mark.parametrize("jit", [True, False])
+def test_shard_map_manual_over_some_axes(jit):
+    """shard_map(axis_names={'ep'}) on a ('data', 'ep') mesh leaves 'data' to the compiler; refused at
+    trace time naming the fix (JAX itself failed there with a bare AssertionError)."""
+    wide = jax.sharding.Mesh(np.array(jax.devices("cpu")).reshape(2, R), ("data", "ep"))
+    buffer = dej.Buffer(wide, "ep", backend="xla")
+    run = jax.shard_map(_dispatch(buffer), mesh=wide, in_specs=P("ep"), out_specs=P("ep"), axis_names={"ep"})
+    with pytest.raises(ValueError, match=r"^dispatch: the shard_map here is manual over \['ep'\] of the mesh's axes "
+                                         r"\['data', 'ep'\]; deep_ep_jax needs every axis manual"):
+        (jax.jit(run) if jit else run)(*_inputs())
+
+
 def test_bad_backend_and_buffer_args(mesh):
     with pytest.raises(ValueError, match="backend must be one of"):
         dej.Buffer(mesh, "ep", backend="tpu")

@@ -51,7 +51,7 @@ def combine(rows, num_hosts, partial_dtype):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     rng = np.random.default_rng(0)

@@ -17,6 +17,7 @@ w_out's) with DEFAULT_ALIGNED_TILES.fp8. --tiles "HopperTiles(...)" replaces an 
 
 from __future__ import annotations
 
+import argparse
 import ast
 import sys
 
@@ -77,13 +78,18 @@ def parse_tiles(text):
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    kernels = parser.add_mutually_exclusive_group()
+    kernels.add_argument("--fp8-weight-grad", action="store_true", help="the two FP8 weight gradients")
+    kernels.add_argument("--fp8-forward", action="store_true", help="the two FP8 forwards")
+    parser.add_argument("--tiles", help='an FP8 kernel\'s tiles, "HopperTiles(...)" as fp8_gemm_sweep.py prints them')
+    args = parser.parse_args()
+    tiles = parse_tiles(args.tiles) if args.tiles else None
     if reason := sweep.not_hopper():
         sys.exit(f"ncu_grouped_gemm.py: {reason}")
-    args = sys.argv[1:]
-    tiles = parse_tiles(args[args.index("--tiles") + 1]) if "--tiles" in args else None
-    if "--fp8-weight-grad" in args:
+    if args.fp8_weight_grad:
         fp8_kernels("weight_grad", tiles)
-    elif "--fp8-forward" in args:
+    elif args.fp8_forward:
         fp8_kernels("forward", tiles)
     else:
         bf16_kernels()

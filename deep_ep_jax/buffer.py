@@ -161,6 +161,7 @@ class Buffer:
         else:
             self.rank_hosts = _reference_hosts(mesh, axis_name, self.config, self.low_latency_mode)
             self.num_nodes = max(self.rank_hosts) + 1
+            self.spans_hosts = self.num_nodes > 1
         # xla backend, Config.count_traffic: {rank: {op: counters}}
         self._reference_traffic: dict[int, dict[str, dict[str, int]]] = {}
         self.ops = _ops(self.backend, self.spans_hosts)
@@ -230,7 +231,9 @@ class Buffer:
     # Lifecycle ------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Frees the device memory. Calls that use the buffer afterwards fail."""
+        """Frees the device memory. Calls traced afterwards fail at trace time; on
+        the CUDA backend a program compiled before fails when run (the xla backend
+        holds no memory: there such a program still runs)."""
         if self._destroyed:
             return
         self._destroyed = True
@@ -238,6 +241,12 @@ class Buffer:
             from deep_ep_jax.backends.cuda import lifecycle
 
             lifecycle.destroy(self)
+
+    def __copy__(self) -> Buffer:
+        return self  # a handle to device memory: a copy freeing it would free the original's
+
+    def __deepcopy__(self, memo: dict) -> Buffer:
+        return self
 
     def __enter__(self) -> Buffer:
         return self

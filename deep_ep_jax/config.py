@@ -23,6 +23,9 @@ them without touching code:
                              0: normal-mode dispatch and combine across hosts
                              run their send and forward stages one after the
                              other (default 1: pipelined by chunk; for A/B)
+  DEEP_EP_JAX_STAGED         1: one host's normal mode lands rows in the Buffer
+                             first, as across processes (read when a CUDA
+                             Buffer is made; for A/B and tests)
 
 Unset or empty means the default; a value that does not parse is a ValueError
 naming the variable.
@@ -96,6 +99,19 @@ def _env_bool(name: str, default: bool) -> bool:
     return _env(name, default, _parse_bool, "one of 1/true/yes/on or 0/false/no/off")
 
 
+# The variable of each Config field that has one, for messages on values read from it.
+_ENV_VARS = dict(num_sms="DEEP_EP_JAX_NUM_SMS", timeout_s="DEEP_EP_JAX_TIMEOUT_S",
+                 low_latency_overlap_sms="DEEP_EP_JAX_LL_OVERLAP_SMS", gpus_per_host="DEEP_EP_JAX_GPUS_PER_HOST")
+
+
+def _from_env(var: str, value) -> bool:
+    """Whether `value` is what environment variable `var` holds (so it most likely came from there)."""
+    try:
+        return float(os.environ.get(var, "").strip()) == value
+    except ValueError:
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
@@ -145,18 +161,20 @@ class Config:
             raise TypeError(f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} "
                             f"{self.timeout_s!r}")
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).
-        if self.num_sms < 1:
-            raise ValueError(f"Config.num_sms must be >= 1, got {self.num_sms}")
-        if self.chunk_tokens < 1:
-            raise ValueError(f"Config.chunk_tokens must be >= 1, got {self.chunk_tokens}")
-        if self.num_warps < 1:
-            raise ValueError(f"Config.num_warps must be >= 1, got {self.num_warps}")
-        if not (0 < self.timeout_s <= 3600):
-            raise ValueError(f"Config.timeout_s must be in (0, 3600], got {self.timeout_s}")
-        if self.low_latency_overlap_sms < 0:
-            raise ValueError(f"Config.low_latency_overlap_sms must be >= 0, got {self.low_latency_overlap_sms}")
-        if self.gpus_per_host is not None and self.gpus_per_host < 1:
-            raise ValueError(f"Config.gpus_per_host must be >= 1 or None, got {self.gpus_per_host}")
+        # Waits count whole milliseconds (the key-value store's) or nanoseconds: under 1 ms none could finish.
+        for name, ok, requirement in (
+            ("num_sms", self.num_sms >= 1, ">= 1"),
+            ("chunk_tokens", self.chunk_tokens >= 1, ">= 1"),
+            ("num_warps", self.num_warps >= 1, ">= 1"),
+            ("timeout_s", 0.001 <= self.timeout_s <= 3600, "in [0.001, 3600]"),
+            ("low_latency_overlap_sms", self.low_latency_overlap_sms >= 0, ">= 0"),
+            ("gpus_per_host", self.gpus_per_host is None or self.gpus_per_host >= 1, ">= 1 or None"),
+        ):
+            if not ok:
+                value = getattr(self, name)
+                var = _ENV_VARS.get(name)
+                source = f" (from {var}={os.environ[var].strip()!r})" if var and _from_env(var, value) else ""
+                raise ValueError(f"Config.{name} must be {requirement}, got {value}{source}")
 
     @property
     def timeout_ns(self) -> int:

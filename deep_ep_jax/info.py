@@ -8,6 +8,7 @@ standard cases need. Works on a CPU-only machine without the extension.
 
 from __future__ import annotations
 
+import argparse
 import glob
 import importlib
 import importlib.metadata
@@ -121,7 +122,8 @@ def print_large_ep_sizes():
               f"per GPU")
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(prog="python -m deep_ep_jax.info", description=__doc__.split("\n\n")[1]).parse_args(argv)
     import jax
 
     from deep_ep_jax import _native

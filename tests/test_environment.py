@@ -82,14 +82,21 @@ def test_unparsable_value_names_the_variable(monkeypatch, name, value):
 
 @pytest.mark.parametrize("name, value, match", [
     ("DEEP_EP_JAX_NUM_SMS", "0", r"Config.num_sms must be >= 1, got 0"),
-    ("DEEP_EP_JAX_TIMEOUT_S", "0", r"Config.timeout_s must be in \(0, 3600\], got 0.0"),
+    ("DEEP_EP_JAX_TIMEOUT_S", "0", r"Config.timeout_s must be in \[0.001, 3600\], got 0.0"),
     ("DEEP_EP_JAX_LL_OVERLAP_SMS", "-1", r"Config.low_latency_overlap_sms must be >= 0, got -1"),
     ("DEEP_EP_JAX_GPUS_PER_HOST", "0", r"Config.gpus_per_host must be >= 1 or None, got 0"),
 ])
 def test_out_of_range_value_is_refused(monkeypatch, name, value, match):
-    monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match=match):
+    """The message names the variable the value came from (a user who never wrote a Config)."""
+    monkeypatch.setenv(name, f" {value} ")
+    with pytest.raises(ValueError, match=f"^{match} \\(from {name}='{value}'\\)$"):
         dej.Config()
+
+
+def test_out_of_range_value_passed_names_no_variable(monkeypatch):
+    monkeypatch.setenv("DEEP_EP_JAX_NUM_SMS", "8")
+    with pytest.raises(ValueError, match=r"^Config.num_sms must be >= 1, got 0$"):
+        dej.Config(num_sms=0)
 
 
 def test_checks_variable_turns_checks_on():
@@ -114,11 +121,17 @@ def test_checks_variable_turns_checks_on():
         checked(bad)
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("on", True), ("0", False), ("no", False)])
+@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("on", True), ("0", False), ("no", False),
+                                             ("enable", None), ("2", None)])
 def test_staged_variable(monkeypatch, value, expected):
+    """Spelled as the other flags; anything else is an error naming it (not off)."""
     assert intranode.staged_requested() is False
     monkeypatch.setenv(intranode.STAGED_ENV, value)
-    assert intranode.staged_requested() is expected
+    if expected is None:
+        with pytest.raises(ValueError, match=f"^environment variable DEEP_EP_JAX_STAGED='{value}' is not one of"):
+            intranode.staged_requested()
+    else:
+        assert intranode.staged_requested() is expected
 
 
 def test_local_device_variable(monkeypatch):

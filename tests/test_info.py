@@ -20,3 +20,14 @@ def test_info_on_cpu_says_there_is_no_gpu():
     assert "EP groups across hosts: need GPUs (none here)" in out, out
     assert 'Buffer(backend="auto") -> "xla"' in out, out
     assert "== buffer sizes for the standard cases" in out, out
+
+
+def test_info_help_and_unknown_options():
+    """--help prints what the command does (not the report); an unknown option is an error."""
+    run = [sys.executable, "-m", "deep_ep_jax.info"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    result = subprocess.run(run + ["--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and "usage: python -m deep_ep_jax.info" in result.stdout, result.stdout
+    assert "== versions" not in result.stdout
+    result = subprocess.run(run + ["--no-such-option"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2 and "unrecognized arguments: --no-such-option" in result.stderr, result.stderr

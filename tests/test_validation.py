@@ -244,7 +244,8 @@ def test_bad_backend_and_buffer_args(mesh):
     ("gpus_per_host", 2.5, TypeError, "Config.gpus_per_host must be an int or None, got float 2.5"),
     ("timeout_s", "10", TypeError, "Config.timeout_s must be a number of seconds, got str '10'"),
     ("num_sms", 0, ValueError, "Config.num_sms must be >= 1"),
-    ("timeout_s", float("nan"), ValueError, r"Config.timeout_s must be in \(0, 3600\]"),
+    ("timeout_s", float("nan"), ValueError, r"Config.timeout_s must be in \[0.001, 3600\]"),
+    ("timeout_s", 0.0005, ValueError, r"Config.timeout_s must be in \[0.001, 3600\], got 0.0005$"),
 ])
 def test_config_fields(field, value, error, match):
     with pytest.raises(error, match=f"^{match}"):
@@ -256,6 +257,19 @@ def test_cuda_backend_unavailable_says_why(mesh):
     with pytest.raises(RuntimeError, match=r"Buffer\(backend='cuda'\) is not available: the mesh's devices are \['cpu'\]"):
         dej.Buffer(mesh, "ep", backend="cuda")
     assert dej.Buffer(mesh, "ep").backend == "xla"  # auto falls back on CPU
+
+
+def test_copies_of_a_buffer_are_the_buffer(mesh):
+    """A Buffer is a handle to device memory: a copy that could free it apart from the original would not do."""
+    import copy
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    assert copy.copy(buffer) is buffer and copy.deepcopy({"b": buffer})["b"] is buffer
+
+
+def test_spans_hosts_on_the_xla_backend(mesh):
+    buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=2))
+    assert (buffer.num_nodes, buffer.spans_hosts) == (R // 2, True) and "spans_hosts=True" in repr(buffer)
+    assert not dej.Buffer(mesh, "ep", backend="xla").spans_hosts
 
 
 def test_use_after_destroy(mesh):

@@ -17,7 +17,6 @@ always staged: XLA's buffers of another process are out of reach.
 
 from __future__ import annotations
 
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +24,7 @@ import numpy as np
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import common
 from deep_ep_jax.backends.cuda.common import FfiTarget
+from deep_ep_jax.config import _env_bool
 
 DISPATCH = FfiTarget("deep_ep_jax_dispatch", common.DISPATCH_RESULTS)
 CACHED_DISPATCH = FfiTarget("deep_ep_jax_cached_dispatch", common.CACHED_DISPATCH_RESULTS)
@@ -36,7 +36,7 @@ STAGED_ENV = "DEEP_EP_JAX_STAGED"
 
 def staged_requested() -> bool:
     """Whether DEEP_EP_JAX_STAGED asks for staged mode (read when a Buffer is made)."""
-    return os.environ.get(STAGED_ENV, "0").lower() in ("1", "true", "yes", "on")
+    return _env_bool(STAGED_ENV, False)
 
 
 def _num_chunks(num_tokens, config) -> int:

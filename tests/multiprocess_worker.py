@@ -415,7 +415,7 @@ def case_shared_gpu(sequence_starts=(None,)):
     buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
                         num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=ll_tokens,
                         config=dej.Config(timeout_s=150))
-    if buffer.spans_hosts:  # DEEP_EP_JAX_GPUS_PER_HOST below R: normal mode runs the internode kernels
+    if buffer.spans_hosts and buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
     gpus_per_host = _gpus_per_host(buffer)

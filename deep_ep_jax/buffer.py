@@ -15,6 +15,7 @@ import jax
 
 from deep_ep_jax.backends import Ops
 from deep_ep_jax.config import TRAFFIC_FIELDS, Config, is_bool, is_int
+from deep_ep_jax.mesh import ep_groups
 
 BACKENDS = ("auto", "cuda", "xla")
 _keys = itertools.count()  # Buffer.key: unlike id(), never reused by a later Buffer
@@ -147,6 +148,9 @@ class Buffer:
         self.rank_hosts = (0,) * self.num_ranks
         self.num_send_bytes = 0  # its send area (rows staged for other hosts)
         self.store_key = None  # a multi-process Buffer's keys in the jax.distributed store
+        # Device ids of each EP group in rank order: a program's mesh must give every device the same rank
+        # and peers (validation.same_mesh).
+        self.ep_groups = ep_groups(mesh, axis_name)
 
         devices = list(mesh.devices.flat)
         reason = _cuda_unavailable_reason(devices)

@@ -11,13 +11,26 @@ Routing kinds (global arrays [R * T, K], rank r holds rows [r*T, (r+1)*T)):
 
 from __future__ import annotations
 
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from deep_ep_jax.config import Config
+
 ROUTING_KINDS = ("random", "one_expert", "rank_empty", "minus_one", "out_of_range")
+
+
+def stand_in_cuda_buffer(num_ranks, **fields):
+    """What the CUDA backend's operations read of a Buffer, for checking on a
+    machine without GPUs what they trace and refuse (one EP group of device
+    ids 0..R-1 on one host; `fields` override any of it)."""
+    defaults = dict(num_ranks=num_ranks, axis_name="ep", buffer_id=1, backend="cuda", config=Config(),
+                    num_nodes=1, spans_hosts=False, staged=False, ipc=False, num_nvl_bytes=0, num_rdma_bytes=0,
+                    num_send_bytes=0, ep_groups=(tuple(range(num_ranks)),))
+    return types.SimpleNamespace(**{**defaults, **fields})
 
 
 def make_routing(seed, num_tokens, num_experts, topk, num_ranks, kind="random"):

@@ -20,6 +20,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend;
                SHARED_GPU_SIZE=standard: at DeepEP's standard sizes (low latency: whole
                calls and split halves)
+               SHARED_GPU_MESH_ORDER=reversed: the mesh's ranks in reverse process order
+  mesh_order   a Buffer under a shard_map over its mesh's devices in another order: every
+               operation refused when lowered, every process (CPU or GPU; ranks may share one)
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
                numbers (staged one-host kernels, or internode ones across emulated hosts)
   shared_gpu_order independent round trips in one program (only the order chain orders
@@ -326,6 +329,9 @@ def _one_rank_per_process():
     num_ranks = jax.device_count()
     assert len(jax.local_devices()) == 1, jax.local_devices()
     mesh = dt.ep_mesh(num_ranks, AXIS, platform=platform)
+    if os.environ.get("SHARED_GPU_MESH_ORDER") == "reversed":  # ranks in another order than the processes'
+        mesh = jax.sharding.Mesh(mesh.devices[::-1], (AXIS,))
+        log(f"mesh in reverse process order: device ids {[d.id for d in mesh.devices.flat]}")
     rank = [d.process_index for d in mesh.devices.flat].index(jax.process_index())
     rng = np.random.default_rng(int(os.environ[launch.COORDINATOR_VAR].rsplit(":", 1)[1]))
     return platform, num_ranks, mesh, rank, rng
@@ -625,6 +631,54 @@ def case_shared_gpu_moe_layer():
                     errors.append(_assert_close(g, w, what, rel=3e-2))
             log(f"shared_gpu_moe_layer {kind} fp8={fp8}: ok (errors of y and the 4 gradients: "
                 f"{', '.join(f'{e:.2g}' for e in errors)})")
+    buffer.destroy()
+
+
+def case_mesh_order():
+    """A Buffer used under a shard_map over a mesh of the same axes whose
+    devices are in another order: every operation refuses it when the program
+    is lowered, on every process, before any row moves (no XLA collective:
+    ranks may share a GPU). With launch --cpu, the xla backend's refusal."""
+    platform, num_ranks, mesh, _, _ = _one_rank_per_process()
+    other = jax.sharding.Mesh(mesh.devices[::-1], (AXIS,))
+    hidden, topk, num_experts, tokens = 256, 2, 2 * num_ranks, 8
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=tokens)
+    log(f"mesh_order: {buffer}")
+    x = jax.ShapeDtypeStruct((num_ranks * tokens, hidden), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.int32)
+    w = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.float32)
+    ll = dict(num_experts=num_experts, num_max_dispatch_tokens_per_rank=tokens, buffer=buffer)
+
+    def normal(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        return dej.combine(recv_x, handle, recv_w, buffer=buffer)
+
+    def low_latency(x, idx, w):
+        recv_x, _, handle = dej.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+        return dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
+
+    def halves(x, idx, w):
+        recv_x, _, handle = dej.low_latency_dispatch_recv(dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll),
+                                                        buffer=buffer)
+        return dej.low_latency_combine_recv(dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer),
+                                            buffer=buffer)
+
+    def backward(x, idx, w):  # only the gradient communicates: the forward's results are unused
+        return jax.grad(lambda x: normal(x, idx, w)[0].astype(jnp.float32).sum())(x)
+
+    ids = [d.id for d in mesh.devices.flat]
+    want = f"is {ids[::-1]} there, {ids} in the Buffer's"
+    for name, fn in (("normal", normal), ("low_latency", low_latency), ("halves", halves), ("backward", backward)):
+        jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(x, idx, w)  # the Buffer's own mesh lowers
+        try:
+            jax.jit(_per_rank(fn, other, AXIS, jit=False)).lower(x, idx, w)
+        except ValueError as e:
+            assert "orders the devices otherwise" in str(e) and want in str(e), (name, str(e))
+            log(f"mesh_order {name}: refused ({str(e)[:160]}...)")
+        else:
+            raise AssertionError(f"mesh_order {name}: a shard_map over {other.devices} lowered with a Buffer of "
+                                 f"{mesh.devices}")
     buffer.destroy()
 
 
@@ -1100,6 +1154,7 @@ CASES = {
     "hosts": case_hosts,
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
+    "mesh_order": case_mesh_order,
     "shared_gpu_order": case_shared_gpu_order,
     "shared_gpu_teardown": case_shared_gpu_teardown,
     "shared_gpu_moe_layer": case_shared_gpu_moe_layer,

@@ -5,7 +5,6 @@ marked `extension` lowers a CUDA call to see the values in its attributes."""
 
 import pathlib
 import re
-import types
 
 import jax
 import jax.numpy as jnp
@@ -161,8 +160,7 @@ def test_launch_variables_reach_the_kernels(monkeypatch):
     of the CUDA dispatch (through the Config a Buffer makes)."""
     monkeypatch.setenv("DEEP_EP_JAX_NUM_SMS", "7")
     monkeypatch.setenv("DEEP_EP_JAX_TIMEOUT_S", "2.5")
-    buffer = types.SimpleNamespace(buffer_id=1, num_ranks=2, axis_name="ep", config=dej.Config(), backend="cuda",
-                                   num_nvl_bytes=1 << 16, staged=False, ipc=False, spans_hosts=False)
+    buffer = dt.stand_in_cuda_buffer(2, num_nvl_bytes=1 << 16)
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
     idx, w = jax.ShapeDtypeStruct((16, 4), jnp.int32), jax.ShapeDtypeStruct((16, 4), jnp.float32)
 
@@ -182,10 +180,9 @@ def test_internode_pipeline_variable_reaches_the_kernels(monkeypatch, value, exp
     if value is not None:
         monkeypatch.setenv("DEEP_EP_JAX_INTERNODE_PIPELINE", value)
     num_ranks, num_nodes, tokens, hidden, topk = 4, 2, 16, 256, 4
-    buffer = types.SimpleNamespace(buffer_id=1, num_ranks=num_ranks, num_nodes=num_nodes, axis_name="ep",
-                                   config=dej.Config(), backend="cuda", staged=False, ipc=False, spans_hosts=True,
-                                   num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens,
-                                                                              topk))
+    buffer = dt.stand_in_cuda_buffer(num_ranks, num_nodes=num_nodes, spans_hosts=True,
+                                     num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens,
+                                                                                topk))
     x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
     idx, w = jax.ShapeDtypeStruct((tokens, topk), jnp.int32), jax.ShapeDtypeStruct((tokens, topk), jnp.float32)
 

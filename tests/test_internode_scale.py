@@ -5,14 +5,13 @@ dispatch, cached dispatch and combine, and a Buffer too large for its GPU
 failing at creation naming the bytes. The kernels run on GPUs in the worker
 case shared_gpu (tests/multiprocess_worker.py) with 16 processes."""
 
-import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import deep_ep_jax as dej
 from deep_ep_jax import _native
+from deep_ep_jax import testing as dt
 from deep_ep_jax.backends.cuda import internode, lifecycle, sizes
 
 extension = pytest.mark.extension
@@ -93,8 +92,7 @@ def test_sync_area_grows_with_the_group_only():
 
 
 def _fake_buffer(num_ranks, num_nodes, num_nvl_bytes):
-    return types.SimpleNamespace(num_ranks=num_ranks, num_nodes=num_nodes, buffer_id=1, backend="cuda",
-                                 num_nvl_bytes=num_nvl_bytes, config=dej.Config(), spans_hosts=True, staged=False)
+    return dt.stand_in_cuda_buffer(num_ranks, num_nodes=num_nodes, num_nvl_bytes=num_nvl_bytes, spans_hosts=True)
 
 
 @extension

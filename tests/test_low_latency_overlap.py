@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import deep_ep_jax as dej
+from deep_ep_jax import testing as dt
 from deep_ep_jax.backends.cuda import low_latency as cll
 from deep_ep_jax.backends.cuda import sizes
 
@@ -21,8 +22,8 @@ extension = pytest.mark.extension
 
 def _buffer(overlap_sms):
     region = sizes.low_latency_region_bytes(NUM_RANKS, NUM_EXPERTS, H, M, num_topk=K)
-    return types.SimpleNamespace(num_ranks=NUM_RANKS, buffer_id=1, backend="cuda", num_rdma_bytes=region,
-                                 spans_hosts=False, config=dej.Config(low_latency_overlap_sms=overlap_sms))
+    return dt.stand_in_cuda_buffer(NUM_RANKS, num_rdma_bytes=region,
+                                   config=dej.Config(low_latency_overlap_sms=overlap_sms))
 
 
 def _step(send_buffer, recv_buffer):

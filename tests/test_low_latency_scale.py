@@ -5,14 +5,13 @@ too large group is refused (Buffer creation, trace time, the registry), and
 the low-latency sizes at 16..1024 ranks, from the extension's size queries
 against the layout of csrc/kernels/low_latency.h."""
 
-import types
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-import deep_ep_jax as dej
 from deep_ep_jax import _native, info
+from deep_ep_jax import testing as dt
 from deep_ep_jax.backends.cuda import (
     common,
     intranode,
@@ -70,9 +69,7 @@ def test_normal_mode_serves_up_to_its_ranks():
 
 def _fake_buffer(num_ranks, spans_hosts, **extra):
     """What the CUDA backend sees of a Buffer, for trace-time checks on CPU."""
-    return types.SimpleNamespace(num_ranks=num_ranks, num_nodes=2 if spans_hosts else 1, buffer_id=1, backend="cuda",
-                                 num_nvl_bytes=0, config=dej.Config(), spans_hosts=spans_hosts, staged=False,
-                                 **extra)
+    return dt.stand_in_cuda_buffer(num_ranks, num_nodes=2 if spans_hosts else 1, spans_hosts=spans_hosts, **extra)
 
 
 @extension

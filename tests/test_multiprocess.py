@@ -56,11 +56,13 @@ def test_shared_gpu_case_on_cpu():
     """The worker case the GPU scale tests run (tests/gpu/test_scale_gpu.py),
     here on the xla backend, so that its inputs, oracle checks and NaN poison
     stay right between the GPU runs: normal mode, its cached dispatch, FP8
-    pairs, and low-latency mode whole and by halves."""
-    code, output, _ = _launch(2, [WORKER, "shared_gpu"])
+    pairs, and low-latency mode whole and by halves; and case mesh_order's
+    refusals."""
+    code, output, _ = _launch(2, [WORKER, "shared_gpu", "mesh_order"])
     assert code == 0, output[-4000:]
     for rank in range(2):
-        assert f"[rank {rank}] process {rank}/2: CASE shared_gpu OK" in output, output[-4000:]
+        for case in ("shared_gpu", "mesh_order"):
+            assert f"[rank {rank}] process {rank}/2: CASE {case} OK" in output, output[-4000:]
     # 4 routings x (bf16, FP8) x (whole, halves) low-latency checks per rank.
     assert output.count("shared_gpu low-latency ") == 2 * 16, output[-4000:]
 

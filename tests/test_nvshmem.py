@@ -120,8 +120,7 @@ def test_refuses_hosts_of_unequal_sizes(monkeypatch):
 
 def _fake_internode_buffer(num_ranks, num_nodes, num_nvl_bytes):
     """What the CUDA backend sees of a Buffer across hosts, for trace-time checks on CPU."""
-    return types.SimpleNamespace(num_ranks=num_ranks, num_nodes=num_nodes, buffer_id=1, backend="cuda",
-                                 num_nvl_bytes=num_nvl_bytes, config=dej.Config(), spans_hosts=True)
+    return testing.stand_in_cuda_buffer(num_ranks, num_nodes=num_nodes, num_nvl_bytes=num_nvl_bytes, spans_hosts=True)
 
 
 def _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts, dtype=jnp.bfloat16):

@@ -203,6 +203,74 @@ def test_buffer_of_a_mesh_with_other_axes(buffer):
         run.trace(*(jnp.concatenate([a, a]) for a in (x, idx, w)))
 
 
+def _round_trips(buffer, num_tokens):
+    """Every operation that exchanges rows, each a function of (x, idx, w) per rank."""
+    ll = dict(num_experts=E, num_max_dispatch_tokens_per_rank=num_tokens, buffer=buffer)
+
+    def normal(x, idx, w):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+        return dej.combine(recv_x, handle, recv_w, buffer=buffer)
+
+    def low_latency(x, idx, w):
+        recv_x, _, handle = dej.low_latency_dispatch(x, idx, use_fp8=False, **ll)
+        return dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
+
+    def halves(x, idx, w):
+        recv_x, _, handle = dej.low_latency_dispatch_recv(dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll),
+                                                        buffer=buffer)
+        return dej.low_latency_combine_recv(dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer),
+                                            buffer=buffer)
+
+    def backward(x, idx, w):  # only the gradient's communication is used
+        return jax.grad(lambda x: normal(x, idx, w)[0].astype(jnp.float32).sum())(x)
+
+    return dict(normal=normal, low_latency=low_latency, halves=halves, backward=backward)
+
+
+@pytest.mark.parametrize("op", ["normal", "low_latency", "halves", "backward"])
+def test_buffer_of_a_mesh_in_another_device_order(mesh, op):
+    """A shard_map over the buffer's mesh's devices in another order (as jax.make_mesh and a reshape of
+    jax.devices() can give): a device's rank would differ between the kernels and axis_index, so tokens
+    would reach other ranks' experts (seen on the CUDA backend). Refused when the program is lowered, on
+    every backend alike (the worker case mesh_order checks the CUDA backend across processes)."""
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    fn = _round_trips(buffer, T)[op]
+    other = jax.sharding.Mesh(mesh.devices[[1, 0, 2, 3]], ("ep",))
+    ids = [d.id for d in mesh.devices.flat]
+    _trace(mesh, fn, *_inputs())  # the buffer's own mesh
+    with pytest.raises(ValueError, match=rf"the shard_map's mesh orders the devices otherwise than the Buffer's mesh: "
+                                         rf"an EP group \(device ids in rank order along 'ep'\) is "
+                                         rf"\[{ids[1]}, {ids[0]}, {ids[2]}, {ids[3]}\] there, "
+                                         rf"\[{ids[0]}, {ids[1]}, {ids[2]}, {ids[3]}\] in the Buffer's"):
+        _trace(other, fn, *_inputs())
+
+
+def test_buffer_mesh_with_its_groups_in_another_order():
+    """A ('data', 'ep') mesh with its EP groups swapped along 'data' keeps each device's rank and peers: accepted,
+    and the results are the buffer's own mesh's; a rank moved inside a group is refused."""
+    devices = np.array(jax.devices("cpu")).reshape(2, R)
+    made = jax.sharding.Mesh(devices, ("data", "ep"))
+    swapped = jax.sharding.Mesh(devices[::-1], ("data", "ep"))
+    buffer = dej.Buffer(made, "ep", backend="xla")
+    fn = _round_trips(buffer, T)["normal"]
+    x, idx, w = (jnp.concatenate([a, a[::-1]]) for a in _inputs())
+    tokens = P(("data", "ep"))
+
+    def run(mesh, x, idx, w):
+        out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=tokens, out_specs=tokens))(x, idx, w)
+        return jax.device_get(out)
+
+    want = run(made, x, idx, w)
+    # The swapped mesh gives group 0's tokens to group 1's devices: feed each group its own tokens.
+    half = R * T
+    got = run(swapped, *(jnp.concatenate([a[half:], a[:half]]) for a in (x, idx, w)))
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.concatenate([b[half:], b[:half]]), a)
+    moved = jax.sharding.Mesh(devices[:, [0, 2, 1, 3]], ("data", "ep"))
+    with pytest.raises(ValueError, match="orders the devices otherwise"):
+        run(moved, x, idx, w)
+
+
 @pytest.mark.parametrize("jit", [True, False])
 def test_shard_map_manual_over_some_axes(jit):
     """shard_map(axis_names={'ep'}) on a ('data', 'ep') mesh leaves 'data' to the compiler; refused at

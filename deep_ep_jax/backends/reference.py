@@ -25,6 +25,7 @@ from jax import lax
 
 from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
 from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
+from deep_ep_jax.mesh import same_mesh
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -70,9 +71,11 @@ def _recv_slots(rank_prefix_matrix, rank, num_rows, num_tokens):
     return jnp.where(valid, slot, 0), jnp.where(valid, src_rank, -1), valid
 
 
-def _exchange(tree, axis_name):
-    """all_to_all of [R, ...] blocks: block r goes to rank r."""
-    return jax.tree.map(lambda a: lax.all_to_all(a, axis_name, 0, 0), tree)
+def _exchange(tree, buffer):
+    """all_to_all of [R, ...] blocks: block r goes to rank r (of the Buffer's
+    mesh, which the program's must order alike, as on the CUDA backend)."""
+    exchange = lambda a: lax.all_to_all(a, buffer.axis_name, 0, 0)
+    return jax.tree.map(lambda a: same_mesh(exchange(a), buffer, "deep_ep_jax (xla backend)"), tree)
 
 
 def _as_bits(a):
@@ -99,7 +102,7 @@ def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
         payload["idx"] = jnp.take_along_axis(local, order[:, :, None], axis=1)
     if topk_weights is not None:
         payload["w"] = topk_weights[order]
-    received = _exchange(payload, buffer.axis_name)
+    received = _exchange(payload, buffer)
     slot, _, valid = _recv_slots(handle.rank_prefix_matrix, rank, num_rows, num_tokens)
     flat = lambda a: a.reshape((num_ranks * num_tokens,) + a.shape[2:])[slot]
     recv_xs = tuple(_from_bits(flat(r), x.dtype) for r, x in zip(received["xs"], xs))
@@ -176,7 +179,7 @@ def combine(x, topk_weights, handle, *, buffer):
     payload = {"x": x[rows]}
     if topk_weights is not None:
         payload["w"] = topk_weights[rows]
-    back = _exchange(payload, axis)  # [r, j]: rank r's row for my j-th token sent to r
+    back = _exchange(payload, buffer)  # [r, j]: rank r's row for my j-th token sent to r
     # Sender side: sum the ranks' rows for each token, in rank order.
     pos_in_dest = jnp.cumsum(handle.is_token_in_rank, axis=0, dtype=jnp.int32) - 1
     valid = handle.send_pos >= 0
@@ -391,7 +394,7 @@ def low_latency_dispatch_send(x, topk_idx, *, num_experts, num_max_dispatch_toke
         "xs": tuple(jnp.broadcast_to(_as_bits(a)[None], (num_ranks,) + a.shape) for a in xs),
         "idx": jnp.where(on_rank, local, -1),
     }
-    received = _exchange(payload, buffer.axis_name)
+    received = _exchange(payload, buffer)
     recv_xs = tuple(_from_bits(r, a.dtype) for r, a in zip(received["xs"], xs))
     return _DispatchPending(recv_xs, received["idx"], num_experts, num_tokens)
 
@@ -436,7 +439,7 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     packed = jnp.arange(experts_per_rank * capacity, dtype=jnp.int32).reshape(experts_per_rank, capacity)
     inverse = jnp.zeros((num_ranks * max_tokens * topk,), jnp.int32).at[slot].set(packed, mode="drop")
     back = x.reshape(experts_per_rank * capacity, hidden)[inverse].reshape(num_ranks, max_tokens, topk, hidden)
-    back = _exchange(back, buffer.axis_name)
+    back = _exchange(back, buffer)
     return _CombinePending(back, topk_idx, topk_weights, experts_per_rank * num_ranks)
 
 

@@ -642,17 +642,9 @@ def test_command_buffers(mesh, buffers, tmp_path):
 # CPU: trace-time checks and the size hint ---------------------------------------
 
 
-class _FakeBuffer:
-    def __init__(self, num_ranks=2, num_nvl_bytes=1 << 16, config=None, staged=False):
-        self.buffer_id = 1
-        self.num_ranks = num_ranks
-        self.axis_name = AXIS
-        self.config = config or deep_ep_jax.Config()
-        self.backend = "cuda"
-        self.num_nvl_bytes = num_nvl_bytes
-        self.staged = staged
-        self.ipc = False
-        self.spans_hosts = False
+def _stand_in(num_ranks=2, num_nvl_bytes=1 << 16, config=None, staged=False):
+    return testing.stand_in_cuda_buffer(num_ranks, axis_name=AXIS, num_nvl_bytes=num_nvl_bytes,
+                                        config=config or deep_ep_jax.Config(), staged=staged)
 
 
 def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
@@ -667,39 +659,39 @@ def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
 def test_trace_checks_cpu():
     staged_region_bytes = _native.extension().staged_region_bytes
     x = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
-    recv_xs, recv_idx, _, handle = _trace_dispatch(_FakeBuffer(), x)
+    recv_xs, recv_idx, _, handle = _trace_dispatch(_stand_in(), x)
     assert recv_xs[0].shape == (32, 256) and recv_idx.shape == (32, 4) and handle.send_pos.shape == (16, 2)
     assert handle.num_recv_tokens_per_expert.shape == (4,)
     with pytest.raises(ValueError, match="multiple of 8"):
-        _trace_dispatch(_FakeBuffer(), jax.ShapeDtypeStruct((16, 260), jnp.bfloat16))
+        _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 260), jnp.bfloat16))
     with pytest.raises(ValueError, match="at most 8 ranks"):
-        _trace_dispatch(_FakeBuffer(num_ranks=16), x, num_experts=16)
+        _trace_dispatch(_stand_in(num_ranks=16), x, num_experts=16)
     with pytest.raises(ValueError, match="bf16 or FP8"):
-        _trace_dispatch(_FakeBuffer(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
+        _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
     with pytest.raises(ValueError, match="experts per rank|at most 4096"):
-        _trace_dispatch(_FakeBuffer(), x, num_experts=2 * 5000)
+        _trace_dispatch(_stand_in(), x, num_experts=2 * 5000)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(staged=True), x)
+        _trace_dispatch(_stand_in(staged=True), x)
     # 32 rows of 512 bytes, top-k 4, records for 16 tokens in chunks of Config.chunk_tokens.
     chunks = -(-16 // deep_ep_jax.Config().chunk_tokens)
     need = staged_region_bytes(32, 512, 0, 4, chunks)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need, staged=True), x)
+    _trace_dispatch(_stand_in(num_nvl_bytes=need, staged=True), x)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1, staged=True), x)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=need - 1), x)  # not staged: rows go to XLA's buffers
+        _trace_dispatch(_stand_in(num_nvl_bytes=need - 1, staged=True), x)
+    _trace_dispatch(_stand_in(num_nvl_bytes=need - 1), x)  # not staged: rows go to XLA's buffers
     # chunk_tokens 1: a record per token, more than chunks of 2.
     one = deep_ep_jax.Config(chunk_tokens=1)
     one_need = staged_region_bytes(32, 512, 0, 4, 16)
     assert one_need > need
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_dispatch(_FakeBuffer(num_nvl_bytes=one_need - 1, config=one, staged=True), x)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=one_need, config=one, staged=True), x)
+        _trace_dispatch(_stand_in(num_nvl_bytes=one_need - 1, config=one, staged=True), x)
+    _trace_dispatch(_stand_in(num_nvl_bytes=one_need, config=one, staged=True), x)
     # Combine needs no chunk records.
     combine_need = staged_region_bytes(32, 512, 0, 4, 0)
     assert combine_need < need
-    _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need, staged=True), 16, 32, 256, 4)
+    _trace_combine(_stand_in(num_nvl_bytes=combine_need, staged=True), 16, 32, 256, 4)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
-        _trace_combine(_FakeBuffer(num_nvl_bytes=combine_need - 1, staged=True), 16, 32, 256, 4)
+        _trace_combine(_stand_in(num_nvl_bytes=combine_need - 1, staged=True), 16, 32, 256, 4)
 
 
 def _trace_combine(buffer, num_tokens, num_rows, hidden, topk):
@@ -741,5 +733,5 @@ def test_region_hint_cpu():
     assert sizes.normal_region_bytes(2, 2048, 200, staged=True) > hint
     # A Buffer with the hint passes the trace-time check of such a dispatch.
     x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
-    _trace_dispatch(_FakeBuffer(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
+    _trace_dispatch(_stand_in(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
                     topk=16, num_experts=32)

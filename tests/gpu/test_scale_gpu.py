@@ -26,7 +26,10 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   order chain, under default and concurrent command-buffer scheduling
   (worker case shared_gpu_order), 1 x 2 and 2 x 1;
 * Buffers made, used and destroyed in a loop while peers still receive
-  (worker case shared_gpu_teardown), 1 x 2 and 2 x 1.
+  (worker case shared_gpu_teardown), 1 x 2 and 2 x 1;
+* a Buffer under a shard_map over its mesh's devices in another order
+  refused, and a mesh in reverse process order right (worker cases
+  mesh_order and shared_gpu), 1 x 2 and 2 x 1.
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -213,3 +216,15 @@ def test_destroy_right_after_use_with_ranks_sharing_gpus(num_hosts, ranks_per_ho
     their last receive) and destroyed across processes: each Buffer's results
     equal the first's and none stays alive (CUDA IPC 1 x 2, NVSHMEM 2 x 1)."""
     _run_hosts_case("shared_gpu_teardown", num_hosts, ranks_per_host, 240, "shared_gpu_teardown R={num_ranks}: ok")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1)])
+def test_mesh_in_another_device_order(num_hosts, ranks_per_host):
+    """A Buffer under a shard_map over its mesh's devices in another order is
+    refused when lowered, before any row moves (worker case mesh_order; it
+    gave wrong combine results before); a Buffer made on a mesh in reverse
+    process order and used there passes shared_gpu's checks against
+    tests/oracle.py: CUDA IPC (1 x 2) and NVSHMEM (2 x 1)."""
+    _run_hosts_case("mesh_order", num_hosts, ranks_per_host, 120, "mesh_order backward: refused")
+    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 200, "mesh in reverse process order",
+                    extra_env={"SHARED_GPU_MESH_ORDER": "reversed"})

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import _native, ordering
+from deep_ep_jax.mesh import same_mesh
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.handle import DispatchHandle
 
@@ -72,7 +73,7 @@ class FfiTarget:
         types = tuple(out_types[r] for r in self.results)
         aliases = None
         if self.ordered:
-            args = (ordering.take(buffer),) + args
+            args = (same_mesh(ordering.take(buffer), buffer, self.name),) + args
             types += (jax.ShapeDtypeStruct((1,), jnp.int32),)
             aliases = {0: len(types) - 1}
         call = jax.ffi.ffi_call(self.name, types, vmap_method=self.vmap_method, input_output_aliases=aliases)

@@ -51,7 +51,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import chain_seconds, check_counts, environment, print_kernel_breakdown, touch
 
-from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax.experts import grouped_gemm as gg
 
 
 def routed_group_sizes(rng, tokens, ranks, experts, topk, align):

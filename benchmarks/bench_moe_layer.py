@@ -74,7 +74,7 @@ from timing import check_counts, gpu_meters, power_summary, print_kernel_breakdo
 
 from deep_ep_jax import Buffer
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.expert_major import default_num_rows
+from deep_ep_jax.comm.expert_major import default_num_rows
 
 GiB = 2**30
 

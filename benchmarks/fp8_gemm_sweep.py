@@ -1,4 +1,4 @@
-"""FP8 configurations of the warp-specialized kernels (deep_ep_jax/hopper_gemm.py), as
+"""FP8 configurations of the warp-specialized kernels (deep_ep_jax/experts/hopper_gemm.py), as
 grouped_matmul(..., fp8_weights=) calls them, on one Hopper GPU: rows_matmul for y and
 weight_grad(transposed=True) for dw, each timed at the MoE benchmark's shapes per rank and
 checked against float32 dots of the dequantized operands.
@@ -40,8 +40,8 @@ from bench_grouped_gemm import routed_group_sizes
 from hopper_gemm_sweep import not_hopper, pair_rows
 from timing import chain_seconds, sustained
 
-from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import hopper_gemm as hg
+from deep_ep_jax.experts import grouped_gemm as gg
+from deep_ep_jax.experts import hopper_gemm as hg
 
 T = hg.HopperTiles
 CONFIGS = [

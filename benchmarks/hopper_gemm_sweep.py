@@ -1,4 +1,4 @@
-"""The warp-specialized aligned kernels (deep_ep_jax/hopper_gemm.py) on one
+"""The warp-specialized aligned kernels (deep_ep_jax/experts/hopper_gemm.py) on one
 Hopper GPU: each configuration checked against numpy at a small size (empty
 groups, tiles past the last group) and against the row-tiled Mosaic kernels
 at the MoE benchmark's shapes, then timed there.
@@ -37,8 +37,8 @@ import itertools
 from bench_grouped_gemm import relative_error, routed_group_sizes
 from timing import chain_seconds
 
-from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import hopper_gemm as hg
+from deep_ep_jax.experts import grouped_gemm as gg
+from deep_ep_jax.experts import hopper_gemm as hg
 
 ALIGN = 128
 T = hg.HopperTiles

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 
 import hopper_gemm_sweep as sweep
-from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import hopper_gemm as hg
+from deep_ep_jax.experts import grouped_gemm as gg
+from deep_ep_jax.experts import hopper_gemm as hg
 
 
 def routing():

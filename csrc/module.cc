@@ -490,7 +490,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");
-  // EP groups across hosts (deep_ep_jax/nvshmem.py); absent from a build without NVSHMEM.
+  // EP groups across hosts (deep_ep_jax/distributed/nvshmem.py); absent from a build without NVSHMEM.
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   m.attr("with_nvshmem") = true;
   m.def("nvshmem_unique_id", [] { return py::bytes(nvshmem::UniqueId()); },

@@ -2,22 +2,24 @@
 
     from deep_ep_jax import Buffer, dispatch, combine
     from deep_ep_jax import dispatch_expert_major, combine_expert_major  # rows grouped by expert
+    from deep_ep_jax import dropless_moe  # dispatch, experts, combine in rounds of bounded memory
 
 All operations run per rank inside `jax.shard_map` over the buffer's axis.
 """
 
-from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.comm.buffer import Buffer
+from deep_ep_jax.comm.dropless import default_capacity, dropless_moe
 from deep_ep_jax.config import Config
-from deep_ep_jax.expert_major import (
+from deep_ep_jax.comm.expert_major import (
     combine_expert_major,
     dispatch_expert_major,
     expand,
     grouped_matmul_reduce,
     reduce,
 )
-from deep_ep_jax.grouped_gemm import grouped_matmul
-from deep_ep_jax.handle import DispatchHandle, ExpertLayout, LowLatencyHandle
-from deep_ep_jax.low_latency import (
+from deep_ep_jax.experts.grouped_gemm import grouped_matmul
+from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout, LowLatencyHandle
+from deep_ep_jax.comm.low_latency import (
     low_latency_combine,
     low_latency_combine_recv,
     low_latency_combine_send,
@@ -26,8 +28,8 @@ from deep_ep_jax.low_latency import (
     low_latency_dispatch_send,
     low_latency_overlap,
 )
-from deep_ep_jax.normal import combine, dispatch, get_dispatch_layout
-from deep_ep_jax.validation import CheckError, checked
+from deep_ep_jax.comm.normal import combine, dispatch, get_dispatch_layout
+from deep_ep_jax.comm.validation import CheckError, checked
 
 __version__ = "0.1.0"
 
@@ -41,8 +43,10 @@ __all__ = [
     "checked",
     "combine",
     "combine_expert_major",
+    "default_capacity",
     "dispatch",
     "dispatch_expert_major",
+    "dropless_moe",
     "expand",
     "get_dispatch_layout",
     "grouped_matmul",

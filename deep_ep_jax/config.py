@@ -95,7 +95,7 @@ def _parse_bool(value: str) -> bool:
     raise ValueError(value)
 
 
-def _env_bool(name: str, default: bool) -> bool:
+def env_bool(name: str, default: bool) -> bool:
     return _env(name, default, _parse_bool, "one of 1/true/yes/on or 0/false/no/off")
 
 
@@ -123,7 +123,7 @@ class Config:
     # Warps per block of the normal-mode copy kernels.
     num_warps: int = 16
     timeout_s: float = dataclasses.field(default_factory=lambda: _env_float("DEEP_EP_JAX_TIMEOUT_S", 20.0))
-    checks: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_CHECKS", False))
+    checks: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_CHECKS", False))
     # Ranks of an EP group on one host, in rank order, are cut into hosts of this
     # many GPUs; ranks on different (real or such) hosts talk through NVSHMEM.
     gpus_per_host: int | None = dataclasses.field(default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST"))
@@ -137,14 +137,14 @@ class Config:
     # Debug: normal-mode dispatch, cached dispatch and combine count the rows and
     # bytes they move over NVLink and over the network, per rank (Buffer.traffic(),
     # docs/internode.md). Off: no counting at all (a kernel argument, null).
-    count_traffic: bool = dataclasses.field(default_factory=lambda: _env_bool("DEEP_EP_JAX_COUNT_TRAFFIC", False))
+    count_traffic: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_COUNT_TRAFFIC", False))
     # Normal mode across hosts: dispatch's network send and NVLink forward, and
     # combine's NVLink gather and per-host reduction, overlap by chunk in one
     # kernel each (docs/internode.md). False runs them one after the other, as
     # separate kernels: for A/B measurements. Every process of the group must
     # agree (a mismatch stops the call with a message).
     internode_pipeline: bool = dataclasses.field(
-        default_factory=lambda: _env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
+        default_factory=lambda: env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
 
     def __post_init__(self):
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.

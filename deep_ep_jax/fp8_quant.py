@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from deep_ep_jax import _native
-from deep_ep_jax.varying import vary_together
+from deep_ep_jax.comm.varying import vary_together
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = 448.0

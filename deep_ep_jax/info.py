@@ -195,7 +195,7 @@ def main(argv=None):
     _section("NVSHMEM")
     found = find_nvshmem()
     print(f"nvidia-nvshmem-cu13 {found[0]}: {found[1]}" if found else "not found (pip install nvidia-nvshmem-cu13)")
-    from deep_ep_jax import nvshmem
+    from deep_ep_jax.distributed import nvshmem
 
     if not has_gpu:
         print("EP groups across hosts: need GPUs (none here)")

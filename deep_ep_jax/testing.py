@@ -33,6 +33,20 @@ def stand_in_cuda_buffer(num_ranks, **fields):
     return types.SimpleNamespace(**{**defaults, **fields})
 
 
+def scaled_experts(scales, recv_x, recv_topk_idx, recv_topk_weights):
+    """Experts that check communication, not arithmetic: local expert l scales
+    its rows by scales[l], a row's output is row * (sum over k, in k order, of
+    weight * scale) in float32, as bf16 (tests/oracle.py: scaled_expert_rows).
+    With small integers as rows, weights in quarters and scales powers of two,
+    every sum is exact, so any order gives the same bits, gradients included."""
+    local = jnp.where(recv_topk_idx >= 0, recv_topk_idx, 0)
+    factor = jnp.where(recv_topk_idx >= 0, recv_topk_weights * scales[local], 0.0)
+    total = factor[:, 0]
+    for k in range(1, factor.shape[1]):
+        total = total + factor[:, k]
+    return (recv_x.astype(jnp.float32) * total[:, None]).astype(jnp.bfloat16)
+
+
 def make_routing(seed, num_tokens, num_experts, topk, num_ranks, kind="random"):
     """Returns (topk_idx int32 [num_tokens, topk], topk_weights float32) as numpy."""
     rng = np.random.default_rng(seed)

@@ -60,7 +60,7 @@ from deep_ep_jax import (
     low_latency_dispatch_send,
     low_latency_overlap,
 )
-from deep_ep_jax.grouped_gemm import swiglu
+from deep_ep_jax.experts.grouped_gemm import swiglu
 
 # --------------------------------------------------------------------------
 # Experts on the low-latency dispatch's rows (per rank)

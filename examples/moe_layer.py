@@ -54,7 +54,7 @@ from deep_ep_jax import (
     grouped_matmul_reduce,
 )
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu, swiglu
+from deep_ep_jax.experts.grouped_gemm import aligned_rows, fp8_weights, is_hopper_gpu, swiglu
 
 EXPERT_IMPLS = ("ragged_dot", "capacity", "grouped")
 
@@ -359,7 +359,7 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
     (batched matmuls over `capacity` slots per expert, default
     default_capacity(N, K, L); pairs past it are dropped) or "grouped"
     (expand to `expert_rows` expert-major rows, default
-    deep_ep_jax.expert_major.default_num_rows(N, K, L, expert_alignment),
+    deep_ep_jax.comm.expert_major.default_num_rows(N, K, L, expert_alignment),
     grouped_matmul, reduce; pairs past them are dropped). expert_alignment: each expert's rows start
     at a multiple of it (default: default_expert_alignment()). fp8 ("grouped" only):
     fp8_expert_weights(w_in, w_out), for FP8 matmuls (on Hopper, with an alignment of 128).

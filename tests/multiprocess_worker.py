@@ -21,6 +21,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                SHARED_GPU_SIZE=standard: at DeepEP's standard sizes (low latency: whole
                calls and split halves)
                SHARED_GPU_MESH_ORDER=reversed: the mesh's ranks in reverse process order
+  shared_gpu_dropless  with launch --ranks-per-gpu K: dropless_moe against tests/oracle.py and
+               the worst-case layer, forward and gradients, 1 to several rounds
   mesh_order   a Buffer under a shard_map over its mesh's devices in another order: every
                operation refused when lowered, every process (CPU or GPU; ranks may share one)
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
@@ -72,7 +74,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import deep_ep_jax as dej  # noqa: E402
-from deep_ep_jax import multiprocess  # noqa: E402
+from deep_ep_jax.distributed import multiprocess  # noqa: E402
 from deep_ep_jax import testing as dt  # noqa: E402
 
 AXIS = "ep"
@@ -634,6 +636,73 @@ def case_shared_gpu_moe_layer():
     buffer.destroy()
 
 
+def case_shared_gpu_dropless():
+    """Launched with --ranks-per-gpu K: dropless_moe (receive buffers of
+    `capacity` rows, overflow in further rounds) at DeepEP's hidden size, its
+    output against tests/oracle.py and, with its gradients (x, the weights, the
+    experts' scales), against the one-round layer sized for the worst case, bit
+    for bit, each process checking its own rank, at capacities of one round,
+    two and several (testing.scaled_experts: exact sums, so any order gives the
+    same bits). Prints each compiled program's temporary memory. With launch
+    --cpu, the xla backend (smaller hidden)."""
+    import oracle
+
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, 4 * num_ranks
+    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
+                        num_experts=num_experts, config=dej.Config(timeout_s=150))
+    put, run = _own_rank_io(mesh, "shared_gpu_dropless", buffer.config.timeout_s)
+    ramp = jnp.arange(hidden, dtype=jnp.float32) % 7 - 3
+
+    def with_grads(layer):
+        def fn(x, idx, w, scales):
+            def loss(x, w, scales):
+                out, rounds = layer(x, idx, w, scales)
+                return jnp.sum(out.astype(jnp.float32) * ramp), (out, rounds)
+            (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
+            return (out, jnp.reshape(rounds, (1,))) + grads
+        return fn
+
+    def worst(x, idx, w, scales):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        return dej.combine(dt.scaled_experts(scales, recv_x, recv_idx, recv_w), handle, buffer=buffer), 1
+
+    def dropless(capacity):
+        return lambda x, idx, w, scales: dej.dropless_moe(x, idx, w, dt.scaled_experts, scales,
+                                                          num_experts=num_experts, buffer=buffer, capacity=capacity,
+                                                          return_rounds=True)
+
+    layers = {"worst": with_grads(worst)}
+    layers.update({c: with_grads(dropless(c)) for c in (num_ranks * tokens, num_ranks * tokens // 2,
+                                                         num_ranks * tokens // 8)})
+    rounds_seen = set()
+    for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+        idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
+        w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
+        x = rng.integers(-4, 5, (num_ranks * tokens, hidden)).astype(jnp.bfloat16)
+        scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
+        received = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, tokens, hidden),
+                                   idx.reshape(num_ranks, tokens, topk), w.reshape(num_ranks, tokens, topk),
+                                   num_experts, num_ranks * tokens)
+        y = oracle.scaled_expert_rows(received, scales.reshape(num_ranks, -1), num_ranks * tokens, hidden)
+        expected = oracle.bf16_values(oracle.combine(y, received, tokens, _gpus_per_host(buffer))[rank])
+        args = tuple(map(put, (x, idx, w, scales)))
+        want = run(layers["worst"], *args)
+        np.testing.assert_array_equal(want[0], expected, err_msg=f"{kind}: the worst-case layer")
+        for capacity in list(layers)[1:]:
+            got = run(layers[capacity], *args)
+            rounds_seen.add(int(got[1][0]))
+            for name, a, b in zip(("out", "dx", "dw", "dscales"), got[:1] + got[2:], want[:1] + want[2:]):
+                np.testing.assert_array_equal(a, b, err_msg=f"{kind} capacity {capacity}: {name}")
+            log(f"shared_gpu_dropless {kind} capacity {capacity}: {int(got[1][0])} rounds, ok")
+    assert 1 in rounds_seen and max(rounds_seen) > 2, rounds_seen
+    for name, fn in layers.items():  # what each program needs besides its arguments and results
+        temp = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+        log(f"shared_gpu_dropless R={num_ranks} {name}: forward and backward temporaries {temp / 2**20:.1f} MiB")
+    log(f"shared_gpu_dropless R={num_ranks}: ok (rounds seen {sorted(rounds_seen)})")
+    buffer.destroy()
+
+
 def case_mesh_order():
     """A Buffer used under a shard_map over a mesh of the same axes whose
     devices are in another order: every operation refuses it when the program
@@ -693,7 +762,7 @@ def case_shared_gpu_wrap():
 
 def case_shared_gpu_order():
     """Independent round trips in one jitted program, nothing ordering them
-    but the Buffer's order chain (deep_ep_jax.ordering): three normal-mode
+    but the Buffer's order chain (deep_ep_jax.comm.ordering): three normal-mode
     dispatch + combine and two low-latency ones, against each round trip run
     alone (shared_gpu checks those against the oracle), bit for bit, each
     process its own rank. Meant also for XLA_FLAGS=
@@ -1155,6 +1224,7 @@ CASES = {
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "mesh_order": case_mesh_order,
+    "shared_gpu_dropless": case_shared_gpu_dropless,
     "shared_gpu_order": case_shared_gpu_order,
     "shared_gpu_teardown": case_shared_gpu_teardown,
     "shared_gpu_moe_layer": case_shared_gpu_moe_layer,

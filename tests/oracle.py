@@ -48,6 +48,20 @@ def dispatch(x, idx, w, num_experts, num_worst_tokens):
     return out
 
 
+def scaled_expert_rows(received, scales, num_rows, hidden):
+    """deep_ep_jax.testing.scaled_experts on each rank's received rows:
+    received: dispatch()'s output; scales [R, L]. Returns y [R, num_rows, H]
+    (bf16 values as float32; zeros past the received rows)."""
+    y = np.zeros((len(received), num_rows, hidden), np.float32)
+    for r, rows in enumerate(received):
+        for i, (x, idx, w) in enumerate(zip(rows["x"], rows["idx"], rows["w"])):
+            total = np.float32(0)
+            for k, e in enumerate(idx):
+                total = np.float32(total + (np.float32(w[k]) * np.float32(scales[r][e]) if e >= 0 else 0))
+            y[r, i] = bf16_values(np.asarray(x, np.float32) * total)
+    return y
+
+
 def combine(y, received, num_tokens, gpus_per_host=None, bf16_partials=True):
     """y [R, N, H]: each rank's rows; received: dispatch()'s output.
     Returns float32 [R(source), T, H] summed in rank order. With

@@ -3,7 +3,6 @@ low-latency dispatch's expert-major rows against dense maths, its logits
 check, and the script end to end on 8 virtual CPU devices (reference backend)."""
 
 import re
-import sys
 from pathlib import Path
 
 import jax
@@ -11,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 import moe_decode as md
 from script_run import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
 
 H, F = 256, 64
 

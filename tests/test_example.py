@@ -3,7 +3,6 @@ training script end to end (its loss must fall). CPU, reference backend."""
 
 import functools
 import re
-import sys
 from pathlib import Path
 
 import jax
@@ -17,13 +16,13 @@ from jax.sharding import PartitionSpec as P
 import deep_ep_jax as dej
 from deep_ep_jax import fp8_quant
 from deep_ep_jax import testing as dt
-from deep_ep_jax.expert_major import default_num_rows
-from deep_ep_jax.grouped_gemm import Fp8Rows
+from deep_ep_jax.comm.expert_major import default_num_rows
+from deep_ep_jax.experts.grouped_gemm import Fp8Rows
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 import moe_layer as ml
 from script_run import run_script
+
+ROOT = Path(__file__).resolve().parents[1]
 
 H, F, K = 32, 16, 3
 

@@ -1,4 +1,4 @@
-"""Expert-major rows (deep_ep_jax.expert_major) on the xla backend against
+"""Expert-major rows (deep_ep_jax.comm.expert_major) on the xla backend against
 tests/oracle.py, bit for bit, on CPU devices, under jit and shard_map with
 check_vma=True (shard_map's default)."""
 
@@ -14,10 +14,10 @@ import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import _native, fp8_quant
-from deep_ep_jax import expert_major as em
+from deep_ep_jax.comm import expert_major as em
 from deep_ep_jax import testing as dt
 from deep_ep_jax.backends import reference
-from deep_ep_jax.grouped_gemm import Fp8Rows, fp8_weights
+from deep_ep_jax.experts.grouped_gemm import Fp8Rows, fp8_weights
 
 H = 128
 ROUTINGS = ("random", "one_expert", "rank_empty", "minus_one", "out_of_range", "duplicates", "rank_gets_nothing")

@@ -17,8 +17,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax import _native, fp8_quant
-from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import grouped_matmul, hopper_gemm, testing
+from deep_ep_jax.experts import grouped_gemm as gg
+from deep_ep_jax import grouped_matmul, testing
+from deep_ep_jax.experts import hopper_gemm
 
 K, N = 32, 48
 # bf16 products with float32 sums: the output's rounding (2^-9 relative) dominates.

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import deep_ep_jax as dej
-from deep_ep_jax import _native, multiprocess, nvshmem, testing
+from deep_ep_jax import _native, testing
+from deep_ep_jax.distributed import multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import internode, lifecycle, low_latency, sizes
 
 extension = pytest.mark.extension
@@ -174,7 +175,7 @@ def test_internode_region_hint():
 def test_buffer_holds_the_ops_of_its_path():
     """The path is chosen when the Buffer is made, not per call: the internode
     operations for an EP group across hosts, the intranode ones otherwise."""
-    from deep_ep_jax import buffer as buffer_module
+    from deep_ep_jax.comm import buffer as buffer_module
     from deep_ep_jax.backends import reference
     from deep_ep_jax.backends.cuda import intranode, layout
 

@@ -1,4 +1,4 @@
-"""The order chain of a Buffer's CUDA calls (deep_ep_jax.ordering), checked
+"""The order chain of a Buffer's CUDA calls (deep_ep_jax.comm.ordering), checked
 in the traced programs on CPU: every call that communicates takes the
 previous call's order state and returns the next, aliased, so XLA cannot run
 two calls of one Buffer at once or in another order on another rank. The

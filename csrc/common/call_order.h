@@ -1,4 +1,4 @@
-// Where a call stands among its Buffer's calls (deep_ep_jax/ordering.py).
+// Where a call stands among its Buffer's calls (deep_ep_jax/comm/ordering.py).
 // XLA passes every call that communicates its Buffer's order state (int32
 // [1]) as an operand aliased to a result, so the Buffer's calls form one
 // chain of data dependences that XLA runs in program order, the same on every

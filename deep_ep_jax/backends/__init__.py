@@ -6,8 +6,8 @@ or of the CUDA modules `deep_ep_jax.backends.cuda.layout`, `.intranode` (an
 EP group on one host) or `.internode` (across hosts), and `.low_latency`.
 
 Every operation runs per rank, inside `jax.shard_map` over
-`buffer.axis_name`. The public API (`deep_ep_jax.normal`,
-`deep_ep_jax.low_latency`) validates arguments, sanitises `topk_idx` (ids out
+`buffer.axis_name`. The public API (`deep_ep_jax.comm.normal`,
+`deep_ep_jax.comm.low_latency`) validates arguments, sanitises `topk_idx` (ids out
 of [0, E) become -1) and owns gradients; a backend only moves data. Rows are
 passed as tuples: `(x,)` for bf16 [T, H], or `(x_fp8 [T, H], scales f32
 [T, H // 128])` for an FP8 pair; received rows come back in the same form.

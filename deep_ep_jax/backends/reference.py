@@ -24,8 +24,8 @@ import numpy as np
 from jax import lax
 
 from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
-from deep_ep_jax.handle import DispatchHandle, LowLatencyHandle
-from deep_ep_jax.mesh import same_mesh
+from deep_ep_jax.comm.handle import DispatchHandle, LowLatencyHandle
+from deep_ep_jax.comm.mesh import same_mesh
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -3,7 +3,7 @@
 platform. The contract is docs/design.md, "Expert-major rows".
 
 Local, per rank: no communication. The public wrapper
-(deep_ep_jax/expert_major.py) validates and owns the gradients; these
+(deep_ep_jax/comm/expert_major.py) validates and owns the gradients; these
 functions take clean arguments (local ids outside [0, L) already -1).
 """
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from deep_ep_jax.fp8_quant import _times_multipliers, _to_fp8  # fp8_quant's maths, shared
-from deep_ep_jax.handle import ExpertLayout
+from deep_ep_jax.comm.handle import ExpertLayout
 
 
 def expert_layout(topk_idx, *, num_local_experts, alignment, num_rows):

@@ -7,15 +7,12 @@ whose sends run beside the attention (Config.low_latency_overlap_sms).
 """
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import moe_decode
+
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("extra", [[], ["--fp8", "--overlap-sms", "16"]], ids=["bf16", "fp8-overlapped"])

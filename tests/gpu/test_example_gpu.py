@@ -5,8 +5,6 @@ lowering against the CPU one.
     pytest tests/gpu/test_example_gpu.py -v
 """
 
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,11 +17,10 @@ from jax.sharding import PartitionSpec as P
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
 
-pytestmark = pytest.mark.gpu
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import moe_flax
 import moe_layer as ml
+
+pytestmark = pytest.mark.gpu
 
 
 def _close(got, want, what, rel=2e-2):
@@ -101,7 +98,7 @@ def test_grouped_layer_matches_capacity(alignment, fp8):
     every pair: forward and every gradient, on all GPUs. With fp8 (the
     weights' FP8 copies, rows sent as FP8, every matmul on FP8 operands)
     within FP8's error of it, as a norm."""
-    from deep_ep_jax import grouped_gemm
+    from deep_ep_jax.experts import grouped_gemm
 
     gpus = jax.devices("gpu")
     mesh = Mesh(np.array(gpus).reshape(1, -1), ("data", "expert"))

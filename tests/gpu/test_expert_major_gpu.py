@@ -55,14 +55,6 @@ def local_mesh():
     return testing.ep_mesh(min(2, len(jax.devices("gpu"))), AXIS, platform="gpu")
 
 
-@pytest.fixture(scope="module")
-def buffers(mesh):
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    yield cuda, xla
-    cuda.destroy()
-
-
 def expert_rows(layout, expert_x):
     """Exact in bf16 (no rounding for XLA to skip), a different value per row;
     unused rows 1, so a sum that reads one shows it."""
@@ -127,7 +119,7 @@ def check_standard_case(mesh, buffers, alignment, num_experts, args):
     local_experts = num_experts // num_ranks
     run = standard_runner(cuda, mesh, num_experts, alignment)
     num_worst = num_ranks * num_tokens
-    num_rows = deep_ep_jax.expert_major.default_num_rows(num_worst, topk, local_experts, alignment)
+    num_rows = deep_ep_jax.comm.expert_major.default_num_rows(num_worst, topk, local_experts, alignment)
     poison_allocator(mesh, [((num_rows, hidden), jnp.bfloat16), ((num_worst, topk), jnp.int32),
                             ((num_rows,), jnp.int32), ((num_worst, hidden), jnp.bfloat16)])
     got = run(*args)
@@ -232,7 +224,7 @@ def test_targets_match_reference(local_mesh, case):
     w = jnp.asarray(np.random.default_rng(seed + 2).random(idx.shape).astype(np.float32) + 0.1)
     c = testing.random_rows(seed + 3, (num_ranks * num_tokens, hidden), jnp.float32)
     args = (x, jnp.asarray(idx), w, c)
-    rows = num_rows or deep_ep_jax.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
+    rows = num_rows or deep_ep_jax.comm.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
 
     run = local_runner(mesh, "cuda", num_local_experts, alignment, num_rows, fp8)
     assert all(t in run.lower(*args).as_text() for t in TARGETS)
@@ -397,7 +389,7 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     run = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
                                                num_rows=num_rows, backend="cuda", fp8_rows=True))
     assert "deep_ep_jax_expand_rows_transposed" in run.lower(x).as_text()
-    rows = num_rows or deep_ep_jax.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
+    rows = num_rows or deep_ep_jax.comm.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
     testing.poison_allocator(testing.ep_mesh(1, AXIS, platform="gpu"), AXIS, [((hidden, rows), jnp.float8_e4m3fn)])
     expert_x, layout = run(x)
     assert expert_x.data_t.shape == (hidden, rows)
@@ -458,7 +450,7 @@ def test_grouped_matmul_reduce_fp8(kind, rng):
     token rows' gradient once and gathers it) against reduce(grouped_matmul(...)) on one GPU, 4096 rows
     of 2048 into 7168, top-8 over 8 local experts: the output and the pair weights' gradient bit for
     bit; the rows' and experts' gradients as close to float32 maths (within 6%) as the two calls'."""
-    from deep_ep_jax.grouped_gemm import fp8_weights
+    from deep_ep_jax.experts.grouped_gemm import fp8_weights
 
     num_tokens, topk, local_experts, hidden, out = 4096, 8, 8, 2048, 7168
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, local_experts, kind))
@@ -507,7 +499,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
     and the gradients of x, the weights and the experts equal, bit for bit, those of bf16 rows quantized
     inside the matmul. On the local GPUs (one rank each, at most 2): 4096 tokens of 7168 per rank, top-8,
     32 experts per rank."""
-    from deep_ep_jax.grouped_gemm import fp8_weights
+    from deep_ep_jax.experts.grouped_gemm import fp8_weights
 
     num_ranks = min(jax.device_count(), 2)
     num_tokens, hidden, local_experts, topk = 4096, 7168, 32, 8

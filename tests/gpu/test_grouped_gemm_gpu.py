@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax import grouped_gemm as gg
-from deep_ep_jax import grouped_matmul, hopper_gemm, testing
+from deep_ep_jax.experts import grouped_gemm as gg
+from deep_ep_jax import grouped_matmul, testing
+from deep_ep_jax.experts import hopper_gemm
 
 pytestmark = pytest.mark.gpu(min_gpus=1)  # one GPU, but the shard_map case
 
@@ -303,7 +304,7 @@ def check_against_reference(what, got, want, data):
 @pytest.mark.parametrize("walk", ["tile_by_tile", "steady_pipeline", "group_bands"])
 @pytest.mark.parametrize("kind", ["routed", "all_in_one"])
 def test_aligned_kernels_directly(kind, walk, rng):
-    """deep_ep_jax.hopper_gemm's kernels called straight (no lax.cond to fall
+    """deep_ep_jax.experts.hopper_gemm's kernels called straight (no lax.cond to fall
     back on), aligned groups with empty ones and tiles past the last group,
     at the w_in layer's shapes, against the per-group dots; also with a CTA's
     tiles as one pipeline (HopperTiles.steady_pipeline: a pipeline of

@@ -27,7 +27,7 @@ NUM_PROCESSES = 2
 
 
 def _launch(cases, *, timeout, extra=()):
-    from deep_ep_jax import nvshmem
+    from deep_ep_jax.distributed import nvshmem
 
     # Not a skip: a GPU host runs these tests (conftest), and NVSHMEM (the
     # nvidia-nvshmem-cu13 wheel) belongs there; without it this is a failure.

@@ -23,11 +23,6 @@ AXIS = "ep"
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
-
-
-@pytest.fixture(scope="module")
 def buffers(mesh):
     # num_nvl_bytes given: the layout needs no communication memory, and this
     # keeps the test independent of the normal-mode size hint.

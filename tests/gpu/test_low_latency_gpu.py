@@ -34,11 +34,6 @@ MAX_EXPERTS = 512
 OVERLAP_SMS = 16  # SMs of the overlapped sends
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
-
-
 def _cuda_buffer(mesh, config=None):
     num_ranks = mesh.shape[AXIS]
     region = sizes.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)

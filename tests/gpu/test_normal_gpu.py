@@ -46,19 +46,6 @@ gpu = pytest.mark.gpu
 # Helpers ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
-
-
-@pytest.fixture(scope="module")
-def buffers(mesh):
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    yield cuda, xla
-    cuda.destroy()
-
-
 def make_x(seed, num_ranks, num_tokens, hidden, fp8):
     x = testing.random_rows(seed, (num_ranks * num_tokens, hidden))
     return tuple(reference.quantize_fp8(x)) if fp8 else x

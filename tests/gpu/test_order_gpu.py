@@ -1,5 +1,5 @@
 """Calls of one Buffer run one at a time, in one order on every rank (issue
-21): XLA sees them as one chain of data dependences (deep_ep_jax.ordering),
+21): XLA sees them as one chain of data dependences (deep_ep_jax.comm.ordering),
 and the kernels stop with a message when ranks are at different calls or a
 call enters while another runs.
 
@@ -85,7 +85,7 @@ ROUND_TRIPS = PRELUDE + textwrap.dedent(
 # device checks must then stop any other order with a message.
 UNCHAINED = ROUND_TRIPS.replace("run_cuda, run_ref = program(cuda), program(ref)", """
 import itertools
-from deep_ep_jax import ordering
+from deep_ep_jax.comm import ordering
 positions = itertools.count()
 ordering.take = lambda buffer: jnp.full((1,), next(positions), jnp.int32)
 run_cuda, run_ref = program(cuda), program(ref)""")
@@ -94,7 +94,7 @@ run_cuda, run_ref = program(cuda), program(ref)""")
 MISMATCH = PRELUDE + textwrap.dedent(
     """
     import sys
-    from deep_ep_jax import ordering
+    from deep_ep_jax.comm import ordering
     ordering.take = lambda buffer: jnp.full((1,), 5 * jax.lax.axis_index("ep"), jnp.int32)
     x, idx, w = inputs(1)
     if sys.argv[1] == "normal":

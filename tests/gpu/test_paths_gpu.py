@@ -29,11 +29,6 @@ AXIS = "ep"
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return dt.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
-
-
 def _run_python(args, timeout=180):
     """A Python process of its own (this one holds most of the GPU memory)."""
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -23,11 +23,6 @@ pytestmark = pytest.mark.gpu
 AXIS = "ep"
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return dt.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
-
-
 def _free_bytes():
     from deep_ep_jax import _native
 

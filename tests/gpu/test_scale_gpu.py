@@ -29,7 +29,10 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   (worker case shared_gpu_teardown), 1 x 2 and 2 x 1;
 * a Buffer under a shard_map over its mesh's devices in another order
   refused, and a mesh in reverse process order right (worker cases
-  mesh_order and shared_gpu), 1 x 2 and 2 x 1.
+  mesh_order and shared_gpu), 1 x 2 and 2 x 1;
+* dropless_moe at EP 8 and 16, hidden 7168, against the oracle and the
+  worst-case layer in 1, 2 and several rounds (worker case
+  shared_gpu_dropless).
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
 GPU. Each launch is also runnable by hand, e.g. EP 16 on 2 GPUs:
@@ -61,7 +64,7 @@ RANKS_PER_HOST = 8
 
 
 def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, extra_env=None):
-    from deep_ep_jax import nvshmem
+    from deep_ep_jax.distributed import nvshmem
 
     # Not a skip: a GPU host runs these tests (conftest), and NVSHMEM belongs there; without it this is a failure.
     reason = nvshmem.unavailable_reason()
@@ -228,3 +231,11 @@ def test_mesh_in_another_device_order(num_hosts, ranks_per_host):
     _run_hosts_case("mesh_order", num_hosts, ranks_per_host, 120, "mesh_order backward: refused")
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 200, "mesh in reverse process order",
                     extra_env={"SHARED_GPU_MESH_ORDER": "reversed"})
+
+
+@pytest.mark.parametrize("num_ranks", [8, 16])
+def test_dropless_with_ranks_sharing_gpus(num_ranks):
+    """dropless_moe at EP 8 and 16 (hidden 7168) against tests/oracle.py and the
+    worst-case layer, forward and gradients, bit for bit, in 1, 2 and several
+    rounds (worker case shared_gpu_dropless; one host: CUDA IPC)."""
+    _run_hosts_case("shared_gpu_dropless", 1, num_ranks, 400, "shared_gpu_dropless R={num_ranks}: ok")

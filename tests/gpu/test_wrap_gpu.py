@@ -36,7 +36,8 @@ from jax import lax
 import deep_ep_jax
 import test_low_latency_gpu as ll_suite
 import test_normal_gpu as normal_suite
-from deep_ep_jax import _native, multiprocess, testing
+from deep_ep_jax import _native, testing
+from deep_ep_jax.distributed import multiprocess
 
 pytestmark = pytest.mark.gpu
 
@@ -207,11 +208,6 @@ def check_low_latency_across_wrap(mesh, buffers, wrap, crossing, split):
 
 
 # Tests ------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return testing.ep_mesh(len(jax.devices("gpu")), AXIS, platform="gpu")
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax import _native, ordering
-from deep_ep_jax.mesh import same_mesh
+from deep_ep_jax import _native
+from deep_ep_jax.comm import ordering
+from deep_ep_jax.comm.mesh import same_mesh
+from deep_ep_jax.comm.varying import varying_like
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.handle import DispatchHandle
+from deep_ep_jax.comm.handle import DispatchHandle
 
 INT32_MAX = 2**31 - 1  # the kernels index rows with 32-bit ints
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -48,7 +50,7 @@ class FfiTarget:
     (checked against `_C.ffi_outputs()` when the targets are registered).
 
     An `ordered` target communicates: it takes its Buffer's order state first
-    and returns it last, aliased (`deep_ep_jax.ordering`), so XLA runs the
+    and returns it last, aliased (`deep_ep_jax.comm.ordering`), so XLA runs the
     Buffer's calls one after another in program order, and never merges two.
     No target carries a JAX effect (`has_side_effect`): an effect takes a
     jitted step off jit's C++ dispatch path (0.4-0.9 ms more of Python per
@@ -77,33 +79,11 @@ class FfiTarget:
             types += (jax.ShapeDtypeStruct((1,), jnp.int32),)
             aliases = {0: len(types) - 1}
         call = jax.ffi.ffi_call(self.name, types, vmap_method=self.vmap_method, input_output_aliases=aliases)
-        results = _varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))
+        results = varying_like(call(*args, **attrs), args, getattr(buffer, "axis_name", None))
         outputs = dict(zip(self.all_results, results))
         if self.ordered:
             ordering.put(buffer, outputs.pop("order_out"))
         return outputs
-
-
-def _varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over (jax.typeof(x).vma; manual_axis_type.varying before jax 0.11)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma or ())
-
-
-def _varying_like(outputs, inputs, axis_name):
-    """A custom call's results typed as varying over the EP axis and every axis
-    an input varies over, as shard_map's check_vma=True expects (XLA's FFI
-    call leaves its results unvarying): they differ per rank."""
-    manual = frozenset(jax.sharding.get_abstract_mesh().manual_axes)  # empty outside shard_map
-    axes = frozenset().union(*(_varying_axes(x) for x in inputs)) | (manual & {axis_name})
-    cast = []
-    for out in outputs:
-        missing = tuple(sorted(axes - _varying_axes(out)))
-        cast.append(jax.lax.pcast(out, missing, to="varying") if missing else out)
-    return cast
 
 
 # Normal mode: results of both paths (internode adds scratch after them) -------

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax.backends.cuda.common import FfiTarget, limit
-from deep_ep_jax.handle import ExpertLayout
+from deep_ep_jax.comm.handle import ExpertLayout
 
 EXPERT_LAYOUT = FfiTarget(
     "deep_ep_jax_expert_layout",

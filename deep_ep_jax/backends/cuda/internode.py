@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax import _native, multiprocess
+from deep_ep_jax import _native
+from deep_ep_jax.distributed import multiprocess
 from deep_ep_jax.backends.cuda import common
 from deep_ep_jax.backends.cuda.common import FfiTarget
 

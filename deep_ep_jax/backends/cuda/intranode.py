@@ -24,7 +24,7 @@ import numpy as np
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import common
 from deep_ep_jax.backends.cuda.common import FfiTarget
-from deep_ep_jax.config import _env_bool
+from deep_ep_jax.config import env_bool
 
 DISPATCH = FfiTarget("deep_ep_jax_dispatch", common.DISPATCH_RESULTS)
 CACHED_DISPATCH = FfiTarget("deep_ep_jax_cached_dispatch", common.CACHED_DISPATCH_RESULTS)
@@ -36,7 +36,7 @@ STAGED_ENV = "DEEP_EP_JAX_STAGED"
 
 def staged_requested() -> bool:
     """Whether DEEP_EP_JAX_STAGED asks for staged mode (read when a Buffer is made)."""
-    return _env_bool(STAGED_ENV, False)
+    return env_bool(STAGED_ENV, False)
 
 
 def _num_chunks(num_tokens, config) -> int:

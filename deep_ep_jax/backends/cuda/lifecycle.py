@@ -5,7 +5,7 @@ device of the axis, registered under an integer id that the custom calls
 carry; with peers in other processes (one process per GPU) they are traded
 as CUDA IPC handles through the jax.distributed key-value store. An EP group
 across hosts has its regions (and a send area) in NVSHMEM's symmetric heap
-(`deep_ep_jax.nvshmem`). The extension's FFI targets are registered with XLA
+(`deep_ep_jax.distributed.nvshmem`). The extension's FFI targets are registered with XLA
 before the first Buffer is made.
 """
 
@@ -15,7 +15,8 @@ import threading
 
 import jax
 
-from deep_ep_jax import _native, multiprocess, nvshmem
+from deep_ep_jax import _native
+from deep_ep_jax.distributed import multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import (
     common,
     expert_major,

@@ -32,7 +32,7 @@ from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import sizes
 from deep_ep_jax.backends.cuda.common import FfiTarget, limit
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.handle import LowLatencyHandle
+from deep_ep_jax.comm.handle import LowLatencyHandle
 
 _FP8 = jnp.float8_e4m3fn
 

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import oracle
-from deep_ep_jax import multiprocess, testing
+from deep_ep_jax import testing
+from deep_ep_jax.distributed import multiprocess
 
 
 def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, rng=None):

@@ -13,7 +13,7 @@ import jax
 from jax._src import core
 from jax.interpreters import ad, batching, mlir
 
-from deep_ep_jax.multiprocess import device_grid
+from deep_ep_jax.distributed.multiprocess import device_grid
 
 
 def ep_groups(mesh, axis_name) -> tuple:

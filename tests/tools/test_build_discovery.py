@@ -4,13 +4,11 @@ fake layouts in a temporary directory. .ci/pip_cuda_check.sh compiles the
 extension with the real wheels."""
 
 import os
-import pathlib
 import sys
 import sysconfig
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # build_tools/
 
 from build_tools import discover
 

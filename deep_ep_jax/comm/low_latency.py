@@ -26,11 +26,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deep_ep_jax import validation as v
-from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.comm import validation as v
+from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.config import FP8_BLOCK, is_int
-from deep_ep_jax.handle import LowLatencyHandle
-from deep_ep_jax.validation import Pending, Rows
+from deep_ep_jax.comm.handle import LowLatencyHandle
+from deep_ep_jax.comm.validation import Pending, Rows
 
 
 def _check_mode(buffer, fn):

@@ -20,7 +20,7 @@ the body it was traced in (a `shard_map`, `scan` or `cond` body), so calls in
 two separate bodies of one program are ordered only by the data flowing
 between them; the device checks turn a wrong order there into an error, never
 into mixed data. `custom_vjp` functions pass the state through explicitly
-(`deep_ep_jax.normal`), so a chain runs through gradients.
+(`deep_ep_jax.comm.normal`), so a chain runs through gradients.
 """
 
 from __future__ import annotations

@@ -3,9 +3,7 @@ operation of a chain: the compiled chain of 2n operations holds exactly twice
 the exchanges, gathers and prefix sums of the chain of n (none computed once
 per chain), and the FP8 dispatch exchanges its scales. CPU, small shapes."""
 
-import pathlib
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +11,6 @@ import pytest
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_normal as bench  # noqa: E402
 
 NUM_RANKS = 4

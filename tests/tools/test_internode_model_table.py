@@ -17,9 +17,9 @@ import pytest
 
 from deep_ep_jax import testing
 
-BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
 import internode_model as im
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
 COUNTS = ("packets_sent", "packets_received", "direct_sent", "direct_received", "forwarded_sent",
           "forwarded_received", "self_rows", "forwarder_own", "remote_rows_by_source", "staged")

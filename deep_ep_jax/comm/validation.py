@@ -45,7 +45,7 @@ def check_bool(fn, name, value) -> bool:
 
 
 def check_buffer(buffer, fn):
-    from deep_ep_jax.buffer import Buffer
+    from deep_ep_jax.comm.buffer import Buffer
 
     if not isinstance(buffer, Buffer):
         raise TypeError(f"{fn}: buffer must be a deep_ep_jax.Buffer, got {type(buffer).__name__}")

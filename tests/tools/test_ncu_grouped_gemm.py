@@ -1,15 +1,12 @@
 """benchmarks/ncu_grouped_gemm.py's --tiles: the HopperTiles(...) text that
 fp8_gemm_sweep.py prints, read back as literals (nothing in it is run)."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import ncu_grouped_gemm as ncu
 
-from deep_ep_jax import grouped_gemm as gg
+from deep_ep_jax.experts import grouped_gemm as gg
 
 
 def test_printed_tiles_read_back():

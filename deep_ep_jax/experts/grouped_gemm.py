@@ -11,7 +11,7 @@ dx = dy @ w[g]^T per group, dw[g] = x_g^T dy_g; group_sizes has none.
 impl="auto" runs Mosaic GPU kernels on a Hopper GPU (compute capability
 9.x) when the shapes fit their tiles (see `mgpu_unsupported_reason`), and
 `jax.lax.ragged_dot` otherwise. Of the Mosaic GPU kernels, the
-warp-specialized ones of `deep_ep_jax.hopper_gemm` run when every group size
+warp-specialized ones of `deep_ep_jax.experts.hopper_gemm` run when every group size
 is a multiple of `aligned_rows(blocks)` (128 by default: the expert-major
 layout's `alignment=128`), checked on the device at run time; other sizes
 take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
@@ -70,11 +70,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deep_ep_jax import hopper_gemm
-from deep_ep_jax import validation as v
+from deep_ep_jax.experts import hopper_gemm
+from deep_ep_jax.comm import validation as v
 from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
-from deep_ep_jax.hopper_gemm import HopperTiles
-from deep_ep_jax.varying import vary_over, vary_together, vma
+from deep_ep_jax.experts.hopper_gemm import HopperTiles
+from deep_ep_jax.comm.varying import vary_over, vary_together, vma
 
 IMPLS = ("auto", "mgpu", "xla")
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -93,7 +93,7 @@ class KernelBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class AlignedTiles:
-    """Tiles of the warp-specialized kernels (deep_ep_jax.hopper_gemm), for groups whose sizes are
+    """Tiles of the warp-specialized kernels (deep_ep_jax.experts.hopper_gemm), for groups whose sizes are
     multiples of `aligned_rows`."""
 
     forward: HopperTiles
@@ -571,7 +571,7 @@ def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, ro
 
 def _padding_zeroed(a, group_sizes, valid_sizes, scale=None):
     """a [M, *] with its padding rows set to 0, times scale (the kernels of
-    deep_ep_jax.hopper_gemm do this themselves: only the others need it)."""
+    deep_ep_jax.experts.hopper_gemm do this themselves: only the others need it)."""
     a = jnp.where(_valid_rows(a.shape[0], group_sizes, valid_sizes)[:, None], a, jnp.zeros((), a.dtype))
     return a if scale is None else a * scale.astype(a.dtype)
 

@@ -36,3 +36,12 @@ def vary_together(*arrays):
 def shape_like(shape, dtype, like):
     """jax.ShapeDtypeStruct(shape, dtype) varying as `like` (a Pallas call's output under check_vma)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def varying_like(outputs, inputs, axis_name):
+    """A custom call's outputs typed as varying over the EP axis (when manual
+    here) and every axis an input varies over, as shard_map's check_vma=True
+    expects (XLA's FFI call leaves its results unvarying): they differ per rank."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)  # empty outside shard_map
+    axes = set().union(*(vma(x) for x in inputs)) | (manual & {axis_name})
+    return [vary_over(out, axes) for out in outputs]

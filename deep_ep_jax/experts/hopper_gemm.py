@@ -40,7 +40,7 @@ rows contiguous) with a float32 scale per column of dw, and `promote` and
 `split_rows` likewise, or `promote_after_steps` (only a group longer than
 that many row steps promoted, in halves of the warpgroups' tiles).
 
-Preconditions, checked by the caller (deep_ep_jax.grouped_gemm): bf16 or
+Preconditions, checked by the caller (deep_ep_jax.experts.grouped_gemm): bf16 or
 f16 (or float8_e4m3fn, transposed in weight_grad); rows, K and N multiples
 of the tiles; every group size a multiple of `row_tile(tiles)`.
 """

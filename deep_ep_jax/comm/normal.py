@@ -14,13 +14,13 @@ from typing import overload
 import jax
 import jax.numpy as jnp
 
-from deep_ep_jax import ordering
-from deep_ep_jax import validation as v
-from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.comm import ordering
+from deep_ep_jax.comm import validation as v
+from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.config import is_int
-from deep_ep_jax.handle import DispatchHandle
-from deep_ep_jax.validation import Rows
-from deep_ep_jax.varying import zero_rows_like
+from deep_ep_jax.comm.handle import DispatchHandle
+from deep_ep_jax.comm.validation import Rows
+from deep_ep_jax.comm.varying import zero_rows_like
 
 
 def get_dispatch_layout(
@@ -132,7 +132,7 @@ def _bad_ids_message(fn, num_experts):
 # Gradients -----------------------------------------------------------------
 #
 # The custom_vjp functions take the Buffer's order state and return the next
-# one (deep_ep_jax.ordering): their bodies may be traced apart from the
+# one (deep_ep_jax.comm.ordering): their bodies may be traced apart from the
 # caller, and the chain of calls must run through them. The backward rules
 # run in the caller's trace and take the state there.
 

@@ -15,7 +15,7 @@ import jax
 
 from deep_ep_jax.backends import Ops
 from deep_ep_jax.config import TRAFFIC_FIELDS, Config, is_bool, is_int
-from deep_ep_jax.mesh import ep_groups
+from deep_ep_jax.comm.mesh import ep_groups
 
 BACKENDS = ("auto", "cuda", "xla")
 _keys = itertools.count()  # Buffer.key: unlike id(), never reused by a later Buffer
@@ -50,7 +50,7 @@ def _reference_hosts(mesh, axis_name, config, low_latency_mode) -> tuple:
     decides it (hostnames, cut by Config.gpus_per_host). Its one program
     serves every EP group of the mesh, so all must be cut alike; and, as on
     the CUDA backend, normal mode across hosts needs hosts of equal size."""
-    from deep_ep_jax import multiprocess
+    from deep_ep_jax.distributed import multiprocess
 
     nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config.gpus_per_host, config.timeout_s)
     if any(n != nodes[0] for n in nodes):
@@ -187,7 +187,7 @@ class Buffer:
         With several EP groups (other mesh axes), each rank sums its groups."""
         self._check_counting("Buffer.traffic")
         if self.backend == "xla":
-            from deep_ep_jax import multiprocess
+            from deep_ep_jax.distributed import multiprocess
 
             jax.effects_barrier()  # the counting callbacks of finished programs
             # Every rank of this process, zeros where nothing was counted (as the CUDA counters read).

@@ -21,7 +21,8 @@ import weakref
 
 import jax
 
-from deep_ep_jax import _native, multiprocess
+from deep_ep_jax import _native
+from deep_ep_jax.distributed import multiprocess
 
 UID_KEY = "deep_ep_jax/nvshmem/uid"
 XLA_NVSHMEM_FLAG = "--xla_gpu_experimental_enable_nvshmem"

@@ -22,16 +22,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deep_ep_jax import _native, fp8_quant, grouped_gemm, normal
-from deep_ep_jax import validation as v
+from deep_ep_jax import _native, fp8_quant
+from deep_ep_jax.comm import normal
+from deep_ep_jax.experts import grouped_gemm
+from deep_ep_jax.comm import validation as v
 from deep_ep_jax.backends import reference_expert_major
-from deep_ep_jax.buffer import Buffer
+from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.fp8_quant import quantize_rows
-from deep_ep_jax.grouped_gemm import Fp8Rows, grouped_matmul
-from deep_ep_jax.handle import DispatchHandle, ExpertLayout
-from deep_ep_jax.validation import Rows
-from deep_ep_jax.varying import vary_over, vma, zero_rows_like
+from deep_ep_jax.experts.grouped_gemm import Fp8Rows, grouped_matmul
+from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout
+from deep_ep_jax.comm.validation import Rows
+from deep_ep_jax.comm.varying import vary_over, varying_like, vma, zero_rows_like
 
 INT32_MAX = v.INT32_MAX  # rows and pairs are indexed with int32
 BACKENDS = ("auto", "cuda", "xla")
@@ -336,12 +338,11 @@ def _cuda_ops(by_platform: bool) -> _Ops:
 def _varying_as_inputs(fn):
     """fn with every result typed as varying over every mesh axis an input
     varies over: both branches of platform_dependent then have one type."""
-    from deep_ep_jax.backends.cuda.common import _varying_like
 
     def run(*args):
         out = fn(*args)
         leaves, tree = jax.tree.flatten(out)
-        return jax.tree.unflatten(tree, _varying_like(leaves, jax.tree.leaves(args), None))
+        return jax.tree.unflatten(tree, varying_like(leaves, jax.tree.leaves(args), None))
     return run
 
 

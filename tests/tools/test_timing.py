@@ -2,12 +2,9 @@
 per step by kernel name, busy time against the span, the first GPU only; its
 energy summary on made-up meter readings."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing
 
 

@@ -1,0 +1,220 @@
+"""A dropless MoE layer at bounded memory: dispatch, experts, combine in as
+many rounds as the load needs, each receiving at most `capacity` rows per rank.
+
+    y = dropless_moe(x, topk_idx, topk_weights, experts, params, num_experts=E, buffer=buffer)
+
+Rounds take whole blocks of tokens (the same token indices on every rank), so
+each token's rows all travel in one round and combine sums them as one call
+would: the result equals one dispatch sized for the worst case (T * R rows)
+bit for bit, and nothing is ever dropped. Before the rounds, every rank learns
+how many rows each block sends to each rank (two dispatches of a few rows) and
+all cut the blocks into rounds alike, greedily: a round ends before the block
+that would overfill some rank. A block holds capacity // R tokens, so one
+block always fits. When the load fits (the common case) there is one round.
+
+The backward pass runs the rounds again (the experts' forward is recomputed
+per round, as under remat): memory stays bounded there too.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from deep_ep_jax.comm import ordering
+from deep_ep_jax.comm import validation as v
+from deep_ep_jax.comm.buffer import Buffer
+from deep_ep_jax.comm.normal import combine, dispatch, get_dispatch_layout
+from deep_ep_jax.comm.varying import vary_over, vma
+from deep_ep_jax.config import is_int
+
+# experts(params, recv_x bf16 [N, H], recv_topk_idx i32 [N, K], recv_topk_weights f32 [N, K]) -> bf16 [N, H]
+Experts = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def default_capacity(num_tokens: int, num_topk: int, num_experts: int, num_ranks: int) -> int:
+    """Rows per rank per round: 1.25 times the rows a rank receives when every
+    token picks num_topk distinct experts uniformly at random, rounded up to 128
+    (at least num_ranks, at most the worst case num_tokens * num_ranks)."""
+    local = num_experts // num_ranks
+    misses = math.prod((num_experts - local - i) / (num_experts - i) for i in range(min(num_topk, num_experts - local)))
+    expected = num_tokens * num_ranks * (1 - misses)
+    capacity = -(-math.ceil(1.25 * expected) // 128) * 128
+    return max(num_ranks, min(capacity, num_tokens * num_ranks))
+
+
+def dropless_moe(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, experts: Experts, params: Any, *,
+                 num_experts: int, buffer: Buffer, capacity: int | None = None,
+                 return_rounds: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """One rank's MoE layer with no row dropped and receive buffers of
+    `capacity` rows: out[t] = sum over k of topk_weights[t, k] * expert
+    topk_idx[t, k] of x[t], as `experts` computes it.
+
+    Per rank, inside `shard_map` over `buffer.axis_name`:
+      x: bf16 [T, H]; topk_idx: int32 [T, K] global expert ids, -1 for none;
+      topk_weights: float32 [T, K].
+      experts(params, recv_x, recv_topk_idx, recv_topk_weights): this rank's
+        experts on received rows (bf16 [N, H], local ids int32 [N, K] with -1
+        for experts elsewhere and on padding rows, float32 [N, K]); returns
+        bf16 [N, H], each row the weighted sum of its local experts' outputs.
+        Rows must not depend on each other (padding rows may hold anything;
+        their outputs are ignored). It runs once per round.
+      params: the experts' parameters (a pytree), differentiated like x and
+        topk_weights (reverse mode; topk_idx is not differentiable).
+      capacity: rows received per rank per round, in [R, T * R]; default
+        `default_capacity(T, K, E, R)`.
+      return_rounds: also return the number of rounds (int32 [], the same on
+        every rank; more than 1 means the load exceeded `capacity` somewhere).
+
+    Returns bf16 [T, H]: equal bit for bit to dispatch (worst case), experts,
+    combine; so are the gradients of x and topk_weights. The parameters'
+    gradient is summed over rounds in float32: with several rounds it may
+    differ from the one-round sum in the last bits.
+    """
+    fn = "dropless_moe"
+    v.check_buffer(buffer, fn)
+    v.check_num_experts(num_experts, buffer, fn)
+    (x,), num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
+    v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
+    if not callable(experts):
+        raise TypeError(f"{fn}: experts must be a function (params, recv_x, recv_topk_idx, recv_topk_weights) -> "
+                        f"rows, got {type(experts).__name__}")
+    num_ranks = buffer.num_ranks
+    worst = num_tokens * num_ranks
+    if capacity is None:
+        capacity = default_capacity(num_tokens, topk_idx.shape[1], num_experts, num_ranks)
+    elif not is_int(capacity) or not num_ranks <= capacity <= worst:
+        raise ValueError(f"{fn}: capacity must be an int in [ranks = {num_ranks}, tokens * ranks = {worst}] (rows "
+                         f"received per rank per round), got {capacity!r}")
+    topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)
+    block = min(num_tokens, int(capacity) // num_ranks)  # a block's rows always fit: block * R <= capacity
+    token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, int(capacity), block, hidden)
+    static = _Static(experts, buffer, num_experts, int(capacity))
+    out = _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
+    return (out, num_rounds) if v.check_bool(fn, "return_rounds", return_rounds) else out
+
+
+# Rounds ---------------------------------------------------------------------
+
+
+def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden):
+    """(round of each token int32 [T], number of rounds int32 []), the same on every rank."""
+    num_tokens, num_ranks = topk_idx.shape[0], buffer.num_ranks
+    num_blocks = -(-num_tokens // block)
+    _, _, in_rank = get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+    padded = jnp.pad(in_rank.astype(jnp.int32), ((0, num_blocks * block - num_tokens), (0, 0)))
+    sent = padded.reshape(num_blocks, block, num_ranks).sum(axis=1)  # [blocks, R]: my rows per block and rank
+    # Rank j learns what every rank sends it, then every rank learns every rank's load.
+    received = _exchange(sent.T, num_experts, buffer, hidden)  # [R(source), blocks]
+    loads = _exchange(jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer,
+                      hidden)  # [R(destination), blocks]
+
+    def cut(state, load):  # greedy: a new round when this block would overfill some rank
+        current, filled = state
+        full = jnp.any(filled + load > capacity)
+        return (current + full, jnp.where(full, load, filled + load)), current + full
+
+    first = vary_over(jnp.zeros((), jnp.int32), vma(loads))
+    (last, _), block_round = lax.scan(cut, (first, jnp.zeros_like(loads[:, 0])), loads.T)
+    return jnp.repeat(block_round, block)[:num_tokens], last + 1
+
+
+def _exchange(rows, num_experts, buffer, hidden):
+    """rows int32 [R, n] (row j for rank j, values in [0, 2^31)) -> int32 [R, n]
+    (row s from rank s), through dispatch: each value as 4 bf16 digits of 8 bits
+    (exact in bf16), rank j's row as the tokens routed to its first expert."""
+    num_ranks, n = rows.shape
+    digits = (rows[:, :, None] >> jnp.array([24, 16, 8, 0], jnp.int32)) & 255  # [R, n, 4]
+    per_rank = -(-4 * n // hidden)  # tokens per destination
+    flat = jnp.pad(digits.reshape(num_ranks, -1), ((0, 0), (0, per_rank * hidden - 4 * n)))
+    tokens = flat.reshape(num_ranks * per_rank, hidden).astype(jnp.bfloat16)
+    first_expert = num_experts // num_ranks * (jnp.arange(num_ranks * per_rank, dtype=jnp.int32) // per_rank)
+    recv, _, _, _ = dispatch(tokens, first_expert[:, None], None, num_experts=num_experts, buffer=buffer,
+                             num_worst_tokens=num_ranks * per_rank)  # exactly that many arrive, by source
+    got = recv.astype(jnp.int32).reshape(num_ranks, -1)[:, : 4 * n].reshape(num_ranks, n, 4)
+    return (got << jnp.array([24, 16, 8, 0], jnp.int32)).sum(axis=-1)
+
+
+# The layer and its gradient ---------------------------------------------------------------
+
+
+class _Static:
+    """What the rounds need besides arrays (hashed by identity, as custom_vjp's static argument)."""
+
+    def __init__(self, experts, buffer, num_experts, capacity):
+        self.experts, self.buffer, self.num_experts, self.capacity = experts, buffer, num_experts, capacity
+
+    def round_fn(self, topk_idx, token_round, k):
+        """The layer's round k as a function of (x, topk_weights, params): its tokens' outputs, zeros elsewhere."""
+        mine = token_round == k
+        idx = jnp.where(mine[:, None], topk_idx, -1)
+
+        def run(x, topk_weights, params):
+            recv_x, recv_idx, recv_w, handle = dispatch(x, idx, topk_weights, num_experts=self.num_experts,
+                                                        buffer=self.buffer, num_worst_tokens=self.capacity)
+            out = combine(self.experts(params, recv_x, recv_idx, recv_w), handle, buffer=self.buffer)
+            return jnp.where(mine[:, None], out, jnp.zeros_like(out))
+
+        return run
+
+    def loop(self, num_rounds, body, init):
+        """init after body(k, carry) for k in [0, num_rounds), the Buffer's order chain
+        carried through (calls of the rounds run in round order, before what follows)."""
+        def step(k, carry):
+            state, value = carry
+            ordering.put(self.buffer, state)
+            value = body(k, value)
+            return ordering.take(self.buffer), value
+
+        state, out = lax.fori_loop(0, num_rounds, step, (ordering.take(self.buffer), init))
+        ordering.put(self.buffer, state)
+        return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
+    return _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
+
+
+def _zeros_like(a, dtype=None, axes=()):
+    """Zeros of a's shape (and dtype), varying over a's mesh axes and `axes` (a loop's carry keeps its type)."""
+    return vary_over(jnp.zeros(a.shape, dtype or a.dtype), vma(a) | set(axes))
+
+
+def _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
+    def body(k, out):
+        return out + vary_over(static.round_fn(topk_idx, token_round, k)(x, topk_weights, params), vma(out))
+
+    # The rounds' outputs vary over the EP axis and every axis an input varies over.
+    axes = set().union(*(vma(a) for a in jax.tree.leaves((x, topk_weights, params, topk_idx))))
+    return static.loop(num_rounds, body, _zeros_like(x, axes=axes | {static.buffer.axis_name}))
+
+
+def _layer_fwd(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
+    out = _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
+    return out, (x, topk_weights, params, topk_idx, token_round, num_rounds)
+
+
+def _layer_bwd(static, residuals, g):
+    x, topk_weights, params, topk_idx, token_round, num_rounds = residuals
+
+    def body(k, grads):
+        _, vjp = jax.vjp(static.round_fn(topk_idx, token_round, k), x, topk_weights, params)
+        # Each token's gradients come from its one round (zeros elsewhere): their sums are exact.
+        dx, dw, dparams = vjp(g)
+        return (grads[0] + dx, grads[1] + dw,
+                jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
+
+    wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
+    init = (_zeros_like(x), _zeros_like(topk_weights), jax.tree.map(lambda p: _zeros_like(p, wide(p)), params))
+    dx, dw, dparams = static.loop(num_rounds, body, init)
+    return dx, dw, jax.tree.map(lambda d, p: d.astype(p.dtype), dparams, params), None, None, None
+
+
+_layer.defvjp(_layer_fwd, _layer_bwd)
+

@@ -1,0 +1,117 @@
+"""dropless_moe (bounded receive buffers, overflow in further rounds) against
+the one-round layer sized for the worst case and against tests/oracle.py, bit
+for bit, forward and gradients, on fresh random and skewed routing, with
+capacities that need one, two and many rounds: 8 ranks here, 16 in a process
+of its own (this file as a script: `XLA_FLAGS=--xla_force_host_platform_device_count=16
+python tests/test_dropless.py 16 <seed>`, prints "CASE rounds OK")."""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import deep_ep_jax as dej
+from deep_ep_jax import testing as dt
+
+import oracle
+
+TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
+
+
+def exact_inputs(rng, num_ranks, num_experts, kind):
+    """Rows of small integers, weights in quarters, scales powers of two: every sum exact."""
+    idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * TOKENS, num_experts, TOPK, num_ranks, kind)
+    w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
+    x = rng.integers(-4, 5, (num_ranks * TOKENS, HIDDEN)).astype(jnp.bfloat16)
+    scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
+    return x, idx.astype(np.int32), w, scales
+
+
+def layers(mesh, buffer, num_experts):
+    """(one round sized for the worst case, dropless at a capacity) as jitted functions of
+    (x, idx, w, scales) -> (out, rounds, dx, dw, dscales): the gradients of sum(out * ramp)."""
+    ramp = jnp.arange(HIDDEN, dtype=jnp.float32) % 7 - 3
+
+    def worst(x, idx, w, scales):
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        return dej.combine(dt.scaled_experts(scales, recv_x, recv_idx, recv_w), handle, buffer=buffer), 1
+
+    def dropless(capacity):
+        def layer(x, idx, w, scales):
+            return dej.dropless_moe(x, idx, w, dt.scaled_experts, scales, num_experts=num_experts, buffer=buffer,
+                                    capacity=capacity, return_rounds=True)
+        return layer
+
+    def with_grads(layer):
+        def run(x, idx, w, scales):
+            def loss(x, w, scales):
+                out, rounds = layer(x, idx, w, scales)
+                return jnp.sum(out.astype(jnp.float32) * ramp), (out, rounds)
+            (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
+            return (out, jnp.reshape(rounds, (1,))) + grads
+        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(buffer.axis_name), out_specs=P(buffer.axis_name)))
+
+    return with_grads(worst), lambda capacity: with_grads(dropless(capacity))
+
+
+def check_rounds(num_ranks, seed):
+    """Every routing kind at capacities of one round (T * R), two and more (R, and 2 * T): the dropless layer
+    equals the worst-case one bit for bit, forward and gradients, and its forward equals the oracle."""
+    rng = np.random.default_rng(seed)
+    num_experts = 2 * num_ranks
+    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    worst, dropless = layers(mesh, buffer, num_experts)
+    capacities = {c: dropless(c) for c in (num_ranks * TOKENS, 2 * TOKENS, num_ranks)}  # compiled once each
+    rounds_seen = set()
+    for kind in dt.ROUTING_KINDS:
+        x, idx, w, scales = exact_inputs(rng, num_ranks, num_experts, kind)
+        want = [np.asarray(a, np.float32) for a in worst(x, idx, w, scales)]
+        valid = np.where((idx >= 0) & (idx < num_experts), idx, -1).reshape(num_ranks, TOKENS, TOPK)
+        received = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, TOKENS, HIDDEN), valid,
+                                   w.reshape(valid.shape), num_experts, num_ranks * TOKENS)
+        y = oracle.scaled_expert_rows(received, scales.reshape(num_ranks, -1), num_ranks * TOKENS, HIDDEN)
+        expected = oracle.bf16_values(oracle.combine(y, received, TOKENS)).reshape(-1, HIDDEN)
+        np.testing.assert_array_equal(want[0], expected, err_msg=kind)
+        for capacity, layer in capacities.items():
+            got = [np.asarray(a, np.float32) for a in layer(x, idx, w, scales)]
+            rounds = set(got[1].tolist())
+            assert len(rounds) == 1, f"ranks disagree on the rounds: {rounds}"
+            rounds_seen |= rounds
+            for name, a, b in zip(("out", "dx", "dw", "dscales"), got[:1] + got[2:], want[:1] + want[2:]):
+                np.testing.assert_array_equal(a, b, err_msg=f"{kind} capacity {capacity}: {name}")
+            if capacity == num_ranks * TOKENS:
+                assert rounds == {1}, (kind, rounds)
+    assert 1 in rounds_seen and 2 in rounds_seen and max(rounds_seen) > 2, rounds_seen
+    buffer.destroy()
+    return rounds_seen
+
+
+def test_dropless_matches_the_worst_case_layer_8_ranks():
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    print(f"seed {seed}; rounds seen: {sorted(check_rounds(8, seed))}")
+
+
+def test_dropless_matches_the_worst_case_layer_16_ranks():
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=16".strip()
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), "16", str(seed)], env=env, capture_output=True,
+                            text=True, timeout=600, check=False)
+    assert result.returncode == 0 and "CASE rounds OK" in result.stdout, f"seed {seed}:\n{result.stdout[-3000:]}" \
+                                                                         f"{result.stderr[-6000:]}"
+
+
+if __name__ == "__main__":
+    print(f"rounds seen: {sorted(check_rounds(int(sys.argv[1]), int(sys.argv[2])))}")
+    print("CASE rounds OK", flush=True)

@@ -12,69 +12,27 @@
 namespace deep_ep_jax {
 namespace {
 
-// What the targets bind (ffi/registration.h).
-#define EXPERT_LAYOUT(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx)                \
-  RET(ffi::Buffer<ffi::S32>, group_sizes)             \
-  RET(ffi::Buffer<ffi::S32>, group_offsets)           \
-  RET(ffi::Buffer<ffi::S32>, pair_row)                \
-  RET(ffi::Buffer<ffi::S32>, row_pair)                \
-  RET(ffi::Buffer<ffi::S32>, num_dropped)             \
-  RET(ffi::Buffer<ffi::S32>, pair_counts)             \
-  ATTR(int64_t, alignment)
+// x [B, R, C] and row_multipliers [B, R] or [0] (none) of both FP8 targets.
+ffi::Error CheckFp8Copies(const char* fn, const Dims& dims, const Dims& multiplier_dims, int64_t col_multiple) {
+  if (dims.size() != 3) return Invalid(fn, "x must be [B, R, C], got " + ShapeString(dims));
+  if (dims[1] > INT_MAX) return Invalid(fn, "R must be at most INT_MAX, got " + Str(dims[1]));
+  if (dims[2] % col_multiple != 0) return Invalid(fn, "C must be a multiple of " + Str(col_multiple));
+  if (!IsShape(multiplier_dims, {dims[0], dims[1]}) && !IsShape(multiplier_dims, {0})) {
+    return Invalid(fn, "row_multipliers must be [B, R] or [0], got " + ShapeString(multiplier_dims));
+  }
+  return ffi::Error::Success();
+}
 
-#define EXPAND_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::AnyBuffer, x)                            \
-  ARG(ffi::AnyBuffer, x_scales)                     \
-  ARG(ffi::Buffer<ffi::S32>, row_pair)              \
-  RET(ffi::AnyBuffer, expert_x)                     \
-  RET(ffi::AnyBuffer, expert_x_scales)              \
-  ATTR(int64_t, num_topk)
+const float* OrNull(const ffi::Buffer<ffi::F32>& a) { return a.element_count() == 0 ? nullptr : a.typed_data(); }
 
-// float8 x is copied (row_multipliers and col_inverse_scales [0]); bf16 x is
-// quantized with row_multipliers [rows] and col_inverse_scales [H].
-#define EXPAND_ROWS_TRANSPOSED(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::AnyBuffer, x)                                       \
-  ARG(ffi::Buffer<ffi::S32>, row_pair)                         \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                  \
-  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)               \
-  RET(ffi::AnyBuffer, expert_x_t)                              \
-  ATTR(int64_t, num_topk)
+}  // namespace
 
-// The two passes of fp8_quant.quantize_rows_and_columns on bf16 x [B, R, C]:
-// the amaxes as magnitude bits (kernels/expert_major.h), then both copies.
-// row_multipliers [B, R], or [0] for none.
-#define FP8_AMAX(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                 \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)    \
-  RET(ffi::Buffer<ffi::S32>, row_amax)           \
-  RET(ffi::Buffer<ffi::S32>, col_amax_parts)     \
-  ATTR(int64_t, strip_rows)
-
-#define FP8_ROWS_AND_COLUMNS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                             \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                \
-  ARG(ffi::Buffer<ffi::F32>, row_inverse_scales)             \
-  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)             \
-  RET(ffi::AnyBuffer, rows)                                  \
-  RET(ffi::AnyBuffer, cols)
-
-// fp8_quant.quantize_rows of bf16 x [..., C] (swiglu: of silu(g) * u of x
-// [..., 2C] = [g, u]) into data float8 [..., C] and scales [...].
-#define FP8_QUANTIZE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                          \
-  RET(ffi::AnyBuffer, data)                               \
-  RET(ffi::Buffer<ffi::F32>, scales)                      \
-  ATTR(bool, swiglu)
-
-// weights [N, K] for the weighted sum, [N, 0] for the plain one.
-#define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
-  ARG(ffi::Buffer<ffi::F32>, weights)               \
-  ARG(ffi::Buffer<ffi::S32>, pair_row)              \
-  RET(ffi::Buffer<ffi::BF16>, out)
-
-ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
+// Each pair's row in the expert-major layout, and the layout's groups.
+static ffi::Error ComputeExpertLayout(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> topk_idx,
+                                      ffi::ResultBuffer<ffi::S32> group_sizes,
+                                      ffi::ResultBuffer<ffi::S32> group_offsets, ffi::ResultBuffer<ffi::S32> pair_row,
+                                      ffi::ResultBuffer<ffi::S32> row_pair, ffi::ResultBuffer<ffi::S32> num_dropped,
+                                      ffi::ResultBuffer<ffi::S32> pair_counts, int64_t alignment) {
   constexpr const char* fn = "expert_layout";
   const Dims dims = topk_idx.dimensions();
   if (dims.size() != 2) return Invalid(fn, "topk_idx must be [N, K], got " + ShapeString(dims));
@@ -101,8 +59,23 @@ ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
                                          group_offsets->typed_data(), pair_row->typed_data(), row_pair->typed_data(),
                                          num_dropped->typed_data(), stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertLayoutHandler, ComputeExpertLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [N, K]: local expert ids
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_offsets [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // pair_row [N, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // pair_counts [L]: scratch
+                                  .Attr<int64_t>("alignment"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
+static ffi::Error ExpandRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                             ffi::Buffer<ffi::S32> row_pair, ffi::Result<ffi::AnyBuffer> expert_x,
+                             ffi::Result<ffi::AnyBuffer> expert_x_scales, int64_t num_topk) {
   constexpr const char* fn = "expand_rows";
   const Dims dims = x.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
@@ -136,8 +109,24 @@ ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
   return Launched(fn, LaunchExpandRows(arrays, row_pair.typed_data(), int(num_rows), int(num_src_rows), int(num_topk),
                                        stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsHandler, ExpandRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [N, H]
+                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [N, H / 128], [N, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Ret<ffi::AnyBuffer>()         // expert_x [rows, H]
+                                  .Ret<ffi::AnyBuffer>()         // expert_x_scales
+                                  .Attr<int64_t>("num_topk"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSED)) {
+// float8 x is copied (row_multipliers and col_inverse_scales [0]); bf16 x is
+// quantized with row_multipliers [rows] and col_inverse_scales [H].
+static ffi::Error ExpandRowsTransposed(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                       ffi::Buffer<ffi::S32> row_pair, ffi::Buffer<ffi::F32> row_multipliers,
+                                       ffi::Buffer<ffi::F32> col_inverse_scales,
+                                       ffi::Result<ffi::AnyBuffer> expert_x_t, int64_t num_topk) {
   constexpr const char* fn = "expand_rows_transposed";
   const Dims dims = x.dimensions(), row_dims = row_pair.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
@@ -169,21 +158,55 @@ ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSE
   rows.dst_t = static_cast<uint8_t*>(expert_x_t->untyped_data());
   return Launched(fn, LaunchTransposedRows(rows, quantize, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsTransposedHandler, ExpandRowsTransposed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x: FP8 or bf16 [N, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row_multipliers
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // col_inverse_scales
+                                  .Ret<ffi::AnyBuffer>()         // expert_x_t: FP8 [H, rows]
+                                  .Attr<int64_t>("num_topk"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-// x [B, R, C] and row_multipliers [B, R] or [0] (none) of both FP8 targets.
-ffi::Error CheckFp8Copies(const char* fn, const Dims& dims, const Dims& multiplier_dims, int64_t col_multiple) {
-  if (dims.size() != 3) return Invalid(fn, "x must be [B, R, C], got " + ShapeString(dims));
-  if (dims[1] > INT_MAX) return Invalid(fn, "R must be at most INT_MAX, got " + Str(dims[1]));
-  if (dims[2] % col_multiple != 0) return Invalid(fn, "C must be a multiple of " + Str(col_multiple));
-  if (!IsShape(multiplier_dims, {dims[0], dims[1]}) && !IsShape(multiplier_dims, {0})) {
-    return Invalid(fn, "row_multipliers must be [B, R] or [0], got " + ShapeString(multiplier_dims));
+// weights [N, K] for the weighted sum, [N, 0] for the plain one.
+static ffi::Error ReduceRows(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> expert_y,
+                             ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> pair_row,
+                             ffi::ResultBuffer<ffi::BF16> out) {
+  constexpr const char* fn = "reduce_rows";
+  const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
+  if (y_dims.size() != 2) return Invalid(fn, "expert_y must be [rows, H], got " + ShapeString(y_dims));
+  if (pair_dims.size() != 2) return Invalid(fn, "pair_row must be [N, K], got " + ShapeString(pair_dims));
+  const int64_t num_rows = y_dims[0], hidden = y_dims[1], num_tokens = pair_dims[0], num_topk = pair_dims[1];
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, hidden));
+  if (num_rows > INT_MAX || num_tokens * num_topk > INT_MAX) return Invalid(fn, "rows must fit 32-bit indices");
+  const bool weighted = IsShape(w_dims, {num_tokens, num_topk});
+  if (!weighted && !IsShape(w_dims, {num_tokens, 0})) {
+    return Invalid(fn, "weights must be [N, K] or [N, 0], got " + ShapeString(w_dims));
   }
-  return ffi::Error::Success();
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {num_tokens, hidden}));
+  return Launched(fn, LaunchReduceRows(reinterpret_cast<const __nv_bfloat16*>(expert_y.typed_data()), int(num_rows),
+                                       weighted ? weights.typed_data() : nullptr, pair_row.typed_data(),
+                                       int(num_tokens), int(num_topk), int(hidden),
+                                       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceRowsHandler, ReduceRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // expert_y [rows, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_row [N, K]
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // out [N, H]
+                              {ffi::Traits::kCmdBufferCompatible});
 
-const float* OrNull(const ffi::Buffer<ffi::F32>& a) { return a.element_count() == 0 ? nullptr : a.typed_data(); }
-
-ffi::Error Fp8Amax(DEEP_EP_JAX_HANDLER_PARAMS(FP8_AMAX)) {
+// The two passes of fp8_quant.quantize_rows_and_columns on bf16 x [B, R, C]:
+// the amaxes as magnitude bits (kernels/expert_major.h), then both copies.
+// row_multipliers [B, R], or [0] for none.
+static ffi::Error Fp8Amax(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                          ffi::Buffer<ffi::F32> row_multipliers, ffi::ResultBuffer<ffi::S32> row_amax,
+                          ffi::ResultBuffer<ffi::S32> col_amax_parts, int64_t strip_rows) {
   constexpr const char* fn = "fp8_amax_rows_and_columns";
   const Dims dims = x.dimensions();
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), 16));
@@ -200,8 +223,21 @@ ffi::Error Fp8Amax(DEEP_EP_JAX_HANDLER_PARAMS(FP8_AMAX)) {
                                                int(dims[1]), dims[2], OrNull(row_multipliers), int(strip_rows),
                                                row_amax->typed_data(), col_amax_parts->typed_data(), stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8AmaxHandler, Fp8Amax,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [B, R, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // row_multipliers [B, R] or [0]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // row_amax [B, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // col_amax_parts [B, strips, C]
+                                  .Attr<int64_t>("strip_rows"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error Fp8RowsAndColumns(DEEP_EP_JAX_HANDLER_PARAMS(FP8_ROWS_AND_COLUMNS)) {
+static ffi::Error Fp8RowsAndColumns(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                                    ffi::Buffer<ffi::F32> row_multipliers, ffi::Buffer<ffi::F32> row_inverse_scales,
+                                    ffi::Buffer<ffi::F32> col_inverse_scales, ffi::Result<ffi::AnyBuffer> rows,
+                                    ffi::Result<ffi::AnyBuffer> cols) {
   constexpr const char* fn = "fp8_rows_and_columns";
   const Dims dims = x.dimensions();
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), kFp8Block));
@@ -227,8 +263,22 @@ ffi::Error Fp8RowsAndColumns(DEEP_EP_JAX_HANDLER_PARAMS(FP8_ROWS_AND_COLUMNS)) {
   copy.dst_t = static_cast<uint8_t*>(cols->untyped_data());
   return Launched(fn, LaunchTransposedRows(copy, true, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8RowsAndColumnsHandler, Fp8RowsAndColumns,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [B, R, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // row_multipliers [B, R] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // row_inverse_scales [B, R]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // col_inverse_scales [B, C]
+                                  .Ret<ffi::AnyBuffer>()          // rows: FP8 [B, R, C]
+                                  .Ret<ffi::AnyBuffer>(),         // cols: FP8 [B, C, R]
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error Fp8QuantizeRows(DEEP_EP_JAX_HANDLER_PARAMS(FP8_QUANTIZE_ROWS)) {
+// fp8_quant.quantize_rows of bf16 x [..., C] (swiglu: of silu(g) * u of x
+// [..., 2C] = [g, u]) into data float8 [..., C] and scales [...].
+static ffi::Error Fp8QuantizeRows(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
+                                  ffi::Result<ffi::AnyBuffer> data, ffi::ResultBuffer<ffi::F32> scales, bool swiglu) {
   constexpr const char* fn = "fp8_quantize_rows";
   const Dims dims = x.dimensions();
   if (dims.size() < 1) return Invalid(fn, "x needs a row axis");
@@ -247,41 +297,14 @@ ffi::Error Fp8QuantizeRows(DEEP_EP_JAX_HANDLER_PARAMS(FP8_QUANTIZE_ROWS)) {
                                          swiglu, static_cast<uint8_t*>(data->untyped_data()), scales->typed_data(),
                                          stream));
 }
-
-ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
-  constexpr const char* fn = "reduce_rows";
-  const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
-  if (y_dims.size() != 2) return Invalid(fn, "expert_y must be [rows, H], got " + ShapeString(y_dims));
-  if (pair_dims.size() != 2) return Invalid(fn, "pair_row must be [N, K], got " + ShapeString(pair_dims));
-  const int64_t num_rows = y_dims[0], hidden = y_dims[1], num_tokens = pair_dims[0], num_topk = pair_dims[1];
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, hidden));
-  if (num_rows > INT_MAX || num_tokens * num_topk > INT_MAX) return Invalid(fn, "rows must fit 32-bit indices");
-  const bool weighted = IsShape(w_dims, {num_tokens, num_topk});
-  if (!weighted && !IsShape(w_dims, {num_tokens, 0})) {
-    return Invalid(fn, "weights must be [N, K] or [N, 0], got " + ShapeString(w_dims));
-  }
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {num_tokens, hidden}));
-  return Launched(fn, LaunchReduceRows(reinterpret_cast<const __nv_bfloat16*>(expert_y.typed_data()), int(num_rows),
-                                       weighted ? weights.typed_data() : nullptr, pair_row.typed_data(),
-                                       int(num_tokens), int(num_topk), int(hidden),
-                                       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
-}
-
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expert_layout", ExpertLayoutHandler, ComputeExpertLayout, EXPERT_LAYOUT,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows", ExpandRowsHandler, ExpandRows, EXPAND_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows_transposed", ExpandRowsTransposedHandler, ExpandRowsTransposed,
-                       EXPAND_ROWS_TRANSPOSED, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_amax_rows_and_columns", Fp8AmaxHandler, Fp8Amax, FP8_AMAX,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_rows_and_columns", Fp8RowsAndColumnsHandler, Fp8RowsAndColumns,
-                       FP8_ROWS_AND_COLUMNS, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_quantize_rows", Fp8QuantizeRowsHandler, Fp8QuantizeRows, FP8_QUANTIZE_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsHandler, Fp8QuantizeRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x [..., C], or [..., 2C] with swiglu
+                                  .Ret<ffi::AnyBuffer>()          // data: FP8 [..., C]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scales [...]
+                                  .Attr<bool>("swiglu"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

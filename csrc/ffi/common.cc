@@ -176,9 +176,18 @@ ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ra
   return Invalid(fn, "too many tokens for 32-bit row indices");
 }
 
-ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s,
-                         RowArrays* rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
-                             DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM)) {
+ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s, RowArrays* rows,
+                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                         const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
+                         ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
+                         ffi::ResultBuffer<ffi::S32>& recv_topk_idx, ffi::ResultBuffer<ffi::F32>& recv_topk_weights,
+                         ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
+                         ffi::ResultBuffer<ffi::S32>& num_tokens_per_rank,
+                         ffi::ResultBuffer<ffi::S32>& rank_prefix_matrix, ffi::ResultBuffer<ffi::S32>& send_pos,
+                         ffi::ResultBuffer<ffi::S32>& recv_src_idx, ffi::ResultBuffer<ffi::S32>& recv_src_rank,
+                         ffi::ResultBuffer<ffi::S32>& num_recv_tokens,
+                         ffi::ResultBuffer<ffi::S32>& num_recv_tokens_per_expert,
+                         ffi::ResultBuffer<ffi::S32>& num_dropped_tokens) {
   const Dims idx_dims = topk_idx.dimensions(), rows_dims = recv_topk_idx->dimensions();
   if (idx_dims.size() != 2) return Invalid(fn, "topk_idx must be [tokens, topk], got " + ShapeString(idx_dims));
   s->num_tokens = idx_dims[0];
@@ -205,9 +214,12 @@ ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts,
   return ExpectShape(fn, "num_dropped_tokens", num_dropped_tokens->dimensions(), {});
 }
 
-ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s,
-                               RowArrays* rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
-                                   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM)) {
+ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s, RowArrays* rows,
+                               const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                               const ffi::Buffer<ffi::F32>& topk_weights, const ffi::Buffer<ffi::S32>& send_pos,
+                               const ffi::Buffer<ffi::S32>& num_recv_tokens, ffi::Result<ffi::AnyBuffer>& recv_x,
+                               ffi::Result<ffi::AnyBuffer>& recv_x_scales,
+                               ffi::ResultBuffer<ffi::F32>& recv_topk_weights) {
   const Dims pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions(), recv_dims = recv_x->dimensions();
   if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));
   if (w_dims.size() != 2) return Invalid(fn, "topk_weights must be [tokens, topk] (topk 0 when absent)");
@@ -225,8 +237,10 @@ ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* 
   return ExpectShape(fn, "recv_topk_weights", recv_topk_weights->dimensions(), {s->num_rows, s->num_topk});
 }
 
-ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(
-    DEEP_EP_JAX_PARAM) DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_RET_PARAM)) {
+ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s, const ffi::Buffer<ffi::BF16>& x,
+                        const ffi::Buffer<ffi::F32>& topk_weights, const ffi::Buffer<ffi::S32>& send_pos,
+                        const ffi::Buffer<ffi::S32>& num_recv_tokens, ffi::ResultBuffer<ffi::BF16>& out,
+                        ffi::ResultBuffer<ffi::F32>& out_weights) {
   const Dims x_dims = x.dimensions(), pos_dims = send_pos.dimensions(), w_dims = topk_weights.dimensions();
   if (x_dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(x_dims));
   if (pos_dims.size() != 2) return Invalid(fn, "send_pos must be [tokens, ranks], got " + ShapeString(pos_dims));

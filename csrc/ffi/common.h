@@ -1,6 +1,5 @@
 // What the XLA FFI handlers share: one way to check a call and report what
-// is wrong, and the parts of the target lists (ffi/registration.h) that
-// several targets bind.
+// is wrong, and the checks of the arrays several targets take.
 //
 // Checking style: each check returns an ffi::Error (Success, or
 // InvalidArgument "<target>: <what>"), built only on failure, and the handler
@@ -54,73 +53,11 @@ ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_rank
 
 }  // namespace deep_ep_jax
 
-// The handler's arguments named in a target list, as call arguments (after
-// others: each comes with its leading comma), e.g.
-// CheckDispatch(fn, ... DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_NAME)).
-#define DEEP_EP_JAX_NAME(type, name) , name
-
 // Returns from the enclosing handler the error of `expr` if it failed.
 #define DEEP_EP_JAX_RETURN_IF_ERROR(expr)                                   \
   do {                                                                      \
     if (::xla::ffi::Error error_ = (expr); error_.failure()) return error_; \
   } while (0)
-
-// Normal mode: the parts both paths (intranode.cc on one host, internode.cc
-// across hosts) bind; each adds its handle arrays, scratch results and launch
-// knobs. Dispatch: the rows and routing in, the received rows and the
-// handle's arrays out.
-#define DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG) \
-  ARG(ffi::AnyBuffer, x)                      \
-  ARG(ffi::AnyBuffer, x_scales)               \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx)        \
-  ARG(ffi::Buffer<ffi::F32>, topk_weights)
-#define DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)            \
-  RET(ffi::AnyBuffer, recv_x)                            \
-  RET(ffi::AnyBuffer, recv_x_scales)                     \
-  RET(ffi::Buffer<ffi::S32>, recv_topk_idx)              \
-  RET(ffi::Buffer<ffi::F32>, recv_topk_weights)          \
-  RET(ffi::Buffer<ffi::PRED>, is_token_in_rank)          \
-  RET(ffi::Buffer<ffi::S32>, num_tokens_per_rank)        \
-  RET(ffi::Buffer<ffi::S32>, rank_prefix_matrix)         \
-  RET(ffi::Buffer<ffi::S32>, send_pos)                   \
-  RET(ffi::Buffer<ffi::S32>, recv_src_idx)               \
-  RET(ffi::Buffer<ffi::S32>, recv_src_rank)              \
-  RET(ffi::Buffer<ffi::S32>, num_recv_tokens)            \
-  RET(ffi::Buffer<ffi::S32>, num_recv_tokens_per_expert) \
-  RET(ffi::Buffer<ffi::S32>, num_dropped_tokens)
-// Cached dispatch: rows and weights along a handle's layout.
-#define DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG) \
-  ARG(ffi::AnyBuffer, x)                             \
-  ARG(ffi::AnyBuffer, x_scales)                      \
-  ARG(ffi::Buffer<ffi::F32>, topk_weights)           \
-  ARG(ffi::Buffer<ffi::S32>, send_pos)               \
-  ARG(ffi::Buffer<ffi::S32>, num_recv_tokens)
-#define DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET) \
-  RET(ffi::AnyBuffer, recv_x)                        \
-  RET(ffi::AnyBuffer, recv_x_scales)                 \
-  RET(ffi::Buffer<ffi::F32>, recv_topk_weights)
-// Combine: expert outputs and the handle in (each path then adds its own
-// handle arrays), the reduced rows out.
-#define DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG) \
-  ARG(ffi::Buffer<ffi::BF16>, x)             \
-  ARG(ffi::Buffer<ffi::F32>, topk_weights)   \
-  ARG(ffi::Buffer<ffi::S32>, send_pos)       \
-  ARG(ffi::Buffer<ffi::S32>, num_recv_tokens)
-#define DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET) \
-  RET(ffi::Buffer<ffi::BF16>, out)           \
-  RET(ffi::Buffer<ffi::F32>, out_weights)
-// Every target that communicates takes its Buffer's order state first and
-// returns it last, aliased (common/call_order.h).
-#define DEEP_EP_JAX_ORDER_ARG(ARG) ARG(ffi::Buffer<ffi::S32>, order)
-#define DEEP_EP_JAX_ORDER_RET(RET) RET(ffi::Buffer<ffi::S32>, order_out)
-// Launch knobs of both paths (backends/cuda/common.py's launch_attrs; the
-// one-host kernels also take chunk_tokens and staged). count_traffic: 1 to
-// count rows and bytes moved (common/traffic.h), 0 off.
-#define DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \
-  ATTR(int64_t, num_sms)                      \
-  ATTR(int64_t, num_warps)                    \
-  ATTR(int64_t, timeout_ns)                   \
-  ATTR(int64_t, count_traffic)
 
 namespace deep_ep_jax {
 
@@ -154,13 +91,32 @@ ffi::Error CheckBf16Hidden(const char* fn, int64_t hidden);
 // Every row index the kernels compute fits their 32-bit ints.
 ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ranks);
 
-ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s,
-                         RowArrays* rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
-                             DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM));
-ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s,
-                               RowArrays* rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_PARAM)
-                                   DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_RET_PARAM));
-ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(
-    DEEP_EP_JAX_PARAM) DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_RET_PARAM));
+// Normal mode's arrays, as both paths bind them (intranode.cc on one host,
+// internode.cc across hosts; each adds its own). Dispatch: the rows and routing
+// in, the received rows and the handle's arrays out.
+ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s, RowArrays* rows,
+                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                         const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
+                         ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
+                         ffi::ResultBuffer<ffi::S32>& recv_topk_idx, ffi::ResultBuffer<ffi::F32>& recv_topk_weights,
+                         ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
+                         ffi::ResultBuffer<ffi::S32>& num_tokens_per_rank,
+                         ffi::ResultBuffer<ffi::S32>& rank_prefix_matrix, ffi::ResultBuffer<ffi::S32>& send_pos,
+                         ffi::ResultBuffer<ffi::S32>& recv_src_idx, ffi::ResultBuffer<ffi::S32>& recv_src_rank,
+                         ffi::ResultBuffer<ffi::S32>& num_recv_tokens,
+                         ffi::ResultBuffer<ffi::S32>& num_recv_tokens_per_expert,
+                         ffi::ResultBuffer<ffi::S32>& num_dropped_tokens);
+// Cached dispatch: rows and weights along a handle's layout.
+ffi::Error CheckCachedDispatch(const char* fn, int64_t num_ranks, NormalShapes* s, RowArrays* rows,
+                               const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
+                               const ffi::Buffer<ffi::F32>& topk_weights, const ffi::Buffer<ffi::S32>& send_pos,
+                               const ffi::Buffer<ffi::S32>& num_recv_tokens, ffi::Result<ffi::AnyBuffer>& recv_x,
+                               ffi::Result<ffi::AnyBuffer>& recv_x_scales,
+                               ffi::ResultBuffer<ffi::F32>& recv_topk_weights);
+// Combine: expert outputs and the handle in, the reduced rows out.
+ffi::Error CheckCombine(const char* fn, int64_t num_ranks, NormalShapes* s, const ffi::Buffer<ffi::BF16>& x,
+                        const ffi::Buffer<ffi::F32>& topk_weights, const ffi::Buffer<ffi::S32>& send_pos,
+                        const ffi::Buffer<ffi::S32>& num_recv_tokens, ffi::ResultBuffer<ffi::BF16>& out,
+                        ffi::ResultBuffer<ffi::F32>& out_weights);
 
 }  // namespace deep_ep_jax

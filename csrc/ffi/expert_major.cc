@@ -1,5 +1,6 @@
-// XLA FFI handlers of the expert-major rows (kernels/expert_major.h): local
-// targets, no Buffer, no peers; decode, validate, launch.
+// XLA FFI handlers of the expert-major rows (kernels/expert_major.h; their
+// FP8 transposed gather, kernels/fp8.h): local targets, no Buffer, no peers;
+// decode, validate, launch.
 #include <cuda_runtime.h>
 
 #include <climits>
@@ -8,73 +9,16 @@
 
 #include "ffi/common.h"
 #include "kernels/expert_major.h"
+#include "kernels/fp8.h"
 
 namespace deep_ep_jax {
-namespace {
 
-// What the targets bind (ffi/registration.h).
-#define EXPERT_LAYOUT(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx)                \
-  RET(ffi::Buffer<ffi::S32>, group_sizes)             \
-  RET(ffi::Buffer<ffi::S32>, group_offsets)           \
-  RET(ffi::Buffer<ffi::S32>, pair_row)                \
-  RET(ffi::Buffer<ffi::S32>, row_pair)                \
-  RET(ffi::Buffer<ffi::S32>, num_dropped)             \
-  RET(ffi::Buffer<ffi::S32>, pair_counts)             \
-  ATTR(int64_t, alignment)
-
-#define EXPAND_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::AnyBuffer, x)                            \
-  ARG(ffi::AnyBuffer, x_scales)                     \
-  ARG(ffi::Buffer<ffi::S32>, row_pair)              \
-  RET(ffi::AnyBuffer, expert_x)                     \
-  RET(ffi::AnyBuffer, expert_x_scales)              \
-  ATTR(int64_t, num_topk)
-
-// float8 x is copied (row_multipliers and col_inverse_scales [0]); bf16 x is
-// quantized with row_multipliers [rows] and col_inverse_scales [H].
-#define EXPAND_ROWS_TRANSPOSED(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::AnyBuffer, x)                                       \
-  ARG(ffi::Buffer<ffi::S32>, row_pair)                         \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                  \
-  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)               \
-  RET(ffi::AnyBuffer, expert_x_t)                              \
-  ATTR(int64_t, num_topk)
-
-// The two passes of fp8_quant.quantize_rows_and_columns on bf16 x [B, R, C]:
-// the amaxes as magnitude bits (kernels/expert_major.h), then both copies.
-// row_multipliers [B, R], or [0] for none.
-#define FP8_AMAX(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                 \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)    \
-  RET(ffi::Buffer<ffi::S32>, row_amax)           \
-  RET(ffi::Buffer<ffi::S32>, col_amax_parts)     \
-  ATTR(int64_t, strip_rows)
-
-#define FP8_ROWS_AND_COLUMNS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                             \
-  ARG(ffi::Buffer<ffi::F32>, row_multipliers)                \
-  ARG(ffi::Buffer<ffi::F32>, row_inverse_scales)             \
-  ARG(ffi::Buffer<ffi::F32>, col_inverse_scales)             \
-  RET(ffi::AnyBuffer, rows)                                  \
-  RET(ffi::AnyBuffer, cols)
-
-// fp8_quant.quantize_rows of bf16 x [..., C] (swiglu: of silu(g) * u of x
-// [..., 2C] = [g, u]) into data float8 [..., C] and scales [...].
-#define FP8_QUANTIZE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, x)                          \
-  RET(ffi::AnyBuffer, data)                               \
-  RET(ffi::Buffer<ffi::F32>, scales)                      \
-  ATTR(bool, swiglu)
-
-// weights [N, K] for the weighted sum, [N, 0] for the plain one.
-#define REDUCE_ROWS(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::BF16>, expert_y)             \
-  ARG(ffi::Buffer<ffi::F32>, weights)               \
-  ARG(ffi::Buffer<ffi::S32>, pair_row)              \
-  RET(ffi::Buffer<ffi::BF16>, out)
-
-ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
+// Each pair's row in the expert-major layout, and the layout's groups.
+static ffi::Error ComputeExpertLayout(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> topk_idx,
+                                      ffi::ResultBuffer<ffi::S32> group_sizes,
+                                      ffi::ResultBuffer<ffi::S32> group_offsets, ffi::ResultBuffer<ffi::S32> pair_row,
+                                      ffi::ResultBuffer<ffi::S32> row_pair, ffi::ResultBuffer<ffi::S32> num_dropped,
+                                      ffi::ResultBuffer<ffi::S32> pair_counts, int64_t alignment) {
   constexpr const char* fn = "expert_layout";
   const Dims dims = topk_idx.dimensions();
   if (dims.size() != 2) return Invalid(fn, "topk_idx must be [N, K], got " + ShapeString(dims));
@@ -101,8 +45,23 @@ ffi::Error ComputeExpertLayout(DEEP_EP_JAX_HANDLER_PARAMS(EXPERT_LAYOUT)) {
                                          group_offsets->typed_data(), pair_row->typed_data(), row_pair->typed_data(),
                                          num_dropped->typed_data(), stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertLayoutHandler, ComputeExpertLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [N, K]: local expert ids
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_sizes [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // group_offsets [L]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // pair_row [N, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // pair_counts [L]: scratch
+                                  .Attr<int64_t>("alignment"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
+static ffi::Error ExpandRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                             ffi::Buffer<ffi::S32> row_pair, ffi::Result<ffi::AnyBuffer> expert_x,
+                             ffi::Result<ffi::AnyBuffer> expert_x_scales, int64_t num_topk) {
   constexpr const char* fn = "expand_rows";
   const Dims dims = x.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
@@ -136,8 +95,24 @@ ffi::Error ExpandRows(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS)) {
   return Launched(fn, LaunchExpandRows(arrays, row_pair.typed_data(), int(num_rows), int(num_src_rows), int(num_topk),
                                        stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsHandler, ExpandRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [N, H]
+                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [N, H / 128], [N, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Ret<ffi::AnyBuffer>()         // expert_x [rows, H]
+                                  .Ret<ffi::AnyBuffer>()         // expert_x_scales
+                                  .Attr<int64_t>("num_topk"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSED)) {
+// float8 x is copied (row_multipliers and col_inverse_scales [0]); bf16 x is
+// quantized with row_multipliers [rows] and col_inverse_scales [H].
+static ffi::Error ExpandRowsTransposed(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                                       ffi::Buffer<ffi::S32> row_pair, ffi::Buffer<ffi::F32> row_multipliers,
+                                       ffi::Buffer<ffi::F32> col_inverse_scales,
+                                       ffi::Result<ffi::AnyBuffer> expert_x_t, int64_t num_topk) {
   constexpr const char* fn = "expand_rows_transposed";
   const Dims dims = x.dimensions(), row_dims = row_pair.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
@@ -169,86 +144,22 @@ ffi::Error ExpandRowsTransposed(DEEP_EP_JAX_HANDLER_PARAMS(EXPAND_ROWS_TRANSPOSE
   rows.dst_t = static_cast<uint8_t*>(expert_x_t->untyped_data());
   return Launched(fn, LaunchTransposedRows(rows, quantize, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsTransposedHandler, ExpandRowsTransposed,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()         // x: FP8 or bf16 [N, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row_pair [rows]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row_multipliers
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // col_inverse_scales
+                                  .Ret<ffi::AnyBuffer>()         // expert_x_t: FP8 [H, rows]
+                                  .Attr<int64_t>("num_topk"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-// x [B, R, C] and row_multipliers [B, R] or [0] (none) of both FP8 targets.
-ffi::Error CheckFp8Copies(const char* fn, const Dims& dims, const Dims& multiplier_dims, int64_t col_multiple) {
-  if (dims.size() != 3) return Invalid(fn, "x must be [B, R, C], got " + ShapeString(dims));
-  if (dims[1] > INT_MAX) return Invalid(fn, "R must be at most INT_MAX, got " + Str(dims[1]));
-  if (dims[2] % col_multiple != 0) return Invalid(fn, "C must be a multiple of " + Str(col_multiple));
-  if (!IsShape(multiplier_dims, {dims[0], dims[1]}) && !IsShape(multiplier_dims, {0})) {
-    return Invalid(fn, "row_multipliers must be [B, R] or [0], got " + ShapeString(multiplier_dims));
-  }
-  return ffi::Error::Success();
-}
-
-const float* OrNull(const ffi::Buffer<ffi::F32>& a) { return a.element_count() == 0 ? nullptr : a.typed_data(); }
-
-ffi::Error Fp8Amax(DEEP_EP_JAX_HANDLER_PARAMS(FP8_AMAX)) {
-  constexpr const char* fn = "fp8_amax_rows_and_columns";
-  const Dims dims = x.dimensions();
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), 16));
-  if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows) {
-    return Invalid(fn, "strip_rows must be in [1, " + Str(kMaxAmaxStripRows) + "], got " + Str(strip_rows));
-  }
-  const int64_t strips = (dims[1] + strip_rows - 1) / strip_rows;
-  const int64_t bands = (dims[2] + kAmaxBandCols - 1) / kAmaxBandCols;
-  if (dims[0] * strips * bands > INT_MAX) return Invalid(fn, "B * strips * bands must be at most INT_MAX");
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "row_amax", row_amax->dimensions(), {dims[0], dims[1]}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "col_amax_parts", col_amax_parts->dimensions(), {dims[0], strips, dims[2]}));
-  return Launched(fn, LaunchAmaxRowsAndColumns(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), dims[0],
-                                               int(dims[1]), dims[2], OrNull(row_multipliers), int(strip_rows),
-                                               row_amax->typed_data(), col_amax_parts->typed_data(), stream));
-}
-
-ffi::Error Fp8RowsAndColumns(DEEP_EP_JAX_HANDLER_PARAMS(FP8_ROWS_AND_COLUMNS)) {
-  constexpr const char* fn = "fp8_rows_and_columns";
-  const Dims dims = x.dimensions();
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckFp8Copies(fn, dims, row_multipliers.dimensions(), kFp8Block));
-  const int64_t batch = dims[0], num_rows = dims[1], hidden = dims[2];
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "row_inverse_scales", row_inverse_scales.dimensions(), {batch, num_rows}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "col_inverse_scales", col_inverse_scales.dimensions(), {batch, hidden}));
-  if (rows->element_type() != ffi::DataType::F8E4M3FN || cols->element_type() != ffi::DataType::F8E4M3FN) {
-    return Invalid(fn, "rows and cols must be float8_e4m3fn");
-  }
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "rows", rows->dimensions(), {batch, num_rows, hidden}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "cols", cols->dimensions(), {batch, hidden, num_rows}));
-  TransposedRows copy{};
-  copy.src = static_cast<const uint8_t*>(x.untyped_data());
-  copy.num_rows = copy.num_src_rows = int(num_rows);
-  copy.num_topk = 1;
-  copy.hidden = hidden;
-  copy.batch = batch;
-  copy.row_multipliers = OrNull(row_multipliers);
-  copy.col_inverse_scales = col_inverse_scales.typed_data();
-  copy.row_inverse_scales = row_inverse_scales.typed_data();
-  copy.dst_rows = static_cast<uint8_t*>(rows->untyped_data());
-  copy.dst_t = static_cast<uint8_t*>(cols->untyped_data());
-  return Launched(fn, LaunchTransposedRows(copy, true, stream));
-}
-
-ffi::Error Fp8QuantizeRows(DEEP_EP_JAX_HANDLER_PARAMS(FP8_QUANTIZE_ROWS)) {
-  constexpr const char* fn = "fp8_quantize_rows";
-  const Dims dims = x.dimensions();
-  if (dims.size() < 1) return Invalid(fn, "x needs a row axis");
-  const int64_t cols = swiglu ? dims.back() / 2 : dims.back();
-  if (cols % 8 != 0 || (swiglu && dims.back() % 2 != 0)) {
-    return Invalid(fn, std::string("C must be a multiple of 8") + (swiglu ? " (x's last axis 2C)" : "") + ", got " +
-                           ShapeString(dims));
-  }
-  const int64_t num_rows = cols == 0 ? 0 : x.element_count() / dims.back();
-  if (data->element_type() != ffi::DataType::F8E4M3FN) return Invalid(fn, "data must be float8_e4m3fn");
-  if (int64_t(data->element_count()) != num_rows * cols || int64_t(scales->element_count()) != num_rows) {
-    return Invalid(fn, "data must hold the rows' " + Str(num_rows * cols) + " values, scales their " +
-                           Str(num_rows) + " scales");
-  }
-  return Launched(fn, LaunchQuantizeRows(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), num_rows, cols,
-                                         swiglu, static_cast<uint8_t*>(data->untyped_data()), scales->typed_data(),
-                                         stream));
-}
-
-ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
+// weights [N, K] for the weighted sum, [N, 0] for the plain one.
+static ffi::Error ReduceRows(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> expert_y,
+                             ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> pair_row,
+                             ffi::ResultBuffer<ffi::BF16> out) {
   constexpr const char* fn = "reduce_rows";
   const Dims y_dims = expert_y.dimensions(), pair_dims = pair_row.dimensions(), w_dims = weights.dimensions();
   if (y_dims.size() != 2) return Invalid(fn, "expert_y must be [rows, H], got " + ShapeString(y_dims));
@@ -266,22 +177,14 @@ ffi::Error ReduceRows(DEEP_EP_JAX_HANDLER_PARAMS(REDUCE_ROWS)) {
                                        int(num_tokens), int(num_topk), int(hidden),
                                        reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
 }
-
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expert_layout", ExpertLayoutHandler, ComputeExpertLayout, EXPERT_LAYOUT,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows", ExpandRowsHandler, ExpandRows, EXPAND_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_expand_rows_transposed", ExpandRowsTransposedHandler, ExpandRowsTransposed,
-                       EXPAND_ROWS_TRANSPOSED, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_amax_rows_and_columns", Fp8AmaxHandler, Fp8Amax, FP8_AMAX,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_rows_and_columns", Fp8RowsAndColumnsHandler, Fp8RowsAndColumns,
-                       FP8_ROWS_AND_COLUMNS, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_fp8_quantize_rows", Fp8QuantizeRowsHandler, Fp8QuantizeRows, FP8_QUANTIZE_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_reduce_rows", ReduceRowsHandler, ReduceRows, REDUCE_ROWS,
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceRowsHandler, ReduceRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // expert_y [rows, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_row [N, K]
+                                  .Ret<ffi::Buffer<ffi::BF16>>(),  // out [N, H]
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

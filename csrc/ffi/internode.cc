@@ -18,38 +18,6 @@
 namespace deep_ep_jax {
 namespace {
 
-// What each target binds (ffi/registration.h), after the shared parts of
-// normal mode (ffi/common.h); node_pos is the kernels' scratch.
-#define INTERNODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                               \
-  DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
-  DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
-  RET(ffi::Buffer<ffi::S32>, node_pos)                     \
-  DEEP_EP_JAX_ORDER_RET(RET)                               \
-  ATTR(int64_t, buffer_id)                                 \
-  ATTR(int64_t, num_experts)                               \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                    \
-  ATTR(int64_t, pipeline)
-#define INTERNODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                                      \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
-  RET(ffi::Buffer<ffi::S32>, node_pos)                            \
-  DEEP_EP_JAX_ORDER_RET(RET)                                      \
-  ATTR(int64_t, buffer_id)                                        \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                           \
-  ATTR(int64_t, pipeline)
-#define INTERNODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                              \
-  DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
-  ARG(ffi::Buffer<ffi::S32>, recv_src_idx)                \
-  ARG(ffi::Buffer<ffi::S32>, recv_src_rank)               \
-  DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
-  DEEP_EP_JAX_ORDER_RET(RET)                              \
-  ATTR(int64_t, buffer_id)                                \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR)                   \
-  ATTR(int64_t, pipeline)
-
 // The buffer's state on this device (an NVSHMEM buffer with a normal region) and the launch knobs.
 ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi::Buffer<ffi::S32>> order_out,
                    int64_t buffer_id, int device, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
@@ -108,9 +76,22 @@ cudaError_t RunDispatch(const DeviceState& state, const internode::DispatchParam
 #endif
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------
 
-ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
+static ffi::Error InternodeDispatch(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::Result<ffi::AnyBuffer> recv_x_scales, ffi::ResultBuffer<ffi::S32> recv_topk_idx,
+    ffi::ResultBuffer<ffi::F32> recv_topk_weights, ffi::ResultBuffer<ffi::PRED> is_token_in_rank,
+    ffi::ResultBuffer<ffi::S32> num_tokens_per_rank, ffi::ResultBuffer<ffi::S32> rank_prefix_matrix,
+    ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> recv_src_idx,
+    ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> num_recv_tokens,
+    ffi::ResultBuffer<ffi::S32> num_recv_tokens_per_expert, ffi::ResultBuffer<ffi::S32> num_dropped_tokens,
+    ffi::ResultBuffer<ffi::S32> node_pos, ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id,
+    int64_t num_experts, int64_t num_sms, int64_t num_warps, int64_t timeout_ns, int64_t count_traffic,
+    int64_t pipeline) {
   constexpr const char* fn = "deep_ep_jax_internode_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
@@ -119,9 +100,11 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
               &state, &config));
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows
-                                            DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(DEEP_EP_JAX_NAME)
-                                                DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx,
+                                            topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                                            is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos,
+                                            recv_src_idx, recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert,
+                                            num_dropped_tokens));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
   SetRowArrays(rows, p.x, p.row_bytes);
@@ -148,8 +131,48 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_DISPATCH)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, DispatchBytes(*state, p)));
   return Launched(fn, RunDispatch(*state, p, config, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, InternodeDispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order: the Buffer's order state (call_order.h)
+                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [T, H]
+                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
+                                  .Ret<ffi::AnyBuffer>()         // recv_x [N, H]: x's dtype, N the worst case
+                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [N, K]
+                                  .Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_tokens_per_rank [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // rank_prefix_matrix [R, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_pos [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_idx [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens_per_expert [E / R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos [T, hosts]: the kernels' scratch
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out: order, aliased
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_sms")  // launch knobs: backends/cuda/common.py's launch_attrs
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")  // 1: count rows and bytes (common/traffic.h)
+                                  .Attr<int64_t>("pipeline"),  // 1: the stages pipelined in one kernel (internode.h)
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH)) {
+static ffi::Error InternodeCachedDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
+                                          ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
+                                          ffi::Result<ffi::AnyBuffer> recv_x_scales,
+                                          ffi::ResultBuffer<ffi::F32> recv_topk_weights,
+                                          ffi::ResultBuffer<ffi::S32> node_pos, ffi::ResultBuffer<ffi::S32> order_out,
+                                          int64_t buffer_id, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
+                                          int64_t count_traffic, int64_t pipeline) {
   constexpr const char* fn = "deep_ep_jax_internode_cached_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
@@ -158,9 +181,9 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
               &state, &config));
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows
-                                                  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(DEEP_EP_JAX_NAME)
-                                                      DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows, x, x_scales, topk_weights,
+                                                  send_pos, num_recv_tokens, recv_x, recv_x_scales,
+                                                  recv_topk_weights));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
   SetRowArrays(rows, p.x, p.row_bytes);
@@ -178,8 +201,36 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_CACHED_DISPATCH))
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckRegion(fn, *state, DispatchBytes(*state, p)));
   return Launched(fn, RunDispatch(*state, p, config, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCachedDispatchHandler, InternodeCachedDispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::AnyBuffer>()         // x_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K], [T, 0] when absent
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_pos: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_recv_tokens: the handle's
+                                  .Ret<ffi::AnyBuffer>()         // recv_x
+                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos: scratch
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")
+                                  .Attr<int64_t>("pipeline"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
+static ffi::Error InternodeCombine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                   ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> topk_weights,
+                                   ffi::Buffer<ffi::S32> send_pos, ffi::Buffer<ffi::S32> num_recv_tokens,
+                                   ffi::Buffer<ffi::S32> recv_src_idx, ffi::Buffer<ffi::S32> recv_src_rank,
+                                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> out_weights,
+                                   ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_sms,
+                                   int64_t num_warps, int64_t timeout_ns, int64_t count_traffic, int64_t pipeline) {
   constexpr const char* fn = "deep_ep_jax_internode_combine";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
@@ -187,8 +238,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
       Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
               &state, &config));
   NormalShapes s{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, state->num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
-                                               DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckCombine(fn, state->num_ranks, &s, x, topk_weights, send_pos, num_recv_tokens, out, out_weights));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_idx", recv_src_idx.dimensions(), {s.num_rows}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_rank", recv_src_rank.dimensions(), {s.num_rows}));
   internode::CombineParams p{};
@@ -215,14 +266,26 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTERNODE_COMBINE)) {
   return Launched(fn, cudaErrorNotSupported);
 #endif
 }
-
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_dispatch", InternodeDispatchHandler, Dispatch, INTERNODE_DISPATCH,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_cached_dispatch", InternodeCachedDispatchHandler, CachedDispatch,
-                       INTERNODE_CACHED_DISPATCH, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_internode_combine", InternodeCombineHandler, Combine, INTERNODE_COMBINE,
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeCombineHandler, InternodeCombine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // order
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x: the expert outputs [N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [N, K], [N, 0] when absent
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // send_pos: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv_tokens: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_src_idx: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // recv_src_rank: the handle's
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out [T, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out_weights [T, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")
+                                  .Attr<int64_t>("pipeline"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

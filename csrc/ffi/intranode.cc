@@ -22,36 +22,6 @@ namespace {
 using intranode::LaunchConfig;
 using intranode::kMaxRowArrays;
 
-// What each target binds (ffi/registration.h), after the shared parts of
-// normal mode (ffi/common.h).
-#define INTRANODE_LAUNCH_ATTRS(ATTR)    \
-  DEEP_EP_JAX_NORMAL_LAUNCH_ATTRS(ATTR) \
-  ATTR(int64_t, chunk_tokens)           \
-  ATTR(int64_t, staged)
-#define INTRANODE_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                               \
-  DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(ARG)                    \
-  DEEP_EP_JAX_NORMAL_DISPATCH_RETS(RET)                    \
-  DEEP_EP_JAX_ORDER_RET(RET)                               \
-  ATTR(int64_t, buffer_id)                                 \
-  ATTR(int64_t, num_experts)                               \
-  INTRANODE_LAUNCH_ATTRS(ATTR)
-#define INTRANODE_CACHED_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                                      \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(ARG)                    \
-  DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(RET)                    \
-  DEEP_EP_JAX_ORDER_RET(RET)                                      \
-  ATTR(int64_t, buffer_id)                                        \
-  INTRANODE_LAUNCH_ATTRS(ATTR)
-#define INTRANODE_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                              \
-  DEEP_EP_JAX_NORMAL_COMBINE_ARGS(ARG)                    \
-  ARG(ffi::Buffer<ffi::S32>, rank_prefix_matrix)          \
-  DEEP_EP_JAX_NORMAL_COMBINE_RETS(RET)                    \
-  DEEP_EP_JAX_ORDER_RET(RET)                              \
-  ATTR(int64_t, buffer_id)                                \
-  INTRANODE_LAUNCH_ATTRS(ATTR)
-
 // The buffer's state on this device (with a normal region) and the launch
 // knobs. Multi-process buffers (state->ipc) are always staged: peers in other
 // processes reach only the Buffer's regions, never XLA's buffers.
@@ -91,9 +61,21 @@ ffi::Error CheckStagedRegion(const char* fn, const DeviceState& state, const Lau
                          "; create the Buffer with a larger num_nvl_bytes");
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------
 
-ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
+static ffi::Error IntranodeDispatch(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::Result<ffi::AnyBuffer> recv_x_scales, ffi::ResultBuffer<ffi::S32> recv_topk_idx,
+    ffi::ResultBuffer<ffi::F32> recv_topk_weights, ffi::ResultBuffer<ffi::PRED> is_token_in_rank,
+    ffi::ResultBuffer<ffi::S32> num_tokens_per_rank, ffi::ResultBuffer<ffi::S32> rank_prefix_matrix,
+    ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> recv_src_idx,
+    ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> num_recv_tokens,
+    ffi::ResultBuffer<ffi::S32> num_recv_tokens_per_expert, ffi::ResultBuffer<ffi::S32> num_dropped_tokens,
+    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_experts, int64_t num_sms, int64_t num_warps,
+    int64_t timeout_ns, int64_t count_traffic, int64_t chunk_tokens, int64_t staged) {
   constexpr const char* fn = "deep_ep_jax_dispatch";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
@@ -104,8 +86,11 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
 
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, num_ranks, num_experts, &s, &rows DEEP_EP_JAX_NORMAL_DISPATCH_ARGS(
-      DEEP_EP_JAX_NAME) DEEP_EP_JAX_NORMAL_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx,
+                                            topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+                                            is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos,
+                                            recv_src_idx, recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert,
+                                            num_dropped_tokens));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, rows.row_bytes, s.num_topk,
                                                 intranode::NumChunks(s.num_tokens, config.chunk_tokens)));
 
@@ -132,8 +117,48 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_DISPATCH)) {
   p.num_dropped_tokens = num_dropped_tokens->typed_data();
   return Launched(fn, intranode::LaunchDispatch(*state, p, config, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatchHandler, IntranodeDispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order: the Buffer's order state (call_order.h)
+                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [T, H]
+                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
+                                  .Ret<ffi::AnyBuffer>()         // recv_x [N, H]: x's dtype, N the worst case
+                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [N, K]
+                                  .Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_tokens_per_rank [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // rank_prefix_matrix [R, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_pos [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_idx [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens_per_expert [E / R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out: order, aliased
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_sms")  // launch knobs: backends/cuda/common.py's launch_attrs
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")  // 1: count rows and bytes (common/traffic.h)
+                                  .Attr<int64_t>("chunk_tokens")
+                                  .Attr<int64_t>("staged"),  // 1: through the normal region (always for IPC buffers)
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH)) {
+static ffi::Error IntranodeCachedDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
+                                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
+                                          ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
+                                          ffi::Result<ffi::AnyBuffer> recv_x_scales,
+                                          ffi::ResultBuffer<ffi::F32> recv_topk_weights,
+                                          ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_sms,
+                                          int64_t num_warps, int64_t timeout_ns, int64_t count_traffic,
+                                          int64_t chunk_tokens, int64_t staged) {
   constexpr const char* fn = "deep_ep_jax_cached_dispatch";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
@@ -144,8 +169,8 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
 
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, num_ranks, &s, &rows DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_ARGS(
-      DEEP_EP_JAX_NAME) DEEP_EP_JAX_NORMAL_CACHED_DISPATCH_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, num_ranks, &s, &rows, x, x_scales, topk_weights, send_pos,
+                                                  num_recv_tokens, recv_x, recv_x_scales, recv_topk_weights));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, rows.row_bytes, s.num_topk,
                                                 intranode::NumChunks(s.num_tokens, config.chunk_tokens)));
 
@@ -163,8 +188,36 @@ ffi::Error CachedDispatch(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_CACHED_DISPATCH))
   p.recv.topk_weights = num_topk > 0 ? recv_topk_weights->typed_data() : nullptr;
   return Launched(fn, intranode::LaunchCachedDispatch(*state, p, config, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCachedDispatchHandler, IntranodeCachedDispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::AnyBuffer>()         // x_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K], [T, 0] when absent
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // send_pos: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_recv_tokens: the handle's
+                                  .Ret<ffi::AnyBuffer>()         // recv_x
+                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")
+                                  .Attr<int64_t>("chunk_tokens")
+                                  .Attr<int64_t>("staged"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
-ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
+static ffi::Error IntranodeCombine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                   ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> topk_weights,
+                                   ffi::Buffer<ffi::S32> send_pos, ffi::Buffer<ffi::S32> num_recv_tokens,
+                                   ffi::Buffer<ffi::S32> rank_prefix_matrix, ffi::ResultBuffer<ffi::BF16> out,
+                                   ffi::ResultBuffer<ffi::F32> out_weights, ffi::ResultBuffer<ffi::S32> order_out,
+                                   int64_t buffer_id, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
+                                   int64_t count_traffic, int64_t chunk_tokens, int64_t staged) {
   constexpr const char* fn = "deep_ep_jax_combine";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
@@ -174,8 +227,8 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCombine(fn, num_ranks, &s DEEP_EP_JAX_NORMAL_COMBINE_ARGS(DEEP_EP_JAX_NAME)
-                                               DEEP_EP_JAX_NORMAL_COMBINE_RETS(DEEP_EP_JAX_NAME)));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckCombine(fn, num_ranks, &s, x, topk_weights, send_pos, num_recv_tokens, out, out_weights));
   DEEP_EP_JAX_RETURN_IF_ERROR(
       ExpectShape(fn, "rank_prefix_matrix", rank_prefix_matrix.dimensions(), {num_ranks, num_ranks}));
   const int64_t row_bytes[kMaxRowArrays] = {s.hidden * 2, 0};
@@ -200,14 +253,26 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(INTRANODE_COMBINE)) {
   p.out_weights = num_topk > 0 ? out_weights->typed_data() : nullptr;
   return Launched(fn, intranode::LaunchCombine(*state, p, config, stream));
 }
-
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_dispatch", DispatchHandler, Dispatch, INTRANODE_DISPATCH,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_cached_dispatch", CachedDispatchHandler, CachedDispatch, INTRANODE_CACHED_DISPATCH,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_combine", CombineHandler, Combine, INTRANODE_COMBINE,
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeCombineHandler, IntranodeCombine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // order
+                                  .Arg<ffi::Buffer<ffi::BF16>>()  // x: the expert outputs [N, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [N, K], [N, 0] when absent
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // send_pos: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_recv_tokens: the handle's
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rank_prefix_matrix: the handle's
+                                  .Ret<ffi::Buffer<ffi::BF16>>()  // out [T, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out_weights [T, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_sms")
+                                  .Attr<int64_t>("num_warps")
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<int64_t>("count_traffic")
+                                  .Attr<int64_t>("chunk_tokens")
+                                  .Attr<int64_t>("staged"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

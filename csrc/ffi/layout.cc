@@ -8,18 +8,13 @@
 #include "kernels/layout.h"
 
 namespace deep_ep_jax {
-namespace {
 
-// What the target binds (ffi/registration.h).
-#define GET_DISPATCH_LAYOUT(ARG, REMAINING_ARGS, RET, ATTR) \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx)                      \
-  RET(ffi::Buffer<ffi::S32>, num_tokens_per_rank)           \
-  RET(ffi::Buffer<ffi::S32>, num_tokens_per_expert)         \
-  RET(ffi::Buffer<ffi::PRED>, is_token_in_rank)             \
-  ATTR(int64_t, num_experts)                                \
-  ATTR(int64_t, num_ranks)
-
-ffi::Error GetDispatchLayout(DEEP_EP_JAX_HANDLER_PARAMS(GET_DISPATCH_LAYOUT)) {
+// Per token, the ranks and experts of its top-k (kernels/layout.h).
+static ffi::Error GetDispatchLayout(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> topk_idx,
+                                    ffi::ResultBuffer<ffi::S32> num_tokens_per_rank,
+                                    ffi::ResultBuffer<ffi::S32> num_tokens_per_expert,
+                                    ffi::ResultBuffer<ffi::PRED> is_token_in_rank, int64_t num_experts,
+                                    int64_t num_ranks) {
   constexpr const char* fn = "get_dispatch_layout";
   const Dims dims = topk_idx.dimensions();
   if (dims.size() != 2) return Invalid(fn, "topk_idx must be [T, K]");
@@ -42,10 +37,16 @@ ffi::Error GetDispatchLayout(DEEP_EP_JAX_HANDLER_PARAMS(GET_DISPATCH_LAYOUT)) {
                                               num_tokens_per_expert->typed_data(), is_token_in_rank->typed_data(),
                                               stream));
 }
-
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_get_dispatch_layout", GetDispatchLayoutHandler, GetDispatchLayout,
-                       GET_DISPATCH_LAYOUT, {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GetDispatchLayoutHandler, GetDispatchLayout,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // topk_idx [T, K]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // num_tokens_per_rank [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()     // num_tokens_per_expert [E]
+                                  .Ret<ffi::Buffer<ffi::PRED>>()    // is_token_in_rank [T, R]
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("num_ranks"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

@@ -18,88 +18,6 @@ namespace {
 using low_latency::DispatchLayout;
 using low_latency::Peers;
 
-// What each target binds (ffi/registration.h). A whole operation binds its
-// send half's arguments then its receive half's. keep_alive: an overlapped
-// send's inputs, unused by the receive: XLA keeps them until it, as the send
-// may read them until the join.
-#define LL_DISPATCH_SEND_ARGS(ARG) \
-  ARG(ffi::AnyBuffer, x)           \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx)
-#define LL_DISPATCH_SEND_ATTRS(ATTR) \
-  ATTR(int64_t, buffer_id)           \
-  ATTR(int64_t, num_experts)         \
-  ATTR(int64_t, max_tokens)          \
-  ATTR(bool, use_fp8)                \
-  ATTR(bool, round_scale)            \
-  ATTR(int64_t, timeout_ns)
-#define LL_DISPATCH_RECV_RETS(RET)                                   \
-  RET(ffi::AnyBuffer, recv_x)                                        \
-  RET(ffi::Buffer<ffi::F32>, recv_scales) /* [1] unused when bf16 */ \
-  RET(ffi::Buffer<ffi::S32>, recv_count)                             \
-  RET(ffi::Buffer<ffi::S32>, recv_src_rank)                          \
-  RET(ffi::Buffer<ffi::S32>, recv_src_token)                         \
-  RET(ffi::Buffer<ffi::S32>, recv_src_topk)
-#define LL_COMBINE_SEND_ARGS(ARG)            \
-  ARG(ffi::AnyBuffer, x)                     \
-  ARG(ffi::Buffer<ffi::S32>, recv_count)     \
-  ARG(ffi::Buffer<ffi::S32>, recv_src_rank)  \
-  ARG(ffi::Buffer<ffi::S32>, recv_src_token) \
-  ARG(ffi::Buffer<ffi::S32>, recv_src_topk)
-#define LL_COMBINE_RECV_ARGS(ARG)      \
-  ARG(ffi::Buffer<ffi::S32>, topk_idx) \
-  ARG(ffi::Buffer<ffi::F32>, topk_weights)
-
-#define LL_DISPATCH_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                             \
-  LL_DISPATCH_SEND_ARGS(ARG)                             \
-  RET(ffi::Buffer<ffi::S32>, token)                      \
-  DEEP_EP_JAX_ORDER_RET(RET)                             \
-  LL_DISPATCH_SEND_ATTRS(ATTR)                           \
-  ATTR(int64_t, max_blocks)
-#define LL_DISPATCH_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                             \
-  ARG(ffi::Buffer<ffi::S32>, token)                      \
-  REMAINING_ARGS(keep_alive)                             \
-  LL_DISPATCH_RECV_RETS(RET)                             \
-  DEEP_EP_JAX_ORDER_RET(RET)                             \
-  ATTR(int64_t, buffer_id)                               \
-  ATTR(int64_t, num_topk)                                \
-  ATTR(int64_t, timeout_ns)
-#define LL_DISPATCH(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                        \
-  LL_DISPATCH_SEND_ARGS(ARG)                        \
-  LL_DISPATCH_RECV_RETS(RET)                        \
-  DEEP_EP_JAX_ORDER_RET(RET)                        \
-  LL_DISPATCH_SEND_ATTRS(ATTR)
-#define LL_COMBINE_SEND(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                            \
-  LL_COMBINE_SEND_ARGS(ARG)                             \
-  RET(ffi::Buffer<ffi::S32>, token)                     \
-  DEEP_EP_JAX_ORDER_RET(RET)                            \
-  ATTR(int64_t, buffer_id)                              \
-  ATTR(int64_t, num_topk)                               \
-  ATTR(int64_t, timeout_ns)                             \
-  ATTR(int64_t, max_blocks)
-#define LL_COMBINE_RECV(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                            \
-  ARG(ffi::Buffer<ffi::S32>, token)                     \
-  LL_COMBINE_RECV_ARGS(ARG)                             \
-  REMAINING_ARGS(keep_alive)                            \
-  RET(ffi::AnyBuffer, out)                              \
-  DEEP_EP_JAX_ORDER_RET(RET)                            \
-  ATTR(int64_t, buffer_id)                              \
-  ATTR(int64_t, num_experts)                            \
-  ATTR(int64_t, timeout_ns)
-#define LL_COMBINE(ARG, REMAINING_ARGS, RET, ATTR) \
-  DEEP_EP_JAX_ORDER_ARG(ARG)                       \
-  LL_COMBINE_SEND_ARGS(ARG)                        \
-  LL_COMBINE_RECV_ARGS(ARG)                        \
-  RET(ffi::AnyBuffer, out)                         \
-  DEEP_EP_JAX_ORDER_RET(RET)                       \
-  ATTR(int64_t, buffer_id)                         \
-  ATTR(int64_t, num_experts)                       \
-  ATTR(int64_t, timeout_ns)
-
 // This device's view of the buffer's low-latency region.
 ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t timeout_ns, Peers* peers) {
   const DeviceState* state = nullptr;
@@ -361,12 +279,20 @@ ffi::Error LaunchSend(const char* fn, int device, cudaStream_t xla, int64_t buff
   return SideStreamError(fn, EndSend(device, buffer_id, args.token, kOverlapped));
 }
 
+}  // namespace
+
 // ---------------------------------------------------------------------------
 // Handlers. The split halves come twice: on XLA's stream (command-buffer
-// compatible) and overlapped (kOverlapped; not, as they fork and join streams).
+// compatible) and overlapped (kOverlapped; not, as they fork and join
+// streams), each pair with one binding. Every target takes its Buffer's order
+// state first and returns it last, aliased (common/call_order.h).
 
 template <bool kOverlapped>
-ffi::Error DispatchSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_SEND)) {
+static ffi::Error LowLatencyDispatchSend(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                         ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                                         ffi::ResultBuffer<ffi::S32> token, ffi::ResultBuffer<ffi::S32> order_out,
+                                         int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
+                                         bool round_scale, int64_t timeout_ns, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
   CallOrder call{};
@@ -376,9 +302,38 @@ ffi::Error DispatchSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_SEND)) {
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
+static auto DispatchSendBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::Buffer<ffi::S32>>()  // order
+      .Arg<ffi::AnyBuffer>()         // x: bf16 [T, H]
+      .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+      .Ret<ffi::Buffer<ffi::S32>>()  // token [1]: the receive half takes it
+      .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+      .Attr<int64_t>("buffer_id")
+      .Attr<int64_t>("num_experts")
+      .Attr<int64_t>("max_tokens")  // M: num_max_dispatch_tokens_per_rank
+      .Attr<bool>("use_fp8")
+      .Attr<bool>("round_scale")
+      .Attr<int64_t>("timeout_ns")
+      .Attr<int64_t>("max_blocks");
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, LowLatencyDispatchSend<false>, DispatchSendBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendOverlappedHandler, LowLatencyDispatchSend<true>,
+                              DispatchSendBinding(), {});
 
 template <bool kOverlapped>
-ffi::Error DispatchRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_RECV)) {
+static ffi::Error LowLatencyDispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                         ffi::Buffer<ffi::S32> token, ffi::RemainingArgs keep_alive,
+                                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
+                                         ffi::ResultBuffer<ffi::S32> recv_count,
+                                         ffi::ResultBuffer<ffi::S32> recv_src_rank,
+                                         ffi::ResultBuffer<ffi::S32> recv_src_token,
+                                         ffi::ResultBuffer<ffi::S32> recv_src_topk,
+                                         ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk,
+                                         int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch_recv";
   low_latency::DispatchRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
@@ -391,8 +346,38 @@ ffi::Error DispatchRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH_RECV)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
   return Launched(fn, LaunchersFor(args.peers).dispatch_recv(args, device, stream));
 }
+static auto DispatchRecvBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::Buffer<ffi::S32>>()  // order
+      .Arg<ffi::Buffer<ffi::S32>>()  // token: the send half's
+      .RemainingArgs()               // keep_alive: an overlapped send's inputs, unused: alive until the join
+      .Ret<ffi::AnyBuffer>()         // recv_x: FP8 or bf16 [E / R, R * M, H]
+      .Ret<ffi::Buffer<ffi::F32>>()  // recv_scales [E / R, R * M, H / 128]; [1] unused when bf16
+      .Ret<ffi::Buffer<ffi::S32>>()  // recv_count [E / R]
+      .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank [E / R, R * M]
+      .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_token [E / R, R * M]
+      .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_topk [E / R, R * M]
+      .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+      .Attr<int64_t>("buffer_id")
+      .Attr<int64_t>("num_topk")
+      .Attr<int64_t>("timeout_ns");
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecv<false>, DispatchRecvBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvOverlappedHandler, LowLatencyDispatchRecv<true>,
+                              DispatchRecvBinding(), {});
 
-ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH)) {
+// The whole dispatch in one kernel: the send half's arguments, the receive half's results.
+static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+                                     ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
+                                     ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
+                                     ffi::ResultBuffer<ffi::S32> recv_src_token,
+                                     ffi::ResultBuffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> order_out,
+                                     int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
+                                     bool round_scale, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::DispatchSendArgs send{};
@@ -408,9 +393,35 @@ ffi::Error Dispatch(DEEP_EP_JAX_HANDLER_PARAMS(LL_DISPATCH)) {
   }
   return Launched(fn, LaunchersFor(send.peers).dispatch(send, recv, device, stream));
 }
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+                                  .Ret<ffi::AnyBuffer>()         // recv_x
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_count
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_token
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_topk
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("max_tokens")
+                                  .Attr<bool>("use_fp8")
+                                  .Attr<bool>("round_scale")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 template <bool kOverlapped>
-ffi::Error CombineSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_SEND)) {
+static ffi::Error LowLatencyCombineSend(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                        ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+                                        ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
+                                        ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token,
+                                        ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk,
+                                        int64_t timeout_ns, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_combine_send";
   low_latency::CombineSendArgs args{};
   CallOrder call{};
@@ -420,9 +431,34 @@ ffi::Error CombineSend(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_SEND)) {
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).combine_send);
 }
+static auto CombineSendBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::Buffer<ffi::S32>>()  // order
+      .Arg<ffi::AnyBuffer>()         // x: bf16 expert outputs [E / R, R * M, H]
+      .Arg<ffi::Buffer<ffi::S32>>()  // recv_count: the dispatch handle's
+      .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_rank: the handle's
+      .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_token: the handle's
+      .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_topk: the handle's
+      .Ret<ffi::Buffer<ffi::S32>>()  // token [1]: the receive half takes it
+      .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+      .Attr<int64_t>("buffer_id")
+      .Attr<int64_t>("num_topk")
+      .Attr<int64_t>("timeout_ns")
+      .Attr<int64_t>("max_blocks");
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSend<false>, CombineSendBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendOverlappedHandler, LowLatencyCombineSend<true>,
+                              CombineSendBinding(), {});
 
 template <bool kOverlapped>
-ffi::Error CombineRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_RECV)) {
+static ffi::Error LowLatencyCombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                        ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
+                                        ffi::Buffer<ffi::F32> topk_weights, ffi::RemainingArgs keep_alive,
+                                        ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> order_out,
+                                        int64_t buffer_id, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine_recv";
   low_latency::CombineRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
@@ -434,8 +470,34 @@ ffi::Error CombineRecv(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE_RECV)) {
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, BeginReceive(device, buffer_id, args.token, stream, kOverlapped)));
   return Launched(fn, LaunchersFor(args.peers).combine_recv(args, device, stream));
 }
+static auto CombineRecvBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::Buffer<ffi::S32>>()  // order
+      .Arg<ffi::Buffer<ffi::S32>>()  // token: the send half's
+      .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
+      .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
+      .RemainingArgs()               // keep_alive: an overlapped send's inputs, unused: alive until the join
+      .Ret<ffi::AnyBuffer>()         // out: bf16 [T, H]
+      .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+      .Attr<int64_t>("buffer_id")
+      .Attr<int64_t>("num_experts")
+      .Attr<int64_t>("timeout_ns");
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRecv<false>, CombineRecvBinding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvOverlappedHandler, LowLatencyCombineRecv<true>,
+                              CombineRecvBinding(), {});
 
-ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE)) {
+// The whole combine in one kernel: the send half's arguments, then the receive half's.
+static ffi::Error LowLatencyCombine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                    ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
+                                    ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
+                                    ffi::Buffer<ffi::S32> recv_src_topk, ffi::Buffer<ffi::S32> topk_idx,
+                                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_experts,
+                                    int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::CombineSendArgs send{};
@@ -457,28 +519,23 @@ ffi::Error Combine(DEEP_EP_JAX_HANDLER_PARAMS(LL_COMBINE)) {
   return Launched(fn, LaunchersFor(send.peers).combine(send, recv, device, stream));
 }
 
-}  // namespace
-
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send", LowLatencyDispatchSendHandler, DispatchSend<false>,
-                       LL_DISPATCH_SEND, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv", LowLatencyDispatchRecvHandler, DispatchRecv<false>,
-                       LL_DISPATCH_RECV, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch", LowLatencyDispatchHandler, Dispatch, LL_DISPATCH,
-                       {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_send", LowLatencyCombineSendHandler, CombineSend<false>,
-                       LL_COMBINE_SEND, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_recv", LowLatencyCombineRecvHandler, CombineRecv<false>,
-                       LL_COMBINE_RECV, {ffi::Traits::kCmdBufferCompatible});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine", LowLatencyCombineHandler, Combine, LL_COMBINE,
-                       {ffi::Traits::kCmdBufferCompatible});
-// Overlapped: not command-buffer compatible, as they fork and join streams.
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_send_overlapped", LowLatencyDispatchSendOverlappedHandler,
-                       DispatchSend<true>, LL_DISPATCH_SEND, {});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_dispatch_recv_overlapped", LowLatencyDispatchRecvOverlappedHandler,
-                       DispatchRecv<true>, LL_DISPATCH_RECV, {});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_send_overlapped", LowLatencyCombineSendOverlappedHandler,
-                       CombineSend<true>, LL_COMBINE_SEND, {});
-DEEP_EP_JAX_FFI_TARGET("deep_ep_jax_low_latency_combine_recv_overlapped", LowLatencyCombineRecvOverlappedHandler,
-                       CombineRecv<true>, LL_COMBINE_RECV, {});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::AnyBuffer>()         // x
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_count
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_token
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // recv_src_topk
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights
+                                  .Ret<ffi::AnyBuffer>()         // out
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<int64_t>("num_experts")
+                                  .Attr<int64_t>("timeout_ns"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

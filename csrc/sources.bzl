@@ -12,7 +12,7 @@ CUDA_SOURCES = [
     "csrc/kernels/intranode.cu",
     "csrc/kernels/low_latency.cu",
     "csrc/kernels/expert_major.cu",
-    "csrc/kernels/fp8.cu",
+    "csrc/kernels/fp8_quant.cu",
 ]
 
 # Host code: runtime, XLA FFI handlers, the pybind11 module.
@@ -26,7 +26,7 @@ CXX_SOURCES = [
     "csrc/ffi/low_latency.cc",
     "csrc/ffi/internode.cc",
     "csrc/ffi/expert_major.cc",
-    "csrc/ffi/fp8.cc",
+    "csrc/ffi/fp8_quant.cc",
     "csrc/module.cc",
 ]
 

@@ -202,12 +202,12 @@ def fp8_gpu(device=None) -> bool:
     return getattr(device, "platform", None) == "gpu" and (int(major or 0), int(minor or 0)) >= (8, 9)
 
 
-# CUDA kernels (the extension's; csrc/kernels/expert_major.cu) ---------------------------------------------
+# CUDA kernels (the extension's; csrc/ffi/fp8_quant.cc, csrc/kernels/fp8_quant.cu) ---------------------------------------------
 
 
 def _cuda_ops():
-    """The extension's FP8 targets (backends/cuda/expert_major.py), registered with XLA."""
-    from deep_ep_jax.backends.cuda import expert_major as cuda
+    """The extension's FP8 targets (backends/cuda/fp8_quant.py), registered with XLA."""
+    from deep_ep_jax.backends.cuda import fp8_quant as cuda
     from deep_ep_jax.backends.cuda import lifecycle
 
     lifecycle.register_ffi_targets()

@@ -13,7 +13,6 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 

@@ -60,7 +60,7 @@ constexpr int kMaxLocalExperts = 4096;
 // Row arrays a token carries: bf16 rows, or FP8 rows and their float32 scales.
 constexpr int kMaxRowArrays = 2;
 
-// The FP8 copies' amax kernel (kernels/fp8.h): a block takes a strip
+// The FP8 copies' amax kernel (kernels/fp8_quant.h): a block takes a strip
 // of at most kMaxAmaxStripRows rows (each strip leaves one partial maximum per
 // column) by a band of kAmaxBandCols columns (16 per lane of a warp).
 constexpr int kMaxAmaxStripRows = 512;

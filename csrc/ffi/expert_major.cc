@@ -1,5 +1,5 @@
 // XLA FFI handlers of the expert-major rows (kernels/expert_major.h; their
-// FP8 transposed gather, kernels/fp8.h): local targets, no Buffer, no peers;
+// FP8 transposed gather, kernels/fp8_quant.h): local targets, no Buffer, no peers;
 // decode, validate, launch.
 #include <cuda_runtime.h>
 
@@ -9,7 +9,7 @@
 
 #include "ffi/common.h"
 #include "kernels/expert_major.h"
-#include "kernels/fp8.h"
+#include "kernels/fp8_quant.h"
 
 namespace deep_ep_jax {
 

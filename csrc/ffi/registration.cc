@@ -28,7 +28,7 @@ FfiHandler ExpertLayoutHandler;  // expert_major.cc
 FfiHandler ExpandRowsHandler;
 FfiHandler ExpandRowsTransposedHandler;
 FfiHandler ReduceRowsHandler;
-FfiHandler Fp8AmaxHandler;  // fp8.cc
+FfiHandler Fp8AmaxHandler;  // fp8_quant.cc
 FfiHandler Fp8RowsAndColumnsHandler;
 FfiHandler Fp8QuantizeRowsHandler;
 }

@@ -3,7 +3,7 @@
 // Bit-identical to deep_ep_jax/backends/reference_expert_major.py: positions
 // are integers placed in a fixed order, sums run over k in order with the
 // multiply and the add rounded separately. The rows' FP8 transposed gather is
-// in fp8.cu.
+// in fp8_quant.cu.
 #include <algorithm>
 #include <cstdint>
 

@@ -1,7 +1,7 @@
 // Expert-major rows (docs/design.md, "Expert-major rows"): a rank's received
 // rows regrouped by local expert, and their weighted reduction back. Local:
 // no peers, no Buffer memory. Every launcher only enqueues work on `stream`.
-// Their FP8 transposed gather is kernels/fp8.h's LaunchTransposedRows.
+// Their FP8 transposed gather is kernels/fp8_quant.h's LaunchTransposedRows.
 #pragma once
 
 #include <cuda_bf16.h>

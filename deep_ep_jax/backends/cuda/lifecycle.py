@@ -20,6 +20,7 @@ from deep_ep_jax.distributed import multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import (
     common,
     expert_major,
+    fp8_quant,
     internode,
     intranode,
     layout,
@@ -37,8 +38,8 @@ _registered = False
 
 def declared_ffi_outputs() -> dict:
     """{FFI target: names of its results} as this package calls them."""
-    return {t.name: t.all_results for module in (layout, intranode, internode, low_latency, expert_major)
-            for t in module.TARGETS}
+    modules = (layout, intranode, internode, low_latency, expert_major, fp8_quant)
+    return {t.name: t.all_results for module in modules for t in module.TARGETS}
 
 
 def check_ffi_outputs(declared: dict, built: dict) -> None:

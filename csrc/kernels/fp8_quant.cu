@@ -10,7 +10,7 @@
 #include <cuda_fp8.h>
 
 #include "kernels/device.cuh"
-#include "kernels/fp8.h"
+#include "kernels/fp8_quant.h"
 
 namespace deep_ep_jax {
 namespace {

@@ -1,4 +1,4 @@
-// XLA FFI handlers of the FP8 quantizations (kernels/fp8.h), fp8_quant.py's
+// XLA FFI handlers of the FP8 quantizations (kernels/fp8_quant.h), fp8_quant.py's
 // kernels: local targets, no Buffer, no peers; decode, validate, launch.
 #include <cuda_runtime.h>
 
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "ffi/common.h"
-#include "kernels/fp8.h"
+#include "kernels/fp8_quant.h"
 
 namespace deep_ep_jax {
 namespace {
@@ -28,7 +28,7 @@ const float* OrNull(const ffi::Buffer<ffi::F32>& a) { return a.element_count() =
 }  // namespace
 
 // The two passes of fp8_quant.quantize_rows_and_columns on bf16 x [B, R, C]:
-// the amaxes as magnitude bits (kernels/fp8.h), then both copies.
+// the amaxes as magnitude bits (kernels/fp8_quant.h), then both copies.
 // row_multipliers [B, R], or [0] for none.
 static ffi::Error Fp8Amax(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::BF16> x,
                           ffi::Buffer<ffi::F32> row_multipliers, ffi::ResultBuffer<ffi::S32> row_amax,

@@ -23,6 +23,8 @@ them without touching code:
                              0: normal-mode dispatch and combine across hosts
                              run their send and forward stages one after the
                              other (default 1: pipelined by chunk; for A/B)
+  DEEP_EP_JAX_POISON_PADDING 1: the xla backend's dispatch leaves NaN in its
+                             padding rows, as the kernels may (debug, on CPU)
   DEEP_EP_JAX_STAGED         1: one host's normal mode lands rows in the Buffer
                              first, as across processes (read when a CUDA
                              Buffer is made; for A/B and tests)
@@ -115,7 +117,7 @@ def _from_env(var: str, value) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
-    except `checks`, `gpus_per_host` and `count_traffic`)."""
+    except `checks`, `gpus_per_host`, `count_traffic` and `poison_padding`)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).
@@ -145,6 +147,10 @@ class Config:
     # agree (a mismatch stops the call with a message).
     internode_pipeline: bool = dataclasses.field(
         default_factory=lambda: env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
+    # Debug, xla backend: dispatch's padding rows of recv_x (past num_recv_tokens) hold NaN, as they may on
+    # GPUs, instead of the zeros XLA leaves there; so a test on CPU shows an expert layer that does not mask
+    # them (a weight gradient recv_x^T @ dy turns NaN * 0 into NaN).
+    poison_padding: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_POISON_PADDING", False))
 
     def __post_init__(self):
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
@@ -153,7 +159,7 @@ class Config:
             if not (is_int(value) or optional and value is None):
                 raise TypeError(f"Config.{name} must be an int{' or None' if optional else ''}, "
                                 f"got {type(value).__name__} {value!r}")
-        for name in ("checks", "count_traffic", "internode_pipeline"):
+        for name in ("checks", "count_traffic", "internode_pipeline", "poison_padding"):
             value = getattr(self, name)
             if not is_bool(value):
                 raise TypeError(f"Config.{name} must be a bool, got {type(value).__name__} {value!r}")

@@ -679,3 +679,25 @@ def test_out_of_range_ids_are_ignored_without_checks(mesh, buffer):
     got, want = f(x, bad, w), f(x, clean, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_poison_padding_shows_an_unmasked_weight_gradient(mesh):
+    """Config(poison_padding=True): the xla backend's dispatch leaves NaN in its padding rows, as the kernels may,
+    so a weight gradient that does not mask them (recv_x^T @ dy) comes out NaN on CPU too; masked, it is finite.
+    Without it the padding rows are finite (and such a bug passes on CPU)."""
+    x, idx, w = _inputs()
+    dy = jnp.ones((R * T * R, H), jnp.float32)
+
+    def weight_grads(buffer):
+        def per_rank(x, idx, w, dy):
+            recv_x, recv_idx, _, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+            rows = recv_x.astype(jnp.float32)
+            masked = jnp.where((recv_idx >= 0).any(axis=1)[:, None], rows, 0.0)
+            return (rows.T @ dy)[None], (masked.T @ dy)[None], handle.num_recv_tokens[None]
+        return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w, dy)
+
+    plain, masked, num_recv = weight_grads(dej.Buffer(mesh, "ep", backend="xla"))
+    assert np.isfinite(np.asarray(plain)).all() and np.isfinite(np.asarray(masked)).all()
+    assert (np.asarray(num_recv) < R * T).any()  # some rank has padding rows
+    plain, masked, _ = weight_grads(dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(poison_padding=True)))
+    assert np.isnan(np.asarray(plain)).any() and np.isfinite(np.asarray(masked)).all()

@@ -106,6 +106,9 @@ def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
     slot, _, valid = _recv_slots(handle.rank_prefix_matrix, rank, num_rows, num_tokens)
     flat = lambda a: a.reshape((num_ranks * num_tokens,) + a.shape[2:])[slot]
     recv_xs = tuple(_from_bits(flat(r), x.dtype) for r, x in zip(received["xs"], xs))
+    if buffer.config.poison_padding:  # as the kernels may leave them (Config.poison_padding)
+        recv_xs = tuple(jnp.where(valid.reshape((-1,) + (1,) * (r.ndim - 1)), r, jnp.nan).astype(r.dtype)
+                        for r in recv_xs)
     recv_idx = recv_w = None
     if topk_idx is not None:
         recv_idx = jnp.where(valid[:, None], flat(received["idx"]), -1)

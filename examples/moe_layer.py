@@ -428,14 +428,15 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     topk_idx, topk_weights, aux_loss = route(x, router_kernel, top_k, normalize)
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
-    per_rank = jax.shard_map(
+    # Under jit even when called eagerly: shard_map alone would run the body op by op on every device.
+    per_rank = jax.jit(jax.shard_map(
         lambda x, idx, weights, w_in, w_out, fp8=None: moe_ffn(
             x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl,
             capacity=capacity, expert_rows=expert_rows, expert_alignment=expert_alignment, fp8=fp8),
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts) + ((experts,) if fp8 is not None else ()),
         out_specs=tokens,
-    )
+    ))
     y = per_rank(x, topk_idx, topk_weights, w_in, w_out, *(() if fp8 is None else (fp8,)))
     return y.astype(x.dtype).reshape(shape), aux_loss
 

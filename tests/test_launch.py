@@ -150,17 +150,6 @@ def _cpu_collectives():
 
 
 @pytest.mark.skipif(not _cpu_collectives(), reason="this jax has no CPU collectives across processes")
-def test_shared_gpu_case_on_cpu():
-    """The worker case the GPU run of --ranks-per-gpu uses (each process
-    checks its own rank against tests/oracle.py), on the xla backend across
-    four CPU processes: the case itself is right."""
-    code, output = _run_launcher(["-n", "4", "--cpu", "--", WORKER, "shared_gpu"], timeout=240)
-    assert code == 0, output[-6000:]
-    for rank in range(4):
-        assert f"[rank {rank}] process {rank}/4: CASE shared_gpu OK" in output, output[-6000:]
-
-
-@pytest.mark.skipif(not _cpu_collectives(), reason="this jax has no CPU collectives across processes")
 def test_moe_layer_case_on_cpu():
     """The worker case of the MoE layer with a process per rank
     (tests/gpu/test_multiprocess_gpu.py), on the xla backend across two CPU

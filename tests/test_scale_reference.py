@@ -1,4 +1,4 @@
-"""The reference (xla) backend beyond 8 ranks: EP groups of 16, 32 and 64
+"""The reference (xla) backend beyond 8 ranks: EP groups of 16 and 64
 virtual CPU devices against tests/oracle.py: normal-mode dispatch, layout and
 combine (bf16, and FP8 pairs), their gradients, and low-latency dispatch and
 combine, with fresh random and skewed routing (all tokens to one expert, a
@@ -26,7 +26,7 @@ CASES = ("normal", "fp8", "gradients", "low_latency")
 TOKENS, HIDDEN, TOPK = 4, 128, 8  # per rank; small, so that 64 ranks stay quick
 
 
-@pytest.mark.parametrize("num_ranks", [16, 32, 64])
+@pytest.mark.parametrize("num_ranks", [16, 64])  # 64: past 32 ranks, the rank masks' second word
 def test_reference_backend_beyond_8_ranks(num_ranks):
     seed = int(np.random.SeedSequence().entropy % (1 << 31))  # fresh per run; printed on failure
     env = dict(os.environ)

@@ -28,12 +28,13 @@ from deep_ep_jax.comm.low_latency import (
     low_latency_dispatch_send,
     low_latency_overlap,
 )
-from deep_ep_jax.comm.normal import combine, dispatch, get_dispatch_layout
+from deep_ep_jax.comm.normal import CHECKPOINT_NAMES, combine, dispatch, get_dispatch_layout
 from deep_ep_jax.comm.validation import CheckError, checked
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CHECKPOINT_NAMES",
     "Buffer",
     "CheckError",
     "Config",

@@ -163,3 +163,34 @@ def test_grad_bf16_rows():
     for t, row in enumerate(idx):
         in_ranks[t] = len({e // (num_experts // num_ranks) for e in row if e >= 0})
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.broadcast_to(3 * in_ranks[:, None], g.shape))
+
+
+def test_remat_policy_keeps_the_communication():
+    """jax.checkpoint around a layer re-runs dispatch (its count exchange and rows) in the backward pass; with
+    save_only_these_names(*CHECKPOINT_NAMES) it keeps dispatch's and combine's results and exchanges nothing
+    again: the gradient's program holds as many all_to_all and all_gather as without remat."""
+    import re
+
+    num_ranks, num_tokens, hidden, topk, num_experts = 8, 8, 32, 2, 16
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    idx, w = (jnp.asarray(a) for a in dt.make_routing(0, num_ranks * num_tokens, num_experts, topk, num_ranks))
+    x = dt.random_rows(1, (num_ranks * num_tokens, hidden))
+    kernel = dt.random_rows(2, (num_ranks * hidden, hidden))
+
+    def layer(x, w, kernel, idx):
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
+        y = jnp.tanh((recv_x @ kernel).astype(jnp.float32)) * recv_w.sum(axis=1, keepdims=True)
+        return dej.combine(y.astype(jnp.bfloat16), handle, buffer=buffer)
+
+    def collectives(f):
+        def grads(x, w, kernel, idx):
+            return jax.grad(lambda *a: f(*a, idx).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, kernel)
+        text = str(jax.make_jaxpr(jax.shard_map(grads, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x, w, kernel, idx))
+        return len(re.findall(r"\ball_to_all\b", text)), len(re.findall(r"\ball_gather\b", text))
+
+    plain = collectives(layer)
+    assert all(a > b for a, b in zip(collectives(jax.checkpoint(layer)), plain))  # remat alone re-runs it
+    policy = jax.checkpoint_policies.save_only_these_names(*dej.CHECKPOINT_NAMES)
+    assert collectives(jax.checkpoint(layer, policy=policy)) == plain

@@ -13,6 +13,7 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
@@ -21,6 +22,11 @@ from deep_ep_jax.config import is_int
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import zero_rows_like
+
+
+# The names of dispatch's and combine's results for jax.checkpoint policies.
+DISPATCH_NAME, COMBINE_NAME = "deep_ep_jax.dispatch", "deep_ep_jax.combine"
+CHECKPOINT_NAMES = (DISPATCH_NAME, COMBINE_NAME)
 
 
 def get_dispatch_layout(
@@ -82,7 +88,9 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     outputs, order = _dispatch(xs, topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens),
                                buffer)
-    recv_xs, recv_idx, recv_w, handle = outputs
+    # Named, so that a remat policy can keep them (a backward pass then exchanges nothing again):
+    # jax.checkpoint_policies.save_only_these_names(*deep_ep_jax.CHECKPOINT_NAMES).
+    recv_xs, recv_idx, recv_w, handle = checkpoint_name(outputs, DISPATCH_NAME)
     ordering.put(buffer, order)
     if buffer.config.checks:
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
@@ -121,6 +129,7 @@ def combine(
         if dtype != jnp.float32 or len(shape) != 2 or shape[0] != num_rows:
             raise TypeError(f"{fn}: topk_weights must be float32 [{num_rows}, topk], got {dtype} {shape}")
     (out, out_w), order = _combine(x, topk_weights, handle, ordering.take(buffer), buffer)
+    out, out_w = checkpoint_name((out, out_w), COMBINE_NAME)
     ordering.put(buffer, order)
     return out if topk_weights is None else (out, out_w)
 
@@ -153,7 +162,8 @@ def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, 
 def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
     out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer)
     (_, recv_idx, _, handle), _ = out
-    return out, (handle, recv_idx, tuple(x[:0] for x in xs))  # xs' types, for FP8 rows' zero gradients
+    # xs' types (x[:0]), for FP8 rows' zero gradients. Named as the results: a policy that keeps those keeps these.
+    return out, checkpoint_name((handle, recv_idx, tuple(x[:0] for x in xs)), DISPATCH_NAME)
 
 
 def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):

@@ -674,8 +674,8 @@ def case_shared_gpu_dropless():
                                                           return_rounds=True)
 
     layers = {"worst": with_grads(worst)}
-    layers.update({c: with_grads(dropless(c)) for c in (num_ranks * tokens, num_ranks * tokens // 2,
-                                                         num_ranks * tokens // 8)})
+    # One round, and several (two and more: tests/test_dropless.py on CPU).
+    layers.update({c: with_grads(dropless(c)) for c in (num_ranks * tokens, num_ranks * tokens // 8)})
     rounds_seen = set()
     for kind in ("random", "one_expert", "rank_empty", "minus_one"):
         idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)

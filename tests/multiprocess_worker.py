@@ -642,8 +642,8 @@ def case_shared_gpu_dropless():
     `capacity` rows, overflow in further rounds) at DeepEP's hidden size, its
     output against tests/oracle.py and, with its gradients (x, the weights, the
     experts' scales), against the one-round layer sized for the worst case, bit
-    for bit, each process checking its own rank, at capacities of one round,
-    two and several (testing.scaled_experts: exact sums, so any order gives the
+    for bit, each process checking its own rank, at capacities of one round
+    and several (testing.scaled_experts: exact sums, so any order gives the
     same bits). Prints each compiled program's temporary memory. With launch
     --cpu, the xla backend (smaller hidden)."""
     import oracle

@@ -270,7 +270,7 @@ def kernel_operands(key, kernel, num_rows, sizes, w_in, w_out, keep=None):
 def loop_seconds(fn, operands, length, repeats):
     """(seconds per call of fn, fn(operands)) from one jitted program: fn once on the
     operands, then a loop of `length` calls, each on the previous one's output
-    (the ~0.3 ms host cost of a call is a few % of calls of milliseconds each:
+    (the host cost of a call is small beside calls of milliseconds each:
     good enough to rank block sizes). One program: Mosaic kernels compile slowly."""
     def run(operands):
         def body(_, ops):

@@ -8,13 +8,14 @@ public API under jit; and the device time of each half (send / recv kernel).
     python benchmarks/bench_low_latency.py --json ll.json
 
 DeepEP's case: 128 tokens per rank, hidden 7168, top-8 of 288 experts, FP8
-dispatch, bf16 combine. DeepEP V1 on the same 2x H200: dispatch 28.5 us,
-combine 39.9 us; with the send/recv split 20.0 + 8.1 us and 32.5 + 9.6 us.
+dispatch, bf16 combine. DeepEP V1's own figures on the same GPUs, to compare
+with, are in benchmarks/RESULTS.md.
 
-Timing (docs/design.md): a jitted shard_map call costs ~300 us of host
-time and each custom call ~8 us of launch, so each measurement runs one
-jitted program holding a chain of n operations (each one's input depending
-on the previous one's output through a one-element update) and one of 2n;
+Timing (docs/design.md section 3): a jitted shard_map call costs many times
+an operation's device time in host time, and each custom call adds launch
+time, so each measurement runs one jitted program holding a chain of n
+operations (each one's input depending on the previous one's output through
+a one-element update) and one of 2n;
 the time per operation is the difference divided by n, which cancels the
 fixed cost of a call. Repeated for the median and p10/p90. The "glue" row
 is a chain of the one-element updates alone, the cost included in every

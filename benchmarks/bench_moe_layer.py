@@ -37,14 +37,15 @@ halved until it does, and the run says so.
 
 Where the driver's NVML library is there, each layer's timed calls are also
 given in joules per step per GPU, with the mean power and the share of the
-time the power cap held the clocks down (on an H200 this layer runs at its
-power limit, so a shorter step needs less energy, benchmarks/RESULTS.md).
+time the power cap held the clocks down (this layer can run a GPU at its
+power limit, where a step gets shorter only by needing less energy;
+benchmarks/README.md).
 
 Each jitted call runs --steps forward+backward passes in a fori_loop (each
 step's input depends on the previous step's gradient, so XLA can neither
-hoist nor drop them), which amortises the ~300 us host cost of a jitted
-call. The figure is the time of one step; median and spread are over --reps
-calls after a warm-up call.
+hoist nor drop them), which amortises the host cost of a jitted call
+(docs/design.md section 3). The figure is the time of one step; median and
+spread are over --reps calls after a warm-up call.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ bytes of the rows a rank receives (local rows included; FP8 counts data and
 scales; combine counts the same rows as the bf16 dispatch) over the time of
 one operation, averaged over ranks.
 
-Timing (docs/design.md section 3): a jitted call costs ~300 us of host time, so
-each measurement runs one jitted program holding a chain of n operations,
-each one's input depending on the previous one's output (one element
-updated), and a chain of 2n; the time per operation is the difference
-divided by n, which cancels the fixed cost of a call. Repeated for the median
+Timing (docs/design.md section 3): a jitted call costs more host time than
+an operation takes, so each measurement runs one jitted program holding a
+chain of n operations, each one's input depending on the previous one's
+output (one element updated), and a chain of 2n; the time per operation is
+the difference divided by n, which cancels the fixed cost of a call. Repeated for the median
 and the p10/p90 spread. Inputs are random bf16 rows, never zeros.
 
 Every operation of a chain does the whole work, on both backends: each has a

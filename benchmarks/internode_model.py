@@ -82,9 +82,9 @@ class Machine:
     nic_efficiency: float = 0.9
     # H100/H200 NV18: 18 links x 25 GB/s = 450 GB/s per direction.
     nvlink_gbs: float = 450.0
-    # Our single-host kernels move 230-300 GB/s per direction over NV18
-    # (benchmarks/RESULTS.md, EP=2, 24 SMs: 461 and 592 GB/s by the formula,
-    # about half the rows local): about 0.6 of 450.
+    # What our single-host kernels reach per direction over NV18 in the
+    # normal-mode benchmark (benchmarks/RESULTS.md, EP=2, 24 SMs; the formula's
+    # figure counts the local half of the rows too), as a share of the links.
     nvlink_efficiency: float = 0.6
     # H200 HBM3e (H100: 3350 GB/s); reads and writes of copies and sums both count.
     hbm_gbs: float = 4800.0

@@ -22,10 +22,9 @@ The default stays "ragged_dot": exact on every platform. On GPUs
 jax.lax.ragged_dot is a dense dot, so there choose "capacity" or "grouped"
 (with expert_rows from your routing). "grouped" on Hopper aligns each
 expert's rows to 128 (default_expert_alignment) so that grouped_matmul takes
-its warp-specialized kernels: on one H200 at the benchmark's shapes its
-SwiGLU took 17.6 ms forward + backward in bf16 and 12.8 ms with FP8 weights,
-against 23.9 ms for the capacity path's experts on 2x H200 (docs/experts.md,
-benchmarks/RESULTS.md).
+its warp-specialized kernels, the fastest of the three paths at the
+benchmark's shapes, in bf16 and more so with FP8 weights (docs/experts.md;
+figures in benchmarks/README.md).
 
 The mesh has a "data" axis and an "expert" axis. Tokens are split over both;
 expert weights over "expert" (each rank holds E/R experts) and replicated over
@@ -269,10 +268,10 @@ def fp8_expert_weights(w_in, w_out, weight_grad: bool = True, *, mesh=None, axis
     """The FP8 copies of the experts' weights for `fp8=` (grouped experts):
     their forward, input-gradient and weight-gradient matmuls then run on FP8
     operands (with weight_grad=False the weight gradients stay bf16). Make
-    them once per optimizer step (they read all the weights: about 9.1 ms for
-    a DeepSeek-V3-sized rank on one H200) and pass them to every
-    micro-batch's step: FP8 pays off from about three micro-batches per
-    optimizer step (benchmarks/RESULTS.md). mesh, axis_name: where the
+    them once per optimizer step (they read all the weights, several
+    micro-batches' worth of FP8's savings) and pass them to every
+    micro-batch's step: made every step they cost more than FP8 saves
+    (benchmarks/RESULTS.md). mesh, axis_name: where the
     weights are split over that axis (as moe_apply takes them: the Buffer's
     mesh and axis), each rank makes its own experts' copies (the GPU kernels
     would otherwise get the whole weights gathered onto every device)."""

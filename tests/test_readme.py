@@ -1,6 +1,6 @@
-"""The READMEs' MoE snippets run as printed (8 CPU devices, the xla backend)
+"""The docs' MoE snippets run as printed (8 CPU devices, the xla backend)
 and give the MoE layer's experts: against float32 maths token by token, on
-fresh random routing. README.md's expert-major path, examples/README.md's
+fresh random routing. docs/usage.md's expert-major path, examples/README.md's
 per-rank layer (dispatch, ragged_dot experts, combine) and its global-array
 snippet around it (moe_layer's route and MoE)."""
 
@@ -20,7 +20,7 @@ R, T, H, F, E, K = 8, 16, 64, 32, 256, 8
 
 
 def snippet(name, readme="README.md", text=None):
-    """The README's python block that defines `name` (or holds `text`)."""
+    """The python block of the markdown file `readme` that defines `name` (or holds `text`)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / readme).read_text(), re.S)
     [block] = [b for b in blocks if (text or f"def {name}(") in b]
     return block
@@ -62,7 +62,7 @@ def test_expert_major_snippet_runs_and_matches_float32():
     x, idx, weights, w_in, w_out = inputs()
     with Buffer(mesh, "ep", backend="xla", hidden=H, num_experts=E) as buffer:
         scope = {"jax": jax, "jnp": jnp, "P": P, "mesh": mesh, "buffer": buffer}
-        exec(snippet("moe_experts"), scope)  # noqa: S102 (the README's own code)
+        exec(snippet("moe_experts", "docs/usage.md"), scope)  # noqa: S102 (the docs' own code)
         out = scope["moe_experts"](x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out)
         check(out, x, idx, weights, w_in, w_out)
 

@@ -57,7 +57,7 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
 // (grid-stride): the rows' bytes gathered into shared memory in 16-byte chunks,
 // then each column's 128 bytes written as a row of dst_t: a thread reads 16 rows
 // of 4 columns as words and transposes them by byte permutes (a quarter of the
-// shared loads of one byte each; the x^T gather 16% faster, benchmarks/RESULTS.md).
+// shared loads that reading one byte at a time takes).
 // Chunk c of tile row r sits at chunk c ^ (r / 16 % 8): a thread reading a 16-row
 // run and its neighbours reading the other runs of those columns hit different banks.
 // kQuantize: the rows are bf16, each chunk read as 32 bytes and quantized
@@ -102,8 +102,8 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
                           ? p.row_multipliers[entry_rows + row] : 1.0f;
       if (!kRowCopy && multiplier[k] == 0.0f) token[k] = -1;  // nothing of the row is needed
     }
-    // Addressed in elements of the entry's bf16 rows (kQuantize) or in bytes: so written, the weights'
-    // copies compiled to a kernel 5% faster than from one byte offset per entry (benchmarks/RESULTS.md).
+    // Addressed in elements of the entry's bf16 rows (kQuantize) or in bytes: ptxas schedules the loads
+    // better so than from one byte offset per entry times the element size (the same loads and registers).
     int4 raw[kItems][kLoads];
 #pragma unroll
     for (int k = 0; k < kItems; ++k) {
@@ -182,8 +182,8 @@ __device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v)
 // merged into row_amax (zeroed before) by an integer atomicMax: any order gives
 // the same. The columns' amax over the strip is written per strip, for the
 // caller to reduce. A band per block, not the strip's bands in turn: a strip of
-// activations' rows is short, and its blocks then filled the GPU only 28% (2.8
-// TB/s, benchmarks/RESULTS.md).
+// activations' rows is short, and a block per strip then leaves most of the GPU
+// idle, with barriers between bands of only a few row steps.
 __global__ void __launch_bounds__(kAmaxThreads)
     AmaxRowsAndColumnsKernel(const int4* __restrict__ x, int num_rows, int64_t cols,
                              const float* __restrict__ row_multipliers, int strip_rows, int num_strips,

@@ -83,8 +83,9 @@ def expand_rows_transposed(x, layout, row_multipliers=None, col_inverse_scales=N
 def _transposed(bits):
     """bits [R, H] -> [H, R], a block of columns per loop step. The loop reads the rows from a buffer:
     as one transpose, XLA's GPU fusion pulled the rows' gathers, and the dispatch's gathers and index
-    maths behind them, into the transpose, which then took 3.7 ms for x^T in the MoE benchmark's layer
-    on an H200 (the layer 2.3 ms per step slower; benchmarks/RESULTS.md)."""
+    maths behind them, into the transpose, evaluated under the transpose's tiling one byte per element:
+    many times the cost of the gather alone, and the XLA baseline of the MoE benchmark's layer much
+    slower for it."""
     num_rows, hidden = bits.shape
     block = math.gcd(hidden, 1024)  # the largest power of two up to 1024 that divides hidden
 

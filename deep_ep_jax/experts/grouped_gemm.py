@@ -48,7 +48,7 @@ and dy quantized with one scale per row inside (or x given quantized, as an
 (from the dequantized rows where x is an `Fp8Rows`). With `fp8_weights(w,
 weight_grad=True)` dw too: dw[g] = x_g^T dy_g from the forward's quantized x
 (kept instead of x) and dy times x's row scales, quantized with one scale per
-column (faster on one H200, for the SwiGLU and the MoE layer alike). The
+column (faster for the SwiGLU and the MoE layer alike). The
 quantizations are deep_ep_jax.fp8_quant's.
 On Hopper the warp-specialized kernels run with FP8 WGMMA, each K step added
 to a float32 total in registers (the FP8 tensor cores keep only about 14
@@ -103,28 +103,29 @@ class AlignedTiles:
     fp8_weight_grad: HopperTiles  # weight gradient on FP8 operands (fp8_weights(w, weight_grad=True))
 
 
-# The best of `benchmarks/hopper_gemm_sweep.py` on one H200 (jax 0.11.2, 2026-12-01) at the MoE
-# benchmark's shapes per rank, groups aligned to 128 rows (benchmarks/RESULTS.md).
+# The best of `benchmarks/hopper_gemm_sweep.py` (bf16) and `benchmarks/fp8_gemm_sweep.py` (FP8) at the MoE
+# benchmark's shapes per rank, groups aligned to 128 rows (the figures: benchmarks/RESULTS.md).
 DEFAULT_ALIGNED_TILES = AlignedTiles(
     forward=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
     input_grad=HopperTiles(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=4),
-    # A CTA's tiles as one pipeline (5% faster than a pipeline per tile), each warpgroup's tile stored
-    # at once (6% faster than in 64 x 64 pieces: a tile has only a few row steps to hide its stores).
+    # A CTA's tiles as one pipeline (the next tile's loads overlap this tile's last products), each
+    # warpgroup's tile stored at once rather than in 64 x 64 pieces (a tile has only a few row steps to
+    # hide its stores behind).
     weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True,
                             epi_tile_m=128, epi_tile_n=128),
     # K steps of 256 float8 (two 128-byte swizzled tiles), each added to a float32 total (promote), for which
-    # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128
-    # (benchmarks/fp8_gemm_sweep.py: 2.01 + 1.08 ms against 2.34 + 1.04, the same error). Bands of row tiles
-    # that end with a group read w_in's y's operands once (4.17 GB of HBM reads against 5.18): the layer's
-    # step 14.28-14.40 ms against 14.72-14.79. Bands of about 2 row tiles (a group or two) are about 1%
-    # faster than bands of 4 in the four matmuls and the layer (14.18-14.23 ms against 14.23-14.51).
+    # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128,
+    # at the same error. Bands of row tiles that end with a group read each weight tile from HBM about once
+    # (a band of fixed width that cuts through a group reads that group's weights twice), which shortens the
+    # layer's step; bands of about 2 row tiles (a group or two) edge out bands of 4 in the four matmuls and
+    # the layer alike.
     fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True,
                     group_bands=True),
     # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
     # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits
-    # are as exact as promotion there (3.3e-3 of the largest value against 3.0e-3); a longer one (a group
-    # may hold every row) promoted, in halves. 2.52 + 1.29 ms against 3.19 + 1.50 for the warpgroups' 64 x
-    # 128 tiles all promoted (benchmarks/fp8_gemm_sweep.py --kernels weight_grad).
+    # are about as exact as promotion over so few steps; a longer one (a group may hold every row) promoted,
+    # in halves. Faster than the warpgroups' 64 x 128 tiles all promoted, whose accumulators are half the
+    # size (benchmarks/fp8_gemm_sweep.py --kernels weight_grad).
     fp8_weight_grad=HopperTiles(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128,
                                 epi_tile_n=128, promote_after_steps=4),
 )
@@ -146,10 +147,9 @@ class GroupedMatmulBlocks:
 ROW_TILED_MAX_BLOCK_N = 256 if jax.__version_info__ < (0, 12) else 128
 
 # The best of `benchmarks/bench_grouped_gemm.py --sweep` at the MoE benchmark's shapes per rank: 32768 pairs
-# in 128 groups, K, N = 7168, 4096 and 2048, 7168 (benchmarks/RESULTS.md). Up to jax 0.11: 64 x 256 row tiles
-# (one H200, jax 0.11.2, 2026-12-01). From jax 0.12: 128 x 128 row tiles, 5 stages, grid_block_n 4 (one H100,
-# jax 0.12.0.1, 2026-12-05: 9.3 + 9.0 ms for both matmuls' forward and input gradient, against 14.1 + 11.3
-# for the untimed guess before, 64 x 128 tiles, 6 stages, grid_block_n 1 and 2).
+# in 128 groups, K, N = 7168, 4096 and 2048, 7168 (the figures: benchmarks/RESULTS.md). Up to jax 0.11:
+# 64 x 256 row tiles. From jax 0.12, which lowers tiles at most 128 columns wide: 128 x 128 row tiles,
+# 5 stages, grid_block_n 4, clearly ahead of 64 x 128 tiles in both the forward and the input gradient.
 if ROW_TILED_MAX_BLOCK_N >= 256:
     _FORWARD, _INPUT_GRAD = KernelBlocks(64, 256, 64, 5, grid_block_n=1), KernelBlocks(64, 256, 64, 5, grid_block_n=2)
 else:

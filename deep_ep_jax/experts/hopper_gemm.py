@@ -26,7 +26,7 @@ keeps a group's weights and a row tile's rows in L2 while they are reused.
 That reuse relies on the CTAs that share a weight tile stepping through K
 together: a tile made shorter than the rest (one that leaves out its padding
 rows' products) breaks the step, and the extra HBM reads cost more than the
-products saved (benchmarks/RESULTS.md). With group_bands, rows_matmul's
+products saved (docs/history.md). With group_bands, rows_matmul's
 bands of row tiles end where a group does, so no group's weights are read by
 two bands (planar_snake's bands of fixed width cut through groups). Tiles
 past the last group are not computed, only stored as zeros.
@@ -84,7 +84,7 @@ class HopperTiles:
     split_rows: bool = False  # rows_matmul: the compute warpgroups split the CTA's tile by rows
     # rows_matmul: each K step's products go to a fresh WGMMA accumulator, then are added to a
     # float32 total in registers (twice the accumulator registers). FP8 needs it: its WGMMA keeps
-    # only about 14 bits while it accumulates (2-3% off at K = 7168 without it).
+    # only about 14 bits while it accumulates, so without it the error grows with K.
     promote: bool = False
     # weight_grad, transposed, without promote or split_rows: a group of more than this many row steps is
     # promoted (each warpgroup's tile taken as two halves of tile_m / 2 rows, each a pass over the group's

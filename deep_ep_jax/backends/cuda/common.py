@@ -53,9 +53,10 @@ class FfiTarget:
     and returns it last, aliased (`deep_ep_jax.comm.ordering`), so XLA runs the
     Buffer's calls one after another in program order, and never merges two.
     No target carries a JAX effect (`has_side_effect`): an effect takes a
-    jitted step off jit's C++ dispatch path (0.4-0.9 ms more of Python per
-    call of the decode example's step). Like any pure op, a call whose results
-    nothing uses may be dropped, on every rank alike (all run one program)."""
+    jitted step off jit's C++ dispatch path onto its slower Python one, which
+    a host-bound step such as the decode example's pays on every call. Like
+    any pure op, a call whose results nothing uses may be dropped, on every
+    rank alike (all run one program)."""
 
     name: str
     results: tuple

@@ -53,8 +53,9 @@ def gencode_flags(archs):
 def include_flags():
     ours = [f"-I{os.path.join(ROOT, d)}" for d in SOURCES["INCLUDE_DIRS"]]
     # Third-party headers as system headers: their warnings are not ours.
-    theirs = [f"-isystem={d}" for d in (discover.xla_ffi_include(), discover.pybind11_include(),
-                                         discover.python_include())]
+    theirs = [
+        f"-isystem={d}" for d in (discover.xla_ffi_include(), discover.pybind11_include(), discover.python_include())
+    ]
     return ours + theirs
 
 
@@ -103,8 +104,13 @@ class NvccBuildExt(build_ext):
             nvshmem_flags = cuda_flags + list(SOURCES["NVSHMEM_NVCC_FLAGS"]) + [f"-isystem={nvshmem}/include"]
             nvshmem_jobs = [(src, nvshmem_flags) for src in existing(SOURCES["NVSHMEM_CUDA_SOURCES"])]
         headers_mtime = max(
-            [os.path.getmtime(h) for pattern in SOURCES["HEADER_GLOBS"]
-             for h in glob.glob(os.path.join(ROOT, pattern), recursive=True)] + [0.0])
+            [
+                os.path.getmtime(h)
+                for pattern in SOURCES["HEADER_GLOBS"]
+                for h in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+            ]
+            + [0.0]
+        )
 
         def compile_one(job):
             src, flags = job
@@ -112,9 +118,12 @@ class NvccBuildExt(build_ext):
             cmd = [nvcc, "-c", os.path.join(ROOT, src), "-o", obj] + flags
             stamp = obj + ".cmd"
             inputs = [src] + list(SOURCES["INCLUDED_SOURCES"].get(src, []))
-            if (os.path.exists(obj) and read_text(stamp) == " ".join(cmd)
-                    and os.path.getmtime(obj) >= max([os.path.getmtime(os.path.join(ROOT, i)) for i in inputs]
-                                                     + [headers_mtime])):
+            if (
+                os.path.exists(obj)
+                and read_text(stamp) == " ".join(cmd)
+                and os.path.getmtime(obj)
+                >= max([os.path.getmtime(os.path.join(ROOT, i)) for i in inputs] + [headers_mtime])
+            ):
                 return obj, False
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -138,8 +147,11 @@ class NvccBuildExt(build_ext):
         def run_if_stale(cmd, output, inputs, what):
             """Runs cmd unless output is newer than inputs and was made by the same command."""
             stamp = os.path.join(obj_dir, os.path.basename(output) + ".cmd")
-            if (os.path.exists(output) and read_text(stamp) == " ".join(cmd)
-                    and os.path.getmtime(output) >= max(map(os.path.getmtime, inputs))):
+            if (
+                os.path.exists(output)
+                and read_text(stamp) == " ".join(cmd)
+                and os.path.getmtime(output) >= max(map(os.path.getmtime, inputs))
+            ):
                 return
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -151,18 +163,31 @@ class NvccBuildExt(build_ext):
         if nvshmem:  # device-link the -rdc objects with NVSHMEM's device library, then link its host library
             lib = os.path.join(nvshmem, "lib")
             device_lib = os.path.join(lib, "libnvshmem_device.a")
-            rdc_objects = objects[len(jobs):]
+            rdc_objects = objects[len(jobs) :]
             dlink = os.path.join(obj_dir, "nvshmem_dlink.o")
-            cmd = [nvcc, "-dlink"] + list(SOURCES["NVSHMEM_DLINK_FLAGS"]) + gencode + rdc_objects + [device_lib, "-o", dlink]
+            cmd = (
+                [nvcc, "-dlink"]
+                + list(SOURCES["NVSHMEM_DLINK_FLAGS"])
+                + gencode
+                + rdc_objects
+                + [device_lib, "-o", dlink]
+            )
             run_if_stale(cmd, dlink, rdc_objects + [device_lib], "nvcc -dlink")
-            link_inputs = objects + [dlink, device_lib, f"-L{lib}", f"-l:{discover.nvshmem_host_lib(nvshmem)}",
-                                     f"-Xlinker=-rpath={lib}"]
+            link_inputs = objects + [
+                dlink,
+                device_lib,
+                f"-L{lib}",
+                f"-l:{discover.nvshmem_host_lib(nvshmem)}",
+                f"-Xlinker=-rpath={lib}",
+            ]
             link_files = objects + [dlink, device_lib]
         cmd = [nvcc] + list(SOURCES["LINK_FLAGS"]) + gencode + link_inputs + ["-o", out]
         run_if_stale(cmd, out, link_files, "nvcc link")
-        print(f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} (from {nvcc_from}) "
-              f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s); "
-              + (f"NVSHMEM from {nvshmem}" if nvshmem else f"without NVSHMEM: {why_not}"))
+        print(
+            f"deep_ep_jax: built {ext.name} for {','.join(arch_names)} with {nvcc} (from {nvcc_from}) "
+            f"({num_compiled} of {len(objects)} sources compiled, {time.time() - start:.0f} s); "
+            + (f"NVSHMEM from {nvshmem}" if nvshmem else f"without NVSHMEM: {why_not}")
+        )
 
 
 def extensions():
@@ -170,8 +195,10 @@ def extensions():
         print("deep_ep_jax: DEEP_EP_JAX_NO_CUDA=1, installing the pure-Python package (xla backend only)")
         return []
     if discover.nvcc() is None:
-        print("deep_ep_jax: nvcc not found (set CUDA_HOME, or install the CUDA 13 nvcc wheels first: "
-              'pip install "jax[cuda13]" or "deep_ep_jax[cuda]"), installing the pure-Python package (xla backend only)')
+        print(
+            "deep_ep_jax: nvcc not found (set CUDA_HOME, or install the CUDA 13 nvcc wheels first: "
+            'pip install "jax[cuda13]" or "deep_ep_jax[cuda]"), installing the pure-Python package (xla backend only)'
+        )
         return []
     # The sources are listed for setuptools' checks; NvccBuildExt compiles them.
     sources = [s for s in SOURCES["CUDA_SOURCES"] + SOURCES["CXX_SOURCES"] if os.path.exists(os.path.join(ROOT, s))]

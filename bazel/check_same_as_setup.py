@@ -49,9 +49,21 @@ def setup_py_commands():
             f.write(FAKE_NVCC.format(python=sys.executable, log=log))
         os.chmod(nvcc, 0o755)
         result = subprocess.run(
-            [sys.executable, "setup.py", "-q", "build_ext",
-             "--build-temp", os.path.join(tmp, "temp"), "--build-lib", os.path.join(tmp, "lib")],
-            cwd=ROOT, env=dict(os.environ, CUDA_HOME=os.path.join(tmp, "cuda")), capture_output=True, text=True)
+            [
+                sys.executable,
+                "setup.py",
+                "-q",
+                "build_ext",
+                "--build-temp",
+                os.path.join(tmp, "temp"),
+                "--build-lib",
+                os.path.join(tmp, "lib"),
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, CUDA_HOME=os.path.join(tmp, "cuda")),
+            capture_output=True,
+            text=True,
+        )
         if result.returncode != 0 or not os.path.exists(log):
             sys.exit(f"setup.py build_ext with a logging nvcc failed:\n{result.stdout}{result.stderr}")
         with open(log) as f:
@@ -59,8 +71,13 @@ def setup_py_commands():
 
 
 def bazel_commands(nvcc):
-    out = subprocess.run(["bazel", "aquery", "deps(//:extension)", "--output=jsonproto"],
-                         cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["bazel", "aquery", "deps(//:extension)", "--output=jsonproto"],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     commands = []
     for action in json.loads(out)["actions"]:
         if action.get("mnemonic") != "Genrule":
@@ -91,7 +108,7 @@ def normalize(args, names, nvshmem_home=""):
         else:
             for flag in ("-I", "-isystem="):
                 if arg.startswith(flag):
-                    path = os.path.normpath(os.path.join(ROOT, arg[len(flag):]))
+                    path = os.path.normpath(os.path.join(ROOT, arg[len(flag) :]))
                     arg = flag + names.get(path, os.path.relpath(path, ROOT))
         out.append(arg)
     return out
@@ -111,8 +128,11 @@ def by_source(commands, names, nvshmem_home=""):
 def compare_commands(config):
     # Each third-party include dir, as setup.py and as Bazel name it.
     names = {}
-    for key, repo in (("XLA_FFI_INCLUDE", "xla_ffi_headers"), ("PYBIND11_INCLUDE", "pybind11_headers"),
-                      ("PYTHON_INCLUDE", "python_headers")):
+    for key, repo in (
+        ("XLA_FFI_INCLUDE", "xla_ffi_headers"),
+        ("PYBIND11_INCLUDE", "pybind11_headers"),
+        ("PYTHON_INCLUDE", "python_headers"),
+    ):
         names[os.path.normpath(config[key])] = "@" + repo
         names[os.path.join(ROOT, "external", repo)] = "@" + repo
     home = config.get("NVSHMEM_HOME", "")
@@ -149,8 +169,10 @@ def compare_modules():
     with tempfile.TemporaryDirectory() as elsewhere:
         pip = probe(elsewhere) or probe(ROOT)
     if pip is None:
-        print("no pip-built deep_ep_jax._C to compare with: `pip install -e .` or "
-              "`python setup.py build_ext --inplace` first")
+        print(
+            "no pip-built deep_ep_jax._C to compare with: `pip install -e .` or "
+            "`python setup.py build_ext --inplace` first"
+        )
         return False
     print(f"bazel: {bazel['file']}\npip:   {pip['file']}")
     ok = True
@@ -159,8 +181,10 @@ def compare_modules():
             ok = False
             print(f"DIFFERENT {key}:\n  pip:   {pip[key]}\n  bazel: {bazel[key]}")
     if ok:
-        print(f"same {len(bazel['ffi_targets'])} FFI targets ({', '.join(bazel['ffi_targets'])}) "
-              f"and architectures {bazel['cuda_archs']}")
+        print(
+            f"same {len(bazel['ffi_targets'])} FFI targets ({', '.join(bazel['ffi_targets'])}) "
+            f"and architectures {bazel['cuda_archs']}"
+        )
     return ok
 
 

@@ -28,8 +28,10 @@ def find_config():
     try:
         nvcc = discover.nvcc()
         if nvcc is None:
-            sys.exit("configure: nvcc not found; set CUDA_HOME to the CUDA toolkit "
-                     "(or install NVIDIA's CUDA 13 pip wheels: pip install -e \".[cuda]\")")
+            sys.exit(
+                "configure: nvcc not found; set CUDA_HOME to the CUDA toolkit "
+                '(or install NVIDIA\'s CUDA 13 pip wheels: pip install -e ".[cuda]")'
+            )
         nvshmem, why_not = discover.nvshmem()
         return {
             "PYTHON": sys.executable,

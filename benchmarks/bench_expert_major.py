@@ -43,7 +43,7 @@ def routing(args):
     """top-k experts per token, distinct within a token, uniformly random; and the rows a layout needs:
     every group rounded up to the alignment, the total to a multiple of 128."""
     rng = np.random.default_rng(args.seed)
-    idx = np.argsort(rng.random((args.tokens, args.experts)), axis=1)[:, :args.top_k].astype(np.int32)
+    idx = np.argsort(rng.random((args.tokens, args.experts)), axis=1)[:, : args.top_k].astype(np.int32)
     counts = np.bincount(idx.ravel(), minlength=args.experts)
     rows = int(np.sum(-(-counts // ALIGNMENT) * ALIGNMENT))
     return jnp.asarray(idx), -(-rows // 128) * 128
@@ -67,8 +67,12 @@ def cases(args, layout, num_rows):
         ("expand bf16", both("expand_rows"), ((x,), layout), gather(2 * h)),
         ("expand fp8 rows", both("expand_rows"), ((x8, block_scales), layout), gather(h + 4 * h // FP8_BLOCK)),
         ("gather fp8 transposed", both("expand_rows_transposed"), (x8, layout), gather(h)),
-        ("gather quantized t", both("expand_rows_transposed"), (x, layout, multipliers, inverse),
-         pairs * 2 * h + num_rows * h),
+        (
+            "gather quantized t",
+            both("expand_rows_transposed"),
+            (x, layout, multipliers, inverse),
+            pairs * 2 * h + num_rows * h,
+        ),
         ("reduce weighted", both("reduce_rows"), (y, weights, layout), pairs * 2 * h + n * 2 * h),
     ]
 
@@ -92,10 +96,13 @@ def main():
     env = environment()
     print(f"# {env}")
     topk_idx, num_rows = routing(args)
-    layout = jax.jit(lambda t: cuda_ops.expert_layout(t, num_local_experts=args.experts, alignment=ALIGNMENT,
-                                                      num_rows=num_rows))(topk_idx)
-    print(f"# {args.tokens} token rows of {args.hidden}, top-{args.top_k} over {args.experts} experts: "
-          f"{num_rows} expert-major rows (groups aligned to {ALIGNMENT})")
+    layout = jax.jit(
+        lambda t: cuda_ops.expert_layout(t, num_local_experts=args.experts, alignment=ALIGNMENT, num_rows=num_rows)
+    )(topk_idx)
+    print(
+        f"# {args.tokens} token rows of {args.hidden}, top-{args.top_k} over {args.experts} experts: "
+        f"{num_rows} expert-major rows (groups aligned to {ALIGNMENT})"
+    )
     wanted = [c for c in args.cases.split(",") if c]
     results = []
     print("\n| case | backend | ms median | ms min-max | GB/s |\n|---|---|---|---|---|")
@@ -108,8 +115,11 @@ def main():
             outputs[backend] = jax.block_until_ready(run(*inputs))
             spans, _ = device_times(run, inputs, args.repeats)
             median = float(np.median(spans))
-            print(f"| {name} | {backend} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
-                  f"{moved / median * 1e-9 if median else float('nan'):.0f} |", flush=True)
+            print(
+                f"| {name} | {backend} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
+                f"{moved / median * 1e-9 if median else float('nan'):.0f} |",
+                flush=True,
+            )
             results.append(dict(case=name, backend=backend, seconds=spans.tolist(), bytes=moved))
         agree = same_bits(outputs["cuda"], outputs["xla"])
         print(f"| {name} | cuda and xla agree bit for bit: {agree} | | | |", flush=True)

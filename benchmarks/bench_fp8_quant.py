@@ -42,16 +42,18 @@ def cases(args):
 
     def normal(shape):
         # Rows and columns of different magnitudes, as weights and activations have.
-        scale = jnp.exp(jax.random.normal(next(keys), shape[:-1] + (1,))) * jnp.exp(jax.random.normal(next(keys),
-                                                                                                      shape[-1:]))
+        scale = jnp.exp(jax.random.normal(next(keys), shape[:-1] + (1,))) * jnp.exp(
+            jax.random.normal(next(keys), shape[-1:])
+        )
         return (jax.random.normal(next(keys), shape, jnp.bfloat16) * scale).astype(jnp.bfloat16)
 
     both = lambda a, m, impl: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
     rows = lambda a, m, impl: fp8_quant.quantize_rows(a, impl=impl)
     swiglu = lambda a, m, impl: fp8_quant.quantize_rows(a, swiglu=True, impl=impl)
     # The barrier: XLA's SwiGLU writes its bf16 rows, as before the fused kernel.
-    unfused = lambda a, m, impl: fp8_quant.quantize_rows(lax.optimization_barrier(fp8_quant.swiglu_values(a)),
-                                                         impl=impl)
+    unfused = lambda a, m, impl: fp8_quant.quantize_rows(
+        lax.optimization_barrier(fp8_quant.swiglu_values(a)), impl=impl
+    )
     e, r = args.experts, args.rows
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
     return [
@@ -99,14 +101,17 @@ def main():
         a = jax.block_until_ready(make())
         outputs = {}
         for impl in impls:
-            run = jax.jit(lambda a, m, impl=impl: fn(a, m, impl))
+            run = jax.jit(lambda a, m, impl=impl, fn=fn: fn(a, m, impl))
             outputs[impl] = jax.block_until_ready(run(a, m))
             moved = bytes_moved(a, outputs[impl])
             spans, kernels = device_times(run, (a, m), args.repeats)
             median = float(np.median(spans))
             by_kernel = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in kernels.items()) if impl != "xla" else ""
-            print(f"| {name} | {impl} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
-                  f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}", flush=True)
+            print(
+                f"| {name} | {impl} | {median * 1e3:.3f} | {spans.min() * 1e3:.3f}-{spans.max() * 1e3:.3f} | "
+                f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}",
+                flush=True,
+            )
             results.append(dict(case=name, impl=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
         (first, first_out), *others = outputs.items()
         for other, other_out in others:

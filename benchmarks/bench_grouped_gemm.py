@@ -111,7 +111,7 @@ def make_inputs(key, num_rows, counts, sizes, hidden, ffn):
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     pair_rows = np.zeros(num_rows, bool)
     for start, count in zip(starts, counts):
-        pair_rows[start:start + count] = True
+        pair_rows[start : start + count] = True
     x = jnp.where(pair_rows[:, None], jax.random.normal(kx, (num_rows, hidden), jnp.bfloat16), 0)
     w_in = jax.random.normal(ki, (len(sizes), hidden, 2 * ffn), jnp.bfloat16) * jnp.bfloat16(hidden**-0.5)
     w_out = jax.random.normal(ko, (len(sizes), ffn, hidden), jnp.bfloat16) * jnp.bfloat16(ffn**-0.5)
@@ -131,25 +131,29 @@ def swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8=None):
 def grouped(x, w, sizes, valid, impl, blocks, aligned, w8):
     if isinstance(impl, Tokamax):
         return tokamax_matmul(impl, x, w, sizes, w8)
-    return gg.grouped_matmul(x, w, sizes, impl=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid,
-                             fp8_weights=w8)
+    return gg.grouped_matmul(
+        x, w, sizes, impl=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid, fp8_weights=w8
+    )
 
 
 def forward_step(impl, blocks, aligned):
     def step(x, dy, w_in, w_out, sizes, valid, fp8):
         out = lax.optimization_barrier(swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8))
         return touch(x, out[:1, :1]), dy
+
     return step
 
 
 def forward_backward_step(impl, blocks, aligned):
     def step(x, dy, w_in, w_out, sizes, valid, fp8):
-        out, vjp = jax.vjp(lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8),
-                           x, w_in, w_out)
+        out, vjp = jax.vjp(
+            lambda x, w_in, w_out: swiglu(x, w_in, w_out, sizes, valid, impl, blocks, aligned, fp8), x, w_in, w_out
+        )
         out, dx, dw_in, dw_out = lax.optimization_barrier((out, *vjp(dy)))
         link = out[:1, :1] + dx[:1, :1] + dw_in[0, :1, :1] + dw_out[0, :1, :1]
         # dy changes too: else XLA could hoist dy @ w_out^T out of the loop.
         return touch(x, link), touch(dy, link)
+
     return step
 
 
@@ -157,8 +161,18 @@ def report(results, impl, op, seconds, work, **extra):
     """Add a row of timings (seconds per step) to results and print it; extra: more fields for the JSON
     (error: of the output against the reference, printed too)."""
     p10, p50, p90 = np.percentile(seconds, [10, 50, 90])
-    results.append({"impl": impl, "op": op, "ms_median": p50 * 1e3, "ms_p10": p10 * 1e3, "ms_p90": p90 * 1e3,
-                    "tflops": work / p50 / 1e12, "samples_ms": (seconds * 1e3).tolist(), **extra})
+    results.append(
+        {
+            "impl": impl,
+            "op": op,
+            "ms_median": p50 * 1e3,
+            "ms_p10": p10 * 1e3,
+            "ms_p90": p90 * 1e3,
+            "tflops": work / p50 / 1e12,
+            "samples_ms": (seconds * 1e3).tolist(),
+            **extra,
+        }
+    )
     tflops = f"{work / p50 / 1e12:.1f}" if work else ""
     error = extra.get("error", "")
     error = f" {error:.2e} |" if isinstance(error, float) else f" {error or 'reference'} |" if "error" in extra else ""
@@ -167,9 +181,11 @@ def report(results, impl, op, seconds, work, **extra):
 
 def chain(step, length):
     """One jitted program of `length` steps, each on the previous one's x and dy."""
+
     def run(x, dy, *weights):
         x, _ = lax.fori_loop(0, length, lambda _, carry: step(*carry, *weights), (x, dy))
         return x[:1, :1]
+
     return jax.jit(run)
 
 
@@ -181,10 +197,12 @@ def looped(step, first):
     """jitted run(length, carry, *rest) -> (first(carry, *rest), carry's [:1, :1] after `length` steps):
     the loop's length an argument, so chain_seconds' chains of n and 2n steps are one compilation. first
     (computed once, in both chains alike; or None) gives an output to check."""
+
     def run(length, carry, *rest):
         out = None if first is None else first(carry, *rest)
         carry = lax.fori_loop(0, length, lambda _, c: step(c, *rest), carry)
         return out, jax.tree.leaves(carry)[0][:1, :1]
+
     return jax.jit(run)
 
 
@@ -194,8 +212,9 @@ def looped_seconds(run, args, length, repeats, check=None):
     out, _ = jax.block_until_ready(run(length, *args))
     checked = None if check is None else check(out)
     del out
-    return chain_seconds(functools.partial(run, length), functools.partial(run, 2 * length), args, length,
-                         repeats), checked
+    return chain_seconds(
+        functools.partial(run, length), functools.partial(run, 2 * length), args, length, repeats
+    ), checked
 
 
 def swiglu_looped(impl, blocks, aligned, backward):
@@ -208,9 +227,11 @@ def swiglu_looped(impl, blocks, aligned, backward):
 
 def kernel_looped(fn):
     """looped() calls of fn (kernel_call's) on [(a, b, sizes)], each a on the previous call's output."""
+
     def step(ops):
         outs = lax.optimization_barrier(fn(ops))
         return [(touch(a, out.reshape(-1)[:1].reshape(1, 1)), *rest) for (a, *rest), out in zip(ops, outs)]
+
     return looped(step, fn)
 
 
@@ -220,16 +241,38 @@ def kernel_looped(fn):
 # N (4096 and 7168). Up to jax 0.11: around the best of a first, wider sweep on the H200 (64, 256, 5, 1).
 # From jax 0.12, which lowers tiles at most 128 wide (gg.ROW_TILED_MAX_BLOCK_N): those tiles' depths and grids.
 if gg.ROW_TILED_MAX_BLOCK_N >= 256:
-    ROW_TILED = [(64, 256, 5, 1), (64, 256, 6, 1), (64, 256, 4, 1), (128, 256, 4, 1), (128, 256, 3, 1),
-                 (192, 128, 4, 1), (64, 256, 5, 2), (128, 128, 6, 8), (128, 128, 5, 8), (64, 128, 6, 1)]
+    ROW_TILED = [
+        (64, 256, 5, 1),
+        (64, 256, 6, 1),
+        (64, 256, 4, 1),
+        (128, 256, 4, 1),
+        (128, 256, 3, 1),
+        (192, 128, 4, 1),
+        (64, 256, 5, 2),
+        (128, 128, 6, 8),
+        (128, 128, 5, 8),
+        (64, 128, 6, 1),
+    ]
 else:
-    ROW_TILED = [(64, 128, 6, 1), (64, 128, 6, 2), (64, 128, 6, 8), (128, 128, 4, 2), (128, 128, 4, 8),
-                 (128, 128, 5, 8), (128, 128, 6, 8), (128, 128, 5, 4), (128, 128, 5, 16), (128, 128, 4, 16)]
+    ROW_TILED = [
+        (64, 128, 6, 1),
+        (64, 128, 6, 2),
+        (64, 128, 6, 8),
+        (128, 128, 4, 2),
+        (128, 128, 4, 8),
+        (128, 128, 5, 8),
+        (128, 128, 6, 8),
+        (128, 128, 5, 4),
+        (128, 128, 5, 16),
+        (128, 128, 4, 16),
+    ]
 SWEEP_GRIDS = {
     "forward": [gg.KernelBlocks(m, n, 64, steps, gbn) for m, n, steps, gbn in ROW_TILED],
     "input_grad": [gg.KernelBlocks(m, n, 64, steps, gbn) for m, n, steps, gbn in ROW_TILED],
-    "weight_grad": [gg.KernelBlocks(m, n, k, steps, 4) for (m, n), k, steps
-                    in itertools.product([(128, 128), (64, 128)], (64, 128), (2, 4))],
+    "weight_grad": [
+        gg.KernelBlocks(m, n, k, steps, 4)
+        for (m, n), k, steps in itertools.product([(128, 128), (64, 128)], (64, 128), (2, 4))
+    ],
 }
 
 
@@ -241,10 +284,11 @@ def kernel_call(kernel, blocks, impl, aligned=False, valid=None):
         return lambda operands: [tokamax_call(impl, kernel, *ops, b_transposed=impl.w_t) for ops in operands]
     use_mgpu, unit = impl == "mgpu", jnp.ones((1,), jnp.float32)  # scale 1
     v = (lambda sizes: sizes) if valid is None else (lambda sizes: valid)
-    one = {"forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, aligned, x, w, sizes, v(sizes), unit),
-           "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, aligned, dy, w, sizes, v(sizes), unit),
-           "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, aligned, x, dy, sizes, v(sizes),
-                                                               unit)}[kernel]
+    one = {
+        "forward": lambda x, w, sizes: gg._forward(use_mgpu, blocks, aligned, x, w, sizes, v(sizes), unit),
+        "input_grad": lambda dy, w, sizes: gg._input_grad(use_mgpu, blocks, aligned, dy, w, sizes, v(sizes), unit),
+        "weight_grad": lambda x, dy, sizes: gg._weight_grad(use_mgpu, blocks, aligned, x, dy, sizes, v(sizes), unit),
+    }[kernel]
     return lambda operands: [one(*ops) for ops in operands]
 
 
@@ -255,9 +299,11 @@ def kernel_operands(key, kernel, num_rows, sizes, w_in, w_out, keep=None):
     (_, hidden, ffn2), ffn = w_in.shape, w_out.shape[1]
     k1, k2, k3, k4 = jax.random.split(key, 4)
     mask = None if keep is None else jnp.asarray(np.pad(keep, (0, rows - num_rows)))[:, None]
+
     def normal(k, cols):
         a = jax.random.normal(k, (rows, cols), jnp.bfloat16)
         return a if mask is None else jnp.where(mask, a, jnp.zeros((), a.dtype))
+
     x1, dy1 = normal(k1, hidden), normal(k2, ffn2)
     x2, dy2 = normal(k3, ffn), normal(k4, hidden)
     if kernel == "forward":
@@ -272,11 +318,14 @@ def loop_seconds(fn, operands, length, repeats):
     operands, then a loop of `length` calls, each on the previous one's output
     (the host cost of a call is small beside calls of milliseconds each:
     good enough to rank block sizes). One program: Mosaic kernels compile slowly."""
+
     def run(operands):
         def body(_, ops):
             outs = lax.optimization_barrier(fn(ops))
             return [(touch(a, out.reshape(-1)[:1].reshape(1, 1)), *rest) for (a, *rest), out in zip(ops, outs)]
+
         return fn(operands), lax.fori_loop(0, length, body, operands)[0][0][:1, :1]
+
     run = jax.jit(run)
     outputs, _ = jax.block_until_ready(run(operands))
     samples = []
@@ -331,11 +380,13 @@ def relative_error(got, want):
 
 # tokamax ------------------------------------------------------------------------
 
-TOKAMAX_FP8 = ("tokamax 0.0.17 has no FP8 x FP8 ragged_dot on Hopper: its Mosaic GPU sm90 kernels dequantize "
-               "a quantized lhs to bf16 (FP8 rows with FP8 MMAs are its sm100 kernels only), and its Triton "
-               "kernel dequantizes operands with per-channel scales before a bf16 dot. It takes FP8 weights "
-               "(qwix QArrays, float8_e4m3fn, one scale per output channel) with bf16 rows, dequantized in "
-               "registers before bf16 WGMMAs: its 'fp8w' rows (w8a16), with dw in bf16")
+TOKAMAX_FP8 = (
+    "tokamax 0.0.17 has no FP8 x FP8 ragged_dot on Hopper: its Mosaic GPU sm90 kernels dequantize "
+    "a quantized lhs to bf16 (FP8 rows with FP8 MMAs are its sm100 kernels only), and its Triton "
+    "kernel dequantizes operands with per-channel scales before a bf16 dot. It takes FP8 weights "
+    "(qwix QArrays, float8_e4m3fn, one scale per output channel) with bf16 rows, dequantized in "
+    "registers before bf16 WGMMAs: its 'fp8w' rows (w8a16), with dw in bf16"
+)
 TK = types.SimpleNamespace()  # import_tokamax's modules
 
 
@@ -358,9 +409,11 @@ def import_tokamax():
         return f"tokamax is not installed ({e}): bash .whl/tokamax/INSTALL.sh (Python >= 3.12)"
     TK.tokamax, TK.qwix, TK.api, TK.base, TK.mosaic = tokamax, qwix, api, base, None
     from absl import logging as absl_logging
+
     absl_logging.set_verbosity(absl_logging.ERROR)  # a warning of KBs at each autotuning-cache miss (every call here)
     try:
         from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu
+
         TK.mosaic = pallas_mosaic_gpu
     except ImportError:
         pass
@@ -390,15 +443,19 @@ def tuned_configs():
     """{kernel or "fp8w": [(label, tokamax Mosaic GPU config)]}: the configs that won tokamax's own H100
     autotuning (its data/autotuning cache) at the nearest shapes: 128 x 64 tiles, K steps of 128, 4 stages,
     persistent, N fastest in bands of 4 (bands of 8 won about as often); the weight gradient's kernel (a grid
-    per group) 2 or 4 stages. fp8w: its quantized kernel (two compute warpgroups), 3 stages to fit shared memory at 128 rows."""
+    per group) 2 or 4 stages. fp8w: its quantized kernel (two compute warpgroups), 3 stages to fit shared
+    memory at 128 rows."""
     config, n = TK.mosaic.Config, TK.mosaic.common.MatmulDimension.N
     tile = {"block_m": 128, "block_n": 64, "block_k": 128, "split_k": 1}
-    rows = [("128x64x128 s4 N/4", config(**tile, num_stages=4, persistent=True, grid_minor_dim=n,
-                                         grid_tile_width=4))]
-    return {"forward": rows, "input_grad": rows,
-            "weight_grad": [(f"128x64x128 s{st}", config(**tile, num_stages=st)) for st in (4, 2)],
-            "fp8w": [("128x64x128 s3 N/4", config(**tile, num_stages=3, persistent=True, grid_minor_dim=n,
-                                                   grid_tile_width=4))]}
+    rows = [("128x64x128 s4 N/4", config(**tile, num_stages=4, persistent=True, grid_minor_dim=n, grid_tile_width=4))]
+    return {
+        "forward": rows,
+        "input_grad": rows,
+        "weight_grad": [(f"128x64x128 s{st}", config(**tile, num_stages=st)) for st in (4, 2)],
+        "fp8w": [
+            ("128x64x128 s3 N/4", config(**tile, num_stages=3, persistent=True, grid_minor_dim=n, grid_tile_width=4))
+        ],
+    }
 
 
 def tokamax_call(t, kernel, a, b, sizes, b_transposed=False):
@@ -407,8 +464,9 @@ def tokamax_call(t, kernel, a, b, sizes, b_transposed=False):
     config = t.configs[KERNELS.index(kernel)] if t.configs else None
     impl = [TK.mosaic.PallasMosaicGpuRaggedDot(config=config)] if config else t.implementation
     if kernel == "weight_grad":
-        return TK.tokamax.ragged_dot_general(a, b, sizes, TK.base.RAGGED_CONTRACTING_DOT_DIM_NUMS,
-                                             preferred_element_type=a.dtype, implementation=impl)
+        return TK.tokamax.ragged_dot_general(
+            a, b, sizes, TK.base.RAGGED_CONTRACTING_DOT_DIM_NUMS, preferred_element_type=a.dtype, implementation=impl
+        )
     if kernel == "input_grad" and not b_transposed:
         return TK.tokamax.ragged_dot_general(a, b, sizes, TK.base.TRANS_RHS_RAGGED_DOT_DIM_NUMS, implementation=impl)
     return TK.tokamax.ragged_dot(a, b, sizes, implementation=impl)
@@ -452,8 +510,9 @@ def tokamax_fp8_copies(w, scale_dtype):
     """tokamax's FP8 weights for y = x @ w[g] and dx = dy @ w[g]^T: QArrays of w [G, K, N] and w^T [G, N, K],
     float8_e4m3fn with one scale per output channel, in the rows' dtype (tokamax's sm90 kernel converts the
     FP8 values to the scales' dtype for bf16/f16 WGMMAs). Once per optimizer step, as fp8_weights."""
-    quantize = functools.partial(TK.qwix.quantize, qtype=jnp.float8_e4m3fn, channelwise_axes=(0, 2),
-                                 scale_dtype=scale_dtype)
+    quantize = functools.partial(
+        TK.qwix.quantize, qtype=jnp.float8_e4m3fn, channelwise_axes=(0, 2), scale_dtype=scale_dtype
+    )
     return quantize(w), quantize(jnp.swapaxes(w, 1, 2))
 
 
@@ -465,6 +524,7 @@ def fp8w_rows_dtype(platform):
         return jnp.dtype(jnp.bfloat16)
     try:
         from jax._src.lib import mosaic_gpu
+
         isa = mosaic_gpu._mosaic_gpu_ext._get_ptxas_isa_version()
     except Exception:  # noqa: BLE001  (no Mosaic GPU bindings: the kernel says why when it runs)
         return jnp.dtype(jnp.bfloat16)
@@ -478,21 +538,34 @@ def tokamax_variants(kernel, platform, tail=False):
     gpu = platform == "gpu"
     fp8 = kernel == "fp8w"
     f16 = fp8 and fp8w_rows_dtype(platform) == jnp.float16
-    found = [Tokamax(f"tokamax {'mosaic' if gpu else 'default'}{' fp8w' if fp8 else ''}{' f16 rows' if f16 else ''}",
-                     "mosaic" if gpu else None, (None,) * 3 if fp8 else None, f16_rows=f16)]
+    found = [
+        Tokamax(
+            f"tokamax {'mosaic' if gpu else 'default'}{' fp8w' if fp8 else ''}{' f16 rows' if f16 else ''}",
+            "mosaic" if gpu else None,
+            (None,) * 3 if fp8 else None,
+            f16_rows=f16,
+        )
+    ]
     if gpu and TK.mosaic is not None and gg.is_hopper_gpu():
         tuned = tuned_configs()
         if kernel in KERNELS:
             i = KERNELS.index(kernel)
             for label, config in tuned[kernel]:
-                found.append(Tokamax(f"tokamax mosaic {label}", "mosaic", tuple(config if j == i else None
-                                                                                for j in range(3))))
+                found.append(
+                    Tokamax(f"tokamax mosaic {label}", "mosaic", tuple(config if j == i else None for j in range(3)))
+                )
             if kernel == "input_grad":
                 found.append(dataclasses.replace(found[-1], name=found[-1].name + ", w^T given", w_t=True))
         else:
             forward = tuned["fp8w" if fp8 else "forward"][0][1]
-            found.append(Tokamax(f"tokamax mosaic {'fp8w ' if fp8 else ''}tuned{' f16 rows' if f16 else ''}",
-                                 "mosaic", (forward, forward, tuned["weight_grad"][0][1]), f16_rows=f16))
+            found.append(
+                Tokamax(
+                    f"tokamax mosaic {'fp8w ' if fp8 else ''}tuned{' f16 rows' if f16 else ''}",
+                    "mosaic",
+                    (forward, forward, tuned["weight_grad"][0][1]),
+                    f16_rows=f16,
+                )
+            )
     if gpu and "triton" in TK.api.IMPLEMENTATIONS and not fp8:
         found.append(Tokamax("tokamax triton", "triton"))
     if not gpu:
@@ -509,7 +582,7 @@ def pair_rows(num_rows, sizes, counts):
     """bool [num_rows]: the rows that hold a routed pair (each group's first counts[g] rows)."""
     keep = np.zeros(num_rows, bool)
     for start, count in zip(np.concatenate([[0], np.cumsum(sizes)[:-1]]), counts):
-        keep[start:start + count] = True
+        keep[start : start + count] = True
     return keep
 
 
@@ -526,8 +599,9 @@ class Reference:
     def error(self, out):
         if self.out is None:
             return float("nan")
-        return max(float(relative_error(g, w)) for g, w in zip(jax.tree.leaves(self.cut(out)),
-                                                               jax.tree.leaves(self.out)))
+        return max(
+            float(relative_error(g, w)) for g, w in zip(jax.tree.leaves(self.cut(out)), jax.tree.leaves(self.out))
+        )
 
 
 def compare_shapes(args, env, ours, save):
@@ -536,11 +610,13 @@ def compare_shapes(args, env, ours, save):
     start, platform = time.perf_counter(), env["platform"]
     results, table, loads = [], [], []
     rows_dtype = fp8w_rows_dtype(platform)
-    print(f"# {env['devices'][0]}, jax {env['jax']}, tokamax {TK.tokamax.__version__} (ragged_dot implementations "
-          f"{sorted(TK.api.IMPLEMENTATIONS)}); ours: {ours}, aligned_groups={args.align % gg.aligned_rows() == 0}; "
-          f"chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats; FP8 quantizations: "
-          f"{_native.unavailable_reason() or 'the extension kernels'}; tokamax fp8w rows: {rows_dtype.name}"
-          f"\n# {TOKAMAX_FP8}")
+    print(
+        f"# {env['devices'][0]}, jax {env['jax']}, tokamax {TK.tokamax.__version__} (ragged_dot implementations "
+        f"{sorted(TK.api.IMPLEMENTATIONS)}); ours: {ours}, aligned_groups={args.align % gg.aligned_rows() == 0}; "
+        f"chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats; FP8 quantizations: "
+        f"{_native.unavailable_reason() or 'the extension kernels'}; tokamax fp8w rows: {rows_dtype.name}"
+        f"\n# {TOKAMAX_FP8}"
+    )
 
     def over():
         return bool(args.budget_s) and time.perf_counter() - start > args.budget_s
@@ -554,13 +630,15 @@ def compare_shapes(args, env, ours, save):
         try:
             seconds, error = looped_seconds(run, run_args, args.chain, args.repeats, check)
         except Exception as e:  # noqa: BLE001  (a kernel that does not take these shapes: no candidate)
-            print(f"| {name} | {case} | fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]} |",
-                  flush=True)
+            print(
+                f"| {name} | {case} | fails: {type(e).__name__}: {str(e).strip().splitlines()[0][:160]} |", flush=True
+            )
             results.append({"load": load, "case": case, "impl": name, "failed": f"{type(e).__name__}: {e}"[:2000]})
             return None
         error = error if check else "its forward's"
-        report(results, name, case, seconds, work, load=load, error=error,
-               ok=not isinstance(error, float) or error <= tol)
+        report(
+            results, name, case, seconds, work, load=load, error=error, ok=not isinstance(error, float) or error <= tol
+        )
         return results[-1]
 
     def summarize(load, case, mine, theirs):
@@ -580,8 +658,9 @@ def compare_shapes(args, env, ours, save):
 def compare_load(args, platform, ours, ranks, rows_dtype, measure, summarize, over):
     """compare_shapes at one load: this rank's experts of `ranks`. Returns the load's description. over():
     past the time budget (then no FP8 copies are made: their timings would be skipped)."""
-    counts, sizes = routed_group_sizes(np.random.default_rng(args.seed), args.tokens, ranks, args.experts,
-                                       args.topk, args.align)
+    counts, sizes = routed_group_sizes(
+        np.random.default_rng(args.seed), args.tokens, ranks, args.experts, args.topk, args.align
+    )
     total, pairs = int(sizes.sum()), int(counts.sum())
     num_rows, blocks = -(-total // 128) * 128, gg.DEFAULT_BLOCKS
     aligned, tail = args.align % gg.aligned_rows() == 0, num_rows > total
@@ -589,30 +668,48 @@ def compare_load(args, platform, ours, ranks, rows_dtype, measure, summarize, ov
     flops = 2 * pairs * args.hidden * 2 * args.ffn + 2 * pairs * args.ffn * args.hidden
     x, w_in, w_out, dy = make_inputs(jax.random.key(args.seed), num_rows, counts, sizes, args.hidden, args.ffn)
     sizes_dev, valid = jnp.asarray(sizes), jnp.asarray(counts)
-    print(f"\n## {load}: {pairs} pairs in {len(sizes)} groups (sizes {sizes.min()}-{sizes.max()}, align "
-          f"{args.align}), M = {num_rows}\n\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s | "
-          "max error |\n|---|---|---|---|---|---|", flush=True)
+    print(
+        f"\n## {load}: {pairs} pairs in {len(sizes)} groups (sizes {sizes.min()}-{sizes.max()}, align "
+        f"{args.align}), M = {num_rows}\n\n| impl | pass | ms median | ms p10-p90 | useful TFLOP/s | "
+        "max error |\n|---|---|---|---|---|---|",
+        flush=True,
+    )
 
     # 1. Each kernel alone, bf16 (both matmuls of the SwiGLU), ours' output the reference.
     best = [(np.inf, None)] * 3  # per kernel: tokamax Mosaic's fastest (ms, config; None: its default config)
     for i, kernel in enumerate(KERNELS):
-        operands = kernel_operands(jax.random.key(args.seed + 1), kernel, num_rows, sizes_dev, w_in, w_out,
-                                   pair_rows(num_rows, sizes, counts))
+        operands = kernel_operands(
+            jax.random.key(args.seed + 1), kernel, num_rows, sizes_dev, w_in, w_out, pair_rows(num_rows, sizes, counts)
+        )
         # The weight gradient whole; y and dx on the groups' rows (tokamax leaves the rest unwritten).
-        ref = Reference((lambda outs: outs) if kernel == "weight_grad" else
-                        functools.partial(lambda total, outs: [o[:total] for o in outs], total))
+        ref = Reference(
+            (lambda outs: outs)
+            if kernel == "weight_grad"
+            else functools.partial(lambda total, outs: [o[:total] for o in outs], total)
+        )
         case = f"bf16 {kernel.replace('_', ' ')}"
-        mine = measure(load, case, ours, kernel_looped(kernel_call(kernel, blocks, ours, aligned, valid)),
-                       (operands,), flops, ref.keep)
+        mine = measure(
+            load,
+            case,
+            ours,
+            kernel_looped(kernel_call(kernel, blocks, ours, aligned, valid)),
+            (operands,),
+            flops,
+            ref.keep,
+        )
         theirs = []
         for t in tokamax_variants(kernel, platform):
             ops = [(a, jnp.swapaxes(b, 1, 2), s) for a, b, s in operands] if t.w_t else operands
-            row = measure(load, case, t.name, kernel_looped(kernel_call(kernel, blocks, t)), (ops,), flops,
-                          ref.error)
+            row = measure(load, case, t.name, kernel_looped(kernel_call(kernel, blocks, t)), (ops,), flops, ref.error)
             del ops
             theirs.append(row)
-            if row and row["ok"] and not t.w_t and t.implementation in (None, "mosaic") \
-                    and row["ms_median"] < best[i][0]:
+            if (
+                row
+                and row["ok"]
+                and not t.w_t
+                and t.implementation in (None, "mosaic")
+                and row["ms_median"] < best[i][0]
+            ):
                 best[i] = (row["ms_median"], t.configs[i] if t.configs else None)
         summarize(load, case, [mine], theirs)
         del operands, ref
@@ -626,11 +723,28 @@ def compare_load(args, platform, ours, ranks, rows_dtype, measure, summarize, ov
         same_forward: (another impl's forward row,) standing for this one's (the same forward maths), which
         is then not timed again (its forward row: None)."""
         tol = BF16_TOL if precision == "bf16" else FP8_TOL
-        fwd = same_forward[0] if same_forward else measure(
-            load, f"{precision} SwiGLU forward", name, swiglu_looped(impl, blocks, aligned, False),
-            ((x, dy), *weights, fp8), flops, check, tol)
-        both = measure(load, f"{precision} SwiGLU forward+backward", name, swiglu_looped(impl, blocks, aligned, True),
-                       ((x, dy), *weights, fp8), 3 * flops)
+        fwd = (
+            same_forward[0]
+            if same_forward
+            else measure(
+                load,
+                f"{precision} SwiGLU forward",
+                name,
+                swiglu_looped(impl, blocks, aligned, False),
+                ((x, dy), *weights, fp8),
+                flops,
+                check,
+                tol,
+            )
+        )
+        both = measure(
+            load,
+            f"{precision} SwiGLU forward+backward",
+            name,
+            swiglu_looped(impl, blocks, aligned, True),
+            ((x, dy), *weights, fp8),
+            3 * flops,
+        )
         if both and not (fwd and fwd["ok"]):
             both["ok"] = False
         return (None if same_forward else fwd), both
@@ -646,19 +760,33 @@ def compare_load(args, platform, ours, ranks, rows_dtype, measure, summarize, ov
     w8 = w8 and tuple(dataclasses.replace(w, weight_grad=True) for w in w8)  # the same copies, the FP8 dw too
     rows["ours fp8"].append(swiglu_rows(f"{ours} fp8 dw", ours, w8, "FP8", same_forward=(rows["ours fp8"][0][0],)))
     del w8
-    q8 = None if over() else jax.jit(lambda w_in, w_out: (tokamax_fp8_copies(w_in, rows_dtype),
-                                                          tokamax_fp8_copies(w_out, rows_dtype)))(w_in, w_out)
+    q8 = (
+        None
+        if over()
+        else jax.jit(lambda w_in, w_out: (tokamax_fp8_copies(w_in, rows_dtype), tokamax_fp8_copies(w_out, rows_dtype)))(
+            w_in, w_out
+        )
+    )
     rows["tokamax fp8w"] = [  # tuned: with the weight gradient's best config of 1
-        swiglu_rows(t.name, dataclasses.replace(t, configs=(*t.configs[:2], tuned[2] or t.configs[2]))
-                    if t.configs[0] else t, q8, "FP8")
-        for t in tokamax_variants("fp8w", platform, tail)]
+        swiglu_rows(
+            t.name,
+            dataclasses.replace(t, configs=(*t.configs[:2], tuned[2] or t.configs[2])) if t.configs[0] else t,
+            q8,
+            "FP8",
+        )
+        for t in tokamax_variants("fp8w", platform, tail)
+    ]
     del q8
     for j, op in enumerate(("SwiGLU forward", "SwiGLU forward+backward")):
         summarize(load, f"bf16 {op}", [r[j] for r in rows["ours bf16"]], [r[j] for r in rows["tokamax bf16"]])
     for j, op in enumerate(("SwiGLU forward", "SwiGLU forward+backward")):  # tokamax's bf16 path counts too
-        summarize(load, f"FP8 {op}", [r[j] for r in rows["ours fp8"]],
-                  [r[j] for r in rows["tokamax fp8w"]] + [r[j] and {**r[j], "impl": f"{r[j]['impl']} (bf16)"}
-                                                          for r in rows["tokamax bf16"]])
+        summarize(
+            load,
+            f"FP8 {op}",
+            [r[j] for r in rows["ours fp8"]],
+            [r[j] for r in rows["tokamax fp8w"]]
+            + [r[j] and {**r[j], "impl": f"{r[j]['impl']} (bf16)"} for r in rows["tokamax bf16"]],
+        )
     return {"load": load, "pairs": pairs, "rows": num_rows, "sizes": sizes.tolist()}
 
 
@@ -666,8 +794,10 @@ def table_text(table):
     """The comparison in markdown: one row per case, the fastest of ours and of tokamax's candidates whose
     output checked."""
     ms = lambda r: f"{r['impl']}: {r['ms_median']:.3f} ({r['ms_p10']:.3f}-{r['ms_p90']:.3f})" if r else "none"
-    lines = ["| case | ours: impl, ms median (p10-p90) | tokamax best: impl, ms median (p10-p90) | tokamax / ours |",
-             "|---|---|---|---|"]
+    lines = [
+        "| case | ours: impl, ms median (p10-p90) | tokamax best: impl, ms median (p10-p90) | tokamax / ours |",
+        "|---|---|---|---|",
+    ]
     for row in table:
         ours, theirs = row["ours"], row["tokamax"]
         ratio = f"{theirs['ms_median'] / ours['ms_median']:.2f}" if ours and theirs else "n/a"
@@ -696,32 +826,62 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--align", type=int, default=None,
-                   help="round each group up to this many rows (default 1; with --compare-shapes 128)")
+    p.add_argument(
+        "--align",
+        type=int,
+        default=None,
+        help="round each group up to this many rows (default 1; with --compare-shapes 128)",
+    )
     p.add_argument("--rows", type=int, default=0, help="static M (default: the aligned sum rounded up to 128)")
-    p.add_argument("--no-valid-sizes", action="store_true",
-                   help="leave grouped_matmul's valid_sizes unset (the weight gradient then computes the padding rows)")
+    p.add_argument(
+        "--no-valid-sizes",
+        action="store_true",
+        help="leave grouped_matmul's valid_sizes unset (the weight gradient then computes the padding rows)",
+    )
     p.add_argument("--impls", default="mgpu,xla", help="comma list of mgpu, xla, tokamax")
-    p.add_argument("--fp8", action="store_true",
-                   help="also time each impl with fp8_weights (FP8 forward and input gradient; mgpu needs --align "
-                        "128), the weights' FP8 copies made outside the step; and the making of them")
-    p.add_argument("--fp8-weight-grad", action="store_true",
-                   help="with --fp8, also each impl with fp8_weights(w, weight_grad=True) (FP8 weight gradient too)")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time each impl with fp8_weights (FP8 forward and input gradient; mgpu needs --align "
+        "128), the weights' FP8 copies made outside the step; and the making of them",
+    )
+    p.add_argument(
+        "--fp8-weight-grad",
+        action="store_true",
+        help="with --fp8, also each impl with fp8_weights(w, weight_grad=True) (FP8 weight gradient too)",
+    )
     p.add_argument("--sweep", action="store_true", help="first sweep the Mosaic kernels' block sizes")
-    p.add_argument("--sweep-kernels", default=",".join(SWEEP_GRIDS),
-                   help="with --sweep, a comma list of the kernels to sweep (the others keep DEFAULT_BLOCKS)")
-    p.add_argument("--compare-shapes", action="store_true",
-                   help="ours against tokamax at the MoE layer's loads (see above); --ranks, --rows, --fp8*, --sweep "
-                        "and --profile do not apply")
+    p.add_argument(
+        "--sweep-kernels",
+        default=",".join(SWEEP_GRIDS),
+        help="with --sweep, a comma list of the kernels to sweep (the others keep DEFAULT_BLOCKS)",
+    )
+    p.add_argument(
+        "--compare-shapes",
+        action="store_true",
+        help="ours against tokamax at the MoE layer's loads (see above); --ranks, --rows, --fp8*, --sweep "
+        "and --profile do not apply",
+    )
     p.add_argument("--compare-ranks", default="2,8", help="with --compare-shapes, a comma list of rank counts")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="with --compare-shapes, start no timing past this many seconds (default 330; 0: no limit)")
-    p.add_argument("--chain", type=int, default=None,
-                   help="steps per timed program (and twice that); default 5, with --compare-shapes 3")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="with --compare-shapes, start no timing past this many seconds (default 330; 0: no limit)",
+    )
+    p.add_argument(
+        "--chain",
+        type=int,
+        default=None,
+        help="steps per timed program (and twice that); default 5, with --compare-shapes 3",
+    )
     p.add_argument("--repeats", type=int, default=None, help="default 10; with --compare-shapes 5")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true",
-                   help="also print where a forward+backward step's device time goes, kernel by kernel")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print where a forward+backward step's device time goes, kernel by kernel",
+    )
     p.add_argument("--json", default="", help="write the results here (with --compare-shapes, the table too: .md)")
     args = p.parse_args(argv)
     compare = args.compare_shapes
@@ -771,11 +931,13 @@ def main(argv=None):
             save(data)
             if args.json:
                 Path(args.json).with_suffix(".md").write_text(table_text(data["table"]))
+
         compare_shapes(args, env, ours, save_table)
         return
 
-    counts, sizes = routed_group_sizes(np.random.default_rng(args.seed), args.tokens, args.ranks, args.experts,
-                                       args.topk, args.align)
+    counts, sizes = routed_group_sizes(
+        np.random.default_rng(args.seed), args.tokens, args.ranks, args.experts, args.topk, args.align
+    )
     num_rows = args.rows or -(-int(sizes.sum()) // 128) * 128
     if num_rows < sizes.sum():
         p.error(f"--rows {num_rows} < {int(sizes.sum())} rows of the aligned groups")
@@ -785,9 +947,11 @@ def main(argv=None):
     # The MoE layer passes each group's pairs beside its aligned size; without alignment they are the same.
     valid = None if args.no_valid_sizes or args.align == 1 else jnp.asarray(counts)
     flops = 2 * pairs * args.hidden * 2 * args.ffn + 2 * pairs * args.ffn * args.hidden
-    print(f"# {env['devices'][0]}, jax {env['jax']}; {pairs} pairs in {len(sizes)} groups (sizes "
-          f"{sizes.min()}-{sizes.max()}, align {args.align}), M = {num_rows} rows; SwiGLU hidden {args.hidden}, "
-          f"ffn {args.ffn}; chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats")
+    print(
+        f"# {env['devices'][0]}, jax {env['jax']}; {pairs} pairs in {len(sizes)} groups (sizes "
+        f"{sizes.min()}-{sizes.max()}, align {args.align}), M = {num_rows} rows; SwiGLU hidden {args.hidden}, "
+        f"ffn {args.ffn}; chains of {args.chain} and {2 * args.chain} steps, {args.repeats} repeats"
+    )
 
     blocks = gg.DEFAULT_BLOCKS
     # Groups of whole row tiles: promise it (the warp-specialized kernels, no lax.cond), as the MoE layer does.
@@ -804,7 +968,7 @@ def main(argv=None):
     outputs = {}
     make_fp8 = jax.jit(lambda w_in, w_out: (gg.fp8_weights(w_in), gg.fp8_weights(w_out)))
     tail = num_rows > int(sizes.sum())
-    tokamax = ([t for t in tokamax_variants("swiglu", env["platform"], tail)] if "tokamax" in impls else [])
+    tokamax = [t for t in tokamax_variants("swiglu", env["platform"], tail)] if "tokamax" in impls else []
     ours = [i for i in impls if i != "tokamax"]
     variants = [(i, i, None) for i in ours] + [(t.name, t, None) for t in tokamax]  # (name, impl, FP8 copies)
     if args.fp8:
@@ -815,18 +979,22 @@ def main(argv=None):
         if tokamax:
             print(f"# {TOKAMAX_FP8}")
             rows_dtype = fp8w_rows_dtype(env["platform"])
-            q8 = jax.jit(lambda w_in, w_out: (tokamax_fp8_copies(w_in, rows_dtype),
-                                              tokamax_fp8_copies(w_out, rows_dtype)))(w_in, w_out)
+            q8 = jax.jit(
+                lambda w_in, w_out: (tokamax_fp8_copies(w_in, rows_dtype), tokamax_fp8_copies(w_out, rows_dtype))
+            )(w_in, w_out)
             variants += [(t.name, t, q8) for t in tokamax_variants("fp8w", env["platform"], tail)]
         if args.fp8_weight_grad and ours:
             w8 = tuple(dataclasses.replace(w, weight_grad=True) for w in w8)  # the same copies, FP8 dw too
             variants += [(f"{i} fp8 dw", i, w8) for i in ours]
     for name, impl, fp8 in variants:
         inputs = (x, dy, w_in, w_out, sizes_dev, valid, fp8)
-        outputs[name] = jax.jit(swiglu, static_argnums=(5, 6, 7))(x, w_in, w_out, sizes_dev, valid, impl, blocks,
-                                                                  aligned, fp8)
-        for op, step, work in (("forward", forward_step, flops), ("forward+backward", forward_backward_step,
-                                                                   3 * flops)):
+        outputs[name] = jax.jit(swiglu, static_argnums=(5, 6, 7))(
+            x, w_in, w_out, sizes_dev, valid, impl, blocks, aligned, fp8
+        )
+        for op, step, work in (
+            ("forward", forward_step, flops),
+            ("forward+backward", forward_backward_step, 3 * flops),
+        ):
             seconds = time_step(step(impl, blocks, aligned), inputs, args.chain, args.repeats)
             report(results, name, op, seconds, work)
     if args.fp8 and ours:
@@ -840,17 +1008,32 @@ def main(argv=None):
         report(results, "fp8_weights", "w_in and w_out", np.asarray(seconds), 0)
     if args.profile:
         for name, impl, fp8 in variants:
-            print_kernel_breakdown(f"{name}, forward+backward", chain(forward_backward_step(impl, blocks, aligned),
-                                                                      args.chain),
-                                   (x, dy, w_in, w_out, sizes_dev, valid, fp8), args.chain)
+            print_kernel_breakdown(
+                f"{name}, forward+backward",
+                chain(forward_backward_step(impl, blocks, aligned), args.chain),
+                (x, dy, w_in, w_out, sizes_dev, valid, fp8),
+                args.chain,
+            )
     reference = next((i for i in ("mgpu", "xla") if i in outputs), None)
     for name, out in outputs.items():
         if reference and name != reference:
-            print(f"\n# {name} vs {reference} output: max error "
-                  f"{float(relative_error(out, outputs[reference])):.2e} of the largest value")
+            print(
+                f"\n# {name} vs {reference} output: max error "
+                f"{float(relative_error(out, outputs[reference])):.2e} of the largest value"
+            )
     print(f"# {time.perf_counter() - start:.0f} s in all")
-    save({"env": env, "args": vars(args), "pairs": pairs, "rows": num_rows, "sizes": sizes.tolist(),
-          "blocks": dataclasses.asdict(blocks), "swept": sorted(swept), "results": results})
+    save(
+        {
+            "env": env,
+            "args": vars(args),
+            "pairs": pairs,
+            "rows": num_rows,
+            "sizes": sizes.tolist(),
+            "blocks": dataclasses.asdict(blocks),
+            "swept": sorted(swept),
+            "results": results,
+        }
+    )
 
 
 if __name__ == "__main__":

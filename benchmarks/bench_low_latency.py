@@ -36,11 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from timing import chain_seconds, check_counts, environment, kernel_events, span_per_op, touch
 
 import deep_ep_jax
 from deep_ep_jax import testing
-
-from timing import chain_seconds, check_counts, environment, kernel_events, span_per_op, touch
 
 AXIS = "ep"
 WHOLE_KERNELS = ("DispatchKernel", "CombineKernel")  # low_latency_dispatch / _combine: one kernel each
@@ -75,8 +74,14 @@ def _uses_all(recv_x, count, handle):
 
 
 def _dispatch(buffer, case, x, idx):
-    outputs = deep_ep_jax.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens,
-                                               num_experts=case.num_experts, use_fp8=case.use_fp8)
+    outputs = deep_ep_jax.low_latency_dispatch(
+        x,
+        idx,
+        buffer=buffer,
+        num_max_dispatch_tokens_per_rank=case.num_tokens,
+        num_experts=case.num_experts,
+        use_fp8=case.use_fp8,
+    )
     return lax.optimization_barrier(outputs)  # XLA must compute them whole, not the slices used
 
 
@@ -93,8 +98,13 @@ def _split_pair(buffer, case, x, idx, w, y, between=lambda pending: pending):
     runs between each send and its recv and returns the pending value to
     receive. Returns (out, recv_x, count, handle)."""
     pending = deep_ep_jax.low_latency_dispatch_send(
-        x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=case.num_tokens, num_experts=case.num_experts,
-        use_fp8=case.use_fp8)
+        x,
+        idx,
+        buffer=buffer,
+        num_max_dispatch_tokens_per_rank=case.num_tokens,
+        num_experts=case.num_experts,
+        use_fp8=case.use_fp8,
+    )
     pending = between(pending)
     # Barriers as in _dispatch/_combine: the xla backend must compute the whole outputs.
     recv_x, count, handle = lax.optimization_barrier(deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer))
@@ -106,19 +116,24 @@ def _split_pair(buffer, case, x, idx, w, y, between=lambda pending: pending):
 def make_chain(op, buffer, mesh, case, length):
     """A per-rank program of `length` operations; returns (fn, arg names)."""
     if op == "glue":
+
         def fn(x):
             for _ in range(length):
                 x = touch(x, x[:1, :1] + 1)
             return x[:1, :1]
+
         names = ("x",)
     elif op == "dispatch":
+
         def fn(x, idx):
             for _ in range(length):
                 recv_x, count, handle = _dispatch(buffer, case, x, idx)
                 x = touch(x, _uses_all(recv_x, count, handle))
             return x[:1, :1]
+
         names = ("x", "idx")
     elif op == "combine":
+
         def fn(x, idx, w, y):
             _, _, handle = _dispatch(buffer, case, x, idx)
             for _ in range(length):
@@ -127,30 +142,38 @@ def make_chain(op, buffer, mesh, case, length):
                 # low-latency operations may be in flight (see low_latency.py).
                 y = y.at[0, 0, 0].set(out[0, 0])
             return out[:1, :1]
+
         names = ("x", "idx", "w", "y")
     elif op == "pair":
+
         def fn(x, idx, w, y):
             for _ in range(length):
                 recv_x, count, handle = _dispatch(buffer, case, x, idx)
                 out = _combine(buffer, y, idx, w, handle)
                 x = touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
+
         names = ("x", "idx", "w", "y")
     elif op == "split pair":  # the same through the send/recv halves
+
         def fn(x, idx, w, y):
             for _ in range(length):
                 out, recv_x, count, handle = _split_pair(buffer, case, x, idx, w, y)
                 x = touch(out, _uses_all(recv_x, count, handle))
             return x[:1, :1]
+
         names = ("x", "idx", "w", "y")
     elif op == "compute":  # the work of "pair+compute" alone
+
         def fn(x, m):
             z = x
             for _ in range(length):
                 z = _compute(_compute(z, m), m)
             return z[:1, :1]
+
         names = ("x", "m")
     elif op == "pair+compute":  # a matmul between each send and its recv
+
         def fn(x, idx, w, y, m):
             z = x
 
@@ -163,6 +186,7 @@ def make_chain(op, buffer, mesh, case, length):
                 out, recv_x, count, handle = _split_pair(buffer, case, x, idx, w, y, between=step)
                 x = touch(out, _uses_all(recv_x, count, handle) + z[:1, :1])
             return x[:1, :1]
+
         names = ("x", "idx", "w", "y", "m")
     else:
         raise ValueError(op)
@@ -223,15 +247,26 @@ def send_overlap(events):
 
 def make_buffer(mesh, backend, case, overlap_sms=0):
     num_ranks = mesh.shape[AXIS]
-    common = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=case.num_tokens, hidden=case.hidden,
-                  num_experts=case.num_experts)
+    common = dict(
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=case.num_tokens,
+        hidden=case.hidden,
+        num_experts=case.num_experts,
+    )
     if backend == "xla":
         return deep_ep_jax.Buffer(mesh, AXIS, backend="xla", **common)
     from deep_ep_jax.backends.cuda.sizes import low_latency_region_bytes
 
     region = low_latency_region_bytes(num_ranks, case.num_experts, case.hidden, case.num_tokens, num_topk=case.topk)
-    return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=1 << 20, num_rdma_bytes=region,
-                              config=deep_ep_jax.Config(low_latency_overlap_sms=overlap_sms), **common)
+    return deep_ep_jax.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        num_nvl_bytes=1 << 20,
+        num_rdma_bytes=region,
+        config=deep_ep_jax.Config(low_latency_overlap_sms=overlap_sms),
+        **common,
+    )
 
 
 def summarize(op, backend, seconds):
@@ -245,8 +280,13 @@ def format_row(r):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backends", nargs="+", default=None, choices=["cuda", "xla"],
-                        help="default: cuda and xla on GPUs, xla elsewhere")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        choices=["cuda", "xla"],
+        help="default: cuda and xla on GPUs, xla elsewhere",
+    )
     parser.add_argument("--ranks", type=int, default=None, help="EP size (default: all devices)")
     parser.add_argument("--tokens", type=int, default=Case.num_tokens, help="tokens per rank (= M)")
     parser.add_argument("--hidden", type=int, default=Case.hidden)
@@ -256,9 +296,13 @@ def main(argv=None):
     parser.add_argument("--chain", type=int, default=50, help="operations per timed program (and twice that)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--overlap", action="store_true", help="also time a matmul placed between send and recv")
-    parser.add_argument("--overlap-sms", type=int, default=0,
-                        help="run the CUDA split sends beside XLA's stream on this many SMs "
-                             "(Config.low_latency_overlap_sms; default 0: on XLA's stream)")
+    parser.add_argument(
+        "--overlap-sms",
+        type=int,
+        default=0,
+        help="run the CUDA split sends beside XLA's stream on this many SMs "
+        "(Config.low_latency_overlap_sms; default 0: on XLA's stream)",
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel device times")
     parser.add_argument("--json", default=None, help="write all results here")
     args = parser.parse_args(argv)
@@ -271,21 +315,31 @@ def main(argv=None):
     case = Case(args.tokens, args.hidden, args.experts, args.topk, not args.bf16)
     env = environment()
     print(f"# low-latency mode, EP={num_ranks} on {env['devices'][0]} ({env['platform']}), jax {env['jax']}")
-    print(f"# {case.num_tokens} tokens/rank, hidden {case.hidden}, top-{case.topk} of {case.num_experts} experts, "
-          f"{'FP8' if case.use_fp8 else 'bf16'} dispatch, bf16 combine; chains of {args.chain} and "
-          f"{2 * args.chain} ops, {args.repeats} repeats; CUDA kernels use every SM"
-          + (f", but split sends run beside XLA's stream on {args.overlap_sms} SMs" if args.overlap_sms else ""))
+    print(
+        f"# {case.num_tokens} tokens/rank, hidden {case.hidden}, top-{case.topk} of {case.num_experts} experts, "
+        f"{'FP8' if case.use_fp8 else 'bf16'} dispatch, bf16 combine; chains of {args.chain} and "
+        f"{2 * args.chain} ops, {args.repeats} repeats; CUDA kernels use every SM"
+        + (f", but split sends run beside XLA's stream on {args.overlap_sms} SMs" if args.overlap_sms else "")
+    )
     inputs = make_inputs(case, num_ranks)
     # [H, H] per rank (per_rank splits every argument along its first axis)
     inputs["m"] = jnp.tile((jnp.eye(case.hidden, dtype=jnp.float32) * 0.5).astype(jnp.bfloat16), (num_ranks, 1))
     ops = ["glue", "dispatch", "combine", "pair", "split pair"] + (["compute", "pair+compute"] if args.overlap else [])
-    profiled = {"dispatch": WHOLE_KERNELS[:1], "combine": WHOLE_KERNELS[1:], "pair": WHOLE_KERNELS,
-                "split pair": HALF_KERNELS, "compute": ("",), "pair+compute": HALF_KERNELS + ("",)}  # "": every kernel
+    profiled = {
+        "dispatch": WHOLE_KERNELS[:1],
+        "combine": WHOLE_KERNELS[1:],
+        "pair": WHOLE_KERNELS,
+        "split pair": HALF_KERNELS,
+        "compute": ("",),
+        "pair+compute": HALF_KERNELS + ("",),
+    }  # "": every kernel
     spans = {}  # op -> {gpu: seconds per op}
 
     overhead = call_overhead(mesh, inputs, args.repeats)
-    print(f"# one jitted shard_map call that does nothing: {overhead * 1e6:.0f} us of host time (cancelled by the "
-          f"n / 2n difference)")
+    print(
+        f"# one jitted shard_map call that does nothing: {overhead * 1e6:.0f} us of host time (cancelled by the "
+        f"n / 2n difference)"
+    )
     print("\n| op | backend | us per op, median | p10-p90 |\n|---|---|---|---|")
     results, kernels = [], {}
     for backend in backends:
@@ -296,8 +350,9 @@ def main(argv=None):
                     continue  # no communication: the same for every backend
                 if op == "split pair" and backend != "cuda":
                     continue  # the reference backend's halves are its whole operations
-                seconds, long, long_args = time_per_op(op, buffer, mesh, case, inputs, length=args.chain,
-                                                       repeats=args.repeats)
+                seconds, long, long_args = time_per_op(
+                    op, buffer, mesh, case, inputs, length=args.chain, repeats=args.repeats
+                )
                 results.append(summarize(op, backend if op not in ("glue", "compute") else "-", seconds))
                 print(format_row(results[-1]), flush=True)
                 if op in profiled and backend == "cuda" and not args.no_profile:
@@ -307,8 +362,10 @@ def main(argv=None):
                             kernels.update(medians)
                         if op == "pair+compute":
                             overlap = send_overlap(events)
-                            print("# send kernels' time with other kernels beside them: " + ", ".join(
-                                f"{gpu} {f:.0%}" for gpu, f in sorted(overlap.items())))
+                            print(
+                                "# send kernels' time with other kernels beside them: "
+                                + ", ".join(f"{gpu} {f:.0%}" for gpu, f in sorted(overlap.items()))
+                            )
                     except Exception as e:  # e.g. no CUPTI: the timings above still stand
                         print(f"# no per-kernel profile: {type(e).__name__}: {e}")
         finally:
@@ -316,25 +373,36 @@ def main(argv=None):
 
     if kernels:
         print("\nDevice time per kernel, us (median over the profiled pair chains; a receive includes waiting):")
-        print("| GPU | dispatch | combine | dispatch send | dispatch recv | combine send | combine recv |\n"
-              "|---|---|---|---|---|---|---|")
+        print(
+            "| GPU | dispatch | combine | dispatch send | dispatch recv | combine send | combine recv |\n"
+            "|---|---|---|---|---|---|---|"
+        )
         for gpu in sorted({g for g, _ in kernels}):
             cells = [f"{kernels.get((gpu, k), float('nan')) * 1e6:.1f}" for k in WHOLE_KERNELS + HALF_KERNELS]
             print(f"| {gpu} | " + " | ".join(cells) + " |")
     if spans:
         gpus = sorted({g for per_gpu in spans.values() for g in per_gpu})
-        print("\nDevice time per operation, us (a profiled chain: first kernel's start to last kernel's end, "
-              "divided by its operations; gaps included, no host timing noise):")
+        print(
+            "\nDevice time per operation, us (a profiled chain: first kernel's start to last kernel's end, "
+            "divided by its operations; gaps included, no host timing noise):"
+        )
         print("| op | " + " | ".join(gpus) + " |\n|---|" + "---|" * len(gpus))
         for op, per_gpu in spans.items():
             print(f"| {op} | " + " | ".join(f"{per_gpu.get(g, float('nan')) * 1e6:.1f}" for g in gpus) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(environment=env, case=dataclasses.asdict(case), call_overhead_us=overhead * 1e6,
-                           results=results, kernel_us={f"{g} {k}": v * 1e6 for (g, k), v in kernels.items()},
-                           span_us_per_op={op: {g: v * 1e6 for g, v in per_gpu.items()}
-                                           for op, per_gpu in spans.items()}),
-                      f, indent=1)
+            json.dump(
+                dict(
+                    environment=env,
+                    case=dataclasses.asdict(case),
+                    call_overhead_us=overhead * 1e6,
+                    results=results,
+                    kernel_us={f"{g} {k}": v * 1e6 for (g, k), v in kernels.items()},
+                    span_us_per_op={op: {g: v * 1e6 for g, v in per_gpu.items()} for op, per_gpu in spans.items()},
+                ),
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return results
 

@@ -70,12 +70,12 @@ from jax.sharding import PartitionSpec as P
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(1, str(ROOT))
-import moe_layer as ml
-from timing import check_counts, gpu_meters, power_summary, print_kernel_breakdown
+import moe_layer as ml  # noqa: E402
+from timing import check_counts, gpu_meters, power_summary, print_kernel_breakdown  # noqa: E402
 
-from deep_ep_jax import Buffer
-from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.comm.expert_major import default_num_rows
+from deep_ep_jax import Buffer  # noqa: E402
+from deep_ep_jax.comm.expert_major import default_num_rows  # noqa: E402
+from deep_ep_jax.config import FP8_BLOCK  # noqa: E402
 
 GiB = 2**30
 
@@ -116,17 +116,22 @@ def check_routing(args, inputs, topk_idx):
     logits = np.asarray(x[:sample].astype(jnp.float32)) @ np.asarray(router, np.float32)
     host = np.argsort(-logits, axis=1)[:, :k]
     agree = np.mean([len(set(a) & set(b)) / k for a, b in zip(host, topk_idx[:sample])])
-    print(f"routing check: tokens with {k} distinct experts {distinct.mean():.1%}, device top-{k} agrees "
-          f"with a host float32 top-{k} on {agree:.1%} of ids ({sample} tokens); "
-          f"router logits finite: {bool(np.isfinite(logits).all())}")
+    print(
+        f"routing check: tokens with {k} distinct experts {distinct.mean():.1%}, device top-{k} agrees "
+        f"with a host float32 top-{k} on {agree:.1%} of ids ({sample} tokens); "
+        f"router logits finite: {bool(np.isfinite(logits).all())}"
+    )
     if not distinct.all() or agree < 0.75:
-        raise SystemExit(f"routing is broken on this device (first token's ids {topk_idx[0].tolist()}, host "
-                         f"{host[0].tolist()}): capacities from it would be meaningless")
+        raise SystemExit(
+            f"routing is broken on this device (first token's ids {topk_idx[0].tolist()}, host "
+            f"{host[0].tolist()}): capacities from it would be meaningless"
+        )
 
 
 def true_routing(args, inputs):
     """The router's top-k ids of every token (host, once), checked."""
     router, _, _, x = inputs
+
     # Top-k indices returned straight out of a sharded jit can come back wrong
     # (openxla/xla#49005: "TopK produces incorrect local index shapes when
     # returned directly"); an operation on them before returning avoids it.
@@ -150,18 +155,23 @@ def pick_capacity(args, mesh, topk_idx):
     E/R), rounded up to 128. Returns (capacity, largest load)."""
     num_local = args.experts // mesh.shape["expert"]
     counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts)
-    loads = [counts.max()] + [np.bincount(ids.reshape(-1), minlength=num_local).max()
-                              for ids in local_ids(args, mesh, topk_idx)]
+    loads = [counts.max()] + [
+        np.bincount(ids.reshape(-1), minlength=num_local).max() for ids in local_ids(args, mesh, topk_idx)
+    ]
     largest = int(max(loads))
     capacity = args.capacity or -(-largest // 128) * 128
     # The largest padded activation per rank: [E/R, capacity, max(H, 2F)] bf16.
     buffer_gib = num_local * capacity * max(args.hidden, 2 * args.ffn) * 2 / GiB
-    print(f"expert loads: mean {counts.mean():.0f}, min {counts.min()}, largest {largest} (with the per-rank "
-          f"'local' loads); capacity {capacity} slots -> padded buffer "
-          f"[{num_local}, {capacity}, {max(args.hidden, 2 * args.ffn)}] bf16 = {buffer_gib:.2f} GiB per device")
+    print(
+        f"expert loads: mean {counts.mean():.0f}, min {counts.min()}, largest {largest} (with the per-rank "
+        f"'local' loads); capacity {capacity} slots -> padded buffer "
+        f"[{num_local}, {capacity}, {max(args.hidden, 2 * args.ffn)}] bf16 = {buffer_gib:.2f} GiB per device"
+    )
     if buffer_gib > args.max_capacity_gib:
-        raise SystemExit(f"capacity {capacity} needs a {buffer_gib:.1f} GiB padded buffer per device "
-                         f"(> --max-capacity-gib {args.max_capacity_gib}); refusing to compile")
+        raise SystemExit(
+            f"capacity {capacity} needs a {buffer_gib:.1f} GiB padded buffer per device "
+            f"(> --max-capacity-gib {args.max_capacity_gib}); refusing to compile"
+        )
     dropped = int(ml.capacity_overflow(topk_idx, args.experts, capacity))
     if dropped or largest > capacity:
         raise SystemExit(f"--capacity {capacity} drops {dropped} (token, expert) pairs (largest load {largest})")
@@ -179,13 +189,16 @@ def pick_expert_rows(args, mesh, topk_idx):
         return int((-(-counts // align) * align).sum())
 
     counts = np.bincount(topk_idx.reshape(-1), minlength=args.experts).reshape(num_ranks, num_local)
-    per_rank = [rows_of(c) for c in counts] + [rows_of(np.bincount(ids.reshape(-1), minlength=num_local))
-                                               for ids in local_ids(args, mesh, topk_idx)]
+    per_rank = [rows_of(c) for c in counts] + [
+        rows_of(np.bincount(ids.reshape(-1), minlength=num_local)) for ids in local_ids(args, mesh, topk_idx)
+    ]
     largest = max(per_rank)
     rows = args.expert_rows or -(-largest // 128) * 128
-    print(f"expert-major rows per rank: mean {np.mean(per_rank[:num_ranks]):.0f}, largest {largest} (with the "
-          f"'local' ones); {rows} rows (alignment {align}), worst case "
-          f"{default_num_rows(topk_idx.shape[0], args.top_k, num_local, align)}")
+    print(
+        f"expert-major rows per rank: mean {np.mean(per_rank[:num_ranks]):.0f}, largest {largest} (with the "
+        f"'local' ones); {rows} rows (alignment {align}), worst case "
+        f"{default_num_rows(topk_idx.shape[0], args.top_k, num_local, align)}"
+    )
     dropped = int(ml.expert_rows_overflow(topk_idx, args.experts, num_ranks, rows, align))
     if dropped or largest > rows:
         raise SystemExit(f"--expert-rows {rows} drops {dropped} (token, expert) pairs (largest count {largest})")
@@ -196,12 +209,16 @@ def layer_fn(args, mesh, buffer, impl, sizes):
     """(x, router, w_in, w_out, fp8) -> (y, aux_loss): the MoE layer, or with
     buffer None its experts alone on each rank's own tokens (no dispatch or
     combine); fp8: FP8 copies of the weights for the FP8_IMPLS, else None."""
-    kw = {"capacity": sizes.get("capacity"), "expert_rows": sizes.get("expert_rows"),
-          "expert_alignment": args.expert_alignment}
+    kw = {
+        "capacity": sizes.get("capacity"),
+        "expert_rows": sizes.get("expert_rows"),
+        "expert_alignment": args.expert_alignment,
+    }
     impl = "grouped" if impl in FP8_IMPLS else impl
     if buffer is not None:
-        return lambda x, r, wi, wo, fp8: ml.moe_apply(x, r, wi, wo, top_k=args.top_k, buffer=buffer,
-                                                      expert_impl=impl, fp8=fp8, **kw)
+        return lambda x, r, wi, wo, fp8: ml.moe_apply(
+            x, r, wi, wo, top_k=args.top_k, buffer=buffer, expert_impl=impl, fp8=fp8, **kw
+        )
     num_local = args.experts // mesh.shape["expert"]
     tokens, experts = P(("data", "expert")), P("expert")
 
@@ -211,8 +228,12 @@ def layer_fn(args, mesh, buffer, impl, sizes):
     def apply(x, r, wi, wo, fp8):
         idx, w, aux = ml.route(x, r, args.top_k)
         operands = (x, idx, w, wi, wo) + (() if fp8 is None else (fp8,))
-        per_rank = jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, experts, experts, experts)[
-            :len(operands)], out_specs=tokens)
+        per_rank = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(tokens, tokens, tokens, experts, experts, experts)[: len(operands)],
+            out_specs=tokens,
+        )
         return per_rank(*operands).astype(x.dtype), aux
 
     return apply
@@ -344,14 +365,18 @@ def pick_sizes(args, mesh, inputs, impls):
 
 def describe(impl, sizes, ragged_name, hidden):
     if impl == "capacity":
-        return (f"capacity experts ({sizes['capacity']} slots per expert, largest load "
-                f"{sizes['largest_expert_load']}, nothing dropped)")
+        return (
+            f"capacity experts ({sizes['capacity']} slots per expert, largest load "
+            f"{sizes['largest_expert_load']}, nothing dropped)"
+        )
     if impl == "grouped" or impl in FP8_IMPLS:
         gradients = "forward, input and weight gradients" if FP8_IMPLS.get(impl) else "forward and input gradients"
         rows = ", rows sent as FP8" if hidden % FP8_BLOCK == 0 else ""  # as the example does where it can
         fp8 = f", FP8 {gradients}{rows}, weight copies made once per jitted call" if impl != "grouped" else ""
-        return (f"{impl} experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
-                f"{sizes['largest_rows_per_rank']}, nothing dropped{fp8})")
+        return (
+            f"{impl} experts ({sizes['expert_rows']} expert-major rows per rank, largest count "
+            f"{sizes['largest_rows_per_rank']}, nothing dropped{fp8})"
+        )
     return f"ragged_dot experts ({ragged_name})"
 
 
@@ -362,24 +387,47 @@ def main():
     p.add_argument("--ffn", type=int, default=2048, help="expert intermediate size")
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--expert-impl", dest="impl", default="auto",
-                   help=f"comma list of {', '.join(IMPL_NAMES)} (auto: ragged_dot on CPU or with the "
-                        "Pallas-Triton grouped matmul, else capacity)")
+    p.add_argument(
+        "--expert-impl",
+        dest="impl",
+        default="auto",
+        help=f"comma list of {', '.join(IMPL_NAMES)} (auto: ragged_dot on CPU or with the "
+        "Pallas-Triton grouped matmul, else capacity)",
+    )
     p.add_argument("--capacity", type=int, default=0, help="slots per expert (0: from the routing, nothing dropped)")
-    p.add_argument("--expert-rows", type=int, default=0,
-                   help="grouped: expert-major rows per rank (0: from the routing, nothing dropped)")
-    p.add_argument("--expert-alignment", type=int, default=0,
-                   help="grouped: each expert's rows start at a multiple (0: ml.default_expert_alignment(), "
-                        "128 on Hopper, where aligned groups take the warp-specialized kernels)")
-    p.add_argument("--max-capacity-gib", type=float, default=4.0,
-                   help="refuse a capacity whose padded [E/R, capacity, H] buffer exceeds this per device")
+    p.add_argument(
+        "--expert-rows",
+        type=int,
+        default=0,
+        help="grouped: expert-major rows per rank (0: from the routing, nothing dropped)",
+    )
+    p.add_argument(
+        "--expert-alignment",
+        type=int,
+        default=0,
+        help="grouped: each expert's rows start at a multiple (0: ml.default_expert_alignment(), "
+        "128 on Hopper, where aligned groups take the warp-specialized kernels)",
+    )
+    p.add_argument(
+        "--max-capacity-gib",
+        type=float,
+        default=4.0,
+        help="refuse a capacity whose padded [E/R, capacity, H] buffer exceeds this per device",
+    )
     p.add_argument("--steps", type=int, default=8, help="forward+backward passes per jitted call")
     p.add_argument("--reps", type=int, default=7, help="timed calls")
     p.add_argument("--backends", default="cuda,xla", help="comma list of cuda, xla")
     p.add_argument("--no-local", action="store_true", help="skip timing the experts without dispatch/combine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", nargs="?", type=int, const=12, default=0, metavar="TOP",
-                   help="also print where each layer's step goes on the first GPU: the TOP (12) kernels by time")
+    p.add_argument(
+        "--profile",
+        nargs="?",
+        type=int,
+        const=12,
+        default=0,
+        metavar="TOP",
+        help="also print where each layer's step goes on the first GPU: the TOP (12) kernels by time",
+    )
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args()
     check_counts(p, args, "tokens", "hidden", "ffn", "experts", "top_k", "steps", "reps")
@@ -394,8 +442,11 @@ def main():
     if args.experts % num_ranks:
         raise SystemExit(f"--experts {args.experts} must divide by the {num_ranks} devices")
     if on_gpu and "ragged_dot" in impls and not fast_ragged_dot:
-        print("warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
-              "expect out-of-memory at large sizes (use --expert-impl capacity or grouped)", file=sys.stderr)
+        print(
+            "warning: ragged_dot uses XLA's dense expansion here (E/R times the FLOPs and memory); "
+            "expect out-of-memory at large sizes (use --expert-impl capacity or grouped)",
+            file=sys.stderr,
+        )
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     pool = pool_bytes(devices[0])
     ragged_name = "pallas-triton" if fast_ragged_dot else "xla default"
@@ -417,8 +468,10 @@ def main():
             need = max((n for _, n in compiled.values() if n is not None), default=None)
             if pool is None or need is None or need <= 0.9 * pool or tokens <= 128:
                 break
-            print(f"{tokens} tokens/device need {need / GiB:.2f} GiB per device, more than 90% of XLA's "
-                  f"{pool / GiB:.2f} GiB pool: halving tokens")
+            print(
+                f"{tokens} tokens/device need {need / GiB:.2f} GiB per device, more than 90% of XLA's "
+                f"{pool / GiB:.2f} GiB pool: halving tokens"
+            )
             del inputs, compiled
             tokens //= 2
 
@@ -434,8 +487,10 @@ def main():
             print(f"memory per device, GiB, {impl} experts: {mem or 'not reported'} {pool_desc}")
         print(f"compile {compile_s:.0f} s for all")
         if "cuda" in buffers:
-            print(f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB "
-                  "per device")
+            print(
+                f"deep_ep_jax cuda buffer (outside XLA's pool): {buffers['cuda'].num_nvl_bytes / GiB:.2f} GiB "
+                "per device"
+            )
 
         # Useful expert FLOPs per device: 3 matmuls of 2*H*F per routed (token, expert),
         # three times over for forward + backward.
@@ -461,8 +516,13 @@ def main():
             }
             if args.profile:
                 router, w_in, w_out, x = inputs
-                print_kernel_breakdown(f"{row[1]} layer, {row[0]} experts", compiled[row][0], (x, router, w_in, w_out),
-                                       args.steps, top=args.profile)
+                print_kernel_breakdown(
+                    f"{row[1]} layer, {row[0]} experts",
+                    compiled[row][0],
+                    (x, router, w_in, w_out),
+                    args.steps,
+                    top=args.profile,
+                )
         copies_ms = {impl: time_copies(args, fp8_copies(impl, mesh), inputs) for impl in impls if impl in FP8_IMPLS}
     finally:
         for buffer in buffers.values():
@@ -477,32 +537,47 @@ def main():
         share = "" if v == "local" or local is None else f"{1 - local['median_ms'] / r['median_ms']:.0%}"
         if share:
             r["comm_share"] = 1 - local["median_ms"] / r["median_ms"]
-        print(f"| {label}, {impl} experts | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
-              f"| {r['expert_tflops']:.1f} | {share} |")
+        print(
+            f"| {label}, {impl} experts | {r['median_ms']:.2f} | {r['min_ms']:.2f} | {r['max_ms']:.2f} "
+            f"| {r['expert_tflops']:.1f} | {share} |"
+        )
     for (impl, v), line in powers.items():
         print(f"{v} layer, {impl} experts, the timed calls: {line}")
     for impl, ms in copies_ms.items():
-        print(f"{impl}: the FP8 weight copies alone take {ms:.2f} ms per call (median of {args.reps}), made once per "
-              f"jitted call: {ms / args.steps:.2f} ms of each of its {args.steps} steps above")
+        print(
+            f"{impl}: the FP8 weight copies alone take {ms:.2f} ms per call (median of {args.reps}), made once per "
+            f"jitted call: {ms / args.steps:.2f} ms of each of its {args.steps} steps above"
+        )
     print()
     for impl in impls:
         cuda, xla = (impl, "cuda"), (impl, "xla")
         if cuda in results and xla in results:
             diff = np.abs(outputs[cuda] - outputs[xla]).max()
             speedup = results[xla]["median_ms"] / results[cuda]["median_ms"]
-            print(f"speedup of the layer ({impl} experts): {speedup:.2f}x; "
-                  f"forward outputs of the two backends: max |diff| = {diff:.3g}")
+            print(
+                f"speedup of the layer ({impl} experts): {speedup:.2f}x; "
+                f"forward outputs of the two backends: max |diff| = {diff:.3g}"
+            )
     # The other expert paths against the first, on the same backend.
     (first_impl, first_v), first_out = next(iter(outputs.items()))
     for (impl, v), out in outputs.items():
         if impl != first_impl and v == first_v:
             ratio = results[(first_impl, v)]["median_ms"] / results[(impl, v)]["median_ms"]
-            print(f"{v}: {impl} experts {ratio:.2f}x as fast as {first_impl}; forward outputs: "
-                  f"max |diff| = {np.abs(out - first_out).max():.3g}")
+            print(
+                f"{v}: {impl} experts {ratio:.2f}x as fast as {first_impl}; forward outputs: "
+                f"max |diff| = {np.abs(out - first_out).max():.3g}"
+            )
     if args.json:
         meta = {k: getattr(args, k) for k in ("hidden", "ffn", "experts", "top_k", "steps", "reps", "expert_alignment")}
-        meta.update(tokens=tokens, devices=f"{num_ranks} x {devices[0].device_kind}", jax=jax.__version__,
-                    expert_impls=impls, ragged_dot=ragged_name, fp8_copies_ms=copies_ms, **sizes)
+        meta.update(
+            tokens=tokens,
+            devices=f"{num_ranks} x {devices[0].device_kind}",
+            jax=jax.__version__,
+            expert_impls=impls,
+            ragged_dot=ragged_name,
+            fp8_copies_ms=copies_ms,
+            **sizes,
+        )
         Path(args.json).write_text(json.dumps({"config": meta, "results": list(results.values())}, indent=2))
         print(f"wrote {args.json}")
 

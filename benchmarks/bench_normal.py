@@ -42,12 +42,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
+from timing import chain_seconds, check_counts, environment, kernel_durations, touch
 
 import deep_ep_jax
 from deep_ep_jax import launch, testing
 from deep_ep_jax.backends import reference
-
-from timing import chain_seconds, check_counts, environment, kernel_durations, touch
 
 AXIS = "ep"
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16")
@@ -85,7 +84,8 @@ def op_routings(case: Case, num_ranks: int, inputs, num_ops: int, seed: int = 1)
 def dispatch_handles(buffer, mesh, case: Case, x, routings):
     """The handle of a dispatch of x along each routing ([R, ...] per field: per_rank's stacking)."""
     run = testing.per_rank(
-        lambda x, idx, w: deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)[3], mesh, AXIS)
+        lambda x, idx, w: deep_ep_jax.dispatch(x, idx, w, num_experts=case.num_experts, buffer=buffer)[3], mesh, AXIS
+    )
     return [run(x, idx, w) for idx, w in routings]
 
 
@@ -276,11 +276,20 @@ def run_sweep(mesh, case, backends, num_sms, *, length, repeats, plot_path):
             for backend in backends:
                 rows = [r for r in results if r["op"] == op and r["backend"] == backend]
                 label = f"{backend} ({num_sms} SMs)" if backend == "cuda" else backend
-                ax.plot([r["tokens_per_rank"] for r in rows], [max(r["gbps_median"], 0) for r in rows], marker="o",
-                        label=label)
+                ax.plot(
+                    [r["tokens_per_rank"] for r in rows],
+                    [max(r["gbps_median"], 0) for r in rows],
+                    marker="o",
+                    label=label,
+                )
                 if backend == "cuda":  # the profile's kernel times: steadier at small sizes
-                    ax.plot([r["tokens_per_rank"] for r in rows], [r["device_gbps"] for r in rows], marker="x",
-                            linestyle="--", label=f"{label}, kernel device time")
+                    ax.plot(
+                        [r["tokens_per_rank"] for r in rows],
+                        [r["device_gbps"] for r in rows],
+                        marker="x",
+                        linestyle="--",
+                        label=f"{label}, kernel device time",
+                    )
             ax.set_xscale("log", base=2)
             ax.set_title(op)
             ax.set_xlabel("tokens per rank")
@@ -297,15 +306,25 @@ def run_sweep(mesh, case, backends, num_sms, *, length, repeats, plot_path):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-sms", type=int, nargs="+", default=[24], help="SM counts of the CUDA kernels")
-    parser.add_argument("--backends", nargs="+", default=None, choices=["cuda", "xla"],
-                        help="default: cuda and xla on GPUs, xla elsewhere")
+    parser.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        choices=["cuda", "xla"],
+        help="default: cuda and xla on GPUs, xla elsewhere",
+    )
     parser.add_argument("--ranks", type=int, default=None, help="EP size (default: all devices)")
     parser.add_argument("--tokens", type=int, default=Case.num_tokens, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=Case.hidden)
     parser.add_argument("--experts", type=int, default=Case.num_experts)
     parser.add_argument("--topk", type=int, default=Case.topk)
-    parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[None],
-                        help="Config.chunk_tokens values of the CUDA kernels (default: Config's)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="Config.chunk_tokens values of the CUDA kernels (default: Config's)",
+    )
     parser.add_argument("--chain", type=int, default=20, help="operations per timed program (and twice that)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="tokens per rank 128..8192, both backends")
@@ -323,14 +342,24 @@ def main(argv=None):
     case = Case(args.tokens, args.hidden, args.experts, args.topk)
     env = environment()
     print(f"# normal mode, EP={num_ranks} on {env['devices'][0]} ({env['platform']}), jax {env['jax']}")
-    print(f"# {case.num_tokens} tokens/rank, hidden {case.hidden}, top-{case.topk} of {case.num_experts} experts, "
-          f"chains of {args.chain} and {2 * args.chain} ops, {args.repeats} repeats")
+    print(
+        f"# {case.num_tokens} tokens/rank, hidden {case.hidden}, top-{case.topk} of {case.num_experts} experts, "
+        f"chains of {args.chain} and {2 * args.chain} ops, {args.repeats} repeats"
+    )
     if args.sweep:
-        results = run_sweep(mesh, case, backends, args.num_sms[0], length=args.chain, repeats=args.repeats,
-                            plot_path=args.plot)
+        results = run_sweep(
+            mesh, case, backends, args.num_sms[0], length=args.chain, repeats=args.repeats, plot_path=args.plot
+        )
     else:
-        results = run_table(mesh, case, backends, args.num_sms, length=args.chain, repeats=args.repeats,
-                            chunk_tokens_list=args.chunk_tokens)
+        results = run_table(
+            mesh,
+            case,
+            backends,
+            args.num_sms,
+            length=args.chain,
+            repeats=args.repeats,
+            chunk_tokens_list=args.chunk_tokens,
+        )
     print()
     print(format_table(results))
     if args.json:

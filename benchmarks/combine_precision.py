@@ -44,7 +44,7 @@ def combine(rows, num_hosts, partial_dtype):
     acc = np.zeros(rows.shape[1:], np.float32)
     for h in range(num_hosts):
         partial = np.zeros(rows.shape[1:], np.float32)
-        for row in rows[h * per_host:(h + 1) * per_host]:
+        for row in rows[h * per_host : (h + 1) * per_host]:
             partial = partial + row
         acc = acc + partial.astype(partial_dtype).astype(np.float32)
     return acc.astype(BF16)
@@ -55,8 +55,10 @@ def main():
     parser.add_argument("--tokens", type=int, default=512)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    print(f"{args.tokens} tokens, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}; error against the float64 sum of the "
-          f"bf16 rows")
+    print(
+        f"{args.tokens} tokens, hidden {HIDDEN}, top-{TOPK} of {EXPERTS}; error against the float64 sum of the "
+        f"bf16 rows"
+    )
     print("| hosts x GPUs | partials | relative RMS error | max error / RMS | outputs not the correctly rounded bf16 |")
     print("|---|---|---|---|---|")
     for num_hosts, per_host in ((2, 4), (2, 8), (4, 8), (8, 8), (16, 8)):
@@ -67,8 +69,10 @@ def main():
         for name, dtype in (("none (rank order)", None), ("float32", np.float32), ("bf16", BF16)):
             out = combine(rows, num_hosts, dtype).astype(np.float64)
             err = np.abs(out - exact)
-            print(f"| {num_hosts} x {per_host} | {name} | {np.sqrt((err**2).mean()) / scale:.2e} | "
-                  f"{err.max() / scale:.2e} | {(out != correct).mean():.1%} |")
+            print(
+                f"| {num_hosts} x {per_host} | {name} | {np.sqrt((err**2).mean()) / scale:.2e} | "
+                f"{err.max() / scale:.2e} | {(out != correct).mean():.1%} |"
+            )
 
 
 if __name__ == "__main__":

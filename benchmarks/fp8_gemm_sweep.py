@@ -52,14 +52,15 @@ CONFIGS = [
     T(64, 128, 128, 4, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, cluster_n=True),
-    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True,
-      steady_pipeline=True),
+    T(64, 128, 128, 6, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, steady_pipeline=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=8, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True),
     # bands of row tiles that end with a group, so that no group's weights are read by two bands
-    *(T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=w, split_rows=True, promote=True, group_bands=True)
-      for w in (4, 8, 2, 3, 5, 6)),
+    *(
+        T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=w, split_rows=True, promote=True, group_bands=True)
+        for w in (4, 8, 2, 3, 5, 6)
+    ),
     T(64, 128, 256, 3, grid_minor_n=True, grid_tile_width=4, split_rows=True, promote=True),
     T(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=4, split_rows=True, promote=True, cluster_n=True),
 ]
@@ -67,14 +68,23 @@ WEIGHT_GRAD_CONFIGS = [
     # warpgroups split N (128 x 256 CTA tile), no promotion
     T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128),
     # the same, groups of more than 4 row steps (512 rows) promoted in halves
-    T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128,
-      promote_after_steps=4),
+    T(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128, promote_after_steps=4),
     # warpgroups split K rows (2 x 64 x 128), promoted every row step
     T(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
     T(64, 128, 128, 6, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
     T(64, 128, 128, 4, grid_tile_width=8, steady_pipeline=True, split_rows=True, promote=True, epi_tile_n=128),
-    T(64, 128, 128, 4, grid_minor_n=False, grid_tile_width=4, steady_pipeline=True, split_rows=True, promote=True,
-      epi_tile_n=128),
+    T(
+        64,
+        128,
+        128,
+        4,
+        grid_minor_n=False,
+        grid_tile_width=4,
+        steady_pipeline=True,
+        split_rows=True,
+        promote=True,
+        epi_tile_n=128,
+    ),
     T(64, 128, 128, 4, grid_tile_width=4, steady_pipeline=True, split_rows=True, epi_tile_n=128),
 ]
 
@@ -108,8 +118,18 @@ def call(t, ops, sizes, counts):
     x_data, x_scales, w_data, w_scales = ops
     with jax.ensure_compile_time_eval():  # the index maps are constants of the program, not timed
         groups, rows = gg._row_tiles(jnp.asarray(sizes), jnp.asarray(counts), x_data.shape[0], hg.row_tile(t))
-    return hg.rows_matmul(x_data, w_data, groups, rows, jnp.ones((1,), jnp.float32), t, transpose_rhs=True,
-                          out_dtype=jnp.bfloat16, row_scales=x_scales, col_scales=w_scales)
+    return hg.rows_matmul(
+        x_data,
+        w_data,
+        groups,
+        rows,
+        jnp.ones((1,), jnp.float32),
+        t,
+        transpose_rhs=True,
+        out_dtype=jnp.bfloat16,
+        row_scales=x_scales,
+        col_scales=w_scales,
+    )
 
 
 def weight_grad_operands(key, k, n, num_rows, sizes, counts):
@@ -124,6 +144,7 @@ def weight_grad_operands(key, k, n, num_rows, sizes, counts):
         x_data, x_scales = gg.quantize_rows(x)
         _, _, z_t, z_scales = gg.fp8_backward_operands(x_scales, dy)
         return x_data.T, z_t, z_scales
+
     return make(x, dy)
 
 
@@ -143,13 +164,23 @@ def weight_grad_call(t, ops, sizes, counts):
     x_t, z_t, z_scales = ops
     with jax.ensure_compile_time_eval():  # the steps are constants of the program, not timed
         starts, steps = gg.group_row_steps(jnp.asarray(sizes, jnp.int32), jnp.asarray(counts, jnp.int32), t.tile_k)
-    return hg.weight_grad(x_t, z_t, starts, steps, jnp.ones((1,), jnp.float32), t, transposed=True,
-                          col_scales=z_scales, out_dtype=jnp.bfloat16)
+    return hg.weight_grad(
+        x_t,
+        z_t,
+        starts,
+        steps,
+        jnp.ones((1,), jnp.float32),
+        t,
+        transposed=True,
+        col_scales=z_scales,
+        out_dtype=jnp.bfloat16,
+    )
 
 
 def seconds(t, ops, sizes, counts, repeats, call=call):
     """(seconds per call from chains of 3 and 6, the chain of 6): each call's scales, the operands' last,
     depend on the previous output."""
+
     def chain(length):
         def run(*ops):
             def body(_, scales):
@@ -157,7 +188,9 @@ def seconds(t, ops, sizes, counts, repeats, call=call):
                 return scales.at[0].add(out.reshape(-1)[0].astype(jnp.float32) * 0)
 
             return lax.fori_loop(0, length, body, ops[-1])[:1]
+
         return jax.jit(run)
+
     long = chain(6)
     return chain_seconds(chain(3), long, ops, 3, repeats), long
 
@@ -174,10 +207,18 @@ def main():
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--shapes", default="7168x4096,2048x7168", help="K x N of each matmul, comma-separated")
-    parser.add_argument("--random-padding", action="store_true",
-                        help="forward: x's padding rows random instead of zero (the layer's are zero)")
-    parser.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
-                        help="also time each configuration run back to back for about this long (and its energy)")
+    parser.add_argument(
+        "--random-padding",
+        action="store_true",
+        help="forward: x's padding rows random instead of zero (the layer's are zero)",
+    )
+    parser.add_argument(
+        "--sustain",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also time each configuration run back to back for about this long (and its energy)",
+    )
     args = parser.parse_args()
     if reason := not_hopper():
         parser.error(reason)
@@ -194,18 +235,25 @@ def main():
             flops = 2 * int(counts.sum()) * k * n
             for t in (t for t in configs if re.search(args.match, repr(t))):
                 try:
-                    out = jax.jit(lambda *ops, t=t: kernel_call(t, ops, sizes, counts))(*ops)
-                    err = max(float(jnp.max(jnp.abs(out[index].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-                              for index, ref in want.values())
+                    out = jax.jit(lambda *ops, t=t, call=kernel_call: call(t, ops, sizes, counts))(*ops)
+                    err = max(
+                        float(jnp.max(jnp.abs(out[index].astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                        for index, ref in want.values()
+                    )
                     secs, chain6 = seconds(t, ops, sizes, counts, args.repeats, kernel_call)
                     med = np.median(secs)
-                    print(f"{name} {k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-"
-                          f"{np.max(secs) * 1e3:.3f}) {flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}",
-                          flush=True)
+                    print(
+                        f"{name} {k} x {n} {t}: {med * 1e3:.3f} ms ({np.min(secs) * 1e3:.3f}-"
+                        f"{np.max(secs) * 1e3:.3f}) {flops / med / 1e12:.0f} useful TFLOP/s; max error {err:.1e}",
+                        flush=True,
+                    )
                     if args.sustain:
                         per_call, (_, power) = sustained(chain6, ops, 6, args.sustain)
-                        print(f"  sustained {args.sustain:g} s: {per_call * 1e3:.3f} ms per call"
-                              f"{'; ' + power if power else ''}", flush=True)
+                        print(
+                            f"  sustained {args.sustain:g} s: {per_call * 1e3:.3f} ms per call"
+                            f"{'; ' + power if power else ''}",
+                            flush=True,
+                        )
                 except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
                     text = "".join(traceback.format_exception_only(type(e), e))
                     print(f"{name} {k} x {n} {t}: FAILED {text[:1500]}", flush=True)

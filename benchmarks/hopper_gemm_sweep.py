@@ -49,8 +49,10 @@ def not_hopper():
     """Why the Mosaic GPU kernels cannot run here, or None on a Hopper GPU (these sweeps' only target)."""
     if gg.is_hopper_gpu():
         return None
-    return ("needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; "
-            f"JAX sees {jax.devices()[0].device_kind}")
+    return (
+        "needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; "
+        f"JAX sees {jax.devices()[0].device_kind}"
+    )
 
 
 def call(kernel, t, a, b, sizes, counts):
@@ -80,7 +82,7 @@ def pair_rows(num_rows, sizes, counts):
     """bool [num_rows]: the rows of the groups that hold pairs (the first counts[g] of group g)."""
     rows = np.zeros(num_rows, bool)
     for start, count in zip(np.cumsum(sizes) - sizes, counts):
-        rows[start:start + count] = True
+        rows[start : start + count] = True
     return rows
 
 
@@ -142,9 +144,10 @@ def generic(kernel, a, b, sizes):
 
 def time_fn(fn, ops, repeats):
     """Seconds per call of fn over both matmuls, from chains of 3 and 6."""
+
     def chain(length):
         def run(*flat):
-            pairs = [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
+            pairs = [tuple(flat[i : i + 2]) for i in range(0, len(flat), 2)]
 
             def body(_, carry):
                 outs = [fn(a, b) for a, b in carry]
@@ -153,7 +156,9 @@ def time_fn(fn, ops, repeats):
 
             pairs = lax.fori_loop(0, length, body, pairs)
             return pairs[0][0][:1, :1]
+
         return jax.jit(run)
+
     flat = [x for pair in ops for x in pair]
     return chain_seconds(chain(3), chain(6), flat, 3, repeats)
 
@@ -161,12 +166,18 @@ def time_fn(fn, ops, repeats):
 # Around the best of the first two sweeps (benchmarks/RESULTS.md): the tile walk, multicast, and for the
 # weight gradient longer row steps (tile_k 128). 5 stages of 128 x 256 tiles exceed shared memory.
 CONFIGS = {
-    "forward": [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c)
-                for w, c in [(4, False), (2, False), (8, False), (4, True), (8, True)]]
-    + [T(128, 128, 128, 2, grid_minor_n=False, grid_tile_width=4), T(128, 128, 64, 3, grid_minor_n=False,
-                                                                     grid_tile_width=4)]
-    + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
-       for w, c in [(4, False), (8, True)]]
+    "forward": [
+        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c)
+        for w, c in [(4, False), (2, False), (8, False), (4, True), (8, True)]
+    ]
+    + [
+        T(128, 128, 128, 2, grid_minor_n=False, grid_tile_width=4),
+        T(128, 128, 64, 3, grid_minor_n=False, grid_tile_width=4),
+    ]
+    + [
+        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, cluster_n=c, steady_pipeline=True)
+        for w, c in [(4, False), (8, True)]
+    ]
     # 64-row tiles, for groups aligned to 64 rows (--align 64): half the padding, half the row tile's reuse
     + [T(64, 128, 64, 4, grid_minor_n=False, grid_tile_width=w) for w in (4, 8)]
     + [T(64, 256, 32, 5, grid_minor_n=False, grid_tile_width=4)]
@@ -174,14 +185,19 @@ CONFIGS = {
     # bands of row tiles that end with a group (the FP8 forward's default walk)
     + [T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=w, group_bands=True) for w in (2, 4)],
     "weight_grad": [T(128, 128, 64, 4, grid_tile_width=w, cluster_n=c) for w, c in [(4, False), (8, False), (4, True)]]
-    + [T(128, 128, 128, 2, grid_tile_width=4), T(128, 128, 64, 3, grid_tile_width=4),
-       T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8)]
+    + [
+        T(128, 128, 128, 2, grid_tile_width=4),
+        T(128, 128, 64, 3, grid_tile_width=4),
+        T(128, 128, 64, 4, grid_minor_n=False, grid_tile_width=8),
+    ]
     # A CTA's tiles as one pipeline (the next tile's loads overlap this one's products and stores); tile_k 32
     # is refused there (the transposed x tile's wgmma takes K steps of 64)
     + [T(128, 128, 64, s, grid_tile_width=w, steady_pipeline=True) for s, w in [(4, 4), (3, 4), (4, 8), (3, 8)]]
     # The epilogue in fewer, larger stores (3 stages leave room for them)
-    + [T(128, 128, 64, 3, grid_tile_width=w, steady_pipeline=True, epi_tile_m=em, epi_tile_n=128)
-       for w, em in [(8, 128), (4, 128), (8, 64)]],
+    + [
+        T(128, 128, 64, 3, grid_tile_width=w, steady_pipeline=True, epi_tile_m=em, epi_tile_n=128)
+        for w, em in [(8, 128), (4, 128), (8, 64)]
+    ],
 }
 CONFIGS["input_grad"] = CONFIGS["forward"]
 
@@ -193,8 +209,11 @@ def main():
     parser.add_argument("--align", type=int, default=ALIGN, help="group sizes rounded up to this (64 or 128)")
     parser.add_argument("--first", type=int, default=0, help="only the first N configurations per kernel (0: all)")
     parser.add_argument("--match", default="", help="only the configurations whose repr matches this regex")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip timing the row-tiled kernels (they still check each configuration)")
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip timing the row-tiled kernels (they still check each configuration)",
+    )
     args = parser.parse_args()
     if reason := not_hopper():
         parser.error(reason)
@@ -211,15 +230,21 @@ def main():
         ops = operands(key, kernel, num_rows, sizes, counts)
         if not args.no_baseline:
             base = time_fn(lambda a, b, kernel=kernel: generic(kernel, a, b, sizes), ops, args.repeats)
-            print(f"{kernel} row-tiled (DEFAULT_BLOCKS, aligned=None): {np.median(base) * 1e3:.2f} ms "
-                  f"{flops / np.median(base) / 1e12:.0f} useful TFLOP/s", flush=True)
+            print(
+                f"{kernel} row-tiled (DEFAULT_BLOCKS, aligned=None): {np.median(base) * 1e3:.2f} ms "
+                f"{flops / np.median(base) / 1e12:.0f} useful TFLOP/s",
+                flush=True,
+            )
         # Checked against the row-tiled kernels on the device (a weight gradient is gigabytes).
         references = [generic(kernel, a, b, sizes) for a, b in ops]
         # The configurations whose row tile divides the groups (weight_grad: its K step runs along the rows).
-        fitting = [t for t in CONFIGS[kernel]
-                   if args.align % (t.tile_k if kernel == "weight_grad" else hg.row_tile(t)) == 0
-                   and re.search(args.match, repr(t))]
-        for t in fitting[:args.first or None]:
+        fitting = [
+            t
+            for t in CONFIGS[kernel]
+            if args.align % (t.tile_k if kernel == "weight_grad" else hg.row_tile(t)) == 0
+            and re.search(args.match, repr(t))
+        ]
+        for t in fitting[: args.first or None]:
             try:
                 err = small_check(kernel, t)
                 for (a, b), want in zip(ops, references):
@@ -229,8 +254,11 @@ def main():
                     assert big < 2e-2, ("real size", big)
                 secs = time_fn(lambda a, b, t=t, k=kernel: call(k, t, a, b, sizes, counts), ops, args.repeats)
                 med = np.median(secs)
-                print(f"{kernel} {t}: {med * 1e3:.2f} ms ({np.min(secs) * 1e3:.2f}-{np.max(secs) * 1e3:.2f}) "
-                      f"{flops / med / 1e12:.0f} useful TFLOP/s; small err {err:.1e}", flush=True)
+                print(
+                    f"{kernel} {t}: {med * 1e3:.2f} ms ({np.min(secs) * 1e3:.2f}-{np.max(secs) * 1e3:.2f}) "
+                    f"{flops / med / 1e12:.0f} useful TFLOP/s; small err {err:.1e}",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001 (a sweep: report and go on)
                 text = "".join(traceback.format_exception_only(type(e), e))
                 print(f"{kernel} {t}: FAILED {text[:1500]}", flush=True)

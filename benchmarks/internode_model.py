@@ -58,8 +58,12 @@ import sys
 import numpy as np
 
 OPS = ("dispatch_bf16", "dispatch_fp8", "combine_bf16", "combine_bf16_per_rank")
-OP_TITLES = {"dispatch_bf16": "dispatch bf16", "dispatch_fp8": "dispatch FP8",
-             "combine_bf16": "combine bf16, per host", "combine_bf16_per_rank": "combine bf16, per rank (before)"}
+OP_TITLES = {
+    "dispatch_bf16": "dispatch bf16",
+    "dispatch_fp8": "dispatch FP8",
+    "combine_bf16": "combine bf16, per host",
+    "combine_bf16_per_rank": "combine bf16, per rank (before)",
+}
 CONFIGS = ((2, 1), (2, 4), (2, 8), (4, 8), (8, 8), (16, 8))
 FP8_BLOCK = 128  # channels per float32 scale (deep_ep_jax.config.FP8_BLOCK)
 VECTOR_BYTES = 16  # packets' pieces are 16-aligned (csrc/common/limits.h kVectorBytes)
@@ -129,11 +133,11 @@ def sample_routing(case: Case, num_hosts: int, gpus_per_host: int, seed: int = 0
         scores = rng.random((case.num_tokens, case.num_experts), dtype=np.float32)
         if case.max_hosts is not None and case.max_hosts < num_hosts:
             best = scores.reshape(case.num_tokens, num_hosts, per_host).max(-1)
-            hosts = np.argpartition(-best, case.max_hosts - 1, axis=1)[:, :case.max_hosts]
+            hosts = np.argpartition(-best, case.max_hosts - 1, axis=1)[:, : case.max_hosts]
             kept = np.zeros((case.num_tokens, num_hosts), bool)
             np.put_along_axis(kept, hosts, True, axis=1)
             scores = np.where(np.repeat(kept, per_host, axis=1), scores, -1.0)
-        idx[r] = np.argpartition(-scores, case.topk - 1, axis=1)[:, :case.topk]
+        idx[r] = np.argpartition(-scores, case.topk - 1, axis=1)[:, : case.topk]
     return idx
 
 
@@ -170,8 +174,9 @@ def traffic(idx: np.ndarray, gpus_per_host: int, num_experts: int) -> Traffic:
     0..E-1, such as -1, select nothing) across hosts of gpus_per_host GPUs."""
     num_ranks, num_tokens, _ = idx.shape
     if num_ranks % gpus_per_host or num_experts % num_ranks:
-        raise ValueError(f"{num_ranks} ranks, {num_experts} experts: not hosts of {gpus_per_host} "
-                         "GPUs with as many experts each")
+        raise ValueError(
+            f"{num_ranks} ranks, {num_experts} experts: not hosts of {gpus_per_host} GPUs with as many experts each"
+        )
     num_hosts, per_rank = num_ranks // gpus_per_host, num_experts // num_ranks
     per_gpu = (np.zeros(num_ranks, np.int64) for _ in range(10))
     t = Traffic(num_tokens, num_ranks * num_tokens, 0, 0, 0, 0, *per_gpu)
@@ -220,8 +225,13 @@ def row_bytes(case: Case, op: str, gpus_per_host: int, combine_partials: str = "
         meta = 4 + 8 * topk  # source token, top-k ids and weights
         packet = _align(data) + _align(scales) + _align(meta)
         # A packet also carries its token's final rows on the G ranks there (one put per host).
-        return {"formula": data + scales, "deepep": data + scales, "nic": packet + 4 * gpus_per_host,
-                "nvlink": data + scales + meta, "staged": packet}
+        return {
+            "formula": data + scales,
+            "deepep": data + scales,
+            "nic": packet + 4 * gpus_per_host,
+            "nvlink": data + scales + meta,
+            "staged": packet,
+        }
     row = _align(2 * hidden) + _align(4 * topk)  # bf16 row and its top-k weights
     nic = row
     if op == "combine_bf16" and combine_partials == "f32":
@@ -236,37 +246,59 @@ def _paths(t: Traffic, op: str, sizes: dict):
     GPU, and its serial steps (lists of paths that run together)."""
     nic, nvl = sizes["nic"], sizes["nvlink"]
     if op.startswith("dispatch"):
-        rows = {"nic_send": t.packets_sent, "nic_recv": t.packets_received,
-                "direct_send": t.direct_sent, "direct_recv": t.direct_received,
-                "forward_send": t.forwarded_sent, "forward_recv": t.forwarded_received}
+        rows = {
+            "nic_send": t.packets_sent,
+            "nic_recv": t.packets_received,
+            "direct_send": t.direct_sent,
+            "direct_recv": t.direct_received,
+            "forward_send": t.forwarded_sent,
+            "forward_recv": t.forwarded_received,
+        }
         # Staging for the NIC, the rows written locally, then the copy out (read and write).
         hbm = t.staged * sizes["staged"] + (t.self_rows + t.forwarder_own) * nvl + 2 * t.received * nvl
         steps = [["nic", "direct"], ["forward"], ["hbm"]]
     elif op == "combine_bf16":
         # The transpose of dispatch: gather at the forwarders, one partial sum per packet back.
-        rows = {"nic_send": t.packets_received, "nic_recv": t.packets_sent,
-                "direct_send": t.direct_received, "direct_recv": t.direct_sent,
-                "forward_send": t.forwarded_received, "forward_recv": t.forwarded_sent}
+        rows = {
+            "nic_send": t.packets_received,
+            "nic_recv": t.packets_sent,
+            "direct_send": t.direct_received,
+            "direct_recv": t.direct_sent,
+            "forward_send": t.forwarded_received,
+            "forward_recv": t.forwarded_sent,
+        }
         # The forwarder sums its host's rows and stages the partial; the source
         # sums its own host's rows and the partials into its T output rows.
-        hbm = ((t.forwarded_sent + t.forwarder_own) * nvl + t.packets_received * nic
-               + (t.direct_sent + t.self_rows) * nvl + t.packets_sent * nic + t.num_tokens * nvl)
+        hbm = (
+            (t.forwarded_sent + t.forwarder_own) * nvl
+            + t.packets_received * nic
+            + (t.direct_sent + t.self_rows) * nvl
+            + t.packets_sent * nic
+            + t.num_tokens * nvl
+        )
         steps = [["direct", "forward"], ["nic"], ["hbm"]]
     else:  # combine per rank: every row from another host crosses the network unreduced
         from_remote = t.forwarded_received + t.forwarder_own  # rows a GPU holds of other hosts' tokens
         none = np.zeros_like(t.direct_sent)
-        rows = {"nic_send": from_remote, "nic_recv": t.remote_rows_by_source,
-                "direct_send": t.direct_received, "direct_recv": t.direct_sent,
-                "forward_send": none, "forward_recv": none}
+        rows = {
+            "nic_send": from_remote,
+            "nic_recv": t.remote_rows_by_source,
+            "direct_send": t.direct_received,
+            "direct_recv": t.direct_sent,
+            "forward_send": none,
+            "forward_recv": none,
+        }
         # Remote rows staged for the NIC; the source sums all its rows.
-        hbm = (from_remote * nic + (t.direct_sent + t.self_rows) * nvl + t.remote_rows_by_source * nic
-               + t.num_tokens * nvl)
+        hbm = (
+            from_remote * nic + (t.direct_sent + t.self_rows) * nvl + t.remote_rows_by_source * nic + t.num_tokens * nvl
+        )
         steps = [["nic", "direct"], ["hbm"]]
     return rows, hbm, steps
 
 
-def model(t: Traffic, case: Case, machine: Machine, op: str, gpus_per_host: int,
-          combine_partials: str = "bf16") -> dict:
+def model(
+    t: Traffic, case: Case, machine: Machine, op: str, gpus_per_host: int, combine_partials: str = "bf16"
+) -> dict:
     """Rows and bytes per GPU, stage times and bandwidths of op for the routing t counts."""
     sizes = row_bytes(case, op, gpus_per_host, combine_partials)
     rows, hbm, steps = _paths(t, op, sizes)
@@ -274,14 +306,23 @@ def model(t: Traffic, case: Case, machine: Machine, op: str, gpus_per_host: int,
     nvl = {k: rows[k] * sizes["nvlink"] for k in rows if not k.startswith("nic")}
     nvl_send, nvl_recv = nvl["direct_send"] + nvl["forward_send"], nvl["direct_recv"] + nvl["forward_recv"]
     # Bytes of the slowest GPU on each resource (links: the larger direction).
-    busiest = {"nic": np.maximum(nic["nic_send"], nic["nic_recv"]).max(),
-               "nvlink": np.maximum(nvl_send, nvl_recv).max(), "hbm": hbm.max()}
-    part_bytes = {"nic": busiest["nic"], "hbm": busiest["hbm"],
-                  "direct": np.maximum(nvl["direct_send"], nvl["direct_recv"]).max(),
-                  "forward": np.maximum(nvl["forward_send"], nvl["forward_recv"]).max()}
+    busiest = {
+        "nic": np.maximum(nic["nic_send"], nic["nic_recv"]).max(),
+        "nvlink": np.maximum(nvl_send, nvl_recv).max(),
+        "hbm": hbm.max(),
+    }
+    part_bytes = {
+        "nic": busiest["nic"],
+        "hbm": busiest["hbm"],
+        "direct": np.maximum(nvl["direct_send"], nvl["direct_recv"]).max(),
+        "forward": np.maximum(nvl["forward_send"], nvl["forward_recv"]).max(),
+    }
     line = {"nic": machine.nic_gbs, "nvlink": machine.nvlink_gbs, "hbm": machine.hbm_gbs}
-    rate = {"nic": machine.nic_gbs * machine.nic_efficiency, "nvlink": machine.nvlink_gbs * machine.nvlink_efficiency,
-            "hbm": machine.hbm_gbs * machine.hbm_efficiency}
+    rate = {
+        "nic": machine.nic_gbs * machine.nic_efficiency,
+        "nvlink": machine.nvlink_gbs * machine.nvlink_efficiency,
+        "hbm": machine.hbm_gbs * machine.hbm_efficiency,
+    }
     resource_of = {"nic": "nic", "direct": "nvlink", "forward": "nvlink", "hbm": "hbm"}
     stage_us = {r: busiest[r] / rate[r] / 1e3 for r in busiest}  # bytes / (GB/s) / 1e3 = us
 
@@ -313,10 +354,14 @@ def model(t: Traffic, case: Case, machine: Machine, op: str, gpus_per_host: int,
         "nvlink_mb_per_gpu": float(nvl_send.sum() / num_ranks / 1e6),
         "hbm_mb_per_gpu": float(hbm.sum() / num_ranks / 1e6),
         "formula_mb_per_gpu": float(formula / 1e6),
-        "nic_us": float(stage_us["nic"]), "nvlink_us": float(stage_us["nvlink"]), "hbm_us": float(stage_us["hbm"]),
+        "nic_us": float(stage_us["nic"]),
+        "nvlink_us": float(stage_us["nvlink"]),
+        "hbm_us": float(stage_us["hbm"]),
         "bound_gbs": gbs(formula, bound_us),
-        "serial_us": float(serial_us), "serial_gbs": gbs(formula, serial_us),
-        "pipelined_us": float(pipelined_us), "pipelined_gbs": gbs(formula, pipelined_us),
+        "serial_us": float(serial_us),
+        "serial_gbs": gbs(formula, serial_us),
+        "pipelined_us": float(pipelined_us),
+        "pipelined_gbs": gbs(formula, pipelined_us),
         "pipelined_nic_gbs": gbs(nic_mean, pipelined_us),
         "pipelined_deepep_rdma_gbs": gbs(deepep, pipelined_us),
         "chunks": chunks,
@@ -324,8 +369,12 @@ def model(t: Traffic, case: Case, machine: Machine, op: str, gpus_per_host: int,
 
 
 def per_token(t: Traffic) -> dict:
-    return {"ranks": t.dest_ranks / t.tokens, "hosts": t.dest_hosts / t.tokens,
-            "remote_hosts": t.remote_hosts / t.tokens, "remote_ranks": t.remote_ranks / t.tokens}
+    return {
+        "ranks": t.dest_ranks / t.tokens,
+        "hosts": t.dest_hosts / t.tokens,
+        "remote_hosts": t.remote_hosts / t.tokens,
+        "remote_ranks": t.remote_ranks / t.tokens,
+    }
 
 
 def run(case: Case, machine: Machine, configs=CONFIGS, seed: int = 0, combine_partials: str = "bf16") -> list[dict]:
@@ -334,21 +383,33 @@ def run(case: Case, machine: Machine, configs=CONFIGS, seed: int = 0, combine_pa
     for num_hosts, gpus_per_host in configs:
         idx = sample_routing(case, num_hosts, gpus_per_host, seed)
         t = traffic(idx, gpus_per_host, case.num_experts)
-        results.append({"hosts": num_hosts, "gpus_per_host": gpus_per_host, "ranks": num_hosts * gpus_per_host,
-                        "per_token": per_token(t),
-                        "ops": [model(t, case, machine, op, gpus_per_host, combine_partials) for op in OPS]})
+        results.append(
+            {
+                "hosts": num_hosts,
+                "gpus_per_host": gpus_per_host,
+                "ranks": num_hosts * gpus_per_host,
+                "per_token": per_token(t),
+                "ops": [model(t, case, machine, op, gpus_per_host, combine_partials) for op in OPS],
+            }
+        )
     return results
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| hosts x GPUs | ranks/token | hosts/token (own included) | remote hosts/token | remote ranks/token |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| hosts x GPUs | ranks/token | hosts/token (own included) | remote hosts/token | remote ranks/token |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         c = r["per_token"]
-        lines.append(f"| {r['hosts']} x {r['gpus_per_host']} | {c['ranks']:.2f} | {c['hosts']:.2f} | "
-                     f"{c['remote_hosts']:.2f} | {c['remote_ranks']:.2f} |")
-    header = ("| hosts x GPUs | op | NIC MB/GPU | NVLink MB/GPU | NIC / NVLink / memory us | bound GB/s | "
-              "serial us (GB/s) | pipelined us (GB/s) | pipelined NIC GB/s | pipelined DeepEP RDMA GB/s |")
+        lines.append(
+            f"| {r['hosts']} x {r['gpus_per_host']} | {c['ranks']:.2f} | {c['hosts']:.2f} | "
+            f"{c['remote_hosts']:.2f} | {c['remote_ranks']:.2f} |"
+        )
+    header = (
+        "| hosts x GPUs | op | NIC MB/GPU | NVLink MB/GPU | NIC / NVLink / memory us | bound GB/s | "
+        "serial us (GB/s) | pipelined us (GB/s) | pipelined NIC GB/s | pipelined DeepEP RDMA GB/s |"
+    )
     lines += ["", header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for o in r["ops"]:
@@ -357,7 +418,8 @@ def markdown(results: list[dict]) -> str:
                 f"{o['nvlink_mb_per_gpu']:.0f} | {o['nic_us']:.0f} / {o['nvlink_us']:.0f} / {o['hbm_us']:.0f} | "
                 f"{o['bound_gbs']:.0f} | {o['serial_us']:.0f} ({o['serial_gbs']:.0f}) | "
                 f"{o['pipelined_us']:.0f} ({o['pipelined_gbs']:.0f}) | {o['pipelined_nic_gbs']:.1f} | "
-                f"{o['pipelined_deepep_rdma_gbs']:.1f} |")
+                f"{o['pipelined_deepep_rdma_gbs']:.1f} |"
+            )
     return "\n".join(lines)
 
 
@@ -378,11 +440,14 @@ def main(argv=None):
     parser.add_argument("--topk", type=int, default=Case.topk)
     parser.add_argument("--max-hosts", type=int, default=None, help="node-limited routing: hosts per token at most")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--combine-partials", choices=["bf16", "f32"], default="bf16",
-                        help="precision of the per-host partial sums on the network")
+    parser.add_argument(
+        "--combine-partials",
+        choices=["bf16", "f32"],
+        default="bf16",
+        help="precision of the per-host partial sums on the network",
+    )
     for field in dataclasses.fields(Machine):
-        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default),
-                            default=field.default)
+        parser.add_argument("--" + field.name.replace("_", "-"), type=type(field.default), default=field.default)
     parser.add_argument("--json", nargs="?", const="-", default=None, help="JSON instead of markdown (to PATH)")
     args = parser.parse_args(argv)
     case = Case(args.tokens, args.hidden, args.experts, args.topk, args.max_hosts)
@@ -391,8 +456,16 @@ def main(argv=None):
     if args.json is None:
         print(markdown(results))
         return
-    text = json.dumps({"case": dataclasses.asdict(case), "machine": dataclasses.asdict(machine), "seed": args.seed,
-                       "combine_partials": args.combine_partials, "results": results}, indent=1)
+    text = json.dumps(
+        {
+            "case": dataclasses.asdict(case),
+            "machine": dataclasses.asdict(machine),
+            "seed": args.seed,
+            "combine_partials": args.combine_partials,
+            "results": results,
+        },
+        indent=1,
+    )
     if args.json == "-":
         print(text)
     else:

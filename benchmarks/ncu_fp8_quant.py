@@ -33,7 +33,7 @@ def main():
     for name in args.cases:
         _, fn, make, m = by_name[name]
         a = jax.block_until_ready(make())
-        jax.block_until_ready(jax.jit(lambda a, m: fn(a, m, "cuda"))(a, m))
+        jax.block_until_ready(jax.jit(lambda a, m, fn=fn: fn(a, m, "cuda"))(a, m))
         print(f"{name}: {a.shape}", flush=True)
         del a
 

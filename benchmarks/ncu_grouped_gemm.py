@@ -21,10 +21,10 @@ import argparse
 import ast
 import sys
 
+import hopper_gemm_sweep as sweep
 import jax
 import numpy as np
 
-import hopper_gemm_sweep as sweep
 from deep_ep_jax.experts import grouped_gemm as gg
 from deep_ep_jax.experts import hopper_gemm as hg
 
@@ -68,8 +68,13 @@ def parse_tiles(text):
         call = ast.parse(text, mode="eval").body
     except SyntaxError as e:  # text pasted short, e.g. "HopperTiles("
         raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r} ({e.msg})") from e
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "HopperTiles"
-            and not call.args and all(kw.arg for kw in call.keywords)):
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Name)
+        and call.func.id == "HopperTiles"
+        and not call.args
+        and all(kw.arg for kw in call.keywords)
+    ):
         raise SystemExit(f"--tiles: expected HopperTiles(name=value, ...), got {text!r}")
     try:
         return hg.HopperTiles(**{kw.arg: ast.literal_eval(kw.value) for kw in call.keywords})

@@ -38,8 +38,13 @@ def _gpu_kernels(run, args, runs=1):
         if not paths:
             return []
         profile = ProfileData.from_file(paths[0])
-    events = [(plane.name, event.name, event.start_ns, event.end_ns) for plane in profile.planes
-              if plane.name.startswith("/device:GPU:") for line in plane.lines for event in line.events]
+    events = [
+        (plane.name, event.name, event.start_ns, event.end_ns)
+        for plane in profile.planes
+        if plane.name.startswith("/device:GPU:")
+        for line in plane.lines
+        for event in line.events
+    ]
     return last_of_runs(events, runs)
 
 
@@ -49,7 +54,7 @@ def last_of_runs(events, runs):
     last = []
     for plane in sorted({plane for plane, *_ in events}):
         on_plane = sorted((e for e in events if e[0] == plane), key=lambda e: e[2])
-        last += on_plane[len(on_plane) - len(on_plane) // runs:]
+        last += on_plane[len(on_plane) - len(on_plane) // runs :]
     return last
 
 
@@ -113,9 +118,11 @@ def print_kernel_breakdown(title, run, args, num_steps, top=12):
     if not table:
         print(f"\n# {title}: no GPU kernels in the profile")
         return
-    print(f"\n{title}, device time per step (a profiled run of {num_steps} steps right after a like one, first GPU): "
-          f"kernels busy {busy * 1e3:.3f} ms of a {span * 1e3:.3f} ms span\n\n"
-          "| kernel | launches | ms | share |\n|---|---|---|---|")
+    print(
+        f"\n{title}, device time per step (a profiled run of {num_steps} steps right after a like one, first GPU): "
+        f"kernels busy {busy * 1e3:.3f} ms of a {span * 1e3:.3f} ms span\n\n"
+        "| kernel | launches | ms | share |\n|---|---|---|---|"
+    )
     ranked = sorted(table.items(), key=lambda item: -item[1][1])
     for name, (launches, seconds) in ranked[:top]:
         print(f"| {name[:70]} | {launches:g} | {seconds * 1e3:.3f} | {seconds / busy:.1%} |")
@@ -137,8 +144,10 @@ def same_bits(got, want):
     """Whether two arrays, or pytrees of them, hold the same values in the same shapes, NaN for NaN."""
     got, want = jax.tree.leaves(got), jax.tree.leaves(want)
     return len(got) == len(want) and all(
-        g.shape == w.shape and np.array_equal(np.asarray(g.astype(np.float32)), np.asarray(w.astype(np.float32)),
-                                              equal_nan=True) for g, w in zip(got, want))
+        g.shape == w.shape
+        and np.array_equal(np.asarray(g.astype(np.float32)), np.asarray(w.astype(np.float32)), equal_nan=True)
+        for g, w in zip(got, want)
+    )
 
 
 def span_per_op(events, num_ops):
@@ -207,8 +216,10 @@ def gpu_meters():
         for i in range(count.value):
             handle, energy = ctypes.c_void_p(), ctypes.c_ulonglong()
             violation = (ctypes.c_ulonglong * 2)()  # nvmlViolationTime_t: reference time, violation time (ns)
-            if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
-                    or nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(energy)) != 0):
+            if (
+                nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0
+                or nvml.nvmlDeviceGetTotalEnergyConsumption(handle, ctypes.byref(energy)) != 0
+            ):
                 return []
             capped = nvml.nvmlDeviceGetViolationStatus(handle, 0, violation) == 0  # 0: NVML_PERF_POLICY_POWER
             readings.append((energy.value, violation[1] if capped else None))
@@ -245,5 +256,10 @@ def check_counts(parser, args, *names):
 def environment():
     """Versions, devices, date and command line, recorded beside the results."""
     devices = jax.devices()
-    return dict(jax=jax.__version__, devices=[d.device_kind for d in devices], platform=devices[0].platform,
-                date=time.strftime("%Y-%m-%d %H:%M:%S"), command=" ".join(sys.argv))
+    return dict(
+        jax=jax.__version__,
+        devices=[d.device_kind for d in devices],
+        platform=devices[0].platform,
+        date=time.strftime("%Y-%m-%d %H:%M:%S"),
+        command=" ".join(sys.argv),
+    )

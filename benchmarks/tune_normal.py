@@ -21,6 +21,7 @@ import jax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_normal as bench  # noqa: E402
 from timing import check_counts  # noqa: E402
+
 import deep_ep_jax  # noqa: E402
 from deep_ep_jax import testing  # noqa: E402
 
@@ -29,8 +30,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-sms", type=int, nargs="+", default=[8, 16, 24, 32])
     parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    parser.add_argument("--num-warps", type=int, nargs="+", default=[8, 16],
-                        help="warps per block (only if Config has num_warps)")
+    parser.add_argument(
+        "--num-warps", type=int, nargs="+", default=[8, 16], help="warps per block (only if Config has num_warps)"
+    )
     parser.add_argument("--ops", nargs="+", default=list(bench.OPS), choices=bench.OPS)
     parser.add_argument("--tokens", type=int, default=bench.Case.num_tokens)
     parser.add_argument("--hidden", type=int, default=bench.Case.hidden)
@@ -59,8 +61,11 @@ def main(argv=None):
                     for op in args.ops:
                         r = bench.measure(op, buffer, mesh, case, inputs, length=args.chain, repeats=args.repeats)
                         results.append(r)
-                        print(f"{op:14s} sms={num_sms:3d} chunk={chunk_tokens:3d} warps={r['num_warps']} "
-                              f"{r['us_median']:8.1f} us {r['gbps_median']:7.1f} GB/s", flush=True)
+                        print(
+                            f"{op:14s} sms={num_sms:3d} chunk={chunk_tokens:3d} warps={r['num_warps']} "
+                            f"{r['us_median']:8.1f} us {r['gbps_median']:7.1f} GB/s",
+                            flush=True,
+                        )
                 finally:
                     buffer.destroy()
 
@@ -68,12 +73,16 @@ def main(argv=None):
     for op in args.ops:
         rows = [r for r in results if r["op"] == op]
         best = min(rows, key=lambda r: r["us_median"])
-        print(f"{op:14s} overall: sms={best['num_sms']} chunk_tokens={best['chunk_tokens']} "
-              f"num_warps={best['num_warps']} -> {best['us_median']:.1f} us, {best['gbps_median']:.1f} GB/s")
+        print(
+            f"{op:14s} overall: sms={best['num_sms']} chunk_tokens={best['chunk_tokens']} "
+            f"num_warps={best['num_warps']} -> {best['us_median']:.1f} us, {best['gbps_median']:.1f} GB/s"
+        )
         for num_sms in args.num_sms:
             at = min((r for r in rows if r["num_sms"] == num_sms), key=lambda r: r["us_median"])
-            print(f"{'':14s} at {num_sms:3d} SMs: chunk_tokens={at['chunk_tokens']} num_warps={at['num_warps']} "
-                  f"-> {at['us_median']:.1f} us, {at['gbps_median']:.1f} GB/s")
+            print(
+                f"{'':14s} at {num_sms:3d} SMs: chunk_tokens={at['chunk_tokens']} num_warps={at['num_warps']} "
+                f"-> {at['us_median']:.1f} us, {at['gbps_median']:.1f} GB/s"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(environment=bench.environment(), results=results), f, indent=1)

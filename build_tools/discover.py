@@ -76,12 +76,15 @@ CUDA_WHEEL_FILES = {
 
 
 def _check_cuda_wheels(root):
-    missing = sorted({wheel for path, wheel in CUDA_WHEEL_FILES.items()
-                      if not os.path.exists(os.path.join(root, path))})
+    missing = sorted(
+        {wheel for path, wheel in CUDA_WHEEL_FILES.items() if not os.path.exists(os.path.join(root, path))}
+    )
     if missing:
-        raise NotFound(f"nvcc found in {root} (the nvidia-cuda-nvcc wheel) without {', '.join(missing)}: "
-                       f'pip install "deep_ep_jax[cuda]" (or {" ".join(missing)}), '
-                       "set CUDA_HOME to a CUDA toolkit, or set DEEP_EP_JAX_NO_CUDA=1")
+        raise NotFound(
+            f"nvcc found in {root} (the nvidia-cuda-nvcc wheel) without {', '.join(missing)}: "
+            f'pip install "deep_ep_jax[cuda]" (or {" ".join(missing)}), '
+            "set CUDA_HOME to a CUDA toolkit, or set DEEP_EP_JAX_NO_CUDA=1"
+        )
 
 
 def _is_executable(path):
@@ -130,8 +133,10 @@ def xla_ffi_include():
     try:
         import jax
     except ImportError as e:
-        raise NotFound(f"{e}: the build needs jax (its jaxlib ships the XLA FFI headers) "
-                       f"in the Python that runs it ({sys.executable})") from e
+        raise NotFound(
+            f"{e}: the build needs jax (its jaxlib ships the XLA FFI headers) "
+            f"in the Python that runs it ({sys.executable})"
+        ) from e
     return jax.ffi.include_dir()
 
 
@@ -153,8 +158,10 @@ def nvshmem():
     home = os.environ.get("NVSHMEM_HOME")
     if home:
         if not _is_nvshmem(home):
-            raise NotFound(f"NVSHMEM_HOME={home} is not NVSHMEM: it needs include/nvshmem.h, "
-                           "lib/libnvshmem_device.a and lib/libnvshmem_host.so* (or unset NVSHMEM_HOME)")
+            raise NotFound(
+                f"NVSHMEM_HOME={home} is not NVSHMEM: it needs include/nvshmem.h, "
+                "lib/libnvshmem_device.a and lib/libnvshmem_host.so* (or unset NVSHMEM_HOME)"
+            )
         return os.path.abspath(home), None
     for nvidia in _nvidia_wheel_dirs():
         home = os.path.join(nvidia, "nvshmem")  # the nvidia-nvshmem-cu13 wheel
@@ -171,6 +178,8 @@ def nvshmem_host_lib(home):
 
 
 def _is_nvshmem(home):
-    return (os.path.isfile(os.path.join(home, "include", "nvshmem.h"))
-            and os.path.isfile(os.path.join(home, "lib", "libnvshmem_device.a"))
-            and nvshmem_host_lib(home) is not None)
+    return (
+        os.path.isfile(os.path.join(home, "include", "nvshmem.h"))
+        and os.path.isfile(os.path.join(home, "lib", "libnvshmem_device.a"))
+        and nvshmem_host_lib(home) is not None
+    )

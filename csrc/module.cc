@@ -100,7 +100,8 @@ size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_byte
 // The internode layout is header code: its sizes are known in a build without NVSHMEM too.
 void CheckEqualHosts(const char* fn, int ranks, int nodes) {
   if (nodes < 1 || ranks % nodes != 0) {
-    throw std::invalid_argument(std::string(fn) + ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
+    throw std::invalid_argument(std::string(fn) +
+                                ": num_ranks must be a multiple of num_nodes (hosts of equal size), got " +
                                 std::to_string(ranks) + " and " + std::to_string(nodes));
   }
 }
@@ -108,7 +109,8 @@ void CheckEqualHosts(const char* fn, int ranks, int nodes) {
 size_t InternodeDispatchRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t row_bytes,
                                     int64_t scale_bytes, int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_dispatch_region_bytes";
-  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens),
+                                 CountArg(fn, "num_rows", num_rows),
                                  CountArg(fn, "num_topk", num_topk),
                                  {CountArg(fn, "row_bytes", row_bytes), CountArg(fn, "scale_bytes", scale_bytes)}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
@@ -124,7 +126,9 @@ size_t InternodeSyncBytes(int64_t num_ranks) {
 
 size_t InternodeCombineSlotBytes(int64_t num_tokens, int64_t num_topk, int64_t hidden, int64_t num_ranks) {
   const char* fn = "internode_combine_slot_bytes";
-  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), 0, CountArg(fn, "num_topk", num_topk),
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens),
+                                 0,
+                                 CountArg(fn, "num_topk", num_topk),
                                  {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
   return internode::CombineSlotBytes(shapes, CountArg(fn, "num_ranks", num_ranks));
 }
@@ -132,15 +136,17 @@ size_t InternodeCombineSlotBytes(int64_t num_tokens, int64_t num_topk, int64_t h
 size_t InternodeCombineRegionBytes(int64_t num_tokens, int64_t num_rows, int64_t num_topk, int64_t hidden,
                                    int64_t num_ranks, int64_t num_nodes) {
   const char* fn = "internode_combine_region_bytes";
-  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens), CountArg(fn, "num_rows", num_rows),
-                                 CountArg(fn, "num_topk", num_topk), {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
+  const internode::Shapes shapes{CountArg(fn, "num_tokens", num_tokens),
+                                 CountArg(fn, "num_rows", num_rows),
+                                 CountArg(fn, "num_topk", num_topk),
+                                 {2 * int64_t(CountArg(fn, "hidden", hidden)), 0}};
   const int ranks = CountArg(fn, "num_ranks", num_ranks), nodes = CountArg(fn, "num_nodes", num_nodes);
   CheckEqualHosts(fn, ranks, nodes);
   return internode::CombineRegionBytes(shapes, ranks, nodes);
 }
 
-size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
-                                   int64_t num_topk, int64_t hidden, bool fp8) {
+size_t LowLatencyDispatchHalfBytes(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens, int64_t num_topk,
+                                   int64_t hidden, bool fp8) {
   const char* fn = "low_latency_dispatch_half_bytes";
   return low_latency::MakeDispatchLayout(CountArg(fn, "num_ranks", num_ranks),
                                          CountArg(fn, "num_local_experts", num_local_experts),
@@ -166,8 +172,8 @@ size_t LowLatencyRegionBytes(int64_t num_ranks, int64_t num_local_experts, int64
   const int ranks = CountArg(fn, "num_ranks", num_ranks), local = CountArg(fn, "num_local_experts", num_local_experts);
   const int h = CountArg(fn, "hidden", hidden), m = CountArg(fn, "max_tokens", max_tokens);
   const int k = CountArg(fn, "num_topk", num_topk);
-  const size_t half = std::max(low_latency::MakeDispatchLayout(ranks, local, m, k, h, false).bytes,
-                               low_latency::CombineBytes(m, k, h));
+  const size_t half =
+      std::max(low_latency::MakeDispatchLayout(ranks, local, m, k, h, false).bytes, low_latency::CombineBytes(m, k, h));
   return kControlBytes + 2 * low_latency::AlignUp(half, kHalfAlign);
 }
 
@@ -444,8 +450,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("low_latency_region_bytes", &LowLatencyRegionBytes, py::arg("num_ranks"), py::arg("num_local_experts"),
         py::arg("hidden"), py::arg("max_tokens"), py::arg("num_topk"),
         "Bytes of a low-latency region whose halves hold a dispatch (bf16 rows) and a combine of these shapes");
-  m.def("low_latency_send_bytes", &LowLatencySendBytes, py::arg("num_ranks"), py::arg("hidden"),
-        py::arg("max_tokens"), py::arg("num_topk"),
+  m.def("low_latency_send_bytes", &LowLatencySendBytes, py::arg("num_ranks"), py::arg("hidden"), py::arg("max_tokens"),
+        py::arg("num_topk"),
         "Bytes of the send area of a low-latency buffer across hosts for these shapes: the larger of a dispatch's "
         "staged rows (M * K) and a combine's (low_latency_combine_stage_bytes: R * M * K * H * 2, which grows with "
         "the group)");
@@ -479,29 +485,34 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Test hook: the buffer's regions on this process's devices marked as if a call were running there, so the "
         "next call stops as overlapping; synchronises the devices first");
-  m.def("read_traffic", [](int64_t buffer_id) { return TrafficOf(buffer_id, false); }, py::arg("buffer_id"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Traffic counters of the buffer's normal regions on this process's devices (Config.count_traffic): "
-        "[(rank, [[nvlink_rows, nvlink_bytes, network_rows, network_bytes] for dispatch, cached dispatch, "
-        "combine])]; synchronises the devices first");
-  m.def("reset_traffic", [](int64_t buffer_id) { TrafficOf(buffer_id, true); }, py::arg("buffer_id"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Zeroes the traffic counters of the buffer's normal regions on this process's devices; synchronises first");
+  m.def(
+      "read_traffic", [](int64_t buffer_id) { return TrafficOf(buffer_id, false); }, py::arg("buffer_id"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Traffic counters of the buffer's normal regions on this process's devices (Config.count_traffic): "
+      "[(rank, [[nvlink_rows, nvlink_bytes, network_rows, network_bytes] for dispatch, cached dispatch, "
+      "combine])]; synchronises the devices first");
+  m.def(
+      "reset_traffic", [](int64_t buffer_id) { TrafficOf(buffer_id, true); }, py::arg("buffer_id"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Zeroes the traffic counters of the buffer's normal regions on this process's devices; synchronises first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");
   // EP groups across hosts (deep_ep_jax/distributed/nvshmem.py); absent from a build without NVSHMEM.
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   m.attr("with_nvshmem") = true;
-  m.def("nvshmem_unique_id", [] { return py::bytes(nvshmem::UniqueId()); },
-        "A fresh NVSHMEM unique id (PE 0, before nvshmem_init), as bytes");
-  m.def("nvshmem_init", [](int device, int pe, int num_pes, const py::bytes& unique_id) {
-          std::string id = unique_id;
-          py::gil_scoped_release release;
-          nvshmem::Init(device, pe, num_pes, id);
-        },
-        py::arg("device"), py::arg("pe"), py::arg("num_pes"), py::arg("unique_id"),
-        "Collective: NVSHMEM on `device` as PE `pe` of `num_pes` (unique-id bootstrap)");
+  m.def(
+      "nvshmem_unique_id", [] { return py::bytes(nvshmem::UniqueId()); },
+      "A fresh NVSHMEM unique id (PE 0, before nvshmem_init), as bytes");
+  m.def(
+      "nvshmem_init",
+      [](int device, int pe, int num_pes, const py::bytes& unique_id) {
+        std::string id = unique_id;
+        py::gil_scoped_release release;
+        nvshmem::Init(device, pe, num_pes, id);
+      },
+      py::arg("device"), py::arg("pe"), py::arg("num_pes"), py::arg("unique_id"),
+      "Collective: NVSHMEM on `device` as PE `pe` of `num_pes` (unique-id bootstrap)");
   m.def("nvshmem_initialized", &nvshmem::Initialized);
   m.def("internode_combine_pipeline_fits", &internode::CombinePipelineFits, py::arg("device"), py::arg("num_blocks"),
         py::arg("num_warps"),
@@ -510,8 +521,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("nvshmem_finalize", &nvshmem::Finalize, py::call_guard<py::gil_scoped_release>(),
         "Collective: shuts NVSHMEM down (after every NVSHMEM buffer is destroyed)");
   m.def("create_nvshmem_buffer", &nvshmem::CreateBuffer, py::arg("device"), py::arg("rank"), py::arg("pes"),
-        py::arg("nodes"), py::arg("normal_bytes"), py::arg("low_latency_bytes"),
-        py::arg("send_bytes"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("nodes"), py::arg("normal_bytes"), py::arg("low_latency_bytes"), py::arg("send_bytes"),
+        py::call_guard<py::gil_scoped_release>(),
         "Collective: the normal region (none when 0) and the low-latency region (and send area) in the symmetric "
         "heap for `rank` of an EP group across hosts; pes[r] and nodes[r] (host index) per rank. Returns the "
         "buffer id");

@@ -9,7 +9,6 @@ All operations run per rank inside `jax.shard_map` over the buffer's axis.
 
 from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.dropless import default_capacity, dropless_moe
-from deep_ep_jax.config import Config
 from deep_ep_jax.comm.expert_major import (
     combine_expert_major,
     dispatch_expert_major,
@@ -17,7 +16,6 @@ from deep_ep_jax.comm.expert_major import (
     grouped_matmul_reduce,
     reduce,
 )
-from deep_ep_jax.experts.grouped_gemm import grouped_matmul
 from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout, LowLatencyHandle
 from deep_ep_jax.comm.low_latency import (
     low_latency_combine,
@@ -30,6 +28,8 @@ from deep_ep_jax.comm.low_latency import (
 )
 from deep_ep_jax.comm.normal import CHECKPOINT_NAMES, combine, dispatch, get_dispatch_layout
 from deep_ep_jax.comm.validation import CheckError, checked
+from deep_ep_jax.config import Config
+from deep_ep_jax.experts.grouped_gemm import grouped_matmul
 
 __version__ = "0.1.0"
 

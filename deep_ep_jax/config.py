@@ -102,8 +102,12 @@ def env_bool(name: str, default: bool) -> bool:
 
 
 # The variable of each Config field that has one, for messages on values read from it.
-_ENV_VARS = dict(num_sms="DEEP_EP_JAX_NUM_SMS", timeout_s="DEEP_EP_JAX_TIMEOUT_S",
-                 low_latency_overlap_sms="DEEP_EP_JAX_LL_OVERLAP_SMS", gpus_per_host="DEEP_EP_JAX_GPUS_PER_HOST")
+_ENV_VARS = dict(
+    num_sms="DEEP_EP_JAX_NUM_SMS",
+    timeout_s="DEEP_EP_JAX_TIMEOUT_S",
+    low_latency_overlap_sms="DEEP_EP_JAX_LL_OVERLAP_SMS",
+    gpus_per_host="DEEP_EP_JAX_GPUS_PER_HOST",
+)
 
 
 def _from_env(var: str, value) -> bool:
@@ -128,7 +132,9 @@ class Config:
     checks: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_CHECKS", False))
     # Ranks of an EP group on one host, in rank order, are cut into hosts of this
     # many GPUs; ranks on different (real or such) hosts talk through NVSHMEM.
-    gpus_per_host: int | None = dataclasses.field(default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST"))
+    gpus_per_host: int | None = dataclasses.field(
+        default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST")
+    )
     # Low-latency send halves (low_latency_*_send): 0 runs them on XLA's stream
     # (command-buffer compatible; compute placed before the receive waits for
     # the send). N > 0 runs them on N SMs on a stream beside XLA's, so that
@@ -146,7 +152,8 @@ class Config:
     # separate kernels: for A/B measurements. Every process of the group must
     # agree (a mismatch stops the call with a message).
     internode_pipeline: bool = dataclasses.field(
-        default_factory=lambda: env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True))
+        default_factory=lambda: env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True)
+    )
     # Debug, xla backend: dispatch's padding rows of recv_x (past num_recv_tokens) hold NaN, as they may on
     # GPUs, instead of the zeros XLA leaves there; so a test on CPU shows an expert layer that does not mask
     # them (a weight gradient recv_x^T @ dy turns NaN * 0 into NaN).
@@ -157,15 +164,18 @@ class Config:
         for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", "gpus_per_host"):
             value, optional = getattr(self, name), name == "gpus_per_host"
             if not (is_int(value) or optional and value is None):
-                raise TypeError(f"Config.{name} must be an int{' or None' if optional else ''}, "
-                                f"got {type(value).__name__} {value!r}")
+                raise TypeError(
+                    f"Config.{name} must be an int{' or None' if optional else ''}, "
+                    f"got {type(value).__name__} {value!r}"
+                )
         for name in ("checks", "count_traffic", "internode_pipeline", "poison_padding"):
             value = getattr(self, name)
             if not is_bool(value):
                 raise TypeError(f"Config.{name} must be a bool, got {type(value).__name__} {value!r}")
         if is_bool(self.timeout_s) or not isinstance(self.timeout_s, numbers.Real):
-            raise TypeError(f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} "
-                            f"{self.timeout_s!r}")
+            raise TypeError(
+                f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} {self.timeout_s!r}"
+            )
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).
         # Waits count whole milliseconds (the key-value store's) or nanoseconds: under 1 ms none could finish.
         for name, ok, requirement in (

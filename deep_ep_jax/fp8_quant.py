@@ -53,8 +53,7 @@ def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto"):
     if swiglu and (a.shape[-1] % 2 or a.dtype != jnp.bfloat16):
         raise ValueError(f"quantize_rows: swiglu=True needs bf16 a [..., 2C], got {a.dtype} {tuple(a.shape)}")
     cols = a.shape[-1] // 2 if swiglu else a.shape[-1]
-    if _use_cuda("quantize_rows", impl, a, a.dtype == jnp.bfloat16 and cols % 8 == 0,
-                 "bf16 a with C a multiple of 8"):
+    if _use_cuda("quantize_rows", impl, a, a.dtype == jnp.bfloat16 and cols % 8 == 0, "bf16 a with C a multiple of 8"):
         return _cuda_ops().fp8_quantize_rows(a, swiglu)
     if swiglu:  # the barrier: the rows rounded to bf16 as stored (XLA would otherwise keep them in float32)
         return _quantize_rows_xla(lax.optimization_barrier(swiglu_values(a)))
@@ -80,16 +79,24 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
     if a.ndim != 3:
         raise ValueError(f"quantize_rows_and_columns: a must be [B, R, C], got shape {tuple(a.shape)}")
     if col_multipliers is not None and tuple(col_multipliers.shape) != a.shape[:2]:
-        raise ValueError(f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, "
-                         f"got {tuple(col_multipliers.shape)}")
+        raise ValueError(
+            f"quantize_rows_and_columns: col_multipliers must be {a.shape[:2]}, got {tuple(col_multipliers.shape)}"
+        )
     if col_multipliers is not None:
         a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))  # (shard_map) typed alike
-    if _use_cuda("quantize_rows_and_columns", impl, a,
-                 a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31,
-                 "bf16 a with C a multiple of 128"):
+    if _use_cuda(
+        "quantize_rows_and_columns",
+        impl,
+        a,
+        a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31,
+        "bf16 a with C a multiple of 128",
+    ):
         return _cuda_rows_and_columns(a, col_multipliers)
-    z = a.astype(jnp.float32) if col_multipliers is None else _times_multipliers(a.astype(jnp.float32),
-                                                                                  col_multipliers[..., None])
+    z = (
+        a.astype(jnp.float32)
+        if col_multipliers is None
+        else _times_multipliers(a.astype(jnp.float32), col_multipliers[..., None])
+    )
     return (*_quantize_rows_xla(a), *_quantize_rows_xla(jnp.swapaxes(z, 1, 2)))
 
 
@@ -145,6 +152,7 @@ def _reciprocal_refined(m, r):
     """The correctly rounded 1 / m (float32, 0.5 <= m < 1) from r, an approximation within 2 ulp: of r and
     its neighbours, the one whose m * r is nearest 1, the products taken exactly (Dekker's two-product,
     exact with or without fused multiply-adds)."""
+
     def split(a):  # a = high + low, each of at most 12 significant bits
         t = a * 4097.0
         high = t - (t - a)
@@ -202,7 +210,7 @@ def fp8_gpu(device=None) -> bool:
     return getattr(device, "platform", None) == "gpu" and (int(major or 0), int(minor or 0)) >= (8, 9)
 
 
-# CUDA kernels (the extension's; csrc/ffi/fp8_quant.cc, csrc/kernels/fp8_quant.cu) ---------------------------------------------
+# CUDA kernels (the extension's: csrc/ffi/fp8_quant.cc, csrc/kernels/fp8_quant.cu) ---------------------------
 
 
 def _cuda_ops():
@@ -219,6 +227,7 @@ def _cuda_rows_and_columns(a, col_multipliers):
     row_bits, col_bits = cuda.fp8_amax(a, col_multipliers)
     as_float = lambda bits: lax.bitcast_convert_type(bits, jnp.float32)
     row_scales, col_scales = _scales(as_float(row_bits)), _scales(as_float(jnp.max(col_bits, axis=1)))
-    rows, cols = cuda.fp8_rows_and_columns(a, col_multipliers, _inverse(row_scales)[..., 0],
-                                           _inverse(col_scales)[..., 0])
+    rows, cols = cuda.fp8_rows_and_columns(
+        a, col_multipliers, _inverse(row_scales)[..., 0], _inverse(col_scales)[..., 0]
+    )
     return rows, row_scales, cols, col_scales

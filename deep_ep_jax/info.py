@@ -81,16 +81,19 @@ def print_buffer_sizes():
     for num_ranks in (2, 8):
         direct = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=False)
         staged = sizes.normal_region_bytes(num_ranks, hidden, tokens, topk, staged=True)
-        print(f"normal ({_case(NORMAL_CASE)}, R={num_ranks}): {_mib(direct)}; "
-              f"staged (one process per GPU): {_mib(staged)}")
+        print(
+            f"normal ({_case(NORMAL_CASE)}, R={num_ranks}): {_mib(direct)}; "
+            f"staged (one process per GPU): {_mib(staged)}"
+        )
     # Hosts of 8 GPUs beyond 8 ranks; the NVSHMEM heap holds about twice the region.
     for num_ranks, num_nodes in ((2, 2), (8, 2)) + tuple((r, r // 8) for r in LARGE_EP_RANKS if r <= 128):
         size = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens, topk)
         print(f"normal across hosts ({_case(NORMAL_CASE)}, R={num_ranks}, {num_nodes} hosts): {_mib(size)}")
     case = LOW_LATENCY_CASE
     for num_ranks in (2, 8):
-        size = sizes.low_latency_region_bytes(num_ranks, case["num_experts"], case["hidden"],
-                                              case["num_max_dispatch_tokens_per_rank"], case["num_topk"])
+        size = sizes.low_latency_region_bytes(
+            num_ranks, case["num_experts"], case["hidden"], case["num_max_dispatch_tokens_per_rank"], case["num_topk"]
+        )
         print(f"low latency ({_case(case)}, R={num_ranks}): {_mib(size)}")
     print_large_ep_sizes()
 
@@ -113,13 +116,17 @@ def large_ep_sizes(num_ranks) -> dict:
 
 
 def print_large_ep_sizes():
-    print(f"low latency across hosts ({_case(LARGE_EP_CASE)}, E=max(256, R)): region (num_rdma_bytes) + send area, "
-          f"where a combine stages R*M*K*H*2 bytes:")
+    print(
+        f"low latency across hosts ({_case(LARGE_EP_CASE)}, E=max(256, R)): region (num_rdma_bytes) + send area, "
+        f"where a combine stages R*M*K*H*2 bytes:"
+    )
     for num_ranks in LARGE_EP_RANKS:
         s = large_ep_sizes(num_ranks)
-        print(f"  EP {num_ranks}: region {_mib(s['region'])} + send area {s['send'] / 2**20:.1f} MiB "
-              f"(combine staging {s['combine_stage'] / 2**20:.1f} MiB) = {(s['region'] + s['send']) / 2**30:.2f} GiB "
-              f"per GPU")
+        print(
+            f"  EP {num_ranks}: region {_mib(s['region'])} + send area {s['send'] / 2**20:.1f} MiB "
+            f"(combine staging {s['combine_stage'] / 2**20:.1f} MiB) = {(s['region'] + s['send']) / 2**30:.2f} GiB "
+            f"per GPU"
+        )
 
 
 def main(argv=None):
@@ -144,8 +151,10 @@ def main(argv=None):
         print(f"{d.id}: {d.platform} {d.device_kind} (process {d.process_index}{extra})")
     has_gpu = any(d.platform in ("gpu", "cuda") for d in devices)
     if not has_gpu:
-        print("No GPU here: JAX sees no CUDA device. The xla backend (pure JAX) runs on any device; the CUDA "
-              "kernels need NVIDIA GPUs (and a CUDA build of jax, e.g. jax[cuda13]).")
+        print(
+            "No GPU here: JAX sees no CUDA device. The xla backend (pure JAX) runs on any device; the CUDA "
+            "kernels need NVIDIA GPUs (and a CUDA build of jax, e.g. jax[cuda13])."
+        )
 
     _section("CUDA extension")
     print(_native.build_summary())
@@ -157,8 +166,10 @@ def main(argv=None):
     if module is not None:
         info = module.device_info()
         if info["driver_cuda_version"] == "none" and not info["devices"]:
-            print(f"CUDA compiled: {info['cuda_version_compiled']}; no NVIDIA driver or GPU on this host "
-                  f"(CUDA says: {info['error'] or 'no devices'})")
+            print(
+                f"CUDA compiled: {info['cuda_version_compiled']}; no NVIDIA driver or GPU on this host "
+                f"(CUDA says: {info['error'] or 'no devices'})"
+            )
         else:
             print(f"CUDA compiled: {info['cuda_version_compiled']}, driver supports: {info['driver_cuda_version']}")
             if info["error"]:

@@ -77,6 +77,7 @@ def _exit_at_once(excepthook):
     launcher's that dies of an uncaught exception would otherwise wait in jax.distributed's shutdown
     for the others (up to its 300 s), which may be waiting for it: the launcher would not see it fail
     and stop them. Exiting skips the atexit handlers, which a failed rank does not need."""
+
     def hook(exc_type, exc, tb):
         excepthook(exc_type, exc, tb)
         for stream in (sys.stdout, sys.stderr):
@@ -194,8 +195,17 @@ def _stop(procs, grace_s=5.0):
             p.wait()
 
 
-def launch(num_processes, command, *, cpu=False, timeout_s=None, keep_going=False, out=None,
-           all_gpus_visible=False, ranks_per_gpu=1) -> int:
+def launch(
+    num_processes,
+    command,
+    *,
+    cpu=False,
+    timeout_s=None,
+    keep_going=False,
+    out=None,
+    all_gpus_visible=False,
+    ranks_per_gpu=1,
+) -> int:
     """Runs `python command...` in num_processes processes; returns 0 when all
     succeed, else the first failure's exit status (124 on timeout). A failure
     stops the others, unless keep_going (then all run to their end).
@@ -300,16 +310,25 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="CPU only: JAX_PLATFORMS=cpu, no GPU per process")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
     parser.add_argument("--keep-going", action="store_true", help="when a process fails, let the others run on")
-    parser.add_argument("--all-gpus-visible", action="store_true",
-                        help="every process sees all GPUs and JAX uses the i-th (for NVSHMEM's peer-to-peer transport)")
-    parser.add_argument("--ranks-per-gpu", type=int, default=1, metavar="K",
-                        help="process i uses GPU i // K, so that N processes share ceil(N / K) GPUs; time-sliced: "
-                             "for correctness runs, not speed")
+    parser.add_argument(
+        "--all-gpus-visible",
+        action="store_true",
+        help="every process sees all GPUs and JAX uses the i-th (for NVSHMEM's peer-to-peer transport)",
+    )
+    parser.add_argument(
+        "--ranks-per-gpu",
+        type=int,
+        default=1,
+        metavar="K",
+        help="process i uses GPU i // K, so that N processes share ceil(N / K) GPUs; time-sliced: "
+        "for correctness runs, not speed",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="script.py args... (or -m module args...)")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (put `--` before the command, "
-                     f"e.g. `-n 2 -- -m pytest ...`)")
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)} (put `--` before the command, e.g. `-n 2 -- -m pytest ...`)"
+        )
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give the script to run, e.g. `-n 2 -- script.py`")
@@ -321,8 +340,15 @@ def main(argv=None) -> int:
         parser.error("--ranks-per-gpu must be >= 1")
     if args.cpu and args.ranks_per_gpu > 1:
         parser.error("--ranks-per-gpu shares GPUs; --cpu uses none (give each process CPU devices with XLA_FLAGS)")
-    return launch(args.num_processes, command, cpu=args.cpu, timeout_s=args.timeout, keep_going=args.keep_going,
-                  all_gpus_visible=args.all_gpus_visible, ranks_per_gpu=args.ranks_per_gpu)
+    return launch(
+        args.num_processes,
+        command,
+        cpu=args.cpu,
+        timeout_s=args.timeout,
+        keep_going=args.keep_going,
+        all_gpus_visible=args.all_gpus_visible,
+        ranks_per_gpu=args.ranks_per_gpu,
+    )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax.config import Config
 
@@ -27,9 +28,21 @@ def stand_in_cuda_buffer(num_ranks, **fields):
     """What the CUDA backend's operations read of a Buffer, for checking on a
     machine without GPUs what they trace and refuse (one EP group of device
     ids 0..R-1 on one host; `fields` override any of it)."""
-    defaults = dict(num_ranks=num_ranks, axis_name="ep", buffer_id=1, backend="cuda", config=Config(),
-                    num_nodes=1, spans_hosts=False, staged=False, ipc=False, num_nvl_bytes=0, num_rdma_bytes=0,
-                    num_send_bytes=0, ep_groups=(tuple(range(num_ranks)),))
+    defaults = dict(
+        num_ranks=num_ranks,
+        axis_name="ep",
+        buffer_id=1,
+        backend="cuda",
+        config=Config(),
+        num_nodes=1,
+        spans_hosts=False,
+        staged=False,
+        ipc=False,
+        num_nvl_bytes=0,
+        num_rdma_bytes=0,
+        num_send_bytes=0,
+        ep_groups=(tuple(range(num_ranks)),),
+    )
     return types.SimpleNamespace(**{**defaults, **fields})
 
 
@@ -127,8 +140,10 @@ def assert_bits_equal(got, want, what):
     g, w = bits(got), bits(want)
     if not np.array_equal(g, w):
         bad = np.argwhere(g != w)
-        raise AssertionError(f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
-                             f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}")
+        raise AssertionError(
+            f"{what}: {len(bad)} of {g.size} entries differ, first at {bad[0].tolist()}: "
+            f"got {got[tuple(bad[0])]}, want {want[tuple(bad[0])]}"
+        )
 
 
 def poison_allocator(mesh, axis_name, per_rank_shapes):

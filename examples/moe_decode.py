@@ -35,7 +35,8 @@ from pathlib import Path
 
 # Virtual CPU devices must be requested before jax is imported (as moe_flax.py).
 if not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu")) and (
-        "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+    "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
@@ -130,8 +131,9 @@ class Decoder:
             per_rank(self._step, in_specs=(param_specs, tokens, tokens, P()), out_specs=(tokens, tokens, tokens)),
             donate_argnums=1,
         )
-        self.moe_only = jax.jit(per_rank(self._moe_only, in_specs=(param_specs, tokens, tokens),
-                                         out_specs=(tokens, tokens)))
+        self.moe_only = jax.jit(
+            per_rank(self._moe_only, in_specs=(param_specs, tokens, tokens), out_specs=(tokens, tokens))
+        )
 
     def _step(self, params, caches, tokens, position):
         model = nnx.merge(self.graphdef, params)
@@ -156,7 +158,8 @@ class Decoder:
             sent = self._send(block, hb)
             if layer + 1 < len(blocks):
                 sent, (xa, ha, kv_a[layer + 1]) = low_latency_overlap(
-                    sent, functools.partial(attend, layer + 1), xa, kv_a[layer + 1])
+                    sent, functools.partial(attend, layer + 1), xa, kv_a[layer + 1]
+                )
             else:
                 sent, logits_a = low_latency_overlap(sent, head, xa)
             xb = xb + self._receive(block, sent)
@@ -180,8 +183,13 @@ class Decoder:
         """Routes h [T, H] and sends its rows; returns what _receive needs."""
         topk_idx, topk_weights, _ = route(h, block.moe.router[...], block.moe.top_k)
         pending = low_latency_dispatch_send(
-            h.astype(jnp.bfloat16), topk_idx, buffer=self.buffer, num_experts=self.num_experts,
-            num_max_dispatch_tokens_per_rank=self.max_tokens, use_fp8=self.fp8)
+            h.astype(jnp.bfloat16),
+            topk_idx,
+            buffer=self.buffer,
+            num_experts=self.num_experts,
+            num_max_dispatch_tokens_per_rank=self.max_tokens,
+            use_fp8=self.fp8,
+        )
         return pending, topk_idx, topk_weights
 
     def _receive(self, block, sent):
@@ -217,8 +225,10 @@ def train(margs, mesh, buffer):
         params, opt_state, lm_loss, _ = train_step(params, opt_state, tokens)
         losses.append(float(lm_loss))
     if losses:
-        print(f"trained {margs.steps} steps in {time.perf_counter() - start:.1f} s: loss {losses[0]:.3f} -> "
-              f"{losses[-1]:.3f} (uniform {np.log(margs.vocab):.3f})")
+        print(
+            f"trained {margs.steps} steps in {time.perf_counter() - start:.1f} s: loss {losses[0]:.3f} -> "
+            f"{losses[-1]:.3f} (uniform {np.log(margs.vocab):.3f})"
+        )
     return params, chain
 
 
@@ -242,10 +252,12 @@ def check_logits(got, want, backend: str, fp8: bool) -> bool:
     allowed = int(np.ceil(0.02 * len(error)))
     ok = bool(np.isfinite(got).all() and (~within).sum() <= allowed)
     worst = error[within].max() if within.any() else np.nan
-    print(f"check ({backend}): decode logits at the first generated position vs the full forward (normal mode): "
-          f"max abs error {worst:.4f} = {worst / scale:.2%} of max |logit| {scale:.2f} on {within.sum()} of "
-          f"{len(error)} sequences (tolerance {tolerance:.1%}); {(~within).sum()} beyond it (top-k near-ties; "
-          f"allowed {allowed}): {'OK' if ok else 'FAILED'}")
+    print(
+        f"check ({backend}): decode logits at the first generated position vs the full forward (normal mode): "
+        f"max abs error {worst:.4f} = {worst / scale:.2%} of max |logit| {scale:.2f} on {within.sum()} of "
+        f"{len(error)} sequences (tolerance {tolerance:.1%}); {(~within).sum()} beyond it (top-k near-ties; "
+        f"allowed {allowed}): {'OK' if ok else 'FAILED'}"
+    )
     return ok
 
 
@@ -296,9 +308,11 @@ def run_backend(decoder, params, forward_logits, prompt, chain, args, margs):
             xs = decoder.moe_only(params, *xs)
         jax.block_until_ready(xs)
         moe_times.append((time.perf_counter() - start) / args.decode_steps)
-    print(f"{buffer.backend:>4}: {batch / np.median(step_times):,.0f} tokens/s (all devices); per step "
-          f"{spread(step_times)}; MoE part alone {spread(moe_times)}; {allowed:.1%} of generated transitions are "
-          f"ones the chain allows")
+    print(
+        f"{buffer.backend:>4}: {batch / np.median(step_times):,.0f} tokens/s (all devices); per step "
+        f"{spread(step_times)}; MoE part alone {spread(moe_times)}; {allowed:.1%} of generated transitions are "
+        f"ones the chain allows"
+    )
     return ok
 
 
@@ -306,17 +320,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Other options (--hidden --ffn --heads --layers --experts --top-k --vocab --seq-len --ep "
-               "--backend --lr --seed ...) set the model and its training, as in moe_flax.py.")
+        "--backend --lr --seed ...) set the model and its training, as in moe_flax.py.",
+    )
     p.add_argument("--train-steps", "--steps", type=int, default=30, help="training steps before decoding (0: none)")
     p.add_argument("--train-batch", type=int, default=32, help="sequences per training step (global)")
-    p.add_argument("--batch", type=int, default=0,
-                   help="sequences decoded per device, even (default: 128 on GPUs, 16 on a CPU)")
+    p.add_argument(
+        "--batch", type=int, default=0, help="sequences decoded per device, even (default: 128 on GPUs, 16 on a CPU)"
+    )
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--decode-steps", type=int, default=32, help="tokens generated (timed) after the prompt")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats of the decoding")
     p.add_argument("--fp8", action="store_true", help="FP8 dispatch (default bf16)")
-    p.add_argument("--overlap-sms", type=int, default=0,
-                   help="Config.low_latency_overlap_sms: SMs of the sends that run beside the attention (CUDA)")
+    p.add_argument(
+        "--overlap-sms",
+        type=int,
+        default=0,
+        help="Config.low_latency_overlap_sms: SMs of the sends that run beside the attention (CUDA)",
+    )
     args, model_argv = p.parse_known_args(argv)
     margs = moe_flax.parse_args(model_argv + ["--steps", str(args.train_steps), "--batch", str(args.train_batch)])
     return args, margs
@@ -332,8 +352,10 @@ def main(argv=None):
     if per_device <= 0 or per_device % 2:
         raise SystemExit(f"--batch {per_device} must be a positive even number (two micro-batches)")
     if args.prompt_len < 1 or args.prompt_len + args.decode_steps > margs.seq_len:
-        raise SystemExit(f"--prompt-len {args.prompt_len} + --decode-steps {args.decode_steps} must be at most "
-                         f"--seq-len {margs.seq_len} (the model's positions), with a prompt of at least 1")
+        raise SystemExit(
+            f"--prompt-len {args.prompt_len} + --decode-steps {args.decode_steps} must be at most "
+            f"--seq-len {margs.seq_len} (the model's positions), with a prompt of at least 1"
+        )
     if args.fp8 and margs.hidden % 128:
         raise SystemExit(f"--fp8 needs --hidden a multiple of 128, got {margs.hidden}")
     if args.repeats < 1 or args.decode_steps < 1:
@@ -343,26 +365,43 @@ def main(argv=None):
 
     train_buffer = Buffer(mesh, "expert", backend=margs.backend, hidden=margs.hidden, num_experts=margs.experts)
     backends = [train_buffer.backend] + (["xla"] if train_buffer.backend == "cuda" else [])
-    decode_buffers = [Buffer(mesh, "expert", backend=b, low_latency_mode=True, hidden=margs.hidden,
-                             num_experts=margs.experts, num_max_dispatch_tokens_per_rank=per_device // 2,
-                             config=Config(low_latency_overlap_sms=args.overlap_sms)) for b in backends]
+    decode_buffers = [
+        Buffer(
+            mesh,
+            "expert",
+            backend=b,
+            low_latency_mode=True,
+            hidden=margs.hidden,
+            num_experts=margs.experts,
+            num_max_dispatch_tokens_per_rank=per_device // 2,
+            config=Config(low_latency_overlap_sms=args.overlap_sms),
+        )
+        for b in backends
+    ]
     batch = per_device * mesh.size
-    print(f"devices: {mesh.size} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, backends {backends}"
-          + (", ragged_dot: pallas-triton" if fast_ragged_dot else ""))
+    print(
+        f"devices: {mesh.size} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, backends {backends}"
+        + (", ragged_dot: pallas-triton" if fast_ragged_dot else "")
+    )
     try:
         params, chain = train(margs, mesh, train_buffer)
         abstract = nnx.eval_shape(lambda: moe_flax.LanguageModel(margs, train_buffer, rngs=nnx.Rngs(0)))
         graphdef, abstract_params = nnx.split(abstract, nnx.Param)
-        param_specs = jax.tree.map(lambda v: P("expert") if isinstance(v, ExpertParam) else P(), abstract_params,
-                                   is_leaf=lambda v: isinstance(v, nnx.Variable))
+        param_specs = jax.tree.map(
+            lambda v: P("expert") if isinstance(v, ExpertParam) else P(),
+            abstract_params,
+            is_leaf=lambda v: isinstance(v, nnx.Variable),
+        )
 
         tokens = NamedSharding(mesh, P(("data", "expert")))
         prompt = chain.sample(np.random.default_rng(margs.seed + 2), batch, args.prompt_len)[0]
         forward = jax.jit(lambda params, t: nnx.merge(graphdef, params)(t)[0][:, -1])
         forward_logits = forward(params, jax.device_put(prompt, tokens))
-        print(f"decode: {per_device} sequences per device ({batch} in all), prompt {args.prompt_len}, "
-              f"{args.decode_steps} steps, {'FP8' if args.fp8 else 'bf16'} dispatch, "
-              f"{args.overlap_sms} overlap SMs; median (min-max) of {args.repeats}")
+        print(
+            f"decode: {per_device} sequences per device ({batch} in all), prompt {args.prompt_len}, "
+            f"{args.decode_steps} steps, {'FP8' if args.fp8 else 'bf16'} dispatch, "
+            f"{args.overlap_sms} overlap SMs; median (min-max) of {args.repeats}"
+        )
         ok = True
         for buffer in decode_buffers:
             decoder = Decoder(graphdef, param_specs, buffer, num_experts=margs.experts, fp8=args.fp8)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 # Virtual CPU devices must be requested before jax is imported. The flag only
 # affects the CPU platform, so it is harmless on GPU machines.
-if (not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu"))
-        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")):
+if not any(
+    p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu")
+) and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax
@@ -91,8 +92,9 @@ class Block(nnx.Module):
         self.attn_norm = nnx.RMSNorm(args.hidden, rngs=rngs)
         self.attn = Attention(args.hidden, args.heads, rngs=rngs)
         self.moe_norm = nnx.RMSNorm(args.hidden, rngs=rngs)
-        self.moe = MoE(args.hidden, args.ffn, args.experts, args.top_k, buffer=buffer, rngs=rngs,
-                       expert_impl=args.expert_impl)
+        self.moe = MoE(
+            args.hidden, args.ffn, args.experts, args.top_k, buffer=buffer, rngs=rngs, expert_impl=args.expert_impl
+        )
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -248,8 +250,12 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--ep", type=int, default=0, help="expert-parallel size (default: all GPUs, or half the CPUs)")
     p.add_argument("--backend", choices=("auto", "xla", "cuda"), default="auto")
-    p.add_argument("--expert-impl", choices=EXPERT_IMPLS, default="ragged_dot",
-                   help="how the experts run (moe_layer.py): grouped = expert-major rows + grouped_matmul")
+    p.add_argument(
+        "--expert-impl",
+        choices=EXPERT_IMPLS,
+        default="ragged_dot",
+        help="how the experts run (moe_layer.py): grouped = expert-major rows + grouped_matmul",
+    )
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss")
     p.add_argument("--seed", type=int, default=0)

@@ -12,7 +12,8 @@ Three ways to run the experts (`expert_impl`):
   pair straight into expert-major rows, `grouped_matmul` runs the SwiGLU on
   them (JAX's Mosaic GPU kernels on Hopper, ragged_dot elsewhere), its last
   matmul and the weighted sum per row in one (`grouped_matmul_reduce`), and
-  `combine` brings the rows back: no argsort, gather or scatter. `expert_rows` rows per rank (default: the worst case); pairs past
+  `combine` brings the rows back: no argsort, gather or scatter. `expert_rows` rows per rank
+  (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
 With "grouped", `fp8=fp8_expert_weights(w_in, w_out, mesh=, axis_name=)` runs the experts'
 matmuls on FP8 operands (make the copies once per optimizer step and pass
@@ -239,8 +240,7 @@ def _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, 
     return out.reshape(num_rows, topk, hidden).sum(axis=1).astype(jnp.bfloat16)
 
 
-def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None,
-                   reduce_with=None):
+def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs=None, fp8=None, reduce_with=None):
     """SwiGLU experts on expert-major rows: expert_x bf16 [M, H] (or, with
     fp8, the Fp8Rows of expand or dispatch_expert_major(fp8_rows=True)), group g
     the next group_sizes[g] rows (rows past them give 0), every size a
@@ -259,8 +259,9 @@ def swiglu_grouped(expert_x, w_in, w_out, group_sizes, alignment: int = 1, pairs
     # With FP8 weight gradients the hidden rows go straight to FP8 (one pass over gate_up).
     hidden = swiglu(gate_up, fp8_rows=w_out8 is not None and w_out8.weight_grad)
     if reduce_with is not None:
-        return grouped_matmul_reduce(hidden, w_out.astype(jnp.bfloat16), group_sizes, *reduce_with,
-                                     fp8_weights=w_out8, **kwargs)
+        return grouped_matmul_reduce(
+            hidden, w_out.astype(jnp.bfloat16), group_sizes, *reduce_with, fp8_weights=w_out8, **kwargs
+        )
     return grouped_matmul(hidden, w_out.astype(jnp.bfloat16), group_sizes, fp8_weights=w_out8, **kwargs)
 
 
@@ -275,9 +276,12 @@ def fp8_expert_weights(w_in, w_out, weight_grad: bool = True, *, mesh=None, axis
     weights are split over that axis (as moe_apply takes them: the Buffer's
     mesh and axis), each rank makes its own experts' copies (the GPU kernels
     would otherwise get the whole weights gathered onto every device)."""
+
     def copies(w_in, w_out):
-        return (fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
-                fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad))
+        return (
+            fp8_weights(w_in.astype(jnp.bfloat16), weight_grad=weight_grad),
+            fp8_weights(w_out.astype(jnp.bfloat16), weight_grad=weight_grad),
+        )
 
     if (mesh is None) != (axis_name is None):
         raise ValueError("fp8_expert_weights: give both mesh and axis_name, or neither")
@@ -304,14 +308,29 @@ def _fp8_rows(fp8, x) -> bool:
 def _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, alignment, fp8):
     """expert_ffn on rank-major rows through expert-major ones: expand, the
     grouped SwiGLU, reduce with the weights (the local half of moe_ffn's path)."""
-    expert_x, layout = expand(recv_x.astype(jnp.bfloat16), recv_topk_idx, num_local_experts=w_in.shape[0],
-                              alignment=alignment, num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, recv_x))
-    return swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(alignment), alignment,
-                          layout.group_sizes, fp8, reduce_with=(recv_topk_weights, layout))
+    expert_x, layout = expand(
+        recv_x.astype(jnp.bfloat16),
+        recv_topk_idx,
+        num_local_experts=w_in.shape[0],
+        alignment=alignment,
+        num_rows=expert_rows,
+        fp8_rows=_fp8_rows(fp8, recv_x),
+    )
+    return swiglu_grouped(
+        expert_x,
+        w_in,
+        w_out,
+        layout.padded_group_sizes(alignment),
+        alignment,
+        layout.group_sizes,
+        fp8,
+        reduce_with=(recv_topk_weights, layout),
+    )
 
 
-def expert_rows_overflow(topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1,
-                         num_groups: int = 1):
+def expert_rows_overflow(
+    topk_idx, num_experts: int, num_ranks: int, expert_rows: int, alignment: int = 1, num_groups: int = 1
+):
     """(token, expert) pairs the grouped path drops, summed over all ranks.
 
     topk_idx: int32 [T, K] routing of all tokens, split in order over
@@ -335,19 +354,33 @@ def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None):
         raise ValueError(f"{fn}: expert_impl must be one of {EXPERT_IMPLS}, got {impl!r}")
     if fp8 is not None and impl != "grouped":
         raise ValueError(f"{fn}: fp8 expert weights need expert_impl='grouped', got {impl!r}")
-    if expert_rows is not None and (not isinstance(expert_rows, int) or isinstance(expert_rows, bool)
-                                    or expert_rows < 1):
+    if expert_rows is not None and (
+        not isinstance(expert_rows, int) or isinstance(expert_rows, bool) or expert_rows < 1
+    ):
         raise ValueError(f"{fn}: expert_rows must be a positive int or None, got {expert_rows!r}")
     if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment < 1:
         raise ValueError(f"{fn}: expert_alignment must be a positive int or None, got {alignment!r}")
     if impl == "grouped" and expert_rows is not None and expert_rows % alignment:
-        raise ValueError(f"{fn}: expert_rows {expert_rows} must be a multiple of the expert alignment {alignment} "
-                         f"(expert_alignment; on Hopper 128 by default)")
+        raise ValueError(
+            f"{fn}: expert_rows {expert_rows} must be a multiple of the expert alignment {alignment} "
+            f"(expert_alignment; on Hopper 128 by default)"
+        )
     return alignment
 
 
-def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="ragged_dot", capacity=None,
-               expert_rows=None, expert_alignment=None, fp8=None):
+def expert_ffn(
+    recv_x,
+    recv_topk_idx,
+    recv_topk_weights,
+    w_in,
+    w_out,
+    *,
+    impl="ragged_dot",
+    capacity=None,
+    expert_rows=None,
+    expert_alignment=None,
+    fp8=None,
+):
     """SwiGLU experts over the received rows, weighted by their top-k weights.
 
     recv_x bf16 [N, H]; recv_topk_idx int32 [N, K] local expert ids or -1;
@@ -370,12 +403,26 @@ def expert_ffn(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, *, impl="r
         if capacity is None:
             capacity = default_capacity(*recv_topk_idx.shape, w_in.shape[0])
         return _expert_ffn_capacity(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, int(capacity))
-    return _expert_ffn_grouped(recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, expert_alignment,
-                               fp8)
+    return _expert_ffn_grouped(
+        recv_x, recv_topk_idx, recv_topk_weights, w_in, w_out, expert_rows, expert_alignment, fp8
+    )
 
 
-def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_experts: int,
-            expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None, fp8=None):
+def moe_ffn(
+    x,
+    topk_idx,
+    topk_weights,
+    w_in,
+    w_out,
+    *,
+    buffer: Buffer,
+    num_experts: int,
+    expert_impl="ragged_dot",
+    capacity=None,
+    expert_rows=None,
+    expert_alignment=None,
+    fp8=None,
+):
     """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H].
     expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn."""
     expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8)
@@ -383,14 +430,27 @@ def moe_ffn(x, topk_idx, topk_weights, w_in, w_out, *, buffer: Buffer, num_exper
     if expert_impl == "grouped":
         # Received pairs land grouped by local expert: no sort, gather or scatter here.
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
-            x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer, alignment=expert_alignment,
-            num_rows=expert_rows, fp8_rows=_fp8_rows(fp8, x))
-        y = swiglu_grouped(expert_x, w_in, w_out, layout.padded_group_sizes(expert_alignment), expert_alignment,
-                           layout.group_sizes, fp8, reduce_with=(recv_weights, layout))
+            x,
+            topk_idx,
+            topk_weights,
+            num_experts=num_experts,
+            buffer=buffer,
+            alignment=expert_alignment,
+            num_rows=expert_rows,
+            fp8_rows=_fp8_rows(fp8, x),
+        )
+        y = swiglu_grouped(
+            expert_x,
+            w_in,
+            w_out,
+            layout.padded_group_sizes(expert_alignment),
+            expert_alignment,
+            layout.group_sizes,
+            fp8,
+            reduce_with=(recv_weights, layout),
+        )
         return combine(y, handle, buffer=buffer)  # combine_expert_major's combine, the reduction done above
-    recv_x, recv_idx, recv_weights, handle = dispatch(
-        x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer
-    )
+    recv_x, recv_idx, recv_weights, handle = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer)
     expert_out = expert_ffn(recv_x, recv_idx, recv_weights, w_in, w_out, impl=expert_impl, capacity=capacity)
     return combine(expert_out, handle, buffer=buffer)
 
@@ -415,8 +475,21 @@ def route(x, router_kernel, top_k: int, normalize: bool = True):
     return topk_idx.astype(jnp.int32), topk_weights, aux_loss
 
 
-def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, normalize: bool = True,
-              expert_impl="ragged_dot", capacity=None, expert_rows=None, expert_alignment=None, fp8=None):
+def moe_apply(
+    x,
+    router_kernel,
+    w_in,
+    w_out,
+    *,
+    top_k: int,
+    buffer: Buffer,
+    normalize: bool = True,
+    expert_impl="ragged_dot",
+    capacity=None,
+    expert_rows=None,
+    expert_alignment=None,
+    fp8=None,
+):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
     expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn
     (expert_rows: per rank; fp8: fp8_expert_weights(w_in, w_out, mesh=buffer.mesh,
@@ -428,14 +501,27 @@ def moe_apply(x, router_kernel, w_in, w_out, *, top_k: int, buffer: Buffer, norm
     tokens = P(tuple(mesh.axis_names))  # tokens are split over every mesh axis
     experts = P(buffer.axis_name)
     # Under jit even when called eagerly: shard_map alone would run the body op by op on every device.
-    per_rank = jax.jit(jax.shard_map(
-        lambda x, idx, weights, w_in, w_out, fp8=None: moe_ffn(
-            x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts, expert_impl=expert_impl,
-            capacity=capacity, expert_rows=expert_rows, expert_alignment=expert_alignment, fp8=fp8),
-        mesh=mesh,
-        in_specs=(tokens, tokens, tokens, experts, experts) + ((experts,) if fp8 is not None else ()),
-        out_specs=tokens,
-    ))
+    per_rank = jax.jit(
+        jax.shard_map(
+            lambda x, idx, weights, w_in, w_out, fp8=None: moe_ffn(
+                x,
+                idx,
+                weights,
+                w_in,
+                w_out,
+                buffer=buffer,
+                num_experts=num_experts,
+                expert_impl=expert_impl,
+                capacity=capacity,
+                expert_rows=expert_rows,
+                expert_alignment=expert_alignment,
+                fp8=fp8,
+            ),
+            mesh=mesh,
+            in_specs=(tokens, tokens, tokens, experts, experts) + ((experts,) if fp8 is not None else ()),
+            out_specs=tokens,
+        )
+    )
     y = per_rank(x, topk_idx, topk_weights, w_in, w_out, *(() if fp8 is None else (fp8,)))
     return y.astype(x.dtype).reshape(shape), aux_loss
 
@@ -447,9 +533,20 @@ class ExpertParam(nnx.Param):
 class MoE(nnx.Module):
     """Expert-parallel SwiGLU MoE. Call: x [..., H] -> (y [..., H], aux_loss)."""
 
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, *, buffer: Buffer, rngs: nnx.Rngs,
-                 expert_impl: str = "ragged_dot", capacity: int | None = None, expert_rows: int | None = None,
-                 expert_alignment: int | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        buffer: Buffer,
+        rngs: nnx.Rngs,
+        expert_impl: str = "ragged_dot",
+        capacity: int | None = None,
+        expert_rows: int | None = None,
+        expert_alignment: int | None = None,
+    ):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
         if not 1 <= top_k <= num_experts:
@@ -465,6 +562,15 @@ class MoE(nnx.Module):
         self.w_out = ExpertParam(init(rngs.params(), (num_experts, ffn, hidden)))
 
     def __call__(self, x):
-        return moe_apply(x, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k, buffer=self.buffer,
-                         expert_impl=self.expert_impl, capacity=self.capacity, expert_rows=self.expert_rows,
-                         expert_alignment=self.expert_alignment)
+        return moe_apply(
+            x,
+            self.router[...],
+            self.w_in[...],
+            self.w_out[...],
+            top_k=self.top_k,
+            buffer=self.buffer,
+            expert_impl=self.expert_impl,
+            capacity=self.capacity,
+            expert_rows=self.expert_rows,
+            expert_alignment=self.expert_alignment,
+        )

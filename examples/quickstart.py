@@ -16,7 +16,8 @@ if "--cpu" in sys.argv or not os.path.exists("/dev/nvidia0"):
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from deep_ep_jax import Buffer, combine, dispatch
 

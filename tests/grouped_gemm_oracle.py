@@ -36,7 +36,7 @@ def weight_grad(x, dy, sizes, groups=None):
     dw = np.zeros((len(sizes), x.shape[1], dy.shape[1]))
     for g, start in enumerate(offsets(sizes)):
         if groups is None or g in groups:
-            dw[g] = x[start:start + sizes[g]].T @ dy[start:start + sizes[g]]
+            dw[g] = x[start : start + sizes[g]].T @ dy[start : start + sizes[g]]
     return dw
 
 
@@ -68,7 +68,7 @@ def fp8_weight_grad(x, dy, sizes):
     quantized per column."""
     x_values, x_scales = fp8_row_parts(x)
     z = np.asarray(dy, np.float32) * x_scales
-    z[int(np.sum(sizes)):] = 0
+    z[int(np.sum(sizes)) :] = 0
     return weight_grad(x_values, fp8_rows(z.T).T, sizes)
 
 

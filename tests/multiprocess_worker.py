@@ -74,8 +74,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import deep_ep_jax as dej  # noqa: E402
-from deep_ep_jax.distributed import multiprocess  # noqa: E402
 from deep_ep_jax import testing as dt  # noqa: E402
+from deep_ep_jax.distributed import multiprocess  # noqa: E402
 
 AXIS = "ep"
 _per_rank = dt.per_rank
@@ -214,6 +214,7 @@ def case_normal():
 
 def case_low_latency():
     import test_low_latency_gpu as suite
+
     from deep_ep_jax.backends.cuda import sizes
 
     mesh = _gpu_mesh()
@@ -221,10 +222,18 @@ def case_low_latency():
     region = sizes.low_latency_region_bytes(
         num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
     )
-    cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
-                      num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS, num_nvl_bytes=1 << 20, num_rdma_bytes=region)
-    xla = dej.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
-                     num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS)
+    cuda = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS,
+        num_nvl_bytes=1 << 20,
+        num_rdma_bytes=region,
+    )
+    xla = dej.Buffer(
+        mesh, AXIS, backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS
+    )
     assert cuda.backend == "cuda" and cuda.ipc, cuda
     buffers = (cuda, xla)
     for use_fp8 in (True, False):
@@ -318,8 +327,10 @@ def case_launch_mismatch():
     try:
         jax.block_until_ready(run(x, jnp.asarray(idx), jnp.asarray(w)))
     except Exception as e:  # the kernels' trap surfaces as an XLA runtime error
-        _exit_after_trap(f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}",
-                         wait_for_peers="deep_ep_jax/test/launch_mismatch/reported")
+        _exit_after_trap(
+            f"failed as expected after {time.time() - start:.1f} s: {type(e).__name__}: {str(e)[:300]}",
+            wait_for_peers="deep_ep_jax/test/launch_mismatch/reported",
+        )
     log("NO LAUNCH MISMATCH ERROR")
 
 
@@ -417,12 +428,21 @@ def case_shared_gpu(sequence_starts=(None,)):
         hidden, topk, num_experts, ll_tokens = 256, 4, 4 * num_ranks, num_tokens
     else:
         raise ValueError(f"SHARED_GPU_SIZE={size!r}: 'small' or 'standard'")
-    log(f"shared_gpu sizes: {num_tokens} tokens per rank, hidden {hidden}, top-{topk}, {num_experts} experts, "
-        f"low-latency {ll_tokens} tokens per rank")
+    log(
+        f"shared_gpu sizes: {num_tokens} tokens per rank, hidden {hidden}, top-{topk}, {num_experts} experts, "
+        f"low-latency {ll_tokens} tokens per rank"
+    )
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=ll_tokens,
-                        config=dej.Config(timeout_s=150))
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=ll_tokens,
+        config=dej.Config(timeout_s=150),
+    )
     if buffer.spans_hosts and buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels
         assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
@@ -463,11 +483,17 @@ def case_shared_gpu(sequence_starts=(None,)):
         for kind in dt.ROUTING_KINDS:
             idx, w, idxs, ws = routing(kind)
             x = bf16_rows((num_ranks * num_tokens, hidden))
-            expected = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, num_tokens, hidden), idxs, ws,
-                                       num_experts, num_ranks * num_tokens)
+            expected = oracle.dispatch(
+                x.astype(np.float32).reshape(num_ranks, num_tokens, hidden),
+                idxs,
+                ws,
+                num_experts,
+                num_ranks * num_tokens,
+            )
             y = rows_then_nan((num_ranks, num_ranks * num_tokens, hidden), [len(e["x"]) for e in expected])
             recv_x, recv_idx, recv_w, src, src_rank, num_recv, out, out_w = run(
-                normal, *map(put, (x, idx, w, y.reshape(-1, hidden))))
+                normal, *map(put, (x, idx, w, y.reshape(-1, hidden)))
+            )
             want, n = expected[rank], len(expected[rank]["x"])
             assert int(num_recv) == n, (kind, int(num_recv), n)
             np.testing.assert_array_equal(recv_x[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
@@ -481,8 +507,11 @@ def case_shared_gpu(sequence_starts=(None,)):
             w_rows = np.zeros((num_ranks, num_ranks * num_tokens, topk), np.float32)
             for r in range(num_ranks):
                 w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
-            np.testing.assert_array_equal(out_w, oracle.combine(w_rows, expected, num_tokens, gpus_per_host,
-                                                                bf16_partials=False)[rank], err_msg=kind)
+            np.testing.assert_array_equal(
+                out_w,
+                oracle.combine(w_rows, expected, num_tokens, gpus_per_host, bf16_partials=False)[rank],
+                err_msg=kind,
+            )
             if kind == "rank_empty" and rank == num_ranks - 1:
                 assert n == 0
             log(f"shared_gpu normal {kind}: ok")
@@ -500,8 +529,9 @@ def case_shared_gpu(sequence_starts=(None,)):
             x, y = bf16_rows((num_ranks * num_tokens, hidden)), bf16_rows((num_ranks * num_ranks * num_tokens, hidden))
             ct = bf16_rows((num_ranks * num_tokens, hidden)).astype(np.float32)  # exact in bf16: moved as they are
             grad_y, num_recv = run(combine_grad, *map(put, (x, idx, w, y, ct)))
-            want = oracle.dispatch(ct.reshape(num_ranks, num_tokens, hidden), idxs, ws, num_experts,
-                                   num_ranks * num_tokens)[rank]
+            want = oracle.dispatch(
+                ct.reshape(num_ranks, num_tokens, hidden), idxs, ws, num_experts, num_ranks * num_tokens
+            )[rank]
             n = len(want["x"])
             assert int(num_recv) == n, (kind, int(num_recv), n)
             np.testing.assert_array_equal(grad_y[:n], np.reshape(want["x"], (n, hidden)), err_msg=kind)
@@ -509,8 +539,9 @@ def case_shared_gpu(sequence_starts=(None,)):
             log(f"shared_gpu cached dispatch (combine's gradient) {kind}: ok")
 
         def fp8(data, scales, idx, w):
-            (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,
-                                                                  buffer=buffer)
+            (recv_data, recv_scales), _, _, handle = dej.dispatch(
+                (data, scales), idx, w, num_experts=num_experts, buffer=buffer
+            )
             return recv_data, recv_scales, handle.num_recv_tokens
 
         for kind in ("random", "one_expert"):
@@ -529,8 +560,9 @@ def case_shared_gpu(sequence_starts=(None,)):
         for use_fp8, split in ((False, False), (True, False), (False, True), (True, True)):
 
             def low_latency(x, idx, w, y, use_fp8=use_fp8, split=split):
-                kwargs = dict(buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=ll_tokens,
-                              use_fp8=use_fp8)
+                kwargs = dict(
+                    buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=ll_tokens, use_fp8=use_fp8
+                )
                 if split:  # the send and receive halves
                     pending = dej.low_latency_dispatch_send(x, idx, **kwargs)
                     recv_x, count, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
@@ -546,8 +578,10 @@ def case_shared_gpu(sequence_starts=(None,)):
                 x = bf16_rows((num_ranks * ll_tokens, hidden))
                 xs = x.astype(np.float32).reshape(num_ranks, ll_tokens, hidden)
                 expected = oracle.low_latency_dispatch(xs, idxs, num_experts, ll_tokens)
-                y = rows_then_nan((num_experts, num_ranks * ll_tokens, hidden),
-                                  [len(slots) for experts in expected for slots in experts])
+                y = rows_then_nan(
+                    (num_experts, num_ranks * ll_tokens, hidden),
+                    [len(slots) for experts in expected for slots in experts],
+                )
                 recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
                 rows = recv_x[0].astype(np.float32) if use_fp8 else recv_x
                 for e, slots in enumerate(expected[rank]):
@@ -589,8 +623,14 @@ def case_shared_gpu_moe_layer():
     # 640 tokens in all: with every token on one expert, its group (640 rows) is promoted in the FP8 dw.
     tokens, topk, num_experts = 640 // num_ranks, 4, 4 * num_ranks
     hidden, ffn = (1024, 512) if platform == "gpu" else (256, 128)  # on CPU: the case's checks, quickly
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, config=dej.Config(timeout_s=150))
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        config=dej.Config(timeout_s=150),
+    )
     put, run = _own_rank_io(mesh, "shared_gpu_moe_layer", buffer.config.timeout_s)
     alignment = ml.default_expert_alignment()
     mine = slice(rank * tokens, (rank + 1) * tokens)
@@ -602,24 +642,39 @@ def case_shared_gpu_moe_layer():
         def fn(x, idx, weights, w_in, w_out, probe):
             def layer(x, weights, w_in, w_out):
                 copies = ml.fp8_expert_weights(w_in, w_out) if fp8 else None
-                return ml.moe_ffn(x, idx, weights, w_in, w_out, buffer=buffer, num_experts=num_experts,
-                                  expert_impl="grouped", expert_alignment=alignment, fp8=copies)
+                return ml.moe_ffn(
+                    x,
+                    idx,
+                    weights,
+                    w_in,
+                    w_out,
+                    buffer=buffer,
+                    num_experts=num_experts,
+                    expert_impl="grouped",
+                    expert_alignment=alignment,
+                    fp8=copies,
+                )
 
             y, grads = output_and_grads(layer, (x, weights, w_in, w_out), probe)
             return (y, *grads)
+
         return fn
 
     layers = {fp8: layer(fp8) for fp8 in (False, True)}  # one compile each, reused by every routing
     for kind in ("random", "one_expert", "rank_empty", "minus_one"):
-        idx, weights = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks,
-                                       kind)
+        idx, weights = dt.make_routing(
+            int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind
+        )
         x = rng.standard_normal((num_ranks * tokens, hidden), np.float32).astype(jnp.bfloat16)
         probe = rng.standard_normal((num_ranks * tokens, hidden), np.float32)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            y, grads = _dense_and_grads(x.astype(np.float32), idx, weights, w_in.astype(np.float32),
-                                        w_out.astype(np.float32), probe)
-        want = [np.asarray(a, np.float32) for a in (y[mine], grads[0][mine], grads[1][mine], grads[2][local],
-                                                     grads[3][local])]
+            y, grads = _dense_and_grads(
+                x.astype(np.float32), idx, weights, w_in.astype(np.float32), w_out.astype(np.float32), probe
+            )
+        want = [
+            np.asarray(a, np.float32)
+            for a in (y[mine], grads[0][mine], grads[1][mine], grads[2][local], grads[3][local])
+        ]
         for fp8, fn in layers.items():
             got = run(fn, *map(put, (x, idx, weights, w_in, w_out, probe)))
             errors = []
@@ -632,8 +687,10 @@ def case_shared_gpu_moe_layer():
                     assert errors[-1] <= 0.1, f"{what}: relative error {errors[-1]:.3g}"
                 else:  # of the largest value
                     errors.append(_assert_close(g, w, what, rel=3e-2))
-            log(f"shared_gpu_moe_layer {kind} fp8={fp8}: ok (errors of y and the 4 gradients: "
-                f"{', '.join(f'{e:.2g}' for e in errors)})")
+            log(
+                f"shared_gpu_moe_layer {kind} fp8={fp8}: ok (errors of y and the 4 gradients: "
+                f"{', '.join(f'{e:.2g}' for e in errors)})"
+            )
     buffer.destroy()
 
 
@@ -650,8 +707,14 @@ def case_shared_gpu_dropless():
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, 4 * num_ranks
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, config=dej.Config(timeout_s=150))
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        config=dej.Config(timeout_s=150),
+    )
     put, run = _own_rank_io(mesh, "shared_gpu_dropless", buffer.config.timeout_s)
     ramp = jnp.arange(hidden, dtype=jnp.float32) % 7 - 3
 
@@ -660,8 +723,10 @@ def case_shared_gpu_dropless():
             def loss(x, w, scales):
                 out, rounds = layer(x, idx, w, scales)
                 return jnp.sum(out.astype(jnp.float32) * ramp), (out, rounds)
+
             (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
             return (out, jnp.reshape(rounds, (1,))) + grads
+
         return fn
 
     def worst(x, idx, w, scales):
@@ -669,9 +734,17 @@ def case_shared_gpu_dropless():
         return dej.combine(dt.scaled_experts(scales, recv_x, recv_idx, recv_w), handle, buffer=buffer), 1
 
     def dropless(capacity):
-        return lambda x, idx, w, scales: dej.dropless_moe(x, idx, w, dt.scaled_experts, scales,
-                                                          num_experts=num_experts, buffer=buffer, capacity=capacity,
-                                                          return_rounds=True)
+        return lambda x, idx, w, scales: dej.dropless_moe(
+            x,
+            idx,
+            w,
+            dt.scaled_experts,
+            scales,
+            num_experts=num_experts,
+            buffer=buffer,
+            capacity=capacity,
+            return_rounds=True,
+        )
 
     layers = {"worst": with_grads(worst)}
     # One round, and several (two and more: tests/test_dropless.py on CPU).
@@ -682,9 +755,13 @@ def case_shared_gpu_dropless():
         w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
         x = rng.integers(-4, 5, (num_ranks * tokens, hidden)).astype(jnp.bfloat16)
         scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
-        received = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, tokens, hidden),
-                                   idx.reshape(num_ranks, tokens, topk), w.reshape(num_ranks, tokens, topk),
-                                   num_experts, num_ranks * tokens)
+        received = oracle.dispatch(
+            x.astype(np.float32).reshape(num_ranks, tokens, hidden),
+            idx.reshape(num_ranks, tokens, topk),
+            w.reshape(num_ranks, tokens, topk),
+            num_experts,
+            num_ranks * tokens,
+        )
         y = oracle.scaled_expert_rows(received, scales.reshape(num_ranks, -1), num_ranks * tokens, hidden)
         expected = oracle.bf16_values(oracle.combine(y, received, tokens, _gpus_per_host(buffer))[rank])
         args = tuple(map(put, (x, idx, w, scales)))
@@ -712,8 +789,15 @@ def case_mesh_order():
     platform, num_ranks, mesh, _, _ = _one_rank_per_process()
     other = jax.sharding.Mesh(mesh.devices[::-1], (AXIS,))
     hidden, topk, num_experts, tokens = 256, 2, 2 * num_ranks, 8
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=tokens)
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=tokens,
+    )
     log(f"mesh_order: {buffer}")
     x = jax.ShapeDtypeStruct((num_ranks * tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.int32)
@@ -729,10 +813,12 @@ def case_mesh_order():
         return dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
 
     def halves(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch_recv(dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll),
-                                                        buffer=buffer)
-        return dej.low_latency_combine_recv(dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer),
-                                            buffer=buffer)
+        recv_x, _, handle = dej.low_latency_dispatch_recv(
+            dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll), buffer=buffer
+        )
+        return dej.low_latency_combine_recv(
+            dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer), buffer=buffer
+        )
 
     def backward(x, idx, w):  # only the gradient communicates: the forward's results are unused
         return jax.grad(lambda x: normal(x, idx, w)[0].astype(jnp.float32).sum())(x)
@@ -747,8 +833,9 @@ def case_mesh_order():
             assert "orders the devices otherwise" in str(e) and want in str(e), (name, str(e))
             log(f"mesh_order {name}: refused ({str(e)[:160]}...)")
         else:
-            raise AssertionError(f"mesh_order {name}: a shard_map over {other.devices} lowered with a Buffer of "
-                                 f"{mesh.devices}")
+            raise AssertionError(
+                f"mesh_order {name}: a shard_map over {other.devices} lowered with a Buffer of {mesh.devices}"
+            )
     buffer.destroy()
 
 
@@ -771,33 +858,45 @@ def case_shared_gpu_order():
     share GPUs (no XLA collective across processes)."""
     platform, num_ranks, mesh, _, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 32, 256, 4, 4 * num_ranks
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens,
-                        config=dej.Config(timeout_s=150))
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=num_tokens,
+        config=dej.Config(timeout_s=150),
+    )
     put, run = _own_rank_io(mesh, "shared_gpu_order", buffer.config.timeout_s)
 
     def normal(scale, x, idx, w):
-        recv_x, recv_idx, recv_w, handle = dej.dispatch((x * scale).astype(jnp.bfloat16), idx, w,
-                                                        num_experts=num_experts, buffer=buffer)
+        recv_x, recv_idx, recv_w, handle = dej.dispatch(
+            (x * scale).astype(jnp.bfloat16), idx, w, num_experts=num_experts, buffer=buffer
+        )
         out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
         return handle.num_recv_tokens, recv_x, recv_idx, recv_w, out, out_w
 
     def low_latency(scale, x, idx, w):
-        recv_x, count, handle = dej.low_latency_dispatch((x * scale).astype(jnp.bfloat16), idx,
-                                                         num_experts=num_experts,
-                                                         num_max_dispatch_tokens_per_rank=num_tokens,
-                                                         use_fp8=False, buffer=buffer)
+        recv_x, count, handle = dej.low_latency_dispatch(
+            (x * scale).astype(jnp.bfloat16),
+            idx,
+            num_experts=num_experts,
+            num_max_dispatch_tokens_per_rank=num_tokens,
+            use_fp8=False,
+            buffer=buffer,
+        )
         return count, dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
 
-    trips = [functools.partial(normal, s) for s in (1.0, 2.0, 3.0)] + [functools.partial(low_latency, s)
-                                                                        for s in (1.0, 2.0)]
+    trips = [functools.partial(normal, s) for s in (1.0, 2.0, 3.0)] + [
+        functools.partial(low_latency, s) for s in (1.0, 2.0)
+    ]
 
     def together(x, idx, w):
         return tuple(trip(x, idx, w) for trip in trips)
 
     for kind in dt.ROUTING_KINDS:
-        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
-                                 kind)
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
         x = rng.standard_normal((num_ranks * num_tokens, hidden), np.float32).astype(jnp.bfloat16)
         args = tuple(map(put, (x, idx, w)))
         got = run(together, *args)
@@ -890,12 +989,22 @@ def case_large_ep_low_latency():
     num_experts = 2 * num_ranks
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
     config = dej.Config(timeout_s=150)
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if cuda else "xla", hidden=hidden, num_experts=num_experts,
-                        low_latency_mode=True, num_max_dispatch_tokens_per_rank=num_tokens, config=config)
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if cuda else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=num_tokens,
+        config=config,
+    )
     if cuda:
         assert buffer.spans_hosts and buffer.num_nodes == -(-num_ranks // config.gpus_per_host), buffer
-        log(f"{buffer}: {buffer.num_nodes} hosts, region {buffer.num_rdma_bytes} + send area "
-            f"{buffer.num_send_bytes} bytes")
+        log(
+            f"{buffer}: {buffer.num_nodes} hosts, region {buffer.num_rdma_bytes} + send area "
+            f"{buffer.num_send_bytes} bytes"
+        )
     put, run = _own_rank_io(mesh, "large_ep", config.timeout_s)
 
     def bf16_rows(shape, wide=False):
@@ -906,25 +1015,31 @@ def case_large_ep_low_latency():
         return a.astype(jnp.bfloat16)
 
     def whole(x, idx, w, y, use_fp8):
-        recv_x, count, handle = dej.low_latency_dispatch(x, idx, buffer=buffer, num_experts=num_experts,
-                                                         num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8)
+        recv_x, count, handle = dej.low_latency_dispatch(
+            x, idx, buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8
+        )
         return recv_x, count, handle, dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
 
     def halves(x, idx, w, y, use_fp8):
-        pending = dej.low_latency_dispatch_send(x, idx, buffer=buffer, num_experts=num_experts,
-                                                num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8)
+        pending = dej.low_latency_dispatch_send(
+            x, idx, buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=num_tokens, use_fp8=use_fp8
+        )
         recv_x, count, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
         pending = dej.low_latency_combine_send(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, dej.low_latency_combine_recv(pending, buffer=buffer)
 
-    programs = {(name, use_fp8): (lambda x, idx, w, y, f=f, use_fp8=use_fp8: f(x, idx, w, y, use_fp8))
-                for name, f in (("whole", whole), ("halves", halves)) for use_fp8 in (False, True)}
+    programs = {
+        (name, use_fp8): (lambda x, idx, w, y, f=f, use_fp8=use_fp8: f(x, idx, w, y, use_fp8))
+        for name, f in (("whole", whole), ("halves", halves))
+        for use_fp8 in (False, True)
+    }
     quantize = jax.jit(reference.quantize_fp8)
     for (name, use_fp8), program in programs.items():
         for kind in ("random", "one_expert", "rank_empty", "minus_one"):
             what = f"{name} fp8={use_fp8} {kind}"
-            idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk,
-                                     num_ranks, kind)
+            idx, _ = dt.make_routing(
+                int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind
+            )
             w = rng.choice(np.float32([0.5, 1, 2]), idx.shape)  # exact products: the sum's order shows
             x = bf16_rows((num_ranks * num_tokens, hidden))
             y = bf16_rows((num_experts, num_ranks * num_tokens, hidden), True)
@@ -933,8 +1048,10 @@ def case_large_ep_low_latency():
             xs = x.astype(np.float32).reshape(num_ranks, num_tokens, hidden)
             if use_fp8:  # the xla backend's quantisation, on this process's device
                 data, scales = quantize(jax.device_put(x, jax.local_devices()[0]))
-                want_rows = (np.asarray(data).astype(np.float32).reshape(num_ranks, num_tokens, hidden),
-                             np.asarray(scales).reshape(num_ranks, num_tokens, -1))
+                want_rows = (
+                    np.asarray(data).astype(np.float32).reshape(num_ranks, num_tokens, hidden),
+                    np.asarray(scales).reshape(num_ranks, num_tokens, -1),
+                )
                 got_rows = recv_x
             else:
                 want_rows, got_rows = (xs,), (recv_x,)
@@ -967,16 +1084,23 @@ def case_traffic():
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda" if platform == "gpu" else "xla", hidden=hidden,
-                        num_experts=num_experts, config=dej.Config(timeout_s=150, count_traffic=True))
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        config=dej.Config(timeout_s=150, count_traffic=True),
+    )
     gpus_per_host = _gpus_per_host(buffer) if buffer.num_nodes > 1 else None
     log(f"traffic R={num_ranks} on {buffer.num_nodes} hosts ({buffer})")
     put, run = _own_rank_io(mesh, "traffic", buffer.config.timeout_s)
 
     def programs(num_worst_tokens):
         def bf16(x, idx, w, y):
-            _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer,
-                                           num_worst_tokens=num_worst_tokens)
+            _, _, _, handle = dej.dispatch(
+                x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+            )
 
             def loss(y):  # combine, and its backward: a cached dispatch
                 return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()
@@ -984,18 +1108,20 @@ def case_traffic():
             return jax.value_and_grad(loss)(y)
 
         def fp8(data, scales, idx, w):
-            return dej.dispatch((data, scales), idx, w, num_experts=num_experts, buffer=buffer,
-                                num_worst_tokens=num_worst_tokens)[0]
+            return dej.dispatch(
+                (data, scales), idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+            )[0]
 
         return bf16, fp8
 
     cases = [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)]
-    compiled = {worst: programs(None if worst is None else int(worst * num_ranks * num_tokens))
-                for worst in {w for _, w in cases}}
+    compiled = {
+        worst: programs(None if worst is None else int(worst * num_ranks * num_tokens))
+        for worst in {w for _, w in cases}
+    }
     for kind, worst in cases:
         rows = num_ranks * num_tokens if worst is None else int(worst * num_ranks * num_tokens)
-        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
-                                 kind)
+        idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
         idxs, ws = idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk)
         expected = oracle.dispatch(np.zeros((num_ranks, num_tokens, 1)), idxs, ws, num_experts, rows)
         want = oracle.traffic(idxs, expected, num_experts, gpus_per_host)[rank]
@@ -1004,17 +1130,22 @@ def case_traffic():
         y = rng.standard_normal((num_ranks * rows, hidden), np.float32).astype(jnp.bfloat16)
         data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
         scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
-        for program, args, row_bytes in ((bf16, (x, idx, w, y), 2 * hidden),
-                                         (fp8, (data, scales, idx, w), hidden + hidden // 128 * 4)):
+        for program, args, row_bytes in (
+            (bf16, (x, idx, w, y), 2 * hidden),
+            (fp8, (data, scales, idx, w), hidden + hidden // 128 * 4),
+        ):
             buffer.reset_traffic()
             run(program, *map(put, args))
             got = buffer.traffic()[rank]
             ops = ("dispatch", "cached_dispatch", "combine") if program is bf16 else ("dispatch",)
             for op in ("dispatch", "cached_dispatch", "combine"):
                 nvlink, network = want[op] if op in ops else (0, 0)
-                assert got[op] == {"nvlink_rows": nvlink, "nvlink_bytes": nvlink * row_bytes,
-                                   "network_rows": network, "network_bytes": network * row_bytes}, \
-                    (kind, worst, program.__name__, op, got[op], want[op])
+                assert got[op] == {
+                    "nvlink_rows": nvlink,
+                    "nvlink_bytes": nvlink * row_bytes,
+                    "network_rows": network,
+                    "network_bytes": network * row_bytes,
+                }, (kind, worst, program.__name__, op, got[op], want[op])
         log(f"traffic {kind} worst={worst}: ok {want}")
     buffer.destroy()
 
@@ -1029,8 +1160,10 @@ def case_hosts():
     count, me = jax.process_count(), jax.process_index()
     saved = multiprocess._hostnames
     multiprocess._hostnames = None  # traded once per process: this case trades its own names
-    with mock.patch.object(socket, "gethostname", return_value=f"machine{me // 2}"), \
-            mock.patch.object(multiprocess, "HOST_KEY_PREFIX", multiprocess.HOST_KEY_PREFIX + "/case_hosts"):
+    with (
+        mock.patch.object(socket, "gethostname", return_value=f"machine{me // 2}"),
+        mock.patch.object(multiprocess, "HOST_KEY_PREFIX", multiprocess.HOST_KEY_PREFIX + "/case_hosts"),
+    ):
         names = multiprocess.hostnames(timeout_s=30)
     multiprocess._hostnames = saved
     assert names == {p: f"machine{p // 2}" for p in range(count)}, names
@@ -1046,6 +1179,7 @@ def _internode_mesh():
 
 def case_internode_low_latency():
     import test_low_latency_gpu as suite
+
     from deep_ep_jax.backends.cuda import sizes
 
     mesh = _internode_mesh()
@@ -1053,10 +1187,18 @@ def case_internode_low_latency():
     region = sizes.low_latency_region_bytes(
         num_ranks, suite.MAX_EXPERTS, suite.MAX_HIDDEN, suite.MAX_TOKENS, num_topk=suite.MAX_TOPK
     )
-    cuda = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, hidden=suite.MAX_HIDDEN,
-                      num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS, num_rdma_bytes=region)
-    xla = dej.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
-                     num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS)
+    cuda = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        hidden=suite.MAX_HIDDEN,
+        num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS,
+        num_rdma_bytes=region,
+    )
+    xla = dej.Buffer(
+        mesh, AXIS, backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=suite.MAX_TOKENS
+    )
     assert cuda.backend == "cuda" and cuda.spans_hosts and not cuda.ipc, cuda
     log(f"NVSHMEM buffer: {cuda}, send area {cuda.num_send_bytes} bytes")
     # Sized for the suite's largest hidden; its cases use smaller ones too, which
@@ -1080,13 +1222,16 @@ def case_internode_normal():
     combine's rank-ordered float32 sums), on poisoned outputs, with the suite's
     seeded inputs."""
     import test_normal_gpu as suite
+
     from deep_ep_jax.backends.cuda import sizes
 
     mesh = _internode_mesh()
     num_ranks = mesh.shape[AXIS]
     # The suite's largest shapes: 1024 tokens of hidden 4096, 333 of 7168 (top-k <= 9).
-    region = max(sizes.internode_region_bytes(num_ranks, num_ranks, 7168, 333),
-                 sizes.internode_region_bytes(num_ranks, num_ranks, 4096, 1024))
+    region = max(
+        sizes.internode_region_bytes(num_ranks, num_ranks, 7168, 333),
+        sizes.internode_region_bytes(num_ranks, num_ranks, 4096, 1024),
+    )
     cuda = dej.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region)
     xla = dej.Buffer(mesh, AXIS, backend="xla")
     assert cuda.backend == "cuda" and cuda.spans_hosts and cuda.num_nodes == num_ranks and not cuda.ipc, cuda
@@ -1118,7 +1263,8 @@ def case_internode_normal():
     big_idx, big_w = suite.routing(2, num_ranks, 512, num_experts, 4, "random")
     try:
         _per_rank(lambda x, i, w: dej.dispatch(x, i, w, num_experts=num_experts, buffer=small)[0], mesh, AXIS)(
-            big_x, big_idx, big_w)
+            big_x, big_idx, big_w
+        )
     except ValueError as e:
         assert "num_nvl_bytes" in str(e) and "spans hosts" in str(e), e
     else:
@@ -1150,6 +1296,7 @@ def case_wrap():
 
 def case_internode_wrap():
     import test_wrap_gpu as suite
+
     from deep_ep_jax.backends.cuda import sizes
 
     mesh = _internode_mesh()
@@ -1170,34 +1317,59 @@ def case_internode_handler_checks():
 
     mesh = _internode_mesh()
     num_ranks, num_tokens = mesh.shape[AXIS], 64
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda",
-                        num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_ranks, 1024, num_tokens))
+    buffer = dej.Buffer(
+        mesh, AXIS, backend="cuda", num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_ranks, 1024, num_tokens)
+    )
     assert buffer.spans_hosts, buffer
     max_local = common.limit("max_local_experts")
 
     def dispatch(xs, num_experts, topk=2):
         idx = jnp.zeros((num_tokens, topk), jnp.int32)
         w = jnp.ones((num_tokens, topk), jnp.float32)
-        out_types = dict(common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
-                         node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32))
-        return internode.DISPATCH(buffer, out_types, xs[0], common.scales_or_empty(xs, num_tokens), idx, w,
-                                  num_experts=np.int64(num_experts), **internode._launch_attrs(buffer))
+        out_types = dict(
+            common.dispatch_out_types(num_tokens, num_tokens * num_ranks, xs, topk, num_ranks, num_experts),
+            node_pos=jax.ShapeDtypeStruct((num_tokens, buffer.num_nodes), jnp.int32),
+        )
+        return internode.DISPATCH(
+            buffer,
+            out_types,
+            xs[0],
+            common.scales_or_empty(xs, num_tokens),
+            idx,
+            w,
+            num_experts=np.int64(num_experts),
+            **internode._launch_attrs(buffer),
+        )
 
     def combine(hidden):
         rows = num_tokens * num_ranks
-        out_types = dict(out=jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
-                         out_weights=jax.ShapeDtypeStruct((num_tokens, 0), jnp.float32))
-        return internode.COMBINE(buffer, out_types, jnp.zeros((rows, hidden), jnp.bfloat16), jnp.zeros((rows, 0), jnp.float32),
-                                 jnp.zeros((num_tokens, num_ranks), jnp.int32), jnp.zeros((), jnp.int32),
-                                 jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32),
-                                 **internode._launch_attrs(buffer))
+        out_types = dict(
+            out=jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16),
+            out_weights=jax.ShapeDtypeStruct((num_tokens, 0), jnp.float32),
+        )
+        return internode.COMBINE(
+            buffer,
+            out_types,
+            jnp.zeros((rows, hidden), jnp.bfloat16),
+            jnp.zeros((rows, 0), jnp.float32),
+            jnp.zeros((num_tokens, num_ranks), jnp.int32),
+            jnp.zeros((), jnp.int32),
+            jnp.zeros((rows,), jnp.int32),
+            jnp.zeros((rows,), jnp.int32),
+            **internode._launch_attrs(buffer),
+        )
 
     bf16 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.bfloat16),)
-    fp8 = lambda hidden: (jnp.zeros((num_tokens, hidden), jnp.float8_e4m3fn),
-                          jnp.zeros((num_tokens, max(1, hidden // 128)), jnp.float32))
+    fp8 = lambda hidden: (
+        jnp.zeros((num_tokens, hidden), jnp.float8_e4m3fn),
+        jnp.zeros((num_tokens, max(1, hidden // 128)), jnp.float32),
+    )
     cases = [
-        ("experts per rank", lambda: dispatch(bf16(512), num_ranks * (max_local + 1)),
-         f"at most {max_local} experts per rank"),
+        (
+            "experts per rank",
+            lambda: dispatch(bf16(512), num_ranks * (max_local + 1)),
+            f"at most {max_local} experts per rank",
+        ),
         ("bf16 hidden", lambda: dispatch(bf16(100), 4 * num_ranks), "multiple of 8"),
         ("FP8 hidden", lambda: dispatch(fp8(192), 4 * num_ranks), "multiple of 128"),
         ("combine hidden", lambda: combine(100), "multiple of 8"),

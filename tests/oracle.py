@@ -198,8 +198,13 @@ def expert_layout(idx, num_local_experts, alignment, num_rows):
             else:
                 dropped += 1
         start += -(-len(group) // alignment) * alignment
-    return {"group_sizes": sizes, "group_offsets": offsets, "pair_row": pair_row, "row_pair": row_pair,
-            "num_dropped": dropped}
+    return {
+        "group_sizes": sizes,
+        "group_offsets": offsets,
+        "pair_row": pair_row,
+        "row_pair": row_pair,
+        "num_dropped": dropped,
+    }
 
 
 def expert_expand(x, row_pair, topk):

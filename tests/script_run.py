@@ -11,7 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_script(path, *argv, devices=8):
     """`python ROOT/path argv...` with JAX on `devices` CPU devices; the finished process (output captured)."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-    return subprocess.run([sys.executable, str(ROOT / path), *argv], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=str(ROOT),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
+    return subprocess.run(
+        [sys.executable, str(ROOT / path), *argv], env=env, capture_output=True, text=True, timeout=300, check=False
+    )

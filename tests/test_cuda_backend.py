@@ -23,9 +23,20 @@ from deep_ep_jax.backends.cuda import (
 )
 from deep_ep_jax.config import FP8_BLOCK
 
-LIMITS = dict(max_group_ranks=1024, max_nvlink_ranks=8, max_internode_normal_ranks=8, control_bytes=1 << 16,
-              max_local_experts=4096, fp8_block=128, low_latency_max_topk=64, low_latency_max_experts=2048, low_latency_max_shared_bytes=48 * 1024, max_layout_bins=12288,
-              max_blocks=132, max_warps=16)
+LIMITS = dict(
+    max_group_ranks=1024,
+    max_nvlink_ranks=8,
+    max_internode_normal_ranks=8,
+    control_bytes=1 << 16,
+    max_local_experts=4096,
+    fp8_block=128,
+    low_latency_max_topk=64,
+    low_latency_max_experts=2048,
+    low_latency_max_shared_bytes=48 * 1024,
+    max_layout_bins=12288,
+    max_blocks=132,
+    max_warps=16,
+)
 
 
 def test_declared_results():
@@ -36,7 +47,10 @@ def test_declared_results():
     local = {"deep_ep_jax_get_dispatch_layout"} | {t.name for t in expert_major.TARGETS}
     for name, results in declared.items():  # every call that communicates returns its Buffer's order state last
         assert (results[-1] == "order_out") == (name not in local), name
-    assert declared["deep_ep_jax_internode_dispatch"] == declared["deep_ep_jax_dispatch"][:-1] + ("node_pos", "order_out")
+    assert declared["deep_ep_jax_internode_dispatch"] == declared["deep_ep_jax_dispatch"][:-1] + (
+        "node_pos",
+        "order_out",
+    )
     for name, results in declared.items():
         assert len(set(results)) == len(results), name
         if name.endswith("_overlapped"):  # the same results as the half on XLA's stream
@@ -51,7 +65,9 @@ def test_registration_refuses_another_extension():
     with pytest.raises(RuntimeError, match=r"deep_ep_jax_combine: the extension returns \['out_weights', 'out'\]"):
         lifecycle.check_ffi_outputs(declared, swapped)
     missing = {k: v for k, v in declared.items() if k != "deep_ep_jax_low_latency_combine"}
-    with pytest.raises(RuntimeError, match="rebuild the extension.*deep_ep_jax_low_latency_combine: not in the extension"):
+    with pytest.raises(
+        RuntimeError, match="rebuild the extension.*deep_ep_jax_low_latency_combine: not in the extension"
+    ):
         lifecycle.check_ffi_outputs(declared, missing)
     lifecycle.check_fp8_block(LIMITS)
     with pytest.raises(RuntimeError, match="per 64 channels, the Python API per 128"):
@@ -86,8 +102,9 @@ def test_ops_of_modules():
 
 def test_targets_registered_in_one_place():
     package = pathlib.Path(dej.__file__).parent
-    callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py")
-                     if "register_ffi_target(" in p.read_text())
+    callers = sorted(
+        str(p.relative_to(package)) for p in package.rglob("*.py") if "register_ffi_target(" in p.read_text()
+    )
     assert callers == ["backends/cuda/lifecycle.py"]
 
 

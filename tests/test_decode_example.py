@@ -7,10 +7,9 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import moe_decode as md
 import numpy as np
 import pytest
-
-import moe_decode as md
 from script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,14 +121,35 @@ def test_decode_example_runs(train_steps):
     0.1% of the largest logit (the check itself allows more, for the GPU's
     kernels and near-ties), timings and tokens per second are printed; also
     an untrained model (--train-steps 0)."""
-    run = run_script("examples/moe_decode.py", "--train-steps", train_steps, "--train-batch", "16", "--batch", "4",
-                     "--prompt-len", "3", "--decode-steps", "2", "--repeats", "1", "--hidden", "64", "--ffn", "64",
-                     "--vocab", "64", "--seq-len", "8")
+    run = run_script(
+        "examples/moe_decode.py",
+        "--train-steps",
+        train_steps,
+        "--train-batch",
+        "16",
+        "--batch",
+        "4",
+        "--prompt-len",
+        "3",
+        "--decode-steps",
+        "2",
+        "--repeats",
+        "1",
+        "--hidden",
+        "64",
+        "--ffn",
+        "64",
+        "--vocab",
+        "64",
+        "--seq-len",
+        "8",
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "mesh {'data': 2, 'expert': 4}, backends ['xla']" in run.stdout, run.stdout
     checks = [line for line in run.stdout.splitlines() if line.startswith("check (xla): ")]
     assert len(checks) == 1 and checks[0].endswith(": OK"), run.stdout
     error = re.search(r"= ([\d.]+)% of max \|logit\| [\d.]+ on (\d+) of (\d+) sequences.*; 0 beyond it", checks[0])
     assert error and float(error[1]) <= 0.1 and error[2] == error[3], checks[0]
-    assert re.search(r"xla: [\d,]+ tokens/s \(all devices\); per step [\d.]+ ms .*; MoE part alone [\d.]+ ms",
-                     run.stdout), run.stdout
+    assert re.search(
+        r"xla: [\d,]+ tokens/s \(all devices\); per step [\d.]+ ms .*; MoE part alone [\d.]+ ms", run.stdout
+    ), run.stdout

@@ -13,13 +13,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import oracle
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
-
-import oracle
 
 TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
 
@@ -44,8 +43,18 @@ def layers(mesh, buffer, num_experts):
 
     def dropless(capacity):
         def layer(x, idx, w, scales):
-            return dej.dropless_moe(x, idx, w, dt.scaled_experts, scales, num_experts=num_experts, buffer=buffer,
-                                    capacity=capacity, return_rounds=True)
+            return dej.dropless_moe(
+                x,
+                idx,
+                w,
+                dt.scaled_experts,
+                scales,
+                num_experts=num_experts,
+                buffer=buffer,
+                capacity=capacity,
+                return_rounds=True,
+            )
+
         return layer
 
     def with_grads(layer):
@@ -53,8 +62,10 @@ def layers(mesh, buffer, num_experts):
             def loss(x, w, scales):
                 out, rounds = layer(x, idx, w, scales)
                 return jnp.sum(out.astype(jnp.float32) * ramp), (out, rounds)
+
             (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
             return (out, jnp.reshape(rounds, (1,))) + grads
+
         return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(buffer.axis_name), out_specs=P(buffer.axis_name)))
 
     return with_grads(worst), lambda capacity: with_grads(dropless(capacity))
@@ -74,8 +85,13 @@ def check_rounds(num_ranks, seed):
         x, idx, w, scales = exact_inputs(rng, num_ranks, num_experts, kind)
         want = [np.asarray(a, np.float32) for a in worst(x, idx, w, scales)]
         valid = np.where((idx >= 0) & (idx < num_experts), idx, -1).reshape(num_ranks, TOKENS, TOPK)
-        received = oracle.dispatch(x.astype(np.float32).reshape(num_ranks, TOKENS, HIDDEN), valid,
-                                   w.reshape(valid.shape), num_experts, num_ranks * TOKENS)
+        received = oracle.dispatch(
+            x.astype(np.float32).reshape(num_ranks, TOKENS, HIDDEN),
+            valid,
+            w.reshape(valid.shape),
+            num_experts,
+            num_ranks * TOKENS,
+        )
         y = oracle.scaled_expert_rows(received, scales.reshape(num_ranks, -1), num_ranks * TOKENS, HIDDEN)
         expected = oracle.bf16_values(oracle.combine(y, received, TOKENS)).reshape(-1, HIDDEN)
         np.testing.assert_array_equal(want[0], expected, err_msg=kind)
@@ -105,10 +121,17 @@ def test_dropless_matches_the_worst_case_layer_16_ranks():
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=16".strip()
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "16", str(seed)], env=env, capture_output=True,
-                            text=True, timeout=600, check=False)
-    assert result.returncode == 0 and "CASE rounds OK" in result.stdout, f"seed {seed}:\n{result.stdout[-3000:]}" \
-                                                                         f"{result.stderr[-6000:]}"
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "16", str(seed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert result.returncode == 0 and "CASE rounds OK" in result.stdout, (
+        f"seed {seed}:\n{result.stdout[-3000:]}{result.stderr[-6000:]}"
+    )
 
 
 if __name__ == "__main__":

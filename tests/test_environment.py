@@ -62,29 +62,50 @@ def test_timeout_reaches_timeout_ns(monkeypatch):
     assert dej.Config().timeout_ns == 250_000_000
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                             ("0", False), ("false", False), ("No", False), ("off", False)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("off", False),
+    ],
+)
 def test_checks_spellings(monkeypatch, value, expected):
     monkeypatch.setenv("DEEP_EP_JAX_CHECKS", value)
     assert dej.Config().checks is expected
 
 
-@pytest.mark.parametrize("name, value", [("DEEP_EP_JAX_NUM_SMS", "many"), ("DEEP_EP_JAX_NUM_SMS", "2.5"),
-                                         ("DEEP_EP_JAX_TIMEOUT_S", "20s"), ("DEEP_EP_JAX_CHECKS", "ture"),
-                                         ("DEEP_EP_JAX_LL_OVERLAP_SMS", "half"),
-                                         ("DEEP_EP_JAX_GPUS_PER_HOST", "two")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("DEEP_EP_JAX_NUM_SMS", "many"),
+        ("DEEP_EP_JAX_NUM_SMS", "2.5"),
+        ("DEEP_EP_JAX_TIMEOUT_S", "20s"),
+        ("DEEP_EP_JAX_CHECKS", "ture"),
+        ("DEEP_EP_JAX_LL_OVERLAP_SMS", "half"),
+        ("DEEP_EP_JAX_GPUS_PER_HOST", "two"),
+    ],
+)
 def test_unparsable_value_names_the_variable(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"^environment variable {name}='{value}' is not "):
         dej.Config()
 
 
-@pytest.mark.parametrize("name, value, match", [
-    ("DEEP_EP_JAX_NUM_SMS", "0", r"Config.num_sms must be >= 1, got 0"),
-    ("DEEP_EP_JAX_TIMEOUT_S", "0", r"Config.timeout_s must be in \[0.001, 3600\], got 0.0"),
-    ("DEEP_EP_JAX_LL_OVERLAP_SMS", "-1", r"Config.low_latency_overlap_sms must be >= 0, got -1"),
-    ("DEEP_EP_JAX_GPUS_PER_HOST", "0", r"Config.gpus_per_host must be >= 1 or None, got 0"),
-])
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        ("DEEP_EP_JAX_NUM_SMS", "0", r"Config.num_sms must be >= 1, got 0"),
+        ("DEEP_EP_JAX_TIMEOUT_S", "0", r"Config.timeout_s must be in \[0.001, 3600\], got 0.0"),
+        ("DEEP_EP_JAX_LL_OVERLAP_SMS", "-1", r"Config.low_latency_overlap_sms must be >= 0, got -1"),
+        ("DEEP_EP_JAX_GPUS_PER_HOST", "0", r"Config.gpus_per_host must be >= 1 or None, got 0"),
+    ],
+)
 def test_out_of_range_value_is_refused(monkeypatch, name, value, match):
     """The message names the variable the value came from (a user who never wrote a Config)."""
     monkeypatch.setenv(name, f" {value} ")
@@ -107,8 +128,9 @@ def test_checks_variable_turns_checks_on():
     bad = jnp.asarray(idx).at[5, 1].set(num_experts + 1)
 
     def layout(buffer):
-        return dej.checked(dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=num_experts, buffer=buffer),
-                                       mesh, "ep"))
+        return dej.checked(
+            dt.per_rank(lambda i: dej.get_dispatch_layout(i, num_experts=num_experts, buffer=buffer), mesh, "ep")
+        )
 
     unchecked = layout(dej.Buffer(mesh, "ep", backend="xla"))
     with pytest.MonkeyPatch.context() as env:
@@ -120,8 +142,10 @@ def test_checks_variable_turns_checks_on():
         checked(bad)
 
 
-@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("on", True), ("0", False), ("no", False),
-                                             ("enable", None), ("2", None)])
+@pytest.mark.parametrize(
+    "value, expected",
+    [("1", True), ("true", True), ("on", True), ("0", False), ("no", False), ("enable", None), ("2", None)],
+)
 def test_staged_variable(monkeypatch, value, expected):
     """Spelled as the other flags; anything else is an error naming it (not off)."""
     assert intranode.staged_requested() is False
@@ -149,8 +173,12 @@ def test_local_device_variable(monkeypatch):
     launch.initialize()
     monkeypatch.delenv(launch.LOCAL_DEVICE_VAR)
     launch.initialize()
-    common = {"coordinator_address": "127.0.0.1:5555", "num_processes": 2, "process_id": 1,
-              "cluster_detection_method": "deactivate"}
+    common = {
+        "coordinator_address": "127.0.0.1:5555",
+        "num_processes": 2,
+        "process_id": 1,
+        "cluster_detection_method": "deactivate",
+    }
     assert calls == [dict(common, local_device_ids=[1]), common]
 
 
@@ -180,15 +208,19 @@ def test_internode_pipeline_variable_reaches_the_kernels(monkeypatch, value, exp
     if value is not None:
         monkeypatch.setenv("DEEP_EP_JAX_INTERNODE_PIPELINE", value)
     num_ranks, num_nodes, tokens, hidden, topk = 4, 2, 16, 256, 4
-    buffer = dt.stand_in_cuda_buffer(num_ranks, num_nodes=num_nodes, spans_hosts=True,
-                                     num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens,
-                                                                                topk))
+    buffer = dt.stand_in_cuda_buffer(
+        num_ranks,
+        num_nodes=num_nodes,
+        spans_hosts=True,
+        num_nvl_bytes=sizes.internode_region_bytes(num_ranks, num_nodes, hidden, tokens, topk),
+    )
     x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
     idx, w = jax.ShapeDtypeStruct((tokens, topk), jnp.int32), jax.ShapeDtypeStruct((tokens, topk), jnp.float32)
 
     def round_trip(x, idx, w):
-        recv_xs, _, recv_w, handle = internode.dispatch((x,), idx, w, num_experts=8, num_worst_tokens=None,
-                                                        buffer=buffer)
+        recv_xs, _, recv_w, handle = internode.dispatch(
+            (x,), idx, w, num_experts=8, num_worst_tokens=None, buffer=buffer
+        )
         again = internode.cached_dispatch((x,), w, handle, buffer=buffer)
         return again, internode.combine(recv_xs[0], recv_w, handle, buffer=buffer)
 

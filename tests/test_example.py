@@ -7,20 +7,19 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import moe_layer as ml
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from script_run import run_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import fp8_quant
 from deep_ep_jax import testing as dt
 from deep_ep_jax.comm.expert_major import default_num_rows
 from deep_ep_jax.experts.grouped_gemm import Fp8Rows
-
-import moe_layer as ml
-from script_run import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +54,7 @@ def dense_moe(x, topk_idx, topk_weights, w_in, w_out):
 
 def output_and_grads(fn, args, probe):
     """(fn(*args), the gradients of <fn(*args), probe> for every argument), the forward run once."""
+
     def loss(*a):
         y = fn(*a)
         return jnp.sum(y.astype(jnp.float32) * probe), y
@@ -67,8 +67,9 @@ def output_and_grads(fn, args, probe):
 def _dense_and_grads(x, topk_idx, topk_weights, w_in, w_out, probe):
     """dense_moe and the gradients of <dense_moe(...), probe> for (x, topk_weights, w_in, w_out), under one
     jit (run eagerly, each of its ops compiles on its own; jitted, one compile per shape for the module)."""
-    return output_and_grads(lambda x, w, wi, wo: dense_moe(x, topk_idx, w, wi, wo), (x, topk_weights, w_in, w_out),
-                            probe)
+    return output_and_grads(
+        lambda x, w, wi, wo: dense_moe(x, topk_idx, w, wi, wo), (x, topk_weights, w_in, w_out), probe
+    )
 
 
 def _assert_close(got, want, what, rel=3e-2):
@@ -126,8 +127,11 @@ def test_expert_ffn_ignores_padding_and_empty_slots():
     assert (np.asarray(grads[0][num_valid:], np.float32) == 0).all()
 
 
-MOE_FFN_CASES = ([(kind, "ragged_dot", 1) for kind in dt.ROUTING_KINDS]
-                 + [(kind, "grouped", 1) for kind in dt.ROUTING_KINDS] + [("rank_empty", "grouped", 3)])
+MOE_FFN_CASES = (
+    [(kind, "ragged_dot", 1) for kind in dt.ROUTING_KINDS]
+    + [(kind, "grouped", 1) for kind in dt.ROUTING_KINDS]
+    + [("rank_empty", "grouped", 3)]
+)
 
 
 @functools.cache
@@ -140,8 +144,14 @@ def _moe_ffn_and_grads(impl, alignment, expert_rows=None):
     buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=H, num_experts=num_experts)
     tokens, experts = P(("data", "expert")), P("expert")
     sharded = jax.shard_map(  # shard_map's defaults (check_vma=True), as the example
-        lambda *a: ml.moe_ffn(*a, buffer=buffer, num_experts=num_experts, expert_impl=impl,
-                              expert_rows=expert_rows, expert_alignment=alignment),
+        lambda *a: ml.moe_ffn(
+            *a,
+            buffer=buffer,
+            num_experts=num_experts,
+            expert_impl=impl,
+            expert_rows=expert_rows,
+            expert_alignment=alignment,
+        ),
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, experts, experts),
         out_specs=tokens,
@@ -211,8 +221,17 @@ def test_training_example_loss_falls(tmp_path, impl):
     """examples/moe_flax.py trains on 8 virtual CPU devices and its loss falls
     (with the default experts, and with --expert-impl grouped)."""
     plot = tmp_path / "loss.png"
-    run = run_example("moe_flax.py", "--steps", "8", "--log-every", "1", "--no-progress", "--plot", str(plot),
-                      *(["--expert-impl", impl] if impl else []))
+    run = run_example(
+        "moe_flax.py",
+        "--steps",
+        "8",
+        "--log-every",
+        "1",
+        "--no-progress",
+        "--plot",
+        str(plot),
+        *(["--expert-impl", impl] if impl else []),
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "backend xla" in run.stdout and "'data': 2, 'expert': 4" in run.stdout, run.stdout
     assert f"experts {impl or 'ragged_dot'}" in run.stdout, run.stdout
@@ -250,9 +269,11 @@ def _expert_ffn_and_grads(impl, capacity=None, expert_rows=None, alignment=None)
     """f(x, idx, weights, w_in, w_out, probe) -> expert_ffn's output and the gradients of <output, probe>
     for (x, weights, w_in, w_out), under one jit. Built once per configuration, so that cases and tests of
     one shape share its compile (idx and probe are arguments, not constants of the trace)."""
+
     def f(x, idx, weights, w_in, w_out, probe):
-        fn = lambda x, w, wi, wo: ml.expert_ffn(x, idx, w, wi, wo, impl=impl, capacity=capacity,
-                                                expert_rows=expert_rows, expert_alignment=alignment)
+        fn = lambda x, w, wi, wo: ml.expert_ffn(
+            x, idx, w, wi, wo, impl=impl, capacity=capacity, expert_rows=expert_rows, expert_alignment=alignment
+        )
         return output_and_grads(fn, (x, weights, w_in, w_out), probe)
 
     return jax.jit(f)
@@ -305,8 +326,9 @@ def test_capacity_drops_pairs_past_capacity():
     probe = dt.random_rows(22, (num_rows, H), jnp.float32)
     # The capacity path gets every pair with its weight; the reference only the kept ones.
     y, g = _ffn_and_grads("capacity", capacity, x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out, probe)
-    want_y, want_g = _ffn_and_grads("ragged_dot", None, x, jnp.asarray(kept_idx), jnp.asarray(weights), w_in, w_out,
-                                    probe)
+    want_y, want_g = _ffn_and_grads(
+        "ragged_dot", None, x, jnp.asarray(kept_idx), jnp.asarray(weights), w_in, w_out, probe
+    )
     _assert_close(y, want_y, "dropped: output", rel=1e-2)
     for name, a, b in zip(("x", "weights", "w_in", "w_out"), g, want_g):
         _assert_close(a, b, f"dropped: grad {name}", rel=1e-2)
@@ -333,14 +355,14 @@ def _layer_inputs(layer_seed, x_seed, hidden=H):
     num_experts = 2 * mesh.shape["expert"]
     buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
     layer = ml.MoE(hidden, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(layer_seed))
-    x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, hidden), jnp.float32),
-                       NamedSharding(mesh, P(None, None)))
+    x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, hidden), jnp.float32), NamedSharding(mesh, P(None, None)))
     return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
 
 
 def _layer_and_grads_fn(buffer, x, impl, use_fp8=False):
     """(router, w_in, w_out) -> moe_apply's output and the gradients of sum(sin(output)) for them;
     use_fp8: with the weights' FP8 copies made inside."""
+
     def apply(router, w_in, w_out):
         fp8 = ml.fp8_expert_weights(w_in, w_out, mesh=buffer.mesh, axis_name=buffer.axis_name) if use_fp8 else None
         return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8)[0]
@@ -383,7 +405,9 @@ def test_moe_apply_fp8_experts(hidden):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.isfinite(a).all(), name
         # FP8 operands (3 mantissa bits): a few percent off as a norm, never more than 10%.
-        assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), f"fp8 {name}: {np.linalg.norm(a - b) / np.linalg.norm(b):.3g}"
+        assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b), (
+            f"fp8 {name}: {np.linalg.norm(a - b) / np.linalg.norm(b):.3g}"
+        )
         assert not np.array_equal(a, b), f"fp8 {name}: identical to bf16, so FP8 did not run"
     # The wiring (the FP8 maths itself is checked against numpy in test_grouped_gemm.py): both matmuls take
     # the FP8 copies with FP8 weight gradients; the first takes FP8 rows where the hidden size allows them
@@ -394,6 +418,7 @@ def test_moe_apply_fp8_experts(hidden):
         def recorded(rows, w, *args, fp8_weights=None, **kwargs):
             calls.append((isinstance(rows, Fp8Rows), fp8_weights is not None and fp8_weights.weight_grad))
             return fn(rows, w, *args, fp8_weights=fp8_weights, **kwargs)
+
         return recorded
 
     with pytest.MonkeyPatch.context() as patch:
@@ -404,8 +429,12 @@ def test_moe_apply_fp8_experts(hidden):
     with pytest.raises(ValueError, match="fp8 expert weights need expert_impl='grouped'"):
         # A trace-time check: traced (eval_shape), so that nothing compiles or runs op by op.
         fp8 = jax.eval_shape(ml.fp8_expert_weights, *params[1:])
-        jax.eval_shape(lambda x, p, fp8: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl="capacity",
-                                                      fp8=fp8), x, params, fp8)
+        jax.eval_shape(
+            lambda x, p, fp8: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl="capacity", fp8=fp8),
+            x,
+            params,
+            fp8,
+        )
 
 
 def test_fp8_expert_weights_per_rank():
@@ -433,10 +462,13 @@ def test_fp8_expert_weights_lower_per_rank(monkeypatch):
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
     split = NamedSharding(mesh, P(axis))
     shapes = [jax.ShapeDtypeStruct((w_in.shape[0], rows, 256), jnp.bfloat16, sharding=split) for rows in (256, 128)]
-    for kwargs, experts in ((dict(mesh=mesh, axis_name=axis), w_in.shape[0] // mesh.shape[axis]),
-                            ({}, w_in.shape[0])):
-        text = jax.jit(lambda a, b, kw=kwargs: ml.fp8_expert_weights(a, b, **kw)).trace(*shapes).lower(
-            lowering_platforms=("cuda",)).as_text()
+    for kwargs, experts in ((dict(mesh=mesh, axis_name=axis), w_in.shape[0] // mesh.shape[axis]), ({}, w_in.shape[0])):
+        text = (
+            jax.jit(lambda a, b, kw=kwargs: ml.fp8_expert_weights(a, b, **kw))
+            .trace(*shapes)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         calls = [line for line in text.splitlines() if "stablehlo.custom_call @deep_ep_jax_fp8_" in line]
         batches = {int(b) for line in calls for b in re.findall(r"\(tensor<(\d+)x\d+x\d+xbf16>", line)}
         assert len(calls) == 4 and batches == {experts}, (kwargs.keys(), calls)
@@ -462,8 +494,10 @@ def test_grouped_matches_ragged_dot_and_capacity(skewed):
     idx, weights = jnp.asarray(idx), jnp.asarray(weights)
     w_in, w_out = _weights(31, num_local)
     probe = dt.random_rows(32, (num_rows, H), jnp.float32)
-    references = {impl: _ffn_and_grads(impl, num_rows * K, x, idx, weights, w_in, w_out, probe)
-                  for impl in ("ragged_dot", "capacity")}
+    references = {
+        impl: _ffn_and_grads(impl, num_rows * K, x, idx, weights, w_in, w_out, probe)
+        for impl in ("ragged_dot", "capacity")
+    }
     for rows, alignment in ((None, 1), (num_pairs, 1), (None, 8), (None, 128)):  # 128: aligned_groups
         worst = default_num_rows(num_rows, K, num_local, alignment)
         assert int(ml.expert_rows_overflow(idx, num_local, 1, rows or worst, alignment)) == 0
@@ -486,8 +520,14 @@ def test_padded_group_sizes_are_whole_multiples():
     x, idx, _ = _random_recv(40, num_rows, 33, num_local)
     for alignment in (1, 8, 128):
         rows = default_num_rows(num_rows, K, num_local, alignment)
-        _, layout = ml.expand(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx), num_local_experts=num_local,
-                              alignment=alignment, num_rows=rows, backend="xla")
+        _, layout = ml.expand(
+            jnp.asarray(x, jnp.bfloat16),
+            jnp.asarray(idx),
+            num_local_experts=num_local,
+            alignment=alignment,
+            num_rows=rows,
+            backend="xla",
+        )
         sizes = np.asarray(layout.padded_group_sizes(alignment))
         assert (sizes % alignment == 0).all() and sizes.sum() <= rows, (alignment, sizes, rows)
         np.testing.assert_array_equal(np.cumsum(sizes) - sizes, np.asarray(layout.group_offsets))
@@ -508,7 +548,7 @@ def _kept_routing(idx, num_experts, num_ranks, num_groups, expert_rows, alignmen
             start = 0
             for e in range(rank * num_local, (rank + 1) * num_local):
                 pairs = np.argwhere(block == e)  # (token, k) in token order
-                for t, k in pairs[max(expert_rows - start, 0):]:
+                for t, k in pairs[max(expert_rows - start, 0) :]:
                     block[t, k] = -1
                 start += -(-len(pairs) // alignment) * alignment
     return kept
@@ -533,8 +573,15 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
     tokens = P(("data", "expert"))
 
     def num_dropped(x, idx, w):
-        layout = dej.dispatch_expert_major(x.astype(jnp.bfloat16), idx, w, num_experts=num_experts, buffer=buffer,
-                                           alignment=alignment, num_rows=expert_rows)[1]
+        layout = dej.dispatch_expert_major(
+            x.astype(jnp.bfloat16),
+            idx,
+            w,
+            num_experts=num_experts,
+            buffer=buffer,
+            alignment=alignment,
+            num_rows=expert_rows,
+        )[1]
         return jax.lax.psum(layout.num_dropped, ("data", "expert"))
 
     x = dt.random_rows(34, (num_tokens, H), jnp.float32)
@@ -552,19 +599,26 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
         _assert_close(g, w, f"dropped: grad {name}")
 
 
-@pytest.mark.parametrize("script,argv,message", [
-    ("moe_flax.py", ["--top-k", "9"], "--top-k 9 must be in [1, --experts 8]"),
-    ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
-    ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
-    ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
-    ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
-    ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
-    ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
-    ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),
-    ("moe_decode.py", ["--prompt-len", "0"], "--prompt-len 0 + --decode-steps 32 must be at most --seq-len 64 "
-                                             "(the model's positions), with a prompt of at least 1"),
-    ("moe_decode.py", ["--decode-steps", "0"], "--repeats 5 and --decode-steps 0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "script,argv,message",
+    [
+        ("moe_flax.py", ["--top-k", "9"], "--top-k 9 must be in [1, --experts 8]"),
+        ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
+        ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
+        ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
+        ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
+        ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
+        ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
+        ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),
+        (
+            "moe_decode.py",
+            ["--prompt-len", "0"],
+            "--prompt-len 0 + --decode-steps 32 must be at most --seq-len 64 "
+            "(the model's positions), with a prompt of at least 1",
+        ),
+        ("moe_decode.py", ["--decode-steps", "0"], "--repeats 5 and --decode-steps 0 must be at least 1"),
+    ],
+)
 def test_examples_reject_bad_model_options(script, argv, message):
     """The examples exit with one line naming the option, before building anything."""
     run = run_example(script, *argv)  # 8 devices on any host: the messages' device counts
@@ -584,11 +638,27 @@ def test_expert_args_rejected_at_trace_time():
     params = (layer.router[...], layer.w_in[...], layer.w_out[...])
     for rows in (0, 2.5):
         with pytest.raises(ValueError, match="expert_rows must be a positive int"):
-            jax.jit(lambda x, *p, rows=rows: ml.moe_apply(x, *p, top_k=2, buffer=buffer, expert_impl="grouped",
-                                                          expert_rows=rows))(x, *params)
+            jax.jit(
+                lambda x, *p, rows=rows: ml.moe_apply(
+                    x, *p, top_k=2, buffer=buffer, expert_impl="grouped", expert_rows=rows
+                )
+            )(x, *params)
     with pytest.raises(ValueError, match="expert_alignment must be a positive int"):
-        ml.expert_ffn(x, jnp.zeros((x.shape[0], 2), jnp.int32), jnp.ones((x.shape[0], 2)), *params[1:],
-                      impl="grouped", expert_alignment=0)
+        ml.expert_ffn(
+            x,
+            jnp.zeros((x.shape[0], 2), jnp.int32),
+            jnp.ones((x.shape[0], 2)),
+            *params[1:],
+            impl="grouped",
+            expert_alignment=0,
+        )
     with pytest.raises(ValueError, match="expert_rows 30 must be a multiple of the expert alignment 8"):
-        ml.expert_ffn(x, jnp.zeros((x.shape[0], 2), jnp.int32), jnp.ones((x.shape[0], 2)), *params[1:],
-                      impl="grouped", expert_rows=30, expert_alignment=8)
+        ml.expert_ffn(
+            x,
+            jnp.zeros((x.shape[0], 2), jnp.int32),
+            jnp.ones((x.shape[0], 2)),
+            *params[1:],
+            impl="grouped",
+            expert_rows=30,
+            expert_alignment=8,
+        )

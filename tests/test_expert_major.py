@@ -14,9 +14,9 @@ import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import _native, fp8_quant
-from deep_ep_jax.comm import expert_major as em
 from deep_ep_jax import testing as dt
 from deep_ep_jax.backends import reference
+from deep_ep_jax.comm import expert_major as em
 from deep_ep_jax.experts.grouped_gemm import Fp8Rows, fp8_weights
 
 H = 128
@@ -82,12 +82,14 @@ def _check_layout(layout, idx, num_local_experts, alignment, num_rows):
 def _expand_reduce_step(num_ranks, num_local_experts, alignment, rows):
     """The jitted per-rank step of the test below, built once per (alignment, rows): the routings
     (arguments of the step) share its compile."""
+
     def step(x, idx, w, y_in):
         expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=rows)
         y = dej.reduce(y_in, w, layout)
         # Unused rows never reach the sum, whatever they hold.
         poisoned = jnp.where((layout.row_pair >= 0)[:, None], y_in, jnp.asarray(jnp.nan, y_in.dtype))
         return expert_x, layout, y, dej.reduce(poisoned, w, layout)
+
     return _per_rank(step, num_ranks)
 
 
@@ -131,7 +133,8 @@ def test_expand_fp8_pair():
 
     def step(data, scales, idx):
         (expert_data, expert_scales), layout = dej.expand(
-            (data, scales), idx, num_local_experts=num_local_experts, alignment=alignment)
+            (data, scales), idx, num_local_experts=num_local_experts, alignment=alignment
+        )
         return expert_data, expert_scales, layout
 
     expert_data, expert_scales, layout = _per_rank(step, num_ranks)(data, scales, jnp.asarray(idx))
@@ -139,8 +142,13 @@ def test_expand_fp8_pair():
     data = np.asarray(data).reshape(num_ranks, num_tokens, H)
     scales = np.asarray(scales).reshape(num_ranks, num_tokens, -1)
     for r in range(num_ranks):
-        want = _check_layout(_rank(layout, r), idx.reshape(num_ranks, num_tokens, topk)[r],
-                             num_local_experts, alignment, expert_data.shape[1])
+        want = _check_layout(
+            _rank(layout, r),
+            idx.reshape(num_ranks, num_tokens, topk)[r],
+            num_local_experts,
+            alignment,
+            expert_data.shape[1],
+        )
         want_data = oracle.expert_expand(data[r], want["row_pair"], topk)
         np.testing.assert_array_equal(_bits(expert_data[r]), _bits(want_data))
         np.testing.assert_array_equal(expert_scales[r], oracle.expert_expand(scales[r], want["row_pair"], topk))
@@ -154,11 +162,13 @@ def _dispatch_combine_step(num_ranks, num_experts, alignment):
 
     def step(x, idx, w):
         expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
-            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment)
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment
+        )
         # Exact in bf16 (XLA may not round a fused bf16 product); unused rows are 1: they must not reach the sum.
         expert_y = jnp.where((layout.row_pair >= 0)[:, None], expert_x * 2, jnp.ones((), expert_x.dtype))
         out = dej.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
         return expert_y, layout, recv_w, out
+
     return _per_rank(step, num_ranks)
 
 
@@ -182,16 +192,20 @@ def test_dispatch_combine_expert_major_against_oracle(routing, alignment):
     # As numpy: the checks index per rank (indexing a jax array runs a gather op by op).
     expert_y, layout, recv_w, out = jax.tree.map(np.asarray, run(x, jnp.asarray(idx), jnp.asarray(w)))
     xs = np.asarray(x).reshape(num_ranks, num_tokens, H)
-    received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
-                               num_experts, num_ranks * num_tokens)
+    received = oracle.dispatch(
+        xs,
+        idx.reshape(num_ranks, num_tokens, topk),
+        w.reshape(num_ranks, num_tokens, topk),
+        num_experts,
+        num_ranks * num_tokens,
+    )
     num_worst = num_ranks * num_tokens
     rows = np.zeros((num_ranks, num_worst, H), ml_dtypes.bfloat16)
     for r in range(num_ranks):
         n = len(received[r]["idx"])
         recv_idx = np.full((num_worst, topk), -1, np.int32)
         recv_idx[:n] = np.reshape(received[r]["idx"], (n, topk))
-        want = _check_layout(_rank(layout, r), recv_idx, experts_per_rank, alignment,
-                             expert_y.shape[1])
+        want = _check_layout(_rank(layout, r), recv_idx, experts_per_rank, alignment, expert_y.shape[1])
         assert want["num_dropped"] == 0
         recv_x = np.zeros((num_worst, H), ml_dtypes.bfloat16)
         want_w = np.zeros((num_worst, topk), np.float32)  # padding rows: weight 0
@@ -216,8 +230,9 @@ def test_default_num_rows_never_drops():
     num_tokens, num_local_experts, alignment = 9, 3, 8
     idx = np.tile(np.array([0, 1, 2, -1], np.int32), (num_tokens, 1))
     x = dt.random_rows(0, (num_tokens, H))
-    expert_x, layout = jax.jit(lambda x, idx: dej.expand(x, idx, num_local_experts=num_local_experts,
-                                                         alignment=alignment))(x, jnp.asarray(idx))
+    expert_x, layout = jax.jit(
+        lambda x, idx: dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment)
+    )(x, jnp.asarray(idx))
     assert expert_x.shape[0] == num_tokens * 3 + 3 * 7
     assert int(layout.num_dropped) == 0 and (layout.group_sizes == num_tokens).all()
     np.testing.assert_array_equal(layout.group_offsets, [0, 16, 32])
@@ -231,8 +246,10 @@ def _loss_parts(seed, num_ranks, num_tokens, topk, num_local_experts, routing):
     return idx, x, w, c
 
 
-@pytest.mark.parametrize("routing, alignment, rows", [("random", 1, None), ("minus_one", 8, None),
-                                                      ("duplicates", 128, None), ("random", 8, 32)])
+@pytest.mark.parametrize(
+    "routing, alignment, rows",
+    [("random", 1, None), ("minus_one", 8, None), ("duplicates", 128, None), ("random", 8, 32)],
+)
 def test_gradients_against_oracle(routing, alignment, rows):
     """loss = sum(c * reduce(expand(x) * 2, w)): expand's backward sums each
     pair's row back in k order (bit for bit), reduce's gives bf16(w * dy) per
@@ -243,8 +260,9 @@ def test_gradients_against_oracle(routing, alignment, rows):
 
     def step(x, idx, w, c):
         def loss(x, w):
-            expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
-                                          num_rows=rows)
+            expert_x, layout = dej.expand(
+                x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=rows
+            )
             y = dej.reduce(expert_x * s, w, layout)
             return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)), (expert_x * s, layout)
 
@@ -268,8 +286,9 @@ def test_gradients_against_oracle(routing, alignment, rows):
         np.testing.assert_array_equal(_bits(g_x.reshape(num_ranks, num_tokens, H)[r]), oracle.bf16_bits(want_x))
         ey = np.asarray(expert_y[r], np.float64)
         want_w = np.where(pair_row >= 0, np.einsum("nh,nkh->nk", c[r], ey[np.maximum(pair_row, 0)]), 0.0)
-        np.testing.assert_allclose(np.asarray(g_w).reshape(num_ranks, num_tokens, topk)[r], want_w, rtol=1e-4,
-                                   atol=1e-3)
+        np.testing.assert_allclose(
+            np.asarray(g_w).reshape(num_ranks, num_tokens, topk)[r], want_w, rtol=1e-4, atol=1e-3
+        )
         assert (np.asarray(g_w).reshape(num_ranks, num_tokens, topk)[r][pair_row < 0] == 0).all()
     assert (dropped > 0) == (rows is not None)
 
@@ -288,8 +307,9 @@ def test_gradients_match_rank_major_formula():
     scale = jnp.linspace(0.5, 2.0, experts_per_rank, dtype=jnp.float32)  # a different "expert" per local id
 
     def expert_major(x, w, idx):
-        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
-                                                                     buffer=buffer, alignment=8)
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=8
+        )
         group = jnp.searchsorted(layout.group_offsets, jnp.arange(layout.num_rows), side="right") - 1
         expert_y = (expert_x.astype(jnp.float32) * scale[group][:, None]).astype(jnp.bfloat16)
         return dej.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
@@ -297,16 +317,20 @@ def test_gradients_match_rank_major_formula():
     def rank_major(x, w, idx):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
         has = recv_idx >= 0
-        terms = [(recv_x.astype(jnp.float32) * scale[jnp.maximum(recv_idx[:, k], 0)][:, None]).astype(jnp.bfloat16)
-                 for k in range(topk)]
-        y = sum(jnp.where(has[:, k : k + 1], recv_w[:, k : k + 1] * terms[k].astype(jnp.float32), 0.0)
-                for k in range(topk))
+        terms = [
+            (recv_x.astype(jnp.float32) * scale[jnp.maximum(recv_idx[:, k], 0)][:, None]).astype(jnp.bfloat16)
+            for k in range(topk)
+        ]
+        y = sum(
+            jnp.where(has[:, k : k + 1], recv_w[:, k : k + 1] * terms[k].astype(jnp.float32), 0.0) for k in range(topk)
+        )
         return dej.combine(y.astype(jnp.bfloat16), handle, buffer=buffer)
 
     def grads(model):
         def step(x, w, idx, c):
             loss = lambda x, w: jnp.sum(model(x, w, idx).astype(jnp.float32) * c)
             return jax.grad(loss, argnums=(0, 1))(x, w)
+
         return _per_rank(step, num_ranks)(x, jnp.asarray(w), jnp.asarray(idx), c)
 
     (gx, gw), (want_gx, want_gw) = grads(expert_major), grads(rank_major)
@@ -333,8 +357,9 @@ def test_dispatch_backward_is_combine_with_unit_weights(routing):
 
     def step(x, idx, w, key):
         def rows(x):
-            expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
-                                                                         buffer=buffer, alignment=8)
+            expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
+                x, idx, w, num_experts=num_experts, buffer=buffer, alignment=8
+            )
             return expert_x, (layout, recv_w, handle)
 
         expert_x, vjp, (layout, recv_w, handle) = jax.vjp(rows, x, has_aux=True)
@@ -374,7 +399,8 @@ def test_fp8_pair_gradients_under_check_vma():
 
     def layer(data, scales, idx, w):
         (expert_data, expert_scales), layout, recv_w, handle = dej.dispatch_expert_major(
-            (data, scales), idx, w, num_experts=num_experts, buffer=buffer)
+            (data, scales), idx, w, num_experts=num_experts, buffer=buffer
+        )
         y = reference.dequantize_fp8(expert_data, expert_scales).astype(jnp.bfloat16)
         out = dej.combine_expert_major(y, recv_w, layout, handle, buffer=buffer)
         (local_data, _), local = dej.expand((data, scales), jnp.where(idx < 2, idx, -1), num_local_experts=2)
@@ -395,19 +421,35 @@ def _fp8_rows_layer(buffer, num_experts, alignment, num_rows, fp8_rows, weight_g
     """One rank's layer on FP8 matmuls: dispatch_expert_major (rows sent as FP8 with fp8_rows, or bf16 and
     quantized inside grouped_matmul), a grouped matmul per local expert, combine_expert_major; with buffer
     None, expand and reduce alone (the rows local)."""
+
     def layer(x, idx, w, w_e):
         w8 = fp8_weights(w_e, weight_grad=weight_grad)
         if buffer is None:
-            expert_x, layout = dej.expand(x, idx, num_local_experts=w_e.shape[0], alignment=alignment,
-                                          num_rows=num_rows, fp8_rows=fp8_rows)
+            expert_x, layout = dej.expand(
+                x, idx, num_local_experts=w_e.shape[0], alignment=alignment, num_rows=num_rows, fp8_rows=fp8_rows
+            )
         else:
             expert_x, layout, w, handle = dej.dispatch_expert_major(
-                x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment, num_rows=num_rows,
-                fp8_rows=fp8_rows)
-        expert_y = dej.grouped_matmul(expert_x, w_e, layout.padded_group_sizes(alignment), impl="xla",
-                                      valid_sizes=layout.group_sizes, fp8_weights=w8)
+                x,
+                idx,
+                w,
+                num_experts=num_experts,
+                buffer=buffer,
+                alignment=alignment,
+                num_rows=num_rows,
+                fp8_rows=fp8_rows,
+            )
+        expert_y = dej.grouped_matmul(
+            expert_x,
+            w_e,
+            layout.padded_group_sizes(alignment),
+            impl="xla",
+            valid_sizes=layout.group_sizes,
+            fp8_weights=w8,
+        )
         y = dej.reduce(expert_y, w, layout)
         return (y if buffer is None else dej.combine(y, handle, buffer=buffer)), expert_x
+
     return layer
 
 
@@ -421,20 +463,22 @@ def _fp8_rows_step(local, num_ranks, num_experts, rows, fp8_rows, weight_grad):
     """The jitted per-rank step of the test below: the layer's output, its expert rows and gradients. Built
     once per configuration, so that routings of one configuration share its compile (the routing is an
     argument of the step, not a constant)."""
-    layer = _fp8_rows_layer(None if local else _fp8_rows_buffer(num_ranks), num_experts, 8, rows, fp8_rows,
-                            weight_grad)
+    layer = _fp8_rows_layer(None if local else _fp8_rows_buffer(num_ranks), num_experts, 8, rows, fp8_rows, weight_grad)
 
     def step(x, idx, w, w_e, c):
         loss = lambda x, w, w_e: jnp.sum(layer(x, idx, w, w_e)[0].astype(jnp.float32) * c)
         y, expert_x = layer(x, idx, w, w_e)
         # x's gradient alone too (the weights constant): the same rows' gradient, sent back alone.
         return y, expert_x, jax.grad(loss, argnums=(0, 1, 2))(x, w, w_e), jax.grad(loss)(x, w, w_e)
+
     return _per_rank(step, num_ranks)
 
 
 @pytest.mark.parametrize("local", [False, True])
-@pytest.mark.parametrize("routing, rows, weight_grad", [("minus_one", None, True), ("duplicates", None, False),
-                                                         ("rank_gets_nothing", None, True), ("random", 24, True)])
+@pytest.mark.parametrize(
+    "routing, rows, weight_grad",
+    [("minus_one", None, True), ("duplicates", None, False), ("rank_gets_nothing", None, True), ("random", 24, True)],
+)
 def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weight_grad):
     """Rows sent (or expanded) as FP8 (fp8_rows=True) are quantize_rows of the bf16 expert rows, bit for
     bit, and the layer's output and its gradients for x, the weights and the experts are those of bf16
@@ -504,8 +548,14 @@ def test_fp8_rows_without_data_t():
         rows, layout = dej.expand(x, idx, num_local_experts=3, alignment=8, fp8_rows=True)
         assert rows.data_t is not None
         rows = rows if keep_t else Fp8Rows(rows.data, rows.scales, rows.grad_sink)
-        y = dej.grouped_matmul(rows, w_e, layout.padded_group_sizes(8), impl="xla", valid_sizes=layout.group_sizes,
-                               fp8_weights=fp8_weights(w_e, weight_grad=True))
+        y = dej.grouped_matmul(
+            rows,
+            w_e,
+            layout.padded_group_sizes(8),
+            impl="xla",
+            valid_sizes=layout.group_sizes,
+            fp8_weights=fp8_weights(w_e, weight_grad=True),
+        )
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
@@ -535,11 +585,13 @@ def test_expand_rows_transposed_quantized(routing):
     x[only_zero, 3] = np.nan  # read by no row with a multiplier
     inverse = (rng.random(2 * H) * 300 + 1).astype(np.float32)
     inverse[:4] = 1e6  # saturates
-    got = reference_expert_major.expand_rows_transposed(jnp.asarray(x, jnp.bfloat16), layout, jnp.asarray(m),
-                                                        jnp.asarray(inverse))
+    got = reference_expert_major.expand_rows_transposed(
+        jnp.asarray(x, jnp.bfloat16), layout, jnp.asarray(m), jnp.asarray(inverse)
+    )
     assert got.dtype == jnp.float8_e4m3fn and got.shape == (2 * H, 104)
-    want = oracle.expert_expand_quantized_t(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), row_pair, 2, m,
-                                            inverse)
+    want = oracle.expert_expand_quantized_t(
+        np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), row_pair, 2, m, inverse
+    )
     np.testing.assert_array_equal(_bits(got), _bits(want.astype(ml_dtypes.float8_e4m3fn)))
     assert (np.abs(np.asarray(got, np.float32)) == 448).any() and (np.asarray(got, np.float32) != 0).any()
 
@@ -585,6 +637,7 @@ def _matmul_reduce_grads(fused, fp8, weight_grad, routing, exact=False):
 def _matmul_reduce_fn(fused, fp8, weight_grad, exact):
     """_matmul_reduce_grads' jitted function, built once per configuration: the routings share its compile
     (idx and the loss's cotangent c are arguments, not constants of the trace)."""
+
     def layer(x, w_e, w, idx):
         expert_x, layout = dej.expand(x, idx, num_local_experts=3, alignment=8)
         kwargs = dict(valid_sizes=layout.group_sizes, impl="xla")
@@ -600,6 +653,7 @@ def _matmul_reduce_fn(fused, fp8, weight_grad, exact):
     def f(x, w_e, w, idx, c):
         loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w, idx).astype(jnp.float32) * c)
         return layer(x, w_e, w, idx), jax.grad(loss, argnums=(0, 1, 2))(x, w_e, w)
+
     return jax.jit(f)
 
 
@@ -682,6 +736,7 @@ def test_outside_shard_map_and_auto_backend():
         def fn(x, idx):
             expert_x, layout = dej.expand(x, idx, num_local_experts=3, alignment=4, backend=backend)
             return dej.reduce(expert_x, w, layout, backend=backend)
+
         lowered = jax.jit(fn).lower(x, jnp.asarray(idx))
         assert "deep_ep_jax" not in lowered.as_text()
         return lowered.compile()(x, jnp.asarray(idx))
@@ -710,11 +765,14 @@ def test_cuda_branch_traces_on_cpu(monkeypatch):
         def step(backend):
             def fn(x, idx, w, c):
                 def loss(x, w):
-                    expert_x, layout = dej.expand(x, idx, num_local_experts=num_local_experts, alignment=8,
-                                                  backend=backend)
+                    expert_x, layout = dej.expand(
+                        x, idx, num_local_experts=num_local_experts, alignment=8, backend=backend
+                    )
                     y = dej.reduce(expert_x, w, layout, backend=backend)
                     return jnp.sum(y.astype(jnp.float32) * c.astype(jnp.float32)), (expert_x, layout)
+
                 return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+
             return _per_rank(fn, num_ranks)
 
         args = (x, jnp.asarray(idx), jnp.asarray(w), c)
@@ -734,8 +792,9 @@ def test_cuda_branch_traces_on_cpu(monkeypatch):
         for m in (cuda, ref):
             rows = jax.eval_shape(m.expand_rows, (x[:num_tokens],), layouts[0])
             assert rows == (jax.ShapeDtypeStruct((40, H), jnp.bfloat16),)
-            out = jax.eval_shape(m.reduce_rows, rows[0], jax.ShapeDtypeStruct(idx[:num_tokens].shape, jnp.float32),
-                                 layouts[0])
+            out = jax.eval_shape(
+                m.reduce_rows, rows[0], jax.ShapeDtypeStruct(idx[:num_tokens].shape, jnp.float32), layouts[0]
+            )
             assert out == jax.ShapeDtypeStruct((num_tokens, H), jnp.bfloat16)
     finally:
         em._cuda_ops.cache_clear()
@@ -762,8 +821,9 @@ def test_cuda_path_lowers_under_check_vma(monkeypatch):
     x = dt.random_rows(2, (num_ranks * num_tokens, H))
 
     def loss(x, w, idx):
-        expert_x, layout_, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
-                                                                      buffer=buffer, alignment=8)
+        expert_x, layout_, recv_w, handle = dej.dispatch_expert_major(
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=8
+        )
         out = dej.combine_expert_major(expert_x * 2, recv_w, layout_, handle, buffer=buffer)
         return jnp.sum(out.astype(jnp.float32))
 
@@ -773,8 +833,11 @@ def test_cuda_path_lowers_under_check_vma(monkeypatch):
     text = _per_rank(step, num_ranks).lower(x, jnp.asarray(w), jnp.asarray(idx)).as_text()
     calls = re.findall(r"stablehlo\.custom_call @(deep_ep_jax_\w+)\(([^)]*)\)(.*)", text)
     names = [name for name, _, _ in calls]
-    for name, count in (("deep_ep_jax_expert_layout", 1), ("deep_ep_jax_expand_rows", 1),
-                        ("deep_ep_jax_reduce_rows", 2)):  # reduce: forward, and expand's backward
+    for name, count in (
+        ("deep_ep_jax_expert_layout", 1),
+        ("deep_ep_jax_expand_rows", 1),
+        ("deep_ep_jax_reduce_rows", 2),
+    ):  # reduce: forward, and expand's backward
         assert names.count(name) == count, names
     attrs = {name: rest for name, _, rest in calls}
     assert re.search(r"alignment = 8 : i64", attrs["deep_ep_jax_expert_layout"])
@@ -796,7 +859,8 @@ def test_cuda_path_lowers_under_check_vma(monkeypatch):
 
     for read_t in (True, False):
         lowered = _per_rank(functools.partial(rows_step, read_t=read_t), num_ranks).lower(
-            x, jnp.asarray(idx % experts_per_rank))
+            x, jnp.asarray(idx % experts_per_rank)
+        )
         pattern = r"deep_ep_jax_expand_rows_transposed.*num_topk = 2 : i64.*-> tensor<128x\d+xf8E4M3FN>"
         assert bool(re.search(pattern, lowered.as_text())) == read_t
 
@@ -807,14 +871,24 @@ def test_cuda_path_lowers_under_check_vma(monkeypatch):
     def fused_step(x, w, idx):
         def loss(x, w_e, w):
             rows, layout_ = dej.expand(x, idx, num_local_experts=experts_per_rank, alignment=8, backend="cuda")
-            y = dej.grouped_matmul_reduce(rows, w_e, layout_.padded_group_sizes(8), w, layout_, backend="cuda",
-                                          fp8_weights=fp8_weights(w_e, weight_grad=True))
+            y = dej.grouped_matmul_reduce(
+                rows,
+                w_e,
+                layout_.padded_group_sizes(8),
+                w,
+                layout_,
+                backend="cuda",
+                fp8_weights=fp8_weights(w_e, weight_grad=True),
+            )
             return jnp.sum(y.astype(jnp.float32))
+
         return jax.grad(loss, argnums=(0, 1, 2))(x, w_e, w)
 
     text = _per_rank(fused_step, num_ranks).lower(x, jnp.asarray(w), jnp.asarray(idx % experts_per_rank)).as_text()
-    pattern = (r"deep_ep_jax_expand_rows_transposed\([^)]*\).*num_topk = 2 : i64.*"
-               r"\(tensor<\d+x128xbf16>, tensor<\d+xi32>, tensor<\d+xf32>, tensor<128xf32>\) -> tensor<128x\d+xf8E4M3FN>")
+    pattern = (
+        r"deep_ep_jax_expand_rows_transposed\([^)]*\).*num_topk = 2 : i64.*"
+        r"\(tensor<\d+x128xbf16>, tensor<\d+xi32>, tensor<\d+xf32>, tensor<128xf32>\) -> tensor<128x\d+xf8E4M3FN>"
+    )
     assert re.search(pattern, text), "the fused backward's quantized transposed expansion"
 
 
@@ -830,8 +904,11 @@ def test_trace_time_errors():
             dej.expand(x, idx, num_local_experts=num_local_experts)
     with pytest.raises(ValueError, match="expand: num_rows must be an int"):
         expand(x, idx, num_rows=0)
-    with pytest.raises(ValueError, match=r"expand: num_rows \(10\) must be a multiple of alignment \(4\), so every "
-                                         r"group ends on it; use 12 or 8$"):
+    with pytest.raises(
+        ValueError,
+        match=r"expand: num_rows \(10\) must be a multiple of alignment \(4\), so every "
+        r"group ends on it; use 12 or 8$",
+    ):
         expand(x, idx, alignment=4, num_rows=10)
     with pytest.raises(TypeError, match="expand: recv_x must be bfloat16"):
         expand(x.astype(jnp.float32), idx)
@@ -859,8 +936,11 @@ def test_trace_time_errors():
         with pytest.raises(ValueError, match=r"^ExpertLayout.padded_group_sizes: alignment must be an int >= 1"):
             layout.padded_group_sizes(alignment)
     for alignment in (1, 4):
-        with pytest.raises(ValueError, match=rf"^ExpertLayout.padded_group_sizes: alignment {alignment} is not the "
-                                             r"layout's \(2\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^ExpertLayout.padded_group_sizes: alignment {alignment} is not the "
+            r"layout's \(2\)",
+        ):
             layout.padded_group_sizes(alignment)
     assert layout.alignment == 2
     np.testing.assert_array_equal(layout.padded_group_sizes(), layout.padded_group_sizes(2))
@@ -890,14 +970,18 @@ def test_wrapper_errors():
         return _per_rank(fn, num_ranks)(x, jnp.asarray(idx), jnp.asarray(w))
 
     def other_layout(x, idx, w):  # a layout of another number of local experts than the handle's
-        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
-                                                                     buffer=buffer)
-        _, wrong = dej.expand(expert_x[: handle.num_worst_tokens], jnp.zeros_like(recv_w, jnp.int32),
-                              num_local_experts=experts_per_rank + 1, num_rows=layout.num_rows)
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts, buffer=buffer)
+        _, wrong = dej.expand(
+            expert_x[: handle.num_worst_tokens],
+            jnp.zeros_like(recv_w, jnp.int32),
+            num_local_experts=experts_per_rank + 1,
+            num_rows=layout.num_rows,
+        )
         return dej.combine_expert_major(expert_x, recv_w, wrong, handle, buffer=buffer)
 
-    with pytest.raises(ValueError, match="combine_expert_major: layout is for 4 local experts and 12 rows, the "
-                                         "handle for 3 and 12"):
+    with pytest.raises(
+        ValueError, match="combine_expert_major: layout is for 4 local experts and 12 rows, the handle for 3 and 12"
+    ):
         run(other_layout)
 
     def not_a_handle(x, idx, w):
@@ -932,13 +1016,15 @@ def test_wrapper_errors():
         run(bad_flag)
 
     def other_hidden(x, idx, w):  # the buffer was made for hidden=H
-        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(x, idx, w, num_experts=num_experts,
-                                                                     buffer=hidden_buffer)
+        expert_x, layout, recv_w, handle = dej.dispatch_expert_major(
+            x, idx, w, num_experts=num_experts, buffer=hidden_buffer
+        )
         return dej.combine_expert_major(expert_x[:, : H // 2], recv_w, layout, handle, buffer=hidden_buffer)
 
     hidden_buffer = dej.Buffer(mesh, "ep", backend="xla", hidden=H)
-    with pytest.raises(ValueError, match=f"^combine_expert_major: expert_y has hidden {H // 2} but the buffer was "
-                                         f"made for hidden {H}"):
+    with pytest.raises(
+        ValueError, match=f"^combine_expert_major: expert_y has hidden {H // 2} but the buffer was made for hidden {H}"
+    ):
         run(other_hidden)
 
     def no_tokens(x, idx, w):  # 0 tokens per rank and no num_worst_tokens: no row can arrive
@@ -960,8 +1046,12 @@ def test_a_group_cut_by_num_rows_stays_aligned():
     np.testing.assert_array_equal(sizes, [256, 128, 0, 0])
     assert int(layout.num_dropped) == num_tokens - 128
     w = jnp.asarray(np.random.default_rng(8).standard_normal((4, H, 64)) / np.sqrt(H), jnp.bfloat16)
-    y = np.asarray(dej.grouped_matmul(expert_x, w, jnp.asarray(sizes), impl="xla", aligned_groups=True,
-                                      valid_sizes=layout.group_sizes), np.float32)
+    y = np.asarray(
+        dej.grouped_matmul(
+            expert_x, w, jnp.asarray(sizes), impl="xla", aligned_groups=True, valid_sizes=layout.group_sizes
+        ),
+        np.float32,
+    )
     assert np.isfinite(y).all()
     x32, w32 = np.asarray(x, np.float32), np.asarray(w, np.float32)
     pair_row = np.asarray(layout.pair_row)

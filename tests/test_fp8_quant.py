@@ -51,15 +51,20 @@ def test_rows_and_columns_match_numpy(rng):
     m = np.exp(rng.standard_normal((3, 256))).astype(np.float32)
     m[:, 200:210] = 0  # rows left out of the columns' copy, whatever they hold
     a[1, 203, :5] = [np.nan, np.inf, -np.inf, 1e30, -7]
-    rows, row_scales, cols, col_scales = jax.jit(
-        lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="xla"))(a, m)
+    rows, row_scales, cols, col_scales = jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="xla"))(
+        a, m
+    )
     want_rows, want_row_scales = oracle.fp8_row_parts(a)
     with np.errstate(invalid="ignore"):  # inf * 0 in the rows left out, which np.where then drops
         z_t = np.swapaxes(np.where(m[..., None] == 0, 0, np.asarray(a, np.float32) * m[..., None]), 1, 2)
     assert not np.isnan(z_t).any() and not z_t[:, :, 200:210].any()
     want_cols, want_col_scales = oracle.fp8_row_parts(z_t)
-    for got, want in ((rows, want_rows), (row_scales, want_row_scales[..., 0]), (cols, want_cols),
-                      (col_scales, want_col_scales[..., 0])):
+    for got, want in (
+        (rows, want_rows),
+        (row_scales, want_row_scales[..., 0]),
+        (cols, want_cols),
+        (col_scales, want_col_scales[..., 0]),
+    ):
         np.testing.assert_array_equal(as_float(got), want)
 
 
@@ -88,18 +93,25 @@ def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit(monkeypatch):
         fp8_quant.quantize_rows(jnp.ones((2, 64), jnp.bfloat16), swiglu=True, impl="cuda")
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="triton"), "impl must be one of"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"),
-     "impl='cuda' needs bf16 a with C a multiple of 8"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True),
-     r"swiglu=True needs bf16 a \[..., 2C\]"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), swiglu=True), r"swiglu=True needs bf16"),
-    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
-    (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
-    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
-    (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 16)), jnp.ones((8,))), "col_multipliers must be"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="triton"), "impl must be one of"),
+        (
+            lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"),
+            "impl='cuda' needs bf16 a with C a multiple of 8",
+        ),
+        (
+            lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True),
+            r"swiglu=True needs bf16 a \[..., 2C\]",
+        ),
+        (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), swiglu=True), r"swiglu=True needs bf16"),
+        (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
+        (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
+        (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
+        (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 16)), jnp.ones((8,))), "col_multipliers must be"),
+    ],
+)
 def test_errors(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -111,8 +123,12 @@ def test_rows_lower_for_cuda(monkeypatch):
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
     for shape, swiglu in (((2, 256, 392), False), ((256, 2 * 392), True)):
         a = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-        text = jax.jit(lambda a: fp8_quant.quantize_rows(a, swiglu=swiglu, impl="cuda")).trace(a).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(lambda a, swiglu=swiglu: fp8_quant.quantize_rows(a, swiglu=swiglu, impl="cuda"))
+            .trace(a)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
         assert len(calls) == 1 and "@deep_ep_jax_fp8_quantize_rows" in calls[0], calls
         assert f"swiglu = {str(swiglu).lower()}" in calls[0], calls[0]
@@ -125,8 +141,12 @@ def test_rows_and_columns_lower_for_cuda(monkeypatch):
     m = jax.ShapeDtypeStruct((2, 256), jnp.float32)
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
     for multipliers in (None, m):
-        text = jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="cuda")).trace(
-            a, multipliers).lower(lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="cuda"))
+            .trace(a, multipliers)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
         assert len(calls) == 2, calls
         assert "@deep_ep_jax_fp8_amax_rows_and_columns" in calls[0] and "@deep_ep_jax_fp8_rows_and_columns" in calls[1]

@@ -70,10 +70,12 @@ def test_gpus_without_the_extension_fail_not_skip(pytester, monkeypatch):
     result, outcomes = _run(pytester)
     # Every test fails in setup (pytest counts them as errors), before any could skip itself.
     assert outcomes == {"errors": 3}, result.stdout.str()
-    result.stdout.fnmatch_lines(["*ERROR at setup of test_kernel*",
-                                 "JAX sees 2 CUDA GPU(s) but the CUDA backend cannot run: *not built*"])
-    result.stdout.fnmatch_lines(["*ERROR at setup of test_sizes*",
-                                 "JAX sees 2 CUDA GPU(s) but the extension does not load: *not built*"])
+    result.stdout.fnmatch_lines(
+        ["*ERROR at setup of test_kernel*", "JAX sees 2 CUDA GPU(s) but the CUDA backend cannot run: *not built*"]
+    )
+    result.stdout.fnmatch_lines(
+        ["*ERROR at setup of test_sizes*", "JAX sees 2 CUDA GPU(s) but the extension does not load: *not built*"]
+    )
     assert result.ret != 0
 
 

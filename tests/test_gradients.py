@@ -186,8 +186,10 @@ def test_remat_policy_keeps_the_communication():
     def collectives(f):
         def grads(x, w, kernel, idx):
             return jax.grad(lambda *a: f(*a, idx).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, kernel)
-        text = str(jax.make_jaxpr(jax.shard_map(grads, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
-            x, w, kernel, idx))
+
+        text = str(
+            jax.make_jaxpr(jax.shard_map(grads, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, w, kernel, idx)
+        )
         return len(re.findall(r"\ball_to_all\b", text)), len(re.findall(r"\ball_gather\b", text))
 
     plain = collectives(layer)

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax import _native, fp8_quant
+from deep_ep_jax import _native, fp8_quant, grouped_matmul, testing
 from deep_ep_jax.experts import grouped_gemm as gg
-from deep_ep_jax import grouped_matmul, testing
 from deep_ep_jax.experts import hopper_gemm
 
 K, N = 32, 48
@@ -83,9 +82,17 @@ def check_against_oracle(x, w, sizes, dy, y, dx, dw, what):
     assert not np.asarray(dw[sizes == 0], np.float32).any(), f"{what}: dw of empty groups"
 
 
-@pytest.mark.parametrize("kind,num_groups", [
-    ("random", 6), ("all_in_one", 6), ("padding", 6), ("all_empty", 4), ("random", 1), ("padding", 1),
-])
+@pytest.mark.parametrize(
+    "kind,num_groups",
+    [
+        ("random", 6),
+        ("all_in_one", 6),
+        ("padding", 6),
+        ("all_empty", 4),
+        ("random", 1),
+        ("padding", 1),
+    ],
+)
 def test_matches_numpy(kind, num_groups, rng):
     num_rows = int(rng.integers(40, 120))
     sizes = make_sizes(rng, kind, num_rows, num_groups)
@@ -99,8 +106,8 @@ def test_float32_gradients_match_ragged_dot_autodiff(rng):
     num_rows, num_groups = 70, 5
     sizes = make_sizes(rng, "padding", num_rows, num_groups)
     x, w, dy = (np.asarray(a, np.float32) for a in make_inputs(rng, num_rows, num_groups, sizes))
-    x[sizes.sum():] = 0  # ragged_dot's own rule knows nothing of our padding rows
-    dy[sizes.sum():] = 0
+    x[sizes.sum() :] = 0  # ragged_dot's own rule knows nothing of our padding rows
+    dy[sizes.sum() :] = 0
     _, dx, dw = forward_and_grads()(x, w, sizes, dy)
     _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes, precision="highest"), x, w)
     want_dx, want_dw = vjp(dy)
@@ -130,8 +137,11 @@ def test_grad_of_a_swiglu_loss(rng):
     d_out = 2 * out
     d_act = oracle.input_grad(d_out, w_out, sizes)
     d_h = np.concatenate([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], axis=1)
-    want = (oracle.input_grad(d_h, w_in, sizes), oracle.weight_grad(x, d_h, sizes),
-            oracle.weight_grad(act, d_out, sizes))
+    want = (
+        oracle.input_grad(d_h, w_in, sizes),
+        oracle.weight_grad(x, d_h, sizes),
+        oracle.weight_grad(act, d_out, sizes),
+    )
     for name, got, w in zip(("dx", "dw_in", "dw_out"), grads, want):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-4 * np.abs(w).max(), err_msg=name)
 
@@ -183,7 +193,7 @@ def test_valid_sizes_make_the_rest_of_a_group_padding(rng):
     x, w, dy = make_inputs(rng, num_rows, num_groups, sizes)
     pair = np.zeros(num_rows, bool)
     for start, count in zip(oracle.offsets(sizes), used):
-        pair[start:start + count] = True
+        pair[start : start + count] = True
     x[~pair] = 1e4  # junk on every padding row, inside the groups too
     dy[~pair] = 1e4
 
@@ -216,8 +226,15 @@ def test_shard_map_per_rank(rng):
     y, dx, dw = run(x, w, np.concatenate(sizes), dy)
     for r in range(num_ranks):
         rows, groups = slice(r * num_rows, (r + 1) * num_rows), slice(r * num_groups, (r + 1) * num_groups)
-        check_against_oracle(*inputs[r][:2], sizes[r], inputs[r][2], y[rows], dx[rows], dw[groups],
-                             f"rank {r} ({kinds[r]}, sizes {sizes[r].tolist()})")
+        check_against_oracle(
+            *inputs[r][:2],
+            sizes[r],
+            inputs[r][2],
+            y[rows],
+            dx[rows],
+            dw[groups],
+            f"rank {r} ({kinds[r]}, sizes {sizes[r].tolist()})",
+        )
 
 
 def test_shard_map_replicated_weights_sum_their_gradient(rng):
@@ -233,8 +250,10 @@ def test_shard_map_replicated_weights_sum_their_gradient(rng):
 
     grad = jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("ep"), P(), P("ep")), out_specs=P())
     dw = jax.jit(grad)(x, w, np.concatenate(sizes))
-    want = sum(oracle.weight_grad(x[r * num_rows:(r + 1) * num_rows], np.ones((num_rows, N)), sizes[r])
-               for r in range(num_ranks))
+    want = sum(
+        oracle.weight_grad(x[r * num_rows : (r + 1) * num_rows], np.ones((num_rows, N)), sizes[r])
+        for r in range(num_ranks)
+    )
     np.testing.assert_allclose(dw, want, rtol=1e-5, atol=1e-4)
 
 
@@ -313,20 +332,23 @@ def bad_call(**overrides):
     return jax.jit(functools.partial(grouped_matmul, impl=impl, block_sizes=block_sizes)).trace(**args)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"x": S((8, 2, K), jnp.bfloat16)}, "x must have rank 2"),
-    ({"w": S((K, N), jnp.bfloat16)}, "w must have rank 3"),
-    ({"group_sizes": S((3, 1), jnp.int32)}, "group_sizes must have rank 1"),
-    ({"w": S((3, K, N), jnp.float32)}, "same floating dtype"),
-    ({"x": S((8, K), jnp.int32), "w": S((3, K, N), jnp.int32)}, "same floating dtype"),
-    ({"group_sizes": S((3,), jnp.float32)}, "group_sizes must be integers"),
-    ({"x": S((8, K + 1), jnp.bfloat16)}, "disagree on K"),
-    ({"group_sizes": S((4,), jnp.int32)}, "4 groups, w has 3"),
-    ({"w": S((0, K, N), jnp.bfloat16), "group_sizes": S((0,), jnp.int32)}, "at least one group"),
-    ({"impl": "cuda"}, "impl must be one of"),
-    ({"impl": "mgpu"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),
-    ({"impl": "mgpu", "x": S((8, K), jnp.float32), "w": S((3, K, N), jnp.float32)}, "cannot run: dtype"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"x": S((8, 2, K), jnp.bfloat16)}, "x must have rank 2"),
+        ({"w": S((K, N), jnp.bfloat16)}, "w must have rank 3"),
+        ({"group_sizes": S((3, 1), jnp.int32)}, "group_sizes must have rank 1"),
+        ({"w": S((3, K, N), jnp.float32)}, "same floating dtype"),
+        ({"x": S((8, K), jnp.int32), "w": S((3, K, N), jnp.int32)}, "same floating dtype"),
+        ({"group_sizes": S((3,), jnp.float32)}, "group_sizes must be integers"),
+        ({"x": S((8, K + 1), jnp.bfloat16)}, "disagree on K"),
+        ({"group_sizes": S((4,), jnp.int32)}, "4 groups, w has 3"),
+        ({"w": S((0, K, N), jnp.bfloat16), "group_sizes": S((0,), jnp.int32)}, "at least one group"),
+        ({"impl": "cuda"}, "impl must be one of"),
+        ({"impl": "mgpu"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),
+        ({"impl": "mgpu", "x": S((8, K), jnp.float32), "w": S((3, K, N), jnp.float32)}, "cannot run: dtype"),
+    ],
+)
 def test_bad_arguments(overrides, match):
     with pytest.raises(ValueError, match=match):
         bad_call(**overrides)
@@ -339,8 +361,12 @@ def test_mgpu_needs_a_hopper_gpu(monkeypatch, platform, capability, kind):
     fake = type("FakeDevice", (), {"platform": platform, "compute_capability": capability, "device_kind": kind})()
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
     with pytest.raises(ValueError, match=rf"impl='mgpu' cannot run: .*Hopper GPU.*first device is {kind}\b"):
-        bad_call(impl="mgpu", x=S((1024, 512), jnp.bfloat16), w=S((4, 512, 256), jnp.bfloat16),
-                 group_sizes=S((4,), jnp.int32))
+        bad_call(
+            impl="mgpu",
+            x=S((1024, 512), jnp.bfloat16),
+            w=S((4, 512, 256), jnp.bfloat16),
+            group_sizes=S((4,), jnp.int32),
+        )
 
 
 def test_bad_block_sizes():
@@ -393,19 +419,23 @@ def test_mgpu_path_lowers(gpu_core_count):
     assert mosaic_calls(fwd.lower(lowering_platforms=("cuda",))) == 2
     grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes)
     assert mosaic_calls(grad.lower(lowering_platforms=("cuda",))) == 6
-    row_tiled_only = functools.partial(grouped_matmul, impl="mgpu",
-                                       block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None))
+    row_tiled_only = functools.partial(
+        grouped_matmul, impl="mgpu", block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)
+    )
     assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
 
     # aligned_groups=True: the warp-specialized kernels alone, no lax.cond (with valid_sizes too).
     for with_valid in (False, True):
+
         def promised_loss(x, w, sizes, with_valid=with_valid):
-            y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True,
-                               valid_sizes=sizes // 2 if with_valid else None)
+            y = grouped_matmul(
+                x, w, sizes, impl="mgpu", aligned_groups=True, valid_sizes=sizes // 2 if with_valid else None
+            )
             return jnp.sum(y.astype(jnp.float32) ** 2)
 
-        promised = jax.jit(jax.grad(promised_loss, argnums=(0, 1))).trace(x, w, sizes).lower(
-            lowering_platforms=("cuda",))
+        promised = (
+            jax.jit(jax.grad(promised_loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
+        )
         assert mosaic_calls(promised) == 3 and "stablehlo.case" not in promised.as_text()
 
 
@@ -416,8 +446,11 @@ def test_row_tiles_wider_than_jax_lowers_raise(gpu_core_count, monkeypatch):
     blocks = gg.DEFAULT_BLOCKS
     assert max(blocks.forward.block_n, blocks.input_grad.block_n) <= gg.ROW_TILED_MAX_BLOCK_N
     monkeypatch.setattr(gg, "ROW_TILED_MAX_BLOCK_N", 128)
-    wide = dataclasses.replace(blocks, forward=dataclasses.replace(blocks.forward, block_n=128),
-                               input_grad=dataclasses.replace(blocks.input_grad, block_n=256))
+    wide = dataclasses.replace(
+        blocks,
+        forward=dataclasses.replace(blocks.forward, block_n=128),
+        input_grad=dataclasses.replace(blocks.input_grad, block_n=256),
+    )
     args = S((1000, 512), jnp.bfloat16), S((4, 512, 256), jnp.bfloat16), S((4,), jnp.int32)
     for impl in ("mgpu", "auto"):
         with pytest.raises(ValueError, match=r"block_sizes.input_grad.block_n=256 is wider than the 128 columns"):
@@ -437,8 +470,9 @@ def test_steady_pipeline_lowers(gpu_core_count):
             w = jax.ShapeDtypeStruct((4, 1024, 512) if transpose else (4, 512, 1024), jnp.bfloat16)
 
             def run(x, w, sizes, tiles=tiles, transpose=transpose):
-                return gg._rows_matmul(x, w, sizes, sizes // 2, jnp.ones((1,), jnp.float32), tiles,
-                                       transpose_rhs=transpose)
+                return gg._rows_matmul(
+                    x, w, sizes, sizes // 2, jnp.ones((1,), jnp.float32), tiles, transpose_rhs=transpose
+                )
 
             assert mosaic_calls(jax.jit(run).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
     # weight_grad: one ring of stages over every row step of a CTA's tiles
@@ -446,8 +480,9 @@ def test_steady_pipeline_lowers(gpu_core_count):
     dy = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)
 
     def dw(x, dy, sizes):
-        return hopper_gemm.weight_grad(x, dy, jnp.cumsum(sizes) - sizes, sizes // 64, jnp.ones((1,), jnp.float32),
-                                       tiles)
+        return hopper_gemm.weight_grad(
+            x, dy, jnp.cumsum(sizes) - sizes, sizes // 64, jnp.ones((1,), jnp.float32), tiles
+        )
 
     assert mosaic_calls(jax.jit(dw).trace(x, dy, sizes).lower(lowering_platforms=("cuda",))) == 1
 
@@ -487,16 +522,20 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
     def loss(x, w, sizes):
         kwargs = {}
         if fp8:
-            kwargs = dict(aligned_groups=True, fp8_weights=gg.fp8_weights(w, weight_grad=fp8 == "fp8_dw"),
-                          valid_sizes=sizes // 2)
+            kwargs = dict(
+                aligned_groups=True, fp8_weights=gg.fp8_weights(w, weight_grad=fp8 == "fp8_dw"), valid_sizes=sizes // 2
+            )
         return jnp.sum(grouped_matmul(x, w, sizes, impl="mgpu", **kwargs).astype(jnp.float32) ** 2)  # dy needs y
 
     for w_spec in (P("ep"), P()):  # local experts, and weights replicated over the axis
-        step = jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("ep"), w_spec, P("ep")),
-                             out_specs=(P("ep"), w_spec))
-        args = (jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16),
-                jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
-                jax.ShapeDtypeStruct((2 * 4,), jnp.int32))
+        step = jax.shard_map(
+            jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=(P("ep"), w_spec, P("ep")), out_specs=(P("ep"), w_spec)
+        )
+        args = (
+            jax.ShapeDtypeStruct((2 * 1024, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct(((2 if w_spec == P("ep") else 1) * 4, 512, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2 * 4,), jnp.int32),
+        )
         lowered = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",))
         # fp8_weights' 2 passes, x's rows, dy's rows (or with the FP8 dw, dy's 2 passes)
         want = {None: (6, 0), "bf16_dw": (3, extension_calls(4)), "fp8_dw": (3, extension_calls(5))}[fp8]
@@ -511,8 +550,13 @@ def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None, we
 
     def run(x, w, sizes, dy):
         w8 = gg.fp8_weights(w, weight_grad=weight_grad)
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups,
-                                                     valid_sizes=valid_sizes, fp8_weights=w8), x, w)
+        y, vjp = jax.vjp(
+            lambda x, w: grouped_matmul(
+                x, w, sizes, impl=impl, aligned_groups=aligned_groups, valid_sizes=valid_sizes, fp8_weights=w8
+            ),
+            x,
+            w,
+        )
         return (y, *vjp(dy))
 
     return jax.jit(run)
@@ -538,8 +582,11 @@ def test_fp8_matches_numpy(kind, num_groups, weight_grad, rng):
     assert not np.asarray(y[total:], np.float32).any(), f"{what}: padding rows of y"
     assert not np.asarray(dx[total:], np.float32).any(), f"{what}: dx of padding rows"
     # FP8 is FP8: within 10% (as a norm) of the bf16 maths, so no scale is missing or wrong.
-    for got, want, name in ((y, oracle.forward(x, w, sizes), "y"), (dx, oracle.input_grad(dy, w, sizes), "dx"),
-                            (dw, oracle.weight_grad(x, dy, sizes), "dw")):
+    for got, want, name in (
+        (y, oracle.forward(x, w, sizes), "y"),
+        (dx, oracle.input_grad(dy, w, sizes), "dx"),
+        (dw, oracle.weight_grad(x, dy, sizes), "dw"),
+    ):
         assert np.linalg.norm(np.asarray(got, np.float64) - want) <= 0.1 * np.linalg.norm(want), f"{what}: {name}"
 
 
@@ -558,6 +605,7 @@ def test_swiglu_fp8_rows_match_bf16_rows(rng):
             rows = gg.swiglu(gate_up, fp8_rows=fp8_rows)
             assert isinstance(rows, gg.Fp8Rows) == fp8_rows
             return grouped_matmul(rows, w, sizes, impl="xla", fp8_weights=gg.fp8_weights(w, weight_grad=True))
+
         y, vjp = jax.vjp(f, gate_up, w)
         return (y, *vjp(dy))
 
@@ -592,11 +640,14 @@ def test_fp8_weights_copies(rng):
     assert np.allclose(np.abs(np.asarray(w8.input_grad, np.float32)).max(-1), 448)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"fp8_weights": "w"}, "fp8_weights must be an Fp8Weights"),
-    ({"w8_shape": (3, K, N)}, r"fp8_weights.forward must be float8_e4m3fn \(3, 48, 32\)"),
-    ({"impl": "mgpu", "big": True}, "needs aligned_groups=True"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"fp8_weights": "w"}, "fp8_weights must be an Fp8Weights"),
+        ({"w8_shape": (3, K, N)}, r"fp8_weights.forward must be float8_e4m3fn \(3, 48, 32\)"),
+        ({"impl": "mgpu", "big": True}, "needs aligned_groups=True"),
+    ],
+)
 def test_fp8_bad_arguments(overrides, match, request):
     if overrides.get("impl") == "mgpu":
         request.getfixturevalue("gpu_core_count")  # past impl="mgpu"'s device check on any host
@@ -610,7 +661,8 @@ def test_fp8_bad_arguments(overrides, match, request):
     impl = overrides.pop("impl", "xla")
     with pytest.raises((TypeError, ValueError), match=match):
         jax.jit(functools.partial(grouped_matmul, impl=impl, fp8_weights=w8)).trace(
-            S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32))
+            S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32)
+        )
 
 
 def test_fp8_weights_bad_arguments():
@@ -631,8 +683,15 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
     def loss(x, w, sizes):
-        y = grouped_matmul(x, w, sizes, impl="mgpu", aligned_groups=True, valid_sizes=sizes // 2,
-                           fp8_weights=gg.fp8_weights(w, weight_grad=weight_grad))
+        y = grouped_matmul(
+            x,
+            w,
+            sizes,
+            impl="mgpu",
+            aligned_groups=True,
+            valid_sizes=sizes // 2,
+            fp8_weights=gg.fp8_weights(w, weight_grad=weight_grad),
+        )
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes).lower(lowering_platforms=("cuda",))
@@ -644,14 +703,24 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
 def test_weight_grad_promoted_halves_lowers(gpu_core_count):
     """weight_grad with promote_after_steps (long groups in promoted halves, the rest in one accumulator)
     lowers for CUDA on FP8 operands with column scales; the options it excludes are refused."""
-    t = hopper_gemm.HopperTiles(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128,
-                                epi_tile_n=128, promote_after_steps=2)
+    t = hopper_gemm.HopperTiles(
+        128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128, promote_after_steps=2
+    )
     x_t, z_t = S((512, 1024), jnp.float8_e4m3fn), S((256, 1024), jnp.float8_e4m3fn)
     starts, steps = S((4,), jnp.int32), S((4,), jnp.int32)
 
     def run(x_t, z_t, starts, steps, tiles=t):
-        return hopper_gemm.weight_grad(x_t, z_t, starts, steps, jnp.ones((1,), jnp.float32), tiles, transposed=True,
-                                       col_scales=jnp.ones((256,), jnp.float32), out_dtype=jnp.bfloat16)
+        return hopper_gemm.weight_grad(
+            x_t,
+            z_t,
+            starts,
+            steps,
+            jnp.ones((1,), jnp.float32),
+            tiles,
+            transposed=True,
+            col_scales=jnp.ones((256,), jnp.float32),
+            out_dtype=jnp.bfloat16,
+        )
 
     lowered = jax.jit(run).trace(x_t, z_t, starts, steps).lower(lowering_platforms=("cuda",))
     assert mosaic_calls(lowered) == 1

@@ -51,7 +51,7 @@ def find_cycle(graph):
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 cycle = visit(nxt, path + [nxt])
                 if cycle:
@@ -96,6 +96,11 @@ def test_xla_backend_without_the_extension():
         "jax.block_until_ready(f(idx))\n"
     )
     env_flags = "--xla_force_host_platform_device_count=2"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            env={**__import__("os").environ, "XLA_FLAGS": env_flags, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "XLA_FLAGS": env_flags, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]

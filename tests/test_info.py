@@ -12,8 +12,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_info_on_cpu_says_there_is_no_gpu():
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(path))
-    result = subprocess.run([sys.executable, "-m", "deep_ep_jax.info"], capture_output=True, text=True, env=env,
-                            timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "deep_ep_jax.info"], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "No GPU here: JAX sees no CUDA device" in out, out

@@ -5,7 +5,6 @@ dispatch, cached dispatch and combine, and a Buffer too large for its GPU
 failing at creation naming the bytes. The kernels run on GPUs in the worker
 case shared_gpu (tests/multiprocess_worker.py) with 16 processes."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,15 +28,28 @@ def _sync_bytes(num_ranks):
     """Control bytes, records [2][R] of (tag, grid, pipelined, R host counts, R rank counts), ready [R],
     rdma_done and done [R][132], the pipelined kernels' 64-bit tails and dispatch's (head, count) pairs [R][132]."""
     record = _align(3 + 2 * num_ranks, 4) * 4
-    return (CONTROL + _align(2 * num_ranks * record, ALIGN) + _align(4 * num_ranks, ALIGN)
-            + 2 * _align(4 * num_ranks * MAX_BLOCKS, ALIGN) + 2 * _align(8 * num_ranks * MAX_BLOCKS, ALIGN))
+    return (
+        CONTROL
+        + _align(2 * num_ranks * record, ALIGN)
+        + _align(4 * num_ranks, ALIGN)
+        + 2 * _align(4 * num_ranks * MAX_BLOCKS, ALIGN)
+        + 2 * _align(8 * num_ranks * MAX_BLOCKS, ALIGN)
+    )
 
 
 def _dispatch_bytes(num_tokens, num_rows, topk, row, scales, num_ranks, num_nodes):
     packet = _align(row, VECTOR) + _align(scales, VECTOR) + _align(4 + 8 * topk, VECTOR)  # no per-rank metadata
-    areas = [num_rows * row, num_rows * scales, num_rows * topk * 4, num_rows * topk * 4, num_rows * 4,
-             num_tokens * packet, num_nodes * num_tokens * packet,
-             num_tokens * num_ranks * 4, num_tokens * num_ranks * 4]  # final rows per host: staged, received
+    areas = [
+        num_rows * row,
+        num_rows * scales,
+        num_rows * topk * 4,
+        num_rows * topk * 4,
+        num_rows * 4,
+        num_tokens * packet,
+        num_nodes * num_tokens * packet,
+        num_tokens * num_ranks * 4,
+        num_tokens * num_ranks * 4,
+    ]  # final rows per host: staged, received
     return _sync_bytes(num_ranks) + sum(_align(a, ALIGN) for a in areas)
 
 
@@ -51,8 +63,11 @@ def _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes):
     packet = _align(2 * hidden, VECTOR) + _align(4 * topk, VECTOR)
     entry = 4 * (2 + num_ranks // num_nodes)
     areas = [num_nodes * num_tokens * packet, num_nodes * num_tokens * entry, num_nodes * num_tokens * entry]
-    return (_sync_bytes(num_ranks) + _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
-            + sum(_align(a, ALIGN) for a in areas))
+    return (
+        _sync_bytes(num_ranks)
+        + _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
+        + sum(_align(a, ALIGN) for a in areas)
+    )
 
 
 @extension
@@ -71,8 +86,9 @@ def test_sizes(num_nodes, per_host):
     rows = num_tokens * num_ranks
     assert ext.internode_sync_bytes(num_ranks) == _sync_bytes(num_ranks)
     for row, scales in ((2 * hidden, 0), (hidden, hidden // 128 * 4)):
-        assert ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes) == \
-            _dispatch_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes)
+        assert ext.internode_dispatch_region_bytes(
+            num_tokens, rows, topk, row, scales, num_ranks, num_nodes
+        ) == _dispatch_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes)
     slots = _combine_slot_bytes(num_tokens, topk, hidden, num_ranks)
     assert ext.internode_combine_slot_bytes(num_tokens, topk, hidden, num_ranks) == slots
     combine = _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes)
@@ -101,15 +117,17 @@ def test_calls_trace_at_large_groups(num_nodes, per_host):
     """Dispatch, its cached dispatch and combine trace with R-rank shapes on a Buffer sized by the hint."""
     num_ranks = num_nodes * per_host
     num_tokens, hidden, topk, num_experts = 16, 256, 4, 2 * num_ranks
-    buffer = _fake_buffer(num_ranks, num_nodes, sizes.internode_region_bytes(num_ranks, num_nodes, hidden,
-                                                                               num_tokens, topk))
+    buffer = _fake_buffer(
+        num_ranks, num_nodes, sizes.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens, topk)
+    )
     x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
 
     def round_trip(x, idx, w):
-        recv_xs, _, recv_w, handle = internode.dispatch((x,), idx, w, num_experts=num_experts, num_worst_tokens=None,
-                                                        buffer=buffer)
+        recv_xs, _, recv_w, handle = internode.dispatch(
+            (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer
+        )
         again = internode.cached_dispatch((x,), w, handle, buffer=buffer)
         out = internode.combine(recv_xs[0], recv_w, handle, buffer=buffer)
         return recv_xs, handle, again, out
@@ -123,8 +141,14 @@ def test_calls_trace_at_large_groups(num_nodes, per_host):
     need = _dispatch_bytes(num_tokens, rows, topk, 2 * hidden, 0, num_ranks, num_nodes)
     small = _fake_buffer(num_ranks, num_nodes, need - 1)
     with pytest.raises(ValueError, match=f"needs {need} bytes"):
-        jax.eval_shape(lambda x, idx, w: internode.dispatch((x,), idx, w, num_experts=num_experts,
-                                                            num_worst_tokens=None, buffer=small), x, idx, w)
+        jax.eval_shape(
+            lambda x, idx, w: internode.dispatch(
+                (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=small
+            ),
+            x,
+            idx,
+            w,
+        )
 
 
 @extension
@@ -147,6 +171,9 @@ def test_standard_case_memory_per_gpu():
         assert region > previous
         previous = region
     assert 7.9 * 2**30 < previous < 8 * 2**30  # 16 x 8
-    with pytest.raises(ValueError, match=rf"needs {previous} bytes .*normal region: {previous} bytes.*more than GPU "
-                                         r"0's .*R \* T \* 2H bytes"):
+    with pytest.raises(
+        ValueError,
+        match=rf"needs {previous} bytes .*normal region: {previous} bytes.*more than GPU "
+        r"0's .*R \* T \* 2H bytes",
+    ):
         lifecycle.check_fits({"normal region": previous, "low-latency region": 0}, 6 * 2**30, device=0)

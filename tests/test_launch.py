@@ -17,8 +17,10 @@ ADDRESS = "127.0.0.1:1234"
 
 
 def _envs(num_processes, gpus, ranks_per_gpu, all_gpus_visible=False):
-    return [launch._child_env(rank, num_processes, ADDRESS, gpus, False, all_gpus_visible, ranks_per_gpu)
-            for rank in range(num_processes)]
+    return [
+        launch._child_env(rank, num_processes, ADDRESS, gpus, False, all_gpus_visible, ranks_per_gpu)
+        for rank in range(num_processes)
+    ]
 
 
 def test_child_env_ranks_per_gpu(monkeypatch):
@@ -88,14 +90,17 @@ def test_too_few_gpus_are_refused(monkeypatch):
         launch.launch(4, ["-c", "pass"], ranks_per_gpu=0)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["-n", "4", "--ranks-per-gpu", "0", "--", "-c", "pass"], "--ranks-per-gpu must be >= 1"),
-    (["-n", "4", "--cpu", "--ranks-per-gpu", "2", "--", "-c", "pass"], "--cpu uses none"),
-    (["-n", "4", "--ranks-per-gpu", "two", "--", "-c", "pass"], "invalid int value"),
-    (["-n", "2", "--timeout", "0", "--", "-c", "pass"], "--timeout must be > 0 seconds, got 0"),
-    (["-n", "2", "--timeout", "-5", "--", "-c", "pass"], "--timeout must be > 0 seconds, got -5"),
-    (["-n", "2", "--cpu", "-m", "pytest"], "unrecognized arguments: -m (put `--` before the command"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["-n", "4", "--ranks-per-gpu", "0", "--", "-c", "pass"], "--ranks-per-gpu must be >= 1"),
+        (["-n", "4", "--cpu", "--ranks-per-gpu", "2", "--", "-c", "pass"], "--cpu uses none"),
+        (["-n", "4", "--ranks-per-gpu", "two", "--", "-c", "pass"], "invalid int value"),
+        (["-n", "2", "--timeout", "0", "--", "-c", "pass"], "--timeout must be > 0 seconds, got 0"),
+        (["-n", "2", "--timeout", "-5", "--", "-c", "pass"], "--timeout must be > 0 seconds, got -5"),
+        (["-n", "2", "--cpu", "-m", "pytest"], "unrecognized arguments: -m (put `--` before the command"),
+    ],
+)
 def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         launch.main(argv)
@@ -129,8 +134,9 @@ def test_launch_four_processes_on_two_gpus(all_gpus_visible):
     """Four processes, two per (fake) GPU: each gets its rank and its GPU, and
     jax.distributed comes up with four processes."""
     extra = ["--all-gpus-visible"] if all_gpus_visible else []
-    code, output = _run_launcher(["-n", "4", "--ranks-per-gpu", "2", *extra, "--", "-c", SCRIPT],
-                                 CUDA_VISIBLE_DEVICES="6,7")
+    code, output = _run_launcher(
+        ["-n", "4", "--ranks-per-gpu", "2", *extra, "--", "-c", SCRIPT], CUDA_VISIBLE_DEVICES="6,7"
+    )
     assert code == 0, output[-4000:]
     for rank in range(4):
         gpu = "67"[rank // 2]

@@ -22,14 +22,22 @@ extension = pytest.mark.extension
 
 def _buffer(overlap_sms):
     region = sizes.low_latency_region_bytes(NUM_RANKS, NUM_EXPERTS, H, M, num_topk=K)
-    return dt.stand_in_cuda_buffer(NUM_RANKS, num_rdma_bytes=region,
-                                   config=dej.Config(low_latency_overlap_sms=overlap_sms))
+    return dt.stand_in_cuda_buffer(
+        NUM_RANKS, num_rdma_bytes=region, config=dej.Config(low_latency_overlap_sms=overlap_sms)
+    )
 
 
 def _step(send_buffer, recv_buffer):
     def step(x, idx, w, y):
-        pending = cll.low_latency_dispatch_send(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
-                                                use_fp8=True, round_scale=False, buffer=send_buffer)
+        pending = cll.low_latency_dispatch_send(
+            x,
+            idx,
+            num_experts=NUM_EXPERTS,
+            num_max_dispatch_tokens_per_rank=M,
+            use_fp8=True,
+            round_scale=False,
+            buffer=send_buffer,
+        )
         recv_x, count, handle = cll.low_latency_dispatch_recv(pending, buffer=recv_buffer)
         pending = cll.low_latency_combine_send(y, idx, w, handle, buffer=send_buffer)
         return cll.low_latency_combine_recv(pending, buffer=recv_buffer), recv_x, count
@@ -37,9 +45,12 @@ def _step(send_buffer, recv_buffer):
     return step
 
 
-_ARGS = (jax.ShapeDtypeStruct((M, H), jnp.bfloat16), jax.ShapeDtypeStruct((M, K), jnp.int32),
-         jax.ShapeDtypeStruct((M, K), jnp.float32),
-         jax.ShapeDtypeStruct((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * M, H), jnp.bfloat16))
+_ARGS = (
+    jax.ShapeDtypeStruct((M, H), jnp.bfloat16),
+    jax.ShapeDtypeStruct((M, K), jnp.int32),
+    jax.ShapeDtypeStruct((M, K), jnp.float32),
+    jax.ShapeDtypeStruct((NUM_EXPERTS // NUM_RANKS, NUM_RANKS * M, H), jnp.bfloat16),
+)
 
 
 def _custom_calls(text):
@@ -58,8 +69,10 @@ def test_halves_lower_to_their_flavour(overlap_sms):
     text = jax.jit(_step(buffer, buffer)).lower(*_ARGS).as_text()
     suffix = "_overlapped" if overlap_sms else ""
     calls = _custom_calls(text)
-    assert [c[0] for c in calls] == [f"deep_ep_jax_low_latency_{half}{suffix}" for half in
-                                     ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")]
+    assert [c[0] for c in calls] == [
+        f"deep_ep_jax_low_latency_{half}{suffix}"
+        for half in ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+    ]
     (_, _, send_attrs), (_, recv_operands, _), (_, _, combine_send_attrs), calls_recv = calls
     _, combine_recv_operands, combine_recv_attrs = calls_recv
     assert f"max_blocks = {overlap_sms} : i64" in send_attrs
@@ -82,14 +95,24 @@ def test_receive_of_the_other_flavour_is_refused():
 @pytest.mark.parametrize("send_sms, recv_sms", [(16, 0), (0, 16)])
 def test_combine_receive_of_the_other_flavour_is_refused(send_sms, recv_sms):
     def step(x, idx, w, y):
-        _, _, handle = cll.low_latency_dispatch(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
-                                                use_fp8=True, round_scale=False, buffer=_buffer(0))
+        _, _, handle = cll.low_latency_dispatch(
+            x,
+            idx,
+            num_experts=NUM_EXPERTS,
+            num_max_dispatch_tokens_per_rank=M,
+            use_fp8=True,
+            round_scale=False,
+            buffer=_buffer(0),
+        )
         pending = cll.low_latency_combine_send(y, idx, w, handle, buffer=_buffer(send_sms))
         return cll.low_latency_combine_recv(pending, buffer=_buffer(recv_sms))
 
     was = "" if send_sms else "not "
-    with pytest.raises(ValueError, match=f"^low_latency_combine_recv: the send was {was}overlapped but this buffer's "
-                                         f"config.low_latency_overlap_sms is {recv_sms}; receive with the buffer"):
+    with pytest.raises(
+        ValueError,
+        match=f"^low_latency_combine_recv: the send was {was}overlapped but this buffer's "
+        f"config.low_latency_overlap_sms is {recv_sms}; receive with the buffer",
+    ):
         jax.jit(step).lower(*_ARGS)
 
 
@@ -119,8 +142,15 @@ def test_overlap_places_compute_between_the_halves():
     buffer = _buffer(16)
 
     def step(x, idx, w, y):
-        pending = cll.low_latency_dispatch_send(x, idx, num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M,
-                                                use_fp8=True, round_scale=False, buffer=buffer)
+        pending = cll.low_latency_dispatch_send(
+            x,
+            idx,
+            num_experts=NUM_EXPERTS,
+            num_max_dispatch_tokens_per_rank=M,
+            use_fp8=True,
+            round_scale=False,
+            buffer=buffer,
+        )
         pending, z = dej.low_latency_overlap(pending, lambda a: jnp.tanh(a @ a.T), w)
         return cll.low_latency_dispatch_recv(pending, buffer=buffer), z
 
@@ -133,5 +163,7 @@ def test_overlap_places_compute_between_the_halves():
     assert dot.startswith(first[0] + "#")  # ... the compute reads them ...
     tanh = re.search(r"(%\d+) = stablehlo.tanh", text).group(1)
     assert tanh in second[1].split(", ")  # ... and the receive waits for its result
-    recv = re.search(r"custom_call @deep_ep_jax_low_latency_dispatch_recv_overlapped\(%[^,)]+, (%[^,)]+)", text).group(1)
+    recv = re.search(r"custom_call @deep_ep_jax_low_latency_dispatch_recv_overlapped\(%[^,)]+, (%[^,)]+)", text).group(
+        1
+    )
     assert recv.startswith(second[0] + "#")

@@ -5,7 +5,6 @@ too large group is refused (Buffer creation, trace time, the registry), and
 the low-latency sizes at 16..1024 ranks, from the extension's size queries
 against the layout of csrc/kernels/low_latency.h."""
 
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -37,15 +36,22 @@ def _align(n, a):
 def test_limits_name_each_mode():
     limits = _native.limits()
     assert "max_ranks" not in limits  # one limit per mode, none ambiguous
-    assert (limits["max_group_ranks"], limits["max_nvlink_ranks"], limits["max_internode_normal_ranks"]) == (1024, 8, 1024)
+    assert (limits["max_group_ranks"], limits["max_nvlink_ranks"], limits["max_internode_normal_ranks"]) == (
+        1024,
+        8,
+        1024,
+    )
 
 
 @extension
 def test_group_size_at_buffer_creation():
     limits = _native.limits()
     lifecycle.check_group_size(1024, limits)
-    with pytest.raises(ValueError, match=r"at most 1024 ranks \(low-latency mode; normal mode: 8 on one host, 1024 "
-                                         r"across hosts\).* has 1025"):
+    with pytest.raises(
+        ValueError,
+        match=r"at most 1024 ranks \(low-latency mode; normal mode: 8 on one host, 1024 "
+        r"across hosts\).* has 1025",
+    ):
         lifecycle.check_group_size(1025, limits)
 
 
@@ -56,15 +62,18 @@ def test_normal_mode_serves_up_to_its_ranks():
     whole group."""
     assert lifecycle.normal_mode_serves(8, False, low_latency_mode=False)
     assert not lifecycle.normal_mode_serves(16, False, low_latency_mode=True)
-    with pytest.raises(ValueError, match=r"normal mode supports at most 8 ranks on one host \(one NVLink.*the EP "
-                                         r"group has 16 \(low-latency mode: 1024\); create the Buffer with "
-                                         r"low_latency_mode=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"normal mode supports at most 8 ranks on one host \(one NVLink.*the EP "
+        r"group has 16 \(low-latency mode: 1024\); create the Buffer with "
+        r"low_latency_mode=True",
+    ):
         lifecycle.normal_mode_serves(16, False, low_latency_mode=False)
     for num_ranks in (16, 128, 1024):
         assert lifecycle.normal_mode_serves(num_ranks, True, low_latency_mode=False)
-    assert common.normal_mode_rank_error("f", 1025, True) == ("f: normal mode supports at most 1024 ranks in all "
-                                                              "across hosts, the EP group has 1025 (low-latency "
-                                                              "mode: 1024)")
+    assert common.normal_mode_rank_error("f", 1025, True) == (
+        "f: normal mode supports at most 1024 ranks in all across hosts, the EP group has 1025 (low-latency mode: 1024)"
+    )
 
 
 def _fake_buffer(num_ranks, spans_hosts, **extra):
@@ -81,10 +90,19 @@ def test_normal_mode_calls_name_the_limit():
     x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
-    with pytest.raises(ValueError, match=r"dispatch: normal mode supports at most 8 ranks .* has 16 \(low-latency "
-                                         r"mode: 1024\)"):
-        jax.eval_shape(lambda x, idx, w: module.dispatch((x,), idx, w, num_experts=2 * num_ranks,
-                                                         num_worst_tokens=None, buffer=buffer), x, idx, w)
+    with pytest.raises(
+        ValueError,
+        match=r"dispatch: normal mode supports at most 8 ranks .* has 16 \(low-latency "
+        r"mode: 1024\)",
+    ):
+        jax.eval_shape(
+            lambda x, idx, w: module.dispatch(
+                (x,), idx, w, num_experts=2 * num_ranks, num_worst_tokens=None, buffer=buffer
+            ),
+            x,
+            idx,
+            w,
+        )
     assert common.normal_mode_rank_error("f", 8, spans_hosts) is None
 
 
@@ -97,9 +115,19 @@ def _ll_buffer(num_ranks, max_tokens, num_topk, hidden, num_experts, spans_hosts
 def _trace_ll_dispatch(buffer, num_tokens, hidden, topk, num_experts, max_tokens, fp8=False):
     x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
-    return jax.eval_shape(lambda x, idx: low_latency.low_latency_dispatch(
-        x, idx, num_experts=num_experts, num_max_dispatch_tokens_per_rank=max_tokens, use_fp8=fp8,
-        round_scale=False, buffer=buffer), x, idx)
+    return jax.eval_shape(
+        lambda x, idx: low_latency.low_latency_dispatch(
+            x,
+            idx,
+            num_experts=num_experts,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            use_fp8=fp8,
+            round_scale=False,
+            buffer=buffer,
+        ),
+        x,
+        idx,
+    )
 
 
 @extension
@@ -110,8 +138,7 @@ def test_low_latency_traces_at_large_groups(num_ranks):
     num_experts = num_ranks  # one per rank
     buffer = _ll_buffer(num_ranks, max_tokens, topk, hidden, num_experts)
     for fp8 in (False, True):
-        recv_xs, recv_count, handle = _trace_ll_dispatch(buffer, max_tokens, hidden, topk, num_experts, max_tokens,
-                                                         fp8)
+        recv_xs, recv_count, handle = _trace_ll_dispatch(buffer, max_tokens, hidden, topk, num_experts, max_tokens, fp8)
         assert recv_xs[0].shape == (1, num_ranks * max_tokens, hidden) and recv_count.shape == (1,)
         assert handle.recv_src_rank.shape == (1, num_ranks * max_tokens)
 
@@ -120,8 +147,9 @@ def test_low_latency_traces_at_large_groups(num_ranks):
 def test_low_latency_refuses_what_the_kernels_cannot_do():
     hidden = 128
     with pytest.raises(ValueError, match=r"low-latency mode supports at most 1024 ranks, the buffer has 1025"):
-        _trace_ll_dispatch(_fake_buffer(1025, True, num_rdma_bytes=1 << 30, num_send_bytes=1 << 30), 1, hidden, 1,
-                           1025, 1)
+        _trace_ll_dispatch(
+            _fake_buffer(1025, True, num_rdma_bytes=1 << 30, num_send_bytes=1 << 30), 1, hidden, 1, 1025, 1
+        )
     # The receivers count every source's (token, k) pairs in 32-bit ints.
     buffer = _fake_buffer(1024, True, num_rdma_bytes=1 << 40, num_send_bytes=1 << 40)
     with pytest.raises(ValueError, match=r"1024 \* 16384 \* 64\) must be < 2\^30"):
@@ -165,10 +193,14 @@ def test_low_latency_sizes_at_large_groups(num_ranks):
     # Shared memory: the peer table (a pointer and a PE per rank) on top of the experts' histograms.
     table = _align(8 * num_ranks, ALIGN) + _align(4 * num_ranks, ALIGN)
     for fp8 in (False, True):
-        assert (ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8)
-                - ext.low_latency_shared_bytes(2, num_experts, hidden, fp8)) == table - 32
-        assert ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8) <= \
-            _native.limits()["low_latency_max_shared_bytes"]
+        assert (
+            ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8)
+            - ext.low_latency_shared_bytes(2, num_experts, hidden, fp8)
+        ) == table - 32
+        assert (
+            ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8)
+            <= _native.limits()["low_latency_max_shared_bytes"]
+        )
 
 
 @extension
@@ -193,8 +225,11 @@ def test_info_reports_large_groups(capsys):
 def test_a_buffer_larger_than_its_gpu_fails_naming_the_bytes():
     parts = {"normal region": 0, "low-latency region": 1000, "low-latency send area": 3000}
     lifecycle.check_fits(parts, 4000, device=0)
-    with pytest.raises(ValueError, match=r"needs 4000 bytes .*low-latency region: 1000 bytes, low-latency send "
-                                         r"area: 3000 bytes\), more than GPU 3's 3999 bytes.*R \* M \* K \* H \* 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 4000 bytes .*low-latency region: 1000 bytes, low-latency send "
+        r"area: 3000 bytes\), more than GPU 3's 3999 bytes.*R \* M \* K \* H \* 2",
+    ):
         lifecycle.check_fits(parts, 3999, device=3)
 
 
@@ -206,8 +241,11 @@ def test_registry_refuses_groups_it_cannot_serve():
     ext = _native.extension()
     with pytest.raises(ValueError, match=r"an EP group must have 1\.\.1024 devices, got 1025"):
         ext.create_buffer([list(range(1025))], 0, 1 << 16)
-    with pytest.raises(ValueError, match=r"normal mode supports at most 8 ranks on one host .* has 9 \(low-latency "
-                                         r"mode: 1024\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"normal mode supports at most 8 ranks on one host .* has 9 \(low-latency "
+        r"mode: 1024\)",
+    ):
         ext.create_buffer([list(range(9))], 1 << 16, 1 << 16)
     with pytest.raises(ValueError, match="normal mode supports at most 8 ranks"):
         ext.create_ipc_buffer([[0] + [-1] * 15], 1 << 16, 1 << 16)

@@ -33,8 +33,19 @@ def _launch(num_processes, args, *, devices_per_process=1, timeout=120, launcher
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     launcher_timeout = timeout - 10 if launcher_timeout is None else launcher_timeout
-    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_processes), "--cpu", "--timeout",
-           str(launcher_timeout), *extra, "--", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deep_ep_jax.launch",
+        "-n",
+        str(num_processes),
+        "--cpu",
+        "--timeout",
+        str(launcher_timeout),
+        *extra,
+        "--",
+        *args,
+    ]
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     return result.returncode, result.stdout + result.stderr, time.time() - start
@@ -73,7 +84,8 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
     script = (
         "import os, sys, time\n"
         "rank = int(os.environ['JAX_PROCESS_ID'])\n"
-        "print('hello from', rank, 'of', os.environ['JAX_NUM_PROCESSES'], os.environ['JAX_COORDINATOR_ADDRESS'], flush=True)\n"
+        "print('hello from', rank, 'of', os.environ['JAX_NUM_PROCESSES'],\n"
+        "      os.environ['JAX_COORDINATOR_ADDRESS'], flush=True)\n"
         f"open(os.path.join({str(tmp_path)!r}, str(rank)), 'w').close()\n"
         f"while rank == 1 and len(os.listdir({str(tmp_path)!r})) < 3: time.sleep(0.05)\n"
         "sys.exit(3) if rank == 1 else time.sleep(100)\n"
@@ -132,8 +144,14 @@ def test_sigterm_to_the_launcher_stops_its_processes():
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    launcher = subprocess.Popen([sys.executable, "-m", "deep_ep_jax.launch", "-n", "2", "--cpu", "--", "-c", script],
-                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "deep_ep_jax.launch", "-n", "2", "--cpu", "--", "-c", script],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids, lines = [], []
     try:
         while len(pids) < 2:

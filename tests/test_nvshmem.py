@@ -13,8 +13,8 @@ import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import _native, testing
-from deep_ep_jax.distributed import multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import internode, lifecycle, low_latency, sizes
+from deep_ep_jax.distributed import multiprocess, nvshmem
 
 extension = pytest.mark.extension
 
@@ -95,8 +95,9 @@ def test_refuses_a_build_without_nvshmem(monkeypatch):
 
 def test_refuses_several_gpus_per_process():
     """One process driving 8 devices told they are 2 hosts of 4: NVSHMEM has one PE per process."""
-    buffer = _xla_buffer(8, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8, hidden=256,
-                         config=dej.Config(gpus_per_host=4))
+    buffer = _xla_buffer(
+        8, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8, hidden=256, config=dej.Config(gpus_per_host=4)
+    )
     nodes = lifecycle.group_nodes(buffer, False)
     with pytest.raises(NotImplementedError, match="one PE, so one GPU, per process"):
         lifecycle.allocate_nvshmem(buffer, lifecycle.groups(buffer), nodes, None, None)
@@ -128,17 +129,25 @@ def _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts, dtype=jnp.bfl
     x = jax.ShapeDtypeStruct((num_tokens, hidden), dtype)
     idx = jax.ShapeDtypeStruct((num_tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
-    return jax.eval_shape(lambda x, idx, w: internode.dispatch(
-        (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer), x, idx, w)
+    return jax.eval_shape(
+        lambda x, idx, w: internode.dispatch(
+            (x,), idx, w, num_experts=num_experts, num_worst_tokens=None, buffer=buffer
+        ),
+        x,
+        idx,
+        w,
+    )
 
 
 @extension
 def test_internode_trace_checks_region_size():
     num_ranks, num_tokens, hidden, topk, num_experts = 2, 64, 256, 4, 8
     need = _native.extension().internode_dispatch_region_bytes(
-        num_tokens, num_tokens * num_ranks, topk, 2 * hidden, 0, num_ranks, num_ranks)
-    recv_xs, _, _, handle = _trace_dispatch(_fake_internode_buffer(num_ranks, num_ranks, need), num_tokens, hidden,
-                                            topk, num_experts)
+        num_tokens, num_tokens * num_ranks, topk, 2 * hidden, 0, num_ranks, num_ranks
+    )
+    recv_xs, _, _, handle = _trace_dispatch(
+        _fake_internode_buffer(num_ranks, num_ranks, need), num_tokens, hidden, topk, num_experts
+    )
     assert recv_xs[0].shape == (num_tokens * num_ranks, hidden) and handle.send_pos.shape == (num_tokens, num_ranks)
     buffer = _fake_internode_buffer(num_ranks, num_ranks, need - 1)
     with pytest.raises(ValueError, match=f"needs {need} bytes .* num_nvl_bytes={need - 1}"):
@@ -159,32 +168,40 @@ def test_internode_region_hint():
     size = sizes.internode_region_bytes(num_ranks, num_nodes, hidden, num_tokens)
     for topk in (1, 8, 16):
         for row, scales in ((2 * hidden, 0), (hidden, hidden // 128 * 4)):
-            assert ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks,
-                                                       num_nodes) <= size
+            assert (
+                ext.internode_dispatch_region_bytes(num_tokens, rows, topk, row, scales, num_ranks, num_nodes) <= size
+            )
         assert ext.internode_combine_region_bytes(num_tokens, rows, topk, hidden, num_ranks, num_nodes) <= size
     # A Buffer with the hint passes the trace-time check of such a dispatch.
     _trace_dispatch(_fake_internode_buffer(num_ranks, num_nodes, size), num_tokens, hidden, 16, 8 * num_ranks)
     assert size >= num_tokens * num_ranks * 2 * hidden  # at least the received bf16 rows
     assert sizes.internode_region_bytes(num_ranks, num_nodes, 2 * hidden, num_tokens) > size
     assert sizes.internode_region_bytes(num_ranks, num_nodes, hidden, 2 * num_tokens) > size
-    assert sizes.internode_region_bytes(8, 8, hidden, num_tokens) > sizes.internode_region_bytes(8, 2, hidden,
-                                                                                                  num_tokens)
+    assert sizes.internode_region_bytes(8, 8, hidden, num_tokens) > sizes.internode_region_bytes(
+        8, 2, hidden, num_tokens
+    )
     assert sizes.internode_region_bytes(2, 2) == sizes.internode_region_bytes(2, 2, 7168, 4096, sizes.DEFAULT_TOPK)
 
 
 def test_buffer_holds_the_ops_of_its_path():
     """The path is chosen when the Buffer is made, not per call: the internode
     operations for an EP group across hosts, the intranode ones otherwise."""
-    from deep_ep_jax.comm import buffer as buffer_module
     from deep_ep_jax.backends import reference
     from deep_ep_jax.backends.cuda import intranode, layout
+    from deep_ep_jax.comm import buffer as buffer_module
 
     across = buffer_module._ops("cuda", spans_hosts=True)
     assert (across.dispatch, across.cached_dispatch, across.combine) == (
-        internode.dispatch, internode.cached_dispatch, internode.combine)
+        internode.dispatch,
+        internode.cached_dispatch,
+        internode.combine,
+    )
     one_host = buffer_module._ops("cuda", spans_hosts=False)
     assert (one_host.dispatch, one_host.cached_dispatch, one_host.combine) == (
-        intranode.dispatch, intranode.cached_dispatch, intranode.combine)
+        intranode.dispatch,
+        intranode.cached_dispatch,
+        intranode.combine,
+    )
     for ops in (across, one_host):
         assert ops.get_dispatch_layout is layout.get_dispatch_layout
         assert ops.low_latency_dispatch_send is low_latency.low_latency_dispatch_send
@@ -220,16 +237,18 @@ def test_low_latency_region_holds_dispatch_and_combine():
         region = sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
         half = ext.low_latency_half_bytes(region)
         for fp8 in (True, False):
-            need = ext.low_latency_dispatch_half_bytes(num_ranks, num_experts // num_ranks, max_tokens, topk, hidden,
-                                                       fp8)
+            need = ext.low_latency_dispatch_half_bytes(
+                num_ranks, num_experts // num_ranks, max_tokens, topk, hidden, fp8
+            )
             assert need <= half
         assert ext.low_latency_combine_half_bytes(max_tokens, topk, hidden) <= half
         assert half >= max_tokens * topk * hidden * 2  # a combine: a bf16 row per (token, k)
         assert sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, 2 * max_tokens, num_topk=topk) > region
     # num_experts None sizes for the kernels' most experts.
     most = sizes.low_latency_region_bytes(8, None, hidden, max_tokens, num_topk=8)
-    assert most >= sizes.low_latency_region_bytes(8, _native.limits()["low_latency_max_experts"], hidden, max_tokens,
-                                                  num_topk=8)
+    assert most >= sizes.low_latency_region_bytes(
+        8, _native.limits()["low_latency_max_experts"], hidden, max_tokens, num_topk=8
+    )
 
 
 def test_heap_bytes():

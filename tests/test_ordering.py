@@ -20,9 +20,15 @@ from deep_ep_jax.backends.cuda import intranode, layout, low_latency
 pytestmark = pytest.mark.extension  # the CUDA backend's checks read the extension's limits
 
 R, T, H, E, K = 2, 8, 128, 8, 2
-CALLS = {"deep_ep_jax_dispatch", "deep_ep_jax_cached_dispatch", "deep_ep_jax_combine",
-         "deep_ep_jax_low_latency_dispatch_send", "deep_ep_jax_low_latency_dispatch_recv",
-         "deep_ep_jax_low_latency_combine_send", "deep_ep_jax_low_latency_combine_recv"}
+CALLS = {
+    "deep_ep_jax_dispatch",
+    "deep_ep_jax_cached_dispatch",
+    "deep_ep_jax_combine",
+    "deep_ep_jax_low_latency_dispatch_send",
+    "deep_ep_jax_low_latency_dispatch_recv",
+    "deep_ep_jax_low_latency_combine_send",
+    "deep_ep_jax_low_latency_combine_recv",
+}
 
 
 def _stand_in_cuda_buffer(buffer_id=7, **kwargs):
@@ -106,7 +112,11 @@ def test_the_chain_runs_through_gradients():
     calls = _calls(jax.grad(loss, argnums=(0, 1)), x, w, idx)
     # forward dispatch, combine; backward: combine's (a cached dispatch), dispatch's (a combine)
     assert _targets(calls) == [
-        "deep_ep_jax_dispatch", "deep_ep_jax_combine", "deep_ep_jax_cached_dispatch", "deep_ep_jax_combine"]
+        "deep_ep_jax_dispatch",
+        "deep_ep_jax_combine",
+        "deep_ep_jax_cached_dispatch",
+        "deep_ep_jax_combine",
+    ]
     _assert_chained(calls)
 
 
@@ -116,8 +126,9 @@ def test_low_latency_halves_and_normal_calls_share_the_chain():
     x = dt.random_rows(6, (R * T, H))
 
     def step(x, idx, w):
-        pending = dej.low_latency_dispatch_send(x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T,
-                                                use_fp8=False, buffer=buffer)
+        pending = dej.low_latency_dispatch_send(
+            x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T, use_fp8=False, buffer=buffer
+        )
         recv_x, _, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
         pending = dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer)
         out = dej.low_latency_combine_recv(pending, buffer=buffer)
@@ -138,15 +149,18 @@ def test_calls_carry_no_jax_effect():
     x = dt.random_rows(12, (R * T, H))
 
     def step(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch(x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T,
-                                                     use_fp8=False, buffer=buffer)
+        recv_x, _, handle = dej.low_latency_dispatch(
+            x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T, use_fp8=False, buffer=buffer
+        )
         out = dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
-        pending = dej.low_latency_dispatch_send(x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T,
-                                                use_fp8=False, buffer=buffer)
+        pending = dej.low_latency_dispatch_send(
+            x, idx, num_experts=E, num_max_dispatch_tokens_per_rank=T, use_fp8=False, buffer=buffer
+        )
         pending, y = dej.low_latency_overlap(pending, lambda a: a * 2, out)
         recv_x, _, handle = dej.low_latency_dispatch_recv(pending, buffer=buffer)
-        out = y + dej.low_latency_combine_recv(dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer),
-                                               buffer=buffer)
+        out = y + dej.low_latency_combine_recv(
+            dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer), buffer=buffer
+        )
         recv_n, _, _, h = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
         return out + dej.combine(recv_n, h, buffer=buffer)
 

@@ -73,9 +73,14 @@ def test_examples_layer_snippet_runs_and_matches_float32():
     scope = {}
     exec(snippet("moe_ffn", "examples/README.md"), scope)  # noqa: S102 (the README's own code)
     with Buffer(mesh, "ep", backend="xla", hidden=H, num_experts=E) as buffer:
-        layer = jax.jit(jax.shard_map(
-            lambda *a: scope["moe_ffn"](*a, buffer=buffer, num_experts=E), mesh=mesh,
-            in_specs=(P("ep"),) * 5, out_specs=P("ep")))
+        layer = jax.jit(
+            jax.shard_map(
+                lambda *a: scope["moe_ffn"](*a, buffer=buffer, num_experts=E),
+                mesh=mesh,
+                in_specs=(P("ep"),) * 5,
+                out_specs=P("ep"),
+            )
+        )
         out = layer(x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out)
         check(out, x, idx, weights, w_in, w_out)
 
@@ -92,8 +97,21 @@ def test_examples_global_snippet_runs_and_matches_float32(monkeypatch):
     router_kernel = jnp.asarray(np.random.default_rng().standard_normal((H, E)), jnp.float32)
     scope = {}
     exec(snippet("moe_ffn", "examples/README.md"), scope)  # noqa: S102 (the README's own code)
-    scope.update(jax=jax, np=np, nnx=nnx, data=2, ep=R // 2, H=H, F=F, E=E, top_k=K, x=x,
-                 router_kernel=router_kernel, w_in=w_in, w_out=w_out)
+    scope.update(
+        jax=jax,
+        np=np,
+        nnx=nnx,
+        data=2,
+        ep=R // 2,
+        H=H,
+        F=F,
+        E=E,
+        top_k=K,
+        x=x,
+        router_kernel=router_kernel,
+        w_in=w_in,
+        w_out=w_out,
+    )
     functional, module = snippet(None, "examples/README.md", text="from moe_layer import").split("layer = MoE")
     exec(functional, scope)  # noqa: S102
     try:

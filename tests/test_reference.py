@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import oracle
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
-import oracle
 from deep_ep_jax import testing as dt
 from deep_ep_jax.backends import reference
 
@@ -95,7 +96,9 @@ def _check_contract(num_ranks, num_tokens, num_experts, topk, kind):
     # Combine: rank order float32 sums, bit for bit after the bf16 cast.
     ys = _shards(y, num_ranks)
     want = oracle.combine(ys, expected, num_tokens)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+    )
     # Combining the received weights gives the original weights of valid slots back.
     valid_w = np.where((idxs >= 0) & (idxs < num_experts), ws, 0)
     np.testing.assert_allclose(np.asarray(out_w).reshape(valid_w.shape), valid_w, rtol=0, atol=0)
@@ -107,7 +110,9 @@ def test_num_worst_tokens_overflow_is_visible():
     (x, idx, w, y), (recv_x, recv_idx, recv_w, handle, _, out, _) = _run_dispatch(
         num_ranks, num_tokens, num_experts, 2, "random", num_worst_tokens=worst
     )
-    expected = oracle.dispatch(_shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks), num_experts, worst)
+    expected = oracle.dispatch(
+        _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks), num_experts, worst
+    )
     assert recv_x.shape == (num_ranks, worst, H)
     for r in range(num_ranks):
         total = expected[r]["total"]
@@ -118,7 +123,9 @@ def test_num_worst_tokens_overflow_is_visible():
     assert int(np.asarray(handle.num_dropped_tokens).sum()) > 0
     # Dropped rows contribute nothing to combine; kept ones do.
     want = oracle.combine(_shards(y, num_ranks), expected, num_tokens)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+    )
 
 
 @functools.cache
@@ -129,8 +136,14 @@ def _per_host_step(num_ranks, num_tokens, num_experts, gpus_per_host, worst):
     buffer = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=gpus_per_host))
 
     def step(idx, w, y):
-        _, _, recv_w, handle = dej.dispatch(jnp.zeros((num_tokens, H), jnp.bfloat16), idx, w,
-                                            num_experts=num_experts, buffer=buffer, num_worst_tokens=worst)
+        _, _, recv_w, handle = dej.dispatch(
+            jnp.zeros((num_tokens, H), jnp.bfloat16),
+            idx,
+            w,
+            num_experts=num_experts,
+            buffer=buffer,
+            num_worst_tokens=worst,
+        )
         return dej.combine(y, handle, recv_w, buffer=buffer)
 
     return buffer, dt.per_rank(step, mesh, "ep")
@@ -142,14 +155,24 @@ def test_hosts_of_unequal_sizes_refused_as_on_cuda():
     mesh = dt.ep_mesh(8, platform="cpu")
     with pytest.raises(NotImplementedError, match=r"Buffer\(backend='xla'\): .*same number of GPUs .* got \[3, 3, 2\]"):
         dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=3))
-    with dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(gpus_per_host=3), low_latency_mode=True,
-                    num_max_dispatch_tokens_per_rank=8, hidden=H, num_experts=16) as buffer:
+    with dej.Buffer(
+        mesh,
+        "ep",
+        backend="xla",
+        config=dej.Config(gpus_per_host=3),
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=8,
+        hidden=H,
+        num_experts=16,
+    ) as buffer:
         assert buffer.rank_hosts == (0, 0, 0, 1, 1, 1, 2, 2)
 
 
 @pytest.mark.parametrize("gpus_per_host", [1, 2, 4])
-@pytest.mark.parametrize("kind,worst_fraction", [("random", None), ("one_expert", None), ("rank_empty", None),
-                                                 ("minus_one", None), ("random", 0.3)])
+@pytest.mark.parametrize(
+    "kind,worst_fraction",
+    [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)],
+)
 def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction, rng):
     """8 ranks cut into hosts of G (Config.gpus_per_host): combine sums each
     host's rows in rank order, rounds the partial to bf16 (weights: float32),
@@ -183,8 +206,9 @@ def test_combine_sums_per_host(gpus_per_host, kind, worst_fraction, rng):
     w_rows = np.zeros((num_ranks, rows, topk), np.float32)
     for r in range(num_ranks):
         w_rows[r, : len(expected[r]["w"])] = np.reshape(expected[r]["w"], (-1, topk))
-    np.testing.assert_array_equal(np.asarray(out_w),
-                                  oracle.combine(w_rows, expected, num_tokens, gpus_per_host, bf16_partials=False))
+    np.testing.assert_array_equal(
+        np.asarray(out_w), oracle.combine(w_rows, expected, num_tokens, gpus_per_host, bf16_partials=False)
+    )
 
 
 def test_fp8_pair_roundtrip():
@@ -239,8 +263,13 @@ def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
 
     def step(x, idx, w, y):
         recv_x, count, handle = dej.low_latency_dispatch(
-            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts,
-            use_fp8=use_fp8, round_scale=round_scale,
+            x,
+            idx,
+            buffer=buffer,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            num_experts=num_experts,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
         )
         out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, out
@@ -300,8 +329,10 @@ def _assert_bits_equal(got, want, what):
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, got.dtype, want.shape, want.dtype)
     bits = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
     bad = np.argwhere(got.view(bits) != want.view(bits))
-    assert not len(bad), f"{what}: {len(bad)} of {got.size} differ, first at {bad[0].tolist()}: " \
-                         f"{got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+    assert not len(bad), (
+        f"{what}: {len(bad)} of {got.size} differ, first at {bad[0].tolist()}: "
+        f"{got[tuple(bad[0])]} vs {want[tuple(bad[0])]}"
+    )
 
 
 def _wide_range_rows(rng, shape):
@@ -350,8 +381,12 @@ def test_oracle_e4m3_rounding_agrees_with_ml_dtypes():
 def test_oracle_bf16_rounding_agrees_with_ml_dtypes(rng):
     import ml_dtypes
 
-    values = np.concatenate([rng.standard_normal(1 << 16).astype(np.float32) * np.float32(1e3),
-                             ((rng.integers(0, 1 << 16, 1 << 12, dtype=np.uint32) << 16) | 0x8000).view(np.float32)])
+    values = np.concatenate(
+        [
+            rng.standard_normal(1 << 16).astype(np.float32) * np.float32(1e3),
+            ((rng.integers(0, 1 << 16, 1 << 12, dtype=np.uint32) << 16) | 0x8000).view(np.float32),
+        ]
+    )
     values = values[np.isfinite(values)]  # the second half: exact ties
     want = values.astype(ml_dtypes.bfloat16).view(np.uint16)
     _assert_bits_equal(oracle.bf16_bits(values), want, "bf16 rounding")
@@ -371,8 +406,15 @@ def test_low_latency_fp8_rows_and_scales(round_scale):
     x = x.astype(jnp.bfloat16)
 
     def step(x, idx):
-        return dej.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens,
-                                        num_experts=num_experts, use_fp8=True, round_scale=round_scale)
+        return dej.low_latency_dispatch(
+            x,
+            idx,
+            buffer=buffer,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            num_experts=num_experts,
+            use_fp8=True,
+            round_scale=round_scale,
+        )
 
     (data, scales), count, handle = jax.tree.map(np.asarray, dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx)))
     blocks = np.asarray(x, np.float32).reshape(num_ranks, num_tokens, H // 128, 128)
@@ -438,8 +480,13 @@ def test_low_latency_backend_treats_ids_outside_range_as_none():
     bad[::5, 3] = -7
     clean = np.where((bad >= 0) & (bad < num_experts), bad, -1)
     x = dt.random_rows(13, (num_ranks * max_tokens, H))
-    kw = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts, use_fp8=False,
-              round_scale=False)
+    kw = dict(
+        buffer=buffer,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        num_experts=num_experts,
+        use_fp8=False,
+        round_scale=False,
+    )
 
     def round_trip(x, idx, w):
         recv_xs, count, handle = buffer.ops.low_latency_dispatch(x, idx, **kw)

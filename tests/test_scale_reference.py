@@ -35,8 +35,7 @@ def test_reference_backend_beyond_8_ranks(num_ranks):
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, os.path.abspath(__file__), str(num_ranks), str(seed), *CASES]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                            check=False)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"seed {seed}:\n{output[-6000:]}"
     for case in CASES:
@@ -178,8 +177,9 @@ class Worker:
         buffer = dej.Buffer(self.mesh, "ep", backend="xla", hidden=HIDDEN)
 
         def step(data, scales, idx, w):
-            (recv_data, recv_scales), _, _, handle = dej.dispatch((data, scales), idx, w, num_experts=num_experts,
-                                                                  buffer=buffer)
+            (recv_data, recv_scales), _, _, handle = dej.dispatch(
+                (data, scales), idx, w, num_experts=num_experts, buffer=buffer
+            )
             return recv_data, recv_scales, handle.num_recv_tokens
 
         run = self.dt.per_rank(step, self.mesh, "ep")
@@ -215,8 +215,12 @@ class Worker:
         def per_rank(x, w, y, idx, p, q, g, s):
             recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
             out, out_w = dej.combine(y, handle, recv_w, buffer=buffer)
-            loss = (jnp.sum(recv_x.astype(jnp.float32) * p) + jnp.sum(recv_w * q)
-                    + jnp.sum(out.astype(jnp.float32) * g) + jnp.sum(out_w * s))
+            loss = (
+                jnp.sum(recv_x.astype(jnp.float32) * p)
+                + jnp.sum(recv_w * q)
+                + jnp.sum(out.astype(jnp.float32) * g)
+                + jnp.sum(out_w * s)
+            )
             return jax.lax.psum(loss, "ep")
 
         loss = jax.shard_map(per_rank, mesh=self.mesh, in_specs=P_("ep"), out_specs=P_(), check_vma=False)
@@ -261,13 +265,24 @@ class Worker:
         R, dej = self.num_ranks, self.dej
         max_tokens, num_tokens, num_experts = TOKENS, TOKENS - 1, 4 * R
         epr = num_experts // R
-        buffer = dej.Buffer(self.mesh, "ep", backend="xla", low_latency_mode=True,
-                            num_max_dispatch_tokens_per_rank=max_tokens, hidden=HIDDEN, num_experts=num_experts)
+        buffer = dej.Buffer(
+            self.mesh,
+            "ep",
+            backend="xla",
+            low_latency_mode=True,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            hidden=HIDDEN,
+            num_experts=num_experts,
+        )
         for use_fp8 in (False, True):
 
             def step(x, idx, w, y, use_fp8=use_fp8):
                 recv_x, count, handle = dej.low_latency_dispatch(
-                    x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts,
+                    x,
+                    idx,
+                    buffer=buffer,
+                    num_max_dispatch_tokens_per_rank=max_tokens,
+                    num_experts=num_experts,
                     use_fp8=use_fp8,
                 )
                 out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)

@@ -26,13 +26,15 @@ def _shards(a):
 
 def _buffer(gpus_per_host, count=True):
     mesh = dt.ep_mesh(R, platform="cpu")
-    return mesh, dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(count_traffic=count,
-                                                                           gpus_per_host=gpus_per_host))
+    return mesh, dej.Buffer(
+        mesh, "ep", backend="xla", config=dej.Config(count_traffic=count, gpus_per_host=gpus_per_host)
+    )
 
 
 @pytest.mark.parametrize("gpus_per_host", [None, 4, 2, 1])
-@pytest.mark.parametrize("kind,worst", [("random", None), ("one_expert", None), ("rank_empty", None),
-                                        ("minus_one", None), ("random", 0.3)])
+@pytest.mark.parametrize(
+    "kind,worst", [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)]
+)
 def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
     mesh, buffer = _buffer(gpus_per_host)
     num_worst_tokens = None if worst is None else int(worst * R * T)
@@ -42,8 +44,7 @@ def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
     y = rng.standard_normal((R * rows, H), np.float32).astype(ml_dtypes.bfloat16)
 
     def step(x, idx, w, y):
-        recv_x, _, _, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer,
-                                                 num_worst_tokens=num_worst_tokens)
+        recv_x, _, _, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer, num_worst_tokens=num_worst_tokens)
 
         def loss(y):  # combine, and its backward: a cached dispatch
             return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()
@@ -51,8 +52,9 @@ def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
         value, grad = jax.value_and_grad(loss)(y)
         return recv_x, value, grad
 
-    jax.block_until_ready(dt.per_rank(step, mesh, "ep")(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w),
-                                                        jnp.asarray(y)))
+    jax.block_until_ready(
+        dt.per_rank(step, mesh, "ep")(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), jnp.asarray(y))
+    )
     got = buffer.traffic()
     expected = oracle.dispatch(np.zeros((R, T, 1)), _shards(idx), _shards(w), E, rows)
     if worst is not None:
@@ -63,8 +65,12 @@ def test_counters_match_the_oracle(gpus_per_host, kind, worst, rng):
     for r in range(R):
         for op in OPS:
             nvlink, network = want[r][op]
-            assert got[r][op] == {"nvlink_rows": nvlink, "nvlink_bytes": nvlink * row_bytes[op],
-                                  "network_rows": network, "network_bytes": network * row_bytes[op]}, (r, op)
+            assert got[r][op] == {
+                "nvlink_rows": nvlink,
+                "nvlink_bytes": nvlink * row_bytes[op],
+                "network_rows": network,
+                "network_bytes": network * row_bytes[op],
+            }, (r, op)
     totals = {op: sum(want[r][op][1] for r in range(R)) for op in OPS}
     if gpus_per_host in (None, 8):
         assert totals == dict.fromkeys(OPS, 0)  # one host: nothing crosses the network

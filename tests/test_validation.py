@@ -73,8 +73,14 @@ def test_rows_must_be_bf16(mesh, buffer, dtype):
         _trace(mesh, combine_rows_of, x, idx, w)
     ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
     with pytest.raises(TypeError, match=rf"low_latency_dispatch: x must be bfloat16, got {name}"):
-        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
-            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
+        _trace(
+            mesh,
+            lambda x, idx: dej.low_latency_dispatch(
+                x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E
+            ),
+            x,
+            idx,
+        )
 
 
 @pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int16, jnp.uint32, jnp.float32])
@@ -88,8 +94,14 @@ def test_topk_idx_must_be_int32(mesh, buffer, dtype):
         _trace(mesh, lambda idx: dej.get_dispatch_layout(idx, num_experts=E, buffer=buffer), idx)
     ll = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
     with pytest.raises(TypeError, match=f"low_latency_dispatch: topk_idx must be int32, got {name}"):
-        _trace(mesh, lambda x, idx: dej.low_latency_dispatch(
-            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), x, idx)
+        _trace(
+            mesh,
+            lambda x, idx: dej.low_latency_dispatch(
+                x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E
+            ),
+            x,
+            idx,
+        )
 
 
 @pytest.mark.parametrize("n", [0, -4, 8.0, True, "8"])
@@ -127,11 +139,12 @@ def test_dispatch_without_weights(mesh, buffer):
     def x_gradient(weighted):
         def step(x, idx, w):
             def loss(x):
-                recv_x, _, recv_w, handle = dej.dispatch(x, idx, w if weighted else None, num_experts=E,
-                                                         buffer=buffer)
+                recv_x, _, recv_w, handle = dej.dispatch(x, idx, w if weighted else None, num_experts=E, buffer=buffer)
                 assert (recv_w is None) == (not weighted)
                 return dej.combine(recv_x, handle, buffer=buffer).astype(jnp.float32).sum()
+
             return jax.grad(loss)(x)
+
         return np.asarray(dt.per_rank(step, mesh, "ep")(x, idx, w), np.float32)
 
     g = x_gradient(False)
@@ -141,8 +154,11 @@ def test_dispatch_without_weights(mesh, buffer):
 
 def test_not_rows(mesh, buffer):
     x, idx, w = _inputs()
-    with pytest.raises(ValueError, match=r"^dispatch: x must be a bfloat16 array or an FP8 pair \(data, scales\), "
-                                         r"got a list of 3 items"):
+    with pytest.raises(
+        ValueError,
+        match=r"^dispatch: x must be a bfloat16 array or an FP8 pair \(data, scales\), "
+        r"got a list of 3 items",
+    ):
         _trace(mesh, lambda x, idx, w: dej.dispatch([x, x, x], idx, w, num_experts=E, buffer=buffer), x, idx, w)
 
 
@@ -198,8 +214,11 @@ def test_buffer_of_a_mesh_with_other_axes(buffer):
     tokens = P(("data", "ep"))
     run = jax.jit(jax.shard_map(_dispatch(buffer), mesh=wide, in_specs=tokens, out_specs=tokens))
     x, idx, w = _inputs()
-    with pytest.raises(ValueError, match=r"dispatch: the shard_map here is over a mesh of axes \{'data': 2, 'ep': 4\}, "
-                                         r"but the buffer was made on one of axes \{'ep': 4\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"dispatch: the shard_map here is over a mesh of axes \{'data': 2, 'ep': 4\}, "
+        r"but the buffer was made on one of axes \{'ep': 4\}",
+    ):
         run.trace(*(jnp.concatenate([a, a]) for a in (x, idx, w)))
 
 
@@ -216,10 +235,12 @@ def _round_trips(buffer, num_tokens):
         return dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
 
     def halves(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch_recv(dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll),
-                                                        buffer=buffer)
-        return dej.low_latency_combine_recv(dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer),
-                                            buffer=buffer)
+        recv_x, _, handle = dej.low_latency_dispatch_recv(
+            dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll), buffer=buffer
+        )
+        return dej.low_latency_combine_recv(
+            dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer), buffer=buffer
+        )
 
     def backward(x, idx, w):  # only the gradient's communication is used
         return jax.grad(lambda x: normal(x, idx, w)[0].astype(jnp.float32).sum())(x)
@@ -238,10 +259,13 @@ def test_buffer_of_a_mesh_in_another_device_order(mesh, op):
     other = jax.sharding.Mesh(mesh.devices[[1, 0, 2, 3]], ("ep",))
     ids = [d.id for d in mesh.devices.flat]
     _trace(mesh, fn, *_inputs())  # the buffer's own mesh
-    with pytest.raises(ValueError, match=rf"the shard_map's mesh orders the devices otherwise than the Buffer's mesh: "
-                                         rf"an EP group \(device ids in rank order along 'ep'\) is "
-                                         rf"\[{ids[1]}, {ids[0]}, {ids[2]}, {ids[3]}\] there, "
-                                         rf"\[{ids[0]}, {ids[1]}, {ids[2]}, {ids[3]}\] in the Buffer's"):
+    with pytest.raises(
+        ValueError,
+        match=rf"the shard_map's mesh orders the devices otherwise than the Buffer's mesh: "
+        rf"an EP group \(device ids in rank order along 'ep'\) is "
+        rf"\[{ids[1]}, {ids[0]}, {ids[2]}, {ids[3]}\] there, "
+        rf"\[{ids[0]}, {ids[1]}, {ids[2]}, {ids[3]}\] in the Buffer's",
+    ):
         _trace(other, fn, *_inputs())
 
 
@@ -278,8 +302,11 @@ def test_shard_map_manual_over_some_axes(jit):
     wide = jax.sharding.Mesh(np.array(jax.devices("cpu")).reshape(2, R), ("data", "ep"))
     buffer = dej.Buffer(wide, "ep", backend="xla")
     run = jax.shard_map(_dispatch(buffer), mesh=wide, in_specs=P("ep"), out_specs=P("ep"), axis_names={"ep"})
-    with pytest.raises(ValueError, match=r"^dispatch: the shard_map here is manual over \['ep'\] of the mesh's axes "
-                                         r"\['data', 'ep'\]; deep_ep_jax needs every axis manual"):
+    with pytest.raises(
+        ValueError,
+        match=r"^dispatch: the shard_map here is manual over \['ep'\] of the mesh's axes "
+        r"\['data', 'ep'\]; deep_ep_jax needs every axis manual",
+    ):
         (jax.jit(run) if jit else run)(*_inputs())
 
 
@@ -300,21 +327,24 @@ def test_bad_backend_and_buffer_args(mesh):
         dej.Buffer(mesh, "ep", config={"checks": True})
 
 
-@pytest.mark.parametrize("field, value, error, match", [
-    ("checks", "false", TypeError, "Config.checks must be a bool, got str 'false'"),
-    ("count_traffic", 1, TypeError, "Config.count_traffic must be a bool, got int 1"),
-    ("internode_pipeline", None, TypeError, "Config.internode_pipeline must be a bool"),
-    ("num_sms", 2.5, TypeError, "Config.num_sms must be an int, got float 2.5"),
-    ("num_sms", True, TypeError, "Config.num_sms must be an int, got bool True"),
-    ("num_warps", None, TypeError, "Config.num_warps must be an int, got NoneType"),
-    ("chunk_tokens", "2", TypeError, "Config.chunk_tokens must be an int, got str"),
-    ("low_latency_overlap_sms", 1.5, TypeError, "Config.low_latency_overlap_sms must be an int"),
-    ("gpus_per_host", 2.5, TypeError, "Config.gpus_per_host must be an int or None, got float 2.5"),
-    ("timeout_s", "10", TypeError, "Config.timeout_s must be a number of seconds, got str '10'"),
-    ("num_sms", 0, ValueError, "Config.num_sms must be >= 1"),
-    ("timeout_s", float("nan"), ValueError, r"Config.timeout_s must be in \[0.001, 3600\]"),
-    ("timeout_s", 0.0005, ValueError, r"Config.timeout_s must be in \[0.001, 3600\], got 0.0005$"),
-])
+@pytest.mark.parametrize(
+    "field, value, error, match",
+    [
+        ("checks", "false", TypeError, "Config.checks must be a bool, got str 'false'"),
+        ("count_traffic", 1, TypeError, "Config.count_traffic must be a bool, got int 1"),
+        ("internode_pipeline", None, TypeError, "Config.internode_pipeline must be a bool"),
+        ("num_sms", 2.5, TypeError, "Config.num_sms must be an int, got float 2.5"),
+        ("num_sms", True, TypeError, "Config.num_sms must be an int, got bool True"),
+        ("num_warps", None, TypeError, "Config.num_warps must be an int, got NoneType"),
+        ("chunk_tokens", "2", TypeError, "Config.chunk_tokens must be an int, got str"),
+        ("low_latency_overlap_sms", 1.5, TypeError, "Config.low_latency_overlap_sms must be an int"),
+        ("gpus_per_host", 2.5, TypeError, "Config.gpus_per_host must be an int or None, got float 2.5"),
+        ("timeout_s", "10", TypeError, "Config.timeout_s must be a number of seconds, got str '10'"),
+        ("num_sms", 0, ValueError, "Config.num_sms must be >= 1"),
+        ("timeout_s", float("nan"), ValueError, r"Config.timeout_s must be in \[0.001, 3600\]"),
+        ("timeout_s", 0.0005, ValueError, r"Config.timeout_s must be in \[0.001, 3600\], got 0.0005$"),
+    ],
+)
 def test_config_fields(field, value, error, match):
     with pytest.raises(error, match=f"^{match}"):
         dej.Config(**{field: value})
@@ -322,7 +352,9 @@ def test_config_fields(field, value, error, match):
 
 
 def test_cuda_backend_unavailable_says_why(mesh):
-    with pytest.raises(RuntimeError, match=r"Buffer\(backend='cuda'\) is not available: the mesh's devices are \['cpu'\]"):
+    with pytest.raises(
+        RuntimeError, match=r"Buffer\(backend='cuda'\) is not available: the mesh's devices are \['cpu'\]"
+    ):
         dej.Buffer(mesh, "ep", backend="cuda")
     assert dej.Buffer(mesh, "ep").backend == "xla"  # auto falls back on CPU
 
@@ -330,6 +362,7 @@ def test_cuda_backend_unavailable_says_why(mesh):
 def test_copies_of_a_buffer_are_the_buffer(mesh):
     """A Buffer is a handle to device memory: a copy that could free it apart from the original would not do."""
     import copy
+
     buffer = dej.Buffer(mesh, "ep", backend="xla")
     assert copy.copy(buffer) is buffer and copy.deepcopy({"b": buffer})["b"] is buffer
 
@@ -386,7 +419,9 @@ def test_low_latency_bad_arguments(mesh):
     x, idx, _ = _inputs()
 
     def call(buffer, m=M):
-        return lambda x, idx: dej.low_latency_dispatch(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=m, num_experts=E)
+        return lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=m, num_experts=E
+        )
 
     with pytest.raises(ValueError, match="x has 8 tokens, more than num_max_dispatch_tokens_per_rank=4"):
         _trace(mesh, call(ll), x, idx)
@@ -405,8 +440,9 @@ def test_low_latency_bad_arguments(mesh):
         _trace(mesh, bad_combine, x[: R * M], idx[: R * M], _inputs()[2][: R * M])
 
     def flag(name, value):
-        return lambda x, idx: dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M,
-                                                       num_experts=E, **{name: value})
+        return lambda x, idx: dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, **{name: value}
+        )
 
     with pytest.raises(TypeError, match="^low_latency_dispatch: use_fp8 must be a bool, got str 'false'"):
         _trace(mesh, flag("use_fp8", "false"), x[: R * M], idx[: R * M])
@@ -418,6 +454,7 @@ def test_low_latency_bad_arguments(mesh):
 
 def _low_latency_round_trip(ll, split, M, stop_gradient=False):
     """x, w -> low-latency dispatch, the rows as expert outputs, combine (whole or by halves)."""
+
     def run(x, idx, w):
         if stop_gradient:
             x, w = jax.lax.stop_gradient((x, w))
@@ -428,6 +465,7 @@ def _low_latency_round_trip(ll, split, M, stop_gradient=False):
             return dej.low_latency_combine_recv(pending, buffer=ll)
         recv, _, handle = dej.low_latency_dispatch(x, idx, **kw)
         return dej.low_latency_combine(recv, idx, w, handle, buffer=ll)
+
     return run
 
 
@@ -469,16 +507,21 @@ def test_low_latency_receive_checks_what_it_takes(mesh):
             if kind == "combine":
                 return dej.low_latency_combine_recv(pending, buffer=recv_buffer)
             return dej.low_latency_dispatch_recv(x, buffer=recv_buffer)[0]
+
         return run
 
     _trace(mesh, receive("dispatch", ll), x, idx, w)  # fine
-    with pytest.raises(TypeError, match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
-                                        "returned, got low_latency_dispatch_send's"):
+    with pytest.raises(
+        TypeError,
+        match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
+        "returned, got low_latency_dispatch_send's",
+    ):
         _trace(mesh, receive("combine", ll), x, idx, w)
     with pytest.raises(ValueError, match="^low_latency_dispatch_recv: pending comes from a send on another Buffer"):
         _trace(mesh, receive("dispatch", other), x, idx, w)
-    with pytest.raises(TypeError, match="^low_latency_dispatch_recv: pending must be what low_latency_dispatch_send "
-                                        "returned, got "):
+    with pytest.raises(
+        TypeError, match="^low_latency_dispatch_recv: pending must be what low_latency_dispatch_send returned, got "
+    ):
         _trace(mesh, receive("array", ll), x, idx, w)
 
 
@@ -495,8 +538,14 @@ def test_num_experts_differs_from_the_buffers(mesh):
     ll = dej.Buffer(mesh, "ep", backend="xla", num_experts=E, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
     for send in (dej.low_latency_dispatch, dej.low_latency_dispatch_send):
         with pytest.raises(ValueError, match=f"^{send.__name__}: {message}"):
-            _trace(mesh, lambda x, idx, send=send: send(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
-                                                        num_experts=2 * E), x, idx)
+            _trace(
+                mesh,
+                lambda x, idx, send=send: send(
+                    x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=2 * E
+                ),
+                x,
+                idx,
+            )
 
 
 def _swap(position, value):
@@ -510,25 +559,43 @@ def _swap(position, value):
     [
         (_swap(3, lambda h: {"recv_count": h.recv_count}), TypeError, "handle must be the LowLatencyHandle"),
         (_swap(0, lambda y: y.astype(jnp.float32)), TypeError, "x must be bfloat16, got float32"),
-        (_swap(0, lambda y: y[:, :-1]), ValueError,
-         r"x must be \[2, 32, hidden\] \(the dispatch's rows\), got \(2, 31, 256\)"),
+        (
+            _swap(0, lambda y: y[:, :-1]),
+            ValueError,
+            r"x must be \[2, 32, hidden\] \(the dispatch's rows\), got \(2, 31, 256\)",
+        ),
         (_swap(0, lambda y: y[None]), ValueError, r"x must be \[2, 32, hidden\]"),
-        (_swap(0, lambda y: jnp.concatenate([y, y], -1)), ValueError,
-         "x has hidden 512 but the buffer was made for hidden 256"),
+        (
+            _swap(0, lambda y: jnp.concatenate([y, y], -1)),
+            ValueError,
+            "x has hidden 512 but the buffer was made for hidden 256",
+        ),
         (_swap(2, lambda w: None), TypeError, "topk_weights is required"),
         (_swap(2, lambda w: w[:, :1]), ValueError, "topk_weights must have topk_idx's shape"),
         (_swap(2, lambda w: w.astype(jnp.bfloat16)), TypeError, "topk_weights must be float32"),
         (_swap(1, lambda i: i.astype(jnp.int16)), TypeError, "topk_idx must be int32, got int16"),
         (_swap(1, lambda i: i[:, 0]), ValueError, r"topk_idx must be \[tokens, topk\], got shape \(8,\)"),
         (_swap(1, lambda i: i[0, 0]), ValueError, r"topk_idx must be \[tokens, topk\], got shape \(\)"),
-        (_swap(0, lambda y: (y.astype(jnp.float8_e4m3fn), y[..., :2].astype(jnp.float32))), TypeError,
-         r"x must be the experts' bfloat16 outputs \[2, 32, hidden\], got a tuple \(an FP8 dispatch's rows\?"),
-        (lambda args: (args[0], jnp.concatenate([args[1]] * 2), jnp.concatenate([args[2]] * 2), args[3]), ValueError,
-         r"topk_idx must be the dispatch's, \[8, 2\], got \[16, 2\] \(each row returns to the \(token, k\) slot"),
-        (lambda args: (args[0], args[1][:4], args[2][:4], args[3]), ValueError,
-         r"topk_idx must be the dispatch's, \[8, 2\], got \[4, 2\]"),
-        (lambda args: (args[0], args[1][:, :1], args[2][:, :1], args[3]), ValueError,
-         r"topk_idx must be the dispatch's, \[8, 2\], got \[8, 1\]"),
+        (
+            _swap(0, lambda y: (y.astype(jnp.float8_e4m3fn), y[..., :2].astype(jnp.float32))),
+            TypeError,
+            r"x must be the experts' bfloat16 outputs \[2, 32, hidden\], got a tuple \(an FP8 dispatch's rows\?",
+        ),
+        (
+            lambda args: (args[0], jnp.concatenate([args[1]] * 2), jnp.concatenate([args[2]] * 2), args[3]),
+            ValueError,
+            r"topk_idx must be the dispatch's, \[8, 2\], got \[16, 2\] \(each row returns to the \(token, k\) slot",
+        ),
+        (
+            lambda args: (args[0], args[1][:4], args[2][:4], args[3]),
+            ValueError,
+            r"topk_idx must be the dispatch's, \[8, 2\], got \[4, 2\]",
+        ),
+        (
+            lambda args: (args[0], args[1][:, :1], args[2][:, :1], args[3]),
+            ValueError,
+            r"topk_idx must be the dispatch's, \[8, 2\], got \[8, 1\]",
+        ),
     ],
 )
 @pytest.mark.parametrize("combine", [dej.low_latency_combine, dej.low_latency_combine_send])
@@ -537,8 +604,9 @@ def test_low_latency_combine_bad_arguments(mesh, combine, change, error, match):
     x, idx, w = _inputs()
 
     def fn(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
-                                                     num_experts=E, use_fp8=False)
+        recv_x, _, handle = dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False
+        )
         return combine(*change((recv_x, idx, w, handle)), buffer=ll)
 
     with pytest.raises(error, match=f"^{combine.__name__}: ({match})"):
@@ -552,10 +620,12 @@ def test_low_latency_combine_needs_a_low_latency_buffer(mesh):
 
     def fn(combine_buffer, recv_buffer):
         def run(x, idx, w):
-            recv_x, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T,
-                                                         num_experts=E, use_fp8=False)
+            recv_x, _, handle = dej.low_latency_dispatch(
+                x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False
+            )
             pending = dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=combine_buffer)
             return dej.low_latency_combine_recv(pending, buffer=recv_buffer)
+
         return run
 
     _trace(mesh, fn(ll, ll), x, idx, w)
@@ -591,8 +661,13 @@ def test_checks_mode_layout_and_low_latency(mesh):
     with pytest.raises(dej.CheckError, match=r"^get_dispatch_layout: topk_idx holds expert ids outside \[-1, 8\)"):
         layout(bad)
     ll = dej.Buffer(mesh, "ep", backend="xla", config=config, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
-    dispatch = dej.checked(dt.per_rank(lambda x, i: dej.low_latency_dispatch(
-        x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E), mesh, "ep"))
+    dispatch = dej.checked(
+        dt.per_rank(
+            lambda x, i: dej.low_latency_dispatch(x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E),
+            mesh,
+            "ep",
+        )
+    )
     dispatch(x, idx)
     with pytest.raises(dej.CheckError, match=r"^low_latency_dispatch: topk_idx holds expert ids outside \[-1, 8\)"):
         dispatch(x, bad)
@@ -605,13 +680,21 @@ def test_checks_mode_low_latency_rows_dropped(mesh, dispatch):
     config = dej.Config(checks=True)
     ll = dej.Buffer(mesh, "ep", backend="xla", config=config, low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
     x, idx, _ = _inputs()
-    f = dej.checked(dt.per_rank(lambda x, i: dispatch(x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T,
-                                                      num_experts=E, use_fp8=False), mesh, "ep"))
+    f = dej.checked(
+        dt.per_rank(
+            lambda x, i: dispatch(x, i, buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False),
+            mesh,
+            "ep",
+        )
+    )
     full = jnp.asarray(np.tile(np.arange(K, dtype=np.int32), (R * T, 1)))  # experts 0..K-1: R*T = R*M rows each
     f(x, full)
     f(x, full.at[0].set(3))  # a duplicate that fits
-    with pytest.raises(dej.CheckError, match=rf"^{dispatch.__name__}: more than {R * T} rows \(ranks x "
-                                             r"num_max_dispatch_tokens_per_rank\) for one expert, the rest dropped"):
+    with pytest.raises(
+        dej.CheckError,
+        match=rf"^{dispatch.__name__}: more than {R * T} rows \(ranks x "
+        r"num_max_dispatch_tokens_per_rank\) for one expert, the rest dropped",
+    ):
         f(x, jnp.asarray(full).at[9, 1].set(0))  # one row too many for expert 0, from rank 1
 
 
@@ -619,8 +702,14 @@ def test_checks_mode_low_latency_rows_dropped(mesh, dispatch):
 def test_checks_mode_low_latency_combine_of_other_topk_idx(mesh, halves):
     """A combine's topk_idx must be its dispatch's: the handle locates rows only
     for the pairs dispatched, so another id reads another token's row."""
-    ll = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(checks=True), low_latency_mode=True,
-                    num_max_dispatch_tokens_per_rank=T)
+    ll = dej.Buffer(
+        mesh,
+        "ep",
+        backend="xla",
+        config=dej.Config(checks=True),
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=T,
+    )
     x, idx, w = _inputs()
     kwargs = dict(buffer=ll, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=False)
 
@@ -628,8 +717,9 @@ def test_checks_mode_low_latency_combine_of_other_topk_idx(mesh, halves):
         if halves:
             pending = dej.low_latency_dispatch_send(x, dispatch_idx, **kwargs)
             recv_x, _, handle = dej.low_latency_dispatch_recv(pending, buffer=ll)
-            return dej.low_latency_combine_recv(dej.low_latency_combine_send(
-                recv_x, combine_idx, w, handle, buffer=ll), buffer=ll)
+            return dej.low_latency_combine_recv(
+                dej.low_latency_combine_send(recv_x, combine_idx, w, handle, buffer=ll), buffer=ll
+            )
         recv_x, _, handle = dej.low_latency_dispatch(x, dispatch_idx, **kwargs)
         return dej.low_latency_combine(recv_x, combine_idx, w, handle, buffer=ll)
 
@@ -662,8 +752,12 @@ def test_checks_mode_without_checked_raises_quietly(tmp_path):
         "    print('RAISED', type(e).__name__, str(e).splitlines()[-1])\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(dej.__file__)))  # deep_ep_jax, installed or not
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    )
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     want = "CheckError: get_dispatch_layout: topk_idx holds expert ids outside [-1, 16) (on 8 of 8 ranks)"
@@ -694,6 +788,7 @@ def test_poison_padding_shows_an_unmasked_weight_gradient(mesh):
             rows = recv_x.astype(jnp.float32)
             masked = jnp.where((recv_idx >= 0).any(axis=1)[:, None], rows, 0.0)
             return (rows.T @ dy)[None], (masked.T @ dy)[None], handle.num_recv_tokens[None]
+
         return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w, dy)
 
     plain, masked, num_recv = weight_grads(dej.Buffer(mesh, "ep", backend="xla"))

@@ -68,8 +68,8 @@ ffi::Error CheckLaunchKnobs(const char* fn, int64_t num_sms, int max_blocks, int
 ffi::Error CheckNumExperts(const char* fn, int64_t num_experts, int64_t num_ranks, int64_t max_per_rank,
                            int64_t max_total) {
   if (num_experts <= 0 || num_experts % num_ranks != 0) {
-    return Invalid(fn, "num_experts (" + Str(num_experts) + ") must be a positive multiple of the " + Str(num_ranks) +
-                           " ranks");
+    return Invalid(
+        fn, "num_experts (" + Str(num_experts) + ") must be a positive multiple of the " + Str(num_ranks) + " ranks");
   }
   if (num_experts / num_ranks > max_per_rank) {
     return Invalid(fn, "at most " + Str(max_per_rank) + " experts per rank, got " + Str(num_experts / num_ranks));
@@ -177,11 +177,10 @@ ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ra
 }
 
 ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s, RowArrays* rows,
-                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
-                         const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
-                         ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
-                         ffi::ResultBuffer<ffi::S32>& recv_topk_idx, ffi::ResultBuffer<ffi::F32>& recv_topk_weights,
-                         ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
+                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales, const ffi::Buffer<ffi::S32>& topk_idx,
+                         const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& recv_x,
+                         ffi::Result<ffi::AnyBuffer>& recv_x_scales, ffi::ResultBuffer<ffi::S32>& recv_topk_idx,
+                         ffi::ResultBuffer<ffi::F32>& recv_topk_weights, ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
                          ffi::ResultBuffer<ffi::S32>& num_tokens_per_rank,
                          ffi::ResultBuffer<ffi::S32>& rank_prefix_matrix, ffi::ResultBuffer<ffi::S32>& send_pos,
                          ffi::ResultBuffer<ffi::S32>& recv_src_idx, ffi::ResultBuffer<ffi::S32>& recv_src_rank,
@@ -209,8 +208,8 @@ ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts,
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_idx", recv_src_idx->dimensions(), {N}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_src_rank", recv_src_rank->dimensions(), {N}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens", num_recv_tokens->dimensions(), {}));
-  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(),
-                                          {num_experts / R}));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      ExpectShape(fn, "num_recv_tokens_per_expert", num_recv_tokens_per_expert->dimensions(), {num_experts / R}));
   return ExpectShape(fn, "num_dropped_tokens", num_dropped_tokens->dimensions(), {});
 }
 

@@ -95,11 +95,10 @@ ffi::Error CheckRowIndices(const char* fn, const NormalShapes& s, int64_t num_ra
 // internode.cc across hosts; each adds its own). Dispatch: the rows and routing
 // in, the received rows and the handle's arrays out.
 ffi::Error CheckDispatch(const char* fn, int64_t num_ranks, int64_t num_experts, NormalShapes* s, RowArrays* rows,
-                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales,
-                         const ffi::Buffer<ffi::S32>& topk_idx, const ffi::Buffer<ffi::F32>& topk_weights,
-                         ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
-                         ffi::ResultBuffer<ffi::S32>& recv_topk_idx, ffi::ResultBuffer<ffi::F32>& recv_topk_weights,
-                         ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
+                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scales, const ffi::Buffer<ffi::S32>& topk_idx,
+                         const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& recv_x,
+                         ffi::Result<ffi::AnyBuffer>& recv_x_scales, ffi::ResultBuffer<ffi::S32>& recv_topk_idx,
+                         ffi::ResultBuffer<ffi::F32>& recv_topk_weights, ffi::ResultBuffer<ffi::PRED>& is_token_in_rank,
                          ffi::ResultBuffer<ffi::S32>& num_tokens_per_rank,
                          ffi::ResultBuffer<ffi::S32>& rank_prefix_matrix, ffi::ResultBuffer<ffi::S32>& send_pos,
                          ffi::ResultBuffer<ffi::S32>& recv_src_idx, ffi::ResultBuffer<ffi::S32>& recv_src_rank,

@@ -40,10 +40,10 @@ static ffi::Error ComputeExpertLayout(cudaStream_t stream, int32_t device, ffi::
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "pair_counts", pair_counts->dimensions(), {num_local_experts}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "pair_row", pair_row->dimensions(), {dims[0], dims[1]}));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "num_dropped", num_dropped->dimensions(), {}));
-  return Launched(fn, LaunchExpertLayout(topk_idx.typed_data(), num_pairs, int(num_local_experts), alignment,
-                                         int(num_rows), pair_counts->typed_data(), group_sizes->typed_data(),
-                                         group_offsets->typed_data(), pair_row->typed_data(), row_pair->typed_data(),
-                                         num_dropped->typed_data(), stream));
+  return Launched(
+      fn, LaunchExpertLayout(topk_idx.typed_data(), num_pairs, int(num_local_experts), alignment, int(num_rows),
+                             pair_counts->typed_data(), group_sizes->typed_data(), group_offsets->typed_data(),
+                             pair_row->typed_data(), row_pair->typed_data(), num_dropped->typed_data(), stream));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpertLayoutHandler, ComputeExpertLayout,
                               ffi::Ffi::Bind()
@@ -92,8 +92,8 @@ static ffi::Error ExpandRows(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   arrays.src[1] = static_cast<const char*>(x_scales.untyped_data());
   arrays.dst[1] = static_cast<char*>(expert_x_scales->untyped_data());
   arrays.row_bytes[1] = num_scales * int64_t(sizeof(float));
-  return Launched(fn, LaunchExpandRows(arrays, row_pair.typed_data(), int(num_rows), int(num_src_rows), int(num_topk),
-                                       stream));
+  return Launched(
+      fn, LaunchExpandRows(arrays, row_pair.typed_data(), int(num_rows), int(num_src_rows), int(num_topk), stream));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsHandler, ExpandRows,
                               ffi::Ffi::Bind()
@@ -111,8 +111,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ExpandRowsHandler, ExpandRows,
 // quantized with row_multipliers [rows] and col_inverse_scales [H].
 static ffi::Error ExpandRowsTransposed(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                                        ffi::Buffer<ffi::S32> row_pair, ffi::Buffer<ffi::F32> row_multipliers,
-                                       ffi::Buffer<ffi::F32> col_inverse_scales,
-                                       ffi::Result<ffi::AnyBuffer> expert_x_t, int64_t num_topk) {
+                                       ffi::Buffer<ffi::F32> col_inverse_scales, ffi::Result<ffi::AnyBuffer> expert_x_t,
+                                       int64_t num_topk) {
   constexpr const char* fn = "expand_rows_transposed";
   const Dims dims = x.dimensions(), row_dims = row_pair.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [N, H], got " + ShapeString(dims));
@@ -172,18 +172,18 @@ static ffi::Error ReduceRows(cudaStream_t stream, int32_t device, ffi::Buffer<ff
     return Invalid(fn, "weights must be [N, K] or [N, 0], got " + ShapeString(w_dims));
   }
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "out", out->dimensions(), {num_tokens, hidden}));
-  return Launched(fn, LaunchReduceRows(reinterpret_cast<const __nv_bfloat16*>(expert_y.typed_data()), int(num_rows),
-                                       weighted ? weights.typed_data() : nullptr, pair_row.typed_data(),
-                                       int(num_tokens), int(num_topk), int(hidden),
-                                       reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
+  return Launched(
+      fn, LaunchReduceRows(reinterpret_cast<const __nv_bfloat16*>(expert_y.typed_data()), int(num_rows),
+                           weighted ? weights.typed_data() : nullptr, pair_row.typed_data(), int(num_tokens),
+                           int(num_topk), int(hidden), reinterpret_cast<__nv_bfloat16*>(out->typed_data()), stream));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ReduceRowsHandler, ReduceRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()  // expert_y [rows, H]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // weights
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // pair_row [N, K]
+                                  .Arg<ffi::Buffer<ffi::BF16>>()   // expert_y [rows, H]
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // weights
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // pair_row [N, K]
                                   .Ret<ffi::Buffer<ffi::BF16>>(),  // out [N, H]
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -116,12 +116,11 @@ static ffi::Error Fp8QuantizeRows(cudaStream_t stream, int32_t device, ffi::Buff
   const int64_t num_rows = cols == 0 ? 0 : x.element_count() / dims.back();
   if (data->element_type() != ffi::DataType::F8E4M3FN) return Invalid(fn, "data must be float8_e4m3fn");
   if (int64_t(data->element_count()) != num_rows * cols || int64_t(scales->element_count()) != num_rows) {
-    return Invalid(fn, "data must hold the rows' " + Str(num_rows * cols) + " values, scales their " +
-                           Str(num_rows) + " scales");
+    return Invalid(
+        fn, "data must hold the rows' " + Str(num_rows * cols) + " values, scales their " + Str(num_rows) + " scales");
   }
-  return Launched(fn, LaunchQuantizeRows(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), num_rows, cols,
-                                         swiglu, static_cast<uint8_t*>(data->untyped_data()), scales->typed_data(),
-                                         stream));
+  return Launched(fn, LaunchQuantizeRows(reinterpret_cast<const __nv_bfloat16*>(x.typed_data()), num_rows, cols, swiglu,
+                                         static_cast<uint8_t*>(data->untyped_data()), scales->typed_data(), stream));
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8QuantizeRowsHandler, Fp8QuantizeRows,
                               ffi::Ffi::Bind()

@@ -67,8 +67,8 @@ size_t DispatchBytes(const DeviceState& state, const internode::DispatchParams& 
 #endif
 }
 
-cudaError_t RunDispatch(const DeviceState& state, const internode::DispatchParams& p,
-                        const internode::LaunchConfig& c, cudaStream_t stream) {
+cudaError_t RunDispatch(const DeviceState& state, const internode::DispatchParams& p, const internode::LaunchConfig& c,
+                        cudaStream_t stream) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
   return internode::LaunchDispatch(state, p, c, stream);
 #else
@@ -89,22 +89,19 @@ static ffi::Error InternodeDispatch(
     ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> recv_src_idx,
     ffi::ResultBuffer<ffi::S32> recv_src_rank, ffi::ResultBuffer<ffi::S32> num_recv_tokens,
     ffi::ResultBuffer<ffi::S32> num_recv_tokens_per_expert, ffi::ResultBuffer<ffi::S32> num_dropped_tokens,
-    ffi::ResultBuffer<ffi::S32> node_pos, ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id,
-    int64_t num_experts, int64_t num_sms, int64_t num_warps, int64_t timeout_ns, int64_t count_traffic,
-    int64_t pipeline) {
+    ffi::ResultBuffer<ffi::S32> node_pos, ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_experts,
+    int64_t num_sms, int64_t num_warps, int64_t timeout_ns, int64_t count_traffic, int64_t pipeline) {
   constexpr const char* fn = "deep_ep_jax_internode_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
-              &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, pipeline, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, state->num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx,
-                                            topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-                                            is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos,
-                                            recv_src_idx, recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert,
-                                            num_dropped_tokens));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(
+      fn, state->num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx, topk_weights, recv_x, recv_x_scales,
+      recv_topk_idx, recv_topk_weights, is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos,
+      recv_src_idx, recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert, num_dropped_tokens));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
   SetRowArrays(rows, p.x, p.row_bytes);
@@ -135,26 +132,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, InternodeDispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order: the Buffer's order state (call_order.h)
-                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [T, H]
-                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [T, H / 128], [T, 0] for bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
-                                  .Ret<ffi::AnyBuffer>()         // recv_x [N, H]: x's dtype, N the worst case
-                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [N, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // order: the Buffer's order state (call_order.h)
+                                  .Arg<ffi::AnyBuffer>()          // x: bf16 or FP8 [T, H]
+                                  .Arg<ffi::AnyBuffer>()          // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K]
+                                  .Ret<ffi::AnyBuffer>()          // recv_x [N, H]: x's dtype, N the worst case
+                                  .Ret<ffi::AnyBuffer>()          // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_topk_weights [N, K]
                                   .Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank [T, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_tokens_per_rank [R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // rank_prefix_matrix [R, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_pos [T, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_idx [N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank [N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens []
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens_per_expert [E / R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped_tokens []
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // node_pos [T, hosts]: the kernels' scratch
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out: order, aliased
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_rank [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // rank_prefix_matrix [R, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // send_pos [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_idx [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_rank [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens_per_expert [E / R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_dropped_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // node_pos [T, hosts]: the kernels' scratch
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // order_out: order, aliased
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("num_sms")  // launch knobs: backends/cuda/common.py's launch_attrs
@@ -165,10 +162,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, InternodeDispatch,
                               {ffi::Traits::kCmdBufferCompatible});
 
 static ffi::Error InternodeCachedDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
-                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
-                                          ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
-                                          ffi::Result<ffi::AnyBuffer> recv_x_scales,
+                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::Buffer<ffi::F32> topk_weights,
+                                          ffi::Buffer<ffi::S32> send_pos, ffi::Buffer<ffi::S32> num_recv_tokens,
+                                          ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
                                           ffi::ResultBuffer<ffi::F32> recv_topk_weights,
                                           ffi::ResultBuffer<ffi::S32> node_pos, ffi::ResultBuffer<ffi::S32> order_out,
                                           int64_t buffer_id, int64_t num_sms, int64_t num_warps, int64_t timeout_ns,
@@ -176,14 +172,12 @@ static ffi::Error InternodeCachedDispatch(cudaStream_t stream, int32_t device, f
   constexpr const char* fn = "deep_ep_jax_internode_cached_dispatch";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
-              &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, pipeline, &state, &config));
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows, x, x_scales, topk_weights,
-                                                  send_pos, num_recv_tokens, recv_x, recv_x_scales,
-                                                  recv_topk_weights));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCachedDispatch(fn, state->num_ranks, &s, &rows, x, x_scales, topk_weights, send_pos,
+                                                  num_recv_tokens, recv_x, recv_x_scales, recv_topk_weights));
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "node_pos", node_pos->dimensions(), {s.num_tokens, state->num_nodes}));
   internode::DispatchParams p{};
   SetRowArrays(rows, p.x, p.row_bytes);
@@ -234,9 +228,8 @@ static ffi::Error InternodeCombine(cudaStream_t stream, int32_t device, ffi::Buf
   constexpr const char* fn = "deep_ep_jax_internode_combine";
   const DeviceState* state = nullptr;
   internode::LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, pipeline,
-              &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, pipeline, &state, &config));
   NormalShapes s{};
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckCombine(fn, state->num_ranks, &s, x, topk_weights, send_pos, num_recv_tokens, out, out_weights));

@@ -19,8 +19,8 @@
 namespace deep_ep_jax {
 namespace {
 
-using intranode::LaunchConfig;
 using intranode::kMaxRowArrays;
+using intranode::LaunchConfig;
 
 // The buffer's state on this device (with a normal region) and the launch
 // knobs. Multi-process buffers (state->ipc) are always staged: peers in other
@@ -41,8 +41,8 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
   if (chunk_tokens < 1 || chunk_tokens > INT_MAX) {
     return Invalid(fn, "chunk_tokens must be >= 1, got " + Str(chunk_tokens));
   }
-  *config = LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns),
-                         staged != 0 || (*state)->ipc};
+  *config =
+      LaunchConfig{int(num_sms), int(num_warps), int(chunk_tokens), uint64_t(timeout_ns), staged != 0 || (*state)->ipc};
   config->count_traffic = count_traffic != 0;
   return CheckCallOrder(fn, order, order_out, &config->order);
 }
@@ -79,18 +79,16 @@ static ffi::Error IntranodeDispatch(
   constexpr const char* fn = "deep_ep_jax_dispatch";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
-              staged, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
   RowArrays rows{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(fn, num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx,
-                                            topk_weights, recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-                                            is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos,
-                                            recv_src_idx, recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert,
-                                            num_dropped_tokens));
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckDispatch(
+      fn, num_ranks, num_experts, &s, &rows, x, x_scales, topk_idx, topk_weights, recv_x, recv_x_scales, recv_topk_idx,
+      recv_topk_weights, is_token_in_rank, num_tokens_per_rank, rank_prefix_matrix, send_pos, recv_src_idx,
+      recv_src_rank, num_recv_tokens, num_recv_tokens_per_expert, num_dropped_tokens));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckStagedRegion(fn, *state, config, s.num_rows, rows.row_bytes, s.num_topk,
                                                 intranode::NumChunks(s.num_tokens, config.chunk_tokens)));
 
@@ -121,25 +119,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatchHandler, IntranodeDispatch,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // order: the Buffer's order state (call_order.h)
-                                  .Arg<ffi::AnyBuffer>()         // x: bf16 or FP8 [T, H]
-                                  .Arg<ffi::AnyBuffer>()         // x_scales: float32 [T, H / 128], [T, 0] for bf16
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // topk_idx [T, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // topk_weights [T, K]
-                                  .Ret<ffi::AnyBuffer>()         // recv_x [N, H]: x's dtype, N the worst case
-                                  .Ret<ffi::AnyBuffer>()         // recv_x_scales
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_topk_idx [N, K]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // recv_topk_weights [N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // order: the Buffer's order state (call_order.h)
+                                  .Arg<ffi::AnyBuffer>()          // x: bf16 or FP8 [T, H]
+                                  .Arg<ffi::AnyBuffer>()          // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K]
+                                  .Ret<ffi::AnyBuffer>()          // recv_x [N, H]: x's dtype, N the worst case
+                                  .Ret<ffi::AnyBuffer>()          // recv_x_scales
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_topk_idx [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // recv_topk_weights [N, K]
                                   .Ret<ffi::Buffer<ffi::PRED>>()  // is_token_in_rank [T, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_tokens_per_rank [R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // rank_prefix_matrix [R, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // send_pos [T, R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_idx [N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // recv_src_rank [N]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens []
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_recv_tokens_per_expert [E / R]
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // num_dropped_tokens []
-                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out: order, aliased
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_tokens_per_rank [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // rank_prefix_matrix [R, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // send_pos [T, R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_idx [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // recv_src_rank [N]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_recv_tokens_per_expert [E / R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // num_dropped_tokens []
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // order_out: order, aliased
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_experts")
                                   .Attr<int64_t>("num_sms")  // launch knobs: backends/cuda/common.py's launch_attrs
@@ -151,10 +149,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatchHandler, IntranodeDispatch,
                               {ffi::Traits::kCmdBufferCompatible});
 
 static ffi::Error IntranodeCachedDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
-                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales,
-                                          ffi::Buffer<ffi::F32> topk_weights, ffi::Buffer<ffi::S32> send_pos,
-                                          ffi::Buffer<ffi::S32> num_recv_tokens, ffi::Result<ffi::AnyBuffer> recv_x,
-                                          ffi::Result<ffi::AnyBuffer> recv_x_scales,
+                                          ffi::AnyBuffer x, ffi::AnyBuffer x_scales, ffi::Buffer<ffi::F32> topk_weights,
+                                          ffi::Buffer<ffi::S32> send_pos, ffi::Buffer<ffi::S32> num_recv_tokens,
+                                          ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> recv_x_scales,
                                           ffi::ResultBuffer<ffi::F32> recv_topk_weights,
                                           ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_sms,
                                           int64_t num_warps, int64_t timeout_ns, int64_t count_traffic,
@@ -162,9 +159,8 @@ static ffi::Error IntranodeCachedDispatch(cudaStream_t stream, int32_t device, f
   constexpr const char* fn = "deep_ep_jax_cached_dispatch";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
-              staged, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};
@@ -221,9 +217,8 @@ static ffi::Error IntranodeCombine(cudaStream_t stream, int32_t device, ffi::Buf
   constexpr const char* fn = "deep_ep_jax_combine";
   const DeviceState* state = nullptr;
   LaunchConfig config{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns, count_traffic, chunk_tokens,
-              staged, &state, &config));
+  DEEP_EP_JAX_RETURN_IF_ERROR(Prepare(fn, order, order_out, buffer_id, device, num_sms, num_warps, timeout_ns,
+                                      count_traffic, chunk_tokens, staged, &state, &config));
   const int64_t num_ranks = state->num_ranks;
 
   NormalShapes s{};

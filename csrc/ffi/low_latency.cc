@@ -83,17 +83,17 @@ ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_t
     return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "]");
   }
   if (num_tokens > max_tokens || max_tokens < 1 || max_tokens * num_topk > INT32_MAX / 2) {
-    return Invalid(fn, "tokens (" + Str(num_tokens) + ") must be <= num_max_dispatch_tokens_per_rank (" +
-                           Str(max_tokens) + ")");
+    return Invalid(
+        fn, "tokens (" + Str(num_tokens) + ") must be <= num_max_dispatch_tokens_per_rank (" + Str(max_tokens) + ")");
   }
   // A receiver counts the (token, k) pairs of every source in int.
   if (int64_t(num_ranks) * max_tokens * num_topk > INT32_MAX / 2) {
-    return Invalid(fn, "ranks * num_max_dispatch_tokens_per_rank * top-k (" + Str(num_ranks) + " * " +
-                           Str(max_tokens) + " * " + Str(num_topk) + ") must be < 2^30 (32-bit row indices)");
+    return Invalid(fn, "ranks * num_max_dispatch_tokens_per_rank * top-k (" + Str(num_ranks) + " * " + Str(max_tokens) +
+                           " * " + Str(num_topk) + ") must be < 2^30 (32-bit row indices)");
   }
   if (low_latency::SharedBytesNeeded(num_ranks, int(num_experts), int(hidden), fp8) > low_latency::kMaxSharedBytes) {
-    return Invalid(fn, "num_experts (" + Str(num_experts) + ") and hidden (" + Str(hidden) + ") at " +
-                           Str(num_ranks) + " ranks need more shared memory than the kernels use");
+    return Invalid(fn, "num_experts (" + Str(num_experts) + ") and hidden (" + Str(hidden) + ") at " + Str(num_ranks) +
+                           " ranks need more shared memory than the kernels use");
   }
   return ffi::Error::Success();
 }
@@ -191,8 +191,8 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
   }
   if (hidden < 8 || hidden % 8 != 0) return Invalid(fn, "hidden (" + Str(hidden) + ") must be a multiple of 8");
   if (num_topk < 1 || num_topk > low_latency::kMaxTopk || num_local > low_latency::kMaxExperts) {
-    return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) +
-                           "] and E/R (" + Str(num_local) + ") <= " + Str(low_latency::kMaxExperts));
+    return Invalid(fn, "top-k (" + Str(num_topk) + ") must be in [1, " + Str(low_latency::kMaxTopk) + "] and E/R (" +
+                           Str(num_local) + ") <= " + Str(low_latency::kMaxExperts));
   }
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckFits(fn, low_latency::CombineBytes(max_tokens, num_topk, hidden), args->peers));
   DEEP_EP_JAX_RETURN_IF_ERROR(
@@ -215,8 +215,8 @@ ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<
                               int64_t buffer_id, int64_t num_experts, int64_t timeout_ns,
                               low_latency::CombineRecvArgs* args) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
-  DEEP_EP_JAX_RETURN_IF_ERROR(CheckNumExperts(fn, num_experts, args->peers.num_ranks, low_latency::kMaxExperts,
-                                              low_latency::kMaxExperts));
+  DEEP_EP_JAX_RETURN_IF_ERROR(
+      CheckNumExperts(fn, num_experts, args->peers.num_ranks, low_latency::kMaxExperts, low_latency::kMaxExperts));
   const Dims idx_dims = topk_idx.dimensions(), out_dims = out->dimensions();
   if (idx_dims.size() != 2 || !IsShape(topk_weights.dimensions(), {idx_dims[0], idx_dims[1]})) {
     return Invalid(fn, "topk_idx and topk_weights must be [T, K]");
@@ -297,8 +297,8 @@ static ffi::Error LowLatencyDispatchSend(cudaStream_t stream, int32_t device, ff
   low_latency::DispatchSendArgs args{};
   CallOrder call{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
-  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
-                                                  use_fp8, round_scale, timeout_ns, &args));
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
+                                                  round_scale, timeout_ns, &args));
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
@@ -325,15 +325,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendOverlappedHandler, LowLatenc
                               DispatchSendBinding(), {});
 
 template <bool kOverlapped>
-static ffi::Error LowLatencyDispatchRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
-                                         ffi::Buffer<ffi::S32> token, ffi::RemainingArgs keep_alive,
-                                         ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
-                                         ffi::ResultBuffer<ffi::S32> recv_count,
-                                         ffi::ResultBuffer<ffi::S32> recv_src_rank,
-                                         ffi::ResultBuffer<ffi::S32> recv_src_token,
-                                         ffi::ResultBuffer<ffi::S32> recv_src_topk,
-                                         ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk,
-                                         int64_t timeout_ns) {
+static ffi::Error LowLatencyDispatchRecv(
+    cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order, ffi::Buffer<ffi::S32> token,
+    ffi::RemainingArgs keep_alive, ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
+    ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
+    ffi::ResultBuffer<ffi::S32> recv_src_token, ffi::ResultBuffer<ffi::S32> recv_src_topk,
+    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch_recv";
   low_latency::DispatchRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
@@ -370,10 +367,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvOverlappedHandler, LowLatenc
                               DispatchRecvBinding(), {});
 
 // The whole dispatch in one kernel: the send half's arguments, the receive half's results.
-static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
-                                     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-                                     ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
-                                     ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
+static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer x,
+                                     ffi::Buffer<ffi::S32> topk_idx, ffi::Result<ffi::AnyBuffer> recv_x,
+                                     ffi::ResultBuffer<ffi::F32> recv_scales, ffi::ResultBuffer<ffi::S32> recv_count,
+                                     ffi::ResultBuffer<ffi::S32> recv_src_rank,
                                      ffi::ResultBuffer<ffi::S32> recv_src_token,
                                      ffi::ResultBuffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> order_out,
                                      int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
@@ -383,11 +380,11 @@ static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::B
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
-  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens,
-                                                  use_fp8, round_scale, timeout_ns, &send));
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
+                                                  round_scale, timeout_ns, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
-                                                  recv_src_token, recv_src_topk, buffer_id, send.num_topk,
-                                                  timeout_ns, &recv));
+                                                  recv_src_token, recv_src_topk, buffer_id, send.num_topk, timeout_ns,
+                                                  &recv));
   if (recv.layout.bytes != send.layout.bytes || recv.fp8 != send.fp8 || recv.max_tokens != send.max_tokens) {
     return Invalid(fn, "the outputs do not match the inputs' shapes");
   }
@@ -450,8 +447,8 @@ static auto CombineSendBinding() {
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSend<false>, CombineSendBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendOverlappedHandler, LowLatencyCombineSend<true>,
-                              CombineSendBinding(), {});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendOverlappedHandler, LowLatencyCombineSend<true>, CombineSendBinding(),
+                              {});
 
 template <bool kOverlapped>
 static ffi::Error LowLatencyCombineRecv(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
@@ -487,17 +484,16 @@ static auto CombineRecvBinding() {
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRecv<false>, CombineRecvBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvOverlappedHandler, LowLatencyCombineRecv<true>,
-                              CombineRecvBinding(), {});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvOverlappedHandler, LowLatencyCombineRecv<true>, CombineRecvBinding(),
+                              {});
 
 // The whole combine in one kernel: the send half's arguments, then the receive half's.
-static ffi::Error LowLatencyCombine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
-                                    ffi::AnyBuffer x, ffi::Buffer<ffi::S32> recv_count,
-                                    ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
-                                    ffi::Buffer<ffi::S32> recv_src_topk, ffi::Buffer<ffi::S32> topk_idx,
-                                    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> out,
-                                    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_experts,
-                                    int64_t timeout_ns) {
+static ffi::Error LowLatencyCombine(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer x,
+                                    ffi::Buffer<ffi::S32> recv_count, ffi::Buffer<ffi::S32> recv_src_rank,
+                                    ffi::Buffer<ffi::S32> recv_src_token, ffi::Buffer<ffi::S32> recv_src_topk,
+                                    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
+                                    ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> order_out,
+                                    int64_t buffer_id, int64_t num_experts, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_combine";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::CombineSendArgs send{};

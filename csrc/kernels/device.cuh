@@ -127,9 +127,10 @@ __device__ __forceinline__ void WaitAtLeast(const int* flag, int target, uint64_
   const uint64_t start = GlobalTimerNs();
   while (!SeqReached(LoadAcquireSys(flag), target)) {
     if (GlobalTimerNs() - start > timeout_ns) {
-      printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (channel %d): "
-             "value %d, expected >= %d\n",
-             mode, rank, timeout_ns * 1e-9, counter, peer, channel, LoadAcquireSys(flag), target);
+      printf(
+          "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (channel %d): "
+          "value %d, expected >= %d\n",
+          mode, rank, timeout_ns * 1e-9, counter, peer, channel, LoadAcquireSys(flag), target);
       __trap();
     }
   }
@@ -144,9 +145,10 @@ __device__ __forceinline__ void WaitAtLeast(const int* flag, int target, uint64_
 __device__ __forceinline__ void CheckPeerLaunch(int mine, int theirs, const char* mode, const char* what, int rank,
                                                 int peer) {
   if (theirs == mine) return;
-  printf("deep_ep_jax launch mismatch: %s rank %d launched %d %s, peer %d launched %d; every rank must launch the "
-         "same (equal Config.num_sms on every process, GPUs with equal SM counts)\n",
-         mode, rank, mine, what, peer, theirs);
+  printf(
+      "deep_ep_jax launch mismatch: %s rank %d launched %d %s, peer %d launched %d; every rank must launch the "
+      "same (equal Config.num_sms on every process, GPUs with equal SM counts)\n",
+      mode, rank, mine, what, peer, theirs);
   __trap();
 }
 
@@ -157,12 +159,18 @@ __device__ __forceinline__ void CheckPeerLaunch(int mine, int theirs, const char
 
 __device__ __forceinline__ const char* CallKindName(int kind) {
   switch (kind) {
-    case kDispatchCall: return "dispatch";
-    case kCachedDispatchCall: return "cached_dispatch";
-    case kCombineCall: return "combine";
-    case kLowLatencyDispatchCall: return "low-latency dispatch";
-    case kLowLatencyCombineCall: return "low-latency combine";
-    default: return "unknown call";
+    case kDispatchCall:
+      return "dispatch";
+    case kCachedDispatchCall:
+      return "cached_dispatch";
+    case kCombineCall:
+      return "combine";
+    case kLowLatencyDispatchCall:
+      return "low-latency dispatch";
+    case kLowLatencyCombineCall:
+      return "low-latency combine";
+    default:
+      return "unknown call";
   }
 }
 
@@ -181,11 +189,12 @@ __device__ __forceinline__ int TakeCallTag(const CallOrder& order, int kind) {
 // sequence number) has been acquired.
 __device__ __forceinline__ void CheckPeerCall(int mine, int theirs, int rank, int peer) {
   if (theirs == mine) return;
-  printf("deep_ep_jax call order mismatch: rank %d is at call %d (%s) of its program on this Buffer, peer %d at "
-         "call %d (%s): the ranks ran the Buffer's calls in different orders (see docs/design.md, \"Calls of one "
-         "Buffer\")\n",
-         rank, mine / kNumCallKinds, CallKindName(mine % kNumCallKinds), peer, theirs / kNumCallKinds,
-         CallKindName(theirs % kNumCallKinds));
+  printf(
+      "deep_ep_jax call order mismatch: rank %d is at call %d (%s) of its program on this Buffer, peer %d at "
+      "call %d (%s): the ranks ran the Buffer's calls in different orders (see docs/design.md, \"Calls of one "
+      "Buffer\")\n",
+      rank, mine / kNumCallKinds, CallKindName(mine % kNumCallKinds), peer, theirs / kNumCallKinds,
+      CallKindName(theirs % kNumCallKinds));
   __trap();
 }
 
@@ -193,10 +202,11 @@ __device__ __forceinline__ void CheckPeerCall(int mine, int theirs, int rank, in
 // is 1 while a call of the Buffer runs here.
 __device__ __forceinline__ void EnterCall(int* active, int kind, int rank) {
   if (atomicExch(active, 1) == 0) return;
-  printf("deep_ep_jax overlapping calls: a %s entered on rank %d while another call of the same Buffer was still "
-         "running there; calls of one Buffer must run one at a time (see docs/design.md, \"Calls of one "
-         "Buffer\")\n",
-         CallKindName(kind), rank);
+  printf(
+      "deep_ep_jax overlapping calls: a %s entered on rank %d while another call of the same Buffer was still "
+      "running there; calls of one Buffer must run one at a time (see docs/design.md, \"Calls of one "
+      "Buffer\")\n",
+      CallKindName(kind), rank);
   __trap();
 }
 
@@ -225,12 +235,16 @@ __device__ __forceinline__ void FenceStagedForWarpPut() {
 // LoadNoAllocate for rows peers write while the kernel runs.
 struct PlainLoad {
   template <typename Vec>
-  __device__ __forceinline__ Vec operator()(const Vec* p) const { return *p; }
+  __device__ __forceinline__ Vec operator()(const Vec* p) const {
+    return *p;
+  }
 };
 
 struct NoAllocateLoad {
   template <typename Vec>
-  __device__ __forceinline__ Vec operator()(const Vec* p) const { return LoadNoAllocate(p); }
+  __device__ __forceinline__ Vec operator()(const Vec* p) const {
+    return LoadNoAllocate(p);
+  }
 };
 
 // This thread's share of a copy of n vectors by `stride` threads: src[i] ->
@@ -275,7 +289,8 @@ __device__ __forceinline__ void StridedCopyBytes(void* dst, const void* src, int
 
 // Bit r is set when the token has an expert on rank r.
 static_assert(kMaxNvlinkRanks <= 32, "TokenRankMask keeps one bit per rank in 32 bits: intranode normal mode only");
-__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts, int experts_per_rank) {
+__device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts,
+                                                  int experts_per_rank) {
   uint32_t mask = 0;
   for (int k = 0; k < num_topk; ++k) {
     const int e = topk[k];

@@ -227,11 +227,11 @@ cudaError_t LaunchReduceRows(const __nv_bfloat16* expert_y, int num_rows, const 
   const int4* y = reinterpret_cast<const int4*>(expert_y);
   int4* o = reinterpret_cast<int4*>(out);
   if (weights != nullptr) {
-    ReduceRowsKernel<true><<<blocks, kReduceThreads, 0, stream>>>(y, num_rows, weights, pair_row, num_tokens,
-                                                                  num_topk, vectors_per_row, o);
+    ReduceRowsKernel<true><<<blocks, kReduceThreads, 0, stream>>>(y, num_rows, weights, pair_row, num_tokens, num_topk,
+                                                                  vectors_per_row, o);
   } else {
-    ReduceRowsKernel<false><<<blocks, kReduceThreads, 0, stream>>>(y, num_rows, nullptr, pair_row, num_tokens,
-                                                                   num_topk, vectors_per_row, o);
+    ReduceRowsKernel<false><<<blocks, kReduceThreads, 0, stream>>>(y, num_rows, nullptr, pair_row, num_tokens, num_topk,
+                                                                   vectors_per_row, o);
   }
   return cudaGetLastError();
 }

@@ -16,17 +16,17 @@ namespace deep_ep_jax {
 namespace {
 
 constexpr int kTransposeThreads = 256;
-constexpr int kTransposeTile = 128;  // rows and bytes of a tile (a 128-byte line each way)
-constexpr int kChunk = 16;           // bytes per vector: a row's chunk, or a column's 16 rows
+constexpr int kTransposeTile = 128;      // rows and bytes of a tile (a 128-byte line each way)
+constexpr int kChunk = 16;               // bytes per vector: a row's chunk, or a column's 16 rows
 constexpr int kMaxGridBlocks = 1 << 16;  // grid-stride loops cover the rest
 constexpr int kAmaxThreads = 256;
 constexpr int kAmaxWarps = kAmaxThreads / kWarpSize;
 static_assert(kAmaxBandCols == kWarpSize * kChunk);  // a warp covers a band's row: 16 bf16 (32 bytes) a lane
-constexpr int kAmaxUnroll = 4;                 // rows per warp with their loads in flight at once
-constexpr int kQuantizeRowsThreads = 256;      // a warp per row
-constexpr int kQuantizeRowsUnroll = 4;         // chunks per lane with their loads in flight at once
-constexpr int kSwigluCachedChunks = 8;         // chunks a lane keeps between the passes: rows of up to 2048
-constexpr float kFp8MinAmax = 1e-30f;          // fp8_quant.FP8_MIN_AMAX
+constexpr int kAmaxUnroll = 4;                       // rows per warp with their loads in flight at once
+constexpr int kQuantizeRowsThreads = 256;            // a warp per row
+constexpr int kQuantizeRowsUnroll = 4;               // chunks per lane with their loads in flight at once
+constexpr int kSwigluCachedChunks = 8;               // chunks a lane keeps between the passes: rows of up to 2048
+constexpr float kFp8MinAmax = 1e-30f;                // fp8_quant.FP8_MIN_AMAX
 
 // float8_e4m3fn of (a.x, a.y): rounded to nearest even, +-448 where larger
 // (satfinite keeps NaN), as fp8_quant's clip and convert, bit for bit.
@@ -43,11 +43,13 @@ __device__ __forceinline__ int4 QuantizedChunk(const int4 (&bf16)[2], float mult
   uint32_t words[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const float4 s = inverse != nullptr ? __ldg(reinterpret_cast<const float4*>(inverse) + q)
-                                        : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    const float4 s =
+        inverse != nullptr ? __ldg(reinterpret_cast<const float4*>(inverse) + q) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
     const float2 a = __bfloat1622float2(pairs[2 * q]), b = __bfloat1622float2(pairs[2 * q + 1]);
-    const float2 low = make_float2(__fmul_rn(__fmul_rn(a.x, multiplier), s.x), __fmul_rn(__fmul_rn(a.y, multiplier), s.y));
-    const float2 high = make_float2(__fmul_rn(__fmul_rn(b.x, multiplier), s.z), __fmul_rn(__fmul_rn(b.y, multiplier), s.w));
+    const float2 low =
+        make_float2(__fmul_rn(__fmul_rn(a.x, multiplier), s.x), __fmul_rn(__fmul_rn(a.y, multiplier), s.y));
+    const float2 high =
+        make_float2(__fmul_rn(__fmul_rn(b.x, multiplier), s.z), __fmul_rn(__fmul_rn(b.y, multiplier), s.w));
     words[q] = ToFp8x2(low) | (ToFp8x2(high) << 16);
   }
   return make_int4(int(words[0]), int(words[1]), int(words[2]), int(words[3]));
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
   static_assert(kQuantize || !kRowCopy);
   constexpr int kChunksPerRow = kTransposeTile / kChunk;
   constexpr int kItems = kTransposeTile * kChunksPerRow / kTransposeThreads;  // chunks per thread, each way
-  constexpr int kLoads = kQuantize ? 2 : 1;  // 16-byte loads per chunk
+  constexpr int kLoads = kQuantize ? 2 : 1;                                   // 16-byte loads per chunk
   static_assert(kItems * kTransposeThreads == kTransposeTile * kChunksPerRow);
   static_assert(kTransposeThreads == kTransposeTile / 4 * kChunksPerRow);  // the stores: 4 columns by a run each
   __shared__ __align__(16) uint8_t tile[kTransposeTile * kTransposeTile];
@@ -98,8 +100,8 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
         const int pair = row < num_rows ? p.row_pair[row] : -1;
         token[k] = pair >= 0 && pair / p.num_topk < p.num_src_rows ? pair / p.num_topk : -1;
       }
-      multiplier[k] = kQuantize && token[k] >= 0 && p.row_multipliers != nullptr
-                          ? p.row_multipliers[entry_rows + row] : 1.0f;
+      multiplier[k] =
+          kQuantize && token[k] >= 0 && p.row_multipliers != nullptr ? p.row_multipliers[entry_rows + row] : 1.0f;
       if (!kRowCopy && multiplier[k] == 0.0f) token[k] = -1;  // nothing of the row is needed
     }
     // Addressed in elements of the entry's bf16 rows (kQuantize) or in bytes: ptxas schedules the loads
@@ -125,7 +127,7 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
       if constexpr (kQuantize) {
         const float* inverse = p.col_inverse_scales + b * hidden + col;
         chunk = token[k] >= 0 && multiplier[k] != 0.0f ? QuantizedChunk(raw[k], multiplier[k], inverse)
-                                                        : make_int4(0, 0, 0, 0);
+                                                       : make_int4(0, 0, 0, 0);
       }
       if constexpr (kRowCopy) {
         if (token[k] >= 0) {
@@ -143,7 +145,8 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
       const int64_t row = first_row + run * kChunk;
       if (row < num_rows) {
         const uint32_t* from = reinterpret_cast<const uint32_t*>(tile + run * kChunk * kTransposeTile +
-                                                                 ((group * 4 / kChunk) ^ run) * kChunk) + group % 4;
+                                                                 ((group * 4 / kChunk) ^ run) * kChunk) +
+                               group % 4;
         uint32_t cols[4][4];  // [column][rows 4 q .. 4 q + 3], little-endian
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
@@ -161,7 +164,8 @@ __global__ void __launch_bounds__(kTransposeThreads) TransposedRowsKernel(Transp
         for (int c = 0; c < 4; ++c) {
           uint8_t* to = dst_t + (first_col + group * 4 + c) * int64_t(num_rows) + row;
           if (vector_stores) {
-            *reinterpret_cast<int4*>(to) = make_int4(int(cols[c][0]), int(cols[c][1]), int(cols[c][2]), int(cols[c][3]));
+            *reinterpret_cast<int4*>(to) =
+                make_int4(int(cols[c][0]), int(cols[c][1]), int(cols[c][2]), int(cols[c][3]));
           } else {
             for (int j = 0; j < kChunk && row + j < num_rows; ++j) to[j] = uint8_t(cols[c][j / 4] >> (8 * (j % 4)));
           }
@@ -186,8 +190,8 @@ __device__ __forceinline__ int MagnitudeBits(float v) { return __float_as_int(v)
 // idle, with barriers between bands of only a few row steps.
 __global__ void __launch_bounds__(kAmaxThreads)
     AmaxRowsAndColumnsKernel(const int4* __restrict__ x, int num_rows, int64_t cols,
-                             const float* __restrict__ row_multipliers, int strip_rows, int num_strips,
-                             int num_bands, int* __restrict__ row_amax, int* __restrict__ col_amax_parts) {
+                             const float* __restrict__ row_multipliers, int strip_rows, int num_strips, int num_bands,
+                             int* __restrict__ row_amax, int* __restrict__ col_amax_parts) {
   __shared__ int col_max[kAmaxWarps][kChunk][kWarpSize];  // column 16 l + j of the band at [j][l]: no conflicts
   const int64_t b = blockIdx.x / (int64_t(num_strips) * num_bands);
   const int strip = blockIdx.x / num_bands % num_strips;
@@ -304,7 +308,7 @@ __global__ void __launch_bounds__(kQuantizeRowsThreads)
        row += int64_t(gridDim.x) * warps) {
     const int4* in = src + row * chunks * kLoads;
     // Loads of kUnroll chunks in flight, then their values (0 past the row).
-    auto load = [&](int64_t first, int4 (&raw)[kUnroll][kLoads]) {
+    auto load = [&](int64_t first, int4(&raw)[kUnroll][kLoads]) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t c = first + u * kWarpSize;
@@ -362,17 +366,18 @@ int GridBlocks(int64_t items, int64_t per_block, int64_t max_blocks) {
 
 cudaError_t LaunchTransposedRows(const TransposedRows& rows, bool quantize, cudaStream_t stream) {
   if (rows.num_rows == 0 || rows.hidden == 0 || rows.batch == 0) return cudaSuccess;
-  const int64_t tiles = rows.batch * ((int64_t(rows.num_rows) + kTransposeTile - 1) / kTransposeTile) *
-                        (rows.hidden / kTransposeTile);
-  auto kernel = !quantize ? TransposedRowsKernel<false, false>
-                : rows.dst_rows != nullptr ? TransposedRowsKernel<true, true> : TransposedRowsKernel<true, false>;
+  const int64_t tiles =
+      rows.batch * ((int64_t(rows.num_rows) + kTransposeTile - 1) / kTransposeTile) * (rows.hidden / kTransposeTile);
+  auto kernel = !quantize                  ? TransposedRowsKernel<false, false>
+                : rows.dst_rows != nullptr ? TransposedRowsKernel<true, true>
+                                           : TransposedRowsKernel<true, false>;
   kernel<<<GridBlocks(tiles, 1, kMaxGridBlocks), kTransposeThreads, 0, stream>>>(rows);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int num_rows, int64_t cols,
-                                     const float* row_multipliers, int strip_rows, int* row_amax,
-                                     int* col_amax_parts, cudaStream_t stream) {
+                                     const float* row_multipliers, int strip_rows, int* row_amax, int* col_amax_parts,
+                                     cudaStream_t stream) {
   if (batch == 0 || num_rows == 0 || cols == 0) return cudaSuccess;
   if (strip_rows < 1 || strip_rows > kMaxAmaxStripRows || cols % kChunk != 0) return cudaErrorInvalidValue;
   const int num_strips = (num_rows + strip_rows - 1) / strip_rows;
@@ -394,8 +399,9 @@ cudaError_t LaunchQuantizeRows(const __nv_bfloat16* src, int64_t num_rows, int64
   const int warps = kQuantizeRowsThreads / kWarpSize;
   const int blocks = GridBlocks(num_rows, warps, kMaxGridBlocks);
   const bool cached = swiglu && cols / 8 <= kWarpSize * kSwigluCachedChunks;
-  auto kernel = !swiglu ? QuantizeRowsKernel<false, 0>
-                : cached ? QuantizeRowsKernel<true, kSwigluCachedChunks> : QuantizeRowsKernel<true, 0>;
+  auto kernel = !swiglu  ? QuantizeRowsKernel<false, 0>
+                : cached ? QuantizeRowsKernel<true, kSwigluCachedChunks>
+                         : QuantizeRowsKernel<true, 0>;
   kernel<<<blocks, kQuantizeRowsThreads, 0, stream>>>(reinterpret_cast<const int4*>(src), num_rows, cols / 8,
                                                       reinterpret_cast<uint2*>(dst), scales);
   return cudaGetLastError();

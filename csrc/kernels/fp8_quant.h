@@ -41,8 +41,8 @@ cudaError_t LaunchTransposedRows(const TransposedRows& rows, bool quantize, cuda
 // rounded, 0 where the multiplier is 0; null: x) over each strip of strip_rows
 // rows (strips = ceil(num_rows / strip_rows), strip_rows <= kMaxAmaxStripRows).
 cudaError_t LaunchAmaxRowsAndColumns(const __nv_bfloat16* x, int64_t batch, int num_rows, int64_t cols,
-                                     const float* row_multipliers, int strip_rows, int* row_amax,
-                                     int* col_amax_parts, cudaStream_t stream);
+                                     const float* row_multipliers, int strip_rows, int* row_amax, int* col_amax_parts,
+                                     cudaStream_t stream);
 
 // fp8_quant.quantize_rows of bf16 rows, bit for bit: dst float8 [num_rows,
 // cols] and scales [num_rows], scale = max(amax, 1e-30) * (1 / 448) (NaN where

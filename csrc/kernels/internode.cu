@@ -31,8 +31,9 @@ static_assert(kMaxRanks % kPiece == 0, "shared per-rank arrays hold whole pieces
 enum Mode : int { kDispatch = kDispatchCall, kCachedDispatch = kCachedDispatchCall, kCombine = kCombineCall };
 
 __device__ const char* ModeName(int mode) {
-  return mode == kDispatch ? "internode dispatch" : mode == kCachedDispatch ? "internode cached_dispatch"
-                                                                            : "internode combine";
+  return mode == kDispatch         ? "internode dispatch"
+         : mode == kCachedDispatch ? "internode cached_dispatch"
+                                   : "internode combine";
 }
 
 // The first bytes of every rank's normal region; the flags and the counts
@@ -53,10 +54,10 @@ static_assert(sizeof(Control) <= kTrafficOffset, "internode Control reaches the 
 struct Group {
   char* host_regions[kMaxNvlinkRanks];  // regions of this host's ranks, by index on the host, mapped here
   int host_ranks[kMaxNvlinkRanks];      // their ranks
-  const int* pes;      // [R] PE of each rank
-  const int* node_of;  // [R] host of each rank
-  const int* local_of; // [R] index of each rank among its host's ranks
-  const int* rank_at;  // [H * G] rank of (host b, index j) at b * G + j
+  const int* pes;                       // [R] PE of each rank
+  const int* node_of;                   // [R] host of each rank
+  const int* local_of;                  // [R] index of each rank among its host's ranks
+  const int* rank_at;                   // [H * G] rank of (host b, index j) at b * G + j
   int rank, num_ranks, num_nodes, ranks_per_node, node, local;
   uint64_t timeout_ns;
 
@@ -120,9 +121,9 @@ __device__ __forceinline__ void CompleteWrites() {
 
 struct NotifyArgs {
   int mode;
-  int num_blocks;  // of the move kernels: peers wait for each other's blocks by index
-  int pipeline;    // 1: dispatch's send and forward run pipelined (peers must agree: the roles of their blocks)
-  const int* topk_idx;         // dispatch
+  int num_blocks;       // of the move kernels: peers wait for each other's blocks by index
+  int pipeline;         // 1: dispatch's send and forward run pipelined (peers must agree: the roles of their blocks)
+  const int* topk_idx;  // dispatch
   const int* cached_send_pos;  // cached dispatch
   int num_tokens, num_topk, num_experts, num_worst_tokens;
   bool* is_token_in_rank;
@@ -232,12 +233,13 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   int offset[kPiece];
   // Counts: tokens to each rank (dispatch) and to each host (combine: with rows there).
   for (int r0 = 0; dispatch && r0 < R; r0 += kPiece) {
-    ScanPiece(begin, end, r0, min(kPiece, R - r0), [&](int t) { return RankBits(a, R, t, r0); }, offset, warp_sums,
-              totals);
+    ScanPiece(
+        begin, end, r0, min(kPiece, R - r0), [&](int t) { return RankBits(a, R, t, r0); }, offset, warp_sums, totals);
   }
   for (int b0 = 0; b0 < H; b0 += kPiece) {
-    ScanPiece(begin, end, b0, min(kPiece, H - b0), [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); },
-              offset, warp_sums, node_totals);
+    ScanPiece(
+        begin, end, b0, min(kPiece, H - b0), [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); }, offset,
+        warp_sums, node_totals);
   }
 
   if (threadIdx.x == 0) {
@@ -281,12 +283,12 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   }
   // Every thread publishes before any waits: a thread serving two peers must not wait on one before the other has it.
   for (int peer = threadIdx.x; peer < R; peer += blockDim.x) {
-    WaitAtLeast(ReadyFlag(g, L, peer), seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me,
-                peer, -1);
+    WaitAtLeast(ReadyFlag(g, L, peer), seq, g.timeout_ns, ModeName(a.mode), "ready flag (counts published)", me, peer,
+                -1);
     const int* theirs = Record(g, L, seq, peer);
     CheckPeerCall(tag, LoadVolatile(theirs + kRecordCalls), me, peer);
-    CheckPeerLaunch(a.num_blocks, LoadVolatile(theirs + kRecordBlocks), ModeName(a.mode), "blocks (Config.num_sms)",
-                    me, peer);
+    CheckPeerLaunch(a.num_blocks, LoadVolatile(theirs + kRecordBlocks), ModeName(a.mode), "blocks (Config.num_sms)", me,
+                    peer);
     CheckPeerLaunch(a.pipeline, LoadVolatile(theirs + kRecordPipeline), ModeName(a.mode),
                     "pipelined stages (1 = on; Config.internode_pipeline)", me, peer);
   }
@@ -335,8 +337,8 @@ __global__ void __launch_bounds__(kNotifyThreads) NotifyKernel(Group g, NotifyAr
   int* combine_recv_meta = reinterpret_cast<int*>(g.local_region() + L.combine_recv_meta);
   for (int b0 = 0; b0 < H; b0 += kPiece) {
     const int n = min(kPiece, H - b0);
-    ScanPiece(begin, end, 0, n, [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); }, offset, warp_sums,
-              scratch);
+    ScanPiece(
+        begin, end, 0, n, [&](int t) { return NodeBits(g, a, node_of, rank_at, t, b0); }, offset, warp_sums, scratch);
     for (int t = begin; t < end; ++t) {
       const uint32_t bits = NodeBits(g, a, node_of, rank_at, t, b0);
 #pragma unroll
@@ -482,7 +484,7 @@ __device__ void LoadForwarderPes(const Group& g, int* forwarder_pe) {
   __syncthreads();
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, MoveArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) SendKernel(Group g, MoveArgs a) {
   __shared__ int forwarder_pe[kMaxRanks];  // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
   const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
@@ -533,11 +535,13 @@ __device__ int HostOfEntry(const int* starts, int H, int i) {
   int b = 0;
   for (int hi = H - 1; b < hi;) {
     const int mid = (b + hi + 1) / 2;
-    if (starts[mid] <= i) b = mid; else hi = mid - 1;
+    if (starts[mid] <= i)
+      b = mid;
+    else
+      hi = mid - 1;
   }
   return b;
 }
-
 
 // The packet at `position` from host src_node, by one warp: to its
 // destination ranks of this host. Peers' puts: coherent loads that leave no
@@ -563,7 +567,7 @@ __device__ void ForwardPacket(const Group& g, const MoveArgs& a, int src_node, i
   if (lane == 0) CountTraffic(a.traffic, false, peers, L.row_bytes[0] + L.row_bytes[1]);
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, MoveArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) ForwardKernel(Group g, MoveArgs a) {
   __shared__ int starts[kMaxRanks + 1];  // [source host]: packets from the hosts before it (H + 1 used)
   const Layout& L = a.L;
   const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
@@ -579,7 +583,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) ForwardKernel(Group g, 
   }
   // Packets from each host: its sender's count, published in its record.
   for (int b = threadIdx.x; b < H; b += blockDim.x) {
-    starts[b] = b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank_at[b * G + g.local]) + kRecordNodeCounts + g.node);
+    starts[b] =
+        b == g.node ? 0 : LoadVolatile(Record(g, L, seq, g.rank_at[b * G + g.local]) + kRecordNodeCounts + g.node);
   }
   ExclusiveScanHosts(starts, H);
 
@@ -761,10 +766,11 @@ __device__ void ForwardChannels(const Group& g, const MoveArgs& a, int f, int nu
         if (s.count[k] >= 0 && s.done[k] == s.count[k]) continue;
         int node, channel;
         PairOf(g, num_channels, f, num_forwarders, k, &node, &channel);
-        printf("deep_ep_jax timeout: %s rank %d waited %.1f s for the RDMA tail of a channel (packets delivered) "
-               "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx\n",
-               ModeName(a.mode), g.rank, g.timeout_ns * 1e-9, g.rank_at[node * g.ranks_per_node + g.local], channel,
-               s.done[k], s.count[k], seq, static_cast<unsigned long long>(LoadAcquireSys64(Tail(g, L, node, channel))));
+        printf(
+            "deep_ep_jax timeout: %s rank %d waited %.1f s for the RDMA tail of a channel (packets delivered) "
+            "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx\n",
+            ModeName(a.mode), g.rank, g.timeout_ns * 1e-9, g.rank_at[node * g.ranks_per_node + g.local], channel,
+            s.done[k], s.count[k], seq, static_cast<unsigned long long>(LoadAcquireSys64(Tail(g, L, node, channel))));
         __trap();
       }
     }
@@ -772,7 +778,7 @@ __device__ void ForwardChannels(const Group& g, const MoveArgs& a, int f, int nu
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedMoveKernel(Group g, MoveArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) PipelinedMoveKernel(Group g, MoveArgs a) {
   __shared__ int forwarder_pe[kMaxRanks];  // [host]: PE of the rank there with this rank's index
   __shared__ union {
     SenderState sender;
@@ -813,8 +819,8 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   const int seq = LoadVolatile(&control->seq);
   for (int i = threadIdx.x; i < g.ranks_per_node * a.num_blocks; i += blockDim.x) {
     const int src = g.host_ranks[i / a.num_blocks], block = i % a.num_blocks;
-    WaitAtLeast(DoneFlag(g, a.L, src, block), seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                src, block);
+    WaitAtLeast(DoneFlag(g, a.L, src, block), seq, g.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank, src,
+                block);
   }
   __syncthreads();
   if (a.num_recv_tokens_per_expert == nullptr) return;
@@ -873,7 +879,10 @@ __global__ void __launch_bounds__(kCopyThreads) CopyOutKernel(Group g, CopyOutAr
         int lo = 0, hi = R;
         while (lo < hi) {
           const int mid = (lo + hi) / 2;
-          if (ends[mid] <= j) lo = mid + 1; else hi = mid;
+          if (ends[mid] <= j)
+            lo = mid + 1;
+          else
+            hi = mid;
         }
         src = lo;
       }
@@ -975,8 +984,8 @@ __device__ void LoadCombineEntries(const Group& g, const Layout& L, int seq, int
 // skipped), rounds the partial to bf16 (weights: float32) and puts it to the
 // source, slot [this host][token]; this rank's own tokens keep it here.
 // The rows are peers' stores: loads that leave no line in L1.
-__device__ void ReduceCombineEntry(const Group& g, const CombineArgs& a, const int* source_pe, int b,
-                                   const int* entry, int lane) {
+__device__ void ReduceCombineEntry(const Group& g, const CombineArgs& a, const int* source_pe, int b, const int* entry,
+                                   int lane) {
   const Layout& L = a.L;
   const int G = g.ranks_per_node;
   const int token = LoadNoAllocate(entry + kCombineMetaToken);
@@ -1026,7 +1035,7 @@ __device__ void SignalPartialsSent(const Group& g, const Layout& L, int seq) {
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group g, CombineArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineSendKernel(Group g, CombineArgs a) {
   __shared__ PeerTable peers;
   const Layout& L = a.L;
   const int H = g.num_nodes, G = g.ranks_per_node, me = g.rank;
@@ -1051,7 +1060,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineSendKernel(Group
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Group g, CombineArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineForwardKernel(Group g, CombineArgs a) {
   __shared__ int starts[kMaxRanks + 1];  // [source host]: list entries from the hosts before it (H + 1 used)
   __shared__ int source_pe[kMaxRanks];   // [host]: PE of the rank there with this rank's index
   const Layout& L = a.L;
@@ -1061,8 +1070,8 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineForwardKernel(Gr
   // Rows of this host's ranks, and the lists of the same-index ranks of the other hosts.
   for (int i = threadIdx.x; i < G * num_blocks; i += blockDim.x) {
     const int src = g.host_ranks[i / num_blocks], block = i % num_blocks;
-    WaitAtLeast(DoneFlag(g, L, src, block), seq, g.timeout_ns, ModeName(kCombine), "rows to reduce of a block", me,
-                src, block);
+    WaitAtLeast(DoneFlag(g, L, src, block), seq, g.timeout_ns, ModeName(kCombine), "rows to reduce of a block", me, src,
+                block);
   }
   for (int i = threadIdx.x; i < H * num_blocks; i += blockDim.x) {
     const int b = i / num_blocks, block = i % num_blocks;
@@ -1170,11 +1179,12 @@ __device__ void WaitCombineRows(const Group& g, const Layout& L, const int* entr
     const uint64_t now = GlobalTimerNs();
     if (start == 0) start = now;
     if (!landed && now - start > g.timeout_ns) {
-      printf("deep_ep_jax timeout: %s rank %d waited %.1f s for a row to reduce (row tail) from peer %d "
-             "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx\n",
-             ModeName(kCombine), g.rank, g.timeout_ns * 1e-9, g.host_ranks[lane], channel, row,
-             LoadNoAllocate(entry + kCombineMetaToken), need, seq,
-             static_cast<unsigned long long>(LoadAcquireSys64(tail)));
+      printf(
+          "deep_ep_jax timeout: %s rank %d waited %.1f s for a row to reduce (row tail) from peer %d "
+          "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx\n",
+          ModeName(kCombine), g.rank, g.timeout_ns * 1e-9, g.host_ranks[lane], channel, row,
+          LoadNoAllocate(entry + kCombineMetaToken), need, seq,
+          static_cast<unsigned long long>(LoadAcquireSys64(tail)));
       __trap();
     }
   }
@@ -1202,7 +1212,8 @@ __device__ void ForwardEntries(const Group& g, const CombineArgs& a, int f, int 
   int listed = -1;  // the remote host whose list this warp last waited for (its own host's is in place)
   for (int i = warp; i < starts[H]; i += num_warps) {
     const int b = HostOfEntry(starts, H, i);
-    if (b != g.node && b != listed) {  // a remote list: wait for its flag once, lane 0's acquire passed on by __syncwarp
+    if (b != g.node &&
+        b != listed) {  // a remote list: wait for its flag once, lane 0's acquire passed on by __syncwarp
       if (lane == 0) {
         WaitAtLeast(RdmaDoneFlag(g, L, b, 0), seq, g.timeout_ns, ModeName(kCombine), "token list", g.rank,
                     g.rank_at[b * G + g.local], 0);
@@ -1216,7 +1227,7 @@ __device__ void ForwardEntries(const Group& g, const CombineArgs& a, int f, int 
   }
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedCombineKernel(Group g, CombineArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) PipelinedCombineKernel(Group g, CombineArgs a) {
   __shared__ union {
     PeerTable peers;  // senders
     struct {
@@ -1229,13 +1240,13 @@ __global__ void __launch_bounds__(kMaxWarps * kWarpSize) PipelinedCombineKernel(
     LoadPeerTable(g, state.peers);
     SendRowChannel(g, a, state.peers, blockIdx.x, num_channels, seq);
   } else {
-    ForwardEntries(g, a, blockIdx.x - num_channels, gridDim.x - num_channels, num_channels, seq,
-                   state.entries.starts, state.entries.source_pe);
+    ForwardEntries(g, a, blockIdx.x - num_channels, gridDim.x - num_channels, num_channels, seq, state.entries.starts,
+                   state.entries.source_pe);
   }
   SignalPartialsSent(g, a.L, seq);
 }
 
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineRecvKernel(Group g, CombineArgs a) {
   // [warp][word]: bit b % 32 of word b / 32 when host b holds the warp's token.
   __shared__ uint32_t token_hosts[kMaxWarps][kMaxRanks / kWarpSize];
   __shared__ int rank_at[kMaxRanks];
@@ -1391,7 +1402,8 @@ cudaError_t SetSequenceForTesting(char* region, int num_ranks, int seq) {
   const Layout L = MakeLayout(Shapes{}, num_ranks, 1, true);
   const std::vector<int> flags(size_t(num_ranks) * kMaxBlocks, seq);
   const size_t flag_bytes = flags.size() * sizeof(int);
-  if (err == cudaSuccess) err = cudaMemcpy(region + L.ready, flags.data(), size_t(num_ranks) * sizeof(int), cudaMemcpyHostToDevice);
+  if (err == cudaSuccess)
+    err = cudaMemcpy(region + L.ready, flags.data(), size_t(num_ranks) * sizeof(int), cudaMemcpyHostToDevice);
   if (err == cudaSuccess) err = cudaMemcpy(region + L.rdma_done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
   if (err == cudaSuccess) err = cudaMemcpy(region + L.done, flags.data(), flag_bytes, cudaMemcpyHostToDevice);
   // Tails of call seq, so that none reads as the next call's (its number in the high word).
@@ -1474,8 +1486,16 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   notify.cached_send_pos = p.send_pos;
   notify.num_worst_tokens = p.num_worst_tokens;
   NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
-  const CombineArgs args{p.x,   p.topk_weights, p.send_pos, p.num_recv_tokens,         p.recv_src_idx,
-                         p.recv_src_rank, p.out,          p.out_weights, TrafficOf(state, c, kCombine), L};
+  const CombineArgs args{p.x,
+                         p.topk_weights,
+                         p.send_pos,
+                         p.num_recv_tokens,
+                         p.recv_src_idx,
+                         p.recv_src_rank,
+                         p.out,
+                         p.out_weights,
+                         TrafficOf(state, c, kCombine),
+                         L};
   const int threads = c.num_warps * kWarpSize;
   if (pipeline) {
     PipelinedCombineKernel<<<c.num_blocks, threads, 0, stream>>>(g, args);

@@ -76,7 +76,7 @@ struct LaunchConfig {
   int num_blocks;
   int num_warps;
   uint64_t timeout_ns;
-  CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
+  CallOrder order;             // this call's place among the Buffer's calls (per call, not a knob)
   bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
   bool pipeline = true;        // send and forward in one kernel, by chunk (else one after the other)
 };
@@ -228,17 +228,17 @@ inline size_t CombineSlotBytes(const Shapes& s, int num_ranks) {
 struct DispatchParams {
   const char* x[kMaxRowArrays];
   int64_t row_bytes[kMaxRowArrays];
-  const int* topk_idx;        // [T, K] global ids (dispatch), null for cached dispatch
-  const float* topk_weights;  // [T, K] or null
+  const int* topk_idx;                // [T, K] global ids (dispatch), null for cached dispatch
+  const float* topk_weights;          // [T, K] or null
   const int* cached_send_pos;         // cached dispatch: [T, R] from the handle
   const int* cached_num_recv_tokens;  // cached dispatch: [] from the handle
   int num_tokens, num_topk, num_experts, num_worst_tokens;
   // Token-side outputs (dispatch only; null for cached dispatch).
-  bool* is_token_in_rank;   // [T, R]
-  int* num_tokens_per_rank; // [R]
-  int* rank_prefix_matrix;  // [R, R] inclusive over source ranks
-  int* send_pos;            // [T, R]
-  int* node_pos;            // [T, num_nodes] scratch: position among the tokens sent to each host, -1
+  bool* is_token_in_rank;    // [T, R]
+  int* num_tokens_per_rank;  // [R]
+  int* rank_prefix_matrix;   // [R, R] inclusive over source ranks
+  int* send_pos;             // [T, R]
+  int* node_pos;             // [T, num_nodes] scratch: position among the tokens sent to each host, -1
   // Receive-side outputs, N rows (null where absent).
   char* recv_x[kMaxRowArrays];
   int* recv_topk_idx;
@@ -280,8 +280,7 @@ bool CombinePipelineFits(int device_ordinal, int num_blocks, int num_warps);
 // Only enqueue work on `stream` (state.nvshmem with a normal region).
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& c,
                            cudaStream_t stream);
-cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& c,
-                          cudaStream_t stream);
+cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& c, cudaStream_t stream);
 
 }  // namespace internode
 }  // namespace deep_ep_jax

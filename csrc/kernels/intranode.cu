@@ -41,16 +41,16 @@ __device__ const char* ModeName(int mode) { return CallKindName(mode); }
 // The control bytes at the start of every rank's normal region. Peers write
 // into it; flags hold the sequence number of the call that set them.
 struct Control {
-  int seq;                           // sequence number of the latest call on this device
-  int next_chunk;                    // work counter of the move kernel (reset by each call)
-  int next_copy;                     // work counter of the staged copy role (reset by each call)
-  int active;                        // 1 while a call runs on this device (EnterCall)
-  int calls[kMaxNvlinkRanks];              // [src]: src's call tag (CheckPeerCall), published with its ready flag
-  int ready[kMaxNvlinkRanks];              // [src]: src published its counts and buffers here
-  int move_blocks[kMaxNvlinkRanks];        // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
-  int done[kMaxNvlinkRanks][kMaxBlocks];   // [src][block]: src's block is done with this rank's memory
+  int seq;                                       // sequence number of the latest call on this device
+  int next_chunk;                                // work counter of the move kernel (reset by each call)
+  int next_copy;                                 // work counter of the staged copy role (reset by each call)
+  int active;                                    // 1 while a call runs on this device (EnterCall)
+  int calls[kMaxNvlinkRanks];                    // [src]: src's call tag (CheckPeerCall), published with its ready flag
+  int ready[kMaxNvlinkRanks];                    // [src]: src published its counts and buffers here
+  int move_blocks[kMaxNvlinkRanks];              // [src]: blocks of src's move kernel in this call (CheckPeerLaunch)
+  int done[kMaxNvlinkRanks][kMaxBlocks];         // [src][block]: src's block is done with this rank's memory
   int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]: tokens src sends to dst (dispatch)
-  RankBuffers buffers[kMaxNvlinkRanks];    // [src]: src's buffers for this call
+  RankBuffers buffers[kMaxNvlinkRanks];          // [src]: src's buffers for this call
 };
 static_assert(sizeof(Control) <= kTrafficOffset, "intranode Control reaches the traffic counters (common/traffic.h)");
 
@@ -92,7 +92,9 @@ __device__ __forceinline__ Control* ControlOf(const Group& g, int rank) {
 // and readers add the region's address as mapped on their device.
 __host__ __device__ __forceinline__ RankBuffers Rebased(RankBuffers b, const char* from, char* to) {
   const uintptr_t shift = reinterpret_cast<uintptr_t>(to) - reinterpret_cast<uintptr_t>(from);  // mod 2^64
-  auto move = [shift](auto* p) { return p == nullptr ? p : reinterpret_cast<decltype(p)>(reinterpret_cast<uintptr_t>(p) + shift); };
+  auto move = [shift](auto* p) {
+    return p == nullptr ? p : reinterpret_cast<decltype(p)>(reinterpret_cast<uintptr_t>(p) + shift);
+  };
   for (int i = 0; i < kMaxRowArrays; ++i) b.rows[i] = move(b.rows[i]);
   b.topk_idx = move(b.topk_idx);
   b.topk_weights = move(b.topk_weights);
@@ -229,7 +231,8 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
   if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
   PublishAndWait(g, seq, shared_tag, a.landing, totals, a.num_move_blocks, kDispatch, a.timeout_ns);
   if (int(threadIdx.x) < num_ranks) {
-    for (int dst = 0; dst < num_ranks; ++dst) counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
+    for (int dst = 0; dst < num_ranks; ++dst)
+      counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
   }
   __syncthreads();
 
@@ -271,9 +274,9 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 
 // Cached dispatch and combine, step 1: publish buffers, wait for the peers'.
 // One warp, or a block of kNotifyThreads in staged mode (to clear the flags).
-__global__ void __launch_bounds__(kNotifyThreads) PublishKernel(Group g, RankBuffers mine, SyncClear clear,
-                                                               int num_move_blocks, int mode, uint64_t timeout_ns,
-                                                               CallOrder order) {
+__global__ void __launch_bounds__(kNotifyThreads)
+    PublishKernel(Group g, RankBuffers mine, SyncClear clear, int num_move_blocks, int mode, uint64_t timeout_ns,
+                  CallOrder order) {
   __shared__ int shared_seq, shared_tag;
   if (threadIdx.x == 0) shared_seq = BeginCall(ControlOf(g, g.rank), order, mode, g.rank, &shared_tag);
   __syncthreads();
@@ -405,7 +408,8 @@ __device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
   if (a.recv_src_rank != nullptr) {
     int ends[kMaxNvlinkRanks];  // rows from sources <= s end at ends[s]
 #pragma unroll
-    for (int s = 0; s < kMaxNvlinkRanks; ++s) ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
+    for (int s = 0; s < kMaxNvlinkRanks; ++s)
+      ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
     for (int i = first; i < num_rows; i += stride) {
       int src = -1;
       if (i < num_recv) {
@@ -532,8 +536,8 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
     const ChunkRecord* record = RecordOf(g, a.sync, g.rank, src, chunk);
     // Lane 0 acquires the flag; __syncwarp orders the other lanes' loads after it.
     if (lane == 0) {
-      WaitAtLeast(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)",
-                  g.rank, src, chunk);
+      WaitAtLeast(&record->flag, seq, a.timeout_ns, ModeName(a.mode), "chunk record (rows landed in staging)", g.rank,
+                  src, chunk);
     }
     __syncwarp();
     const int count = LoadVolatile(&record->count) - piece * kCopyItemRows;
@@ -546,7 +550,7 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
 }
 
 template <int kRanks>
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) SendKernel(Group g, SendArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) SendKernel(Group g, SendArgs a) {
   __shared__ RankBuffers dest[kMaxNvlinkRanks];
   Control* control = ControlOf(g, g.rank);
   const int seq = LoadVolatile(&control->seq);
@@ -604,8 +608,8 @@ struct CombineArgs {
   const int* send_pos;  // [T, R]
   int num_tokens, hidden, num_topk, chunk_tokens;
   TrafficCounters* traffic;  // combine's counters, or null (not counting)
-  uint16_t* out;       // bf16 [T, H]
-  float* out_weights;  // [T, K] or null
+  uint16_t* out;             // bf16 [T, H]
+  float* out_weights;        // [T, K] or null
   // This rank's own rows are read straight from XLA's x and weights, in
   // staged mode too (the local rank is always in this process).
   RankBuffers local;
@@ -729,7 +733,7 @@ __device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& 
 }
 
 template <int kRanks>
-__global__ void __launch_bounds__(kMaxWarps * kWarpSize) CombineKernel(Group g, CombineArgs a) {
+__global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineKernel(Group g, CombineArgs a) {
   __shared__ RankBuffers sources[kMaxNvlinkRanks];
   Control* control = ControlOf(g, g.rank);
   const int seq = LoadVolatile(&control->seq);
@@ -770,8 +774,8 @@ __global__ void __launch_bounds__(kFinishThreads) FinishKernel(Group g, FinishAr
   const int seq = LoadVolatile(&control->seq);
   for (int i = threadIdx.x; i < g.num_ranks * a.num_blocks; i += blockDim.x) {
     const int src = i / a.num_blocks, block = i % a.num_blocks;
-    WaitAtLeast(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank,
-                src, block);
+    WaitAtLeast(&control->done[src][block], seq, a.timeout_ns, ModeName(a.mode), "done flag of a block", g.rank, src,
+                block);
   }
   __syncthreads();
   // Every peer is done with this rank's memory: the next call may enter (the
@@ -895,8 +899,7 @@ struct CombineLauncher {
   }
 };
 
-void LaunchFinish(const Group& g, FinishArgs a, int mode, const Blocks& b, const LaunchConfig& c,
-                  cudaStream_t stream) {
+void LaunchFinish(const Group& g, FinishArgs a, int mode, const Blocks& b, const LaunchConfig& c, cudaStream_t stream) {
   a.mode = mode;
   a.num_blocks = b.move;
   a.timeout_ns = c.timeout_ns;
@@ -981,10 +984,22 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
                                         NumChunks(p.num_tokens, c.chunk_tokens));
   const RankBuffers landing = ChooseLanding(p.recv, staging, c.staged);
 
-  NotifyArgs notify{p.topk_idx,           p.num_tokens,        p.num_topk,         p.num_experts,
-                    p.num_worst_tokens,   p.is_token_in_rank,  p.num_tokens_per_rank, p.rank_prefix_matrix,
-                    p.send_pos,           p.num_recv_tokens,   p.num_dropped_tokens, Publishable(state, landing),
-                    RecordsToClear(state, staging, c.staged), blocks.move, c.timeout_ns, c.order};
+  NotifyArgs notify{p.topk_idx,
+                    p.num_tokens,
+                    p.num_topk,
+                    p.num_experts,
+                    p.num_worst_tokens,
+                    p.is_token_in_rank,
+                    p.num_tokens_per_rank,
+                    p.rank_prefix_matrix,
+                    p.send_pos,
+                    p.num_recv_tokens,
+                    p.num_dropped_tokens,
+                    Publishable(state, landing),
+                    RecordsToClear(state, staging, c.staged),
+                    blocks.move,
+                    c.timeout_ns,
+                    c.order};
   DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
 
   SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);

@@ -60,8 +60,8 @@ struct LaunchConfig {
   int num_warps;     // warps per block of the move kernels
   int chunk_tokens;  // consecutive tokens a warp takes from the work counter at a time
   uint64_t timeout_ns;
-  bool staged;  // land rows in the normal region and copy them locally (fallback)
-  CallOrder order;  // this call's place among the Buffer's calls (per call, not a knob)
+  bool staged;                 // land rows in the normal region and copy them locally (fallback)
+  CallOrder order;             // this call's place among the Buffer's calls (per call, not a knob)
   bool count_traffic = false;  // add to the traffic counters (common/traffic.h)
 };
 
@@ -73,10 +73,10 @@ struct DispatchParams {
   const float* topk_weights;  // [T, K]
   int num_tokens, num_topk, num_experts, num_worst_tokens;
   // Token-side outputs.
-  bool* is_token_in_rank;   // [T, R]
-  int* num_tokens_per_rank; // [R]
-  int* rank_prefix_matrix;  // [R, R], inclusive over source ranks
-  int* send_pos;            // [T, R]
+  bool* is_token_in_rank;    // [T, R]
+  int* num_tokens_per_rank;  // [R]
+  int* rank_prefix_matrix;   // [R, R], inclusive over source ranks
+  int* send_pos;             // [T, R]
   // Receive-side outputs (N = num_worst_tokens rows).
   RankBuffers recv;  // recv_x (+ scales), recv_topk_idx, recv_topk_weights, recv_src_idx
   int* recv_src_rank;
@@ -88,22 +88,22 @@ struct DispatchParams {
 struct CachedDispatchParams {
   const char* x[kMaxRowArrays];
   int64_t row_bytes[kMaxRowArrays];
-  const float* topk_weights;  // [T, K] or null
-  const int* send_pos;        // [T, R] from the handle
-  const int* num_recv_tokens; // [] from the handle
+  const float* topk_weights;   // [T, K] or null
+  const int* send_pos;         // [T, R] from the handle
+  const int* num_recv_tokens;  // [] from the handle
   int num_tokens, num_topk, num_worst_tokens;
   RankBuffers recv;  // rows and topk_weights
 };
 
 struct CombineParams {
-  const uint16_t* x;          // bf16 [N, H]
-  const float* topk_weights;  // [N, K] or null
-  const int* send_pos;        // [T, R]
-  const int* num_recv_tokens; // [] rows of x that are valid (from the handle)
+  const uint16_t* x;              // bf16 [N, H]
+  const float* topk_weights;      // [N, K] or null
+  const int* send_pos;            // [T, R]
+  const int* num_recv_tokens;     // [] rows of x that are valid (from the handle)
   const int* rank_prefix_matrix;  // [R, R] from the handle (staged: which rows each source pulls)
   int num_tokens, hidden, num_topk, num_worst_tokens;
-  uint16_t* out;         // bf16 [T, H]
-  float* out_weights;    // [T, K] or null
+  uint16_t* out;       // bf16 [T, H]
+  float* out_weights;  // [T, K] or null
 };
 
 // Chunks of chunk_tokens tokens a dispatch hands out (staged: a record each per source).
@@ -132,8 +132,8 @@ cudaError_t MarkCallRunningForTesting(char* region);
 // Only enqueue work on `stream`.
 cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, const LaunchConfig& config,
                            cudaStream_t stream);
-cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchParams& p,
-                                 const LaunchConfig& config, cudaStream_t stream);
+cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchParams& p, const LaunchConfig& config,
+                                 cudaStream_t stream);
 cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, const LaunchConfig& config,
                           cudaStream_t stream);
 

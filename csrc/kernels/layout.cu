@@ -64,19 +64,20 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t LaunchGetDispatchLayout(const int* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                    int num_ranks, int* num_tokens_per_rank, int* num_tokens_per_expert,
-                                    bool* is_token_in_rank, cudaStream_t stream) {
+cudaError_t LaunchGetDispatchLayout(const int* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                                    int* num_tokens_per_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                                    cudaStream_t stream) {
   cudaError_t err = cudaMemsetAsync(num_tokens_per_rank, 0, sizeof(int) * num_ranks, stream);
   if (err != cudaSuccess) return err;
   err = cudaMemsetAsync(num_tokens_per_expert, 0, sizeof(int) * num_experts, stream);
   if (err != cudaSuccess || num_tokens == 0) return err;
 
-  const int num_blocks = int(std::min<int64_t>((int64_t(num_tokens) + kTokensPerTile - 1) / kTokensPerTile, kMaxGridBlocks));
+  const int num_blocks =
+      int(std::min<int64_t>((int64_t(num_tokens) + kTokensPerTile - 1) / kTokensPerTile, kMaxGridBlocks));
   const size_t shared_bytes = sizeof(int) * size_t(num_experts + num_ranks);
-  GetDispatchLayoutKernel<<<num_blocks, kThreads, shared_bytes, stream>>>(
-      topk_idx, num_tokens, num_topk, num_experts, num_ranks, num_tokens_per_rank, num_tokens_per_expert,
-      is_token_in_rank);
+  GetDispatchLayoutKernel<<<num_blocks, kThreads, shared_bytes, stream>>>(topk_idx, num_tokens, num_topk, num_experts,
+                                                                          num_ranks, num_tokens_per_rank,
+                                                                          num_tokens_per_expert, is_token_in_rank);
   return cudaGetLastError();
 }
 

@@ -12,8 +12,8 @@ namespace deep_ep_jax {
 // Writes num_tokens_per_rank [num_ranks] (tokens with >= 1 expert on the rank),
 // num_tokens_per_expert [num_experts] ((token, k) pairs per expert) and
 // is_token_in_rank [num_tokens, num_ranks]. Only enqueues work on `stream`.
-cudaError_t LaunchGetDispatchLayout(const int* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                    int num_ranks, int* num_tokens_per_rank, int* num_tokens_per_expert,
-                                    bool* is_token_in_rank, cudaStream_t stream);
+cudaError_t LaunchGetDispatchLayout(const int* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                                    int* num_tokens_per_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                                    cudaStream_t stream);
 
 }  // namespace deep_ep_jax

@@ -97,7 +97,8 @@ struct PeerTable {
 // or signal, which publishes the copy to the whole block.
 __device__ __forceinline__ PeerTable LoadPeerTable(const Peers& p, int* smem) {
   char** regions = reinterpret_cast<char**>(smem);
-  int* pes = reinterpret_cast<int*>(reinterpret_cast<char*>(smem) + AlignUp(size_t(p.num_ranks) * sizeof(char*), kVectorBytes));
+  int* pes = reinterpret_cast<int*>(reinterpret_cast<char*>(smem) +
+                                    AlignUp(size_t(p.num_ranks) * sizeof(char*), kVectorBytes));
   for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x) {
     regions[r] = p.regions[r];
     if (p.pes != nullptr) pes[r] = p.pes[r];
@@ -144,9 +145,10 @@ struct NvlinkTransport {
     const uint64_t start = GlobalTimerNs();
     while (!SeqReached(LoadAcquireSys(flag), target)) {
       if (GlobalTimerNs() - start > p.timeout_ns) {
-        printf("deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
-               "value %d, expected %d\n",
-               mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
+        printf(
+            "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
+            "value %d, expected %d\n",
+            mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
         __trap();
       }
     }
@@ -195,7 +197,10 @@ __device__ __forceinline__ int FindSegment(const int* starts, int n, int value) 
   int lo = 0, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (starts[mid] <= value) lo = mid; else hi = mid - 1;
+    if (starts[mid] <= value)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -327,7 +332,8 @@ __host__ __device__ inline size_t DispatchSendInts(int num_experts) {
 }
 
 size_t DispatchSendSharedBytes(int num_experts, int hidden, bool fp8) {
-  return AlignUp(sizeof(int) * DispatchSendInts(num_experts), kVectorBytes) + (fp8 ? DispatchRowBytes(hidden, true) : 0);
+  return AlignUp(sizeof(int) * DispatchSendInts(num_experts), kVectorBytes) +
+         (fp8 ? DispatchRowBytes(hidden, true) : 0);
 }
 
 size_t DispatchRecvSharedBytes(int num_rows_lists) {
@@ -380,7 +386,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   const int num_ranks = a.peers.num_ranks, rank = a.peers.rank;
   const int num_experts = a.num_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int num_local = num_experts / num_ranks;
-  int* expert_start = smem;                  // [E + 1]: this rank's rows per expert, exclusive scan
+  int* expert_start = smem;                      // [E + 1]: this rank's rows per expert, exclusive scan
   int* before = expert_start + num_experts + 1;  // [E]: rows per expert of tokens before the current one
   int* scratch = before + num_experts;
   int* token_dests = scratch + kScanScratch;  // [1 + kMaxTopk]: a token's destinations: count, then ranks
@@ -390,8 +396,8 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   // precedes its puts (the first token's while warp 0 waits below).
   constexpr int kListWarp = kWarps - 1;
   auto list_destinations = [&](int t) {
-    const int n = TokenDestinations(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local,
-                                    token_dests + 1);
+    const int n =
+        TokenDestinations(a.topk_idx + size_t(t) * num_topk, num_topk, num_experts, num_local, token_dests + 1);
     if (lane == 0) token_dests[0] = n;
   };
 
@@ -412,8 +418,10 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   const bool active = first_token < a.num_tokens || blockIdx.x == 0;
   // The first token's quantisation and destinations need no buffer: they hide the wait below.
   if (first_token < a.num_tokens) {
-    if (kFp8) QuantizeRow(token_row(first_token), hidden, a.round_scale, staging);
-    else PrefetchRow(token_row(first_token), hidden / 8);
+    if (kFp8)
+      QuantizeRow(token_row(first_token), hidden, a.round_scale, staging);
+    else
+      PrefetchRow(token_row(first_token), hidden / 8);
     if (warp == kListWarp) list_destinations(first_token);
   }
   // Every destination must have read this half of operation op - 2.
@@ -442,7 +450,8 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
     const int num_groups = kWarps / warps_per_dest;
     const int group = warp / warps_per_dest, group_thread = (warp % warps_per_dest) * 32 + lane;
     const void* src = kFp8 ? static_cast<const void*>(staging) : static_cast<const void*>(row);
-    const size_t row_offset = half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
+    const size_t row_offset =
+        half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
     for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
       tr.Put(token_dests[1 + i], row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);
@@ -508,7 +517,7 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   const int num_local = a.num_local_experts, num_topk = a.num_topk, hidden = a.hidden;
   const int num_lists = num_local * num_ranks;  // (expert, source) row lists
   const int rows_per_expert = num_ranks * a.max_tokens;
-  int* row_start = smem;                  // [L*R + 1], (expert, source) order: first output row of each list
+  int* row_start = smem;                       // [L*R + 1], (expert, source) order: first output row of each list
   int* seg_start = row_start + num_lists + 1;  // [R*L + 1], (source, expert) order: first row in the source's segment
   int* scratch = seg_start + num_lists + 1;
 
@@ -541,7 +550,8 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   }
   // The handle says -1 on padding rows.
   const int64_t num_slots = int64_t(num_local) * rows_per_expert;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_slots; i += int64_t(gridDim.x) * blockDim.x) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < num_slots;
+       i += int64_t(gridDim.x) * blockDim.x) {
     if (int(i % rows_per_expert) >= expert_count(int(i / rows_per_expert))) {
       a.recv_src_rank[i] = a.recv_src_token[i] = a.recv_src_topk[i] = -1;
     }
@@ -554,7 +564,8 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
     const int j = f - row_start[list];
     const int out = row_start[list] - row_start[e * num_ranks] + j;
     if (out >= rows_per_expert) return;  // more rows than the output holds (duplicate experts): dropped
-    const size_t slot = size_t(src) * layout.capacity + (seg_start[src * num_local + e] - seg_start[src * num_local] + j);
+    const size_t slot =
+        size_t(src) * layout.capacity + (seg_start[src * num_local + e] - seg_start[src * num_local] + j);
     const int info = infos[slot];  // t * K + k
     const int t = info / num_topk;
     if (t < 0 || t >= a.max_tokens) return;  // never, as the sender writes every counted row's info
@@ -596,7 +607,8 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, c
   const int half = op & 1;
   const size_t half_offset = HalfOffset(a.peers, half);
 
-  for (int e = threadIdx.x; e < num_local; e += blockDim.x) row_start[e] = min(max(a.recv_count[e], 0), rows_per_expert);
+  for (int e = threadIdx.x; e < num_local; e += blockDim.x)
+    row_start[e] = min(max(a.recv_count[e], 0), rows_per_expert);
   if (threadIdx.x == 0) row_start[num_local] = 0;
   __syncthreads();
   BlockExclusiveScanInPlace(row_start, num_local + 1, scratch);
@@ -735,8 +747,8 @@ template <typename Transport>
 __global__ void __launch_bounds__(kThreads, kBlocksPerSm) CombineKernel(CombineSendArgs send, CombineRecvArgs recv) {
   extern __shared__ __align__(16) int smem[];
   const PeerTable table = LoadPeerTable(send.peers, smem);
-  CombineRecvPhase<Transport>(recv, CombineSendPhase<Transport>(send, table, AfterPeerTable(smem, send.peers.num_ranks)),
-                              table);
+  CombineRecvPhase<Transport>(
+      recv, CombineSendPhase<Transport>(send, table, AfterPeerTable(smem, send.peers.num_ranks)), table);
 }
 
 // Launchers, for a transport. Decode runs alone, so the kernels take every SM
@@ -798,20 +810,21 @@ struct LaunchersWith {
   }
 
   static cudaError_t CombineSend(const CombineSendArgs& args, int device, cudaStream_t stream) {
-    CombineSendKernel<Transport><<<SendBlocks(args.max_blocks, device), kThreads, CombineSendShared(args), stream>>>(
-        args);
+    CombineSendKernel<Transport>
+        <<<SendBlocks(args.max_blocks, device), kThreads, CombineSendShared(args), stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t CombineRecv(const CombineRecvArgs& args, int device, cudaStream_t stream) {
-    CombineRecvKernel<Transport><<<DeviceSmCount(device), kThreads, PeerTableBytes(args.peers.num_ranks), stream>>>(
-        args);
+    CombineRecvKernel<Transport>
+        <<<DeviceSmCount(device), kThreads, PeerTableBytes(args.peers.num_ranks), stream>>>(args);
     return cudaGetLastError();
   }
 
   static cudaError_t Combine(const CombineSendArgs& send, const CombineRecvArgs& recv, int device,
                              cudaStream_t stream) {
-    return LaunchCooperative(CombineKernel<Transport>, DeviceSmCount(device), CombineSendShared(send), stream, send, recv);
+    return LaunchCooperative(CombineKernel<Transport>, DeviceSmCount(device), CombineSendShared(send), stream, send,
+                             recv);
   }
 
   static const Launchers& Table() {

@@ -48,7 +48,7 @@ struct DispatchLayout {
   size_t infos_offset;   // int [R source][capacity]: t * K + k of each (token, k), by local expert
   size_t rows_offset;    // [R source][max_tokens][row_bytes]: each token once
   size_t row_bytes;
-  size_t bytes;          // end of the rows
+  size_t bytes;  // end of the rows
 };
 
 inline DispatchLayout MakeDispatchLayout(int64_t num_ranks, int64_t num_local_experts, int64_t max_tokens,
@@ -99,7 +99,8 @@ struct Peers {
 
 // Shared memory of a block's copy of the peer tables: region pointers, then PEs.
 constexpr size_t PeerTableBytes(int num_ranks) {
-  return AlignUp(size_t(num_ranks) * sizeof(char*), kVectorBytes) + AlignUp(size_t(num_ranks) * sizeof(int), kVectorBytes);
+  return AlignUp(size_t(num_ranks) * sizeof(char*), kVectorBytes) +
+         AlignUp(size_t(num_ranks) * sizeof(int), kVectorBytes);
 }
 
 // Send-area bytes the NVSHMEM kernels stage rows in: M * K slots for a
@@ -117,23 +118,23 @@ inline size_t CombineStageBytes(int64_t num_ranks, int64_t max_tokens, int64_t n
 struct DispatchSendArgs {
   Peers peers;
   DispatchLayout layout;
-  const void* x;         // bf16 [T, H]
-  const int* topk_idx;   // [T, K], -1 or a global expert id
-  int* token;            // [1] out: this operation's sequence number (null in a whole dispatch)
+  const void* x;        // bf16 [T, H]
+  const int* topk_idx;  // [T, K], -1 or a global expert id
+  int* token;           // [1] out: this operation's sequence number (null in a whole dispatch)
   int num_tokens, num_topk, hidden, num_experts, max_tokens;
   bool fp8, round_scale;
-  int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
+  int max_blocks;   // split send: at most this many blocks (SMs), 0 for every SM
   CallOrder order;  // null in an overlapped send (common/call_order.h)
 };
 
 struct DispatchRecvArgs {
   Peers peers;
   DispatchLayout layout;
-  const int* token;       // from the send half (unused in a whole dispatch)
-  void* recv_x;           // [L, R*M, H] FP8 or bf16
-  float* recv_scales;     // [L, R*M, H/128] (FP8 only)
-  int* recv_count;        // [L]
-  int* recv_src_rank;     // [L, R*M]
+  const int* token;    // from the send half (unused in a whole dispatch)
+  void* recv_x;        // [L, R*M, H] FP8 or bf16
+  float* recv_scales;  // [L, R*M, H/128] (FP8 only)
+  int* recv_count;     // [L]
+  int* recv_src_rank;  // [L, R*M]
   int* recv_src_token;
   int* recv_src_topk;
   int num_local_experts, max_tokens, num_topk, hidden;
@@ -149,13 +150,13 @@ struct CombineSendArgs {
   const int* recv_src_topk;
   int* token;  // null in a whole combine
   int num_local_experts, max_tokens, num_topk, hidden;
-  int max_blocks;  // split send: at most this many blocks (SMs), 0 for every SM
+  int max_blocks;   // split send: at most this many blocks (SMs), 0 for every SM
   CallOrder order;  // null in an overlapped send (common/call_order.h)
 };
 
 struct CombineRecvArgs {
   Peers peers;
-  const int* token;  // unused in a whole combine
+  const int* token;           // unused in a whole combine
   const int* topk_idx;        // [T, K]
   const float* topk_weights;  // [T, K]
   void* out;                  // bf16 [T, H]

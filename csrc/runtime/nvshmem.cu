@@ -56,8 +56,8 @@ void Init(int device, int pe, int num_pes, const std::string& unique_id) {
   }
   nvshmemx_uniqueid_t id;
   if (unique_id.size() != sizeof(id)) {
-    throw std::invalid_argument("deep_ep_jax: an NVSHMEM unique id has " + std::to_string(sizeof(id)) +
-                                " bytes, got " + std::to_string(unique_id.size()));
+    throw std::invalid_argument("deep_ep_jax: an NVSHMEM unique id has " + std::to_string(sizeof(id)) + " bytes, got " +
+                                std::to_string(unique_id.size()));
   }
   std::memcpy(&id, unique_id.data(), sizeof(id));
   // NVSHMEM binds the PE to the current device (its primary context, XLA's too).
@@ -69,9 +69,9 @@ void Init(int device, int pe, int num_pes, const std::string& unique_id) {
   int provided = 0;
   const nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                       NVSHMEM_VENDOR_PATCH_VERSION};
-  CheckStatus(nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version),
-              "NVSHMEM initialisation (unique-id bootstrap, PE " + std::to_string(pe) + " of " +
-                  std::to_string(num_pes) + ")");
+  CheckStatus(
+      nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided, NVSHMEMX_INIT_WITH_UNIQUEID, &attr, version),
+      "NVSHMEM initialisation (unique-id bootstrap, PE " + std::to_string(pe) + " of " + std::to_string(num_pes) + ")");
   if (nvshmem_my_pe() != pe || nvshmem_n_pes() != num_pes) {
     throw std::runtime_error("deep_ep_jax: NVSHMEM came up as PE " + std::to_string(nvshmem_my_pe()) + " of " +
                              std::to_string(nvshmem_n_pes()) + ", expected " + std::to_string(pe) + " of " +

@@ -27,11 +27,11 @@ namespace {
 // take a shared lock; create/destroy take it exclusively. std::map nodes are
 // stable, so returned DeviceState pointers stay valid until DestroyBuffer.
 std::shared_mutex registry_mutex;
-std::map<std::pair<int64_t, int>, DeviceState> device_states;  // (buffer id, device)
-std::map<int64_t, std::vector<int>> buffer_devices;            // buffer id -> its devices
-std::map<int64_t, std::vector<std::vector<int>>> ipc_groups;   // IPC buffer id -> its groups (-1: remote)
+std::map<std::pair<int64_t, int>, DeviceState> device_states;        // (buffer id, device)
+std::map<int64_t, std::vector<int>> buffer_devices;                  // buffer id -> its devices
+std::map<int64_t, std::vector<std::vector<int>>> ipc_groups;         // IPC buffer id -> its groups (-1: remote)
 std::map<std::pair<int64_t, int>, std::vector<void*>> ipc_mappings;  // (buffer id, device) -> opened peers
-std::map<int64_t, std::function<void()>> external_releases;       // buffer id -> frees its memory
+std::map<int64_t, std::function<void()>> external_releases;          // buffer id -> frees its memory
 int64_t next_buffer_id = 1;
 
 static_assert(kIpcHandleBytes == 2 * sizeof(cudaIpcMemHandle_t), "kIpcHandleBytes: two cudaIpcMemHandle_t");
@@ -57,9 +57,7 @@ class DeviceGuard {
 };
 
 // Each non-empty region holds at least its control block.
-size_t RegionBytes(size_t requested) {
-  return requested == 0 ? 0 : std::max(requested, kControlBytes);
-}
+size_t RegionBytes(size_t requested) { return requested == 0 ? 0 : std::max(requested, kControlBytes); }
 
 char* AllocateZeroed(int device, size_t num_bytes, const char* mode) {
   if (num_bytes == 0) return nullptr;
@@ -70,10 +68,10 @@ char* AllocateZeroed(int device, size_t num_bytes, const char* mode) {
     size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
     std::ostringstream msg;
-    msg << "deep_ep_jax: out of GPU memory allocating the " << mode << " buffer on device "
-        << device << ": requested " << num_bytes << " bytes (" << (num_bytes >> 20)
-        << " MiB), free " << free_bytes << " bytes (" << (free_bytes >> 20) << " MiB) of "
-        << (total_bytes >> 20) << " MiB. XLA preallocates 75% of GPU memory by default: set "
+    msg << "deep_ep_jax: out of GPU memory allocating the " << mode << " buffer on device " << device << ": requested "
+        << num_bytes << " bytes (" << (num_bytes >> 20) << " MiB), free " << free_bytes << " bytes ("
+        << (free_bytes >> 20) << " MiB) of " << (total_bytes >> 20)
+        << " MiB. XLA preallocates 75% of GPU memory by default: set "
         << "XLA_PYTHON_CLIENT_MEM_FRACTION lower (e.g. 0.6) or XLA_PYTHON_CLIENT_PREALLOCATE=false "
         << "before importing jax, or ask for a smaller buffer.";
     throw std::runtime_error(msg.str());
@@ -89,8 +87,8 @@ void EnablePeerAccess(int device, int peer) {
   int can_access = 0;
   Check(cudaDeviceCanAccessPeer(&can_access, device, peer), "cudaDeviceCanAccessPeer");
   if (!can_access) {
-    throw std::runtime_error("deep_ep_jax: device " + std::to_string(device) +
-                             " cannot access device " + std::to_string(peer) +
+    throw std::runtime_error("deep_ep_jax: device " + std::to_string(device) + " cannot access device " +
+                             std::to_string(peer) +
                              " (no CUDA peer access between them, e.g. no NVLink/PCIe P2P); "
                              "the devices of one EP group must all reach each other");
   }
@@ -112,9 +110,9 @@ void FreeStates(const std::vector<DeviceState>& states) {
     cudaGetDevice(&previous);
     cudaSetDevice(s.device_ordinal);
     cudaDeviceSynchronize();
-    if (s.normal.local && !s.nvshmem) cudaFree(s.normal.local);  // else: its release frees it
+    if (s.normal.local && !s.nvshmem) cudaFree(s.normal.local);            // else: its release frees it
     if (s.low_latency.local && !s.nvshmem) cudaFree(s.low_latency.local);  // else: its release frees it
-    if (s.device_peers) cudaFree(s.device_peers);  // device_pes lives in the same allocation
+    if (s.device_peers) cudaFree(s.device_peers);                          // device_pes lives in the same allocation
     cudaSetDevice(previous);
   }
 }
@@ -130,10 +128,10 @@ void ValidateGroups(const std::vector<std::vector<int>>& groups, bool allow_remo
                                   " devices, got " + std::to_string(group.size()));
     }
     if (normal_bytes > 0 && group.size() > size_t(kMaxNvlinkRanks)) {
-      throw std::invalid_argument("deep_ep_jax: normal mode supports at most " + std::to_string(kMaxNvlinkRanks) +
-                                  " ranks on one host (one NVLink domain), the EP group has " +
-                                  std::to_string(group.size()) + " (low-latency mode: " +
-                                  std::to_string(kMaxGroupRanks) + "); create the buffer without a normal region");
+      throw std::invalid_argument(
+          "deep_ep_jax: normal mode supports at most " + std::to_string(kMaxNvlinkRanks) +
+          " ranks on one host (one NVLink domain), the EP group has " + std::to_string(group.size()) +
+          " (low-latency mode: " + std::to_string(kMaxGroupRanks) + "); create the buffer without a normal region");
     }
   }
   int device_count = 0;
@@ -234,15 +232,15 @@ void UploadPeerTable(DeviceState& s) {
       const int node = s.nodes[r], local = per_node[size_t(node)]++;
       table[r] = node;
       table[n + r] = local;
-      if (local < per_host && size_t(node * per_host + local) < n) table[2 * n + size_t(node * per_host + local)] = int(r);
+      if (local < per_host && size_t(node * per_host + local) < n)
+        table[2 * n + size_t(node * per_host + local)] = int(r);
     }
     Check(cudaMemcpy(s.device_nodes, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice),
           "copying the host table to device " + std::to_string(s.device_ordinal));
   }
 }
 
-int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
-                     size_t low_latency_bytes) {
+int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes, size_t low_latency_bytes) {
   ValidateGroups(groups, /*allow_remote=*/false, normal_bytes);
   const size_t normal_region = RegionBytes(normal_bytes);
   const size_t low_latency_region = RegionBytes(low_latency_bytes);
@@ -288,8 +286,7 @@ int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_
   return Register(states);
 }
 
-IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
-                          size_t low_latency_bytes) {
+IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes, size_t low_latency_bytes) {
   ValidateGroups(groups, /*allow_remote=*/true, normal_bytes);
   for (const auto& group : groups) {
     if (std::count_if(group.begin(), group.end(), [](int d) { return d >= 0; }) > 1) {
@@ -319,7 +316,8 @@ IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t no
         s.low_latency.num_bytes = low_latency_region;
         s.low_latency.local = AllocateZeroed(s.device_ordinal, low_latency_region, "low-latency");
         // Peers may write into the regions as soon as they get the handles.
-        Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize after zeroing on device " + std::to_string(s.device_ordinal));
+        Check(cudaDeviceSynchronize(),
+              "cudaDeviceSynchronize after zeroing on device " + std::to_string(s.device_ordinal));
         s.normal.peers.assign(group.size(), nullptr);  // the others' come with OpenIpcPeers
         s.low_latency.peers.assign(group.size(), nullptr);
         s.normal.peers[rank] = s.normal.local;
@@ -365,8 +363,8 @@ void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>
       const auto& group = groups[g];
       if (handles[g].size() != group.size()) {
         throw std::invalid_argument("deep_ep_jax: OpenIpcPeers: group " + std::to_string(g) + " has " +
-                                    std::to_string(group.size()) + " ranks, got " +
-                                    std::to_string(handles[g].size()) + " handles");
+                                    std::to_string(group.size()) + " ranks, got " + std::to_string(handles[g].size()) +
+                                    " handles");
       }
       for (size_t rank = 0; rank < group.size(); ++rank) {
         if (group[rank] < 0) continue;

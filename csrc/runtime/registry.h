@@ -71,8 +71,7 @@ void UploadPeerTable(DeviceState& s);
 // regions on every device, zeroes them, enables peer access inside each group.
 // Throws std::runtime_error with a readable message on failure (out of
 // memory, no peer access, ...).
-int64_t CreateBuffer(const std::vector<std::vector<int>>& groups,
-                     size_t normal_bytes, size_t low_latency_bytes);
+int64_t CreateBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes, size_t low_latency_bytes);
 
 // One process per GPU (or a few GPUs per process) with peers in other
 // processes, in two steps so that the handle exchange happens in Python:
@@ -90,8 +89,7 @@ struct IpcBuffer {
   int64_t buffer_id;
   std::vector<std::string> handles;  // per local device, in group order
 };
-IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes,
-                          size_t low_latency_bytes);
+IpcBuffer CreateIpcBuffer(const std::vector<std::vector<int>>& groups, size_t normal_bytes, size_t low_latency_bytes);
 void OpenIpcPeers(int64_t buffer_id, const std::vector<std::vector<std::string>>& handles);
 
 // A buffer whose memory someone else allocated (NVSHMEM's symmetric heap):

@@ -12,7 +12,7 @@ namespace {
 
 struct DeviceSide {
   cudaStream_t stream = nullptr;
-  std::vector<cudaEvent_t> idle;  // events to reuse
+  std::vector<cudaEvent_t> idle;                                    // events to reuse
   std::map<std::tuple<int64_t, const void*>, cudaEvent_t> pending;  // (buffer, token) -> end of its send
 };
 
@@ -137,8 +137,9 @@ SideStreamStatus BeginReceive(int device, int64_t buffer_id, const void* token, 
     return status;
   }
   if (!found) {
-    return Refused("no overlapped send of this buffer is pending for this token (was the send made with a buffer "
-                   "whose config.low_latency_overlap_sms differs?)");
+    return Refused(
+        "no overlapped send of this buffer is pending for this token (was the send made with a buffer "
+        "whose config.low_latency_overlap_sms differs?)");
   }
   return {};
 }

@@ -44,7 +44,7 @@ for bit (FP8 quantisation included).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
 from deep_ep_jax.comm.handle import DispatchHandle, LowLatencyHandle
 from deep_ep_jax.comm.mesh import same_mesh
+from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -107,8 +107,9 @@ def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
     flat = lambda a: a.reshape((num_ranks * num_tokens,) + a.shape[2:])[slot]
     recv_xs = tuple(_from_bits(flat(r), x.dtype) for r, x in zip(received["xs"], xs))
     if buffer.config.poison_padding:  # as the kernels may leave them (Config.poison_padding)
-        recv_xs = tuple(jnp.where(valid.reshape((-1,) + (1,) * (r.ndim - 1)), r, jnp.nan).astype(r.dtype)
-                        for r in recv_xs)
+        recv_xs = tuple(
+            jnp.where(valid.reshape((-1,) + (1,) * (r.ndim - 1)), r, jnp.nan).astype(r.dtype) for r in recv_xs
+        )
     recv_idx = recv_w = None
     if topk_idx is not None:
         recv_idx = jnp.where(valid[:, None], flat(received["idx"]), -1)
@@ -205,8 +206,7 @@ def combine(x, topk_weights, handle, *, buffer):
         finfo = jnp.finfo(out_dtype)
         acc = jnp.zeros((num_tokens,) + blocks.shape[2:], jnp.float32)
         for ranks in hosts:
-            partial = lax.reduce_precision(rank_sum(blocks, ranks), exponent_bits=finfo.nexp,
-                                           mantissa_bits=finfo.nmant)
+            partial = lax.reduce_precision(rank_sum(blocks, ranks), exponent_bits=finfo.nexp, mantissa_bits=finfo.nmant)
             acc = acc + partial
         return acc.astype(out_dtype)
 
@@ -268,8 +268,9 @@ class _Hosts:
         self.local = np.array([hosts[:r].count(hosts[r]) for r in range(num_ranks)], np.int32)
         rank_at = {(h, j): r for r, (h, j) in enumerate(zip(hosts, self.local.tolist()))}
         # Hosts of unequal sizes (possible here, refused by the kernels): no forwarder gives -1.
-        self.forwarder = np.array([[rank_at.get((hosts[d], self.local[s]), -1) for d in range(num_ranks)]
-                                   for s in range(num_ranks)], np.int32)  # [s, d]
+        self.forwarder = np.array(
+            [[rank_at.get((hosts[d], self.local[s]), -1) for d in range(num_ranks)] for s in range(num_ranks)], np.int32
+        )  # [s, d]
         same_host = self.host[:, None] == self.host[None, :]
         self.deliverer = np.where(same_host, np.arange(num_ranks, dtype=np.int32)[:, None], self.forwarder)
         self.one_hot = (self.host[:, None] == np.arange(self.num_hosts)[None, :]).astype(np.int32)  # [R, H]
@@ -381,7 +382,9 @@ class _CombinePending:
     num_experts: int = dataclasses.field(metadata=dict(static=True))
 
 
-def low_latency_dispatch_send(x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer):
+def low_latency_dispatch_send(
+    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
+):
     num_ranks, max_tokens = buffer.num_ranks, num_max_dispatch_tokens_per_rank
     num_tokens = x.shape[0]
     experts_per_rank = num_experts // num_ranks
@@ -470,5 +473,6 @@ def low_latency_dispatch(x, topk_idx, *, buffer, **kwargs):
 
 
 def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
-    return low_latency_combine_recv(low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer),
-                                    buffer=buffer)
+    return low_latency_combine_recv(
+        low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer), buffer=buffer
+    )

@@ -14,8 +14,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from deep_ep_jax.fp8_quant import _times_multipliers, _to_fp8  # fp8_quant's maths, shared
 from deep_ep_jax.comm.handle import ExpertLayout
+from deep_ep_jax.fp8_quant import _times_multipliers, _to_fp8  # fp8_quant's maths, shared
 
 
 def expert_layout(topk_idx, *, num_local_experts, alignment, num_rows):

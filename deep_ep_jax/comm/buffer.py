@@ -14,8 +14,8 @@ import itertools
 import jax
 
 from deep_ep_jax.backends import Ops
-from deep_ep_jax.config import TRAFFIC_FIELDS, Config, is_bool, is_int
 from deep_ep_jax.comm.mesh import ep_groups
+from deep_ep_jax.config import TRAFFIC_FIELDS, Config, is_bool, is_int
 
 BACKENDS = ("auto", "cuda", "xla")
 _keys = itertools.count()  # Buffer.key: unlike id(), never reused by a later Buffer
@@ -114,8 +114,9 @@ class Buffer:
             if value is not None and (not is_int(value) or value <= 0):
                 raise ValueError(f"Buffer: {name} must be a positive int or None, got {value!r}")
         if not is_bool(low_latency_mode):
-            raise TypeError(f"Buffer: low_latency_mode must be a bool, got {type(low_latency_mode).__name__} "
-                            f"{low_latency_mode!r}")
+            raise TypeError(
+                f"Buffer: low_latency_mode must be a bool, got {type(low_latency_mode).__name__} {low_latency_mode!r}"
+            )
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"Buffer: config must be a deep_ep_jax.Config or None, got {type(config).__name__}")
         self.mesh = mesh
@@ -192,10 +193,14 @@ class Buffer:
             jax.effects_barrier()  # the counting callbacks of finished programs
             # Every rank of this process, zeros where nothing was counted (as the CUDA counters read).
             counts: dict[int, dict[str, dict[str, int]]] = {
-                rank: {} for row in multiprocess.device_grid(self.mesh, self.axis_name)
-                for rank, device in enumerate(row) if device.process_index == jax.process_index()}
-            counts.update({rank: {op: dict(c) for op, c in ops.items()}
-                           for rank, ops in self._reference_traffic.items()})
+                rank: {}
+                for row in multiprocess.device_grid(self.mesh, self.axis_name)
+                for rank, device in enumerate(row)
+                if device.process_index == jax.process_index()
+            }
+            counts.update(
+                {rank: {op: dict(c) for op, c in ops.items()} for rank, ops in self._reference_traffic.items()}
+            )
         else:
             from deep_ep_jax import _native
 
@@ -227,8 +232,9 @@ class Buffer:
     def _check_counting(self, fn_name: str) -> None:
         self.check_alive(fn_name)
         if not self.config.count_traffic:
-            raise RuntimeError(f"{fn_name}: traffic is counted only with Config(count_traffic=True) "
-                               f"(or DEEP_EP_JAX_COUNT_TRAFFIC=1)")
+            raise RuntimeError(
+                f"{fn_name}: traffic is counted only with Config(count_traffic=True) (or DEEP_EP_JAX_COUNT_TRAFFIC=1)"
+            )
         if self.backend == "cuda" and self.buffer_id is not None and not self.num_nvl_bytes:
             raise RuntimeError(f"{fn_name}: this Buffer has no normal-mode region, so nothing to count")
 

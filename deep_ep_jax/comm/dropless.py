@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +49,18 @@ def default_capacity(num_tokens: int, num_topk: int, num_experts: int, num_ranks
     return max(num_ranks, min(capacity, num_tokens * num_ranks))
 
 
-def dropless_moe(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, experts: Experts, params: Any, *,
-                 num_experts: int, buffer: Buffer, capacity: int | None = None,
-                 return_rounds: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+def dropless_moe(
+    x: jax.Array,
+    topk_idx: jax.Array,
+    topk_weights: jax.Array,
+    experts: Experts,
+    params: Any,
+    *,
+    num_experts: int,
+    buffer: Buffer,
+    capacity: int | None = None,
+    return_rounds: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """One rank's MoE layer with no row dropped and receive buffers of
     `capacity` rows: out[t] = sum over k of topk_weights[t, k] * expert
     topk_idx[t, k] of x[t], as `experts` computes it.
@@ -82,15 +92,19 @@ def dropless_moe(x: jax.Array, topk_idx: jax.Array, topk_weights: jax.Array, exp
     (x,), num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
     if not callable(experts):
-        raise TypeError(f"{fn}: experts must be a function (params, recv_x, recv_topk_idx, recv_topk_weights) -> "
-                        f"rows, got {type(experts).__name__}")
+        raise TypeError(
+            f"{fn}: experts must be a function (params, recv_x, recv_topk_idx, recv_topk_weights) -> "
+            f"rows, got {type(experts).__name__}"
+        )
     num_ranks = buffer.num_ranks
     worst = num_tokens * num_ranks
     if capacity is None:
         capacity = default_capacity(num_tokens, topk_idx.shape[1], num_experts, num_ranks)
     elif not is_int(capacity) or not num_ranks <= capacity <= worst:
-        raise ValueError(f"{fn}: capacity must be an int in [ranks = {num_ranks}, tokens * ranks = {worst}] (rows "
-                         f"received per rank per round), got {capacity!r}")
+        raise ValueError(
+            f"{fn}: capacity must be an int in [ranks = {num_ranks}, tokens * ranks = {worst}] (rows "
+            f"received per rank per round), got {capacity!r}"
+        )
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)
     block = min(num_tokens, int(capacity) // num_ranks)  # a block's rows always fit: block * R <= capacity
     token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, int(capacity), block, hidden)
@@ -111,8 +125,9 @@ def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden):
     sent = padded.reshape(num_blocks, block, num_ranks).sum(axis=1)  # [blocks, R]: my rows per block and rank
     # Rank j learns what every rank sends it, then every rank learns every rank's load.
     received = _exchange(sent.T, num_experts, buffer, hidden)  # [R(source), blocks]
-    loads = _exchange(jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer,
-                      hidden)  # [R(destination), blocks]
+    loads = _exchange(
+        jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer, hidden
+    )  # [R(destination), blocks]
 
     def cut(state, load):  # greedy: a new round when this block would overfill some rank
         current, filled = state
@@ -134,8 +149,14 @@ def _exchange(rows, num_experts, buffer, hidden):
     flat = jnp.pad(digits.reshape(num_ranks, -1), ((0, 0), (0, per_rank * hidden - 4 * n)))
     tokens = flat.reshape(num_ranks * per_rank, hidden).astype(jnp.bfloat16)
     first_expert = num_experts // num_ranks * (jnp.arange(num_ranks * per_rank, dtype=jnp.int32) // per_rank)
-    recv, _, _, _ = dispatch(tokens, first_expert[:, None], None, num_experts=num_experts, buffer=buffer,
-                             num_worst_tokens=num_ranks * per_rank)  # exactly that many arrive, by source
+    recv, _, _, _ = dispatch(
+        tokens,
+        first_expert[:, None],
+        None,
+        num_experts=num_experts,
+        buffer=buffer,
+        num_worst_tokens=num_ranks * per_rank,
+    )  # exactly that many arrive, by source
     got = recv.astype(jnp.int32).reshape(num_ranks, -1)[:, : 4 * n].reshape(num_ranks, n, 4)
     return (got << jnp.array([24, 16, 8, 0], jnp.int32)).sum(axis=-1)
 
@@ -155,8 +176,9 @@ class _Static:
         idx = jnp.where(mine[:, None], topk_idx, -1)
 
         def run(x, topk_weights, params):
-            recv_x, recv_idx, recv_w, handle = dispatch(x, idx, topk_weights, num_experts=self.num_experts,
-                                                        buffer=self.buffer, num_worst_tokens=self.capacity)
+            recv_x, recv_idx, recv_w, handle = dispatch(
+                x, idx, topk_weights, num_experts=self.num_experts, buffer=self.buffer, num_worst_tokens=self.capacity
+            )
             out = combine(self.experts(params, recv_x, recv_idx, recv_w), handle, buffer=self.buffer)
             return jnp.where(mine[:, None], out, jnp.zeros_like(out))
 
@@ -165,6 +187,7 @@ class _Static:
     def loop(self, num_rounds, body, init):
         """init after body(k, carry) for k in [0, num_rounds), the Buffer's order chain
         carried through (calls of the rounds run in round order, before what follows)."""
+
         def step(k, carry):
             state, value = carry
             ordering.put(self.buffer, state)
@@ -207,8 +230,7 @@ def _layer_bwd(static, residuals, g):
         _, vjp = jax.vjp(static.round_fn(topk_idx, token_round, k), x, topk_weights, params)
         # Each token's gradients come from its one round (zeros elsewhere): their sums are exact.
         dx, dw, dparams = vjp(g)
-        return (grads[0] + dx, grads[1] + dw,
-                jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
+        return (grads[0] + dx, grads[1] + dw, jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
 
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
     init = (_zeros_like(x), _zeros_like(topk_weights), jax.tree.map(lambda p: _zeros_like(p, wide(p)), params))
@@ -217,4 +239,3 @@ def _layer_bwd(static, residuals, g):
 
 
 _layer.defvjp(_layer_fwd, _layer_bwd)
-

@@ -23,17 +23,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from deep_ep_jax import _native, fp8_quant
-from deep_ep_jax.comm import normal
-from deep_ep_jax.experts import grouped_gemm
-from deep_ep_jax.comm import validation as v
 from deep_ep_jax.backends import reference_expert_major
+from deep_ep_jax.comm import normal
+from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
-from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.fp8_quant import quantize_rows
-from deep_ep_jax.experts.grouped_gemm import Fp8Rows, grouped_matmul
 from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import vary_over, varying_like, vma, zero_rows_like
+from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.experts import grouped_gemm
+from deep_ep_jax.experts.grouped_gemm import Fp8Rows, grouped_matmul
+from deep_ep_jax.fp8_quant import quantize_rows
 
 INT32_MAX = v.INT32_MAX  # rows and pairs are indexed with int32
 BACKENDS = ("auto", "cuda", "xla")
@@ -90,8 +90,9 @@ def expand(
     return _fp8_rows(expert_pair, sink, pair[0], layout, ops), layout
 
 
-def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
-           backend: str = "auto") -> jax.Array:
+def reduce(
+    expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, *, backend: str = "auto"
+) -> jax.Array:
     """y[n] = bf16(sum over k = 0..K-1, in order, of w[n, k] * expert_y[pair_row[n, k]]):
     float32, each product rounded before its add, pairs with no row skipped;
     a row with no pair gives 0.
@@ -105,12 +106,16 @@ def reduce(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayo
 
 
 # grouped_matmul's keyword arguments and their defaults, which grouped_matmul_reduce passes on.
-_MATMUL_DEFAULTS = {name: p.default for name, p in inspect.signature(grouped_matmul).parameters.items()
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY}
+_MATMUL_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(grouped_matmul).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
-def grouped_matmul_reduce(x, w, group_sizes, recv_topk_weights: jax.Array, layout: ExpertLayout, *,
-                          backend: str = "auto", **matmul) -> jax.Array:
+def grouped_matmul_reduce(
+    x, w, group_sizes, recv_topk_weights: jax.Array, layout: ExpertLayout, *, backend: str = "auto", **matmul
+) -> jax.Array:
     """reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend):
     the experts' last matmul and the weighted sum per row as one function (bf16 [N, H], the rows
     `combine` takes; the same values).
@@ -129,14 +134,15 @@ def grouped_matmul_reduce(x, w, group_sizes, recv_topk_weights: jax.Array, layou
     if unknown:
         raise TypeError(f"{fn}: unknown grouped_matmul arguments {sorted(unknown)}")
     matmul = {**_MATMUL_DEFAULTS, **matmul}  # grouped_matmul's own defaults
-    call = grouped_gemm.prepared_call(x, w, group_sizes, matmul["impl"], matmul["block_sizes"],
-                                      matmul["aligned_groups"], matmul["valid_sizes"], w8)
+    call = grouped_gemm.prepared_call(
+        x, w, group_sizes, matmul["impl"], matmul["block_sizes"], matmul["aligned_groups"], matmul["valid_sizes"], w8
+    )
     hidden = w.shape[2]
-    ops = _check_reduce(fn, jax.ShapeDtypeStruct((call.num_rows, hidden), w.dtype), recv_topk_weights, layout,
-                        backend)
+    ops = _check_reduce(fn, jax.ShapeDtypeStruct((call.num_rows, hidden), w.dtype), recv_topk_weights, layout, backend)
     x, w, group_sizes, valid_sizes, scale = call.arrays
-    return _fp8_matmul_reduce(call.static, call.num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale,
-                              recv_topk_weights, layout)
+    return _fp8_matmul_reduce(
+        call.static, call.num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, recv_topk_weights, layout
+    )
 
 
 def dispatch_expert_major(
@@ -171,12 +177,16 @@ def dispatch_expert_major(
         _check_fp8_rows_input(fn, x, "x")
         sent, sent_weights = _quantized_pair(x), lax.stop_gradient(topk_weights)
     recv_x, recv_idx, recv_w, handle = normal.dispatch_as(
-        fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens)
+        fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens
+    )
     if handle.num_worst_tokens < 1:
-        raise ValueError(f"{fn}: no row can arrive (x has 0 tokens per rank and num_worst_tokens is "
-                         f"{num_worst_tokens}), and the expert-major layout needs at least one row")
-    expert_x, layout = _expand(fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows,
-                               buffer.backend)
+        raise ValueError(
+            f"{fn}: no row can arrive (x has 0 tokens per rank and num_worst_tokens is "
+            f"{num_worst_tokens}), and the expert-major layout needs at least one row"
+        )
+    expert_x, layout = _expand(
+        fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows, buffer.backend
+    )
     if fp8_rows:
         ops = _backend(fn, buffer.backend)
         sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer)
@@ -187,22 +197,25 @@ def dispatch_expert_major(
     return expert_x, layout, recv_w, handle
 
 
-def combine_expert_major(expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout,
-                         handle: DispatchHandle, *, buffer: Buffer) -> jax.Array:
+def combine_expert_major(
+    expert_y: jax.Array, recv_topk_weights: jax.Array, layout: ExpertLayout, handle: DispatchHandle, *, buffer: Buffer
+) -> jax.Array:
     """`reduce` of the expert outputs with the weights, then `combine`: bf16 [T, H]."""
     fn = "combine_expert_major"
     v.check_buffer(buffer, fn)
     v.check_tokens(expert_y, buffer, fn, allow_fp8=False, name="expert_y")  # its hidden, named here
     if not isinstance(handle, DispatchHandle):
-        raise TypeError(f"{fn}: handle must be the DispatchHandle that dispatch_expert_major returned, "
-                        f"got {type(handle).__name__}")
+        raise TypeError(
+            f"{fn}: handle must be the DispatchHandle that dispatch_expert_major returned, got {type(handle).__name__}"
+        )
     _check_layout(fn, layout)
     local_experts = handle.num_recv_tokens_per_expert.shape[0]
     if layout.group_sizes.shape[0] != local_experts or layout.pair_row.shape[0] != handle.num_worst_tokens:
         raise ValueError(
             f"{fn}: layout is for {layout.group_sizes.shape[0]} local experts and {layout.pair_row.shape[0]} rows, "
             f"the handle for {local_experts} and {handle.num_worst_tokens} (pass the layout and handle of one "
-            f"dispatch_expert_major)")
+            f"dispatch_expert_major)"
+        )
     y = _reduce(fn, expert_y, recv_topk_weights, layout, buffer.backend)
     return normal.combine(y, handle, buffer=buffer)
 
@@ -227,8 +240,10 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
     alignment = v.check_int(fn, "alignment", alignment, 1)
     # Every row index, padding included, fits an int32.
     if num_tokens * num_topk + num_local_experts * (alignment - 1) > INT32_MAX:
-        raise ValueError(f"{fn}: rows * topk + num_local_experts * (alignment - 1) must be <= {INT32_MAX} (int32 "
-                         f"rows), got {num_tokens} * {num_topk} + {num_local_experts} * ({alignment} - 1)")
+        raise ValueError(
+            f"{fn}: rows * topk + num_local_experts * (alignment - 1) must be <= {INT32_MAX} (int32 "
+            f"rows), got {num_tokens} * {num_topk} + {num_local_experts} * ({alignment} - 1)"
+        )
     if num_rows is None:
         num_rows = default_num_rows(num_tokens, num_topk, num_local_experts, alignment)
     num_rows = v.check_int(fn, "num_rows", num_rows, 1)
@@ -236,8 +251,10 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
         # A group cut at num_rows would end off the alignment: padded_group_sizes would break
         # grouped_matmul's aligned_groups promise (its outputs all NaN).
         down, up = num_rows // alignment * alignment, -(-num_rows // alignment) * alignment
-        raise ValueError(f"{fn}: num_rows ({num_rows}) must be a multiple of alignment ({alignment}), so every "
-                         f"group ends on it; use {up}" + (f" or {down}" if down else ""))
+        raise ValueError(
+            f"{fn}: num_rows ({num_rows}) must be a multiple of alignment ({alignment}), so every "
+            f"group ends on it; use {up}" + (f" or {down}" if down else "")
+        )
     ops = _backend(fn, backend)
     if ops.check is not None:
         ops.check(fn, num_local_experts=num_local_experts, hidden=hidden, rows_dtype=xs[0].dtype)
@@ -249,12 +266,15 @@ def _expand(fn, recv_x, recv_topk_idx, num_local_experts, alignment, num_rows, b
 
 def _check_fp8_rows_input(fn, x, name):
     if isinstance(x, (tuple, list)):
-        raise TypeError(f"{fn}: fp8_rows=True quantizes bf16 {name} itself; got an FP8 pair (pass "
-                        f"fp8_rows=False to move it as it is)")
+        raise TypeError(
+            f"{fn}: fp8_rows=True quantizes bf16 {name} itself; got an FP8 pair (pass "
+            f"fp8_rows=False to move it as it is)"
+        )
     _, _, hidden = v.check_tokens(x, None, fn, allow_fp8=False, name=name)
     if hidden % FP8_BLOCK:
-        raise ValueError(f"{fn}: fp8_rows=True needs hidden a multiple of {FP8_BLOCK} (the FP8 rows' scale "
-                         f"blocks), got {hidden}")
+        raise ValueError(
+            f"{fn}: fp8_rows=True needs hidden a multiple of {FP8_BLOCK} (the FP8 rows' scale blocks), got {hidden}"
+        )
 
 
 def _quantized_pair(x):
@@ -286,8 +306,10 @@ def _check_reduce(fn, expert_y, recv_topk_weights, layout, backend) -> _Ops:
         raise ValueError(f"{fn}: expert_y must have the layout's {layout.num_rows} rows, got {num_rows}")
     shape, dtype = tuple(getattr(recv_topk_weights, "shape", ())), jnp.dtype(getattr(recv_topk_weights, "dtype", None))
     if dtype != jnp.float32 or shape != layout.pair_row.shape:
-        raise TypeError(f"{fn}: recv_topk_weights must be float32 {layout.pair_row.shape} (the layout's [rows, topk]), "
-                        f"got {dtype} {shape}")
+        raise TypeError(
+            f"{fn}: recv_topk_weights must be float32 {layout.pair_row.shape} (the layout's [rows, topk]), "
+            f"got {dtype} {shape}"
+        )
     ops = _backend(fn, backend)
     if ops.check is not None:
         ops.check(fn, num_local_experts=layout.group_sizes.shape[0], hidden=hidden, rows_dtype=expert_y.dtype)
@@ -308,8 +330,12 @@ class _Ops:
     check: Callable | None = None  # the kernels' own trace-time limits
 
 
-_XLA = _Ops(reference_expert_major.expert_layout, reference_expert_major.expand_rows,
-            reference_expert_major.expand_rows_transposed, reference_expert_major.reduce_rows)
+_XLA = _Ops(
+    reference_expert_major.expert_layout,
+    reference_expert_major.expand_rows,
+    reference_expert_major.expand_rows_transposed,
+    reference_expert_major.reduce_rows,
+)
 
 
 @functools.cache
@@ -321,18 +347,27 @@ def _cuda_ops(by_platform: bool) -> _Ops:
 
     lifecycle.register_ffi_targets()
     if not by_platform:
-        return _Ops(cuda.expert_layout, cuda.expand_rows, cuda.expand_rows_transposed, cuda.reduce_rows,
-                    cuda.check_shapes)
+        return _Ops(
+            cuda.expert_layout, cuda.expand_rows, cuda.expand_rows_transposed, cuda.reduce_rows, cuda.check_shapes
+        )
 
     def on_platform(name):
         def op(*args, **static):
-            branches = {platform: _varying_as_inputs(functools.partial(getattr(module, name), **static))
-                        for platform, module in (("cuda", cuda), ("default", reference_expert_major))}
+            branches = {
+                platform: _varying_as_inputs(functools.partial(getattr(module, name), **static))
+                for platform, module in (("cuda", cuda), ("default", reference_expert_major))
+            }
             return lax.platform_dependent(*args, **branches)
+
         return op
 
-    return _Ops(on_platform("expert_layout"), on_platform("expand_rows"), on_platform("expand_rows_transposed"),
-                on_platform("reduce_rows"), cuda.check_shapes)
+    return _Ops(
+        on_platform("expert_layout"),
+        on_platform("expand_rows"),
+        on_platform("expand_rows_transposed"),
+        on_platform("reduce_rows"),
+        cuda.check_shapes,
+    )
 
 
 def _varying_as_inputs(fn):
@@ -343,6 +378,7 @@ def _varying_as_inputs(fn):
         out = fn(*args)
         leaves, tree = jax.tree.flatten(out)
         return jax.tree.unflatten(tree, varying_like(leaves, jax.tree.leaves(args), None))
+
     return run
 
 
@@ -395,8 +431,11 @@ def _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, 
 
 
 def _rows_gradient_sink_fwd(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer):
-    return _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer), \
-        (recv_idx, layout, handle)
+    return _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer), (
+        recv_idx,
+        layout,
+        handle,
+    )
 
 
 def _rows_gradient_sink_bwd(ops, buffer, residuals, cotangents):
@@ -458,8 +497,9 @@ _reduce_rows.defvjp(_reduce_rows_fwd, _reduce_rows_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _fp8_matmul_reduce(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights, layout):
     """grouped_matmul_reduce on grouped_matmul's prepared arrays (FP8 with its weight gradient)."""
-    return _fp8_matmul_reduce_fwd(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights,
-                                  layout)[0]
+    return _fp8_matmul_reduce_fwd(
+        matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights, layout
+    )[0]
 
 
 def _fp8_matmul_reduce_fwd(matmul_static, num_rows, ops, x, w, w8, group_sizes, valid_sizes, scale, weights, layout):
@@ -475,8 +515,9 @@ def _fp8_matmul_reduce_bwd(matmul_static, num_rows, ops, residuals, g_y):
     w_row = jnp.where(used, weights.reshape(-1)[pair], 0.0)  # each row's pair weight: its dy is w_row * g_y[n]
     # dx's operand: g_y's FP8 rows gathered, each scaled by its token row's scale times w_row.
     g_data, g_scales = quantize_rows(g_y)
-    dy_data, dy_block_scales = ops.expand_rows((g_data, jnp.broadcast_to(g_scales[:, None], (
-        g_y.shape[0], g_y.shape[1] // FP8_BLOCK))), layout)
+    dy_data, dy_block_scales = ops.expand_rows(
+        (g_data, jnp.broadcast_to(g_scales[:, None], (g_y.shape[0], g_y.shape[1] // FP8_BLOCK))), layout
+    )
     dy_scales = dy_block_scales[:, 0] * w_row
     # dw's: z = dy * x's row scales quantized per column, i.e. g_y's rows gathered times the multipliers
     # m = w_row * x_scales. A column's amax is max over token rows of |g_y[n]| * (the largest |m| of n's

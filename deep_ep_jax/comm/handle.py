@@ -86,7 +86,9 @@ class ExpertLayout:
             if not is_int(alignment) or alignment < 1:
                 raise ValueError(f"{fn}: alignment must be an int >= 1 (the layout's), got {alignment!r}")
             if alignment != self.alignment:
-                raise ValueError(f"{fn}: alignment {alignment} is not the layout's ({self.alignment}): its groups "
-                                 f"start at multiples of {self.alignment}")
+                raise ValueError(
+                    f"{fn}: alignment {alignment} is not the layout's ({self.alignment}): its groups "
+                    f"start at multiples of {self.alignment}"
+                )
         last = -(-self.group_sizes[-1:] // self.alignment) * self.alignment
         return jnp.concatenate([jnp.diff(self.group_offsets), last])

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +29,9 @@ from jax import lax
 
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
-from deep_ep_jax.config import FP8_BLOCK, is_int
 from deep_ep_jax.comm.handle import LowLatencyHandle
 from deep_ep_jax.comm.validation import Pending, Rows
+from deep_ep_jax.config import FP8_BLOCK, is_int
 
 
 def _check_mode(buffer, fn):
@@ -48,8 +49,10 @@ def _not_differentiable(fn, x):
 
 @_not_differentiable.defjvp
 def _refuse_gradient(fn, primals, tangents):
-    raise TypeError(f"{fn}: low-latency mode is not differentiable (decode only); train with dispatch and combine, "
-                    f"or apply jax.lax.stop_gradient to its inputs")
+    raise TypeError(
+        f"{fn}: low-latency mode is not differentiable (decode only); train with dispatch and combine, "
+        f"or apply jax.lax.stop_gradient to its inputs"
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -99,12 +102,17 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
         capacity = buffer.num_ranks * max_tokens
-        v.raise_if_any(buffer, [
-            (bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})"),
-            (_rows_per_expert(topk_idx, num_experts, buffer).max() > capacity,
-             f"{fn}: more than {capacity} rows (ranks x num_max_dispatch_tokens_per_rank) for one expert, the rest "
-             f"dropped: a token lists an expert twice"),
-        ])
+        v.raise_if_any(
+            buffer,
+            [
+                (bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})"),
+                (
+                    _rows_per_expert(topk_idx, num_experts, buffer).max() > capacity,
+                    f"{fn}: more than {capacity} rows (ranks x num_max_dispatch_tokens_per_rank) for one expert, "
+                    f"the rest dropped: a token lists an expert twice",
+                ),
+            ],
+        )
     return (_not_differentiable(fn, x), topk_idx), dict(
         num_experts=num_experts,
         num_max_dispatch_tokens_per_rank=int(max_tokens),
@@ -138,8 +146,9 @@ def low_latency_dispatch_send(
     """Send half of `low_latency_dispatch`; returns a pending value for
     `low_latency_dispatch_recv`."""
     fn = "low_latency_dispatch_send"
-    args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                       round_scale, fn)
+    args, kwargs = _dispatch_arguments(
+        x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, fn
+    )
     return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, buffer.key, topk_idx=args[1])
 
 
@@ -170,8 +179,9 @@ def low_latency_dispatch(
     (`Config(checks=True)` raises a CheckError on that).
     The same as `low_latency_dispatch_send` then `_recv`, in one kernel.
     """
-    args, kwargs = _dispatch_arguments(x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                       round_scale, "low_latency_dispatch")
+    args, kwargs = _dispatch_arguments(
+        x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, "low_latency_dispatch"
+    )
     return _dispatch_results(args[1], *buffer.ops.low_latency_dispatch(*args, **kwargs))
 
 
@@ -179,11 +189,15 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     """Validates a combine; returns the backend's arguments (topk_idx sanitised)."""
     _check_mode(buffer, fn)
     if not isinstance(handle, LowLatencyHandle):
-        raise TypeError(f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}")
+        raise TypeError(
+            f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}"
+        )
     rows = tuple(handle.recv_src_rank.shape)
     if isinstance(x, (tuple, list)):
-        raise TypeError(f"{fn}: x must be the experts' bfloat16 outputs [{rows[0]}, {rows[1]}, hidden], got a "
-                        f"{type(x).__name__} (an FP8 dispatch's rows? dequantize them first)")
+        raise TypeError(
+            f"{fn}: x must be the experts' bfloat16 outputs [{rows[0]}, {rows[1]}, hidden], got a "
+            f"{type(x).__name__} (an FP8 dispatch's rows? dequantize them first)"
+        )
     shape, dtype = v.shape_dtype(x, fn, "x")
     if dtype != jnp.bfloat16:
         raise TypeError(f"{fn}: x must be bfloat16, got {dtype}")
@@ -195,13 +209,22 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
     v.check_topk(topk_idx, topk_weights, None, num_experts, fn)
     dispatched = (handle.num_tokens, handle.num_topk)
     if tuple(topk_idx.shape) != dispatched:
-        raise ValueError(f"{fn}: topk_idx must be the dispatch's, {list(dispatched)}, got {list(topk_idx.shape)} "
-                         f"(each row returns to the (token, k) slot it was dispatched from)")
+        raise ValueError(
+            f"{fn}: topk_idx must be the dispatch's, {list(dispatched)}, got {list(topk_idx.shape)} "
+            f"(each row returns to the (token, k) slot it was dispatched from)"
+        )
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
     if buffer.config.checks and handle.topk_idx is not None:
-        v.raise_if_any(buffer, [((topk_idx != handle.topk_idx).any(),
-                                 f"{fn}: topk_idx is not the dispatch's (each (token, k) must name the expert it "
-                                 f"was dispatched to, or -1 where it was -1)")])
+        v.raise_if_any(
+            buffer,
+            [
+                (
+                    (topk_idx != handle.topk_idx).any(),
+                    f"{fn}: topk_idx is not the dispatch's (each (token, k) must name the expert it "
+                    f"was dispatched to, or -1 where it was -1)",
+                )
+            ],
+        )
     return _not_differentiable(fn, x), topk_idx, _not_differentiable(fn, topk_weights), handle
 
 

@@ -27,8 +27,10 @@ def ep_groups(mesh, axis_name) -> tuple:
 _same_mesh_p = core.Primitive("deep_ep_jax_same_mesh")
 _same_mesh_p.def_abstract_eval(lambda x, **_: x)
 _same_mesh_p.def_impl(lambda x, **_: x)  # eager: outside shard_map, where no other mesh can be
-ad.primitive_jvps[_same_mesh_p] = lambda primals, tangents, **params: (_same_mesh_p.bind(*primals, **params),
-                                                                      tangents[0])
+ad.primitive_jvps[_same_mesh_p] = lambda primals, tangents, **params: (
+    _same_mesh_p.bind(*primals, **params),
+    tangents[0],
+)
 batching.primitive_batchers[_same_mesh_p] = lambda args, dims, **params: (_same_mesh_p.bind(*args, **params), dims[0])
 
 
@@ -43,7 +45,8 @@ def _same_mesh_lowering(ctx, x, *, fn, axis_name, groups):
                 f"(device ids in rank order along {axis_name!r}) is {list(theirs)} there, {list(ours)} in the "
                 f"Buffer's. A device's rank is its place in the Buffer's mesh (the CUDA kernels find their peers "
                 f"by it), its axis_index its place in the shard_map's: tokens would reach other ranks' experts. "
-                f"Make the Buffer on the mesh the shard_map uses")
+                f"Make the Buffer on the mesh the shard_map uses"
+            )
     return [x]
 
 

@@ -18,11 +18,10 @@ from jax.ad_checkpoint import checkpoint_name
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
-from deep_ep_jax.config import is_int
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import zero_rows_like
-
+from deep_ep_jax.config import is_int
 
 # The names of dispatch's and combine's results for jax.checkpoint policies.
 DISPATCH_NAME, COMBINE_NAME = "deep_ep_jax.dispatch", "deep_ep_jax.combine"
@@ -86,15 +85,18 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
             f"got {num_worst_tokens!r}"
         )
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
-    outputs, order = _dispatch(xs, topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens),
-                               buffer)
+    outputs, order = _dispatch(
+        xs, topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens), buffer
+    )
     # Named, so that a remat policy can keep them (a backward pass then exchanges nothing again):
     # jax.checkpoint_policies.save_only_these_names(*deep_ep_jax.CHECKPOINT_NAMES).
     recv_xs, recv_idx, recv_w, handle = checkpoint_name(outputs, DISPATCH_NAME)
     ordering.put(buffer, order)
     if buffer.config.checks:
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
-        v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)])
+        v.raise_if_any(
+            buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)]
+        )
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
 
 
@@ -103,8 +105,9 @@ def combine(x: jax.Array, handle: DispatchHandle, topk_weights: None = None, *, 
 
 
 @overload
-def combine(x: jax.Array, handle: DispatchHandle, topk_weights: jax.Array, *,
-            buffer: Buffer) -> tuple[jax.Array, jax.Array]: ...
+def combine(
+    x: jax.Array, handle: DispatchHandle, topk_weights: jax.Array, *, buffer: Buffer
+) -> tuple[jax.Array, jax.Array]: ...
 
 
 def combine(
@@ -154,9 +157,13 @@ def _ordered(buffer, order, op):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
-    return _ordered(buffer, order, lambda: buffer.ops.dispatch(
-        xs, topk_idx, topk_weights, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
-    ))
+    return _ordered(
+        buffer,
+        order,
+        lambda: buffer.ops.dispatch(
+            xs, topk_idx, topk_weights, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
+        ),
+    )
 
 
 def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):

@@ -11,7 +11,8 @@ import atexit
 import functools
 import logging
 import threading
-from typing import Any, Callable, TypeVar, Union
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ FP8_DTYPE = jnp.float8_e4m3fn
 
 # Types of the public API. Rows: bf16 [T, H], or an FP8 pair (float8_e4m3fn
 # [T, H], float32 scales [T, H // 128]).
-Rows = Union[jax.Array, tuple[jax.Array, jax.Array]]
+Rows = jax.Array | tuple[jax.Array, jax.Array]
 # What a low-latency send half returns for its receive half (backend-specific).
 Pending = Any
 
@@ -67,15 +68,19 @@ def check_buffer(buffer, fn):
     here = jax.sharding.get_abstract_mesh()
     made = dict(buffer.mesh.shape)
     if not here.empty and dict(here.shape) != made:
-        raise ValueError(f"{fn}: the shard_map here is over a mesh of axes {dict(here.shape)}, but the buffer was "
-                         f"made on one of axes {made}; make the Buffer on the mesh its shard_map uses")
+        raise ValueError(
+            f"{fn}: the shard_map here is over a mesh of axes {dict(here.shape)}, but the buffer was "
+            f"made on one of axes {made}; make the Buffer on the mesh its shard_map uses"
+        )
     # Each device runs the kernels as its own rank: axes left to the compiler (shard_map's axis_names)
     # would let it place the work of one call on other devices.
     manual = set(getattr(here, "manual_axes", here.axis_names))
     if not here.empty and manual != set(here.axis_names):
-        raise ValueError(f"{fn}: the shard_map here is manual over {sorted(manual)} of the mesh's axes "
-                         f"{list(here.axis_names)}; deep_ep_jax needs every axis manual (leave out shard_map's "
-                         f"axis_names)")
+        raise ValueError(
+            f"{fn}: the shard_map here is manual over {sorted(manual)} of the mesh's axes "
+            f"{list(here.axis_names)}; deep_ep_jax needs every axis manual (leave out shard_map's "
+            f"axis_names)"
+        )
 
 
 def check_num_experts(num_experts, buffer, fn):
@@ -107,8 +112,10 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
         if not allow_fp8:
             raise TypeError(f"{fn}: {name} must be one array here, not a pair")
         if len(x) != 2:
-            raise ValueError(f"{fn}: {name} must be a bfloat16 array or an FP8 pair (data, scales), got a "
-                             f"{type(x).__name__} of {len(x)} items")
+            raise ValueError(
+                f"{fn}: {name} must be a bfloat16 array or an FP8 pair (data, scales), got a "
+                f"{type(x).__name__} of {len(x)} items"
+            )
         (shape, dtype), (sshape, sdtype) = shape_dtype(x[0], fn, f"{name}[0]"), shape_dtype(x[1], fn, f"{name}[1]")
         if dtype != FP8_DTYPE:
             raise TypeError(f"{fn}: FP8 data {name}[0] must be float8_e4m3fn, got {dtype}")
@@ -144,8 +151,9 @@ def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weights="
     if dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {dtype}")
     if len(shape) != 2 or num_tokens is not None and shape[0] != num_tokens:
-        raise ValueError(f"{fn}: topk_idx must be [{'tokens' if num_tokens is None else num_tokens}, topk], "
-                         f"got shape {shape}")
+        raise ValueError(
+            f"{fn}: topk_idx must be [{'tokens' if num_tokens is None else num_tokens}, topk], got shape {shape}"
+        )
     topk = shape[1]
     if not 1 <= topk <= num_experts:
         raise ValueError(f"{fn}: topk must be in [1, num_experts={num_experts}], got {topk}")

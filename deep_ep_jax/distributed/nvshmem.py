@@ -136,8 +136,10 @@ def _finalize_at_exit() -> None:
             buffer.destroy()
         except Exception as e:  # noqa: BLE001 (at exit: report, carry on)
             clean = False
-            print(f"deep_ep_jax: at exit, destroying {buffer!r} failed ({type(e).__name__}: {e}); "
-                  f"NVSHMEM is not finalized")
+            print(
+                f"deep_ep_jax: at exit, destroying {buffer!r} failed ({type(e).__name__}: {e}); "
+                f"NVSHMEM is not finalized"
+            )
     if clean and _initialized_device is not None:
         _native.extension().nvshmem_finalize()
         _initialized_device = None

@@ -70,11 +70,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from deep_ep_jax.experts import hopper_gemm
 from deep_ep_jax.comm import validation as v
-from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
-from deep_ep_jax.experts.hopper_gemm import HopperTiles
 from deep_ep_jax.comm.varying import vary_over, vary_together, vma
+from deep_ep_jax.experts import hopper_gemm
+from deep_ep_jax.experts.hopper_gemm import HopperTiles
+from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
 
 IMPLS = ("auto", "mgpu", "xla")
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -111,23 +111,24 @@ DEFAULT_ALIGNED_TILES = AlignedTiles(
     # A CTA's tiles as one pipeline (the next tile's loads overlap this tile's last products), each
     # warpgroup's tile stored at once rather than in 64 x 64 pieces (a tile has only a few row steps to
     # hide its stores behind).
-    weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True,
-                            epi_tile_m=128, epi_tile_n=128),
+    weight_grad=HopperTiles(128, 128, 64, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128),
     # K steps of 256 float8 (two 128-byte swizzled tiles), each added to a float32 total (promote), for which
     # the warpgroups' 64 x 128 accumulators leave room; steps of 256 promote half as often as steps of 128,
     # at the same error. Bands of row tiles that end with a group read each weight tile from HBM about once
     # (a band of fixed width that cuts through a group reads that group's weights twice), which shortens the
     # layer's step; bands of about 2 row tiles (a group or two) edge out bands of 4 in the four matmuls and
     # the layer alike.
-    fp8=HopperTiles(64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True,
-                    group_bands=True),
+    fp8=HopperTiles(
+        64, 128, 256, 3, grid_minor_n=False, grid_tile_width=2, split_rows=True, promote=True, group_bands=True
+    ),
     # Row steps of 128 float8 (the contraction runs over a group's rows: a few steps per tile). A group of up
     # to 4 steps (512 rows: twice the mean load) in one accumulator per warpgroup (128 x 128), whose ~14 bits
     # are about as exact as promotion over so few steps; a longer one (a group may hold every row) promoted,
     # in halves. Faster than the warpgroups' 64 x 128 tiles all promoted, whose accumulators are half the
     # size (benchmarks/fp8_gemm_sweep.py --kernels weight_grad).
-    fp8_weight_grad=HopperTiles(128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128,
-                                epi_tile_n=128, promote_after_steps=4),
+    fp8_weight_grad=HopperTiles(
+        128, 128, 128, 3, grid_tile_width=4, steady_pipeline=True, epi_tile_m=128, epi_tile_n=128, promote_after_steps=4
+    ),
 )
 
 
@@ -217,8 +218,9 @@ def swiglu(gate_up, *, fp8_rows: bool = False):
     if not fp8_rows:
         return swiglu_values(gate_up)
     if getattr(gate_up, "ndim", None) != 2 or gate_up.dtype != jnp.bfloat16 or gate_up.shape[1] % 2:
-        raise ValueError(f"swiglu: fp8_rows=True needs bf16 gate_up [M, 2F], got {gate_up.dtype} "
-                         f"{tuple(gate_up.shape)}")
+        raise ValueError(
+            f"swiglu: fp8_rows=True needs bf16 gate_up [M, 2F], got {gate_up.dtype} {tuple(gate_up.shape)}"
+        )
     data, scales = quantize_rows(gate_up, swiglu=True)  # no gradient: the sink's backward gives gate_up's
     return Fp8Rows(data, scales, _swiglu_sink(gate_up))
 
@@ -241,8 +243,17 @@ def _swiglu_sink_bwd(gate_up, g_rows):
 _swiglu_sink.defvjp(_swiglu_sink_fwd, _swiglu_sink_bwd)
 
 
-def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: GroupedMatmulBlocks | None = None,
-                   aligned_groups: bool = False, valid_sizes=None, fp8_weights: Fp8Weights | None = None):
+def grouped_matmul(
+    x,
+    w,
+    group_sizes,
+    *,
+    impl: str = "auto",
+    block_sizes: GroupedMatmulBlocks | None = None,
+    aligned_groups: bool = False,
+    valid_sizes=None,
+    fp8_weights: Fp8Weights | None = None,
+):
     """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
 
     Negative group sizes count as 0 and groups are cut at row M, so a bad
@@ -280,7 +291,7 @@ def grouped_matmul(x, w, group_sizes, *, impl: str = "auto", block_sizes: Groupe
         y = _grouped_matmul_fp8(*call.static, x, w, fp8_weights, group_sizes, valid_sizes, scale)
     else:
         y = _grouped_matmul(call.use_mgpu, call.blocks, aligned_groups, x, w, group_sizes, valid_sizes, scale)
-    return y[:call.num_rows]
+    return y[: call.num_rows]
 
 
 class PreparedCall(NamedTuple):
@@ -309,8 +320,10 @@ def prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_si
     if valid_sizes is not None:
         _validate_array("valid_sizes", valid_sizes, 1)
         if valid_sizes.shape != group_sizes.shape or not jnp.issubdtype(valid_sizes.dtype, jnp.integer):
-            raise ValueError(f"grouped_matmul: valid_sizes must be integers shaped as group_sizes "
-                             f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}")
+            raise ValueError(
+                f"grouped_matmul: valid_sizes must be integers shaped as group_sizes "
+                f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}"
+            )
     aligned_groups = v.check_bool("grouped_matmul", "aligned_groups", aligned_groups)
     use_mgpu = _use_mgpu(impl, x_like, w, blocks)
     if fp8_weights is not None:
@@ -343,8 +356,13 @@ def aligned_rows(blocks: GroupedMatmulBlocks = DEFAULT_BLOCKS) -> int:
     """Group sizes that are all multiples of this take the warp-specialized
     kernels (pass it as the expert-major layout's alignment)."""
     a = blocks.aligned or DEFAULT_ALIGNED_TILES
-    return math.lcm(hopper_gemm.row_tile(a.forward), hopper_gemm.row_tile(a.input_grad), a.weight_grad.tile_k,
-                    hopper_gemm.row_tile(a.fp8), a.fp8_weight_grad.tile_k)
+    return math.lcm(
+        hopper_gemm.row_tile(a.forward),
+        hopper_gemm.row_tile(a.input_grad),
+        a.weight_grad.tile_k,
+        hopper_gemm.row_tile(a.fp8),
+        a.fp8_weight_grad.tile_k,
+    )
 
 
 def _sizes_aligned(group_sizes, blocks):
@@ -375,9 +393,12 @@ def mgpu_unsupported_reason(x_shape, w_shape, dtype, blocks: GroupedMatmulBlocks
         return "no rows"
     f, dx, dw = blocks.forward, blocks.input_grad, blocks.weight_grad
     for size, name, tile, tile_name in (
-        (k, "K", f.block_k, "forward.block_k"), (n, "N", f.block_n, "forward.block_n"),
-        (n, "N", dx.block_k, "input_grad.block_k"), (k, "K", dx.block_n, "input_grad.block_n"),
-        (k, "K", dw.block_m, "weight_grad.block_m"), (n, "N", dw.block_n, "weight_grad.block_n"),
+        (k, "K", f.block_k, "forward.block_k"),
+        (n, "N", f.block_n, "forward.block_n"),
+        (n, "N", dx.block_k, "input_grad.block_k"),
+        (k, "K", dx.block_n, "input_grad.block_n"),
+        (k, "K", dw.block_m, "weight_grad.block_m"),
+        (n, "N", dw.block_n, "weight_grad.block_n"),
     ):
         if size % tile:
             return f"{name}={size} is not a multiple of {tile_name}={tile}"
@@ -422,8 +443,10 @@ def _validate(x, w, group_sizes, impl, blocks):
 
 def _padded_rows(x, extra):
     """x (an array [M, ...] or an Fp8Rows) with `extra` rows of zeros after its M (data_t: columns)."""
+
     def pad(a, axis=0):
         return jnp.pad(a, [(0, extra if d == axis else 0) for d in range(a.ndim)])
+
     if isinstance(x, Fp8Rows):
         return Fp8Rows(pad(x.data), pad(x.scales), pad(x.grad_sink), None if x.data_t is None else pad(x.data_t, 1))
     return pad(x)
@@ -446,8 +469,10 @@ def _validate_fields(obj, what, fields, context, hint):
     for name, want_shape, want_dtype in fields:
         a = getattr(obj, name)
         if tuple(a.shape) != want_shape or a.dtype != want_dtype:
-            raise ValueError(f"grouped_matmul: {what}.{name} must be {jnp.dtype(want_dtype)} {want_shape}{context}, "
-                             f"got {a.dtype} {tuple(a.shape)}{hint}")
+            raise ValueError(
+                f"grouped_matmul: {what}.{name} must be {jnp.dtype(want_dtype)} {want_shape}{context}, "
+                f"got {a.dtype} {tuple(a.shape)}{hint}"
+            )
 
 
 def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
@@ -455,15 +480,25 @@ def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
     if not isinstance(w8, Fp8Weights):
         raise TypeError(f"{fn}: fp8_weights must be an Fp8Weights (from fp8_weights(w)), got {type(w8).__name__}")
     g, k, n = w.shape
-    _validate_fields(w8, "fp8_weights", (("forward", (g, n, k), FP8_DTYPE), ("forward_scales", (g, n), jnp.float32),
-                                         ("input_grad", (g, k, n), FP8_DTYPE),
-                                         ("input_grad_scales", (g, k), jnp.float32)),
-                     f" for w {tuple(w.shape)}", ": make it with fp8_weights(w)")
+    _validate_fields(
+        w8,
+        "fp8_weights",
+        (
+            ("forward", (g, n, k), FP8_DTYPE),
+            ("forward_scales", (g, n), jnp.float32),
+            ("input_grad", (g, k, n), FP8_DTYPE),
+            ("input_grad_scales", (g, k), jnp.float32),
+        ),
+        f" for w {tuple(w.shape)}",
+        ": make it with fp8_weights(w)",
+    )
     if use_mgpu:
         if not aligned_groups:
-            raise ValueError(f"{fn}: fp8_weights on the Mosaic GPU path needs aligned_groups=True (group sizes "
-                             f"multiples of {aligned_rows(blocks)}, as the expert-major layout's with that "
-                             f"alignment); or pass impl='xla'")
+            raise ValueError(
+                f"{fn}: fp8_weights on the Mosaic GPU path needs aligned_groups=True (group sizes "
+                f"multiples of {aligned_rows(blocks)}, as the expert-major layout's with that "
+                f"alignment); or pass impl='xla'"
+            )
         tiles = blocks.aligned
         multiple = None if tiles is None else _fp8_multiple(tiles, w8.weight_grad)
         if tiles is None or k % multiple or n % multiple:
@@ -486,8 +521,10 @@ def _use_mgpu(impl, x, w, blocks) -> bool:
     if impl == "mgpu":
         if not reason and not is_hopper_gpu():
             device = jax.devices()[0]
-            reason = (f"its kernels need a Hopper GPU (compute capability 9.x), and jax's first device is "
-                      f"{getattr(device, 'device_kind', device.platform)}")
+            reason = (
+                f"its kernels need a Hopper GPU (compute capability 9.x), and jax's first device is "
+                f"{getattr(device, 'device_kind', device.platform)}"
+            )
         if reason:
             raise ValueError(f"grouped_matmul: impl='mgpu' cannot run: {reason}")
     elif reason or not is_hopper_gpu():
@@ -502,9 +539,11 @@ def _check_row_tiles_lower(blocks):
     for name in ("forward", "input_grad"):
         block_n = getattr(blocks, name).block_n
         if block_n > ROW_TILED_MAX_BLOCK_N:
-            raise ValueError(f"grouped_matmul: block_sizes.{name}.block_n={block_n} is wider than the "
-                             f"{ROW_TILED_MAX_BLOCK_N} columns jax {jax.__version__} lowers for "
-                             f"ragged_dot_mgpu; use at most {ROW_TILED_MAX_BLOCK_N} (DEFAULT_BLOCKS does)")
+            raise ValueError(
+                f"grouped_matmul: block_sizes.{name}.block_n={block_n} is wider than the "
+                f"{ROW_TILED_MAX_BLOCK_N} columns jax {jax.__version__} lowers for "
+                f"ragged_dot_mgpu; use at most {ROW_TILED_MAX_BLOCK_N} (DEFAULT_BLOCKS does)"
+            )
 
 
 def _clamp_group_sizes(group_sizes, num_rows):
@@ -565,8 +604,9 @@ def _aligned_or_row_tiled(blocks, assume_aligned, k, n, group_sizes, aligned, ro
         return vary_over(row_tiled(), axes)
     if assume_aligned:
         return vary_over(aligned(), axes)
-    return lax.cond(_sizes_aligned(group_sizes, blocks), lambda: vary_over(aligned(), axes),
-                    lambda: vary_over(row_tiled(), axes))
+    return lax.cond(
+        _sizes_aligned(group_sizes, blocks), lambda: vary_over(aligned(), axes), lambda: vary_over(row_tiled(), axes)
+    )
 
 
 def _padding_zeroed(a, group_sizes, valid_sizes, scale=None):
@@ -600,11 +640,19 @@ def _forward(use_mgpu, blocks, assume_aligned, x, w, group_sizes, valid_sizes, s
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
         return _aligned_or_row_tiled(
-            blocks, assume_aligned, x.shape[1], w.shape[2], group_sizes,
+            blocks,
+            assume_aligned,
+            x.shape[1],
+            w.shape[2],
+            group_sizes,
             lambda: _rows_matmul(x, w, group_sizes, valid_sizes, scale, blocks.aligned.forward),
-            lambda: _padding_zeroed(ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes,
-                                                               **dataclasses.asdict(blocks.forward)),
-                                    group_sizes, valid_sizes, scale))
+            lambda: _padding_zeroed(
+                ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, **dataclasses.asdict(blocks.forward)),
+                group_sizes,
+                valid_sizes,
+                scale,
+            ),
+        )
     y = lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32).astype(x.dtype)
     return _padding_zeroed(y, group_sizes, valid_sizes, scale)
 
@@ -616,12 +664,21 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
 
         # transpose_rhs: w [G, K, N] read as [G, out=K, contracted=N].
         return _aligned_or_row_tiled(
-            blocks, assume_aligned, w.shape[1], w.shape[2], group_sizes,
-            lambda: _rows_matmul(dy, w, group_sizes, valid_sizes, scale, blocks.aligned.input_grad,
-                                 transpose_rhs=True),
-            lambda: _padding_zeroed(ragged_dot_mgpu.ragged_dot(dy, w, group_sizes=group_sizes, transpose_rhs=True,
-                                                               **dataclasses.asdict(blocks.input_grad)),
-                                    group_sizes, valid_sizes, scale))
+            blocks,
+            assume_aligned,
+            w.shape[1],
+            w.shape[2],
+            group_sizes,
+            lambda: _rows_matmul(dy, w, group_sizes, valid_sizes, scale, blocks.aligned.input_grad, transpose_rhs=True),
+            lambda: _padding_zeroed(
+                ragged_dot_mgpu.ragged_dot(
+                    dy, w, group_sizes=group_sizes, transpose_rhs=True, **dataclasses.asdict(blocks.input_grad)
+                ),
+                group_sizes,
+                valid_sizes,
+                scale,
+            ),
+        )
     dx = _ragged_dot_rhs_transposed(dy, w, group_sizes).astype(dy.dtype)
     return _padding_zeroed(dx, group_sizes, valid_sizes, scale)
 
@@ -629,7 +686,8 @@ def _input_grad(use_mgpu, blocks, assume_aligned, dy, w, group_sizes, valid_size
 def _ragged_dot_rhs_transposed(a, w, group_sizes):
     """float32 a [M, C] @ w[g]^T per group of rows, w [G, C', C] (jax.lax.ragged_dot_general)."""
     dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+    )
     return lax.ragged_dot_general(a, w, group_sizes, dims, preferred_element_type=jnp.float32)
 
 
@@ -643,13 +701,15 @@ def _weight_grad(use_mgpu, blocks, assume_aligned, x, dy, group_sizes, valid_siz
             # The kernel's own tests run it under standard promotion (its grid sizes mix Python ints).
             with jax.numpy_dtype_promotion("standard"):
                 dw = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-                    x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad))
+                    x, dy, group_sizes=group_sizes, **dataclasses.asdict(blocks.weight_grad)
+                )
             return dw * scale.astype(dw.dtype)
 
         def aligned():
             tiles = blocks.aligned.weight_grad
-            return hopper_gemm.weight_grad(x, dy, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k), scale,
-                                           tiles)
+            return hopper_gemm.weight_grad(
+                x, dy, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k), scale, tiles
+            )
 
         return _aligned_or_row_tiled(blocks, assume_aligned, x.shape[1], dy.shape[1], group_sizes, aligned, row_tiled)
     return _ragged_weight_grad(x, dy, group_sizes, scale).astype(x.dtype)
@@ -665,7 +725,8 @@ def group_row_steps(group_sizes, valid_sizes, tile_k):
 def _ragged_weight_grad(x, dy, group_sizes, scale):
     """float32 scale * x_g^T dy_g per group of rows (jax.lax.ragged_dot_general)."""
     dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
+    )
     return lax.ragged_dot_general(x, dy, group_sizes, dims, preferred_element_type=jnp.float32) * scale
 
 
@@ -682,8 +743,9 @@ def _grouped_matmul_fp8(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, val
 
 def fp8_forward(use_mgpu, blocks, given_rows, x, w, w8, group_sizes, valid_sizes, scale):
     x_data, x_scales = (x.data, x.scales) if given_rows else quantize_rows(x)
-    y = _fp8_matmul(use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes,
-                    scale, w.dtype)
+    y = _fp8_matmul(
+        use_mgpu, blocks, x_data, x_scales, w8.forward, w8.forward_scales, group_sizes, valid_sizes, scale, w.dtype
+    )
     # dw from the FP8 rows, transposed (with w8.weight_grad), or dequantized where x came quantized, else from x.
     if w8.weight_grad:
         x_data_t = x.data_t if given_rows and x.data_t is not None else x_data.T
@@ -724,8 +786,18 @@ def fp8_weight_grad_of(use_mgpu, blocks, residuals, z_data_t, z_scales):
 def fp8_cotangents(use_mgpu, blocks, given_rows, residuals, dy_data, dy_scales, dw):
     """_grouped_matmul_fp8's cotangents: dx from dy's FP8 rows (dy_data [M, N], dy_scales [M]), and dw."""
     _, w, w8, group_sizes, valid_sizes, scale = residuals
-    dx = _fp8_matmul(use_mgpu, blocks, dy_data, dy_scales, w8.input_grad, w8.input_grad_scales, group_sizes,
-                     valid_sizes, scale, w.dtype)
+    dx = _fp8_matmul(
+        use_mgpu,
+        blocks,
+        dy_data,
+        dy_scales,
+        w8.input_grad,
+        w8.input_grad_scales,
+        group_sizes,
+        valid_sizes,
+        scale,
+        w.dtype,
+    )
     no_grad = jax.tree.map(jnp.zeros_like, w8)
     # x, w, the sizes and scale vary together (grouped_matmul): the sizes type dx as x.
     dx = vary_over(dx, vma(group_sizes))
@@ -741,8 +813,18 @@ def _fp8_matmul(use_mgpu, blocks, a_data, a_scales, w_data, w_scales, group_size
     """out [M, C'] = scale * (a_data * a_scales) @ (w_data * w_scales)[g]^T, 0 on padding rows:
     a_data float8 [M, C] with one scale per row (a_scales [M]), w_data float8 [G, C', C], w_scales [G, C']."""
     if use_mgpu:
-        out = _rows_matmul(a_data, w_data, group_sizes, valid_sizes, scale, blocks.aligned.fp8, transpose_rhs=True,
-                           out_dtype=out_dtype, row_scales=a_scales, col_scales=w_scales)
+        out = _rows_matmul(
+            a_data,
+            w_data,
+            group_sizes,
+            valid_sizes,
+            scale,
+            blocks.aligned.fp8,
+            transpose_rhs=True,
+            out_dtype=out_dtype,
+            row_scales=a_scales,
+            col_scales=w_scales,
+        )
         return vary_over(out, vma(group_sizes))
     a, w = _dequantized(a_data, a_scales[:, None], w_data, w_scales[..., None])
     out = _ragged_dot_rhs_transposed(a, w, group_sizes)
@@ -756,8 +838,16 @@ def _fp8_weight_grad(use_mgpu, blocks, x_data_t, z_data_t, z_scales, group_sizes
     if use_mgpu:
         tiles = blocks.aligned.fp8_weight_grad
         # FP8 WGMMA reads both operands contraction-major: x^T [K, M], z^T [N, M].
-        dw = hopper_gemm.weight_grad(x_data_t, z_data_t, *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
-                                     scale, tiles, transposed=True, col_scales=z_scales, out_dtype=out_dtype)
+        dw = hopper_gemm.weight_grad(
+            x_data_t,
+            z_data_t,
+            *group_row_steps(group_sizes, valid_sizes, tiles.tile_k),
+            scale,
+            tiles,
+            transposed=True,
+            col_scales=z_scales,
+            out_dtype=out_dtype,
+        )
         return vary_over(dw, vma(group_sizes))
     x, z = _dequantized(x_data_t.T, 1.0, z_data_t.T, z_scales)
     return _ragged_weight_grad(x, z, group_sizes, scale).astype(out_dtype)

@@ -54,7 +54,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
 MEMORY_REGISTERS = 40  # per thread of the memory warpgroup (TMA issue only); the compute ones get the rest
 
 
@@ -119,8 +118,9 @@ def _epilogue_slots(t: HopperTiles) -> int:
 
 
 def _out_smem(plgpu, t: HopperTiles, dtype):
-    return plgpu.SMEM((2, _epilogue_slots(t), t.epi_tile_m, t.epi_tile_n), dtype,
-                      transforms=_transforms(plgpu, t.epi_tile_n, dtype))
+    return plgpu.SMEM(
+        (2, _epilogue_slots(t), t.epi_tile_m, t.epi_tile_n), dtype, transforms=_transforms(plgpu, t.epi_tile_n, dtype)
+    )
 
 
 def _store(plgpu, t: HopperTiles, out_smem, wg, dst, acc):
@@ -197,8 +197,19 @@ def _kernel(body, out_shape, dtype, t: HopperTiles):
     )
 
 
-def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose_rhs: bool = False,
-                out_dtype=None, row_scales=None, col_scales=None):
+def rows_matmul(
+    x,
+    w,
+    tile_group,
+    tile_rows,
+    scale,
+    t: HopperTiles,
+    *,
+    transpose_rhs: bool = False,
+    out_dtype=None,
+    row_scales=None,
+    col_scales=None,
+):
     """out[r] = scale * x[r] @ w[g] for the first tile_rows[i] rows r of row
     tile i, g = tile_group[i]; scale * 0 on the tile's other rows and on the
     tiles with g < 0 (not computed).
@@ -232,10 +243,19 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
             grid=(k_iters,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((cta_m, t.tile_k), lambda kk: (0, kk), transforms=transforms,
-                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
-                plgpu.BlockSpec(b_block, (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
-                                transforms=transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(
+                    (cta_m, t.tile_k),
+                    lambda kk: (0, kk),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                    collective_axes=("cluster",) if t.cluster_n else (),
+                ),
+                plgpu.BlockSpec(
+                    b_block,
+                    (lambda kk: (0, kk)) if transpose_rhs else (lambda kk: (kk, 0)),
+                    transforms=transforms,
+                    memory_space=plgpu.SMEM,
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -257,13 +277,23 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
         ignore = lambda *_, **__: None
 
         # Each compute warpgroup's row and column scales, loaded while its tile accumulates.
-        scale_allocs = dict(
-            row_smem=plgpu.SMEM((2, t.tile_m), jnp.float32), col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
-            scales_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2)) if scaled else {}
+        scale_allocs = (
+            dict(
+                row_smem=plgpu.SMEM((2, t.tile_m), jnp.float32),
+                col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
+                scales_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            )
+            if scaled
+            else {}
+        )
 
-        @functools.partial(pl.run_scoped,
-                           allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
-                           out_smem=_out_smem(plgpu, t, out_dtype), collective_axes="wg", **scale_allocs)
+        @functools.partial(
+            pl.run_scoped,
+            allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+            out_smem=_out_smem(plgpu, t, out_dtype),
+            collective_axes="wg",
+            **scale_allocs,
+        )
         def _scope(allocs, out_smem, row_smem=None, col_smem=None, scales_loaded=None):
             wg = lax.axis_index("wg")
             # This warpgroup's rows of the CTA's tile (split_rows), or its columns (otherwise).
@@ -298,12 +328,16 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                 def finish(acc):
                     if scaled:  # before the rows are cut: a padding row's scale may be NaN
                         plgpu.barrier_wait(scales_loaded.at[wg])
-                        acc = (acc * lax.broadcast_in_dim(row_smem[wg], acc.shape, (0,))
-                               * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,)))
+                        acc = (
+                            acc
+                            * lax.broadcast_in_dim(row_smem[wg], acc.shape, (0,))
+                            * lax.broadcast_in_dim(col_smem[wg], acc.shape, (1,))
+                        )
                     return _first_rows(acc, tile_rows_gmem[mi] - wg_first_row) * scale_gmem[0]
 
-                compute_context = _accumulate_then_store(plgpu, pl, t, out_smem, wg, wg_part(out_gmem.at[rows, cols]),
-                                                         finish, load_scales)
+                compute_context = _accumulate_then_store(
+                    plgpu, pl, t, out_smem, wg, wg_part(out_gmem.at[rows, cols]), finish, load_scales
+                )
 
                 def mma(_, a_smem, b_smem, carry):
                     if t.split_rows:  # this warpgroup's rows of x, all of the CTA's columns
@@ -319,11 +353,14 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
 
                 weights = w_gmem.at[tile_group_gmem[mi]]
                 pipeline(mma, compute_context, state)(
-                    x_gmem.at[rows, :], weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
-                    allocations=allocs)
+                    x_gmem.at[rows, :],
+                    weights.at[cols, :] if transpose_rhs else weights.at[:, cols],
+                    allocations=allocs,
+                )
 
             def zero_tile(mi, ni):
                 """Row tile mi, past the groups: zeros (times scale) from the compute warpgroups."""
+
                 @pl.when(wg < 2)
                 def _():
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((t.tile_m, t.tile_n), jnp.float32))
@@ -333,6 +370,7 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
 
             minor = 1 if t.grid_minor_n else 0
             if not steady:
+
                 @plgpu.nd_loop((m_iters * n_iters,), collective_axes="cluster_grid")
                 def _tiles(info):
                     if t.group_bands:
@@ -365,8 +403,9 @@ def rows_matmul(x, w, tile_group, tile_rows, scale, t: HopperTiles, *, transpose
                     @pl.when(last > 0)
                     def _():
                         chain = plgpu.PipelinePipeline
-                        state = jnp.where(step == 0, int(chain.START),
-                                          jnp.where(step == last, int(chain.STOP), int(chain.STEADY)))
+                        state = jnp.where(
+                            step == 0, int(chain.START), jnp.where(step == last, int(chain.STOP), int(chain.STEADY))
+                        )
                         tile(mi, ni, state.astype(jnp.int32))
 
                 @plgpu.nd_loop(((m_iters - num_m) * n_iters,), collective_axes="cluster_grid")
@@ -399,13 +438,26 @@ def _group_band_order(tile_group, n_iters, width):
     band_start = lax.cummax(jnp.where(starts(band), index, 0))
     band_end = lax.cummin(jnp.where(jnp.append(starts(band)[1:], True), index + 1, num), reverse=True)
     cols = jnp.arange(n_iters, dtype=jnp.int32)
-    position = (band_start * n_iters)[:, None] + cols[None, :] * (band_end - band_start)[:, None] \
+    position = (
+        (band_start * n_iters)[:, None]
+        + cols[None, :] * (band_end - band_start)[:, None]
         + (index - band_start)[:, None]
+    )
     return jnp.zeros(num * n_iters, jnp.int32).at[position.reshape(-1)].set(jnp.arange(num * n_iters, dtype=jnp.int32))
 
 
-def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed: bool = False,
-                col_scales=None, out_dtype=None):
+def weight_grad(
+    x,
+    dy,
+    group_starts,
+    group_steps,
+    scale,
+    t: HopperTiles,
+    *,
+    transposed: bool = False,
+    col_scales=None,
+    out_dtype=None,
+):
     """dw[g] = scale * x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N].
 
     Group g's rows are group_starts[g] + [0, group_steps[g] * tile_k); an
@@ -426,15 +478,28 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
         raise ValueError(f"weight_grad: group_bands is rows_matmul's walk, got {t}")
     if transposed or col_scales is not None or t.promote or t.split_rows or t.promote_after_steps:
         if not (transposed and t.steady_pipeline and not t.cluster_n):
-            raise ValueError("weight_grad: col_scales, promote, split_rows and promote_after_steps need "
-                             "transposed=True, and transposed needs tiles with steady_pipeline and without "
-                             f"cluster_n, got {t}")
+            raise ValueError(
+                "weight_grad: col_scales, promote, split_rows and promote_after_steps need "
+                "transposed=True, and transposed needs tiles with steady_pipeline and without "
+                f"cluster_n, got {t}"
+            )
     if t.promote_after_steps and (t.promote or t.split_rows or t.tile_m % 128):
-        raise ValueError("weight_grad: promote_after_steps needs tiles without promote and split_rows, and "
-                         f"tile_m a multiple of 128 (its halves are WGMMA's 64 rows or more), got {t}")
+        raise ValueError(
+            "weight_grad: promote_after_steps needs tiles without promote and split_rows, and "
+            f"tile_m a multiple of 128 (its halves are WGMMA's 64 rows or more), got {t}"
+        )
     if t.steady_pipeline and not t.cluster_n:
-        return _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t, transposed=transposed,
-                                         col_scales=col_scales, out_dtype=out_dtype)
+        return _weight_grad_one_pipeline(
+            x,
+            dy,
+            group_starts,
+            group_steps,
+            scale,
+            t,
+            transposed=transposed,
+            col_scales=col_scales,
+            out_dtype=out_dtype,
+        )
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -454,10 +519,16 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
             grid=(steps,),
             memory_registers=MEMORY_REGISTERS,
             in_specs=[
-                plgpu.BlockSpec((t.tile_k, t.tile_m), lambda kk: (kk, 0), transforms=a_transforms,
-                                memory_space=plgpu.SMEM, collective_axes=("cluster",) if t.cluster_n else ()),
-                plgpu.BlockSpec((t.tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms,
-                                memory_space=plgpu.SMEM),
+                plgpu.BlockSpec(
+                    (t.tile_k, t.tile_m),
+                    lambda kk: (kk, 0),
+                    transforms=a_transforms,
+                    memory_space=plgpu.SMEM,
+                    collective_axes=("cluster",) if t.cluster_n else (),
+                ),
+                plgpu.BlockSpec(
+                    (t.tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms, memory_space=plgpu.SMEM
+                ),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -468,10 +539,13 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
     def body(starts_gmem, steps_gmem, scale_gmem, x_gmem, dy_gmem, out_gmem):
         ignore = lambda *_, **__: None
 
-        @functools.partial(pl.run_scoped,
-                           # A static grid longer than the stages, so the ring gets all of them.
-                           allocs=pipeline(ignore, ignore, 1 << 16).get_allocations(x_gmem, dy_gmem),
-                           out_smem=_out_smem(plgpu, t, out_dtype), collective_axes="wg")
+        @functools.partial(
+            pl.run_scoped,
+            # A static grid longer than the stages, so the ring gets all of them.
+            allocs=pipeline(ignore, ignore, 1 << 16).get_allocations(x_gmem, dy_gmem),
+            out_smem=_out_smem(plgpu, t, out_dtype),
+            collective_axes="wg",
+        )
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
             wg_cols = pl.ds(wg * t.tile_n, t.tile_n)
@@ -490,8 +564,14 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
                 k_rows = pl.ds(mi * t.tile_m, t.tile_m)
 
                 compute_context = _accumulate_then_store(
-                    plgpu, pl, t, out_smem, wg, out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols],
-                    lambda acc: acc * scale_gmem[0])
+                    plgpu,
+                    pl,
+                    t,
+                    out_smem,
+                    wg,
+                    out_gmem.at[gi].at[k_rows, cols].at[:, wg_cols],
+                    lambda acc: acc * scale_gmem[0],
+                )
 
                 def mma(_, a_smem, b_smem, acc_ref):
                     @pl.when(steps > 0)
@@ -503,15 +583,17 @@ def weight_grad(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, tran
 
                 group_rows = pl.ds(start, num_rows)  # steps * tile_k of them are read
                 pipeline(mma, compute_context, jnp.maximum(steps, 1))(
-                    x_gmem.at[group_rows, k_rows], dy_gmem.at[group_rows, cols], allocations=allocs)
+                    x_gmem.at[group_rows, k_rows], dy_gmem.at[group_rows, cols], allocations=allocs
+                )
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return _kernel(body, (g, k, n), out_dtype, t)(group_starts, group_steps, scale, x, dy)
 
 
-def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed=False,
-                              col_scales=None, out_dtype=None):
+def _weight_grad_one_pipeline(
+    x, dy, group_starts, group_steps, scale, t: HopperTiles, *, transposed=False, col_scales=None, out_dtype=None
+):
     """weight_grad with a CTA's tiles as one pipeline: a tile has only a few
     row steps (a group's rows / tile_k), so instead of a pipeline per tile
     (whose loads wait for the previous tile's last product) the memory
@@ -531,15 +613,20 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
     stages = t.max_concurrent_steps
     compute_registers = (512 - MEMORY_REGISTERS) // 2 // 8 * 8  # the rest, shared by the compute warpgroups
     # A stage's blocks of x and dy: [rows, K] and [rows, N] pieces, or with transposed [K, rows] and [N, rows].
-    a_block, b_block = ((cta_m, t.tile_k), (cta_n, t.tile_k)) if transposed else \
-        ((t.tile_k, cta_m), (t.tile_k, cta_n))
+    a_block, b_block = ((cta_m, t.tile_k), (cta_n, t.tile_k)) if transposed else ((t.tile_k, cta_m), (t.tile_k, cta_n))
     scaled = col_scales is not None
 
     def body(starts_gmem, steps_gmem, scale_gmem, *refs):
         *col_scales_gmem, x_gmem, dy_gmem, out_gmem = refs
         # Each compute warpgroup's column scales, loaded while its tile accumulates.
-        scale_allocs = dict(col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
-                            scales_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=2)) if scaled else {}
+        scale_allocs = (
+            dict(
+                col_smem=plgpu.SMEM((2, t.tile_n), jnp.float32),
+                scales_loaded=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+            )
+            if scaled
+            else {}
+        )
 
         @functools.partial(
             pl.run_scoped,
@@ -548,7 +635,9 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
             loaded=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both copies of a stage landed
             consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # both compute warpgroups are done with it
             out_smem=_out_smem(plgpu, t, out_dtype),
-            collective_axes="wg", **scale_allocs)
+            collective_axes="wg",
+            **scale_allocs,
+        )
         def _scope(a_smem, b_smem, loaded, consumed, out_smem, col_smem=None, scales_loaded=None):
             wg = lax.axis_index("wg")
 
@@ -564,8 +653,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
 
             def walk(per_tile):
                 """Run per_tile(info, carry=steps so far) -> steps after over this CTA's tiles."""
-                plgpu.nd_loop((g, m_iters * n_iters), collective_axes="cluster_grid",
-                              init_carry=jnp.int32(0))(per_tile)
+                plgpu.nd_loop((g, m_iters * n_iters), collective_axes="cluster_grid", init_carry=jnp.int32(0))(per_tile)
 
             @pl.when(wg == 2)
             def _memory():
@@ -584,8 +672,11 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
 
                         row_step = lax.rem(s, jnp.maximum(steps, 1))
                         rows = pl.ds(pl.multiple_of(start + row_step * t.tile_k, t.tile_k), t.tile_k)
-                        x_part, dy_part = (x_gmem.at[k_rows, rows], dy_gmem.at[cols, rows]) if transposed else \
-                            (x_gmem.at[rows, k_rows], dy_gmem.at[rows, cols])
+                        x_part, dy_part = (
+                            (x_gmem.at[k_rows, rows], dy_gmem.at[cols, rows])
+                            if transposed
+                            else (x_gmem.at[rows, k_rows], dy_gmem.at[rows, cols])
+                        )
                         plgpu.copy_gmem_to_smem(x_part, a_smem.at[slot], loaded.at[slot])
                         plgpu.copy_gmem_to_smem(dy_part, b_smem.at[slot], loaded.at[slot])
                         return count + 1
@@ -633,6 +724,7 @@ def _weight_grad_one_pipeline(x, dy, group_starts, group_steps, scale, t: Hopper
                     def promoted_pass(count, a_rows=None):
                         """(count after, float32 total): each of the tile's row steps (with a_rows: of those
                         K rows) accumulated by WGMMA on its own, then added to the total."""
+
                         def promoted_step(s, count_total):
                             count, total = count_total
                             slot = lax.rem(count, stages)

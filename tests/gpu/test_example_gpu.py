@@ -5,9 +5,10 @@ lowering against the CPU one.
     pytest tests/gpu/test_example_gpu.py -v
 """
 
-
 import jax
 import jax.numpy as jnp
+import moe_flax
+import moe_layer as ml
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,9 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
-
-import moe_flax
-import moe_layer as ml
 
 pytestmark = pytest.mark.gpu
 
@@ -44,9 +42,13 @@ def test_expert_ffn_gpu_lowering_matches_cpu():
     weights = np.where(idx >= 0, rng.random(idx.shape) + 0.1, 0.0).astype(np.float32)
     x = rng.standard_normal((num_rows, hidden)).astype(np.float32)
     x[num_valid:] = np.nan
-    args = (x.astype(jnp.bfloat16), idx, weights,
-            (rng.standard_normal((num_local, hidden, 2 * ffn)) * 0.05).astype(np.float32),
-            (rng.standard_normal((num_local, ffn, hidden)) * 0.05).astype(np.float32))
+    args = (
+        x.astype(jnp.bfloat16),
+        idx,
+        weights,
+        (rng.standard_normal((num_local, hidden, 2 * ffn)) * 0.05).astype(np.float32),
+        (rng.standard_normal((num_local, ffn, hidden)) * 0.05).astype(np.float32),
+    )
     probe = rng.standard_normal((num_rows, hidden)).astype(np.float32)
 
     def fwd_bwd(x, idx, w, w_in, w_out):
@@ -55,8 +57,9 @@ def test_expert_ffn_gpu_lowering_matches_cpu():
 
     on = lambda device: jax.jit(fwd_bwd)(*jax.device_put(args, device))
     gpu, cpu = on(jax.devices("gpu")[0]), on(jax.devices("cpu")[0])
-    for name, g, c in zip(("out", "grad x", "grad weights", "grad w_in", "grad w_out"),
-                          jax.tree.leaves(gpu), jax.tree.leaves(cpu)):
+    for name, g, c in zip(
+        ("out", "grad x", "grad weights", "grad w_in", "grad w_out"), jax.tree.leaves(gpu), jax.tree.leaves(cpu)
+    ):
         _close(g, c, name)
 
 

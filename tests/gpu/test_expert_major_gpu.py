@@ -75,7 +75,8 @@ def standard_runner(buffer, mesh, num_experts, alignment):
 
     def forward(x, idx, w):
         expert_x, layout, recv_w, handle = deep_ep_jax.dispatch_expert_major(
-            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment)
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment
+        )
         expert_y = expert_rows(layout, expert_x)
         out = deep_ep_jax.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
         return expert_x, layout, recv_w, expert_y, out
@@ -90,8 +91,9 @@ def standard_runner(buffer, mesh, num_experts, alignment):
     return testing.per_rank(fn, mesh, AXIS, check_vma=True)
 
 
-@pytest.mark.parametrize("alignment, kind", [(128, "random"), (1, "random"), (128, "one_expert"),
-                                             (128, "rank_empty"), (1, "minus_one")])
+@pytest.mark.parametrize(
+    "alignment, kind", [(128, "random"), (1, "random"), (128, "one_expert"), (128, "rank_empty"), (1, "minus_one")]
+)
 def test_standard_case(mesh, buffers, alignment, kind, rng):
     """4096 tokens per rank, hidden 7168, top-8 of 256 experts, 2 ranks; fresh random and skewed routing."""
     cuda, _ = buffers
@@ -120,8 +122,15 @@ def check_standard_case(mesh, buffers, alignment, num_experts, args):
     run = standard_runner(cuda, mesh, num_experts, alignment)
     num_worst = num_ranks * num_tokens
     num_rows = deep_ep_jax.comm.expert_major.default_num_rows(num_worst, topk, local_experts, alignment)
-    poison_allocator(mesh, [((num_rows, hidden), jnp.bfloat16), ((num_worst, topk), jnp.int32),
-                            ((num_rows,), jnp.int32), ((num_worst, hidden), jnp.bfloat16)])
+    poison_allocator(
+        mesh,
+        [
+            ((num_rows, hidden), jnp.bfloat16),
+            ((num_worst, topk), jnp.int32),
+            ((num_rows,), jnp.int32),
+            ((num_worst, hidden), jnp.bfloat16),
+        ],
+    )
     got = run(*args)
     want = standard_runner(xla, mesh, num_experts, alignment)(*args)
     names = ("expert_x", "layout", "recv_w", "reduced", "out", "g_x")
@@ -136,8 +145,9 @@ def check_standard_case(mesh, buffers, alignment, num_experts, args):
     # -0.0 into +0.0 (random_rows holds a few), which the oracle keeps.
     expert_x, layout, recv_w, reduced, out = jax.tree.map(np.asarray, got[:5])
     xs = np.asarray(x).reshape(num_ranks, num_tokens, hidden)
-    received = oracle.dispatch(xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk),
-                               num_experts, num_worst)
+    received = oracle.dispatch(
+        xs, idx.reshape(num_ranks, num_tokens, topk), w.reshape(num_ranks, num_tokens, topk), num_experts, num_worst
+    )
     combined_rows = np.zeros((num_ranks, num_worst, hidden), np.float32)
     for r in range(num_ranks):
         n = len(received[r]["idx"])
@@ -166,8 +176,9 @@ def local_runner(mesh, backend, num_local_experts, alignment, num_rows, fp8):
     """expand, an exact "expert", reduce; the gradient of sum(y * c) in x and w (bf16 rows)."""
 
     def forward(x, idx, w):
-        expert_x, layout = deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
-                                              num_rows=num_rows, backend=backend)
+        expert_x, layout = deep_ep_jax.expand(
+            x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=num_rows, backend=backend
+        )
         rows = expert_x[0].astype(jnp.bfloat16) if fp8 else expert_x
         return expert_x, layout, deep_ep_jax.reduce(expert_rows(layout, rows), w, layout, backend=backend)
 
@@ -186,7 +197,7 @@ def local_ids(seed, num_ranks, num_tokens, num_local_experts, topk, kind):
     at one rank, nothing on its last half of rows)."""
     if kind == "nothing_on_last_rank":
         idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "random")
-        idx[(num_ranks - 1) * num_tokens if num_ranks > 1 else num_tokens // 2:] = -1
+        idx[(num_ranks - 1) * num_tokens if num_ranks > 1 else num_tokens // 2 :] = -1
     elif kind == "duplicates":
         idx, _ = testing.make_routing(seed, num_ranks * num_tokens, num_local_experts, topk, 1, "minus_one")
         idx[::3, 1] = idx[::3, 0]
@@ -211,8 +222,11 @@ CASES = [
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("case", CASES, ids=[f"N{c[0]}-K{c[1]}-L{c[2]}-H{c[3]}-a{c[4]}-r{c[5]}-{c[6]}" +
-                                             ("-fp8" if c[7] else "") for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=[f"N{c[0]}-K{c[1]}-L{c[2]}-H{c[3]}-a{c[4]}-r{c[5]}-{c[6]}" + ("-fp8" if c[7] else "") for c in CASES],
+)
 def test_targets_match_reference(local_mesh, case):
     mesh, num_ranks = local_mesh, local_mesh.shape[AXIS]
     num_tokens, topk, num_local_experts, hidden, alignment, num_rows, kind, fp8 = case
@@ -228,12 +242,23 @@ def test_targets_match_reference(local_mesh, case):
 
     run = local_runner(mesh, "cuda", num_local_experts, alignment, num_rows, fp8)
     assert all(t in run.lower(*args).as_text() for t in TARGETS)
-    poison_allocator(mesh, [((rows, hidden), jnp.bfloat16), ((num_tokens, topk), jnp.int32), ((rows,), jnp.int32),
-                            ((num_tokens, hidden), jnp.bfloat16), ((rows, hidden // 128 or 1), jnp.float32)])
+    poison_allocator(
+        mesh,
+        [
+            ((rows, hidden), jnp.bfloat16),
+            ((num_tokens, topk), jnp.int32),
+            ((rows,), jnp.int32),
+            ((num_tokens, hidden), jnp.bfloat16),
+            ((rows, hidden // 128 or 1), jnp.float32),
+        ],
+    )
     got = run(*args)
     want = local_runner(mesh, "xla", num_local_experts, alignment, num_rows, fp8)(*args)
-    for name, g, v in zip(("expert_x", "layout", "y", "g_x"), got[:3] + ((got[3][0],) if not fp8 else ()),
-                          want[:3] + ((want[3][0],) if not fp8 else ())):
+    for name, g, v in zip(
+        ("expert_x", "layout", "y", "g_x"),
+        got[:3] + ((got[3][0],) if not fp8 else ()),
+        want[:3] + ((want[3][0],) if not fp8 else ()),
+    ):
         for (path, gl), vl in zip(jax.tree_util.tree_leaves_with_path(g), jax.tree.leaves(v)):
             assert_bits_equal(gl, vl, name + jax.tree_util.keystr(path))
     if not fp8:
@@ -242,8 +267,9 @@ def test_targets_match_reference(local_mesh, case):
     layout = got[1]
     dropped = 0
     for r in range(num_ranks):
-        want_layout = oracle.expert_layout(idx.reshape(num_ranks, num_tokens, topk)[r], num_local_experts, alignment,
-                                           rows)
+        want_layout = oracle.expert_layout(
+            idx.reshape(num_ranks, num_tokens, topk)[r], num_local_experts, alignment, rows
+        )
         for field in LAYOUT_FIELDS:
             np.testing.assert_array_equal(getattr(rank(layout, r), field), want_layout[field], err_msg=field)
         dropped += want_layout["num_dropped"]
@@ -285,8 +311,9 @@ def test_auto_backend_and_loop(local_mesh):
         def fn(x, idx, w):
             def body(i, acc):
                 shifted = jnp.where(idx >= 0, (idx + i) % num_local_experts, -1)
-                expert_x, layout = deep_ep_jax.expand(x, shifted, num_local_experts=num_local_experts,
-                                                      alignment=8, backend=backend)
+                expert_x, layout = deep_ep_jax.expand(
+                    x, shifted, num_local_experts=num_local_experts, alignment=8, backend=backend
+                )
                 y = deep_ep_jax.reduce(expert_rows(layout, expert_x), w, layout, backend=backend)
                 # The barrier keeps y's rounding to bf16: XLA on GPUs may drop an f32 -> bf16 -> f32
                 # round trip (excess precision), which the kernels' bf16 output cannot.
@@ -322,9 +349,17 @@ def _distinct_local_ids(rng, num_rows, topk, num_local_experts, kind):
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
-    (128, 128, "random", None), (128, 1, "random", None), (128, 1, "one_expert", None),
-    (128, 128, "nothing", None), (128, 1, "random", 20000), (16, 8, "random", None)])
+@pytest.mark.parametrize(
+    "num_local_experts,alignment,kind,num_rows",
+    [
+        (128, 128, "random", None),
+        (128, 1, "random", None),
+        (128, 1, "one_expert", None),
+        (128, 128, "nothing", None),
+        (128, 1, "random", 20000),
+        (16, 8, "random", None),
+    ],
+)
 def test_local_targets_standard_size(num_local_experts, alignment, kind, num_rows, rng):
     """expand and reduce on one GPU, 8192 received rows of 7168 (4096 tokens x
     2 ranks), top-8: the CUDA targets against the xla backend bit for bit
@@ -341,8 +376,9 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
 
     def run(backend):
         def forward(x, w):
-            expert_x, layout = deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
-                                                  num_rows=num_rows, backend=backend)
+            expert_x, layout = deep_ep_jax.expand(
+                x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=num_rows, backend=backend
+            )
             expert_y = (expert_x.astype(jnp.float32) * 2).astype(jnp.bfloat16)  # exact in bf16
             return expert_x, layout, deep_ep_jax.reduce(expert_y, w, layout, backend=backend)
 
@@ -371,8 +407,10 @@ def test_local_targets_standard_size(num_local_experts, alignment, kind, num_row
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
-    (128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)])
+@pytest.mark.parametrize(
+    "num_local_experts,alignment,kind,num_rows",
+    [(128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)],
+)
 def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     """expand(..., fp8_rows=True) on one GPU, 8192 received rows of 7168, top-8: the expert rows' FP8
     values transposed (Fp8Rows.data_t, which their own kernel gathers from the token rows for the FP8
@@ -386,8 +424,17 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     num_tokens, topk, hidden = 8192, 8, 7168
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
-    run = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts, alignment=alignment,
-                                               num_rows=num_rows, backend="cuda", fp8_rows=True))
+    run = jax.jit(
+        lambda x: deep_ep_jax.expand(
+            x,
+            idx,
+            num_local_experts=num_local_experts,
+            alignment=alignment,
+            num_rows=num_rows,
+            backend="cuda",
+            fp8_rows=True,
+        )
+    )
     assert "deep_ep_jax_expand_rows_transposed" in run.lower(x).as_text()
     rows = num_rows or deep_ep_jax.comm.expert_major.default_num_rows(num_tokens, topk, num_local_experts, alignment)
     testing.poison_allocator(testing.ep_mesh(1, AXIS, platform="gpu"), AXIS, [((hidden, rows), jnp.float8_e4m3fn)])
@@ -406,8 +453,10 @@ def test_fp8_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
 
 
 @pytest.mark.gpu(min_gpus=1)
-@pytest.mark.parametrize("num_local_experts,alignment,kind,num_rows", [
-    (128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)])
+@pytest.mark.parametrize(
+    "num_local_experts,alignment,kind,num_rows",
+    [(128, 128, "random", None), (128, 1, "one_expert", None), (128, 128, "nothing", None), (16, 1, "random", 20001)],
+)
 def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows, rng):
     """The transposed expansion of bf16 token rows, quantized (the fused FP8 weight gradient's operand
     in grouped_matmul_reduce), on one GPU, 8192 rows of 7168, top-8: the CUDA target against the xla
@@ -420,8 +469,11 @@ def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows,
     num_tokens, topk, hidden = 8192, 8, 7168
     idx = jnp.asarray(_distinct_local_ids(rng, num_tokens, topk, num_local_experts, kind))
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_tokens, hidden))
-    _, layout = jax.jit(lambda x: deep_ep_jax.expand(x, idx, num_local_experts=num_local_experts,
-                                                     alignment=alignment, num_rows=num_rows, backend="cuda"))(x)
+    _, layout = jax.jit(
+        lambda x: deep_ep_jax.expand(
+            x, idx, num_local_experts=num_local_experts, alignment=alignment, num_rows=num_rows, backend="cuda"
+        )
+    )(x)
     rows = layout.num_rows
     m = jnp.asarray(rng.random(rows).astype(np.float32) * (rng.random(rows) > 0.2))
     inverse = rng.random(hidden).astype(np.float32) * 60 + 1
@@ -432,13 +484,20 @@ def test_quantized_rows_transposed(num_local_experts, alignment, kind, num_rows,
     want = jax.jit(reference_expert_major.expand_rows_transposed)(x, layout, m, inverse)
     assert got.dtype == jnp.float8_e4m3fn and got.shape == (hidden, rows)
     assert_bits_equal(got, want, f"{kind}: cuda against xla")
-    cols = np.concatenate([np.arange(128), 128 * int(rng.integers(1, hidden // 128 - 1)) + np.arange(128),
-                           np.arange(hidden - 128, hidden)])
+    cols = np.concatenate(
+        [
+            np.arange(128),
+            128 * int(rng.integers(1, hidden // 128 - 1)) + np.arange(128),
+            np.arange(hidden - 128, hidden),
+        ]
+    )
     values = np.asarray(x, np.float32)[:, cols]
-    want_cols = oracle.expert_expand_quantized_t(values, np.asarray(layout.row_pair), topk, np.asarray(m),
-                                                 np.asarray(inverse)[cols])
-    np.testing.assert_array_equal(bits(got)[cols], bits(jnp.asarray(want_cols, jnp.float8_e4m3fn)),
-                                  err_msg=f"{kind}: cuda against the oracle")
+    want_cols = oracle.expert_expand_quantized_t(
+        values, np.asarray(layout.row_pair), topk, np.asarray(m), np.asarray(inverse)[cols]
+    )
+    np.testing.assert_array_equal(
+        bits(got)[cols], bits(jnp.asarray(want_cols, jnp.float8_e4m3fn)), err_msg=f"{kind}: cuda against the oracle"
+    )
     data = np.asarray(got, np.float32)
     assert (data != 0).any() == (kind != "nothing") and (kind == "nothing" or (np.abs(data[5]) == 448).any())
 
@@ -461,19 +520,30 @@ def test_grouped_matmul_reduce_fp8(kind, rng):
 
     def run(mode):
         def layer(x, w_e, w):
-            expert_x, layout = deep_ep_jax.expand(x, idx, num_local_experts=local_experts, alignment=128,
-                                                  backend="cuda")
+            expert_x, layout = deep_ep_jax.expand(
+                x, idx, num_local_experts=local_experts, alignment=128, backend="cuda"
+            )
             sizes = layout.padded_group_sizes(128)
             if mode == "exact":
-                y = deep_ep_jax.grouped_matmul(expert_x.astype(jnp.float32), w_e.astype(jnp.float32), sizes,
-                                               impl="xla", valid_sizes=layout.group_sizes)
+                y = deep_ep_jax.grouped_matmul(
+                    expert_x.astype(jnp.float32),
+                    w_e.astype(jnp.float32),
+                    sizes,
+                    impl="xla",
+                    valid_sizes=layout.group_sizes,
+                )
                 return deep_ep_jax.reduce(y.astype(jnp.bfloat16), w, layout, backend="cuda")
-            kwargs = dict(impl="mgpu", aligned_groups=True, valid_sizes=layout.group_sizes,
-                          fp8_weights=fp8_weights(w_e, weight_grad=True))
+            kwargs = dict(
+                impl="mgpu",
+                aligned_groups=True,
+                valid_sizes=layout.group_sizes,
+                fp8_weights=fp8_weights(w_e, weight_grad=True),
+            )
             if mode == "fused":
                 return deep_ep_jax.grouped_matmul_reduce(expert_x, w_e, sizes, w, layout, backend="cuda", **kwargs)
-            return deep_ep_jax.reduce(deep_ep_jax.grouped_matmul(expert_x, w_e, sizes, **kwargs), w, layout,
-                                      backend="cuda")
+            return deep_ep_jax.reduce(
+                deep_ep_jax.grouped_matmul(expert_x, w_e, sizes, **kwargs), w, layout, backend="cuda"
+            )
 
         loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w).astype(jnp.float32) * c)
         step = jax.jit(lambda x, w_e, w: (layer(x, w_e, w), jax.grad(loss, argnums=(0, 1, 2))(x, w_e, w)))
@@ -505,20 +575,29 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
     num_tokens, hidden, local_experts, topk = 4096, 7168, 32, 8
     num_experts = num_ranks * local_experts
     mesh = testing.ep_mesh(num_ranks, AXIS, platform="gpu")
-    idx, w = testing.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks,
-                                  kind)
+    idx, w = testing.make_routing(
+        int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind
+    )
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))
     w_e = testing.random_rows(int(rng.integers(1 << 30)), (num_experts, hidden, hidden)) * 0.02
     c = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden), jnp.float32)
     buffer = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
     try:
+
         def run(fp8_rows):
             def layer(x, idx, w, w_e):
                 expert_x, layout, recv_w, handle = deep_ep_jax.dispatch_expert_major(
-                    x, idx, w, num_experts=num_experts, buffer=buffer, alignment=128, fp8_rows=fp8_rows)
+                    x, idx, w, num_experts=num_experts, buffer=buffer, alignment=128, fp8_rows=fp8_rows
+                )
                 expert_y = deep_ep_jax.grouped_matmul(
-                    expert_x, w_e, layout.padded_group_sizes(128), impl="mgpu", aligned_groups=True,
-                    valid_sizes=layout.group_sizes, fp8_weights=fp8_weights(w_e, weight_grad=True))
+                    expert_x,
+                    w_e,
+                    layout.padded_group_sizes(128),
+                    impl="mgpu",
+                    aligned_groups=True,
+                    valid_sizes=layout.group_sizes,
+                    fp8_weights=fp8_weights(w_e, weight_grad=True),
+                )
                 return deep_ep_jax.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)
 
             def body(x, idx, w, w_e, c):

@@ -23,8 +23,7 @@ pytestmark = pytest.mark.gpu(min_gpus=1)
 def fp8_gpu():
     device = jax.devices("gpu")[0]
     if not fp8_quant.fp8_gpu(device):
-        pytest.fail(f"the FP8 kernels need compute capability 8.9+; this is {device.device_kind}",
-                    pytrace=False)
+        pytest.fail(f"the FP8 kernels need compute capability 8.9+; this is {device.device_kind}", pytrace=False)
 
 
 def skewed(key, shape):
@@ -92,15 +91,23 @@ def test_swiglu_rows_kernel(shape, rng):
     key1, key2 = jax.random.split(jax.random.key(rng.integers(1 << 30)))
     gate_up = skewed(key1, shape).astype(jnp.float32)
     lead = (slice(None),) * (len(shape) - 2)
-    gate_up = gate_up.at[lead + (slice(4, 8), slice(0, 64))].set(
-        100 * jax.random.uniform(key2, shape[:-2] + (4, 64), minval=-1)).astype(jnp.bfloat16)
+    gate_up = (
+        gate_up.at[lead + (slice(4, 8), slice(0, 64))]
+        .set(100 * jax.random.uniform(key2, shape[:-2] + (4, 64), minval=-1))
+        .astype(jnp.bfloat16)
+    )
     run = jax.jit(fp8_quant.quantize_rows, static_argnames=("swiglu", "impl"))
     assert "deep_ep_jax_fp8_quantize_rows" in run.lower(gate_up, swiglu=True).as_text()
     data, scales = run(gate_up, swiglu=True)
     assert data.shape == shape[:-1] + (shape[-1] // 2,)
     # XLA's SwiGLU rows (bf16, as stored) quantized: by XLA everywhere, by numpy on sampled rows.
-    check(f"swiglu {shape}", jax.jit(fp8_quant.swiglu_values)(gate_up), (data, scales),
-          run(gate_up, swiglu=True, impl="xla"), rng)
+    check(
+        f"swiglu {shape}",
+        jax.jit(fp8_quant.swiglu_values)(gate_up),
+        (data, scales),
+        run(gate_up, swiglu=True, impl="xla"),
+        rng,
+    )
     assert np.isnan(as_float(scales)[..., 1]).all(), "a NaN must make its row's scale NaN"
     # Sampled rows against float64 maths: within FP8's rounding (2^-4 relative, 2^-9 scales near 0) and
     # bf16's (2^-8).
@@ -111,8 +118,12 @@ def test_swiglu_rows_kernel(shape, rng):
     got = flat_data[rows] * flat_scales[rows, None]
     want = flat_h[rows]
     amax = np.max(np.abs(want), axis=1, keepdims=True)
-    np.testing.assert_allclose(flat_scales[rows], np.maximum(amax[:, 0], 1e-30) / 448, rtol=2**-7,
-                               err_msg="swiglu: scales against float64 maths")
+    np.testing.assert_allclose(
+        flat_scales[rows],
+        np.maximum(amax[:, 0], 1e-30) / 448,
+        rtol=2**-7,
+        err_msg="swiglu: scales against float64 maths",
+    )
     bound = 2**-4 * np.abs(want) + 2**-8 * np.abs(want) + 2**-9 * flat_scales[rows, None]
     bad = ~(np.abs(got - want) <= bound)
     assert not bad.any(), f"swiglu: {bad.sum()} values off float64 maths, rows {rows[np.any(bad, axis=1)][:5]}"
@@ -122,8 +133,13 @@ def test_swiglu_rows_kernel(shape, rng):
 # (shape, multipliers): fp8_weights' shapes (80 experts: 2.3e9 float8 values per copy, past 32-bit
 # offsets; 16), the FP8 weight gradient's dy with x's row scales, and a batch of rows that is no multiple
 # of the tiles (a partial tile of 1000 rows: byte stores; strips cut short).
-ROWS_AND_COLUMNS = [((80, 7168, 4096), False), ((16, 2048, 7168), False), ((1, 40832, 4096), True),
-                    ((1, 40704, 7168), True), ((3, 1000, 384), True)]
+ROWS_AND_COLUMNS = [
+    ((80, 7168, 4096), False),
+    ((16, 2048, 7168), False),
+    ((1, 40832, 4096), True),
+    ((1, 40704, 7168), True),
+    ((3, 1000, 384), True),
+]
 
 
 @pytest.mark.parametrize("shape,multipliers", ROWS_AND_COLUMNS)
@@ -134,14 +150,20 @@ def test_rows_and_columns_kernels(shape, multipliers, rng):
     if multipliers:  # rows left out of the columns' copy, one of them holding a NaN
         m = m.at[:, 1].set(0).at[:, 40:47].set(0)
     run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="impl")
-    assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), \
+    assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), (
         "impl='auto' did not pick the extension's kernels"
+    )
     got = run(a, m)
     xla = run(a, m, impl="xla")
     what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}"
     check(f"{what}, rows", a, got[:2], xla[:2], rng)
-    z_t = jnp.swapaxes(jnp.where(m[..., None] == 0, 0.0, a.astype(jnp.float32) * m[..., None]) if multipliers
-                       else a.astype(jnp.float32), 1, 2)
+    z_t = jnp.swapaxes(
+        jnp.where(m[..., None] == 0, 0.0, a.astype(jnp.float32) * m[..., None])
+        if multipliers
+        else a.astype(jnp.float32),
+        1,
+        2,
+    )
     check(f"{what}, columns", z_t, got[2:], xla[2:], rng)
     assert np.isnan(as_float(got[1])[:, 1]).all(), "a NaN must make its row's scale NaN"
     if not multipliers:

@@ -25,13 +25,13 @@ import functools
 import grouped_gemm_oracle as oracle
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import pytest
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax.experts import grouped_gemm as gg
 from deep_ep_jax import grouped_matmul, testing
+from deep_ep_jax.experts import grouped_gemm as gg
 from deep_ep_jax.experts import hopper_gemm
 
 pytestmark = pytest.mark.gpu(min_gpus=1)  # one GPU, but the shard_map case
@@ -47,8 +47,11 @@ RTOL = 1e-2
 def hopper():
     device = jax.devices("gpu")[0]
     if not gg.is_hopper_gpu(device):
-        pytest.fail(f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x); this is "
-                    f"{device.device_kind}, {getattr(device, 'compute_capability', '?')}", pytrace=False)
+        pytest.fail(
+            f"the Mosaic GPU kernels need a Hopper GPU (compute capability 9.x); this is "
+            f"{device.device_kind}, {getattr(device, 'compute_capability', '?')}",
+            pytrace=False,
+        )
 
 
 def routed_sizes(rng, kind):
@@ -95,7 +98,7 @@ def group_pair_rows(num_rows, sizes, counts):
     """bool [num_rows]: the first counts[g] rows of each group g (its pairs)."""
     rows = np.zeros(num_rows, bool)
     for start, count in zip(oracle.offsets(sizes), counts):
-        rows[start:start + count] = True
+        rows[start : start + count] = True
     return rows
 
 
@@ -122,9 +125,11 @@ def _per_group_reference(x, w, sizes, dy, window):
         dyg = jnp.where(rows, jax.lax.dynamic_slice_in_dim(dy, start, window), 0)
         # Rows past the group keep what the groups after it wrote (they come later in the loop).
         y = jax.lax.dynamic_update_slice_in_dim(
-            y, jnp.where(rows, dot(xg, w[g]), jax.lax.dynamic_slice_in_dim(y, start, window)), start, 0)
+            y, jnp.where(rows, dot(xg, w[g]), jax.lax.dynamic_slice_in_dim(y, start, window)), start, 0
+        )
         dx = jax.lax.dynamic_update_slice_in_dim(
-            dx, jnp.where(rows, dot(dyg, w[g].T), jax.lax.dynamic_slice_in_dim(dx, start, window)), start, 0)
+            dx, jnp.where(rows, dot(dyg, w[g].T), jax.lax.dynamic_slice_in_dim(dx, start, window)), start, 0
+        )
         return y, dx, dw.at[g].set(dot(xg.T, dyg))
 
     init = (jnp.zeros((x.shape[0], w.shape[2]), jnp.bfloat16), jnp.zeros_like(x), jnp.zeros_like(w))
@@ -171,8 +176,11 @@ def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, data_rows=None):
     for g in sampled_groups(rng, sizes):
         start, size = int(starts[g]), int(sizes[g])
         # Its first and last two rows (where tiles straddle groups) and eight more.
-        rows = np.unique(np.concatenate([[start, start + 1, start + size - 2, start + size - 1],
-                                         rng.integers(start, start + size, 8)]).clip(start, start + size - 1))
+        rows = np.unique(
+            np.concatenate(
+                [[start, start + 1, start + size - 2, start + size - 1], rng.integers(start, start + size, 8)]
+            ).clip(start, start + size - 1)
+        )
         xg, dyg, wg = (np.asarray(a, np.float64) for a in (x[rows], dy[rows], w[g]))
         if data_rows is not None:
             xg, dyg = (a * data_rows[rows][:, None] for a in (xg, dyg))
@@ -181,10 +189,13 @@ def check_against_numpy(rng, x, w, sizes, dy, y, dx, dw, what, data_rows=None):
         # A 256 x 256 block of dw[g] over all the group's rows.
         k0 = int(rng.integers(0, x.shape[1] - 256 + 1))
         n0 = int(rng.integers(0, dy.shape[1] - 256 + 1))
-        x_block = np.asarray(x[start:start + size, k0:k0 + 256], np.float64)
-        dy_block = np.asarray(dy[start:start + size, n0:n0 + 256], np.float64)
-        assert_close_numpy(dw[g, k0:k0 + 256, n0:n0 + 256], x_block.T @ dy_block,
-                           f"{what}: dw[{g}] block at ({k0}, {n0}), {size} rows")
+        x_block = np.asarray(x[start : start + size, k0 : k0 + 256], np.float64)
+        dy_block = np.asarray(dy[start : start + size, n0 : n0 + 256], np.float64)
+        assert_close_numpy(
+            dw[g, k0 : k0 + 256, n0 : n0 + 256],
+            x_block.T @ dy_block,
+            f"{what}: dw[{g}] block at ({k0}, {n0}), {size} rows",
+        )
 
 
 @pytest.mark.parametrize("aligned", [False, True], ids=["row_tiled", "aligned"])
@@ -202,8 +213,10 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned, rng):
     num_rows = max(NUM_ROWS, total + 200)  # the aligned groups need more rows
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     x, dy = with_junk_padding(x, total), with_junk_padding(dy, total)
-    what = f"{layer} {kind} {'aligned ' if aligned else ''}(seed {seed}, {total} rows, " \
-           f"{int((sizes == 0).sum())} empty groups)"
+    what = (
+        f"{layer} {kind} {'aligned ' if aligned else ''}(seed {seed}, {total} rows, "
+        f"{int((sizes == 0).sum())} empty groups)"
+    )
 
     # Both kernel families are in the program (lax.cond on the sizes), three calls each.
     lowered = forward_and_grads.lower(x, w, sizes, dy, impl="auto").as_text()
@@ -245,13 +258,17 @@ def test_valid_sizes_leave_out_padding_rows(kind, rng):
     x, w, dy = make_inputs(jax.random.key(seed), k, n, num_rows)
     junk = jnp.asarray(~pair_rows)[:, None]
     x_junk, dy_junk = (jnp.where(junk, jnp.asarray(1e3, a.dtype), a) for a in (x, dy))
-    what = f"valid_sizes, {kind} (seed {seed}, {int(counts.sum())} pairs in " \
-           f"{int(sizes.sum())} rows)"
+    what = f"valid_sizes, {kind} (seed {seed}, {int(counts.sum())} pairs in {int(sizes.sum())} rows)"
 
     @jax.jit
     def run(x, w, dy):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jnp.asarray(sizes), impl="mgpu",
-                                                     aligned_groups=True, valid_sizes=jnp.asarray(counts)), x, w)
+        y, vjp = jax.vjp(
+            lambda x, w: grouped_matmul(
+                x, w, jnp.asarray(sizes), impl="mgpu", aligned_groups=True, valid_sizes=jnp.asarray(counts)
+            ),
+            x,
+            w,
+        )
         return (y, *vjp(dy))
 
     poison_outputs(*output_shapes(x, w))
@@ -318,11 +335,15 @@ def test_aligned_kernels_directly(kind, walk, rng):
     k, n = LAYERS["w_in"]
     tiles = gg.DEFAULT_ALIGNED_TILES
     if walk == "steady_pipeline":
-        tiles = gg.AlignedTiles(*(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True)
-                                  for f in dataclasses.fields(tiles)))
+        tiles = gg.AlignedTiles(
+            *(dataclasses.replace(getattr(tiles, f.name), steady_pipeline=True) for f in dataclasses.fields(tiles))
+        )
     elif walk == "group_bands":
-        tiles = dataclasses.replace(tiles, forward=dataclasses.replace(tiles.forward, group_bands=True),
-                                    input_grad=dataclasses.replace(tiles.input_grad, group_bands=True))
+        tiles = dataclasses.replace(
+            tiles,
+            forward=dataclasses.replace(tiles.forward, group_bands=True),
+            input_grad=dataclasses.replace(tiles.input_grad, group_bands=True),
+        )
     align = gg.aligned_rows()
     counts = routed_sizes(rng, kind)
     sizes = (-(-counts // align) * align).astype(np.int32)
@@ -337,9 +358,11 @@ def test_aligned_kernels_directly(kind, walk, rng):
     poison_outputs(*output_shapes(x, w))
     y = jax.jit(lambda x, w: rows_matmul(x, w, tiles.forward))(x, w)
     dx = jax.jit(lambda dy, w: rows_matmul(dy, w, tiles.input_grad, transpose_rhs=True))(dy, w)
-    dw = jax.jit(lambda x, dy: hopper_gemm.weight_grad(x, dy, jnp.cumsum(jsizes) - jsizes,
-                                                       jsizes // tiles.weight_grad.tile_k, unit,
-                                                       tiles.weight_grad))(x, dy)
+    dw = jax.jit(
+        lambda x, dy: hopper_gemm.weight_grad(
+            x, dy, jnp.cumsum(jsizes) - jsizes, jsizes // tiles.weight_grad.tile_k, unit, tiles.weight_grad
+        )
+    )(x, dy)
     pair_rows = group_pair_rows(num_rows, sizes, counts)
     data = jnp.asarray(pair_rows)[:, None]
     pairs_only = [jnp.where(data, a, jnp.zeros((), a.dtype)) for a in (x, dy)]
@@ -357,8 +380,7 @@ def test_mgpu_per_rank_under_shard_map(rng):
     skewed with padding), shard_map with check_vma, against numpy."""
     num_ranks, num_rows, num_groups, k, n = 2, 4096, 8, 1024, 512
     mesh = testing.ep_mesh(num_ranks, "ep", platform="gpu")
-    sizes = [np.array([0, 0, 3000, 0, 0, 0, 0, 0], np.int32),
-             np.array([700, 0, 1, 129, 1000, 0, 900, 1], np.int32)]
+    sizes = [np.array([0, 0, 3000, 0, 0, 0, 0, 0], np.int32), np.array([700, 0, 1, 129, 1000, 0, 900, 1], np.int32)]
     x = rng.standard_normal((num_ranks * num_rows, k)).astype(jnp.bfloat16)
     w = (rng.standard_normal((num_ranks * num_groups, k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
     dy = rng.standard_normal((num_ranks * num_rows, n)).astype(jnp.bfloat16)
@@ -390,6 +412,7 @@ def _fp8_operands(x, w, dy):
     numpy. The barriers keep XLA from dropping a
     float -> float8 -> float pair of converts, which it may do on GPUs: excess
     precision is allowed by default.)"""
+
     def rows(a):
         data, scales = lax.optimization_barrier(gg.quantize_rows(a))
         return data.astype(jnp.float32), scales[..., None]
@@ -400,8 +423,15 @@ def _fp8_operands(x, w, dy):
     forward = jnp.swapaxes(w8.forward.astype(jnp.float32) * w8.forward_scales[..., None], 1, 2)
     input_grad = w8.input_grad.astype(jnp.float32) * w8.input_grad_scales[..., None]
     bf16 = lambda a: a.astype(jnp.bfloat16)
-    return (bf16(x_values * x_scales), bf16(forward), bf16(input_grad), bf16(dy_values * dy_scales),
-            bf16(x_values), z_t, z_scales)
+    return (
+        bf16(x_values * x_scales),
+        bf16(forward),
+        bf16(input_grad),
+        bf16(dy_values * dy_scales),
+        bf16(x_values),
+        z_t,
+        z_scales,
+    )
 
 
 @pytest.mark.parametrize("weight_grad", [False, True], ids=["bf16_dw", "fp8_dw"])
@@ -431,8 +461,13 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, r
     @jax.jit
     def run(x, w, dy):
         w8 = gg.fp8_weights(w, weight_grad=weight_grad)
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, jsizes, impl="mgpu", aligned_groups=True,
-                                                     valid_sizes=jcounts, fp8_weights=w8), x, w)
+        y, vjp = jax.vjp(
+            lambda x, w: grouped_matmul(
+                x, w, jsizes, impl="mgpu", aligned_groups=True, valid_sizes=jcounts, fp8_weights=w8
+            ),
+            x,
+            w,
+        )
         return (y, *vjp(dy))
 
     poison_outputs(*output_shapes(x, w))
@@ -447,8 +482,10 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, r
         want_dw = per_group_reference(x_values, w, sizes, z)[2]
     else:
         want_dw = bf16[2]
-    what = (f"fp8 {layer}, {'FP8' if weight_grad else 'bf16'} dw, {kind} (seed {seed}, {total} rows, "
-            f"{int((counts == 0).sum())} empty groups)")
+    what = (
+        f"fp8 {layer}, {'FP8' if weight_grad else 'bf16'} dw, {kind} (seed {seed}, {total} rows, "
+        f"{int((counts == 0).sum())} empty groups)"
+    )
     check_against_reference(what, (y, dx, dw), (want_y, want_dx, want_dw), data)
     # FP8 is FP8: each result within 10% (as a norm) of the bf16 maths, so no scale is missing or wrong.
     for name, got, want in zip(("y", "dx", "dw"), (y, dx, dw), bf16):
@@ -459,21 +496,30 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, r
     for g in sampled_groups(rng, counts):
         start, count = int(starts[g]), int(counts[g])
         rows = np.unique(np.concatenate([[start, start + count - 1], rng.integers(start, start + count, 6)]))
-        w_forward_g, w_input_grad_g = (a[0] for a in oracle.fp8_weights(np.asarray(w[g:g + 1], np.float32)))
-        assert_close_numpy(y[rows], oracle.fp8_rows(np.asarray(x[rows], np.float32)) @ w_forward_g,
-                           f"{what}: y, group {g}, rows {rows.tolist()}")
-        assert_close_numpy(dx[rows], oracle.fp8_rows(np.asarray(dy[rows], np.float32)) @ w_input_grad_g.T,
-                           f"{what}: dx, group {g}, rows {rows.tolist()}")
+        w_forward_g, w_input_grad_g = (a[0] for a in oracle.fp8_weights(np.asarray(w[g : g + 1], np.float32)))
+        assert_close_numpy(
+            y[rows],
+            oracle.fp8_rows(np.asarray(x[rows], np.float32)) @ w_forward_g,
+            f"{what}: y, group {g}, rows {rows.tolist()}",
+        )
+        assert_close_numpy(
+            dx[rows],
+            oracle.fp8_rows(np.asarray(dy[rows], np.float32)) @ w_input_grad_g.T,
+            f"{what}: dx, group {g}, rows {rows.tolist()}",
+        )
         # A 128 x 128 block of dw[g] over the group's pairs, from the same operands (FP8 or bf16).
         k0, n0 = int(rng.integers(0, k - 128 + 1)), int(rng.integers(0, n - 128 + 1))
         pairs = slice(start, start + count)
         if weight_grad:
-            x_block = np.asarray(x_values[pairs, k0:k0 + 128], np.float64)
-            z_block = np.asarray(z_t[n0:n0 + 128, pairs], np.float64).T * np.asarray(z_scales[n0:n0 + 128])
+            x_block = np.asarray(x_values[pairs, k0 : k0 + 128], np.float64)
+            z_block = np.asarray(z_t[n0 : n0 + 128, pairs], np.float64).T * np.asarray(z_scales[n0 : n0 + 128])
         else:
-            x_block, z_block = (np.asarray(a, np.float64) for a in (x[pairs, k0:k0 + 128], dy[pairs, n0:n0 + 128]))
-        assert_close_numpy(dw[g, k0:k0 + 128, n0:n0 + 128], x_block.T @ z_block,
-                           f"{what}: dw[{g}] block at ({k0}, {n0}), {count} pairs")
+            x_block, z_block = (np.asarray(a, np.float64) for a in (x[pairs, k0 : k0 + 128], dy[pairs, n0 : n0 + 128]))
+        assert_close_numpy(
+            dw[g, k0 : k0 + 128, n0 : n0 + 128],
+            x_block.T @ z_block,
+            f"{what}: dw[{g}] block at ({k0}, {n0}), {count} pairs",
+        )
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.7])
@@ -497,9 +543,19 @@ def test_fp8_weight_grad_kernel(shape, scale, rng):
     col_scales = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 2.0)
     starts = jnp.asarray(np.cumsum(sizes) - sizes, jnp.int32)
     poison_outputs((num_groups, k, n))
-    dw = jax.jit(lambda x_t, z_t, c: hopper_gemm.weight_grad(
-        x_t, z_t, starts, jnp.asarray(steps), jnp.full((1,), scale, jnp.float32), tiles, transposed=True,
-        col_scales=c, out_dtype=jnp.bfloat16))(x_t, z_t, col_scales)
+    dw = jax.jit(
+        lambda x_t, z_t, c: hopper_gemm.weight_grad(
+            x_t,
+            z_t,
+            starts,
+            jnp.asarray(steps),
+            jnp.full((1,), scale, jnp.float32),
+            tiles,
+            transposed=True,
+            col_scales=c,
+            out_dtype=jnp.bfloat16,
+        )
+    )(x_t, z_t, col_scales)
     x32, z32 = np.asarray(x_t, np.float32), np.asarray(z_t, np.float32)
     what = f"fp8 weight_grad, K x N {k} x {n}, scale {scale} (seed {seed})"
     for g in range(num_groups):

@@ -44,8 +44,21 @@ def _launch(cases, *, timeout, extra=()):
     from test_multiprocess_gpu import sharing_args
 
     # On a single GPU both processes share it (cases that run no XLA collective across processes).
-    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(NUM_PROCESSES), "--all-gpus-visible",
-           *sharing_args(NUM_PROCESSES), "--timeout", str(timeout - 15), *extra, "--", WORKER, *cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deep_ep_jax.launch",
+        "-n",
+        str(NUM_PROCESSES),
+        "--all-gpus-visible",
+        *sharing_args(NUM_PROCESSES),
+        "--timeout",
+        str(timeout - 15),
+        *extra,
+        "--",
+        WORKER,
+        *cases,
+    ]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr
 

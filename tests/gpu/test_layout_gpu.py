@@ -35,14 +35,17 @@ def buffers(mesh):
 def _poison_allocator(mesh, num_tokens, num_experts):
     num_ranks = mesh.shape[AXIS]
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    shapes = [((num_ranks, num_ranks), jnp.int32, -7), ((num_ranks, num_experts), jnp.int32, -7),
-              ((num_ranks, num_tokens, num_ranks), jnp.bool_, True)]
+    shapes = [
+        ((num_ranks, num_ranks), jnp.int32, -7),
+        ((num_ranks, num_experts), jnp.int32, -7),
+        ((num_ranks, num_tokens, num_ranks), jnp.bool_, True),
+    ]
     poison = [testing.filled(s, v, d, sharding) for s, d, v in shapes]
     jax.block_until_ready(poison)
     del poison
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout_fn(buffer, mesh, num_experts, public):
     """One jitted per-rank function per configuration, so shapes compile once."""
     if public:
@@ -69,8 +72,14 @@ def _assert_same(got, want):
 
 def _cases(num_ranks):
     # (tokens per rank, top-k, experts per rank); top-k clipped to what the routing can pick.
-    for num_tokens, topk, per_rank in [(1, 1, 1), (1, 8, 4), (3, 2, 1), (129, 4, 8), (1000, 8, 128 // num_ranks),
-                                       (4096, 8, 256 // num_ranks)]:
+    for num_tokens, topk, per_rank in [
+        (1, 1, 1),
+        (1, 8, 4),
+        (3, 2, 1),
+        (129, 4, 8),
+        (1000, 8, 128 // num_ranks),
+        (4096, 8, 256 // num_ranks),
+    ]:
         num_experts = per_rank * num_ranks
         usable = num_experts - per_rank if num_ranks > 1 else num_experts
         yield num_tokens, max(1, min(topk, usable)), num_experts
@@ -121,11 +130,15 @@ def test_layout_in_fori_loop(mesh, buffers):
             def body(i, acc):
                 shifted = jnp.where(local_idx >= 0, (local_idx + i) % num_experts, -1)
                 per_rank, per_expert, in_rank = deep_ep_jax.get_dispatch_layout(
-                    shifted, num_experts=num_experts, buffer=buffer)
+                    shifted, num_experts=num_experts, buffer=buffer
+                )
                 return acc[0] + per_rank, acc[1] + per_expert, acc[2] + in_rank.astype(jnp.int32)
 
-            init = (jnp.zeros(num_ranks, jnp.int32), jnp.zeros(num_experts, jnp.int32),
-                    jnp.zeros((local_idx.shape[0], num_ranks), jnp.int32))
+            init = (
+                jnp.zeros(num_ranks, jnp.int32),
+                jnp.zeros(num_experts, jnp.int32),
+                jnp.zeros((local_idx.shape[0], num_ranks), jnp.int32),
+            )
             return lax.fori_loop(0, num_iters, body, init)
 
         return testing.per_rank(fn, mesh, AXIS)

@@ -37,16 +37,24 @@ OVERLAP_SMS = 16  # SMs of the overlapped sends
 def _cuda_buffer(mesh, config=None):
     num_ranks = mesh.shape[AXIS]
     region = sizes.low_latency_region_bytes(num_ranks, MAX_EXPERTS, MAX_HIDDEN, MAX_TOKENS, num_topk=MAX_TOPK)
-    return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
-                              num_max_dispatch_tokens_per_rank=MAX_TOKENS, num_nvl_bytes=1 << 20,
-                              num_rdma_bytes=region, config=config)
+    return deep_ep_jax.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=MAX_TOKENS,
+        num_nvl_bytes=1 << 20,
+        num_rdma_bytes=region,
+        config=config,
+    )
 
 
 @pytest.fixture(scope="module")
 def buffers(mesh):
     cuda = _cuda_buffer(mesh)
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
-                             num_max_dispatch_tokens_per_rank=MAX_TOKENS)
+    xla = deep_ep_jax.Buffer(
+        mesh, AXIS, backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=MAX_TOKENS
+    )
     yield cuda, xla
     cuda.destroy()
 
@@ -79,17 +87,26 @@ def _poison(mesh, shapes):
 def _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8):
     num_ranks = mesh.shape[AXIS]
     rows = (num_experts, num_ranks * max_tokens)  # [R * L, R * M] globally
-    shapes = [(rows + (hidden,), ml_dtypes.float8_e4m3fn if use_fp8 else ml_dtypes.bfloat16, 7.0),
-              (rows, np.int32, -7), (rows, np.int32, -7), (rows, np.int32, -7),
-              ((num_ranks * num_tokens, hidden), ml_dtypes.bfloat16, np.nan)]
+    shapes = [
+        (rows + (hidden,), ml_dtypes.float8_e4m3fn if use_fp8 else ml_dtypes.bfloat16, 7.0),
+        (rows, np.int32, -7),
+        (rows, np.int32, -7),
+        (rows, np.int32, -7),
+        ((num_ranks * num_tokens, hidden), ml_dtypes.bfloat16, np.nan),
+    ]
     if use_fp8:
         shapes.append((rows + (hidden // 128,), np.float32, np.nan))
     _poison(mesh, shapes)
 
 
 def _dispatch(buffer, x, idx, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False):
-    kwargs = dict(buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts,
-                  use_fp8=use_fp8, round_scale=round_scale)
+    kwargs = dict(
+        buffer=buffer,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        num_experts=num_experts,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+    )
     if split:
         pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
         recv_x, count, handle = deep_ep_jax.low_latency_dispatch_recv(pending, buffer=buffer)
@@ -155,8 +172,16 @@ def _expert_outputs(xs, num_local, seed):
 
 
 def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, seed=0):
-    xs, count, handle = _dispatch(buffer, x, idx, num_experts=num_experts, max_tokens=max_tokens,
-                                  use_fp8=use_fp8, round_scale=round_scale, split=split)
+    xs, count, handle = _dispatch(
+        buffer,
+        x,
+        idx,
+        num_experts=num_experts,
+        max_tokens=max_tokens,
+        use_fp8=use_fp8,
+        round_scale=round_scale,
+        split=split,
+    )
     y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
     out = _combine(buffer, y, idx, w, handle, split=split)
     return xs, count, handle, out, y
@@ -170,8 +195,9 @@ def _run_both(mesh, buffers, fn, *args, check_vma=False, **kwargs):
         text = run_cuda.lower(*args).as_text()
         assert "deep_ep_jax_low_latency_dispatch" in text or "deep_ep_jax_low_latency_combine" in text
     got = jax.tree.map(np.asarray, run_cuda(*args))
-    want = jax.tree.map(np.asarray, testing.per_rank(functools.partial(fn, xla, **kwargs), mesh, AXIS,
-                                                     check_vma=check_vma)(*args))
+    want = jax.tree.map(
+        np.asarray, testing.per_rank(functools.partial(fn, xla, **kwargs), mesh, AXIS, check_vma=check_vma)(*args)
+    )
     return got, want
 
 
@@ -230,20 +256,26 @@ def _explain_combine(bad, got, want, routing, limit=6):
     w = np.asarray(w, np.float32).reshape(idx.shape)
     valid = _valid_rows(np.asarray(wh.recv_count), wh.recv_src_rank.shape[-1])
     y_bad = (_bits(gy) != _bits(wy)).any(-1) & valid
-    lines = [f"expert outputs y differ between the programs on {y_bad.sum()} of {valid.sum()} valid rows"
-             + (" (the test's y is not reproducible: not a kernel bug)" if y_bad.any() else "")]
+    lines = [
+        f"expert outputs y differ between the programs on {y_bad.sum()} of {valid.sum()} valid rows"
+        + (" (the test's y is not reproducible: not a kernel bug)" if y_bad.any() else "")
+    ]
     host_g, loc = _host_combine(gy, gh, idx, w)
     host_w, _ = _host_combine(wy, wh, idx, w)
     g_ok = ~(_bits(host_g) != _bits(gout)).any(-1)
     w_ok = ~(_bits(host_w) != _bits(wout)).any(-1)
-    lines.append(f"cuda out == host sum of its y on {g_ok.sum()} of {g_ok.size} tokens; "
-                 f"reference out == host sum of its y on {w_ok.sum()} of {w_ok.size} tokens")
+    lines.append(
+        f"cuda out == host sum of its y on {g_ok.sum()} of {g_ok.size} tokens; "
+        f"reference out == host sum of its y on {w_ok.sum()} of {w_ok.size} tokens"
+    )
     for s, t in np.argwhere(bad)[:limit]:
         d = _bits(gout[s, t]) != _bits(wout[s, t])
         diff = np.abs(gout[s, t].astype(np.float32) - wout[s, t].astype(np.float32)).max()
-        lines.append(f"rank {s} token {t}: {d.sum()} of {d.size} channels differ (max |diff| {diff:g}, first at "
-                     f"{np.flatnonzero(d)[:4].tolist()}); cuda out == host(cuda y): {bool(g_ok[s, t])}, "
-                     f"reference out == host(reference y): {bool(w_ok[s, t])}")
+        lines.append(
+            f"rank {s} token {t}: {d.sum()} of {d.size} channels differ (max |diff| {diff:g}, first at "
+            f"{np.flatnonzero(d)[:4].tolist()}); cuda out == host(cuda y): {bool(g_ok[s, t])}, "
+            f"reference out == host(reference y): {bool(w_ok[s, t])}"
+        )
         for k in range(idx.shape[-1]):
             if idx[s, t, k] < 0:
                 continue
@@ -252,9 +284,15 @@ def _explain_combine(bad, got, want, routing, limit=6):
                 lines.append(f"  k={k} expert {idx[s, t, k]}: no received row in the handle")
                 continue
             yd = np.flatnonzero(_bits(gy[r, e, j]) != _bits(wy[r, e, j]))
-            where = f" at {yd[:4].tolist()} (cuda {gy[r, e, j][yd[:4]]}, reference {wy[r, e, j][yd[:4]]})" if yd.size else ""
-            lines.append(f"  k={k} expert {idx[s, t, k]} (rank {r}, local {e}, row {j}), w={w[s, t, k]:.6g}: "
-                         f"y rows differ in {yd.size} channels{where}")
+            where = (
+                f" at {yd[:4].tolist()} (cuda {gy[r, e, j][yd[:4]]}, reference {wy[r, e, j][yd[:4]]})"
+                if yd.size
+                else ""
+            )
+            lines.append(
+                f"  k={k} expert {idx[s, t, k]} (rank {r}, local {e}, row {j}), w={w[s, t, k]:.6g}: "
+                f"y rows differ in {yd.size} channels{where}"
+            )
     return "\n".join(lines)
 
 
@@ -303,8 +341,8 @@ def test_matches_reference(mesh, buffers, kind, use_fp8):
         x, idx, w = _inputs(seed, mesh, num_tokens, hidden, num_experts, topk, kind)
         _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8)
         (gxs, gcount, gh, gout, gy), (wxs, wcount, wh, wout, wy) = _run_both(
-            mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=max_tokens, use_fp8=use_fp8,
-            seed=seed)
+            mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=max_tokens, use_fp8=use_fp8, seed=seed
+        )
         _assert_dispatch_equal((gxs, gcount, gh), (wxs, wcount, wh))
         _assert_combine_equal(gout, wout, explain=((gy, gh), (wy, wh), (idx, w, num_experts)))
         if kind == "rank_empty":  # the skew really happened
@@ -325,8 +363,9 @@ def test_fp8_quantisation(mesh, buffers, round_scale):
     x, idx, w = _inputs(11, mesh, num_tokens, hidden, num_experts, topk, "random")
     x = x * jnp.asarray(np.logspace(-6, 3, hidden, dtype=np.float32)).astype(jnp.bfloat16)  # wide range of scales
     cuda, _ = buffers
-    fn = functools.partial(_dispatch, cuda, num_experts=num_experts, max_tokens=max_tokens, use_fp8=True,
-                           round_scale=round_scale)
+    fn = functools.partial(
+        _dispatch, cuda, num_experts=num_experts, max_tokens=max_tokens, use_fp8=True, round_scale=round_scale
+    )
     (data, scales), count, handle = jax.tree.map(np.asarray, testing.per_rank(fn, mesh, AXIS)(x, idx))
 
     xs = np.asarray(x, np.float32).reshape(num_ranks, num_tokens, hidden)
@@ -376,8 +415,9 @@ def test_split_halves_under_shard_map_defaults(mesh, split_buffers):
     num_ranks = mesh.shape[AXIS]
     x, idx, w = _inputs(23, mesh, 64, 1024, 8 * num_ranks, 4, "random")
     kwargs = dict(num_experts=8 * num_ranks, max_tokens=MAX_TOKENS, use_fp8=False, seed=5)
-    got, want = _run_both(mesh, split_buffers, functools.partial(_step, split=True), x, idx, w, check_vma=True,
-                          **kwargs)
+    got, want = _run_both(
+        mesh, split_buffers, functools.partial(_step, split=True), x, idx, w, check_vma=True, **kwargs
+    )
     _assert_dispatch_equal(got[:3], want[:3])
     _assert_combine_equal(got[3], want[3])
 
@@ -391,8 +431,9 @@ def test_duplicates_and_overflow(mesh, buffers):
     idx[:, 1] = idx[:, 0]  # duplicates in every token
     x = testing.random_rows(32, (num_ranks * num_tokens, hidden))
     idx, w = jnp.asarray(idx), jnp.asarray(w)
-    got, want = _run_both(mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=2 * num_tokens,
-                          use_fp8=False)
+    got, want = _run_both(
+        mesh, buffers, _step, x, idx, w, num_experts=num_experts, max_tokens=2 * num_tokens, use_fp8=False
+    )
     _assert_dispatch_equal(got[:3], want[:3])
     _assert_combine_equal(got[3], want[3], explain=((got[4], got[2]), (want[4], want[2]), (idx, w, num_experts)))
 
@@ -407,17 +448,27 @@ def test_duplicates_and_overflow(mesh, buffers):
 def _backend_round_trip(buffer, x, idx, w, *, num_experts, max_tokens, split, seed):
     """dispatch -> expert outputs -> combine through buffer.ops, the backend
     itself: unlike the public API, nothing sanitises idx first."""
-    ops, kwargs = buffer.ops, dict(num_experts=num_experts, num_max_dispatch_tokens_per_rank=max_tokens,
-                                   use_fp8=False, round_scale=False, buffer=buffer)
+    ops, kwargs = (
+        buffer.ops,
+        dict(
+            num_experts=num_experts,
+            num_max_dispatch_tokens_per_rank=max_tokens,
+            use_fp8=False,
+            round_scale=False,
+            buffer=buffer,
+        ),
+    )
     if split:
-        xs, count, handle = ops.low_latency_dispatch_recv(ops.low_latency_dispatch_send(x, idx, **kwargs),
-                                                          buffer=buffer)
+        xs, count, handle = ops.low_latency_dispatch_recv(
+            ops.low_latency_dispatch_send(x, idx, **kwargs), buffer=buffer
+        )
     else:
         xs, count, handle = ops.low_latency_dispatch(x, idx, **kwargs)
     y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
     if split:
-        out = ops.low_latency_combine_recv(ops.low_latency_combine_send(y, idx, w, handle, buffer=buffer),
-                                           buffer=buffer)
+        out = ops.low_latency_combine_recv(
+            ops.low_latency_combine_send(y, idx, w, handle, buffer=buffer), buffer=buffer
+        )
     else:
         out = ops.low_latency_combine(y, idx, w, handle, buffer=buffer)
     return xs, count, handle, out, y
@@ -468,8 +519,9 @@ def test_many_calls_in_fori_loop(mesh, split_buffers):
     def loop(buffer, x, idx, w):
         def step(i, x, counts, use_fp8, split):
             shifted = jnp.where(idx >= 0, (idx + i) % num_experts, -1)
-            xs, count, handle = _dispatch(buffer, x, shifted, num_experts=num_experts, max_tokens=num_tokens,
-                                          use_fp8=use_fp8, split=split)
+            xs, count, handle = _dispatch(
+                buffer, x, shifted, num_experts=num_experts, max_tokens=num_tokens, use_fp8=use_fp8, split=split
+            )
             out = _combine(buffer, _dequantize(xs), shifted, w, handle, split=split)
             return (out * (1.0 + (i % 5) / 64)).astype(jnp.bfloat16), counts + count
 
@@ -539,8 +591,15 @@ def test_trace_time_errors(mesh, buffers):
         trace(cuda, 9, 256, 4, max_tokens=8)
     with pytest.raises(ValueError, match="top-k"):
         trace(cuda, 8, 256, _native.limits()["low_latency_max_topk"] + 1)
-    small = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=64,
-                               num_nvl_bytes=1 << 20, num_rdma_bytes=1 << 20)
+    small = deep_ep_jax.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=64,
+        num_nvl_bytes=1 << 20,
+        num_rdma_bytes=1 << 20,
+    )
     try:
         with pytest.raises(ValueError, match="too small"):
             trace(small, 64, 4096, 8, max_tokens=64)
@@ -561,7 +620,8 @@ def test_overlapped_send_must_be_received_first(mesh, overlapped_buffers):
         pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
         # The whole dispatch between the halves (XLA orders by data only).
         pending, whole = deep_ep_jax.low_latency_overlap(
-            pending, lambda x, idx: deep_ep_jax.low_latency_dispatch(x, idx, **kwargs), x, idx)
+            pending, lambda x, idx: deep_ep_jax.low_latency_dispatch(x, idx, **kwargs), x, idx
+        )
         return whole, deep_ep_jax.low_latency_dispatch_recv(pending, buffer=cuda)
 
     with pytest.raises(Exception, match="still wait for their receive"):

@@ -51,8 +51,19 @@ def _launch(cases, *, timeout, extra=(), num_processes=None):
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # share the GPUs with this pytest process
     env.pop("XLA_FLAGS", None)  # conftest's CPU device count is not for the workers
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_processes or _num_processes()), "--timeout",
-           str(timeout - 15), *extra, "--", WORKER, *cases]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deep_ep_jax.launch",
+        "-n",
+        str(num_processes or _num_processes()),
+        "--timeout",
+        str(timeout - 15),
+        *extra,
+        "--",
+        WORKER,
+        *cases,
+    ]
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr, time.time() - start
@@ -86,8 +97,9 @@ def test_processes_sharing_gpus():
     num_gpus = len(jax.devices("gpu"))
     ranks_per_gpu = max(2, 8 // num_gpus)
     num_processes = min(8, num_gpus * ranks_per_gpu)
-    code, output, _ = _launch(["shared_gpu"], timeout=280, extra=["--ranks-per-gpu", str(ranks_per_gpu)],
-                              num_processes=num_processes)
+    code, output, _ = _launch(
+        ["shared_gpu"], timeout=280, extra=["--ranks-per-gpu", str(ranks_per_gpu)], num_processes=num_processes
+    )
     _assert_cases_ok(code, output, ["shared_gpu"], num_processes)
 
 
@@ -103,8 +115,11 @@ def test_moe_layer_across_processes(ranks):
     num_processes, extra = _at_least_two_processes() if ranks == "one_per_gpu" else (8, sharing_args(8))
     code, output, elapsed = _launch(["shared_gpu_moe_layer"], timeout=500, extra=extra, num_processes=num_processes)
     _assert_cases_ok(code, output, ["shared_gpu_moe_layer"], num_processes)
-    print(f"{num_processes} processes, {elapsed:.0f} s", *(line for line in output.splitlines() if ": ok (" in line),
-          sep="\n")
+    print(
+        f"{num_processes} processes, {elapsed:.0f} s",
+        *(line for line in output.splitlines() if ": ok (" in line),
+        sep="\n",
+    )
 
 
 def test_sequence_wrap_across_processes():
@@ -134,8 +149,9 @@ def test_dead_peer_process_times_out_with_a_message():
     """The last process kills itself mid-loop; the survivors' next call fails
     within Config.timeout_s (3 s) with the message naming rank and counter."""
     num_processes, sharing = _at_least_two_processes()
-    code, output, elapsed = _launch(["kill"], timeout=240, extra=["--keep-going", *sharing],
-                                    num_processes=num_processes)
+    code, output, elapsed = _launch(
+        ["kill"], timeout=240, extra=["--keep-going", *sharing], num_processes=num_processes
+    )
     assert code != 0, output[-4000:]
     assert "killing myself" in output, output[-4000:]
     assert "NO TIMEOUT" not in output, output[-4000:]
@@ -167,7 +183,8 @@ def test_launch_mismatch_fails_with_a_message():
     """Processes with different Config.num_sms (as GPUs with different SM
     counts would be): intranode kernels (staged) report the mismatch at once."""
     num_processes, sharing = _at_least_two_processes()
-    code, output, elapsed = _launch(["launch_mismatch"], timeout=200, extra=["--keep-going", *sharing],
-                                    num_processes=num_processes)
+    code, output, elapsed = _launch(
+        ["launch_mismatch"], timeout=200, extra=["--keep-going", *sharing], num_processes=num_processes
+    )
     assert_launch_mismatch_reported(code, output, num_processes)
     assert elapsed < 150, elapsed

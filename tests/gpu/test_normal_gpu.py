@@ -64,7 +64,8 @@ def dispatch_combine_runner(buffer, mesh, num_experts, num_worst_tokens):
 
     def fn(x, idx, w, y):
         recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(
-            x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens)
+            x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+        )
         out, out_w = deep_ep_jax.combine(y, handle, recv_w, buffer=buffer)
         xs = tuple(x) if isinstance(x, tuple) else (x,)
         cached_xs, cached_w = buffer.ops.cached_dispatch(xs, w, handle, buffer=buffer)
@@ -73,8 +74,9 @@ def dispatch_combine_runner(buffer, mesh, num_experts, num_worst_tokens):
     return testing.per_rank(fn, mesh, AXIS)
 
 
-def run_case(buffers, mesh, *, seed, num_tokens, hidden, topk, num_experts, kind="random", fp8=False,
-             num_worst_tokens=None):
+def run_case(
+    buffers, mesh, *, seed, num_tokens, hidden, topk, num_experts, kind="random", fp8=False, num_worst_tokens=None
+):
     cuda, xla = buffers
     num_ranks = mesh.shape[AXIS]
     rows = num_worst_tokens or num_tokens * num_ranks
@@ -82,9 +84,18 @@ def run_case(buffers, mesh, *, seed, num_tokens, hidden, topk, num_experts, kind
     idx, w = routing(seed, num_ranks, num_tokens, num_experts, topk, kind)
     y = testing.random_rows(seed + 1, (num_ranks * rows, hidden))
     k = idx.shape[1]
-    poison_allocator(mesh, [((rows, hidden), jnp.bfloat16), ((rows, k), jnp.int32), ((rows, k), jnp.float32),
-                            ((rows,), jnp.int32), ((num_tokens, num_ranks), jnp.int32),
-                            ((num_tokens, hidden), jnp.bfloat16), ((num_tokens, k), jnp.float32)])
+    poison_allocator(
+        mesh,
+        [
+            ((rows, hidden), jnp.bfloat16),
+            ((rows, k), jnp.int32),
+            ((rows, k), jnp.float32),
+            ((rows,), jnp.int32),
+            ((num_tokens, num_ranks), jnp.int32),
+            ((num_tokens, hidden), jnp.bfloat16),
+            ((num_tokens, k), jnp.float32),
+        ],
+    )
     got = dispatch_combine_runner(cuda, mesh, num_experts, num_worst_tokens)(x, idx, w, y)
     want = dispatch_combine_runner(xla, mesh, num_experts, num_worst_tokens)(x, idx, w, y)
     check_same(got, want, fp8)
@@ -95,8 +106,17 @@ def check_same(got, want, fp8):
     recv_x, recv_idx, recv_w, handle, out, out_w, cached_xs, cached_w = got
     w_recv_x, w_recv_idx, w_recv_w, w_handle, w_out, w_out_w, w_cached_xs, w_cached_w = want
     num_recv = np.asarray(handle.num_recv_tokens)
-    for name in ("num_recv_tokens", "num_dropped_tokens", "num_tokens_per_rank", "rank_prefix_matrix",
-                 "is_token_in_rank", "send_pos", "recv_src_idx", "recv_src_rank", "num_recv_tokens_per_expert"):
+    for name in (
+        "num_recv_tokens",
+        "num_dropped_tokens",
+        "num_tokens_per_rank",
+        "rank_prefix_matrix",
+        "is_token_in_rank",
+        "send_pos",
+        "recv_src_idx",
+        "recv_src_rank",
+        "num_recv_tokens_per_expert",
+    ):
         assert_bits_equal(getattr(handle, name), getattr(w_handle, name), f"handle.{name}")
     assert_bits_equal(recv_idx, w_recv_idx, "recv_topk_idx")
     assert_bits_equal(recv_w, w_recv_w, "recv_topk_weights")
@@ -137,10 +157,18 @@ def test_matches_reference(mesh, buffers, kind):
         if kind == "rank_empty" and num_ranks < 2:
             continue
         for repeat in range(2):  # fresh data on the same buffers: stale rows would show
-            got = run_case(buffers, mesh, seed=100 * seed + repeat, num_tokens=num_tokens, hidden=hidden, topk=topk,
-                           num_experts=num_experts, kind=kind)
+            got = run_case(
+                buffers,
+                mesh,
+                seed=100 * seed + repeat,
+                num_tokens=num_tokens,
+                hidden=hidden,
+                topk=topk,
+                num_experts=num_experts,
+                kind=kind,
+            )
         if kind == "rank_empty":
-            assert (np.asarray(got[3].num_recv_tokens)[-1] == 0)
+            assert np.asarray(got[3].num_recv_tokens)[-1] == 0
         if kind == "random" and num_tokens > 1:
             assert (np.asarray(got[3].num_recv_tokens) > 0).all()
 
@@ -149,8 +177,16 @@ def test_matches_reference(mesh, buffers, kind):
 def test_topk_range(mesh, buffers):
     num_ranks = mesh.shape[AXIS]
     for topk in range(1, 10):
-        run_case(buffers, mesh, seed=topk, num_tokens=77, hidden=2048, topk=topk, num_experts=16 * num_ranks,
-                 kind="minus_one")
+        run_case(
+            buffers,
+            mesh,
+            seed=topk,
+            num_tokens=77,
+            hidden=2048,
+            topk=topk,
+            num_experts=16 * num_ranks,
+            kind="minus_one",
+        )
 
 
 @gpu
@@ -158,8 +194,17 @@ def test_topk_range(mesh, buffers):
 def test_fp8_pairs(mesh, buffers, kind):
     num_ranks = mesh.shape[AXIS]
     for seed, (num_tokens, hidden, topk, num_experts) in enumerate(cases(num_ranks)):
-        run_case(buffers, mesh, seed=seed, num_tokens=num_tokens, hidden=hidden, topk=topk, num_experts=num_experts,
-                 kind=kind, fp8=True)
+        run_case(
+            buffers,
+            mesh,
+            seed=seed,
+            num_tokens=num_tokens,
+            hidden=hidden,
+            topk=topk,
+            num_experts=num_experts,
+            kind=kind,
+            fp8=True,
+        )
     # hidden 128 * 3: scale rows of 12 bytes, not a multiple of 16.
     run_case(buffers, mesh, seed=99, num_tokens=65, hidden=384, topk=3, num_experts=4 * num_ranks, kind=kind, fp8=True)
 
@@ -171,8 +216,17 @@ def test_num_worst_tokens_smaller(mesh, buffers, fraction):
     num_tokens = 256
     rows = max(1, int(fraction * num_tokens * num_ranks))
     for kind in ("random", "one_expert"):
-        got = run_case(buffers, mesh, seed=rows, num_tokens=num_tokens, hidden=2048, topk=8,
-                       num_experts=32 * num_ranks, kind=kind, num_worst_tokens=rows)
+        got = run_case(
+            buffers,
+            mesh,
+            seed=rows,
+            num_tokens=num_tokens,
+            hidden=2048,
+            topk=8,
+            num_experts=32 * num_ranks,
+            kind=kind,
+            num_worst_tokens=rows,
+        )
         assert np.asarray(got[3].num_dropped_tokens).sum() > 0
 
 
@@ -186,8 +240,7 @@ def test_launch_configs(mesh, num_sms, chunk_tokens, num_warps):
     cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", config=deep_ep_jax.Config(**fields))
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
-        run_case((cuda, xla), mesh, seed=num_sms, num_tokens=500, hidden=4096, topk=8, num_experts=64,
-                 kind="minus_one")
+        run_case((cuda, xla), mesh, seed=num_sms, num_tokens=500, hidden=4096, topk=8, num_experts=64, kind="minus_one")
     finally:
         cuda.destroy()
 
@@ -200,10 +253,29 @@ def test_staged_fallback(mesh, monkeypatch):
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
         for fp8 in (False, True):
-            run_case((cuda, xla), mesh, seed=5, num_tokens=300, hidden=2048, topk=8, num_experts=16 * num_ranks,
-                     kind="random", fp8=fp8)
-            run_case((cuda, xla), mesh, seed=6, num_tokens=300, hidden=2048, topk=8, num_experts=16 * num_ranks,
-                     kind="one_expert", fp8=fp8, num_worst_tokens=100)
+            run_case(
+                (cuda, xla),
+                mesh,
+                seed=5,
+                num_tokens=300,
+                hidden=2048,
+                topk=8,
+                num_experts=16 * num_ranks,
+                kind="random",
+                fp8=fp8,
+            )
+            run_case(
+                (cuda, xla),
+                mesh,
+                seed=6,
+                num_tokens=300,
+                hidden=2048,
+                topk=8,
+                num_experts=16 * num_ranks,
+                kind="one_expert",
+                fp8=fp8,
+                num_worst_tokens=100,
+            )
     finally:
         cuda.destroy()
 
@@ -241,7 +313,8 @@ def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
 
         rows = testing.random_rows(43, (num_ranks * num_rows, hidden))
         recv_wild, out_wild, recv_dropped, out_dropped, send_pos, num_bad = testing.per_rank(run, mesh, AXIS)(
-            x, jnp.asarray(idx), jnp.asarray(w), rows)
+            x, jnp.asarray(idx), jnp.asarray(w), rows
+        )
         assert int(np.asarray(num_bad).sum()) > 0
         assert_bits_equal(out_wild, out_dropped, "combine of out-of-range rows")
         # Cached dispatch: every row the handles still send is the source's token, under both handles.
@@ -275,6 +348,7 @@ def test_combine_of_a_constant_fails_clearly(mesh):
                 # Without an argument: numpy rows captured by the program, a constant of it.
                 r = arg_rows[0] if arg_rows else jnp.asarray(rows)
                 return deep_ep_jax.combine(r, handle, buffer=buffer)
+
             return testing.per_rank(run, mesh, AXIS)
 
         args = (x, jnp.asarray(idx), jnp.asarray(w))
@@ -282,8 +356,9 @@ def test_combine_of_a_constant_fails_clearly(mesh):
             np.asarray(runner(cuda)(*args))
         per_rank_rows = jnp.tile(jnp.asarray(rows), (num_ranks, 1))
         xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-        assert_bits_equal(runner(cuda)(*args, per_rank_rows), runner(xla)(*args, per_rank_rows),
-                          "combine of argument rows")
+        assert_bits_equal(
+            runner(cuda)(*args, per_rank_rows), runner(xla)(*args, per_rank_rows), "combine of argument rows"
+        )
     finally:
         cuda.destroy()
 
@@ -308,20 +383,56 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
     try:
         kinds = [k for k in testing.ROUTING_KINDS if k != "rank_empty" or num_ranks >= 2]
         for seed, kind in enumerate(kinds):
-            got = run_case((cuda, xla), mesh, seed=10 + seed, num_tokens=333, hidden=2048, topk=8,
-                           num_experts=16 * num_ranks, kind=kind)
+            got = run_case(
+                (cuda, xla),
+                mesh,
+                seed=10 + seed,
+                num_tokens=333,
+                hidden=2048,
+                topk=8,
+                num_experts=16 * num_ranks,
+                kind=kind,
+            )
             if kind == "rank_empty":
                 assert np.asarray(got[3].num_recv_tokens)[-1] == 0
             if kind == "one_expert":
                 assert (np.asarray(got[3].num_recv_tokens)[1:] == 0).all()
-            got = run_case((cuda, xla), mesh, seed=20 + seed, num_tokens=333, hidden=1024, topk=3,
-                           num_experts=4 * num_ranks, kind=kind, num_worst_tokens=97)
+            got = run_case(
+                (cuda, xla),
+                mesh,
+                seed=20 + seed,
+                num_tokens=333,
+                hidden=1024,
+                topk=3,
+                num_experts=4 * num_ranks,
+                kind=kind,
+                num_worst_tokens=97,
+            )
             if kind in ("random", "one_expert"):
                 assert np.asarray(got[3].num_dropped_tokens).sum() > 0
-        run_case((cuda, xla), mesh, seed=30, num_tokens=200, hidden=2048, topk=8, num_experts=16 * num_ranks,
-                 kind="one_expert", fp8=True, num_worst_tokens=150)
-        run_case((cuda, xla), mesh, seed=31, num_tokens=65, hidden=384, topk=3, num_experts=4 * num_ranks,
-                 kind="minus_one", fp8=True)
+        run_case(
+            (cuda, xla),
+            mesh,
+            seed=30,
+            num_tokens=200,
+            hidden=2048,
+            topk=8,
+            num_experts=16 * num_ranks,
+            kind="one_expert",
+            fp8=True,
+            num_worst_tokens=150,
+        )
+        run_case(
+            (cuda, xla),
+            mesh,
+            seed=31,
+            num_tokens=65,
+            hidden=384,
+            topk=3,
+            num_experts=4 * num_ranks,
+            kind="minus_one",
+            fp8=True,
+        )
         run_case((cuda, xla), mesh, seed=32, num_tokens=1, hidden=2048, topk=1, num_experts=num_ranks, kind="random")
     finally:
         cuda.destroy()
@@ -340,8 +451,17 @@ def test_staged_exact_region(mesh, monkeypatch):
     xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
     try:
         for seed, kind in enumerate(("random", "one_expert")):
-            run_case((cuda, xla), mesh, seed=seed, num_tokens=num_tokens, hidden=hidden, topk=topk,
-                     num_experts=16 * num_ranks, kind=kind, num_worst_tokens=rows)
+            run_case(
+                (cuda, xla),
+                mesh,
+                seed=seed,
+                num_tokens=num_tokens,
+                hidden=hidden,
+                topk=topk,
+                num_experts=16 * num_ranks,
+                kind=kind,
+                num_worst_tokens=rows,
+            )
     finally:
         cuda.destroy()
 
@@ -360,8 +480,9 @@ def test_staged_many_calls(mesh, monkeypatch):
         idx, w = routing(1, num_ranks, 96, num_experts, 3, "minus_one")
         got = _loop_runner(cuda, mesh, num_experts, 300)(x, idx, w)
         want = _loop_runner(xla, mesh, num_experts, 300)(x, idx, w)
-        for name, g, wv in zip(("sum of combined rows", "sum of combined weights", "sum of num_recv_tokens"), got,
-                               want):
+        for name, g, wv in zip(
+            ("sum of combined rows", "sum of combined weights", "sum of num_recv_tokens"), got, want
+        ):
             assert_bits_equal(g, wv, name)
     finally:
         cuda.destroy()
@@ -400,7 +521,7 @@ def _moe_matmul_grads(buffer, mesh, num_experts):
             for k in range(recv_idx.shape[1]):
                 wk = experts[jnp.clip(recv_idx[:, k], 0, num_experts // num_ranks - 1)]  # [N, H, H]
                 yk = jnp.einsum("nh,nhg->ng", h, wk)
-                y = y + jnp.where(recv_idx[:, k:k + 1] >= 0, recv_w[:, k:k + 1] * yk, 0.0)
+                y = y + jnp.where(recv_idx[:, k : k + 1] >= 0, recv_w[:, k : k + 1] * yk, 0.0)
             out = deep_ep_jax.combine(y.astype(jnp.bfloat16), handle, buffer=buffer)
             return jnp.sum(out.astype(jnp.float32) * probe)
 
@@ -453,16 +574,18 @@ def test_gradients_moe_matmul(mesh, buffers):
     x = testing.random_rows(1, (num_ranks * num_tokens, hidden))
     idx, w = routing(2, num_ranks, num_tokens, num_experts, 2, "random")
     # Global [E, H, H]: rank r holds its E/R experts.
-    experts = jnp.asarray(np.random.default_rng(5).standard_normal((num_experts, hidden, hidden), np.float32)
-                          / np.sqrt(hidden))
+    experts = jnp.asarray(
+        np.random.default_rng(5).standard_normal((num_experts, hidden, hidden), np.float32) / np.sqrt(hidden)
+    )
     probe = testing.random_rows(3, (num_ranks * num_tokens, hidden)).astype(jnp.float32)
     got = _moe_matmul_grads(cuda, mesh, num_experts)(x, w, idx, experts, probe)
     want = _moe_matmul_grads(xla, mesh, num_experts)(x, w, idx, experts, probe)
     # The matmuls are compiled separately in the two programs; the
     # communication is exact, the expert math agrees to rounding.
     for name, g, wv in zip(("x", "topk_weights", "experts"), got, want):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(wv, np.float32), rtol=2e-2, atol=2e-2,
-                                   err_msg=f"grad {name}")
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(wv, np.float32), rtol=2e-2, atol=2e-2, err_msg=f"grad {name}"
+        )
 
 
 # Many calls, command buffers --------------------------------------------------------
@@ -583,13 +706,22 @@ def _run_chain_worker(tmp_path, name, xla_flags, seeds):
     dump = out / "dump"
     dump.mkdir(parents=True)
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds most of the memory
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
-                         f"--xla_dump_hlo_module_re=.*command_buffer_chain.* {xla_flags}")
-    result = subprocess.run([sys.executable, "-c", CHAIN_WORKER, str(ROOT / "tests" / "gpu"), str(out)]
-                            + [str(s) for s in seeds], capture_output=True, text=True, env=env, timeout=300,
-                            check=False)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(path),
+        PYTHONUNBUFFERED="1",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",  # this process holds most of the memory
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+        f"--xla_dump_hlo_module_re=.*command_buffer_chain.* {xla_flags}",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", CHAIN_WORKER, str(ROOT / "tests" / "gpu"), str(out)] + [str(s) for s in seeds],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, f"{name} worker failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
     num_calls = int(re.search(r"deep_ep_jax custom calls: (\d+)", result.stdout).group(1))
     outputs = {seed: np.load(out / f"out_{seed}.npy") for seed in seeds}
@@ -607,8 +739,8 @@ def test_command_buffers(mesh, buffers, tmp_path):
     _, xla = buffers
     seeds = [int(s) for s in np.random.default_rng().integers(1 << 30, size=len(CHAIN_KINDS))]
     graph, graph_calls, graph_dump = _run_chain_worker(
-        tmp_path, "graph", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
-        seeds)
+        tmp_path, "graph", "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1", seeds
+    )
     plain, plain_calls, plain_dump = _run_chain_worker(tmp_path, "plain", "--xla_gpu_enable_command_buffer=", seeds)
     reference = chain_runner(xla, mesh)
     for seed, kind in zip(seeds, CHAIN_KINDS):
@@ -619,27 +751,35 @@ def test_command_buffers(mesh, buffers, tmp_path):
     assert graph_calls == plain_calls == 6, (graph_calls, plain_calls)  # 3 dispatches, 3 combines
     inside, outside, dumps = graph_dump
     assert inside >= graph_calls and outside == 0, (
-        f"command buffers on: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}")
+        f"command buffers on: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}"
+    )
     # The same count without command buffers: the check above tells the two apart.
     inside, outside, dumps = plain_dump
     assert inside == 0 and outside >= plain_calls, (
-        f"command buffers off: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}")
+        f"command buffers off: {inside} custom-call thunks inside command buffers, {outside} outside; dumps {dumps}"
+    )
 
 
 # CPU: trace-time checks and the size hint ---------------------------------------
 
 
 def _stand_in(num_ranks=2, num_nvl_bytes=1 << 16, config=None, staged=False):
-    return testing.stand_in_cuda_buffer(num_ranks, axis_name=AXIS, num_nvl_bytes=num_nvl_bytes,
-                                        config=config or deep_ep_jax.Config(), staged=staged)
+    return testing.stand_in_cuda_buffer(
+        num_ranks, axis_name=AXIS, num_nvl_bytes=num_nvl_bytes, config=config or deep_ep_jax.Config(), staged=staged
+    )
 
 
 def _trace_dispatch(buffer, x, topk=4, num_experts=8, num_worst_tokens=None):
     idx = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.int32)
     w = jax.ShapeDtypeStruct((x.shape[0], topk), jnp.float32)
     return jax.eval_shape(
-        lambda x, idx, w: intranode.dispatch((x,), idx, w, num_experts=num_experts,
-                                             num_worst_tokens=num_worst_tokens, buffer=buffer), x, idx, w)
+        lambda x, idx, w: intranode.dispatch(
+            (x,), idx, w, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
+        ),
+        x,
+        idx,
+        w,
+    )
 
 
 @pytest.mark.extension
@@ -720,5 +860,9 @@ def test_region_hint_cpu():
     assert sizes.normal_region_bytes(2, 2048, 200, staged=True) > hint
     # A Buffer with the hint passes the trace-time check of such a dispatch.
     x = jax.ShapeDtypeStruct((100, 2048), jnp.bfloat16)
-    _trace_dispatch(_stand_in(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True), x,
-                    topk=16, num_experts=32)
+    _trace_dispatch(
+        _stand_in(num_nvl_bytes=hint, config=deep_ep_jax.Config(chunk_tokens=1), staged=True),
+        x,
+        topk=16,
+        num_experts=32,
+    )

@@ -84,9 +84,15 @@ def normal_buffer(mesh):
 
 @pytest.fixture(scope="module")
 def low_latency_buffer(mesh):
-    buffer = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
-                                num_max_dispatch_tokens_per_rank=LOW_LATENCY_TOKENS, hidden=HIDDEN,
-                                num_experts=NUM_EXPERTS)
+    buffer = deep_ep_jax.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=LOW_LATENCY_TOKENS,
+        hidden=HIDDEN,
+        num_experts=NUM_EXPERTS,
+    )
     yield buffer
     buffer.destroy()
 
@@ -150,8 +156,9 @@ def normal_step(buffer):
     def step(x, idx, w, y, g_out, g_out_w):
         layout = deep_ep_jax.get_dispatch_layout(idx, num_experts=NUM_EXPERTS, buffer=buffer)
         recv_x, recv_idx, recv_w, handle = deep_ep_jax.dispatch(x, idx, w, num_experts=NUM_EXPERTS, buffer=buffer)
-        (out, out_w), combine_vjp = jax.vjp(lambda y, recv_w: deep_ep_jax.combine(y, handle, recv_w, buffer=buffer),
-                                            y, recv_w)
+        (out, out_w), combine_vjp = jax.vjp(
+            lambda y, recv_w: deep_ep_jax.combine(y, handle, recv_w, buffer=buffer), y, recv_w
+        )
         return recv_x, recv_idx, recv_w, handle, out, out_w, layout, combine_vjp((g_out, g_out_w))
 
     return step
@@ -177,12 +184,20 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
     g_out, g_out_w = random_bf16(rng, (R * T, H)), rng.standard_normal((R * T, K), np.float32)
 
     data_dtype = ml_dtypes.float8_e4m3fn if fp8 else ml_dtypes.bfloat16
-    outputs = [((N, H), data_dtype), ((N, K), np.int32), ((N, K), np.float32), ((N,), np.int32),
-               ((T, H), ml_dtypes.bfloat16), ((T, K), np.float32), ((N, H), ml_dtypes.bfloat16), ((T, R), np.bool_)]
+    outputs = [
+        ((N, H), data_dtype),
+        ((N, K), np.int32),
+        ((N, K), np.float32),
+        ((N,), np.int32),
+        ((T, H), ml_dtypes.bfloat16),
+        ((T, K), np.float32),
+        ((N, H), ml_dtypes.bfloat16),
+        ((T, R), np.bool_),
+    ]
     poison_allocator(mesh, outputs + ([((N, H // 128), np.float32)] if fp8 else []))
     recv_x, recv_idx, recv_w, handle, out, out_w, layout, (g_y, g_recv_w) = run_per_rank(
-        buffer, mesh, normal_step(buffer), x_in, jnp.asarray(idx), jnp.asarray(w), y.reshape(R * N, H), g_out,
-        g_out_w)
+        buffer, mesh, normal_step(buffer), x_in, jnp.asarray(idx), jnp.asarray(w), y.reshape(R * N, H), g_out, g_out_w
+    )
 
     where = f"normal mode, {kind}, {'FP8' if fp8 else 'bf16'}, seed {seed}"
     epr = E // R
@@ -210,8 +225,11 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
         per_rank, per_global_expert, in_rank = oracle.layout(idxs[r], E, R)
         np.testing.assert_array_equal(handle.num_tokens_per_rank[r], per_rank, err_msg=where)
         np.testing.assert_array_equal(handle.is_token_in_rank[r], in_rank, err_msg=where)
-        for name, got, want in zip(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"), layout,
-                                   (per_rank, per_global_expert, in_rank)):
+        for name, got, want in zip(
+            ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
+            layout,
+            (per_rank, per_global_expert, in_rank),
+        ):
             np.testing.assert_array_equal(got[r], want, err_msg=f"{where}: get_dispatch_layout's {name}")
         # Combine's backward: row i gets the cotangent of token src[i] of rank rank[i]; padding rows 0.
         assert_bits_equal(g_y[r, :n], g_out[rank * T + src], f"{where}: rank {r} combine's row gradients")
@@ -247,8 +265,14 @@ def test_normal_mode_fp8(mesh, normal_buffer, kind, rng):
 def low_latency_step(buffer, use_fp8, round_scale):
     def step(x, idx, w, y):
         recv_x, count, handle = deep_ep_jax.low_latency_dispatch(
-            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=LOW_LATENCY_TOKENS, num_experts=NUM_EXPERTS,
-            use_fp8=use_fp8, round_scale=round_scale)
+            x,
+            idx,
+            buffer=buffer,
+            num_max_dispatch_tokens_per_rank=LOW_LATENCY_TOKENS,
+            num_experts=NUM_EXPERTS,
+            use_fp8=use_fp8,
+            round_scale=round_scale,
+        )
         out = deep_ep_jax.low_latency_combine(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, out
 
@@ -273,11 +297,24 @@ def check_low_latency(buffer, mesh, kind, use_fp8, round_scale, seed, exact_divi
             y[r, e, : counts[r, e]] = random_bf16(rng, (counts[r, e], H))
 
     data_dtype = ml_dtypes.float8_e4m3fn if use_fp8 else ml_dtypes.bfloat16
-    outputs = [((L, R * M, H), data_dtype), ((L,), np.int32), ((L, R * M), np.int32), ((L, R * M), np.int32),
-               ((L, R * M), np.int32), ((T, H), ml_dtypes.bfloat16)]
+    outputs = [
+        ((L, R * M, H), data_dtype),
+        ((L,), np.int32),
+        ((L, R * M), np.int32),
+        ((L, R * M), np.int32),
+        ((L, R * M), np.int32),
+        ((T, H), ml_dtypes.bfloat16),
+    ]
     poison_allocator(mesh, outputs + ([((L, R * M, H // 128), np.float32)] if use_fp8 else []))
-    recv_x, count, handle, out = run_per_rank(buffer, mesh, low_latency_step(buffer, use_fp8, round_scale), x,
-                                              jnp.asarray(idx), jnp.asarray(w), y.reshape(R * L, R * M, H))
+    recv_x, count, handle, out = run_per_rank(
+        buffer,
+        mesh,
+        low_latency_step(buffer, use_fp8, round_scale),
+        x,
+        jnp.asarray(idx),
+        jnp.asarray(w),
+        y.reshape(R * L, R * M, H),
+    )
 
     where = f"low-latency, {kind}, {'FP8' if use_fp8 else 'bf16'}{', round_scale' if round_scale else ''}, seed {seed}"
     np.testing.assert_array_equal(count, counts, err_msg=f"{where}: recv_count")
@@ -300,9 +337,11 @@ def check_low_latency(buffer, mesh, kind, use_fp8, round_scale, seed, exact_divi
             bounds = [oracle.fp8_values(xs, scales, u)[s, t] for u in (-DIVISION_ULPS, DIVISION_ULPS)]
             low, high = np.minimum(*bounds), np.maximum(*bounds)
             outside = np.argwhere((got < low) | (got > high))
-            assert not len(outside), (f"{where}: {len(outside)} FP8 values outside the division's bounds, first at "
-                                      f"{outside[:4].tolist()}: {got[tuple(outside[0])]} not in "
-                                      f"[{low[tuple(outside[0])]}, {high[tuple(outside[0])]}]")
+            assert not len(outside), (
+                f"{where}: {len(outside)} FP8 values outside the division's bounds, first at "
+                f"{outside[:4].tolist()}: {got[tuple(outside[0])]} not in "
+                f"[{low[tuple(outside[0])]}, {high[tuple(outside[0])]}]"
+            )
     else:
         assert_bits_equal(recv_x[r, e, j], x.reshape(R, T, H)[s, t], f"{where}: rows")
     if kind == "rank_empty":  # the skew really happened
@@ -319,8 +358,10 @@ def test_low_latency_bf16(mesh, low_latency_buffer, kind, rng):
     check_low_latency(low_latency_buffer, mesh, kind, False, False, int(rng.integers(1 << 31)), exact_division=False)
 
 
-@pytest.mark.parametrize("kind,round_scale", [("random", False), ("one_expert", False), ("minus_one", False),
-                                              ("random", True), ("rank_empty", True)])
+@pytest.mark.parametrize(
+    "kind,round_scale",
+    [("random", False), ("one_expert", False), ("minus_one", False), ("random", True), ("rank_empty", True)],
+)
 def test_low_latency_fp8(mesh, low_latency_buffer, kind, round_scale, rng):
     seed = int(rng.integers(1 << 31))
     check_low_latency(low_latency_buffer, mesh, kind, True, round_scale, seed, exact_division=False)

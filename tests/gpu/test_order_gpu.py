@@ -83,12 +83,15 @@ ROUND_TRIPS = PRELUDE + textwrap.dedent(
 # The same program with the chain cut: every call takes a fresh state holding
 # its own position, so nothing orders the calls but XLA's schedule; the
 # device checks must then stop any other order with a message.
-UNCHAINED = ROUND_TRIPS.replace("run_cuda, run_ref = program(cuda), program(ref)", """
+UNCHAINED = ROUND_TRIPS.replace(
+    "run_cuda, run_ref = program(cuda), program(ref)",
+    """
 import itertools
 from deep_ep_jax.comm import ordering
 positions = itertools.count()
 ordering.take = lambda buffer: jnp.full((1,), next(positions), jnp.int32)
-run_cuda, run_ref = program(cuda), program(ref)""")
+run_cuda, run_ref = program(cuda), program(ref)""",
+)
 
 # Ranks at different positions of the chain: rank r claims position 5 * r.
 MISMATCH = PRELUDE + textwrap.dedent(
@@ -130,8 +133,7 @@ OVERLAP = PRELUDE + textwrap.dedent(
 def _run(script, *args, xla_flags=""):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + xla_flags).strip()
-    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240,
-                            env=env)
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=240, env=env)
     return result, result.stdout + result.stderr
 
 

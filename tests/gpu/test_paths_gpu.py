@@ -32,10 +32,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def _run_python(args, timeout=180):
     """A Python process of its own (this one holds most of the GPU memory)."""
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
-                          check=False, cwd=ROOT)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", XLA_PYTHON_CLIENT_PREALLOCATE="false"
+    )
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout, check=False, cwd=ROOT
+    )
 
 
 def _roundtrip(buffer, num_experts):
@@ -53,8 +55,11 @@ def _assert_same_bits(got, want, what):
     num_recv = np.asarray(w_rest[2].num_recv_tokens)
     assert (np.asarray(g_rest[2].num_recv_tokens) == num_recv).all(), what
     for r, n in enumerate(num_recv):
-        np.testing.assert_array_equal(np.asarray(g_x)[r, :n].view(np.uint16), np.asarray(w_x)[r, :n].view(np.uint16),
-                                      err_msg=f"{what}: received rows of rank {r}")
+        np.testing.assert_array_equal(
+            np.asarray(g_x)[r, :n].view(np.uint16),
+            np.asarray(w_x)[r, :n].view(np.uint16),
+            err_msg=f"{what}: received rows of rank {r}",
+        )
     for g, w in zip(jax.tree.leaves(g_rest), jax.tree.leaves(w_rest)):
         g, w = np.asarray(g), np.asarray(w)
         np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=what)
@@ -66,8 +71,9 @@ def test_auto_backend_is_cuda_on_gpus(mesh):
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, num_experts = 96, 1024, 8 * num_ranks
     auto = dej.Buffer(mesh, AXIS)
-    ll = dej.Buffer(mesh, AXIS, low_latency_mode=True, num_max_dispatch_tokens_per_rank=32, hidden=hidden,
-                    num_experts=num_experts)
+    ll = dej.Buffer(
+        mesh, AXIS, low_latency_mode=True, num_max_dispatch_tokens_per_rank=32, hidden=hidden, num_experts=num_experts
+    )
     xla = dej.Buffer(mesh, AXIS, backend="xla")
     try:
         assert _native.unavailable_reason() is None
@@ -96,8 +102,16 @@ def test_checks_mode_on_cuda(mesh):
     checks = dej.Config(checks=True)
     checked = dej.Buffer(mesh, AXIS, backend="cuda", config=checks)
     plain = dej.Buffer(mesh, AXIS, backend="cuda")
-    ll = dej.Buffer(mesh, AXIS, backend="cuda", config=checks, low_latency_mode=True,
-                    num_max_dispatch_tokens_per_rank=num_tokens, hidden=hidden, num_experts=num_experts)
+    ll = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        config=checks,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=num_tokens,
+        hidden=hidden,
+        num_experts=num_experts,
+    )
     try:
         idx, w = dt.make_routing(81, num_ranks * num_tokens, num_experts, topk, num_ranks)
         x = dt.random_rows(82, (num_ranks * num_tokens, hidden))
@@ -106,12 +120,22 @@ def test_checks_mode_on_cuda(mesh):
         bad_ids = rf"topk_idx holds expert ids outside \[-1, {num_experts}\) \(on 1 of {num_ranks} ranks\)"
 
         def dispatch(buffer, num_worst_tokens=None):
-            return dej.checked(dt.per_rank(lambda x, idx, w: dej.dispatch(
-                x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens), mesh, AXIS))
+            return dej.checked(
+                dt.per_rank(
+                    lambda x, idx, w: dej.dispatch(
+                        x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+                    ),
+                    mesh,
+                    AXIS,
+                )
+            )
 
         def get_layout(buffer):
-            return dej.checked(dt.per_rank(lambda idx: dej.get_dispatch_layout(
-                idx, num_experts=num_experts, buffer=buffer), mesh, AXIS))
+            return dej.checked(
+                dt.per_rank(
+                    lambda idx: dej.get_dispatch_layout(idx, num_experts=num_experts, buffer=buffer), mesh, AXIS
+                )
+            )
 
         checked_dispatch, checked_layout = dispatch(checked), get_layout(checked)
         _assert_same_bits(checked_dispatch(x, idx, w), dispatch(plain)(x, idx, w), "dispatch with checks")
@@ -121,12 +145,22 @@ def test_checks_mode_on_cuda(mesh):
             checked_dispatch(x, bad, w)
         with pytest.raises(dej.CheckError, match=f"^get_dispatch_layout: {bad_ids}$"):
             checked_layout(bad)
-        with pytest.raises(dej.CheckError, match=rf"^dispatch: more rows arrived than num_worst_tokens=8; "
-                                                 rf"the excess was dropped \(on {num_ranks} of {num_ranks} ranks\)$"):
+        with pytest.raises(
+            dej.CheckError,
+            match=rf"^dispatch: more rows arrived than num_worst_tokens=8; "
+            rf"the excess was dropped \(on {num_ranks} of {num_ranks} ranks\)$",
+        ):
             dispatch(checked, num_worst_tokens=8)(x, idx, w)
 
-        low_latency_dispatch = dej.checked(dt.per_rank(lambda x, idx: dej.low_latency_dispatch(
-            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=num_tokens, num_experts=num_experts), mesh, AXIS))
+        low_latency_dispatch = dej.checked(
+            dt.per_rank(
+                lambda x, idx: dej.low_latency_dispatch(
+                    x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=num_tokens, num_experts=num_experts
+                ),
+                mesh,
+                AXIS,
+            )
+        )
         _, count, _ = low_latency_dispatch(x, idx)
         assert np.asarray(count).sum() == int((np.asarray(idx) >= 0).sum())
         with pytest.raises(dej.CheckError, match=f"^low_latency_dispatch: {bad_ids}$"):
@@ -146,19 +180,30 @@ def test_low_latency_combine_errors_on_cuda(mesh):
     max_tokens, hidden, num_experts, topk = 16, 256, 64 * num_ranks, 8
     num_local = num_experts // num_ranks
     region = sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens,
-                        num_rdma_bytes=region)  # no hidden=: the API leaves the combine's hidden to the kernels
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        num_rdma_bytes=region,
+    )  # no hidden=: the API leaves the combine's hidden to the kernels
     i32 = jnp.int32
 
     def trace_combine(combine, combine_hidden, combine_topk):
         """Per rank: x [E/R, R*M, H], the handle's arrays [E/R, R*M], top-k [M, K]."""
         rows = (num_ranks * num_local, num_ranks * max_tokens)
-        handle = dej.LowLatencyHandle(*(jax.ShapeDtypeStruct(shape, i32) for shape in
-                                        ((num_ranks * num_local,), rows, rows, rows)),
-                                      num_tokens=max_tokens, num_topk=combine_topk)  # as a dispatch of this top-k
-        args = (jax.ShapeDtypeStruct(rows + (combine_hidden,), jnp.bfloat16),
-                jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), i32),
-                jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), jnp.float32), handle)
+        handle = dej.LowLatencyHandle(
+            *(jax.ShapeDtypeStruct(shape, i32) for shape in ((num_ranks * num_local,), rows, rows, rows)),
+            num_tokens=max_tokens,
+            num_topk=combine_topk,
+        )  # as a dispatch of this top-k
+        args = (
+            jax.ShapeDtypeStruct(rows + (combine_hidden,), jnp.bfloat16),
+            jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), i32),
+            jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), jnp.float32),
+            handle,
+        )
         jax.eval_shape(dt.per_rank(lambda x, idx, w, h: combine(x, idx, w, h, buffer=buffer), mesh, AXIS), *args)
 
     max_topk = _native.limits()["low_latency_max_topk"]
@@ -168,23 +213,34 @@ def test_low_latency_combine_errors_on_cuda(mesh):
             trace_combine(combine, hidden, topk)  # fine
             with pytest.raises(ValueError, match=f"^{name}: hidden must be a multiple of 8, got 100"):
                 trace_combine(combine, 100, topk)
-            with pytest.raises(ValueError, match=rf"^{name}: top-k must be in \[1, {max_topk}\] for the CUDA kernels, "
-                                                 rf"got {max_topk + 1}"):
+            with pytest.raises(
+                ValueError,
+                match=rf"^{name}: top-k must be in \[1, {max_topk}\] for the CUDA kernels, "
+                rf"got {max_topk + 1}",
+            ):
                 trace_combine(combine, hidden, max_topk + 1)
-            with pytest.raises(ValueError, match=f"^{name}: the buffer's low-latency region is too small for "
-                                                 f"M={max_tokens}, top-k={topk}"):
+            with pytest.raises(
+                ValueError,
+                match=f"^{name}: the buffer's low-latency region is too small for M={max_tokens}, top-k={topk}",
+            ):
                 trace_combine(combine, 7168, topk)
 
         def receive_a_dispatch(x, idx):
-            pending = dej.low_latency_dispatch_send(x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens,
-                                                    num_experts=num_experts)
+            pending = dej.low_latency_dispatch_send(
+                x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts
+            )
             return dej.low_latency_combine_recv(pending, buffer=buffer)
 
-        with pytest.raises(TypeError, match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
-                                            "returned, got low_latency_dispatch_send's"):
-            jax.eval_shape(dt.per_rank(receive_a_dispatch, mesh, AXIS),
-                           jax.ShapeDtypeStruct((num_ranks * max_tokens, hidden), jnp.bfloat16),
-                           jax.ShapeDtypeStruct((num_ranks * max_tokens, topk), i32))
+        with pytest.raises(
+            TypeError,
+            match="^low_latency_combine_recv: pending must be what low_latency_combine_send "
+            "returned, got low_latency_dispatch_send's",
+        ):
+            jax.eval_shape(
+                dt.per_rank(receive_a_dispatch, mesh, AXIS),
+                jax.ShapeDtypeStruct((num_ranks * max_tokens, hidden), jnp.bfloat16),
+                jax.ShapeDtypeStruct((num_ranks * max_tokens, topk), i32),
+            )
     finally:
         buffer.destroy()
 

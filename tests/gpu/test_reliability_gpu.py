@@ -89,8 +89,11 @@ def test_determinism_normal(mesh, rng):
     once, twice = dt.per_rank(two_round_trips, mesh, AXIS)(x, idx, w, idx2, w2)
     _assert_bitwise_equal(first, _valid_rows_only(once), f"seed {seed}: first round trip of the other program")
     combined = jnp.asarray(first[4]).reshape(num_ranks * num_tokens, hidden)
-    _assert_bitwise_equal(_valid_rows_only(f(combined, idx2, w2)), _valid_rows_only(twice),
-                          f"seed {seed}: second round trip of the other program")
+    _assert_bitwise_equal(
+        _valid_rows_only(f(combined, idx2, w2)),
+        _valid_rows_only(twice),
+        f"seed {seed}: second round trip of the other program",
+    )
     buffer.destroy()
 
 
@@ -98,14 +101,22 @@ def test_determinism_low_latency(mesh, rng):
     num_ranks = mesh.shape[AXIS]
     max_tokens, hidden, num_experts = 128, 2048, 16 * num_ranks
     seed = int(rng.integers(1 << 30))
-    buffer = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
-                        num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden, num_experts=num_experts)
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        hidden=hidden,
+        num_experts=num_experts,
+    )
     idx, w = dt.make_routing(seed, num_ranks * max_tokens, num_experts, 8, num_ranks)
     x = dt.random_rows(seed + 1, (num_ranks * max_tokens, hidden))
 
     def fn(x, idx, w):
         recv_x, count, handle = dej.low_latency_dispatch(
-            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts)
+            x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts
+        )
         y = reference.dequantize_fp8(*recv_x).astype(jnp.bfloat16)
         return recv_x, count, handle, dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
 
@@ -121,8 +132,11 @@ def test_determinism_low_latency(mesh, rng):
         _assert_bitwise_equal(first[3], again[3], f"{what}, combined output")
         valid = np.arange(first[0][0].shape[2])[None, None, :] < count[:, :, None]
         for a, b in zip(first[0], again[0]):
-            np.testing.assert_array_equal(np.asarray(a).view(np.uint8)[valid], np.asarray(b).view(np.uint8)[valid],
-                                          err_msg=f"{what}, received rows")
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint8)[valid],
+                np.asarray(b).view(np.uint8)[valid],
+                err_msg=f"{what}, received rows",
+            )
     buffer.destroy()
 
 
@@ -145,19 +159,28 @@ def outputs_digest(mesh):
     idx, w = dt.make_routing(5, num_ranks * num_tokens, num_experts, 8, num_ranks)
     x = dt.random_rows(6, (num_ranks * num_tokens, hidden))
     recv_x, recv_idx, recv_w, handle, out, out_w = _valid_rows_only(
-        dt.per_rank(_roundtrip(normal, num_experts), mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w)))
+        dt.per_rank(_roundtrip(normal, num_experts), mesh, AXIS)(x, jnp.asarray(idx), jnp.asarray(w))
+    )
     add(recv_x, recv_idx, recv_w, out, out_w, *jax.tree.leaves(handle))
     normal.destroy()
 
     max_tokens = 64
-    ll = dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens,
-                    hidden=hidden, num_experts=num_experts)
+    ll = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda",
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        hidden=hidden,
+        num_experts=num_experts,
+    )
     idx, w = dt.make_routing(7, num_ranks * max_tokens, num_experts, 8, num_ranks)
     x = dt.random_rows(8, (num_ranks * max_tokens, hidden))
 
     def fn(x, idx, w):
         recv_x, count, handle = dej.low_latency_dispatch(
-            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts)
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=max_tokens, num_experts=num_experts
+        )
         y = reference.dequantize_fp8(*recv_x).astype(jnp.bfloat16)
         return recv_x, count, dej.low_latency_combine(y, idx, w, handle, buffer=ll)
 
@@ -192,28 +215,40 @@ def test_soak_against_reference(mesh, rng):
         shape = SOAK_SHAPES[schedule.pop(0) if schedule else rng.integers(len(SOAK_SHAPES))]
         num_tokens, hidden, num_experts, topk = shape
         kinds = [dt.ROUTING_KINDS[k] for k in rng.integers(len(dt.ROUTING_KINDS), size=steps)]
-        routes = [dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
-                  for kind in kinds]
+        routes = [
+            dt.make_routing(int(rng.integers(1 << 30)), num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
+            for kind in kinds
+        ]
+
         # [R * steps * T, ...] so each rank's shard holds its [steps, T, ...] slice.
-        def stack(a):
-            return jnp.asarray(np.stack(a).reshape(steps, num_ranks, num_tokens, -1).transpose(1, 0, 2, 3)
-                               .reshape(num_ranks * steps * num_tokens, -1))
+        def stack(a, num_tokens=num_tokens):
+            return jnp.asarray(
+                np.stack(a)
+                .reshape(steps, num_ranks, num_tokens, -1)
+                .transpose(1, 0, 2, 3)
+                .reshape(num_ranks * steps * num_tokens, -1)
+            )
 
         idx, w = stack([r[0] for r in routes]), stack([r[1] for r in routes])
         x = dt.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))
         for name, buffer in (("cuda", cuda), ("xla", xla)):
             if (shape, name) not in programs:
+
                 def fn(x, idx, w, buffer=buffer, shape=shape):
                     t, _, e, k = shape
+
                     def body(carry, routing):
-                        recv_x, _, recv_w, handle = dej.dispatch(carry, routing[0], routing[1], num_experts=e,
-                                                                 buffer=buffer)
+                        recv_x, _, recv_w, handle = dej.dispatch(
+                            carry, routing[0], routing[1], num_experts=e, buffer=buffer
+                        )
                         out, out_w = dej.combine(recv_x, handle, recv_w, buffer=buffer)
                         # Where each row came from too: rows placed wrongly but consistently with the handle
                         # would combine back right.
                         return carry, (out, out_w, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
+
                     _, outs = lax.scan(body, x, (idx.reshape(steps, t, k), w.reshape(steps, t, k)))
                     return outs
+
                 programs[(shape, name)] = dt.per_rank(fn, mesh, AXIS)
         got = programs[(shape, "cuda")](x, idx, w)
         want = programs[(shape, "xla")](x, idx, w)
@@ -236,8 +271,15 @@ def test_buffer_lifecycle_no_growth(mesh):
     buffers alive at once on different axes; use after destroy fails clearly."""
     before = _free_bytes()
     for _ in range(50):
-        with dej.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True, num_max_dispatch_tokens_per_rank=64,
-                        hidden=2048, num_experts=8 * mesh.shape[AXIS]):
+        with dej.Buffer(
+            mesh,
+            AXIS,
+            backend="cuda",
+            low_latency_mode=True,
+            num_max_dispatch_tokens_per_rank=64,
+            hidden=2048,
+            num_experts=8 * mesh.shape[AXIS],
+        ):
             pass
     assert _free_bytes() == before
 
@@ -288,8 +330,13 @@ def test_stuck_peer_times_out_with_a_message():
     """A rank whose peers never arrive fails within the timeout, naming the
     rank, the mode and the counter, instead of hanging."""
     start = time.time()
-    result = subprocess.run([sys.executable, "-c", STUCK_PEER], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    result = subprocess.run(
+        [sys.executable, "-c", STUCK_PEER],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     elapsed = time.time() - start
     output = result.stdout + result.stderr
     assert "NO TIMEOUT" not in output

@@ -81,8 +81,21 @@ def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, ext
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.update(extra_env or {})
     # Every process sees every GPU (NVSHMEM maps its peers'), JAX uses GPU rank // ranks_per_gpu.
-    cmd = [sys.executable, "-m", "deep_ep_jax.launch", "-n", str(num_ranks), "--ranks-per-gpu", str(ranks_per_gpu),
-           "--all-gpus-visible", "--timeout", str(timeout - 15), "--", WORKER, case]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deep_ep_jax.launch",
+        "-n",
+        str(num_ranks),
+        "--ranks-per-gpu",
+        str(ranks_per_gpu),
+        "--all-gpus-visible",
+        "--timeout",
+        str(timeout - 15),
+        "--",
+        WORKER,
+        case,
+    ]
     start = time.time()
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     return result.returncode, result.stdout + result.stderr, time.time() - start
@@ -93,8 +106,9 @@ def _run_hosts_case(case, num_hosts, ranks_per_host, timeout, summary, extra_env
     ranks (extra_env added to the workers' environment): it must exit 0,
     every rank report OK, and `summary` be printed."""
     num_ranks = num_hosts * ranks_per_host
-    code, output, elapsed = _launch(num_ranks, timeout=timeout, case=case, ranks_per_host=ranks_per_host,
-                                    extra_env=extra_env)
+    code, output, elapsed = _launch(
+        num_ranks, timeout=timeout, case=case, ranks_per_host=ranks_per_host, extra_env=extra_env
+    )
     assert code == 0, output[-8000:]
     for rank in range(num_ranks):
         assert f"[rank {rank}] process {rank}/{num_ranks}: CASE {case} OK" in output, output[-8000:]
@@ -128,8 +142,14 @@ def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
     the combine inputs NaN past the received rows: one host's staged kernels
     across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, and 2 x 2
     with combine reduced per host)."""
-    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
-                    extra_env={"SHARED_GPU_SIZE": "standard"})
+    _run_hosts_case(
+        "shared_gpu",
+        num_hosts,
+        ranks_per_host,
+        280,
+        "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
+        extra_env={"SHARED_GPU_SIZE": "standard"},
+    )
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (4, 2)])
@@ -177,8 +197,9 @@ def test_pipelined_combine_fits_its_grids():
     ext = _native.extension()
     assert getattr(ext, "with_nvshmem", False), "the CUDA extension was built without NVSHMEM"
     num_warps = Config().num_warps
-    for num_sms in [Config().num_sms] + [int(env["DEEP_EP_JAX_NUM_SMS"]) for _, _, env in PIPELINE_GRIDS.values()
-                                          if "DEEP_EP_JAX_NUM_SMS" in env]:
+    for num_sms in [Config().num_sms] + [
+        int(env["DEEP_EP_JAX_NUM_SMS"]) for _, _, env in PIPELINE_GRIDS.values() if "DEEP_EP_JAX_NUM_SMS" in env
+    ]:
         assert ext.internode_combine_pipeline_fits(0, num_sms, num_warps), num_sms
     assert not ext.internode_combine_pipeline_fits(0, 1 << 20, num_warps)
 
@@ -201,16 +222,23 @@ def test_sequence_wrap_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
     _run_hosts_case("shared_gpu_wrap", num_hosts, ranks_per_host, 240, "shared_gpu_wrap R={num_ranks}: ok")
 
 
-@pytest.mark.parametrize("flags", ["", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"],
-                         ids=["default", "concurrent"])
+@pytest.mark.parametrize(
+    "flags", ["", "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT"], ids=["default", "concurrent"]
+)
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1)])
 def test_independent_round_trips_with_ranks_sharing_gpus(num_hosts, ranks_per_host, flags):
     """Three normal-mode and two low-latency round trips in one program, which
     only the Buffer's order chain orders, equal each round trip run alone, bit
     for bit, under XLA's default and concurrent command-buffer scheduling:
     staged one-host kernels (CUDA IPC, 1 x 2) and internode ones (2 x 1)."""
-    _run_hosts_case("shared_gpu_order", num_hosts, ranks_per_host, 200, "shared_gpu_order R={num_ranks}: ok",
-                    extra_env={"XLA_FLAGS": flags} if flags else None)
+    _run_hosts_case(
+        "shared_gpu_order",
+        num_hosts,
+        ranks_per_host,
+        200,
+        "shared_gpu_order R={num_ranks}: ok",
+        extra_env={"XLA_FLAGS": flags} if flags else None,
+    )
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1)])
@@ -229,8 +257,14 @@ def test_mesh_in_another_device_order(num_hosts, ranks_per_host):
     process order and used there passes shared_gpu's checks against
     tests/oracle.py: CUDA IPC (1 x 2) and NVSHMEM (2 x 1)."""
     _run_hosts_case("mesh_order", num_hosts, ranks_per_host, 120, "mesh_order backward: refused")
-    _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 200, "mesh in reverse process order",
-                    extra_env={"SHARED_GPU_MESH_ORDER": "reversed"})
+    _run_hosts_case(
+        "shared_gpu",
+        num_hosts,
+        ranks_per_host,
+        200,
+        "mesh in reverse process order",
+        extra_env={"SHARED_GPU_MESH_ORDER": "reversed"},
+    )
 
 
 @pytest.mark.parametrize("num_ranks", [8, 16])

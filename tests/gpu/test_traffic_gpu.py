@@ -44,8 +44,9 @@ def test_one_host_counters(monkeypatch, staged, rng):
         for buffer in (cuda, xla):
 
             def step(x, idx, w, y, buffer=buffer, num_worst_tokens=num_worst_tokens):
-                _, _, _, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer,
-                                               num_worst_tokens=num_worst_tokens)
+                _, _, _, handle = dej.dispatch(
+                    x, idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
+                )
 
                 def loss(y):  # combine, and its backward: a cached dispatch
                     return (dej.combine(y, handle, buffer=buffer).astype(jnp.float32) ** 2).sum()

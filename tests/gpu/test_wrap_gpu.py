@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_low_latency_gpu as ll_suite
+import test_normal_gpu as normal_suite
 from jax import lax
 
 import deep_ep_jax
-import test_low_latency_gpu as ll_suite
-import test_normal_gpu as normal_suite
 from deep_ep_jax import _native, testing
 from deep_ep_jax.distributed import multiprocess
 
@@ -103,15 +103,23 @@ def cuda_buffer(mesh, *, staged=False, num_nvl_bytes=None):
     """Both regions, sized for these shapes; `staged` only on one process."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DEEP_EP_JAX_STAGED", "1" if staged else "0")
-        return deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", low_latency_mode=True,
-                                  num_max_dispatch_tokens_per_rank=LL_MAX_TOKENS, hidden=HIDDEN,
-                                  num_experts=num_experts(mesh), num_nvl_bytes=num_nvl_bytes,
-                                  config=deep_ep_jax.Config(timeout_s=TIMEOUT_S))
+        return deep_ep_jax.Buffer(
+            mesh,
+            AXIS,
+            backend="cuda",
+            low_latency_mode=True,
+            num_max_dispatch_tokens_per_rank=LL_MAX_TOKENS,
+            hidden=HIDDEN,
+            num_experts=num_experts(mesh),
+            num_nvl_bytes=num_nvl_bytes,
+            config=deep_ep_jax.Config(timeout_s=TIMEOUT_S),
+        )
 
 
 def xla_buffer(mesh):
-    return deep_ep_jax.Buffer(mesh, AXIS, backend="xla", low_latency_mode=True,
-                              num_max_dispatch_tokens_per_rank=LL_MAX_TOKENS)
+    return deep_ep_jax.Buffer(
+        mesh, AXIS, backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=LL_MAX_TOKENS
+    )
 
 
 def normal_calls(buffer, num_experts, x, idx, w, y):
@@ -125,7 +133,7 @@ def normal_calls(buffer, num_experts, x, idx, w, y):
     return recv_x, recv_idx, recv_w, handle, out, out_w, cached_xs, cached_w, jnp.stack([c0, c1, c2])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def normal_runner(buffer, mesh):
     return testing.per_rank(functools.partial(normal_calls, buffer, num_experts(mesh)), mesh, AXIS)
 
@@ -143,9 +151,17 @@ def check_normal_across_wrap(mesh, buffers, wrap, crossing):
         idx, w = normal_suite.routing(seed, num_ranks, NUM_TOKENS, num_experts(mesh), TOPK, "minus_one")
         rows = NUM_TOKENS * num_ranks
         y = testing.random_rows(seed + 1, (num_ranks * rows, HIDDEN))
-        normal_suite.poison_allocator(mesh, [((rows, HIDDEN), jnp.bfloat16), ((rows, TOPK), jnp.int32),
-                                             ((rows, TOPK), jnp.float32), ((rows,), jnp.int32),
-                                             ((NUM_TOKENS, HIDDEN), jnp.bfloat16), ((NUM_TOKENS, TOPK), jnp.float32)])
+        normal_suite.poison_allocator(
+            mesh,
+            [
+                ((rows, HIDDEN), jnp.bfloat16),
+                ((rows, TOPK), jnp.int32),
+                ((rows, TOPK), jnp.float32),
+                ((rows,), jnp.int32),
+                ((NUM_TOKENS, HIDDEN), jnp.bfloat16),
+                ((NUM_TOKENS, TOPK), jnp.float32),
+            ],
+        )
         got = normal_runner(cuda, mesh)(x, idx, w, y)
         want = normal_runner(xla, mesh)(x, idx, w, y)
         try:
@@ -185,7 +201,7 @@ def low_latency_calls(buffer, num_experts, split, x, idx, w):
     return xs, count, handle, out, y, jnp.stack([c0, c1, c2, c3])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def low_latency_runner(buffer, mesh, split):
     return testing.per_rank(functools.partial(low_latency_calls, buffer, num_experts(mesh), split), mesh, AXIS)
 
@@ -301,6 +317,6 @@ def test_destroy_right_after_use(mesh, reference):
     assert ext.num_live_buffers() == live
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _teardown_reference(buffer, mesh):
     return testing.per_rank(functools.partial(teardown_calls, buffer, num_experts(mesh)), mesh, AXIS)

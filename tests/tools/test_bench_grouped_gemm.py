@@ -8,7 +8,6 @@ import importlib.util
 import json
 
 import pytest
-
 from script_run import run_script
 
 SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--chain", "1", "--repeats", "2"]
@@ -26,8 +25,9 @@ def test_xla_impl_bf16_and_fp8(tmp_path):
     data = json.loads(out.read_text())
     rows = [(r["impl"], r["op"]) for r in data["results"]]
     variants = ("xla", "xla fp8", "xla fp8 dw")
-    assert rows == [(v, op) for v in variants for op in ("forward", "forward+backward")] + \
-        [("fp8_weights", "w_in and w_out")], rows
+    assert rows == [(v, op) for v in variants for op in ("forward", "forward+backward")] + [
+        ("fp8_weights", "w_in and w_out")
+    ], rows
     assert all(len(r["samples_ms"]) == 2 for r in data["results"])
     sizes = data["sizes"]
     assert len(sizes) == 128 and all(s % 4 == 0 for s in sizes)  # 256 experts over 2 ranks, each group aligned
@@ -36,8 +36,10 @@ def test_xla_impl_bf16_and_fp8(tmp_path):
 
 
 def test_unknown_names_refused():
-    for flag, value, message in (("--impls", "xla,bogus", "--impls: ['bogus'] not among ['mgpu', 'xla', 'tokamax']"),
-                                 ("--sweep-kernels", "forward,bogus", "--sweep-kernels: ['bogus'] not among")):
+    for flag, value, message in (
+        ("--impls", "xla,bogus", "--impls: ['bogus'] not among ['mgpu', 'xla', 'tokamax']"),
+        ("--sweep-kernels", "forward,bogus", "--sweep-kernels: ['bogus'] not among"),
+    ):
         run = _run(flag, value)
         assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
         assert message in run.stderr and "pairs in" not in run.stdout, run.stderr[-2000:]
@@ -71,8 +73,15 @@ def test_compare_shapes_table(tmp_path):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     data = json.loads(out.read_text())
     cases = [(r["load"].split()[0], r["case"]) for r in data["table"]]
-    kinds = ["bf16 forward", "bf16 input grad", "bf16 weight grad", "bf16 SwiGLU forward",
-             "bf16 SwiGLU forward+backward", "FP8 SwiGLU forward", "FP8 SwiGLU forward+backward"]
+    kinds = [
+        "bf16 forward",
+        "bf16 input grad",
+        "bf16 weight grad",
+        "bf16 SwiGLU forward",
+        "bf16 SwiGLU forward+backward",
+        "FP8 SwiGLU forward",
+        "FP8 SwiGLU forward+backward",
+    ]
     assert cases == [(ranks, kind) for ranks in ("2", "8") for kind in kinds], cases
     assert all(r["ours"] and r["tokamax"] for r in data["table"]), data["table"]
     checked = [r for r in data["results"] if isinstance(r.get("error"), float)]

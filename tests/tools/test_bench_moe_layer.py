@@ -9,11 +9,26 @@ import json
 import re
 
 import pytest
-
 from script_run import run_script
 
-SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--experts", "16", "--top-k", "4",
-         "--backends", "xla", "--steps", "2", "--reps", "2"]
+SMALL = [
+    "--tokens",
+    "64",
+    "--hidden",
+    "128",
+    "--ffn",
+    "64",
+    "--experts",
+    "16",
+    "--top-k",
+    "4",
+    "--backends",
+    "xla",
+    "--steps",
+    "2",
+    "--reps",
+    "2",
+]
 
 
 def _run(*extra):
@@ -25,8 +40,9 @@ def test_capacity_and_grouped_in_one_run(tmp_path):
     run = _run("--expert-impl", "capacity,grouped", "--json", str(out), "--profile")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert run.stdout.count("no GPU kernels in the profile") == 4, run.stdout  # a CPU run has no GPU plane
-    assert re.search(r"grouped experts \(\d+ expert-major rows per rank, largest count \d+, nothing dropped\)",
-                     run.stdout), run.stdout
+    assert re.search(
+        r"grouped experts \(\d+ expert-major rows per rank, largest count \d+, nothing dropped\)", run.stdout
+    ), run.stdout
     for impl in ("capacity", "grouped"):
         assert re.search(rf"memory per device, GiB, {impl} experts: xla [0-9.]+, local [0-9.]+", run.stdout), run.stdout
     # The grouped layer's forward equals the capacity layer's up to bf16 rounding.
@@ -44,8 +60,9 @@ def test_capacity_and_grouped_in_one_run(tmp_path):
 def test_too_few_expert_rows_refused():
     run = _run("--expert-impl", "grouped", "--expert-rows", "128", "--no-local")
     assert run.returncode != 0
-    assert re.search(r"--expert-rows 128 drops [1-9][0-9]* \(token, expert\) pairs", run.stdout + run.stderr), \
+    assert re.search(r"--expert-rows 128 drops [1-9][0-9]* \(token, expert\) pairs", run.stdout + run.stderr), (
         run.stdout + run.stderr
+    )
 
 
 def test_grouped_fp8_beside_grouped():
@@ -72,12 +89,15 @@ def test_expert_impl_names_in_help_and_refusal():
     assert f"--expert-impl: 'bogus' is not one of {names}" in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--tokens", "0"], "--tokens 0 must be at least 1"),
-    (["--steps", "0"], "--steps 0 must be at least 1"),
-    (["--top-k", "17"], "--top-k 17 must be at most --experts 16"),
-    (["--experts", "6"], "--experts 6 must divide by the 4 devices"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tokens", "0"], "--tokens 0 must be at least 1"),
+        (["--steps", "0"], "--steps 0 must be at least 1"),
+        (["--top-k", "17"], "--top-k 17 must be at most --experts 16"),
+        (["--experts", "6"], "--experts 6 must divide by the 4 devices"),
+    ],
+)
 def test_bad_sizes_refused(argv, message):
     run = _run("--expert-impl", "grouped", *argv)  # the later flag wins
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].endswith(message), run.stderr[-2000:]

@@ -5,13 +5,12 @@ per chain), and the FP8 dispatch exchanges its scales. CPU, small shapes."""
 
 import re
 
+import bench_normal as bench  # noqa: E402
 import numpy as np
 import pytest
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
-
-import bench_normal as bench  # noqa: E402
 
 NUM_RANKS = 4
 CASE = bench.Case(num_tokens=32, hidden=256, num_experts=16, topk=4)

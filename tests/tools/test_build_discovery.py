@@ -9,7 +9,6 @@ import sysconfig
 
 import pytest
 
-
 from build_tools import discover
 
 SYSTEM_NVCC = "/usr/local/cuda/bin/nvcc"

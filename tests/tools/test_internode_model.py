@@ -21,9 +21,9 @@ CPU; the kernels themselves are checked against the reference on GPUs
 (tests/gpu/test_internode_gpu.py, test_scale_gpu.py)."""
 
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 from deep_ep_jax import testing
 from deep_ep_jax.distributed import multiprocess
 
@@ -42,7 +42,7 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, r
     rank_at = [-1] * num_ranks
     for r in range(num_ranks):
         rank_at[nodes[r] * per_host + local[r]] = r
-    host_ranks = [rank_at[b * per_host:(b + 1) * per_host] for b in range(num_nodes)]
+    host_ranks = [rank_at[b * per_host : (b + 1) * per_host] for b in range(num_nodes)]
 
     # Notify: masks, counts, the exchange, final rows and per-host positions.
     in_rank = np.zeros((num_ranks, num_tokens, num_ranks), bool)
@@ -58,8 +58,9 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, r
     node_counts = in_node.sum(1)  # [src, node]
     first_row = np.cumsum(counts, 0) - counts  # [src, dst]: rows of earlier sources
     pos_in_dest = np.cumsum(in_rank, 1) - 1
-    send_pos = np.where(in_rank & (first_row[:, None, :] + pos_in_dest < num_worst_tokens),
-                        first_row[:, None, :] + pos_in_dest, -1)
+    send_pos = np.where(
+        in_rank & (first_row[:, None, :] + pos_in_dest < num_worst_tokens), first_row[:, None, :] + pos_in_dest, -1
+    )
     node_pos = np.where(in_node, np.cumsum(in_node, 1) - 1, -1)
 
     landing = np.full((num_ranks, num_worst_tokens) + x.shape[2:], np.nan)
@@ -103,8 +104,7 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, r
                 deliver(d, row, s, t)
 
     if num_blocks > 1:
-        pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_pos, send_token, forward_packet,
-                               rng)
+        pipelined_send_forward(num_blocks, num_tokens, nodes, local, rank_at, node_pos, send_token, forward_packet, rng)
     else:
         for s in range(num_ranks):
             for t in range(num_tokens):
@@ -117,8 +117,12 @@ def model_dispatch(x, idx, nodes, num_experts, num_worst_tokens, num_blocks=0, r
                 for p in range(node_counts[s, nodes[f]]):
                     forward_packet(f, s, p)
     assert not rdma_recv, "packets nobody forwarded"
-    handle = {"send_pos": send_pos, "src_idx": src_idx, "src_rank": src_rank,
-              "num_recv": np.minimum(counts.sum(0), num_worst_tokens)}
+    handle = {
+        "send_pos": send_pos,
+        "src_idx": src_idx,
+        "src_rank": src_rank,
+        "num_recv": np.minimum(counts.sum(0), num_worst_tokens),
+    }
     return landing, src_idx, packets, handle
 
 
@@ -241,7 +245,7 @@ def model_combine(y, handle, nodes, num_blocks=0, rng=None, wait_for_tails=True)
         for b in range(num_nodes):
             staged[(s, b)] = []
             for t in range(num_tokens):
-                rows = [send_pos[s, t, r] if holds[s, t, r] else -1 for r in rank_at[b * per_host:(b + 1) * per_host]]
+                rows = [send_pos[s, t, r] if holds[s, t, r] else -1 for r in rank_at[b * per_host : (b + 1) * per_host]]
                 mask = sum(1 << j for j, row in enumerate(rows) if row >= 0)
                 if mask:
                     staged[(s, b)].append((t, mask, rows))
@@ -286,8 +290,9 @@ def model_combine(y, handle, nodes, num_blocks=0, rng=None, wait_for_tails=True)
     for s in range(num_ranks):
         put_lists(s, False)  # its own host's list, written in place by the notify
     if num_blocks > 1:
-        pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists, send_row, reduce_entry, rng,
-                          wait_for_tails)
+        pipelined_combine(
+            num_blocks, nodes, num_recv, meta_counts, meta, put_lists, send_row, reduce_entry, rng, wait_for_tails
+        )
     else:
         # The send kernel puts the remote lists before any row.
         for s in range(num_ranks):
@@ -315,8 +320,19 @@ def model_combine(y, handle, nodes, num_blocks=0, rng=None, wait_for_tails=True)
 FINISHED = 1 << 62
 
 
-def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists, send_row, reduce_entry, rng,
-                      wait_for_tails=True, warps_per_block=2):
+def pipelined_combine(
+    num_blocks,
+    nodes,
+    num_recv,
+    meta_counts,
+    meta,
+    put_lists,
+    send_row,
+    reduce_entry,
+    rng,
+    wait_for_tails=True,
+    warps_per_block=2,
+):
     """The pipelined combine's send and forward: C = num_blocks / 2 row
     sender channels per rank, channel c taking the chunks k = c, c + C, ...
     of its received rows (chunk k: rows [16 k, 16 k + 16)) and, after each,
@@ -335,7 +351,7 @@ def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists,
     listed = set()  # sources whose remote lists are put
 
     def set_tail(d, c, value):
-        for f in rank_at[nodes[d] * per_host:(nodes[d] + 1) * per_host]:
+        for f in rank_at[nodes[d] * per_host : (nodes[d] + 1) * per_host]:
             assert value > tails.get((f, local[d], c), 0), "a tail went back"
             tails[(f, local[d], c)] = value
 
@@ -349,10 +365,10 @@ def pipelined_combine(num_blocks, nodes, num_recv, meta_counts, meta, put_lists,
         set_tail(d, c, FINISHED)
 
     def landed(f, rows):
-        # Row r is chunk k = r / 16, the (k / C)-th of channel k % C of the rank of index l that holds it.
-        for l, r in enumerate(rows):
+        # Row r is chunk k = r / 16, the (k / C)-th of channel k % C of the rank of index `holder` that holds it.
+        for holder, r in enumerate(rows):
             k = r // PIPELINE_CHUNK_TOKENS
-            if r >= 0 and tails.get((f, l, k % channels), 0) < k // channels + 1:
+            if r >= 0 and tails.get((f, holder, k % channels), 0) < k // channels + 1:
                 return False
         return True
 
@@ -394,8 +410,11 @@ def remote_hosts_per_token(idx, nodes, num_experts):
     token, the hosts other than its own that hold one of its experts."""
     num_ranks = len(nodes)
     epr = num_experts // num_ranks
-    return sum(len({nodes[e // epr] for e in idx[s, t] if 0 <= e < num_experts} - {nodes[s]})
-               for s in range(idx.shape[0]) for t in range(idx.shape[1]))
+    return sum(
+        len({nodes[e // epr] for e in idx[s, t] if 0 <= e < num_experts} - {nodes[s]})
+        for s in range(idx.shape[0])
+        for t in range(idx.shape[1])
+    )
 
 
 # Groups of up to 8 ranks, with 37 tokens per rank;

@@ -12,17 +12,26 @@ import pathlib
 import subprocess
 import sys
 
+import internode_model as im
 import numpy as np
 import pytest
 
 from deep_ep_jax import testing
 
-import internode_model as im
-
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 
-COUNTS = ("packets_sent", "packets_received", "direct_sent", "direct_received", "forwarded_sent",
-          "forwarded_received", "self_rows", "forwarder_own", "remote_rows_by_source", "staged")
+COUNTS = (
+    "packets_sent",
+    "packets_received",
+    "direct_sent",
+    "direct_received",
+    "forwarded_sent",
+    "forwarded_received",
+    "self_rows",
+    "forwarder_own",
+    "remote_rows_by_source",
+    "staged",
+)
 
 
 def walk(idx, gpus_per_host, num_experts):
@@ -83,8 +92,9 @@ def all_subsets(num_ranks, num_experts, topk, seed):
     return np.stack([subsets[rng.permutation(len(subsets))] for _ in range(num_ranks)])
 
 
-@pytest.mark.parametrize("num_hosts,gpus_per_host,num_experts,topk",
-                         [(2, 2, 8, 3), (2, 1, 6, 2), (3, 2, 12, 2), (2, 4, 8, 4)])
+@pytest.mark.parametrize(
+    "num_hosts,gpus_per_host,num_experts,topk", [(2, 2, 8, 3), (2, 1, 6, 2), (3, 2, 12, 2), (2, 4, 8, 4)]
+)
 def test_counts_on_every_subset(num_hosts, gpus_per_host, num_experts, topk, rng):
     seed = int(rng.integers(1 << 30))
     idx = all_subsets(num_hosts * gpus_per_host, num_experts, topk, seed)
@@ -185,8 +195,9 @@ def test_time_arithmetic_by_hand():
     num_tokens, hidden = 1000, 1024
     case = im.Case(num_tokens=num_tokens, hidden=hidden, num_experts=2, topk=1)
     idx = np.array([1, 0], np.int32)[:, None, None].repeat(num_tokens, 1)
-    machine = im.Machine(nic_gbs=50, nic_efficiency=0.8, hbm_gbs=4000, hbm_efficiency=0.5,
-                         channels=10, chunk_tokens=25, fixed_us=7)
+    machine = im.Machine(
+        nic_gbs=50, nic_efficiency=0.8, hbm_gbs=4000, hbm_efficiency=0.5, channels=10, chunk_tokens=25, fixed_us=7
+    )
     o = im.model(im.traffic(idx, 1, 2), case, machine, "dispatch_bf16", 1)
     packet = 2 * hidden + 16 + 4  # row, 16-aligned metadata (4 + 8 bytes), one final row (G = 1)
     landing = 2 * hidden + 4 + 8
@@ -204,13 +215,16 @@ def test_time_arithmetic_by_hand():
     assert o["pipelined_deepep_rdma_gbs"] == pytest.approx(o["pipelined_gbs"])  # one host per token here
 
 
-@pytest.mark.parametrize("bad,match", [
-    ({"num_experts": 12}, "multiple of the 8 ranks"),
-    ({"topk": 300}, "topk 300"),
-    ({"hidden": 100}, "multiple of 128"),
-    ({"max_hosts": 0}, "max_hosts 0"),
-    ({"max_hosts": 1, "topk": 40}, "experts of 1 hosts"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        ({"num_experts": 12}, "multiple of the 8 ranks"),
+        ({"topk": 300}, "topk 300"),
+        ({"hidden": 100}, "multiple of 128"),
+        ({"max_hosts": 0}, "max_hosts 0"),
+        ({"max_hosts": 1, "topk": 40}, "experts of 1 hosts"),
+    ],
+)
 def test_bad_case(bad, match):
     case = im.Case(**{"num_tokens": 8, "num_experts": 64, "topk": 8, **bad})
     with pytest.raises(ValueError, match=match):
@@ -225,14 +239,26 @@ def test_bad_inputs():
 
 
 def test_command_line():
-    common = [sys.executable, str(BENCHMARKS / "internode_model.py"), "--configs", "2x2", "3x2",
-              "--tokens", "40", "--experts", "24", "--topk", "4"]
+    common = [
+        sys.executable,
+        str(BENCHMARKS / "internode_model.py"),
+        "--configs",
+        "2x2",
+        "3x2",
+        "--tokens",
+        "40",
+        "--experts",
+        "24",
+        "--topk",
+        "4",
+    ]
     out = subprocess.run(common + ["--json"], check=True, capture_output=True, text=True).stdout
     data = json.loads(out)
     assert [(r["hosts"], r["gpus_per_host"]) for r in data["results"]] == [(2, 2), (3, 2)]
     assert all([o["op"] for o in r["ops"]] == list(im.OPS) for r in data["results"])
-    f32 = subprocess.run(common + ["--json", "--combine-partials", "f32"], check=True, capture_output=True,
-                         text=True).stdout
+    f32 = subprocess.run(
+        common + ["--json", "--combine-partials", "f32"], check=True, capture_output=True, text=True
+    ).stdout
     bf16_rows = {o["op"]: o for o in data["results"][0]["ops"]}
     f32_rows = {o["op"]: o for o in json.loads(f32)["results"][0]["ops"]}
     assert f32_rows["combine_bf16"]["nic_mb_per_gpu"] > 1.9 * bf16_rows["combine_bf16"]["nic_mb_per_gpu"]

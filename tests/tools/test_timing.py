@@ -2,17 +2,19 @@
 per step by kernel name, busy time against the span, the first GPU only; its
 energy summary on made-up meter readings."""
 
-
 import pytest
-
 import timing
 
 
 def test_kernel_breakdown_per_step(monkeypatch):
     ms = 1_000_000
-    events = [("/device:GPU:0", "gemm", 0, 3 * ms), ("/device:GPU:0", "mask", 4 * ms, 5 * ms),
-              ("/device:GPU:0", "gemm", 5 * ms, 8 * ms), ("/device:GPU:0", "mask", 9 * ms, 10 * ms),
-              ("/device:GPU:1", "gemm", 0, 50 * ms)]
+    events = [
+        ("/device:GPU:0", "gemm", 0, 3 * ms),
+        ("/device:GPU:0", "mask", 4 * ms, 5 * ms),
+        ("/device:GPU:0", "gemm", 5 * ms, 8 * ms),
+        ("/device:GPU:0", "mask", 9 * ms, 10 * ms),
+        ("/device:GPU:1", "gemm", 0, 50 * ms),
+    ]
     monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args, runs=1: events)
     table, busy, span = timing.kernel_breakdown(None, (), num_steps=2)
     assert table == {"gemm": (1, pytest.approx(3e-3)), "mask": (1, pytest.approx(1e-3))}
@@ -28,16 +30,28 @@ def test_kernel_breakdown_splits_a_name_launched_several_times_a_step(monkeypatc
     events = []
     for step in range(2):
         t = step * 100 * ms
-        for i, (name, length) in enumerate([("body_mosaic_gpu_kernel", 3), ("fusion", 1),
-                                            ("body_mosaic_gpu_kernel", 2), ("body_mosaic_gpu_kernel", 5)]):
+        for i, (name, length) in enumerate(
+            [("body_mosaic_gpu_kernel", 3), ("fusion", 1), ("body_mosaic_gpu_kernel", 2), ("body_mosaic_gpu_kernel", 5)]
+        ):
             events.append(("/device:GPU:0", name, t + 10 * i * ms, t + (10 * i + length) * ms))
-    events.append(("/device:GPU:0", "void deep_ep_jax::intranode::(anonymous namespace)::Combine<2>(int4 const*)",
-                   150 * ms, 151 * ms))
+    events.append(
+        (
+            "/device:GPU:0",
+            "void deep_ep_jax::intranode::(anonymous namespace)::Combine<2>(int4 const*)",
+            150 * ms,
+            151 * ms,
+        )
+    )
     monkeypatch.setattr(timing, "_gpu_kernels", lambda run, args, runs=1: events)
     table, busy, span = timing.kernel_breakdown(None, (), num_steps=2)
     ms_per_step = {name: round(seconds * 1e3, 6) for name, (_, seconds) in table.items()}
-    assert ms_per_step == {"body_mosaic_gpu_kernel #1": 3, "body_mosaic_gpu_kernel #2": 2,
-                           "body_mosaic_gpu_kernel #3": 5, "fusion": 1, "intranode::Combine<2>": 0.5}
+    assert ms_per_step == {
+        "body_mosaic_gpu_kernel #1": 3,
+        "body_mosaic_gpu_kernel #2": 2,
+        "body_mosaic_gpu_kernel #3": 5,
+        "fusion": 1,
+        "intranode::Combine<2>": 0.5,
+    }
     assert busy == pytest.approx(11.5e-3) and span == pytest.approx(75.5e-3)
 
 
@@ -48,10 +62,19 @@ def test_kernel_breakdown_without_gpu_kernels(monkeypatch):
 
 def test_last_of_runs():
     """Two runs of one program: on each GPU, the second half of its events in start order."""
-    events = [("/device:GPU:0", "a", 0, 1), ("/device:GPU:0", "b", 2, 3), ("/device:GPU:1", "a", 0, 5),
-              ("/device:GPU:0", "a", 10, 11), ("/device:GPU:0", "b", 12, 13), ("/device:GPU:1", "a", 6, 9)]
-    assert timing.last_of_runs(events, 2) == [("/device:GPU:0", "a", 10, 11), ("/device:GPU:0", "b", 12, 13),
-                                              ("/device:GPU:1", "a", 6, 9)]
+    events = [
+        ("/device:GPU:0", "a", 0, 1),
+        ("/device:GPU:0", "b", 2, 3),
+        ("/device:GPU:1", "a", 0, 5),
+        ("/device:GPU:0", "a", 10, 11),
+        ("/device:GPU:0", "b", 12, 13),
+        ("/device:GPU:1", "a", 6, 9),
+    ]
+    assert timing.last_of_runs(events, 2) == [
+        ("/device:GPU:0", "a", 10, 11),
+        ("/device:GPU:0", "b", 12, 13),
+        ("/device:GPU:1", "a", 6, 9),
+    ]
     assert sorted(timing.last_of_runs(events, 1)) == sorted(events)
 
 

@@ -12,10 +12,10 @@ import numpy as np
 
 from deep_ep_jax import _native
 from deep_ep_jax.comm import ordering
+from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.mesh import same_mesh
 from deep_ep_jax.comm.varying import varying_like
 from deep_ep_jax.config import FP8_BLOCK
-from deep_ep_jax.comm.handle import DispatchHandle
 
 INT32_MAX = 2**31 - 1  # the kernels index rows with 32-bit ints
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -40,8 +40,10 @@ def normal_mode_rank_error(fn, num_ranks, spans_hosts) -> str | None:
     if num_ranks <= max_ranks:
         return None
     where = "in all across hosts" if spans_hosts else "on one host (one NVLink domain)"
-    return (f"{fn}: normal mode supports at most {max_ranks} ranks {where}, the EP group has {num_ranks} "
-            f"(low-latency mode: {limit('max_group_ranks')})")
+    return (
+        f"{fn}: normal mode supports at most {max_ranks} ranks {where}, the EP group has {num_ranks} "
+        f"(low-latency mode: {limit('max_group_ranks')})"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +93,19 @@ class FfiTarget:
 
 # After the received rows, the handle's fields (DispatchHandle), in its order.
 DISPATCH_RESULTS = (
-    "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "is_token_in_rank", "num_tokens_per_rank",
-    "rank_prefix_matrix", "send_pos", "recv_src_idx", "recv_src_rank", "num_recv_tokens",
-    "num_recv_tokens_per_expert", "num_dropped_tokens",
+    "recv_x",
+    "recv_x_scales",
+    "recv_topk_idx",
+    "recv_topk_weights",
+    "is_token_in_rank",
+    "num_tokens_per_rank",
+    "rank_prefix_matrix",
+    "send_pos",
+    "recv_src_idx",
+    "recv_src_rank",
+    "num_recv_tokens",
+    "num_recv_tokens_per_expert",
+    "num_dropped_tokens",
 )
 CACHED_DISPATCH_RESULTS = ("recv_x", "recv_x_scales", "recv_topk_weights")
 COMBINE_RESULTS = ("out", "out_weights")
@@ -149,8 +161,11 @@ def check_common(fn, buffer, *, num_tokens, num_rows, num_topk):
         raise ValueError(error)
     if buffer.buffer_id is None:
         raise ValueError(f"{fn}: the buffer has no device memory (backend {buffer.backend!r}); use backend='cuda'")
-    for what, value in (("tokens * ranks", num_tokens * buffer.num_ranks), ("tokens * topk", num_tokens * num_topk),
-                        ("num_worst_tokens * topk", num_rows * num_topk)):
+    for what, value in (
+        ("tokens * ranks", num_tokens * buffer.num_ranks),
+        ("tokens * topk", num_tokens * num_topk),
+        ("num_worst_tokens * topk", num_rows * num_topk),
+    ):
         if value > INT32_MAX:
             raise ValueError(f"{fn}: {what} must be <= {INT32_MAX} (32-bit row indices), got {value}")
 
@@ -184,17 +199,27 @@ def scales_or_empty(xs, num_tokens):
     return xs[1] if len(xs) == 2 else jnp.zeros((num_tokens, 0), jnp.float32)
 
 
-def dispatch_call(target: FfiTarget, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, attrs,
-                  scratch_types=None):
+def dispatch_call(
+    target: FfiTarget, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, attrs, scratch_types=None
+):
     """The dispatch of either path (internode adds its scratch results): rows
     (and scales), top-k ids and weights in; (recv_xs, recv_topk_idx,
     recv_topk_weights or None, handle) out."""
     num_tokens, num_topk = topk_idx.shape
     weights = jnp.zeros((num_tokens, num_topk), jnp.float32) if topk_weights is None else topk_weights
-    out_types = dict(dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts),
-                     **(scratch_types or {}))
-    out = target(buffer, out_types, xs[0], scales_or_empty(xs, num_tokens), jnp.asarray(topk_idx, jnp.int32),
-                 jnp.asarray(weights, jnp.float32), num_experts=np.int64(num_experts), **attrs)
+    out_types = dict(
+        dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_experts), **(scratch_types or {})
+    )
+    out = target(
+        buffer,
+        out_types,
+        xs[0],
+        scales_or_empty(xs, num_tokens),
+        jnp.asarray(topk_idx, jnp.int32),
+        jnp.asarray(weights, jnp.float32),
+        num_experts=np.int64(num_experts),
+        **attrs,
+    )
     return dispatch_results(out, xs, topk_weights)
 
 
@@ -214,8 +239,16 @@ def cached_dispatch_call(target: FfiTarget, buffer, xs, topk_weights, handle, at
         recv_topk_weights=jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
         **(scratch_types or {}),
     )
-    out = target(buffer, out_types, x, scales, jnp.asarray(weights, jnp.float32), handle.send_pos,
-                 handle.num_recv_tokens, **attrs)
+    out = target(
+        buffer,
+        out_types,
+        x,
+        scales,
+        jnp.asarray(weights, jnp.float32),
+        handle.send_pos,
+        handle.num_recv_tokens,
+        **attrs,
+    )
     recv_xs = (out["recv_x"],) if len(xs) == 1 else (out["recv_x"], out["recv_x_scales"])
     return recv_xs, (None if topk_weights is None else out["recv_topk_weights"])
 

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deep_ep_jax import _native
-from deep_ep_jax.distributed import multiprocess
 from deep_ep_jax.backends.cuda import common
 from deep_ep_jax.backends.cuda.common import FfiTarget
+from deep_ep_jax.distributed import multiprocess
 
 # The kernels' scratch, [T, hosts] int32, comes after the results both paths share.
 DISPATCH = FfiTarget("deep_ep_jax_internode_dispatch", common.DISPATCH_RESULTS + ("node_pos",))
@@ -59,7 +59,8 @@ def _check_region(fn, buffer, need, *, num_tokens, num_rows, num_topk):
 
 def _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes):
     return _native.extension().internode_dispatch_region_bytes(
-        num_tokens, num_rows, num_topk, row_bytes[0], row_bytes[1], buffer.num_ranks, buffer.num_nodes)
+        num_tokens, num_rows, num_topk, row_bytes[0], row_bytes[1], buffer.num_ranks, buffer.num_nodes
+    )
 
 
 def _launch_attrs(buffer):
@@ -81,8 +82,18 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
     common.check_num_experts(fn, num_experts, num_ranks)
-    return common.dispatch_call(DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
-                                _launch_attrs(buffer), scratch_types=_node_pos(num_tokens, buffer))
+    return common.dispatch_call(
+        DISPATCH,
+        buffer,
+        xs,
+        topk_idx,
+        topk_weights,
+        num_experts,
+        num_rows,
+        num_ranks,
+        _launch_attrs(buffer),
+        scratch_types=_node_pos(num_tokens, buffer),
+    )
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):
@@ -94,8 +105,15 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     shape = dict(num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_common(fn, buffer, **shape)
     _check_region(fn, buffer, _dispatch_region_bytes(buffer, num_tokens, num_rows, num_topk, row_bytes), **shape)
-    return common.cached_dispatch_call(CACHED_DISPATCH, buffer, xs, topk_weights, handle, _launch_attrs(buffer),
-                                       scratch_types=_node_pos(num_tokens, buffer))
+    return common.cached_dispatch_call(
+        CACHED_DISPATCH,
+        buffer,
+        xs,
+        topk_weights,
+        handle,
+        _launch_attrs(buffer),
+        scratch_types=_node_pos(num_tokens, buffer),
+    )
 
 
 def combine(x, topk_weights, handle, *, buffer):
@@ -106,8 +124,9 @@ def combine(x, topk_weights, handle, *, buffer):
     common.row_bytes(fn, (x,))
     shape = dict(num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_common(fn, buffer, **shape)
-    need = _native.extension().internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden,
-                                                              buffer.num_ranks, buffer.num_nodes)
+    need = _native.extension().internode_combine_region_bytes(
+        num_tokens, num_rows, num_topk, hidden, buffer.num_ranks, buffer.num_nodes
+    )
     _check_region(fn, buffer, need, **shape)
     handle_arrays = (handle.send_pos, handle.num_recv_tokens, handle.recv_src_idx, handle.recv_src_rank)
     return common.combine_call(COMBINE, buffer, x, topk_weights, num_tokens, handle_arrays, _launch_attrs(buffer))

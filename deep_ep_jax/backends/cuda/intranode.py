@@ -17,7 +17,6 @@ always staged: XLA's buffers of another process are out of reach.
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -59,8 +58,9 @@ def _check_region(fn, buffer, num_rows, row_bytes, num_topk, num_chunks):
 
 
 def _attrs(buffer):
-    return dict(common.launch_attrs(buffer), chunk_tokens=np.int64(buffer.config.chunk_tokens),
-                staged=np.int64(buffer.staged))
+    return dict(
+        common.launch_attrs(buffer), chunk_tokens=np.int64(buffer.config.chunk_tokens), staged=np.int64(buffer.staged)
+    )
 
 
 def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
@@ -72,8 +72,9 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     common.check_common(fn, buffer, num_tokens=num_tokens, num_rows=num_rows, num_topk=num_topk)
     common.check_num_experts(fn, num_experts, num_ranks)
     _check_region(fn, buffer, num_rows, row_bytes, num_topk, _num_chunks(num_tokens, buffer.config))
-    return common.dispatch_call(DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks,
-                                _attrs(buffer))
+    return common.dispatch_call(
+        DISPATCH, buffer, xs, topk_idx, topk_weights, num_experts, num_rows, num_ranks, _attrs(buffer)
+    )
 
 
 def cached_dispatch(xs, topk_weights, handle, *, buffer):

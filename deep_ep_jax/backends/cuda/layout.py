@@ -9,8 +9,10 @@ import numpy as np
 from deep_ep_jax.backends.cuda.common import FfiTarget, limit
 
 GET_DISPATCH_LAYOUT = FfiTarget(
-    "deep_ep_jax_get_dispatch_layout", ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
-    vmap_method="sequential", ordered=False,  # local: no peers
+    "deep_ep_jax_get_dispatch_layout",
+    ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"),
+    vmap_method="sequential",
+    ordered=False,  # local: no peers
 )
 TARGETS = (GET_DISPATCH_LAYOUT,)
 
@@ -31,6 +33,11 @@ def get_dispatch_layout(topk_idx, *, num_experts, buffer):
         num_tokens_per_expert=jax.ShapeDtypeStruct((num_experts,), jnp.int32),
         is_token_in_rank=jax.ShapeDtypeStruct((num_tokens, num_ranks), jnp.bool_),
     )
-    out = GET_DISPATCH_LAYOUT(buffer, out_types, jnp.asarray(topk_idx, jnp.int32), num_experts=np.int64(num_experts),
-                              num_ranks=np.int64(num_ranks))
+    out = GET_DISPATCH_LAYOUT(
+        buffer,
+        out_types,
+        jnp.asarray(topk_idx, jnp.int32),
+        num_experts=np.int64(num_experts),
+        num_ranks=np.int64(num_ranks),
+    )
     return out["num_tokens_per_rank"], out["num_tokens_per_expert"], out["is_token_in_rank"]

@@ -16,7 +16,6 @@ import threading
 import jax
 
 from deep_ep_jax import _native
-from deep_ep_jax.distributed import multiprocess, nvshmem
 from deep_ep_jax.backends.cuda import (
     common,
     expert_major,
@@ -28,6 +27,7 @@ from deep_ep_jax.backends.cuda import (
     sizes,
 )
 from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.distributed import multiprocess, nvshmem
 
 _register_lock = threading.Lock()
 _registered = False
@@ -82,9 +82,11 @@ def register_ffi_targets() -> None:
 
 def check_config(config, limits: dict) -> None:
     """The launch configuration within the kernels' bounds."""
-    for name, value, bound in (("num_sms", config.num_sms, limits["max_blocks"]),
-                               ("num_warps", config.num_warps, limits["max_warps"]),
-                               ("low_latency_overlap_sms", config.low_latency_overlap_sms, limits["max_blocks"])):
+    for name, value, bound in (
+        ("num_sms", config.num_sms, limits["max_blocks"]),
+        ("num_warps", config.num_warps, limits["max_warps"]),
+        ("low_latency_overlap_sms", config.low_latency_overlap_sms, limits["max_blocks"]),
+    ):
         if value > bound:
             raise ValueError(f"Config.{name} must be <= {bound} for the CUDA kernels, got {value}")
 
@@ -107,8 +109,10 @@ def normal_mode_serves(num_ranks, spans_hosts, low_latency_mode) -> bool:
     if error is None:
         return True
     if not low_latency_mode:
-        raise ValueError(f"{error}; create the Buffer with low_latency_mode=True to run low-latency calls "
-                         f"(normal-mode calls on it raise)")
+        raise ValueError(
+            f"{error}; create the Buffer with low_latency_mode=True to run low-latency calls "
+            f"(normal-mode calls on it raise)"
+        )
     return False
 
 
@@ -160,8 +164,13 @@ def create_nvshmem_buffer(device, rank, pes, nodes, normal_bytes, low_latency_by
     rank r; nodes[r]: its host index (ranks of this rank's host are reached
     through mapped memory, the others through NVSHMEM's transports)."""
     return _native.extension().create_nvshmem_buffer(
-        int(device), int(rank), [int(p) for p in pes], [int(n) for n in nodes], int(normal_bytes),
-        int(low_latency_bytes), int(send_bytes),
+        int(device),
+        int(rank),
+        [int(p) for p in pes],
+        [int(n) for n in nodes],
+        int(normal_bytes),
+        int(low_latency_bytes),
+        int(send_bytes),
     )
 
 
@@ -191,8 +200,9 @@ def group_nodes(buffer, spans_processes):
     """Node (host) index of each rank of each EP group: from the processes'
     hostnames (traded when the mesh spans processes), cut further by
     Config.gpus_per_host."""
-    return multiprocess.mesh_group_nodes(buffer.mesh, buffer.axis_name, buffer.config.gpus_per_host,
-                                         buffer.config.timeout_s, spans_processes)
+    return multiprocess.mesh_group_nodes(
+        buffer.mesh, buffer.axis_name, buffer.config.gpus_per_host, buffer.config.timeout_s, spans_processes
+    )
 
 
 def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
@@ -226,15 +236,15 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
         )
     buffer.staged = buffer.ipc or intranode.staged_requested()
     if normal:  # else no normal region: normal-mode calls raise at trace time
-        buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(buffer.num_ranks, buffer.hidden,
-                                                                          staged=buffer.staged)
+        buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(
+            buffer.num_ranks, buffer.hidden, staged=buffer.staged
+        )
     if buffer.low_latency_mode:
         buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
             buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
         )
     for device in sorted({d for g in mine for d in g if d >= 0})[:1]:  # the same sizes on every device
-        _check_fits_device({"normal region": buffer.num_nvl_bytes, "low-latency region": buffer.num_rdma_bytes},
-                           device)
+        _check_fits_device({"normal region": buffer.num_nvl_bytes, "low-latency region": buffer.num_rdma_bytes}, device)
     if not buffer.ipc:  # every group this process touches is all its own
         buffer.buffer_id = create_buffer(mine, buffer.num_nvl_bytes, buffer.num_rdma_bytes)
         return
@@ -267,21 +277,31 @@ def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, n
         raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
     # The normal region: internode normal mode (the RDMA and NVLink stages).
     if normal:
-        buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(buffer.num_ranks, buffer.num_nodes,
-                                                                             buffer.hidden)
+        buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(
+            buffer.num_ranks, buffer.num_nodes, buffer.hidden
+        )
     if buffer.low_latency_mode:
         buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
             buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
         )
-        buffer.num_send_bytes = sizes.low_latency_send_bytes(buffer.num_ranks, buffer.hidden,
-                                                             buffer.num_max_dispatch_tokens_per_rank)
-    _check_fits_device({"normal region": buffer.num_nvl_bytes, "low-latency region": buffer.num_rdma_bytes,
-                        "low-latency send area": buffer.num_send_bytes}, device)
-    nvshmem.initialize(device, buffer.num_nvl_bytes + buffer.num_rdma_bytes + buffer.num_send_bytes,
-                       buffer.config.timeout_s)
+        buffer.num_send_bytes = sizes.low_latency_send_bytes(
+            buffer.num_ranks, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
+        )
+    _check_fits_device(
+        {
+            "normal region": buffer.num_nvl_bytes,
+            "low-latency region": buffer.num_rdma_bytes,
+            "low-latency send area": buffer.num_send_bytes,
+        },
+        device,
+    )
+    nvshmem.initialize(
+        device, buffer.num_nvl_bytes + buffer.num_rdma_bytes + buffer.num_send_bytes, buffer.config.timeout_s
+    )
     pes = [d.process_index for d in device_grid(buffer)[g]]
-    buffer.buffer_id = create_nvshmem_buffer(device, r, pes, nodes[g], buffer.num_nvl_bytes, buffer.num_rdma_bytes,
-                                             buffer.num_send_bytes)
+    buffer.buffer_id = create_nvshmem_buffer(
+        device, r, pes, nodes[g], buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.num_send_bytes
+    )
     nvshmem.track(buffer)
 
 

@@ -31,8 +31,8 @@ import numpy as np
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import sizes
 from deep_ep_jax.backends.cuda.common import FfiTarget, limit
-from deep_ep_jax.config import FP8_BLOCK
 from deep_ep_jax.comm.handle import LowLatencyHandle
+from deep_ep_jax.config import FP8_BLOCK
 
 _FP8 = jnp.float8_e4m3fn
 
@@ -43,8 +43,10 @@ _OUT = ("out",)
 
 def _targets(name, results):
     """A split half's target on XLA's stream and its overlapped flavour (beside it)."""
-    return (FfiTarget(f"deep_ep_jax_low_latency_{name}", results),
-            FfiTarget(f"deep_ep_jax_low_latency_{name}_overlapped", results))
+    return (
+        FfiTarget(f"deep_ep_jax_low_latency_{name}", results),
+        FfiTarget(f"deep_ep_jax_low_latency_{name}_overlapped", results),
+    )
 
 
 DISPATCH_SEND = _targets("dispatch_send", _TOKEN)
@@ -169,8 +171,14 @@ def _check_pending(pending, kind, buffer, fn):
 
 
 def _call(target, out_types, args, buffer, **attrs):
-    return target(buffer, out_types, *args, buffer_id=np.int64(buffer.buffer_id),
-                  timeout_ns=np.int64(buffer.config.timeout_ns), **attrs)
+    return target(
+        buffer,
+        out_types,
+        *args,
+        buffer_id=np.int64(buffer.buffer_id),
+        timeout_ns=np.int64(buffer.config.timeout_ns),
+        **attrs,
+    )
 
 
 _TOKEN_TYPE = dict(token=jax.ShapeDtypeStruct((1,), jnp.int32))
@@ -193,14 +201,20 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
             f"memory than the kernels use ({shared} > {max_shared} bytes)"
         )
     num_local = num_experts // buffer.num_ranks
-    needed = ext.low_latency_dispatch_half_bytes(buffer.num_ranks, num_local, max_tokens, num_topk, hidden,
-                                                 bool(use_fp8))
+    needed = ext.low_latency_dispatch_half_bytes(
+        buffer.num_ranks, num_local, max_tokens, num_topk, hidden, bool(use_fp8)
+    )
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     _check_send_area(buffer, max_tokens, num_topk, hidden, fn)
-    pending = DispatchPending(None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8),
-                              int(num_tokens))
-    attrs = dict(num_experts=np.int64(num_experts), max_tokens=np.int64(max_tokens), use_fp8=bool(use_fp8),
-                 round_scale=bool(round_scale))
+    pending = DispatchPending(
+        None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8), int(num_tokens)
+    )
+    attrs = dict(
+        num_experts=np.int64(num_experts),
+        max_tokens=np.int64(max_tokens),
+        use_fp8=bool(use_fp8),
+        round_scale=bool(round_scale),
+    )
     return pending, attrs
 
 
@@ -222,9 +236,14 @@ def _dispatch_out_types(pending, buffer):
 
 
 def _dispatch_results(pending, out):
-    handle = LowLatencyHandle(recv_count=out["recv_count"], recv_src_rank=out["recv_src_rank"],
-                              recv_src_token=out["recv_src_token"], recv_src_topk=out["recv_src_topk"],
-                              num_tokens=pending.num_tokens, num_topk=pending.num_topk)
+    handle = LowLatencyHandle(
+        recv_count=out["recv_count"],
+        recv_src_rank=out["recv_src_rank"],
+        recv_src_token=out["recv_src_token"],
+        recv_src_topk=out["recv_src_topk"],
+        num_tokens=pending.num_tokens,
+        num_topk=pending.num_topk,
+    )
     recv_xs = (out["recv_x"], out["recv_scales"]) if pending.use_fp8 else (out["recv_x"],)
     return recv_xs, out["recv_count"], handle
 
@@ -232,8 +251,16 @@ def _dispatch_results(pending, out):
 def low_latency_dispatch_send(
     x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
 ):
-    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8,
-                                     round_scale, buffer, "low_latency_dispatch_send")
+    pending, attrs = _dispatch_attrs(
+        x,
+        topk_idx,
+        num_experts,
+        num_max_dispatch_tokens_per_rank,
+        use_fp8,
+        round_scale,
+        buffer,
+        "low_latency_dispatch_send",
+    )
     inputs = (x, topk_idx.astype(jnp.int32))
     overlap_sms = buffer.config.low_latency_overlap_sms
     out = _call(_half(DISPATCH_SEND, buffer), _TOKEN_TYPE, inputs, buffer, max_blocks=np.int64(overlap_sms), **attrs)
@@ -242,15 +269,21 @@ def low_latency_dispatch_send(
 
 def low_latency_dispatch_recv(pending, *, buffer):
     _check_pending(pending, DispatchPending, buffer, "low_latency_dispatch_recv")
-    out = _call(_half(DISPATCH_RECV, buffer), _dispatch_out_types(pending, buffer),
-                (pending.token,) + pending.keep_alive, buffer, num_topk=np.int64(pending.num_topk))
+    out = _call(
+        _half(DISPATCH_RECV, buffer),
+        _dispatch_out_types(pending, buffer),
+        (pending.token,) + pending.keep_alive,
+        buffer,
+        num_topk=np.int64(pending.num_topk),
+    )
     return _dispatch_results(pending, out)
 
 
 def low_latency_dispatch(x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer):
     """Both halves in one kernel."""
-    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8,
-                                     round_scale, buffer, "low_latency_dispatch")
+    pending, attrs = _dispatch_attrs(
+        x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer, "low_latency_dispatch"
+    )
     out = _call(DISPATCH, _dispatch_out_types(pending, buffer), (x, topk_idx.astype(jnp.int32)), buffer, **attrs)
     return _dispatch_results(pending, out)
 
@@ -288,25 +321,45 @@ def low_latency_combine_send(x, topk_idx, topk_weights, handle, *, buffer):
     num_topk = _check_combine(x, topk_idx, buffer, "low_latency_combine_send")
     inputs = (x,) + _handle_arrays(handle)
     overlap_sms = buffer.config.low_latency_overlap_sms
-    out = _call(_half(COMBINE_SEND, buffer), _TOKEN_TYPE, inputs, buffer, num_topk=np.int64(num_topk),
-                max_blocks=np.int64(overlap_sms))
-    return CombinePending(out["token"], topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32),
-                          int(x.shape[2]), _num_experts(x, buffer), keep_alive=inputs if overlap_sms else ())
+    out = _call(
+        _half(COMBINE_SEND, buffer),
+        _TOKEN_TYPE,
+        inputs,
+        buffer,
+        num_topk=np.int64(num_topk),
+        max_blocks=np.int64(overlap_sms),
+    )
+    return CombinePending(
+        out["token"],
+        topk_idx.astype(jnp.int32),
+        topk_weights.astype(jnp.float32),
+        int(x.shape[2]),
+        _num_experts(x, buffer),
+        keep_alive=inputs if overlap_sms else (),
+    )
 
 
 def low_latency_combine_recv(pending, *, buffer):
     _check_pending(pending, CombinePending, buffer, "low_latency_combine_recv")
     num_tokens = pending.topk_idx.shape[0]
-    out = _call(_half(COMBINE_RECV, buffer), dict(out=jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16)),
-                (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive, buffer,
-                num_experts=np.int64(pending.num_experts))
+    out = _call(
+        _half(COMBINE_RECV, buffer),
+        dict(out=jax.ShapeDtypeStruct((num_tokens, pending.hidden), jnp.bfloat16)),
+        (pending.token, pending.topk_idx, pending.topk_weights) + pending.keep_alive,
+        buffer,
+        num_experts=np.int64(pending.num_experts),
+    )
     return out["out"]
 
 
 def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     """Both halves in one kernel."""
     _check_combine(x, topk_idx, buffer, "low_latency_combine")
-    out = _call(COMBINE, dict(out=jax.ShapeDtypeStruct((topk_idx.shape[0], x.shape[2]), jnp.bfloat16)),
-                (x,) + _handle_arrays(handle) + (topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32)),
-                buffer, num_experts=np.int64(_num_experts(x, buffer)))
+    out = _call(
+        COMBINE,
+        dict(out=jax.ShapeDtypeStruct((topk_idx.shape[0], x.shape[2]), jnp.bfloat16)),
+        (x,) + _handle_arrays(handle) + (topk_idx.astype(jnp.int32), topk_weights.astype(jnp.float32)),
+        buffer,
+        num_experts=np.int64(_num_experts(x, buffer)),
+    )
     return out["out"]

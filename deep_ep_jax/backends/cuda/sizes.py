@@ -21,7 +21,9 @@ def _row_formats(hidden):
 
 
 def _standard(hidden, num_tokens):
-    return (DEFAULT_HIDDEN if hidden is None else int(hidden)), (DEFAULT_TOKENS if num_tokens is None else int(num_tokens))
+    return (DEFAULT_HIDDEN if hidden is None else int(hidden)), (
+        DEFAULT_TOKENS if num_tokens is None else int(num_tokens)
+    )
 
 
 def normal_region_bytes(num_ranks, hidden=None, num_tokens=None, num_topk=DEFAULT_TOPK, *, staged) -> int:
@@ -35,8 +37,10 @@ def normal_region_bytes(num_ranks, hidden=None, num_tokens=None, num_topk=DEFAUL
     ext = _native.extension()
     num_rows = num_tokens * int(num_ranks)
     # num_chunks = num_tokens: chunks of one token, the most records any chunk_tokens needs.
-    return max(ext.staged_region_bytes(num_rows, row, scales, int(num_topk), num_tokens)
-               for row, scales in _row_formats(hidden))
+    return max(
+        ext.staged_region_bytes(num_rows, row, scales, int(num_topk), num_tokens)
+        for row, scales in _row_formats(hidden)
+    )
 
 
 def internode_region_bytes(num_ranks, num_nodes, hidden=None, num_tokens=None, num_topk=DEFAULT_TOPK) -> int:
@@ -47,10 +51,13 @@ def internode_region_bytes(num_ranks, num_nodes, hidden=None, num_tokens=None, n
     ext = _native.extension()
     num_ranks, num_nodes, num_topk = int(num_ranks), int(num_nodes), int(num_topk)
     num_rows = num_tokens * num_ranks
-    dispatch = max(ext.internode_dispatch_region_bytes(num_tokens, num_rows, num_topk, row, scales, num_ranks,
-                                                       num_nodes) for row, scales in _row_formats(hidden))
-    return max(dispatch, ext.internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks,
-                                                             num_nodes))
+    dispatch = max(
+        ext.internode_dispatch_region_bytes(num_tokens, num_rows, num_topk, row, scales, num_ranks, num_nodes)
+        for row, scales in _row_formats(hidden)
+    )
+    return max(
+        dispatch, ext.internode_combine_region_bytes(num_tokens, num_rows, num_topk, hidden, num_ranks, num_nodes)
+    )
 
 
 def _low_latency_shapes(fn, hidden, max_tokens, num_topk):
@@ -67,8 +74,9 @@ def low_latency_region_bytes(num_ranks, num_experts, hidden, num_max_dispatch_to
     (consecutive operations alternate), each holding a dispatch's rows (bf16
     or FP8, up to M per source rank) or a combine's (M * K). `num_experts`
     None sizes for the kernels' most; `num_topk` None for top-k 16."""
-    hidden, max_tokens, num_topk = _low_latency_shapes("low_latency_region_bytes", hidden,
-                                                       num_max_dispatch_tokens_per_rank, num_topk)
+    hidden, max_tokens, num_topk = _low_latency_shapes(
+        "low_latency_region_bytes", hidden, num_max_dispatch_tokens_per_rank, num_topk
+    )
     num_ranks = int(num_ranks)
     if num_experts is None:
         num_local = _native.limits()["low_latency_max_experts"] // num_ranks + 1
@@ -83,6 +91,7 @@ def low_latency_send_bytes(num_ranks, hidden, num_max_dispatch_tokens_per_rank, 
     dispatch's or a combine's of these shapes (`num_topk` None: 16). A
     combine stages one bf16 row per (source rank, token, k), R * M * K * H * 2
     bytes (`_C.low_latency_combine_stage_bytes`), which grows with the group."""
-    hidden, max_tokens, num_topk = _low_latency_shapes("low_latency_send_bytes", hidden,
-                                                       num_max_dispatch_tokens_per_rank, num_topk)
+    hidden, max_tokens, num_topk = _low_latency_shapes(
+        "low_latency_send_bytes", hidden, num_max_dispatch_tokens_per_rank, num_topk
+    )
     return _native.extension().low_latency_send_bytes(int(num_ranks), hidden, max_tokens, num_topk)

@@ -24,6 +24,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_GPUS_PER_HOST", "gpus_per_host", "1", 1, None),
     ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
     ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
+    ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
 ]
 OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]

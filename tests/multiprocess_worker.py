@@ -704,9 +704,10 @@ def case_shared_gpu_dropless():
     same bits). Prints each compiled program's temporary memory. With launch
     --cpu, the xla backend (smaller hidden)."""
     import oracle
+    from test_dropless import per_rank_layers
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
-    tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, 4 * num_ranks
+    tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, max(4 * num_ranks, 16)
     buffer = dej.Buffer(
         mesh,
         AXIS,
@@ -716,39 +717,8 @@ def case_shared_gpu_dropless():
         config=dej.Config(timeout_s=150),
     )
     put, run = _own_rank_io(mesh, "shared_gpu_dropless", buffer.config.timeout_s)
-    ramp = jnp.arange(hidden, dtype=jnp.float32) % 7 - 3
-
-    def with_grads(layer):
-        def fn(x, idx, w, scales):
-            def loss(x, w, scales):
-                out, rounds = layer(x, idx, w, scales)
-                return jnp.sum(out.astype(jnp.float32) * ramp), (out, rounds)
-
-            (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
-            return (out, jnp.reshape(rounds, (1,))) + grads
-
-        return fn
-
-    def worst(x, idx, w, scales):
-        recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
-        return dej.combine(dt.scaled_experts(scales, recv_x, recv_idx, recv_w), handle, buffer=buffer), 1
-
-    def dropless(capacity):
-        return lambda x, idx, w, scales: dej.dropless_moe(
-            x,
-            idx,
-            w,
-            dt.scaled_experts,
-            scales,
-            num_experts=num_experts,
-            buffer=buffer,
-            capacity=capacity,
-            return_rounds=True,
-        )
-
-    layers = {"worst": with_grads(worst)}
     # One round, and several (two and more: tests/test_dropless.py on CPU).
-    layers.update({c: with_grads(dropless(c)) for c in (num_ranks * tokens, num_ranks * tokens // 8)})
+    layers = per_rank_layers(buffer, num_experts, hidden, (num_ranks * tokens, num_ranks * tokens // 8))
     rounds_seen = set()
     for kind in ("random", "one_expert", "rank_empty", "minus_one"):
         idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
@@ -786,6 +756,8 @@ def case_mesh_order():
     devices are in another order: every operation refuses it when the program
     is lowered, on every process, before any row moves (no XLA collective:
     ranks may share a GPU). With launch --cpu, the xla backend's refusal."""
+    from test_validation import round_trips
+
     platform, num_ranks, mesh, _, _ = _one_rank_per_process()
     other = jax.sharding.Mesh(mesh.devices[::-1], (AXIS,))
     hidden, topk, num_experts, tokens = 256, 2, 2 * num_ranks, 8
@@ -802,30 +774,9 @@ def case_mesh_order():
     x = jax.ShapeDtypeStruct((num_ranks * tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.int32)
     w = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.float32)
-    ll = dict(num_experts=num_experts, num_max_dispatch_tokens_per_rank=tokens, buffer=buffer)
-
-    def normal(x, idx, w):
-        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
-        return dej.combine(recv_x, handle, recv_w, buffer=buffer)
-
-    def low_latency(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch(x, idx, use_fp8=False, **ll)
-        return dej.low_latency_combine(recv_x, idx, w, handle, buffer=buffer)
-
-    def halves(x, idx, w):
-        recv_x, _, handle = dej.low_latency_dispatch_recv(
-            dej.low_latency_dispatch_send(x, idx, use_fp8=False, **ll), buffer=buffer
-        )
-        return dej.low_latency_combine_recv(
-            dej.low_latency_combine_send(recv_x, idx, w, handle, buffer=buffer), buffer=buffer
-        )
-
-    def backward(x, idx, w):  # only the gradient communicates: the forward's results are unused
-        return jax.grad(lambda x: normal(x, idx, w)[0].astype(jnp.float32).sum())(x)
-
     ids = [d.id for d in mesh.devices.flat]
     want = f"is {ids[::-1]} there, {ids} in the Buffer's"
-    for name, fn in (("normal", normal), ("low_latency", low_latency), ("halves", halves), ("backward", backward)):
+    for name, fn in round_trips(buffer, tokens, num_experts).items():
         jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(x, idx, w)  # the Buffer's own mesh lowers
         try:
             jax.jit(_per_rank(fn, other, AXIS, jit=False)).lower(x, idx, w)

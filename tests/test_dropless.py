@@ -32,10 +32,10 @@ def exact_inputs(rng, num_ranks, num_experts, kind):
     return x, idx.astype(np.int32), w, scales
 
 
-def layers(mesh, buffer, num_experts):
-    """(one round sized for the worst case, dropless at a capacity) as jitted functions of
-    (x, idx, w, scales) -> (out, rounds, dx, dw, dscales): the gradients of sum(out * ramp)."""
-    ramp = jnp.arange(HIDDEN, dtype=jnp.float32) % 7 - 3
+def per_rank_layers(buffer, num_experts, hidden, capacities):
+    """Per-rank functions of (x, idx, w, scales) -> (out, rounds [1], dx, dw, dscales), the gradients those of
+    sum(out * ramp): "worst", one dispatch sized for the worst case; and dropless_moe at each capacity."""
+    ramp = jnp.arange(hidden, dtype=jnp.float32) % 7 - 3
 
     def worst(x, idx, w, scales):
         recv_x, recv_idx, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
@@ -43,17 +43,8 @@ def layers(mesh, buffer, num_experts):
 
     def dropless(capacity):
         def layer(x, idx, w, scales):
-            return dej.dropless_moe(
-                x,
-                idx,
-                w,
-                dt.scaled_experts,
-                scales,
-                num_experts=num_experts,
-                buffer=buffer,
-                capacity=capacity,
-                return_rounds=True,
-            )
+            return dej.dropless_moe(x, idx, w, dt.scaled_experts, scales, num_experts=num_experts, buffer=buffer,
+                                    capacity=capacity, return_rounds=True)  # fmt: skip
 
         return layer
 
@@ -66,9 +57,9 @@ def layers(mesh, buffer, num_experts):
             (_, (out, rounds)), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w, scales)
             return (out, jnp.reshape(rounds, (1,))) + grads
 
-        return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=P(buffer.axis_name), out_specs=P(buffer.axis_name)))
+        return run
 
-    return with_grads(worst), lambda capacity: with_grads(dropless(capacity))
+    return {"worst": with_grads(worst), **{c: with_grads(dropless(c)) for c in capacities}}
 
 
 def check_rounds(num_ranks, seed):
@@ -78,12 +69,13 @@ def check_rounds(num_ranks, seed):
     num_experts = 2 * num_ranks
     mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
     buffer = dej.Buffer(mesh, "ep", backend="xla")
-    worst, dropless = layers(mesh, buffer, num_experts)
-    capacities = {c: dropless(c) for c in (num_ranks * TOKENS, 2 * TOKENS, num_ranks)}  # compiled once each
+    axis = P(buffer.axis_name)
+    layers = per_rank_layers(buffer, num_experts, HIDDEN, (num_ranks * TOKENS, 2 * TOKENS, num_ranks))
+    layers = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=axis, out_specs=axis)) for k, f in layers.items()}
     rounds_seen = set()
     for kind in dt.ROUTING_KINDS:
         x, idx, w, scales = exact_inputs(rng, num_ranks, num_experts, kind)
-        want = [np.asarray(a, np.float32) for a in worst(x, idx, w, scales)]
+        want = [np.asarray(a, np.float32) for a in layers["worst"](x, idx, w, scales)]
         valid = np.where((idx >= 0) & (idx < num_experts), idx, -1).reshape(num_ranks, TOKENS, TOPK)
         received = oracle.dispatch(
             x.astype(np.float32).reshape(num_ranks, TOKENS, HIDDEN),
@@ -95,7 +87,7 @@ def check_rounds(num_ranks, seed):
         y = oracle.scaled_expert_rows(received, scales.reshape(num_ranks, -1), num_ranks * TOKENS, HIDDEN)
         expected = oracle.bf16_values(oracle.combine(y, received, TOKENS)).reshape(-1, HIDDEN)
         np.testing.assert_array_equal(want[0], expected, err_msg=kind)
-        for capacity, layer in capacities.items():
+        for capacity, layer in list(layers.items())[1:]:
             got = [np.asarray(a, np.float32) for a in layer(x, idx, w, scales)]
             rounds = set(got[1].tolist())
             assert len(rounds) == 1, f"ranks disagree on the rounds: {rounds}"

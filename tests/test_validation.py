@@ -222,12 +222,13 @@ def test_buffer_of_a_mesh_with_other_axes(buffer):
         run.trace(*(jnp.concatenate([a, a]) for a in (x, idx, w)))
 
 
-def _round_trips(buffer, num_tokens):
-    """Every operation that exchanges rows, each a function of (x, idx, w) per rank."""
-    ll = dict(num_experts=E, num_max_dispatch_tokens_per_rank=num_tokens, buffer=buffer)
+def round_trips(buffer, num_tokens, num_experts=E):
+    """Every operation that exchanges rows, each a function of (x, idx, w) per rank (also the worker case
+    mesh_order's)."""
+    ll = dict(num_experts=num_experts, num_max_dispatch_tokens_per_rank=num_tokens, buffer=buffer)
 
     def normal(x, idx, w):
-        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=E, buffer=buffer)
+        recv_x, _, recv_w, handle = dej.dispatch(x, idx, w, num_experts=num_experts, buffer=buffer)
         return dej.combine(recv_x, handle, recv_w, buffer=buffer)
 
     def low_latency(x, idx, w):
@@ -255,7 +256,7 @@ def test_buffer_of_a_mesh_in_another_device_order(mesh, op):
     would reach other ranks' experts (seen on the CUDA backend). Refused when the program is lowered, on
     every backend alike (the worker case mesh_order checks the CUDA backend across processes)."""
     buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
-    fn = _round_trips(buffer, T)[op]
+    fn = round_trips(buffer, T)[op]
     other = jax.sharding.Mesh(mesh.devices[[1, 0, 2, 3]], ("ep",))
     ids = [d.id for d in mesh.devices.flat]
     _trace(mesh, fn, *_inputs())  # the buffer's own mesh
@@ -276,7 +277,7 @@ def test_buffer_mesh_with_its_groups_in_another_order():
     made = jax.sharding.Mesh(devices, ("data", "ep"))
     swapped = jax.sharding.Mesh(devices[::-1], ("data", "ep"))
     buffer = dej.Buffer(made, "ep", backend="xla")
-    fn = _round_trips(buffer, T)["normal"]
+    fn = round_trips(buffer, T)["normal"]
     x, idx, w = (jnp.concatenate([a, a[::-1]]) for a in _inputs())
     tokens = P(("data", "ep"))
 

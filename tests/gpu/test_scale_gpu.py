@@ -30,8 +30,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
 * a Buffer under a shard_map over its mesh's devices in another order
   refused, and a mesh in reverse process order right (worker cases
   mesh_order and shared_gpu), 1 x 2 and 2 x 1;
-* dropless_moe at EP 8 and 16, hidden 7168, against the oracle and the
-  worst-case layer in 1, 2 and several rounds (worker case
+* dropless_moe at EP 8 (1 x 8) and 16 (2 x 8), hidden 7168, against the
+  oracle and the worst-case layer in one round and several (worker case
   shared_gpu_dropless).
 
 No XLA collective runs across the processes: NCCL refuses two ranks on one
@@ -114,6 +114,7 @@ def _run_hosts_case(case, num_hosts, ranks_per_host, timeout, summary, extra_env
         assert f"[rank {rank}] process {rank}/{num_ranks}: CASE {case} OK" in output, output[-8000:]
     assert summary.format(num_ranks=num_ranks, num_hosts=num_hosts) in output, output[-8000:]
     print(f"{case} {num_hosts} x {ranks_per_host}: {elapsed:.0f} s")
+    return output
 
 
 SHARED_GPU_SUMMARY = "shared_gpu R={num_ranks} on {num_hosts} hosts: normal region"
@@ -267,9 +268,12 @@ def test_mesh_in_another_device_order(num_hosts, ranks_per_host):
     )
 
 
-@pytest.mark.parametrize("num_ranks", [8, 16])
-def test_dropless_with_ranks_sharing_gpus(num_ranks):
-    """dropless_moe at EP 8 and 16 (hidden 7168) against tests/oracle.py and the
-    worst-case layer, forward and gradients, bit for bit, in 1, 2 and several
-    rounds (worker case shared_gpu_dropless; one host: CUDA IPC)."""
-    _run_hosts_case("shared_gpu_dropless", 1, num_ranks, 400, "shared_gpu_dropless R={num_ranks}: ok")
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 8), (2, 8)])
+def test_dropless_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
+    """dropless_moe at EP 8 (one host: CUDA IPC) and 16 (two hosts of 8: NVSHMEM across) at hidden 7168
+    against tests/oracle.py and the worst-case layer, forward and gradients, bit for bit, in one round and
+    several (worker case shared_gpu_dropless)."""
+    output = _run_hosts_case(
+        "shared_gpu_dropless", num_hosts, ranks_per_host, 400, "shared_gpu_dropless R={num_ranks}: ok"
+    )
+    print(*(line for line in output.splitlines() if line.startswith("[rank 0]") and "temporaries" in line), sep="\n")

@@ -797,3 +797,20 @@ def test_poison_padding_shows_an_unmasked_weight_gradient(mesh):
     assert (np.asarray(num_recv) < R * T).any()  # some rank has padding rows
     plain, masked, _ = weight_grads(dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(poison_padding=True)))
     assert np.isnan(np.asarray(plain)).any() and np.isfinite(np.asarray(masked)).all()
+
+
+def test_auto_backend_on_gpus_the_extension_cannot_run_warns(mesh, monkeypatch):
+    """backend="auto" on GPUs whose CUDA backend cannot run (not built for their architecture, say) falls back
+    to the xla backend with one warning naming the reason; on CPUs it falls back without a word."""
+    import warnings
+
+    from deep_ep_jax import _native
+    from deep_ep_jax.comm import buffer as buffer_module
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dej.Buffer(mesh, "ep").backend == "xla"  # CPU devices: nothing to say
+    monkeypatch.setattr(buffer_module, "_is_gpu", lambda device: True)
+    monkeypatch.setattr(_native, "unavailable_reason", lambda: "no kernel image for sm_80 (built for sm_90)")
+    with pytest.warns(UserWarning, match=r"Buffer\(backend='auto'\): .* not available: no kernel image for sm_80"):
+        assert dej.Buffer(mesh, "ep").backend == "xla"

@@ -10,6 +10,7 @@ the axis description.
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import jax
 
@@ -158,6 +159,10 @@ class Buffer:
         if backend == "cuda" and reason:
             raise RuntimeError(f"Buffer(backend='cuda') is not available: {reason}")
         self.backend = "cuda" if backend == "cuda" or (backend == "auto" and not reason) else "xla"
+        if backend == "auto" and reason and all(_is_gpu(d) for d in devices):
+            # On GPUs the kernels were expected: say why the reference backend runs instead.
+            warnings.warn(f"Buffer(backend='auto'): the mesh's GPUs run the xla backend, the CUDA one is not "
+                          f"available: {reason}", stacklevel=2)  # fmt: skip
         self._destroyed = False
         if self.backend == "cuda":
             from deep_ep_jax.backends.cuda import lifecycle

@@ -30,7 +30,7 @@ from jax import lax
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
-from deep_ep_jax.comm.normal import combine, dispatch, get_dispatch_layout
+from deep_ep_jax.comm.normal import combine, dispatch
 from deep_ep_jax.comm.varying import vary_over, vma
 from deep_ep_jax.config import is_int
 
@@ -91,6 +91,7 @@ def dropless_moe(
     v.check_num_experts(num_experts, buffer, fn)
     (x,), num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
+    return_rounds = v.check_bool(fn, "return_rounds", return_rounds)
     if not callable(experts):
         raise TypeError(
             f"{fn}: experts must be a function (params, recv_x, recv_topk_idx, recv_topk_weights) -> "
@@ -105,12 +106,13 @@ def dropless_moe(
             f"{fn}: capacity must be an int in [ranks = {num_ranks}, tokens * ranks = {worst}] (rows "
             f"received per rank per round), got {capacity!r}"
         )
+    capacity = int(capacity)
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)
-    block = min(num_tokens, int(capacity) // num_ranks)  # a block's rows always fit: block * R <= capacity
-    token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, int(capacity), block, hidden)
-    static = _Static(experts, buffer, num_experts, int(capacity))
+    block = min(num_tokens, capacity // num_ranks)  # a block's rows always fit: block * R <= capacity
+    token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden)
+    static = _Static(experts, buffer, num_experts, capacity)
     out = _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
-    return (out, num_rounds) if v.check_bool(fn, "return_rounds", return_rounds) else out
+    return (out, num_rounds) if return_rounds else out
 
 
 # Rounds ---------------------------------------------------------------------
@@ -120,7 +122,7 @@ def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden):
     """(round of each token int32 [T], number of rounds int32 []), the same on every rank."""
     num_tokens, num_ranks = topk_idx.shape[0], buffer.num_ranks
     num_blocks = -(-num_tokens // block)
-    _, _, in_rank = get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
+    _, _, in_rank = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)  # ids sanitised
     padded = jnp.pad(in_rank.astype(jnp.int32), ((0, num_blocks * block - num_tokens), (0, 0)))
     sent = padded.reshape(num_blocks, block, num_ranks).sum(axis=1)  # [blocks, R]: my rows per block and rank
     # Rank j learns what every rank sends it, then every rank learns every rank's load.

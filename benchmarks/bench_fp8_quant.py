@@ -47,12 +47,12 @@ def cases(args):
         )
         return (jax.random.normal(next(keys), shape, jnp.bfloat16) * scale).astype(jnp.bfloat16)
 
-    both = lambda a, m, impl: fp8_quant.quantize_rows_and_columns(a, m, impl=impl)
-    rows = lambda a, m, impl: fp8_quant.quantize_rows(a, impl=impl)
-    swiglu = lambda a, m, impl: fp8_quant.quantize_rows(a, swiglu=True, impl=impl)
+    both = lambda a, m, impl: fp8_quant.quantize_rows_and_columns(a, m, backend=impl)
+    rows = lambda a, m, impl: fp8_quant.quantize_rows(a, backend=impl)
+    swiglu = lambda a, m, impl: fp8_quant.quantize_rows(a, swiglu=True, backend=impl)
     # The barrier: XLA's SwiGLU writes its bf16 rows, as before the fused kernel.
     unfused = lambda a, m, impl: fp8_quant.quantize_rows(
-        lax.optimization_barrier(fp8_quant.swiglu_values(a)), impl=impl
+        lax.optimization_barrier(fp8_quant.swiglu_values(a)), backend=impl
     )
     e, r = args.experts, args.rows
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
@@ -83,8 +83,8 @@ def main():
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     impls = args.impls.split(",")
-    if unknown := set(impls) - set(fp8_quant.IMPLS[1:]):  # fp8_quant's impls but "auto"
-        p.error(f"--impls: {sorted(unknown)} not among {list(fp8_quant.IMPLS[1:])}")
+    if unknown := set(impls) - set(fp8_quant.BACKENDS[1:]):  # fp8_quant's backends but "auto"
+        p.error(f"--impls: {sorted(unknown)} not among {list(fp8_quant.BACKENDS[1:])}")
     if "cuda" in impls and (reason := _native.unavailable_reason()):
         p.error(f"--impls cuda: the CUDA kernels cannot run here ({reason}); --impls xla times XLA's alone")
     env = environment()
@@ -112,7 +112,7 @@ def main():
                 f"{moved / median * 1e-9 if median else float('nan'):.0f} | {by_kernel}",
                 flush=True,
             )
-            results.append(dict(case=name, impl=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
+            results.append(dict(case=name, backend=impl, seconds=spans.tolist(), bytes=moved, kernels=kernels))
         (first, first_out), *others = outputs.items()
         for other, other_out in others:
             agree = same_bits(first_out, other_out)

@@ -1,7 +1,7 @@
 """Grouped GEMM of the experts on one GPU: one expert SwiGLU
 (x [M, 7168] -> w_in [G, 7168, 4096] -> silu(gate) * up -> w_out [G, 2048, 7168])
 through deep_ep_jax.grouped_matmul, forward and forward + backward, with the
-Mosaic GPU kernels (impl="mgpu") beside jax.lax.ragged_dot (impl="xla", through
+Mosaic GPU kernels (backend="cuda") beside jax.lax.ragged_dot (backend="xla", through
 JAX's Pallas-Triton grouped kernel: XLA's own GPU lowering is a dense dot over
 all G groups).
 
@@ -96,6 +96,8 @@ from timing import chain_seconds, check_counts, environment, print_kernel_breakd
 from deep_ep_jax import _native
 from deep_ep_jax.experts import grouped_gemm as gg
 
+OURS = ("mgpu", "xla")  # grouped_matmul's backends, as --impls names them ("mgpu": its backend "cuda")
+
 
 def routed_group_sizes(rng, tokens, ranks, experts, topk, align):
     """(pairs per local expert, the same rounded up to align) of rank 0's experts."""
@@ -132,7 +134,7 @@ def grouped(x, w, sizes, valid, impl, blocks, aligned, w8):
     if isinstance(impl, Tokamax):
         return tokamax_matmul(impl, x, w, sizes, w8)
     return gg.grouped_matmul(
-        x, w, sizes, impl=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid, fp8_weights=w8
+        x, w, sizes, backend=impl, block_sizes=blocks, aligned_groups=aligned, valid_sizes=valid, fp8_weights=w8
     )
 
 
@@ -891,7 +893,7 @@ def main(argv=None):
     args.budget_s = 330.0 if args.budget_s is None else args.budget_s
     args.chain = (3 if compare else 5) if args.chain is None else args.chain
     check_counts(p, args, "tokens", "ranks", "experts", "topk", "hidden", "ffn", "align", "chain", "repeats")
-    known = (*gg.IMPLS[1:], "tokamax")  # grouped_matmul's impls but "auto", and tokamax
+    known = OURS + ("tokamax",)
     if unknown := set(args.impls.split(",")) - set(known):
         p.error(f"--impls: {sorted(unknown)} not among {list(known)}")
     kernels = args.sweep_kernels.split(",")
@@ -923,7 +925,7 @@ def main(argv=None):
                 json.dump(data, f, indent=1, default=str)
 
     if compare:
-        ours = next((i for i in impls if i in gg.IMPLS), None)
+        ours = next((i for i in impls if i in OURS), None)
         if ours is None:
             p.error("--compare-shapes: none of --impls' mgpu, xla runs here")
 

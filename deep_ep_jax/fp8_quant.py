@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from deep_ep_jax import _native
+from deep_ep_jax.comm.validation import check_backend
 from deep_ep_jax.comm.varying import vary_together
 
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -37,23 +38,25 @@ FP8_MAX = 448.0
 # activations' FP8 (an all-zero row gets zeros).
 FP8_MIN_AMAX = 1e-30
 
-IMPLS = ("auto", "cuda", "xla")
+BACKENDS = ("auto", "cuda", "xla")
 
 
-def quantize_rows(a, *, swiglu: bool = False, impl: str = "auto"):
+def quantize_rows(a, *, swiglu: bool = False, backend: str = "auto", impl: str | None = None):
     """a [..., C] -> (float8_e4m3fn [..., C], float32 [...]): one scale per row.
     swiglu=True: a [..., 2C] holds [gate, up] and the rows quantized are swiglu_values(a), bf16 (never
-    written). impl: "auto" (the extension's CUDA kernel where it runs and takes a: bf16, C a multiple of
-    8; else XLA), "cuda" or "xla". No gradient flows through (rounding's derivative is 0 almost
-    everywhere; both paths stop it)."""
-    _check_impl(impl)
+    written). backend: "auto" (the extension's CUDA kernel where it runs and takes a: bf16, C a multiple
+    of 8; else XLA), "cuda" or "xla" (impl: its old name, deprecated). No gradient flows through
+    (rounding's derivative is 0 almost everywhere; both paths stop it)."""
+    backend = check_backend("quantize_rows", backend, BACKENDS, impl)
     a = lax.stop_gradient(a)
     if a.ndim < 1:
         raise ValueError(f"quantize_rows: a needs a row axis, got shape {tuple(a.shape)}")
     if swiglu and (a.shape[-1] % 2 or a.dtype != jnp.bfloat16):
         raise ValueError(f"quantize_rows: swiglu=True needs bf16 a [..., 2C], got {a.dtype} {tuple(a.shape)}")
     cols = a.shape[-1] // 2 if swiglu else a.shape[-1]
-    if _use_cuda("quantize_rows", impl, a, a.dtype == jnp.bfloat16 and cols % 8 == 0, "bf16 a with C a multiple of 8"):
+    if _use_cuda(
+        "quantize_rows", backend, a, a.dtype == jnp.bfloat16 and cols % 8 == 0, "bf16 a with C a multiple of 8"
+    ):
         return _cuda_ops().fp8_quantize_rows(a, swiglu)
     if swiglu:  # the barrier: the rows rounded to bf16 as stored (XLA would otherwise keep them in float32)
         return _quantize_rows_xla(lax.optimization_barrier(swiglu_values(a)))
@@ -66,14 +69,15 @@ def swiglu_values(gate_up):
     return (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
 
 
-def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
+def quantize_rows_and_columns(a, col_multipliers=None, *, backend: str = "auto", impl: str | None = None):
     """a [B, R, C] -> (rows float8 [B, R, C], row_scales float32 [B, R], cols float8 [B, C, R],
     col_scales float32 [B, C]): rows is a quantized per row (quantize_rows(a)); cols is
     z = a * col_multipliers[..., None] (float32 [B, R], default 1; a row whose multiplier is 0 is 0 in z,
     whatever a holds there, NaN included: so padding rows are left out) quantized per column of z and
-    transposed (quantize_rows(swapaxes(z, 1, 2))). impl: "auto" (the extension's CUDA kernels where they
-    run and take a: bf16, C a multiple of 128; else XLA), "cuda" or "xla". No gradient flows through."""
-    _check_impl(impl)
+    transposed (quantize_rows(swapaxes(z, 1, 2))). backend: "auto" (the extension's CUDA kernels where
+    they run and take a: bf16, C a multiple of 128; else XLA), "cuda" or "xla" (impl: its old name,
+    deprecated). No gradient flows through."""
+    backend = check_backend("quantize_rows_and_columns", backend, BACKENDS, impl)
     a = lax.stop_gradient(a)
     col_multipliers = None if col_multipliers is None else lax.stop_gradient(col_multipliers)
     if a.ndim != 3:
@@ -86,7 +90,7 @@ def quantize_rows_and_columns(a, col_multipliers=None, *, impl: str = "auto"):
         a, col_multipliers = vary_together(a, col_multipliers.astype(jnp.float32))  # (shard_map) typed alike
     if _use_cuda(
         "quantize_rows_and_columns",
-        impl,
+        backend,
         a,
         a.dtype == jnp.bfloat16 and a.shape[2] % 128 == 0 and a.shape[1] < 2**31,
         "bf16 a with C a multiple of 128",
@@ -184,22 +188,17 @@ def _quantize_rows_xla(a, scales=None):
 # Choice ---------------------------------------------------------------------------------------------------
 
 
-def _check_impl(impl):
-    if impl not in IMPLS:
-        raise ValueError(f"fp8_quant: impl must be one of {IMPLS}, got {impl!r}")
-
-
-def _use_cuda(fn, impl, a, fits, need) -> bool:
-    """Whether fn runs the extension's kernels: impl "cuda" (which raises where a does not fit them or the
+def _use_cuda(fn, backend, a, fits, need) -> bool:
+    """Whether fn runs the extension's kernels: backend "cuda" (which raises where a does not fit them or the
     extension does not load), or "auto" where they fit and run (a GPU with FP8 conversions)."""
-    if impl == "cuda":
+    if backend == "cuda":
         if not fits:
-            raise ValueError(f"{fn}: impl='cuda' needs {need}, got {a.dtype} {tuple(a.shape)}")
+            raise ValueError(f"{fn}: backend='cuda' needs {need}, got {a.dtype} {tuple(a.shape)}")
         reason = _native.unavailable_reason()
         if reason:
-            raise RuntimeError(f"{fn}: impl='cuda' is not available: {reason}")
+            raise RuntimeError(f"{fn}: backend='cuda' is not available: {reason}")
         return True
-    return impl == "auto" and fits and fp8_gpu() and _native.unavailable_reason() is None
+    return backend == "auto" and fits and fp8_gpu() and _native.unavailable_reason() is None
 
 
 def fp8_gpu(device=None) -> bool:

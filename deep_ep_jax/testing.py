@@ -147,14 +147,15 @@ def assert_bits_equal(got, want, what):
 
 
 def poison_allocator(mesh, axis_name, per_rank_shapes):
-    """Allocates and frees arrays of the outputs' per-rank sizes (shape,
-    dtype) full of poison (NaN, -7, True), so rows a kernel leaves unwritten
-    show in its outputs."""
+    """Allocates and frees arrays of the outputs' per-rank sizes, each
+    (shape, dtype) or (shape, dtype, value), full of poison (by default NaN,
+    -7, True), so rows a kernel leaves unwritten show in its outputs."""
     sharding = jax.sharding.NamedSharding(mesh, P(axis_name))
     num_ranks = mesh.shape[axis_name]
     arrays = []
-    for shape, dtype in per_rank_shapes:
-        value = True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)
-        arrays.append(filled((num_ranks,) + tuple(shape), value, dtype, sharding))
+    for shape, dtype, *value in per_rank_shapes:
+        if not value:
+            value = [True if dtype == jnp.bool_ else (-7 if jnp.issubdtype(dtype, jnp.integer) else jnp.nan)]
+        arrays.append(filled((num_ranks,) + tuple(shape), value[0], dtype, sharding))
     jax.block_until_ready(arrays)
     del arrays

@@ -443,7 +443,7 @@ def _fp8_rows_layer(buffer, num_experts, alignment, num_rows, fp8_rows, weight_g
             expert_x,
             w_e,
             layout.padded_group_sizes(alignment),
-            impl="xla",
+            backend="xla",
             valid_sizes=layout.group_sizes,
             fp8_weights=w8,
         )
@@ -518,7 +518,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
     (y8, rows8, grads8, g_x8), (y, rows_bf16, grads, g_x) = run(True), run(False)
     assert isinstance(rows8, Fp8Rows)
     for r in range(num_ranks):
-        data, scales = fp8_quant.quantize_rows(rows_bf16[r], impl="xla")
+        data, scales = fp8_quant.quantize_rows(rows_bf16[r], backend="xla")
         used = np.abs(np.asarray(rows_bf16[r], np.float32)).max(axis=1) > 0
         np.testing.assert_array_equal(_bits(rows8.data[r])[used], _bits(data)[used])
         np.testing.assert_array_equal(np.asarray(rows8.scales[r])[used], np.asarray(scales)[used])
@@ -552,7 +552,7 @@ def test_fp8_rows_without_data_t():
             rows,
             w_e,
             layout.padded_group_sizes(8),
-            impl="xla",
+            backend="xla",
             valid_sizes=layout.group_sizes,
             fp8_weights=fp8_weights(w_e, weight_grad=True),
         )
@@ -610,7 +610,7 @@ def test_column_scales_from_token_rows():
         _, layout = dej.expand(g, idx, num_local_experts=3, alignment=8, num_rows=64)
         m = jnp.where(layout.row_pair >= 0, m, 0.0)
         gathered = em._XLA.expand_rows((g,), layout)[0]
-        want = fp8_quant.quantize_rows_and_columns(gathered[None], m[None], impl="xla")[3][0]
+        want = fp8_quant.quantize_rows_and_columns(gathered[None], m[None], backend="xla")[3][0]
         has = layout.pair_row >= 0
         token_m = jnp.max(jnp.where(has, jnp.abs(m)[jnp.where(has, layout.pair_row, 0)], 0.0), axis=1)
         return want, *fp8_quant.column_scales(g, token_m)
@@ -640,15 +640,16 @@ def _matmul_reduce_fn(fused, fp8, weight_grad, exact):
 
     def layer(x, w_e, w, idx):
         expert_x, layout = dej.expand(x, idx, num_local_experts=3, alignment=8)
-        kwargs = dict(valid_sizes=layout.group_sizes, impl="xla")
+        kwargs = dict(valid_sizes=layout.group_sizes)
         if fp8:
             kwargs["fp8_weights"] = fp8_weights(w_e, weight_grad=weight_grad)
         if exact:
             expert_x, w_e = expert_x.astype(jnp.float32), w_e.astype(jnp.float32)
         sizes = layout.padded_group_sizes(8)
         if fused:
-            return dej.grouped_matmul_reduce(expert_x, w_e, sizes, w, layout, **kwargs)
-        return dej.reduce(dej.grouped_matmul(expert_x, w_e, sizes, **kwargs).astype(jnp.bfloat16), w, layout)
+            return dej.grouped_matmul_reduce(expert_x, w_e, sizes, w, layout, matmul_backend="xla", **kwargs)
+        y = dej.grouped_matmul(expert_x, w_e, sizes, backend="xla", **kwargs)
+        return dej.reduce(y.astype(jnp.bfloat16), w, layout)
 
     def f(x, w_e, w, idx, c):
         loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w, idx).astype(jnp.float32) * c)
@@ -1048,7 +1049,7 @@ def test_a_group_cut_by_num_rows_stays_aligned():
     w = jnp.asarray(np.random.default_rng(8).standard_normal((4, H, 64)) / np.sqrt(H), jnp.bfloat16)
     y = np.asarray(
         dej.grouped_matmul(
-            expert_x, w, jnp.asarray(sizes), impl="xla", aligned_groups=True, valid_sizes=layout.group_sizes
+            expert_x, w, jnp.asarray(sizes), backend="xla", aligned_groups=True, valid_sizes=layout.group_sizes
         ),
         np.float32,
     )

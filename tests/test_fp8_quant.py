@@ -38,7 +38,7 @@ def assert_same(got, want, what):
 @pytest.mark.parametrize("shape", [(256, 384), (2, 64, 7168 // 14), (8, 16)])
 def test_rows_match_numpy(shape, rng):
     a = skewed(rng, shape)
-    data, scales = jax.jit(lambda a: fp8_quant.quantize_rows(a, impl="xla"))(a)
+    data, scales = jax.jit(lambda a: fp8_quant.quantize_rows(a, backend="xla"))(a)
     want_values, want_scales = oracle.fp8_row_parts(a)
     np.testing.assert_array_equal(as_float(scales), want_scales[..., 0])
     np.testing.assert_array_equal(as_float(data), want_values)
@@ -51,7 +51,7 @@ def test_rows_and_columns_match_numpy(rng):
     m = np.exp(rng.standard_normal((3, 256))).astype(np.float32)
     m[:, 200:210] = 0  # rows left out of the columns' copy, whatever they hold
     a[1, 203, :5] = [np.nan, np.inf, -np.inf, 1e30, -7]
-    rows, row_scales, cols, col_scales = jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="xla"))(
+    rows, row_scales, cols, col_scales = jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, backend="xla"))(
         a, m
     )
     want_rows, want_row_scales = oracle.fp8_row_parts(a)
@@ -80,33 +80,36 @@ def test_auto_takes_xla_off_gpu_and_where_shapes_do_not_fit(monkeypatch):
         assert "custom_call" not in jax.jit(fp8_quant.quantize_rows).lower(a).as_text()
     # The CUDA kernels take bf16 (quantize_rows_and_columns' with C a multiple of 128), and need the
     # extension on a GPU.
-    with pytest.raises(ValueError, match="impl='cuda' needs bf16 a with C a multiple of 8"):
-        fp8_quant.quantize_rows(jnp.ones((3, 20), jnp.bfloat16), impl="cuda")
-    with pytest.raises(ValueError, match="impl='cuda' needs bf16 a with C a multiple of 128"):
-        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 192), jnp.bfloat16), impl="cuda")
-    with pytest.raises(ValueError, match="impl='cuda' needs bf16"):
-        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.float32), impl="cuda")
+    with pytest.raises(ValueError, match="backend='cuda' needs bf16 a with C a multiple of 8"):
+        fp8_quant.quantize_rows(jnp.ones((3, 20), jnp.bfloat16), backend="cuda")
+    with pytest.raises(ValueError, match="backend='cuda' needs bf16 a with C a multiple of 128"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 192), jnp.bfloat16), backend="cuda")
+    with pytest.raises(ValueError, match="backend='cuda' needs bf16"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.float32), backend="cuda")
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: "no GPU here")
-    with pytest.raises(RuntimeError, match="impl='cuda' is not available: no GPU here"):
-        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.bfloat16), impl="cuda")
-    with pytest.raises(RuntimeError, match="impl='cuda' is not available: no GPU here"):
-        fp8_quant.quantize_rows(jnp.ones((2, 64), jnp.bfloat16), swiglu=True, impl="cuda")
+    with pytest.raises(RuntimeError, match="backend='cuda' is not available: no GPU here"):
+        fp8_quant.quantize_rows_and_columns(jnp.ones((1, 64, 128), jnp.bfloat16), backend="cuda")
+    with pytest.raises(RuntimeError, match="backend='cuda' is not available: no GPU here"):
+        fp8_quant.quantize_rows(jnp.ones((2, 64), jnp.bfloat16), swiglu=True, backend="cuda")
 
 
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="triton"), "impl must be one of"),
+        (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), backend="triton"), "backend must be one of"),
         (
-            lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), impl="cuda"),
-            "impl='cuda' needs bf16 a with C a multiple of 8",
+            lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), backend="cuda"),
+            "backend='cuda' needs bf16 a with C a multiple of 8",
         ),
         (
             lambda: fp8_quant.quantize_rows(jnp.ones((8, 15), jnp.bfloat16), swiglu=True),
             r"swiglu=True needs bf16 a \[..., 2C\]",
         ),
         (lambda: fp8_quant.quantize_rows(jnp.ones((8, 16)), swiglu=True), r"swiglu=True needs bf16"),
-        (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), impl="triton"), "impl must be one of"),
+        (
+            lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 128)), backend="triton"),
+            "backend must be one of",
+        ),
         (lambda: fp8_quant.quantize_rows(jnp.ones(())), "needs a row axis"),
         (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((8, 16))), r"must be \[B, R, C\]"),
         (lambda: fp8_quant.quantize_rows_and_columns(jnp.ones((1, 8, 16)), jnp.ones((8,))), "col_multipliers must be"),
@@ -124,7 +127,7 @@ def test_rows_lower_for_cuda(monkeypatch):
     for shape, swiglu in (((2, 256, 392), False), ((256, 2 * 392), True)):
         a = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
         text = (
-            jax.jit(lambda a, swiglu=swiglu: fp8_quant.quantize_rows(a, swiglu=swiglu, impl="cuda"))
+            jax.jit(lambda a, swiglu=swiglu: fp8_quant.quantize_rows(a, swiglu=swiglu, backend="cuda"))
             .trace(a)
             .lower(lowering_platforms=("cuda",))
             .as_text()
@@ -142,7 +145,7 @@ def test_rows_and_columns_lower_for_cuda(monkeypatch):
     monkeypatch.setattr(fp8_quant._native, "unavailable_reason", lambda: None)
     for multipliers in (None, m):
         text = (
-            jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, impl="cuda"))
+            jax.jit(lambda a, m: fp8_quant.quantize_rows_and_columns(a, m, backend="cuda"))
             .trace(a, multipliers)
             .lower(lowering_platforms=("cuda",))
             .as_text()

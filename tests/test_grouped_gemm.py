@@ -60,11 +60,11 @@ def assert_close(got, want, what):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale, err_msg=what)
 
 
-def forward_and_grads(impl="auto"):
+def forward_and_grads(backend="auto"):
     """jitted (x, w, sizes, dy) -> (y, dx, dw): the forward and its vjp at dy."""
 
     def run(x, w, sizes, dy):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl), x, w)
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, backend=backend), x, w)
         return (y, *vjp(dy))
 
     return jax.jit(run)
@@ -326,10 +326,10 @@ S = jax.ShapeDtypeStruct
 
 def bad_call(**overrides):
     args = {"x": S((8, K), jnp.bfloat16), "w": S((3, K, N), jnp.bfloat16), "group_sizes": S((3,), jnp.int32)}
-    impl = overrides.pop("impl", "auto")
+    backend = overrides.pop("backend", "auto")
     block_sizes = overrides.pop("block_sizes", None)
     args.update(overrides)
-    return jax.jit(functools.partial(grouped_matmul, impl=impl, block_sizes=block_sizes)).trace(**args)
+    return jax.jit(functools.partial(grouped_matmul, backend=backend, block_sizes=block_sizes)).trace(**args)
 
 
 @pytest.mark.parametrize(
@@ -344,9 +344,10 @@ def bad_call(**overrides):
         ({"x": S((8, K + 1), jnp.bfloat16)}, "disagree on K"),
         ({"group_sizes": S((4,), jnp.int32)}, "4 groups, w has 3"),
         ({"w": S((0, K, N), jnp.bfloat16), "group_sizes": S((0,), jnp.int32)}, "at least one group"),
-        ({"impl": "cuda"}, "impl must be one of"),
-        ({"impl": "mgpu"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),
-        ({"impl": "mgpu", "x": S((8, K), jnp.float32), "w": S((3, K, N), jnp.float32)}, "cannot run: dtype"),
+        ({"backend": "mosaic"}, "backend must be one of"),
+        ({"backend": "cuda"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),
+        ({"backend": "mgpu"}, "cannot run: K=32 is not a multiple of forward.block_k=64"),  # its old name
+        ({"backend": "cuda", "x": S((8, K), jnp.float32), "w": S((3, K, N), jnp.float32)}, "cannot run: dtype"),
     ],
 )
 def test_bad_arguments(overrides, match):
@@ -356,17 +357,30 @@ def test_bad_arguments(overrides, match):
 
 @pytest.mark.parametrize("platform,capability,kind", [("cpu", "", "cpu"), ("gpu", "8.0", "NVIDIA A100")])
 def test_mgpu_needs_a_hopper_gpu(monkeypatch, platform, capability, kind):
-    """impl="mgpu" on shapes that fit its tiles, where jax's first device is no Hopper GPU: a ValueError that
+    """backend="cuda" on shapes that fit its tiles, where jax's first device is no Hopper GPU: a ValueError that
     says so at trace time (not an error from deep inside the kernels' tracing)."""
     fake = type("FakeDevice", (), {"platform": platform, "compute_capability": capability, "device_kind": kind})()
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
-    with pytest.raises(ValueError, match=rf"impl='mgpu' cannot run: .*Hopper GPU.*first device is {kind}\b"):
+    with pytest.raises(ValueError, match=rf"backend='cuda' cannot run: .*Hopper GPU.*first device is {kind}\b"):
         bad_call(
-            impl="mgpu",
+            backend="cuda",
             x=S((1024, 512), jnp.bfloat16),
             w=S((4, 512, 256), jnp.bfloat16),
             group_sizes=S((4,), jnp.int32),
         )
+
+
+def test_impl_is_backends_old_name():
+    """impl= (before backend=) still works, with a DeprecationWarning; both words at once follow impl."""
+    x, w = np.ones((8, K), np.float32), np.ones((3, K, N), np.float32)
+    sizes = np.array([3, 0, 5], np.int32)
+    want = grouped_matmul(x, w, sizes, backend="xla")
+    with pytest.warns(DeprecationWarning, match="grouped_matmul: impl= is now backend="):
+        np.testing.assert_array_equal(grouped_matmul(x, w, sizes, impl="xla"), want)
+    with pytest.warns(DeprecationWarning, match="quantize_rows: impl= is now backend="):
+        fp8_quant.quantize_rows(x, impl="xla")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="backend must be one of"):
+        grouped_matmul(x, w, sizes, impl="triton")
 
 
 def test_bad_block_sizes():
@@ -380,7 +394,7 @@ def test_bad_block_sizes():
 @pytest.fixture
 def gpu_core_count(monkeypatch):
     """transposed_ragged_dot_mgpu reads jax.devices()[0].core_count while tracing: a GPU's SM count; an
-    H200's platform and compute capability make impl="auto" choices (fp8_quant's kernels) a GPU's, the
+    H200's platform and compute capability make backend="auto" choices (fp8_quant's kernels) a GPU's, the
     extension's CUDA kernels included where it is built."""
     fake = type("FakeGpu", (), {"core_count": 132, "platform": "gpu", "compute_capability": "9.0"})()
     monkeypatch.setattr(jax, "devices", lambda *args, **kwargs: [fake])
@@ -404,7 +418,7 @@ def extension_calls(n):
 
 
 def test_mgpu_path_lowers(gpu_core_count):
-    """impl="mgpu" traces and lowers for CUDA: the forward and both gradients as
+    """backend="cuda" traces and lowers for CUDA: the forward and both gradients as
     three Mosaic GPU kernels, each a row-tiled and a warp-specialized one (the
     lax.cond on the group sizes' alignment), rows padded to a multiple of 128 (M = 1000)."""
     x = jax.ShapeDtypeStruct((1000, 512), jnp.bfloat16)
@@ -412,15 +426,15 @@ def test_mgpu_path_lowers(gpu_core_count):
     sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
 
     def loss(x, w, sizes):
-        return jnp.sum(grouped_matmul(x, w, sizes, impl="mgpu").astype(jnp.float32) ** 2)  # dy needs y
+        return jnp.sum(grouped_matmul(x, w, sizes, backend="cuda").astype(jnp.float32) ** 2)  # dy needs y
 
-    fwd = jax.jit(functools.partial(grouped_matmul, impl="mgpu")).trace(x, w, sizes)
+    fwd = jax.jit(functools.partial(grouped_matmul, backend="cuda")).trace(x, w, sizes)
     assert fwd.out_info.shape == (1000, 256) and fwd.out_info.dtype == jnp.bfloat16
     assert mosaic_calls(fwd.lower(lowering_platforms=("cuda",))) == 2
     grad = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w, sizes)
     assert mosaic_calls(grad.lower(lowering_platforms=("cuda",))) == 6
     row_tiled_only = functools.partial(
-        grouped_matmul, impl="mgpu", block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)
+        grouped_matmul, backend="cuda", block_sizes=dataclasses.replace(gg.DEFAULT_BLOCKS, aligned=None)
     )
     assert mosaic_calls(jax.jit(row_tiled_only).trace(x, w, sizes).lower(lowering_platforms=("cuda",))) == 1
 
@@ -429,7 +443,7 @@ def test_mgpu_path_lowers(gpu_core_count):
 
         def promised_loss(x, w, sizes, with_valid=with_valid):
             y = grouped_matmul(
-                x, w, sizes, impl="mgpu", aligned_groups=True, valid_sizes=sizes // 2 if with_valid else None
+                x, w, sizes, backend="cuda", aligned_groups=True, valid_sizes=sizes // 2 if with_valid else None
             )
             return jnp.sum(y.astype(jnp.float32) ** 2)
 
@@ -442,7 +456,7 @@ def test_mgpu_path_lowers(gpu_core_count):
 def test_row_tiles_wider_than_jax_lowers_raise(gpu_core_count, monkeypatch):
     """Row tiles wider than this jax's Mosaic GPU lowers (256 columns from jax 0.12, whose own error comes
     at lowering and names no block size) raise a ValueError at trace time on the Mosaic GPU path, forced
-    or chosen by impl="auto"; DEFAULT_BLOCKS stays within; impl="xla" ignores block sizes."""
+    or chosen by backend="auto"; DEFAULT_BLOCKS stays within; backend="xla" ignores block sizes."""
     blocks = gg.DEFAULT_BLOCKS
     assert max(blocks.forward.block_n, blocks.input_grad.block_n) <= gg.ROW_TILED_MAX_BLOCK_N
     monkeypatch.setattr(gg, "ROW_TILED_MAX_BLOCK_N", 128)
@@ -454,8 +468,8 @@ def test_row_tiles_wider_than_jax_lowers_raise(gpu_core_count, monkeypatch):
     args = S((1000, 512), jnp.bfloat16), S((4, 512, 256), jnp.bfloat16), S((4,), jnp.int32)
     for impl in ("mgpu", "auto"):
         with pytest.raises(ValueError, match=r"block_sizes.input_grad.block_n=256 is wider than the 128 columns"):
-            jax.jit(functools.partial(grouped_matmul, impl=impl, block_sizes=wide)).trace(*args)
-    jax.jit(functools.partial(grouped_matmul, impl="xla", block_sizes=wide)).trace(*args)
+            jax.jit(functools.partial(grouped_matmul, backend=impl, block_sizes=wide)).trace(*args)
+    jax.jit(functools.partial(grouped_matmul, backend="xla", block_sizes=wide)).trace(*args)
 
 
 def test_steady_pipeline_lowers(gpu_core_count):
@@ -525,7 +539,7 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
             kwargs = dict(
                 aligned_groups=True, fp8_weights=gg.fp8_weights(w, weight_grad=fp8 == "fp8_dw"), valid_sizes=sizes // 2
             )
-        return jnp.sum(grouped_matmul(x, w, sizes, impl="mgpu", **kwargs).astype(jnp.float32) ** 2)  # dy needs y
+        return jnp.sum(grouped_matmul(x, w, sizes, backend="cuda", **kwargs).astype(jnp.float32) ** 2)  # dy needs y
 
     for w_spec in (P("ep"), P()):  # local experts, and weights replicated over the axis
         step = jax.shard_map(
@@ -545,14 +559,14 @@ def test_mgpu_path_lowers_under_shard_map(gpu_core_count, fp8):
 # FP8 (fp8_weights=) ---------------------------------------------------------------
 
 
-def fp8_forward_and_grads(impl="xla", aligned_groups=False, valid_sizes=None, weight_grad=False):
+def fp8_forward_and_grads(backend="xla", aligned_groups=False, valid_sizes=None, weight_grad=False):
     """jitted (x, w, sizes, dy) -> (y, dx, dw) with FP8 copies of w made inside."""
 
     def run(x, w, sizes, dy):
         w8 = gg.fp8_weights(w, weight_grad=weight_grad)
         y, vjp = jax.vjp(
             lambda x, w: grouped_matmul(
-                x, w, sizes, impl=impl, aligned_groups=aligned_groups, valid_sizes=valid_sizes, fp8_weights=w8
+                x, w, sizes, backend=backend, aligned_groups=aligned_groups, valid_sizes=valid_sizes, fp8_weights=w8
             ),
             x,
             w,
@@ -604,7 +618,7 @@ def test_swiglu_fp8_rows_match_bf16_rows(rng):
         def f(gate_up, w):
             rows = gg.swiglu(gate_up, fp8_rows=fp8_rows)
             assert isinstance(rows, gg.Fp8Rows) == fp8_rows
-            return grouped_matmul(rows, w, sizes, impl="xla", fp8_weights=gg.fp8_weights(w, weight_grad=True))
+            return grouped_matmul(rows, w, sizes, backend="xla", fp8_weights=gg.fp8_weights(w, weight_grad=True))
 
         y, vjp = jax.vjp(f, gate_up, w)
         return (y, *vjp(dy))
@@ -615,7 +629,7 @@ def test_swiglu_fp8_rows_match_bf16_rows(rng):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w_, np.float32), err_msg=name)
     assert np.abs(np.asarray(got[1], np.float32)[: int(sizes.sum())]).max() > 0
     rows = jax.jit(lambda a: gg.swiglu(a, fp8_rows=True))(gate_up)
-    want_data, want_scales = fp8_quant.quantize_rows(gg.swiglu(gate_up), impl="xla")
+    want_data, want_scales = fp8_quant.quantize_rows(gg.swiglu(gate_up), backend="xla")
     np.testing.assert_array_equal(np.asarray(rows.data, np.float32), np.asarray(want_data, np.float32))
     np.testing.assert_array_equal(np.asarray(rows.scales), np.asarray(want_scales))
     with pytest.raises(ValueError, match=r"fp8_rows=True needs bf16 gate_up \[M, 2F\]"):
@@ -650,7 +664,7 @@ def test_fp8_weights_copies(rng):
 )
 def test_fp8_bad_arguments(overrides, match, request):
     if overrides.get("impl") == "mgpu":
-        request.getfixturevalue("gpu_core_count")  # past impl="mgpu"'s device check on any host
+        request.getfixturevalue("gpu_core_count")  # past backend="cuda"'s device check on any host
     big = overrides.pop("big", False)
     k, n = (512, 256) if big else (K, N)
     w = S((3, k, n), jnp.bfloat16)
@@ -660,7 +674,7 @@ def test_fp8_bad_arguments(overrides, match, request):
     w8 = overrides.pop("fp8_weights", w8)
     impl = overrides.pop("impl", "xla")
     with pytest.raises((TypeError, ValueError), match=match):
-        jax.jit(functools.partial(grouped_matmul, impl=impl, fp8_weights=w8)).trace(
+        jax.jit(functools.partial(grouped_matmul, backend=impl, fp8_weights=w8)).trace(
             S((1024, k), jnp.bfloat16), w, S((3,), jnp.int32)
         )
 
@@ -687,7 +701,7 @@ def test_fp8_mgpu_path_lowers(gpu_core_count, weight_grad):
             x,
             w,
             sizes,
-            impl="mgpu",
+            backend="cuda",
             aligned_groups=True,
             valid_sizes=sizes // 2,
             fp8_weights=gg.fp8_weights(w, weight_grad=weight_grad),

@@ -114,11 +114,19 @@ _MATMUL_DEFAULTS = {
 
 
 def grouped_matmul_reduce(
-    x, w, group_sizes, recv_topk_weights: jax.Array, layout: ExpertLayout, *, backend: str = "auto", **matmul
+    x,
+    w,
+    group_sizes,
+    recv_topk_weights: jax.Array,
+    layout: ExpertLayout,
+    *,
+    backend: str = "auto",
+    matmul_backend: str = "auto",
+    **matmul,
 ) -> jax.Array:
-    """reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend):
-    the experts' last matmul and the weighted sum per row as one function (bf16 [N, H], the rows
-    `combine` takes; the same values).
+    """reduce(grouped_matmul(x, w, group_sizes, backend=matmul_backend, **matmul), recv_topk_weights,
+    layout, backend=backend): the experts' last matmul and the weighted sum per row as one function
+    (bf16 [N, H], the rows `combine` takes; the same values).
 
     With matmul's fp8_weights=fp8_weights(w, weight_grad=True) its backward never writes the expert
     rows' bf16 gradient (w[n, k] * dy[n] on every row of a pair): the token rows' gradient is
@@ -127,15 +135,19 @@ def grouped_matmul_reduce(
     `expand_rows_transposed`; w's N a multiple of 128, its tiles). Otherwise it is the composition above.
     """
     fn = "grouped_matmul_reduce"
-    w8 = matmul.get("fp8_weights")
-    if w8 is None or not getattr(w8, "weight_grad", False) or getattr(w, "shape", (0,) * 3)[-1] % FP8_BLOCK:
-        return reduce(grouped_matmul(x, w, group_sizes, **matmul), recv_topk_weights, layout, backend=backend)
     unknown = set(matmul) - set(_MATMUL_DEFAULTS)
     if unknown:
         raise TypeError(f"{fn}: unknown grouped_matmul arguments {sorted(unknown)}")
+    matmul_backend = v.check_backend(
+        fn, matmul_backend, grouped_gemm.BACKENDS, matmul.pop("impl", None), {"mgpu": "cuda"}
+    )
+    w8 = matmul.get("fp8_weights")
+    if w8 is None or not getattr(w8, "weight_grad", False) or getattr(w, "shape", (0,) * 3)[-1] % FP8_BLOCK:
+        y = grouped_matmul(x, w, group_sizes, backend=matmul_backend, **matmul)
+        return reduce(y, recv_topk_weights, layout, backend=backend)
     matmul = {**_MATMUL_DEFAULTS, **matmul}  # grouped_matmul's own defaults
     call = grouped_gemm.prepared_call(
-        x, w, group_sizes, matmul["impl"], matmul["block_sizes"], matmul["aligned_groups"], matmul["valid_sizes"], w8
+        x, w, group_sizes, matmul_backend, matmul["block_sizes"], matmul["aligned_groups"], matmul["valid_sizes"], w8
     )
     hidden = w.shape[2]
     ops = _check_reduce(fn, jax.ShapeDtypeStruct((call.num_rows, hidden), w.dtype), recv_topk_weights, layout, backend)

@@ -11,6 +11,7 @@ import atexit
 import functools
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,6 +44,19 @@ def check_bool(fn, name, value) -> bool:
     if not is_bool(value):
         raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
+
+
+def check_backend(fn, backend, choices, impl=None, aliases=None) -> str:
+    """`backend`, the one word for choosing an implementation, checked against choices. impl: the
+    old name of the argument (a DeprecationWarning, then taken as backend); aliases: old values
+    and the new ones they stand for."""
+    if impl is not None:
+        warnings.warn(f"{fn}: impl= is now backend=", DeprecationWarning, stacklevel=3)
+        backend = impl
+    backend = (aliases or {}).get(backend, backend)
+    if backend not in choices:
+        raise ValueError(f"{fn}: backend must be one of {choices}, got {backend!r}")
+    return backend
 
 
 def check_buffer(buffer, fn):

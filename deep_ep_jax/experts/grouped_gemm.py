@@ -8,7 +8,7 @@ padding: their output rows are 0 and they get zero gradient. Products
 accumulate in float32; the output has x's dtype. Gradients (custom_vjp):
 dx = dy @ w[g]^T per group, dw[g] = x_g^T dy_g; group_sizes has none.
 
-impl="auto" runs Mosaic GPU kernels on a Hopper GPU (compute capability
+backend="auto" runs Mosaic GPU kernels on a Hopper GPU (compute capability
 9.x) when the shapes fit their tiles (see `mgpu_unsupported_reason`), and
 `jax.lax.ragged_dot` otherwise. Of the Mosaic GPU kernels, the
 warp-specialized ones of `deep_ep_jax.experts.hopper_gemm` run when every group size
@@ -16,7 +16,8 @@ is a multiple of `aligned_rows(blocks)` (128 by default: the expert-major
 layout's `alignment=128`), checked on the device at run time; other sizes
 take JAX's row-tiled kernels (`ragged_dot_mgpu` for y and dx,
 `transposed_ragged_dot_mgpu` for dw), which compute a tile twice where it
-straddles two groups. impl="mgpu" or "xla" forces one; "mgpu" raises
+straddles two groups. backend="cuda" (the Mosaic GPU kernels; "mgpu" before) or "xla"
+forces one; "cuda" raises
 a ValueError where the shapes do not fit or jax's first device is no Hopper
 GPU. Notes on the mgpu path:
 - The warp-specialized kernels store the zeros of padding rows themselves
@@ -76,7 +77,7 @@ from deep_ep_jax.experts import hopper_gemm
 from deep_ep_jax.experts.hopper_gemm import HopperTiles
 from deep_ep_jax.fp8_quant import FP8_DTYPE, quantize_rows, quantize_rows_and_columns, swiglu_values
 
-IMPLS = ("auto", "mgpu", "xla")
+BACKENDS = ("auto", "cuda", "xla")  # "cuda": the Mosaic GPU kernels
 MGPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -248,17 +249,18 @@ def grouped_matmul(
     w,
     group_sizes,
     *,
-    impl: str = "auto",
+    backend: str = "auto",
     block_sizes: GroupedMatmulBlocks | None = None,
     aligned_groups: bool = False,
     valid_sizes=None,
     fp8_weights: Fp8Weights | None = None,
+    impl: str | None = None,
 ):
     """y[m] = x[m] @ w[g(m)]: x [M, K], w [G, K, N], group_sizes int [G] -> y [M, N] of x's dtype.
 
     Negative group sizes count as 0 and groups are cut at row M, so a bad
     group_sizes never reads or writes past x and y. See the module docstring
-    for `impl` and `block_sizes`.
+    for `backend` and `block_sizes` (`impl`: backend's old name, deprecated).
 
     aligned_groups=True promises that every group size is a multiple of
     `aligned_rows(block_sizes)` (as the expert-major layout's with that
@@ -285,7 +287,8 @@ def grouped_matmul(
     which the forward reads as they are; dx is then the cotangent of
     x.grad_sink (and without w's FP8 weight gradient, dw comes from the
     dequantized rows)."""
-    call = prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_sizes, fp8_weights)
+    backend = v.check_backend("grouped_matmul", backend, BACKENDS, impl, {"mgpu": "cuda"})
+    call = prepared_call(x, w, group_sizes, backend, block_sizes, aligned_groups, valid_sizes, fp8_weights)
     x, w, group_sizes, valid_sizes, scale = call.arrays
     if fp8_weights is not None:
         y = _grouped_matmul_fp8(*call.static, x, w, fp8_weights, group_sizes, valid_sizes, scale)
@@ -309,14 +312,14 @@ class PreparedCall(NamedTuple):
         return self.use_mgpu, self.blocks, self.given_rows
 
 
-def prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_sizes, fp8_weights) -> PreparedCall:
+def prepared_call(x, w, group_sizes, backend, block_sizes, aligned_groups, valid_sizes, fp8_weights) -> PreparedCall:
     """grouped_matmul's validation and preparation: the shared sizes, the promise's scale, padded rows."""
     blocks = DEFAULT_BLOCKS if block_sizes is None else block_sizes
     given_rows = isinstance(x, Fp8Rows)
     if given_rows:
         _validate_fp8_rows(x, fp8_weights)
     x_like = x.grad_sink if given_rows else x  # what x's shape and dtype are
-    _validate(x_like, w, group_sizes, impl, blocks)
+    _validate(x_like, w, group_sizes, blocks)
     if valid_sizes is not None:
         _validate_array("valid_sizes", valid_sizes, 1)
         if valid_sizes.shape != group_sizes.shape or not jnp.issubdtype(valid_sizes.dtype, jnp.integer):
@@ -325,7 +328,7 @@ def prepared_call(x, w, group_sizes, impl, block_sizes, aligned_groups, valid_si
                 f"{tuple(group_sizes.shape)}, got {valid_sizes.dtype} {tuple(valid_sizes.shape)}"
             )
     aligned_groups = v.check_bool("grouped_matmul", "aligned_groups", aligned_groups)
-    use_mgpu = _use_mgpu(impl, x_like, w, blocks)
+    use_mgpu = _use_mgpu(backend, x_like, w, blocks)
     if fp8_weights is not None:
         _validate_fp8(fp8_weights, w, use_mgpu, aligned_groups, blocks)
     num_rows = x_like.shape[0]
@@ -421,10 +424,8 @@ def _validate_array(name, a, rank, fn="grouped_matmul"):
         raise ValueError(f"{fn}: {name} must have rank {rank}, got shape {shape}")
 
 
-def _validate(x, w, group_sizes, impl, blocks):
+def _validate(x, w, group_sizes, blocks):
     fn = "grouped_matmul"
-    if impl not in IMPLS:
-        raise ValueError(f"{fn}: impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(blocks, GroupedMatmulBlocks):
         raise TypeError(f"{fn}: block_sizes must be a GroupedMatmulBlocks or None, got {type(blocks).__name__}")
     for name, a, rank in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
@@ -497,7 +498,7 @@ def _validate_fp8(w8, w, use_mgpu, aligned_groups, blocks):
             raise ValueError(
                 f"{fn}: fp8_weights on the Mosaic GPU path needs aligned_groups=True (group sizes "
                 f"multiples of {aligned_rows(blocks)}, as the expert-major layout's with that "
-                f"alignment); or pass impl='xla'"
+                f"alignment); or pass backend='xla'"
             )
         tiles = blocks.aligned
         multiple = None if tiles is None else _fp8_multiple(tiles, w8.weight_grad)
@@ -514,11 +515,11 @@ def _fp8_multiple(tiles: AlignedTiles, weight_grad: bool) -> int:
     return math.lcm(f.tile_k, hopper_gemm.cta_cols(f), *dw_sides)
 
 
-def _use_mgpu(impl, x, w, blocks) -> bool:
-    if impl == "xla":
+def _use_mgpu(backend, x, w, blocks) -> bool:
+    if backend == "xla":
         return False
     reason = mgpu_unsupported_reason(x.shape, w.shape, x.dtype, blocks)
-    if impl == "mgpu":
+    if backend == "cuda":
         if not reason and not is_hopper_gpu():
             device = jax.devices()[0]
             reason = (
@@ -526,7 +527,7 @@ def _use_mgpu(impl, x, w, blocks) -> bool:
                 f"{getattr(device, 'device_kind', device.platform)}"
             )
         if reason:
-            raise ValueError(f"grouped_matmul: impl='mgpu' cannot run: {reason}")
+            raise ValueError(f"grouped_matmul: backend='cuda' cannot run: {reason}")
     elif reason or not is_hopper_gpu():
         return False
     _check_row_tiles_lower(blocks)

@@ -70,7 +70,6 @@ def test_moe_layer_cuda_matches_reference():
     gpus = jax.devices("gpu")
     mesh = Mesh(np.array(gpus).reshape(1, -1), ("data", "expert"))
     hidden, ffn, num_experts, topk, tokens = 1024, 512, 8 * len(gpus), 4, 512 * len(gpus)
-    cuda = dej.Buffer(mesh, "expert", backend="cuda", hidden=hidden, num_experts=num_experts)
     xla = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
     layer = ml.MoE(hidden, ffn, num_experts, topk, buffer=xla, rngs=nnx.Rngs(0))
     params = [layer.router[...], layer.w_in[...], layer.w_out[...]]
@@ -84,10 +83,8 @@ def test_moe_layer_cuda_matches_reference():
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *params)
         return [y, *grads]
 
-    try:
+    with dej.Buffer(mesh, "expert", backend="cuda", hidden=hidden, num_experts=num_experts) as cuda:
         got, want = run(cuda), run(xla)
-    finally:
-        cuda.destroy()
     for name, g, w in zip(("y", "grad x", "grad router", "grad w_in", "grad w_out"), got, want):
         _close(g, w, name, rel=1e-2)
 
@@ -109,7 +106,6 @@ def test_grouped_layer_matches_capacity(alignment, fp8):
     if grouped_gemm.is_hopper_gpu():  # the shapes must take the Mosaic GPU path, not a dense fallback
         for x_shape, w_shape in (((tokens, hidden), (8, hidden, 2 * ffn)), ((tokens, ffn), (8, ffn, hidden))):
             assert grouped_gemm.mgpu_unsupported_reason(x_shape, w_shape, jnp.bfloat16) is None
-    cuda = dej.Buffer(mesh, "expert", backend="cuda", hidden=hidden, num_experts=num_experts)
     xla = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
     layer = ml.MoE(hidden, ffn, num_experts, topk, buffer=xla, rngs=nnx.Rngs(2))
     params = [layer.router[...], layer.w_in[...], layer.w_out[...]]
@@ -124,11 +120,9 @@ def test_grouped_layer_matches_capacity(alignment, fp8):
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, *params)
         return [y, *grads]
 
-    try:
+    with dej.Buffer(mesh, "expert", backend="cuda", hidden=hidden, num_experts=num_experts) as cuda:
         got = run(cuda, fp8, expert_impl="grouped", expert_alignment=alignment)
-        want = run(xla, expert_impl="capacity", capacity=tokens)  # every pair fits: nothing dropped
-    finally:
-        cuda.destroy()
+    want = run(xla, expert_impl="capacity", capacity=tokens)  # every pair fits: nothing dropped
     for name, g, w in zip(("y", "grad x", "grad router", "grad w_in", "grad w_out"), got, want):
         if not fp8:
             _close(g, w, f"alignment {alignment}: {name}", rel=1e-2)

@@ -33,10 +33,6 @@ AXIS = "ep"
 bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 
-def poison_allocator(mesh, per_rank_shapes):
-    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
-
-
 TARGETS = ("deep_ep_jax_expert_layout", "deep_ep_jax_expand_rows", "deep_ep_jax_reduce_rows")
 LAYOUT_FIELDS = ("group_sizes", "group_offsets", "pair_row", "row_pair", "num_dropped")
 
@@ -122,8 +118,9 @@ def check_standard_case(mesh, buffers, alignment, num_experts, args):
     run = standard_runner(cuda, mesh, num_experts, alignment)
     num_worst = num_ranks * num_tokens
     num_rows = deep_ep_jax.comm.expert_major.default_num_rows(num_worst, topk, local_experts, alignment)
-    poison_allocator(
+    testing.poison_allocator(
         mesh,
+        AXIS,
         [
             ((num_rows, hidden), jnp.bfloat16),
             ((num_worst, topk), jnp.int32),
@@ -242,8 +239,9 @@ def test_targets_match_reference(local_mesh, case):
 
     run = local_runner(mesh, "cuda", num_local_experts, alignment, num_rows, fp8)
     assert all(t in run.lower(*args).as_text() for t in TARGETS)
-    poison_allocator(
+    testing.poison_allocator(
         mesh,
+        AXIS,
         [
             ((rows, hidden), jnp.bfloat16),
             ((num_tokens, topk), jnp.int32),
@@ -529,20 +527,21 @@ def test_grouped_matmul_reduce_fp8(kind, rng):
                     expert_x.astype(jnp.float32),
                     w_e.astype(jnp.float32),
                     sizes,
-                    impl="xla",
+                    backend="xla",
                     valid_sizes=layout.group_sizes,
                 )
                 return deep_ep_jax.reduce(y.astype(jnp.bfloat16), w, layout, backend="cuda")
             kwargs = dict(
-                impl="mgpu",
                 aligned_groups=True,
                 valid_sizes=layout.group_sizes,
                 fp8_weights=fp8_weights(w_e, weight_grad=True),
             )
             if mode == "fused":
-                return deep_ep_jax.grouped_matmul_reduce(expert_x, w_e, sizes, w, layout, backend="cuda", **kwargs)
+                return deep_ep_jax.grouped_matmul_reduce(
+                    expert_x, w_e, sizes, w, layout, backend="cuda", matmul_backend="cuda", **kwargs
+                )
             return deep_ep_jax.reduce(
-                deep_ep_jax.grouped_matmul(expert_x, w_e, sizes, **kwargs), w, layout, backend="cuda"
+                deep_ep_jax.grouped_matmul(expert_x, w_e, sizes, backend="cuda", **kwargs), w, layout, backend="cuda"
             )
 
         loss = lambda x, w_e, w: jnp.sum(layer(x, w_e, w).astype(jnp.float32) * c)
@@ -581,8 +580,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
     x = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden))
     w_e = testing.random_rows(int(rng.integers(1 << 30)), (num_experts, hidden, hidden)) * 0.02
     c = testing.random_rows(int(rng.integers(1 << 30)), (num_ranks * num_tokens, hidden), jnp.float32)
-    buffer = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda") as buffer:
 
         def run(fp8_rows):
             def layer(x, idx, w, w_e):
@@ -593,7 +591,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
                     expert_x,
                     w_e,
                     layout.padded_group_sizes(128),
-                    impl="mgpu",
+                    backend="cuda",
                     aligned_groups=True,
                     valid_sizes=layout.group_sizes,
                     fp8_weights=fp8_weights(w_e, weight_grad=True),
@@ -607,8 +605,6 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(kind, rng):
             return testing.per_rank(body, mesh, AXIS, check_vma=True)(x, jnp.asarray(idx), jnp.asarray(w), w_e, c)
 
         got, want = run(True), run(False)
-    finally:
-        buffer.destroy()
     for name, g, r in zip(("out", "grad x", "grad weights", "grad experts"), got, want):
         assert np.abs(np.asarray(r, np.float32)).max() > 0, f"{kind}: {name} is all zeros"
         assert_bits_equal(g, r, f"{kind}: {name}, FP8 rows sent against quantized in the matmul")

@@ -2,7 +2,7 @@
 quantize_rows_and_columns'), at the MoE benchmark's shapes per rank, on skewed values with zero, NaN, inf
 and tiny rows: numpy's quantization bit for bit on sampled rows, and the XLA maths (which
 tests/test_fp8_quant.py checks against numpy on CPU; on GPUs it refines XLA's division, which is not
-correctly rounded) bit for bit everywhere; impl="auto" must pick the extension's kernels here.
+correctly rounded) bit for bit everywhere; backend="auto" must pick the extension's kernels here.
 
     pytest -m gpu tests/gpu/test_fp8_quant_gpu.py -v
 """
@@ -67,10 +67,10 @@ def test_rows_kernel(shape, rng):
     """quantize_rows on the extension's kernel ("auto" picks it)."""
     a = skewed(jax.random.key(rng.integers(1 << 30)), shape)
     run = jax.jit(fp8_quant.quantize_rows, static_argnames="impl")
-    assert "deep_ep_jax_fp8_quantize_rows" in run.lower(a).as_text(), "impl='auto' did not pick the CUDA kernel"
+    assert "deep_ep_jax_fp8_quantize_rows" in run.lower(a).as_text(), "backend='auto' did not pick the CUDA kernel"
     got = run(a)
     assert np.isnan(as_float(got[1])[..., 1]).all(), "a NaN must make its row's scale NaN"
-    check(f"quantize_rows {shape}", a, got, run(a, impl="xla"), rng)
+    check(f"quantize_rows {shape}", a, got, run(a, backend="xla"), rng)
 
 
 def swiglu_float64(gate_up):
@@ -105,7 +105,7 @@ def test_swiglu_rows_kernel(shape, rng):
         f"swiglu {shape}",
         jax.jit(fp8_quant.swiglu_values)(gate_up),
         (data, scales),
-        run(gate_up, swiglu=True, impl="xla"),
+        run(gate_up, swiglu=True, backend="xla"),
         rng,
     )
     assert np.isnan(as_float(scales)[..., 1]).all(), "a NaN must make its row's scale NaN"
@@ -151,10 +151,10 @@ def test_rows_and_columns_kernels(shape, multipliers, rng):
         m = m.at[:, 1].set(0).at[:, 40:47].set(0)
     run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="impl")
     assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), (
-        "impl='auto' did not pick the extension's kernels"
+        "backend='auto' did not pick the extension's kernels"
     )
     got = run(a, m)
-    xla = run(a, m, impl="xla")
+    xla = run(a, m, backend="xla")
     what = f"quantize_rows_and_columns {shape}, multipliers {multipliers}"
     check(f"{what}, rows", a, got[:2], xla[:2], rng)
     z_t = jnp.swapaxes(

@@ -1,4 +1,4 @@
-"""grouped_matmul's Mosaic GPU path (impl="mgpu") on a Hopper GPU, at the MoE
+"""grouped_matmul's Mosaic GPU path (backend="cuda") on a Hopper GPU, at the MoE
 benchmark's shapes per rank: 32768 (row, expert) pairs in M = 33000 rows
 (the rest padding; not a multiple of 128, so the wrapper pads), G = 128 local
 experts, the SwiGLU's two matmuls (K=7168, N=4096 and K=2048, N=7168).
@@ -15,7 +15,7 @@ Then a small case per rank under shard_map on two GPUs.
 
     pytest -m gpu tests/gpu/test_grouped_gemm_gpu.py -v
 
-Fails (does not skip) on a GPU that is not a Hopper one: impl="auto" must pick
+Fails (does not skip) on a GPU that is not a Hopper one: backend="auto" must pick
 the Mosaic GPU kernels there.
 """
 
@@ -104,7 +104,7 @@ def group_pair_rows(num_rows, sizes, counts):
 
 @functools.partial(jax.jit, static_argnames=("impl", "aligned_groups"))
 def forward_and_grads(x, w, sizes, dy, impl, aligned_groups=False):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, aligned_groups=aligned_groups), x, w)
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, backend=impl, aligned_groups=aligned_groups), x, w)
     return (y, *vjp(dy))
 
 
@@ -219,11 +219,11 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned, rng):
     )
 
     # Both kernel families are in the program (lax.cond on the sizes), three calls each.
-    lowered = forward_and_grads.lower(x, w, sizes, dy, impl="auto").as_text()
-    assert lowered.count("custom_call @mosaic_gpu") == 6, f"{what}: impl='auto' did not pick the Mosaic GPU kernels"
+    lowered = forward_and_grads.lower(x, w, sizes, dy, backend="auto").as_text()
+    assert lowered.count("custom_call @mosaic_gpu") == 6, f"{what}: backend='auto' did not pick the Mosaic GPU kernels"
 
     poison_outputs(*output_shapes(x, w))
-    got = forward_and_grads(x, w, sizes, dy, impl="mgpu")
+    got = forward_and_grads(x, w, sizes, dy, backend="cuda")
     want = per_group_reference(x, w, sizes, dy)
     for name, g, r in zip(("y", "dx", "dw"), got, want):
         assert g.shape == r.shape and g.dtype == r.dtype == jnp.bfloat16, (what, name, g.shape, g.dtype)
@@ -231,7 +231,7 @@ def test_mgpu_matches_reference_and_numpy(layer, kind, aligned, rng):
         err = float(excess_error(g, r))
         assert err <= RTOL, f"{what}: {name}, mgpu vs per-group dots, max excess error {err:.3g} of the scale"
     if aligned:  # the promise (no lax.cond): the same kernels, the same bits
-        promised = forward_and_grads(x, w, sizes, dy, impl="mgpu", aligned_groups=True)
+        promised = forward_and_grads(x, w, sizes, dy, backend="cuda", aligned_groups=True)
         for name, g, p in zip(("y", "dx", "dw"), got, promised):
             assert bool(jnp.all(g == p)), f"{what}: {name} with aligned_groups=True differs"
     y, dx, dw = got
@@ -264,7 +264,7 @@ def test_valid_sizes_leave_out_padding_rows(kind, rng):
     def run(x, w, dy):
         y, vjp = jax.vjp(
             lambda x, w: grouped_matmul(
-                x, w, jnp.asarray(sizes), impl="mgpu", aligned_groups=True, valid_sizes=jnp.asarray(counts)
+                x, w, jnp.asarray(sizes), backend="cuda", aligned_groups=True, valid_sizes=jnp.asarray(counts)
             ),
             x,
             w,
@@ -293,9 +293,9 @@ def test_broken_promise_makes_everything_nan(rng):
     w = rng.standard_normal((4, k, n)).astype(jnp.bfloat16)
     dy = rng.standard_normal((num_rows, n)).astype(jnp.bfloat16)
     sizes = np.array([128, 1, 127, 0], np.int32)
-    lowered = forward_and_grads.lower(x, w, sizes, dy, impl="mgpu", aligned_groups=True).as_text()
+    lowered = forward_and_grads.lower(x, w, sizes, dy, backend="cuda", aligned_groups=True).as_text()
     assert lowered.count("custom_call @mosaic_gpu") == 3, "aligned_groups=True: the three aligned kernels alone"
-    for name, got in zip(("y", "dx", "dw"), forward_and_grads(x, w, sizes, dy, impl="mgpu", aligned_groups=True)):
+    for name, got in zip(("y", "dx", "dw"), forward_and_grads(x, w, sizes, dy, backend="cuda", aligned_groups=True)):
         assert bool(jnp.all(jnp.isnan(got))), f"a broken promise: {name} is not NaN everywhere"
 
 
@@ -386,7 +386,7 @@ def test_mgpu_per_rank_under_shard_map(rng):
     dy = rng.standard_normal((num_ranks * num_rows, n)).astype(jnp.bfloat16)
 
     def per_rank(x, w, sizes, dy):
-        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, impl="mgpu"), x, w)
+        y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, backend="cuda"), x, w)
         return (y, *vjp(dy))
 
     run = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
@@ -463,7 +463,7 @@ def test_fp8_matches_dequantized_reference_and_numpy(layer, kind, weight_grad, r
         w8 = gg.fp8_weights(w, weight_grad=weight_grad)
         y, vjp = jax.vjp(
             lambda x, w: grouped_matmul(
-                x, w, jsizes, impl="mgpu", aligned_groups=True, valid_sizes=jcounts, fp8_weights=w8
+                x, w, jsizes, backend="cuda", aligned_groups=True, valid_sizes=jcounts, fp8_weights=w8
             ),
             x,
             w,

@@ -8,7 +8,6 @@ does not write show up as mismatches.
 
 import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,19 +31,6 @@ def buffers(mesh):
     cuda.destroy()
 
 
-def _poison_allocator(mesh, num_tokens, num_experts):
-    num_ranks = mesh.shape[AXIS]
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    shapes = [
-        ((num_ranks, num_ranks), jnp.int32, -7),
-        ((num_ranks, num_experts), jnp.int32, -7),
-        ((num_ranks, num_tokens, num_ranks), jnp.bool_, True),
-    ]
-    poison = [testing.filled(s, v, d, sharding) for s, d, v in shapes]
-    jax.block_until_ready(poison)
-    del poison
-
-
 @functools.cache
 def _layout_fn(buffer, mesh, num_experts, public):
     """One jitted per-rank function per configuration, so shapes compile once."""
@@ -59,7 +45,15 @@ def _layout(buffer, mesh, topk_idx, num_experts, *, public=True):
     run = _layout_fn(buffer, mesh, num_experts, public)
     if buffer.backend == "cuda":
         assert "deep_ep_jax_get_dispatch_layout" in run.lower(topk_idx).as_text()
-        _poison_allocator(mesh, topk_idx.shape[0] // mesh.shape[AXIS], num_experts)
+        testing.poison_allocator(
+            mesh,
+            AXIS,
+            [
+                ((mesh.shape[AXIS],), jnp.int32),
+                ((num_experts,), jnp.int32),
+                ((topk_idx.shape[0] // mesh.shape[AXIS], mesh.shape[AXIS]), jnp.bool_),
+            ],
+        )
     return [np.asarray(a) for a in run(topk_idx)]
 
 

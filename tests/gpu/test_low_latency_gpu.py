@@ -76,27 +76,19 @@ def split_buffers(request):
 # Helpers ---------------------------------------------------------------------
 
 
-def _poison(mesh, shapes):
-    """Allocates and frees [R * d0, ...] arrays filled with poison."""
-    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    arrays = [testing.filled(shape, value, dtype, sharding) for shape, dtype, value in shapes]
-    jax.block_until_ready(arrays)
-    del arrays
-
-
 def _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8):
     num_ranks = mesh.shape[AXIS]
-    rows = (num_experts, num_ranks * max_tokens)  # [R * L, R * M] globally
+    rows = (num_experts // num_ranks, num_ranks * max_tokens)  # [L, R * M] per rank
     shapes = [
         (rows + (hidden,), ml_dtypes.float8_e4m3fn if use_fp8 else ml_dtypes.bfloat16, 7.0),
-        (rows, np.int32, -7),
-        (rows, np.int32, -7),
-        (rows, np.int32, -7),
-        ((num_ranks * num_tokens, hidden), ml_dtypes.bfloat16, np.nan),
+        (rows, np.int32),
+        (rows, np.int32),
+        (rows, np.int32),
+        ((num_tokens, hidden), ml_dtypes.bfloat16),
     ]
     if use_fp8:
-        shapes.append((rows + (hidden // 128,), np.float32, np.nan))
-    _poison(mesh, shapes)
+        shapes.append((rows + (hidden // 128,), np.float32))
+    testing.poison_allocator(mesh, AXIS, shapes)
 
 
 def _dispatch(buffer, x, idx, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False):
@@ -591,7 +583,7 @@ def test_trace_time_errors(mesh, buffers):
         trace(cuda, 9, 256, 4, max_tokens=8)
     with pytest.raises(ValueError, match="top-k"):
         trace(cuda, 8, 256, _native.limits()["low_latency_max_topk"] + 1)
-    small = deep_ep_jax.Buffer(
+    with deep_ep_jax.Buffer(
         mesh,
         AXIS,
         backend="cuda",
@@ -599,12 +591,9 @@ def test_trace_time_errors(mesh, buffers):
         num_max_dispatch_tokens_per_rank=64,
         num_nvl_bytes=1 << 20,
         num_rdma_bytes=1 << 20,
-    )
-    try:
+    ) as small:
         with pytest.raises(ValueError, match="too small"):
             trace(small, 64, 4096, 8, max_tokens=64)
-    finally:
-        small.destroy()
 
 
 def test_overlapped_send_must_be_received_first(mesh, overlapped_buffers):

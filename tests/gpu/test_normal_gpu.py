@@ -35,10 +35,6 @@ AXIS = "ep"
 bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 
-def poison_allocator(mesh, per_rank_shapes):
-    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
-
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 gpu = pytest.mark.gpu
 
@@ -84,8 +80,9 @@ def run_case(
     idx, w = routing(seed, num_ranks, num_tokens, num_experts, topk, kind)
     y = testing.random_rows(seed + 1, (num_ranks * rows, hidden))
     k = idx.shape[1]
-    poison_allocator(
+    testing.poison_allocator(
         mesh,
+        AXIS,
         [
             ((rows, hidden), jnp.bfloat16),
             ((rows, k), jnp.int32),
@@ -237,21 +234,17 @@ def test_launch_configs(mesh, num_sms, chunk_tokens, num_warps):
     fields = {"num_sms": num_sms, "chunk_tokens": chunk_tokens}
     if "num_warps" in deep_ep_jax.Config.__dataclass_fields__:
         fields["num_warps"] = num_warps
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", config=deep_ep_jax.Config(**fields))
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", config=deep_ep_jax.Config(**fields)) as cuda:
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         run_case((cuda, xla), mesh, seed=num_sms, num_tokens=500, hidden=4096, topk=8, num_experts=64, kind="minus_one")
-    finally:
-        cuda.destroy()
 
 
 @gpu
 def test_staged_fallback(mesh, monkeypatch):
     monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     num_ranks = mesh.shape[AXIS]
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=2048)
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=2048) as cuda:
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         for fp8 in (False, True):
             run_case(
                 (cuda, xla),
@@ -276,8 +269,6 @@ def test_staged_fallback(mesh, monkeypatch):
                 fp8=fp8,
                 num_worst_tokens=100,
             )
-    finally:
-        cuda.destroy()
 
 
 @gpu
@@ -290,8 +281,7 @@ def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
         monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     num_ranks, num_tokens, hidden, topk = mesh.shape[AXIS], 96, 1024, 4
     num_experts = 8 * num_ranks
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden)
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden) as cuda:
         idx, w = testing.make_routing(41, num_ranks * num_tokens, num_experts, topk, num_ranks)
         x = testing.random_rows(42, (num_ranks * num_tokens, hidden))
         num_rows = num_tokens * num_ranks
@@ -324,8 +314,6 @@ def test_handle_rows_out_of_range_are_not_sent(mesh, monkeypatch, staged):
             row = send_pos[src, t, dst]
             np.testing.assert_array_equal(wild_rows[dst, row], x_rows[src, t])
             np.testing.assert_array_equal(dropped_rows[dst, row], x_rows[src, t])
-    finally:
-        cuda.destroy()
 
 
 @gpu
@@ -336,8 +324,7 @@ def test_combine_of_a_constant_fails_clearly(mesh):
     and the same rows as an argument combine as the reference does."""
     num_ranks, num_tokens, hidden, topk = mesh.shape[AXIS], 64, 512, 4
     num_experts = 4 * num_ranks
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden)
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=hidden) as cuda:
         idx, w = testing.make_routing(51, num_ranks * num_tokens, num_experts, topk, num_ranks)
         x = testing.random_rows(52, (num_ranks * num_tokens, hidden))
         rows = np.asarray(testing.random_rows(53, (num_tokens * num_ranks, hidden)))  # bf16 numpy
@@ -359,8 +346,6 @@ def test_combine_of_a_constant_fails_clearly(mesh):
         assert_bits_equal(
             runner(cuda)(*args, per_rank_rows), runner(xla)(*args, per_rank_rows), "combine of argument rows"
         )
-    finally:
-        cuda.destroy()
 
 
 @gpu
@@ -378,9 +363,8 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
     config = deep_ep_jax.Config(num_sms=num_sms, chunk_tokens=chunk_tokens)
     # Sized for the largest call (no hidden=: the calls' hidden sizes differ).
     region = _native.extension().staged_region_bytes(num_ranks * 333, 2 * 2048, 0, 8, 333)
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region, config=config)
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region, config=config) as cuda:
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         kinds = [k for k in testing.ROUTING_KINDS if k != "rank_empty" or num_ranks >= 2]
         for seed, kind in enumerate(kinds):
             got = run_case(
@@ -434,8 +418,6 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
             fp8=True,
         )
         run_case((cuda, xla), mesh, seed=32, num_tokens=1, hidden=2048, topk=1, num_experts=num_ranks, kind="random")
-    finally:
-        cuda.destroy()
 
 
 @gpu
@@ -447,9 +429,8 @@ def test_staged_exact_region(mesh, monkeypatch):
     num_tokens, hidden, topk, rows = 300, 2048, 8, 500
     config = deep_ep_jax.Config(chunk_tokens=1)
     need = _native.extension().staged_region_bytes(rows, 2 * hidden, 0, topk, num_tokens)
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=need, config=config)
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=need, config=config) as cuda:
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         for seed, kind in enumerate(("random", "one_expert")):
             run_case(
                 (cuda, xla),
@@ -462,8 +443,6 @@ def test_staged_exact_region(mesh, monkeypatch):
                 kind=kind,
                 num_worst_tokens=rows,
             )
-    finally:
-        cuda.destroy()
 
 
 @gpu
@@ -473,9 +452,8 @@ def test_staged_many_calls(mesh, monkeypatch):
     monkeypatch.setenv("DEEP_EP_JAX_STAGED", "1")
     num_ranks = mesh.shape[AXIS]
     num_experts = 8 * num_ranks
-    cuda = deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=512)
-    xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
-    try:
+    with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", hidden=512) as cuda:
+        xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         x = testing.random_rows(0, (num_ranks * 96, 512))
         idx, w = routing(1, num_ranks, 96, num_experts, 3, "minus_one")
         got = _loop_runner(cuda, mesh, num_experts, 300)(x, idx, w)
@@ -484,8 +462,6 @@ def test_staged_many_calls(mesh, monkeypatch):
             ("sum of combined rows", "sum of combined weights", "sum of num_recv_tokens"), got, want
         ):
             assert_bits_equal(g, wv, name)
-    finally:
-        cuda.destroy()
 
 
 # Gradients ------------------------------------------------------------------------

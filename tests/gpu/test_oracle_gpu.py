@@ -59,10 +59,6 @@ AXIS = "ep"
 bits, assert_bits_equal = testing.bits, testing.assert_bits_equal
 
 
-def poison_allocator(mesh, per_rank_shapes):
-    testing.poison_allocator(mesh, AXIS, per_rank_shapes)
-
-
 NUM_RANKS = 2
 HIDDEN, NUM_EXPERTS, TOPK = 7168, 256, 8
 NORMAL_TOKENS = 4096  # per rank
@@ -194,7 +190,7 @@ def check_normal_mode(buffer, mesh, kind, fp8, seed):
         ((N, H), ml_dtypes.bfloat16),
         ((T, R), np.bool_),
     ]
-    poison_allocator(mesh, outputs + ([((N, H // 128), np.float32)] if fp8 else []))
+    testing.poison_allocator(mesh, AXIS, outputs + ([((N, H // 128), np.float32)] if fp8 else []))
     recv_x, recv_idx, recv_w, handle, out, out_w, layout, (g_y, g_recv_w) = run_per_rank(
         buffer, mesh, normal_step(buffer), x_in, jnp.asarray(idx), jnp.asarray(w), y.reshape(R * N, H), g_out, g_out_w
     )
@@ -305,7 +301,7 @@ def check_low_latency(buffer, mesh, kind, use_fp8, round_scale, seed, exact_divi
         ((L, R * M), np.int32),
         ((T, H), ml_dtypes.bfloat16),
     ]
-    poison_allocator(mesh, outputs + ([((L, R * M, H // 128), np.float32)] if use_fp8 else []))
+    testing.poison_allocator(mesh, AXIS, outputs + ([((L, R * M, H // 128), np.float32)] if use_fp8 else []))
     recv_x, count, handle, out = run_per_rank(
         buffer,
         mesh,

@@ -70,12 +70,9 @@ def test_auto_backend_is_cuda_on_gpus(mesh):
     kernels, for both modes, and gives the reference's bits."""
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, num_experts = 96, 1024, 8 * num_ranks
-    auto = dej.Buffer(mesh, AXIS)
-    ll = dej.Buffer(
-        mesh, AXIS, low_latency_mode=True, num_max_dispatch_tokens_per_rank=32, hidden=hidden, num_experts=num_experts
-    )
     xla = dej.Buffer(mesh, AXIS, backend="xla")
-    try:
+    ll_sizes = dict(num_max_dispatch_tokens_per_rank=32, hidden=hidden, num_experts=num_experts)
+    with dej.Buffer(mesh, AXIS) as auto, dej.Buffer(mesh, AXIS, low_latency_mode=True, **ll_sizes) as ll:
         assert _native.unavailable_reason() is None
         assert auto.backend == ll.backend == "cuda" and auto.buffer_id is not None and ll.buffer_id is not None
         normal_mode = internode if auto.spans_hosts else intranode
@@ -88,9 +85,6 @@ def test_auto_backend_is_cuda_on_gpus(mesh):
         run = _roundtrip(auto, num_experts)
         assert "deep_ep_jax_dispatch" in run.lower(*args).as_text()  # the kernels, really
         _assert_same_bits(run(*args), _roundtrip(xla, num_experts)(*args), "auto against the reference")
-    finally:
-        auto.destroy()
-        ll.destroy()
 
 
 def test_checks_mode_on_cuda(mesh):
@@ -100,19 +94,12 @@ def test_checks_mode_on_cuda(mesh):
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, num_experts, topk = 64, 512, 8 * num_ranks, 4
     checks = dej.Config(checks=True)
-    checked = dej.Buffer(mesh, AXIS, backend="cuda", config=checks)
-    plain = dej.Buffer(mesh, AXIS, backend="cuda")
-    ll = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda",
-        config=checks,
-        low_latency_mode=True,
-        num_max_dispatch_tokens_per_rank=num_tokens,
-        hidden=hidden,
-        num_experts=num_experts,
-    )
-    try:
+    ll_sizes = dict(num_max_dispatch_tokens_per_rank=num_tokens, hidden=hidden, num_experts=num_experts)
+    with (
+        dej.Buffer(mesh, AXIS, backend="cuda", config=checks) as checked,
+        dej.Buffer(mesh, AXIS, backend="cuda") as plain,
+        dej.Buffer(mesh, AXIS, backend="cuda", config=checks, low_latency_mode=True, **ll_sizes) as ll,
+    ):
         idx, w = dt.make_routing(81, num_ranks * num_tokens, num_experts, topk, num_ranks)
         x = dt.random_rows(82, (num_ranks * num_tokens, hidden))
         idx, w = jnp.asarray(idx), jnp.asarray(w)
@@ -166,9 +153,6 @@ def test_checks_mode_on_cuda(mesh):
         with pytest.raises(dej.CheckError, match=f"^low_latency_dispatch: {bad_ids}$"):
             low_latency_dispatch(x, bad)
         checked_dispatch(x, idx, w)  # nothing left over from the failures
-    finally:
-        for buffer in (checked, plain, ll):
-            buffer.destroy()
 
 
 def test_low_latency_combine_errors_on_cuda(mesh):
@@ -180,34 +164,33 @@ def test_low_latency_combine_errors_on_cuda(mesh):
     max_tokens, hidden, num_experts, topk = 16, 256, 64 * num_ranks, 8
     num_local = num_experts // num_ranks
     region = sizes.low_latency_region_bytes(num_ranks, num_experts, hidden, max_tokens, num_topk=topk)
-    buffer = dej.Buffer(
+    with dej.Buffer(
         mesh,
         AXIS,
         backend="cuda",
         low_latency_mode=True,
         num_max_dispatch_tokens_per_rank=max_tokens,
-        num_rdma_bytes=region,
-    )  # no hidden=: the API leaves the combine's hidden to the kernels
-    i32 = jnp.int32
+        num_rdma_bytes=region,  # no hidden=: the API leaves the combine's hidden to the kernels
+    ) as buffer:
+        i32 = jnp.int32
 
-    def trace_combine(combine, combine_hidden, combine_topk):
-        """Per rank: x [E/R, R*M, H], the handle's arrays [E/R, R*M], top-k [M, K]."""
-        rows = (num_ranks * num_local, num_ranks * max_tokens)
-        handle = dej.LowLatencyHandle(
-            *(jax.ShapeDtypeStruct(shape, i32) for shape in ((num_ranks * num_local,), rows, rows, rows)),
-            num_tokens=max_tokens,
-            num_topk=combine_topk,
-        )  # as a dispatch of this top-k
-        args = (
-            jax.ShapeDtypeStruct(rows + (combine_hidden,), jnp.bfloat16),
-            jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), i32),
-            jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), jnp.float32),
-            handle,
-        )
-        jax.eval_shape(dt.per_rank(lambda x, idx, w, h: combine(x, idx, w, h, buffer=buffer), mesh, AXIS), *args)
+        def trace_combine(combine, combine_hidden, combine_topk):
+            """Per rank: x [E/R, R*M, H], the handle's arrays [E/R, R*M], top-k [M, K]."""
+            rows = (num_ranks * num_local, num_ranks * max_tokens)
+            handle = dej.LowLatencyHandle(
+                *(jax.ShapeDtypeStruct(shape, i32) for shape in ((num_ranks * num_local,), rows, rows, rows)),
+                num_tokens=max_tokens,
+                num_topk=combine_topk,
+            )  # as a dispatch of this top-k
+            args = (
+                jax.ShapeDtypeStruct(rows + (combine_hidden,), jnp.bfloat16),
+                jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), i32),
+                jax.ShapeDtypeStruct((num_ranks * max_tokens, combine_topk), jnp.float32),
+                handle,
+            )
+            jax.eval_shape(dt.per_rank(lambda x, idx, w, h: combine(x, idx, w, h, buffer=buffer), mesh, AXIS), *args)
 
-    max_topk = _native.limits()["low_latency_max_topk"]
-    try:
+        max_topk = _native.limits()["low_latency_max_topk"]
         for combine in (dej.low_latency_combine, dej.low_latency_combine_send):
             name = combine.__name__
             trace_combine(combine, hidden, topk)  # fine
@@ -241,8 +224,6 @@ def test_low_latency_combine_errors_on_cuda(mesh):
                 jax.ShapeDtypeStruct((num_ranks * max_tokens, hidden), jnp.bfloat16),
                 jax.ShapeDtypeStruct((num_ranks * max_tokens, topk), i32),
             )
-    finally:
-        buffer.destroy()
 
 
 def test_info_on_gpus(mesh):

@@ -151,8 +151,9 @@ def check_normal_across_wrap(mesh, buffers, wrap, crossing):
         idx, w = normal_suite.routing(seed, num_ranks, NUM_TOKENS, num_experts(mesh), TOPK, "minus_one")
         rows = NUM_TOKENS * num_ranks
         y = testing.random_rows(seed + 1, (num_ranks * rows, HIDDEN))
-        normal_suite.poison_allocator(
+        testing.poison_allocator(
             mesh,
+            normal_suite.AXIS,
             [
                 ((rows, HIDDEN), jnp.bfloat16),
                 ((rows, TOPK), jnp.int32),

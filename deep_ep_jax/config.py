@@ -40,12 +40,45 @@ import numbers
 import os
 from typing import TypeVar
 
+import ml_dtypes
 import numpy as np
 
 # Channels per FP8 scale: FP8 rows [T, H] come with float32 scales [T, H // FP8_BLOCK]
 # (the API's contract; the CUDA extension's own value is checked equal when its
 # FFI targets are registered).
 FP8_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RowFormat:
+    """A quantized row format dispatch moves as bytes: data [T, H // pack] and scales
+    [T, H // block], one scale per `block` channels (pack: channels per data element)."""
+
+    name: str
+    data: np.dtype
+    scales: np.dtype
+    block: int
+    pack: int = 1
+
+
+# The pairs dispatch takes besides bf16 rows [T, H], told apart by their dtypes. Wire formats
+# are data: a format with a fixed number of bytes per row is one more line here.
+ROW_FORMATS = (
+    RowFormat("FP8", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32), FP8_BLOCK),  # DeepEP's
+    RowFormat("MXFP8", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu), 32),
+    RowFormat("NVFP4", np.dtype(ml_dtypes.float4_e2m1fn), np.dtype(ml_dtypes.float8_e4m3fn), 16),
+    RowFormat("NVFP4 packed", np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn), 16, pack=2),  # 2 per byte
+)
+# Every pair's hidden is a multiple of this: each of its rows' arrays is then a whole number of
+# 4-byte words, which the kernels copy.
+PAIR_HIDDEN_MULTIPLE = 128
+
+
+def row_format(data_dtype, scales_dtype) -> RowFormat | None:
+    """The ROW_FORMATS entry of a pair of these dtypes, or None."""
+    key = (np.dtype(data_dtype), np.dtype(scales_dtype))
+    return next((f for f in ROW_FORMATS if (f.data, f.scales) == key), None)
+
 
 # What Buffer.traffic() reports per rank and operation (Config.count_traffic).
 TRAFFIC_FIELDS = ("nvlink_rows", "nvlink_bytes", "network_rows", "network_bytes")

@@ -91,6 +91,18 @@ def random_rows(seed, shape, dtype=jnp.bfloat16):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), dtype)
 
 
+def random_pair(seed, fmt, num_tokens, hidden):
+    """A quantized pair of `fmt` (a config.RowFormat) for [num_tokens, hidden], every byte random
+    (NaN patterns included: dispatch moves a pair's bytes as they are, so any bytes must arrive)."""
+    rng = np.random.default_rng(seed)
+    if fmt.data == np.dtype(jnp.float4_e2m1fn):  # one 4-bit value per element
+        data = rng.integers(0, 16, (num_tokens, hidden), np.uint8).view(fmt.data)
+    else:
+        data = rng.integers(0, 256, (num_tokens, hidden // fmt.pack * fmt.data.itemsize), np.uint8).view(fmt.data)
+    scale_bytes = rng.integers(0, 256, (num_tokens, hidden // fmt.block * fmt.scales.itemsize), np.uint8)
+    return jnp.asarray(data), jnp.asarray(scale_bytes.view(fmt.scales))
+
+
 def ep_mesh(num_ranks, axis_name="ep", platform=None):
     devices = jax.devices(platform) if platform else jax.devices()
     if len(devices) < num_ranks:

@@ -75,6 +75,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import deep_ep_jax as dej  # noqa: E402
 from deep_ep_jax import testing as dt  # noqa: E402
+from deep_ep_jax.config import ROW_FORMATS  # noqa: E402
 from deep_ep_jax.distributed import multiprocess  # noqa: E402
 
 AXIS = "ep"
@@ -538,7 +539,7 @@ def case_shared_gpu(sequence_starts=(None,)):
             assert n == 0 or np.abs(grad_y[:n]).sum() > 0, kind
             log(f"shared_gpu cached dispatch (combine's gradient) {kind}: ok")
 
-        def fp8(data, scales, idx, w):
+        def dispatch_pair(data, scales, idx, w):
             (recv_data, recv_scales), _, _, handle = dej.dispatch(
                 (data, scales), idx, w, num_experts=num_experts, buffer=buffer
             )
@@ -548,7 +549,7 @@ def case_shared_gpu(sequence_starts=(None,)):
             idx, w, idxs, ws = routing(kind)
             data = (rng.standard_normal((num_ranks * num_tokens, hidden), np.float32) * 8).astype(jnp.float8_e4m3fn)
             scales = rng.random((num_ranks * num_tokens, hidden // 128), np.float32) + 0.5
-            recv_data, recv_scales, num_recv = run(fp8, *map(put, (data, scales, idx, w)))
+            recv_data, recv_scales, num_recv = run(dispatch_pair, *map(put, (data, scales, idx, w)))
             both = np.concatenate([data.astype(np.float32), scales], -1).reshape(num_ranks, num_tokens, -1)
             want = oracle.dispatch(both, idxs, ws, num_experts, num_ranks * num_tokens)[rank]["x"]
             n = len(want)
@@ -556,6 +557,35 @@ def case_shared_gpu(sequence_starts=(None,)):
             got = np.concatenate([recv_data[:n], recv_scales[:n]], -1)
             np.testing.assert_array_equal(got, np.reshape(want, (n, both.shape[-1])), err_msg=kind)
             log(f"shared_gpu fp8 {kind}: ok")
+
+        for fmt in ROW_FORMATS[1:]:  # MXFP8, NVFP4 (float4 and packed): every byte random, moved as it is
+
+            def dispatch_fmt(data, scales, idx, w, fmt=fmt):
+                """The received pair as its bytes (run() would show FP8 as float32), in the dtypes sent. float4
+                data comes packed (a compiled program takes float4 arguments in XLA's packed layout only)."""
+                if fmt.data == jnp.float4_e2m1fn:
+                    data = jax.lax.bitcast_convert_type(data, fmt.data).reshape(data.shape[0], -1)
+                recv_data, recv_scales, num_recv = dispatch_pair(data, scales, idx, w)
+                assert (recv_data.dtype, recv_scales.dtype) == (fmt.data, fmt.scales), fmt
+                if fmt.data == jnp.float4_e2m1fn:  # two to a byte, as oracle.pair_bytes packs them
+                    recv_data = recv_data.reshape(recv_data.shape[0], -1, 2)
+                as_bytes = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(a.shape[0], -1)
+                return jnp.concatenate([as_bytes(recv_data), as_bytes(recv_scales)], -1), num_recv
+
+            for kind in ("random", "one_expert", "minus_one"):
+                idx, w, idxs, ws = routing(kind)
+                pair = dt.random_pair(int(rng.integers(1 << 30)), fmt, num_ranks * num_tokens, hidden)
+                both = oracle.pair_bytes(*pair)
+                if fmt.data == jnp.float4_e2m1fn:  # sent as its packed bytes (dispatch_fmt)
+                    pair = (both[:, : hidden // 2], pair[1])
+                got, num_recv = run(dispatch_fmt, *map(put, (*pair, idx, w)))
+                both = both.reshape(num_ranks, num_tokens, -1)
+                want = oracle.dispatch(both, idxs, ws, num_experts, num_ranks * num_tokens)[rank]["x"]
+                n = len(want)
+                assert int(num_recv) == n, (fmt.name, kind, int(num_recv), n)
+                want = np.reshape(np.asarray(want, np.uint8), (n, got.shape[-1]))
+                dt.assert_bits_equal(got[:n], want, f"{fmt.name} {kind}")
+                log(f"shared_gpu {fmt.name} {kind}: ok")
 
         for use_fp8, split in ((False, False), (True, False), (False, True), (True, True)):
 
@@ -1058,7 +1088,7 @@ def case_traffic():
 
             return jax.value_and_grad(loss)(y)
 
-        def fp8(data, scales, idx, w):
+        def dispatch_pair(data, scales, idx, w):
             return dej.dispatch(
                 (data, scales), idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
             )[0]

@@ -48,6 +48,16 @@ def dispatch(x, idx, w, num_experts, num_worst_tokens):
     return out
 
 
+def pair_bytes(data, scales):
+    """A quantized pair's rows [..., T, *] as their bytes side by side, [..., T, bytes], the way they
+    travel (float4 data two values to a byte, the first in the low half): what dispatch places."""
+    data, scales = np.asarray(data), np.asarray(scales)
+    if data.dtype.name == "float4_e2m1fn":
+        nibbles = data.view(np.uint8).reshape(data.shape[:-1] + (-1, 2))
+        data = nibbles[..., 0] | nibbles[..., 1] << 4
+    return np.concatenate([data.view(np.uint8), scales.view(np.uint8)], -1)
+
+
 def scaled_expert_rows(received, scales, num_rows, hidden):
     """deep_ep_jax.testing.scaled_experts on each rank's received rows:
     received: dispatch()'s output; scales [R, L]. Returns y [R, num_rows, H]

@@ -63,14 +63,15 @@ def per_rank_layers(buffer, num_experts, hidden, capacities):
 
 
 def check_rounds(num_ranks, seed):
-    """Every routing kind at capacities of one round (T * R), two and more (R, and 2 * T): the dropless layer
-    equals the worst-case one bit for bit, forward and gradients, and its forward equals the oracle."""
+    """Every routing kind at capacities of one round (T * R), of two or more (T * R / 2: all tokens on one
+    expert take exactly two) and of many (R: one token per block): the dropless layer equals the worst-case
+    one bit for bit, forward and gradients, and its forward equals the oracle."""
     rng = np.random.default_rng(seed)
     num_experts = 2 * num_ranks
     mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
     buffer = dej.Buffer(mesh, "ep", backend="xla")
     axis = P(buffer.axis_name)
-    layers = per_rank_layers(buffer, num_experts, HIDDEN, (num_ranks * TOKENS, 2 * TOKENS, num_ranks))
+    layers = per_rank_layers(buffer, num_experts, HIDDEN, (num_ranks * TOKENS, num_ranks * TOKENS // 2, num_ranks))
     layers = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=axis, out_specs=axis)) for k, f in layers.items()}
     rounds_seen = set()
     for kind in dt.ROUTING_KINDS:

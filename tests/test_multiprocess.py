@@ -66,8 +66,8 @@ def test_reference_backend_across_processes(num_processes, devices_per_process):
 def test_shared_gpu_case_on_cpu():
     """The worker case the GPU scale tests run (tests/gpu/test_scale_gpu.py),
     here on the xla backend, so that its inputs, oracle checks and NaN poison
-    stay right between the GPU runs: normal mode, its cached dispatch, FP8
-    pairs, and low-latency mode whole and by halves; and case mesh_order's
+    stay right between the GPU runs: normal mode, its cached dispatch, FP8,
+    MXFP8 and NVFP4 pairs, and low-latency mode whole and by halves; and case mesh_order's
     refusals."""
     code, output, _ = _launch(2, [WORKER, "shared_gpu", "mesh_order"])
     assert code == 0, output[-4000:]
@@ -76,6 +76,8 @@ def test_shared_gpu_case_on_cpu():
             assert f"[rank {rank}] process {rank}/2: CASE {case} OK" in output, output[-4000:]
     # 4 routings x (bf16, FP8) x (whole, halves) low-latency checks per rank.
     assert output.count("shared_gpu low-latency ") == 2 * 16, output[-4000:]
+    # 3 routings x (MXFP8, NVFP4, NVFP4 packed) per rank, byte for byte.
+    assert output.count("shared_gpu MXFP8 ") + output.count("shared_gpu NVFP4 ") == 2 * 9, output[-4000:]
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

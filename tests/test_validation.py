@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.config import ROW_FORMATS
 
 R, T, H, E, K = 4, 8, 256, 8, 2
 
@@ -62,7 +63,9 @@ def test_dispatch_bad_arrays(mesh, buffer, make, error, match):
 def test_rows_must_be_bf16(mesh, buffer, dtype):
     x, idx, w = _inputs(dtype)
     name = jnp.dtype(dtype).name
-    with pytest.raises(TypeError, match=rf"dispatch: x must be bfloat16 or an FP8 pair .*, got {name}"):
+    with pytest.raises(
+        TypeError, match=rf"dispatch: x must be bfloat16 or a pair of FP8 .*MXFP8 .*NVFP4 .*, got {name}"
+    ):
         _trace(mesh, _dispatch(buffer), x, idx, w)
 
     def combine_rows_of(x, idx, w):
@@ -179,8 +182,27 @@ def test_fp8_pair_bad_scales(mesh, buffer):
     data = x.astype(jnp.float8_e4m3fn)
     with pytest.raises(TypeError, match=r"FP8 scales x\[1\] must be float32 \(8, 2\)"):
         _trace(mesh, _dispatch(buffer), (data, jnp.ones((R * T, 3), jnp.float32)), idx, w)
-    with pytest.raises(TypeError, match=r"FP8 data x\[0\] must be float8_e4m3fn"):
+    with pytest.raises(TypeError, match=r"x must be a pair of FP8 \(float8_e4m3fn .*got \(bfloat16, float32\)"):
         _trace(mesh, _dispatch(buffer), (x, jnp.ones((R * T, 2), jnp.float32)), idx, w)
+
+
+def test_quantized_pair_errors(mesh, buffer):
+    """A pair of no format, or of the wrong shapes, fails at trace time naming the argument; expand
+    takes bf16 rows and the FP8 pair only (the grouped GEMM has no MXFP8 or NVFP4 kernels)."""
+    _, idx, w = _inputs()
+    data, scales = dt.random_pair(0, ROW_FORMATS[1], R * T, H)  # MXFP8
+    fp4 = data.astype(jnp.float4_e2m1fn)
+    with pytest.raises(TypeError, match=r"dispatch: x must be a pair of FP8 .*MXFP8 .*NVFP4 .*got \(float16, "):
+        _trace(mesh, _dispatch(buffer), (data.astype(jnp.float16), scales), idx, w)
+    with pytest.raises(TypeError, match=r"dispatch: MXFP8 scales x\[1\] must be float8_e8m0fnu \(8, 8\), got "):
+        _trace(mesh, _dispatch(buffer), (data, scales[:, :4]), idx, w)
+    with pytest.raises(TypeError, match=r"dispatch: NVFP4 scales x\[1\] must be float8_e4m3fn \(8, 16\)"):
+        _trace(mesh, _dispatch(buffer), (fp4, data[:, :8]), idx, w)
+    packed = (jnp.zeros((R * T, 48), jnp.uint8), jnp.zeros((R * T, 6), jnp.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"dispatch: NVFP4 packed hidden must be a multiple of 128, got 96"):
+        _trace(mesh, _dispatch(buffer), packed, idx, w)
+    with pytest.raises(TypeError, match=r"expand: recv_x must be a pair of FP8 \(float8_e4m3fn"):
+        dej.expand((fp4, data[:, :16]), idx, num_local_experts=2)
 
 
 def test_fp8_hidden_alignment(mesh, buffer):

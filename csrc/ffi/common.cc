@@ -129,26 +129,51 @@ ffi::Error CheckPeersCanRead(const char* fn, const char* what, const void* ptr) 
 
 namespace {
 
-// x and x_scales as row arrays of num_rows rows; sets the hidden size.
+// Bytes per element of a quantized pair's arrays: the element types of config.ROW_FORMATS
+// (NVFP4's float4 data arrives as its packed uint8 bytes); 0 for any other.
+int64_t PairElementBytes(ffi::DataType type) {
+  switch (type) {
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::F8E8M0FNU:
+    case ffi::DataType::U8:
+      return 1;
+    case ffi::DataType::F32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+// x and x_scales as row arrays of num_rows rows: bf16 x with x_scales [rows, 0], or a quantized
+// pair whose bytes move as they are (the Python wrapper checks its format); sets the hidden size
+// (x's columns).
 ffi::Error CheckRows(const char* fn, const ffi::AnyBuffer& x, const ffi::AnyBuffer& scales, int64_t num_rows,
                      RowArrays* rows, int64_t* hidden) {
-  const Dims dims = x.dimensions();
-  const bool fp8 = x.element_type() == ffi::DataType::F8E4M3FN;
-  if (!fp8 && x.element_type() != ffi::DataType::BF16) return Invalid(fn, "x must be bf16 or float8_e4m3fn");
+  const Dims dims = x.dimensions(), scale_dims = scales.dimensions();
   if (dims.size() != 2) return Invalid(fn, "x must be [rows, hidden], got " + ShapeString(dims));
   *hidden = dims[1];
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x", dims, {num_rows, *hidden}));
-  if (fp8 && *hidden % kFp8Block != 0) {
-    return Invalid(fn, "FP8 hidden must be a multiple of " + Str(kFp8Block) + ", got " + Str(*hidden));
+  const int64_t num_scales = scale_dims.size() == 2 ? scale_dims[1] : 0;
+  DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "x_scales", scale_dims, {num_rows, num_scales}));
+  int64_t data_bytes = 2, scale_bytes = 0;
+  if (num_scales == 0) {
+    if (x.element_type() != ffi::DataType::BF16) return Invalid(fn, "x must be bf16 when it has no scales");
+    DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, *hidden));
+  } else {
+    data_bytes = PairElementBytes(x.element_type());
+    scale_bytes = PairElementBytes(scales.element_type());
+    if (data_bytes == 0 || scale_bytes == 0) {
+      return Invalid(fn, "x and x_scales must be a quantized pair of deep_ep_jax.config.ROW_FORMATS");
+    }
+    if (*hidden * data_bytes % 4 != 0 || num_scales * scale_bytes % 4 != 0) {  // the copies move 4-byte words
+      return Invalid(fn, "a quantized pair's rows must be whole 4-byte words, got " + Str(*hidden * data_bytes) +
+                             " and " + Str(num_scales * scale_bytes) + " bytes");
+    }
   }
-  if (!fp8) DEEP_EP_JAX_RETURN_IF_ERROR(CheckBf16Hidden(fn, *hidden));
-  if (scales.element_type() != ffi::DataType::F32) return Invalid(fn, "x_scales must be float32");
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      ExpectShape(fn, "x_scales", scales.dimensions(), {num_rows, fp8 ? *hidden / kFp8Block : 0}));
   rows->data[0] = static_cast<const char*>(x.untyped_data());
-  rows->row_bytes[0] = *hidden * (fp8 ? 1 : 2);
+  rows->row_bytes[0] = *hidden * data_bytes;
   rows->data[1] = static_cast<const char*>(scales.untyped_data());
-  rows->row_bytes[1] = fp8 ? *hidden / kFp8Block * int64_t(sizeof(float)) : 0;
+  rows->row_bytes[1] = num_scales * scale_bytes;
   return ffi::Error::Success();
 }
 
@@ -157,6 +182,9 @@ ffi::Error CheckReceivedRows(const char* fn, const ffi::AnyBuffer& x, const ffi:
                              ffi::Result<ffi::AnyBuffer>& recv_x, ffi::Result<ffi::AnyBuffer>& recv_x_scales,
                              const NormalShapes& s) {
   if (recv_x->element_type() != x.element_type()) return Invalid(fn, "recv_x must have x's dtype");
+  if (recv_x_scales->element_type() != x_scales.element_type()) {
+    return Invalid(fn, "recv_x_scales must have x_scales' dtype");
+  }
   DEEP_EP_JAX_RETURN_IF_ERROR(ExpectShape(fn, "recv_x", recv_x->dimensions(), {s.num_rows, s.hidden}));
   return ExpectShape(fn, "recv_x_scales", recv_x_scales->dimensions(), {s.num_rows, x_scales.dimensions()[1]});
 }

@@ -133,8 +133,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(InternodeDispatchHandler, InternodeDispatch,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // order: the Buffer's order state (call_order.h)
-                                  .Arg<ffi::AnyBuffer>()          // x: bf16 or FP8 [T, H]
-                                  .Arg<ffi::AnyBuffer>()          // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::AnyBuffer>()          // x: bf16 [T, H], or a pair's data (ROW_FORMATS)
+                                  .Arg<ffi::AnyBuffer>()          // x_scales: the pair's scales; [T, 0] for bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K]
                                   .Ret<ffi::AnyBuffer>()          // recv_x [N, H]: x's dtype, N the worst case

@@ -3,8 +3,8 @@
 // and every call is the same launch sequence, so the handlers are command
 // buffer (CUDA graph) compatible.
 //
-// Row arrays: x is bf16 [T, H] or FP8 e4m3 [T, H]; x_scales is float32
-// [T, H / 128] for FP8 and [T, 0] for bf16. Optional top-k weights are passed
+// Row arrays: x is bf16 [T, H] with x_scales [T, 0], or a quantized pair
+// (x, x_scales) of config.ROW_FORMATS, moved as bytes. Optional top-k weights are passed
 // as [rows, 0] when absent. Received outputs mirror the inputs with N rows.
 #include <cuda_runtime.h>
 
@@ -120,8 +120,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(IntranodeDispatchHandler, IntranodeDispatch,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // order: the Buffer's order state (call_order.h)
-                                  .Arg<ffi::AnyBuffer>()          // x: bf16 or FP8 [T, H]
-                                  .Arg<ffi::AnyBuffer>()          // x_scales: float32 [T, H / 128], [T, 0] for bf16
+                                  .Arg<ffi::AnyBuffer>()          // x: bf16 [T, H], or a pair's data (ROW_FORMATS)
+                                  .Arg<ffi::AnyBuffer>()          // x_scales: the pair's scales; [T, 0] for bf16
                                   .Arg<ffi::Buffer<ffi::S32>>()   // topk_idx [T, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // topk_weights [T, K]
                                   .Ret<ffi::AnyBuffer>()          // recv_x [N, H]: x's dtype, N the worst case

@@ -13,6 +13,7 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from deep_ep_jax.comm import ordering
@@ -21,7 +22,7 @@ from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import zero_rows_like
-from deep_ep_jax.config import is_int
+from deep_ep_jax.config import ROW_FORMATS, is_int, row_format
 
 # The names of dispatch's and combine's results for jax.checkpoint policies.
 DISPATCH_NAME, COMBINE_NAME = "deep_ep_jax.dispatch", "deep_ep_jax.combine"
@@ -56,12 +57,15 @@ def dispatch(
     """Sends each token once to every rank owning one of its experts.
 
     Per rank, inside `shard_map` over `buffer.axis_name`:
-      x: bf16 [T, H], or an FP8 pair (float8_e4m3fn [T, H], float32 [T, H // 128]).
+      x: bf16 [T, H], or a quantized pair (data, scales) of `config.ROW_FORMATS`: DeepEP's FP8
+        (float8_e4m3fn [T, H], float32 [T, H // 128]), MXFP8 (float8_e4m3fn [T, H],
+        float8_e8m0fnu [T, H // 32]), NVFP4 (float4_e2m1fn [T, H], or packed as uint8 [T, H // 2];
+        float8_e4m3fn [T, H // 16]); H a multiple of 128. A pair's bytes arrive as they are.
       topk_idx: int32 [T, K] global expert ids, -1 for none.
       topk_weights: float32 [T, K], or None (recv_topk_weights is then None).
       num_worst_tokens: rows N of the outputs (default T * R, the worst case).
 
-    Returns (recv_x [N, H] (or FP8 pair), recv_topk_idx int32 [N, K] local ids,
+    Returns (recv_x [N, H] (or the pair, in x's dtypes), recv_topk_idx int32 [N, K] local ids,
     recv_topk_weights float32 [N, K], handle). Rows [0, handle.num_recv_tokens)
     are valid, ordered by source rank then source token; if more rows arrive
     than N, the last ones are dropped and counted in handle.num_dropped_tokens.
@@ -74,7 +78,7 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
     user called); weights: whether fn takes topk_weights=None (v.check_topk)."""
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    xs, num_tokens, _ = v.check_tokens(x, buffer, fn)
+    xs, num_tokens, _ = v.check_tokens(x, buffer, fn, formats=ROW_FORMATS)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, weights=weights)
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
@@ -86,7 +90,7 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
         )
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     outputs, order = _dispatch(
-        xs, topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens), buffer
+        _to_wire(xs), topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens), buffer
     )
     # Named, so that a remat policy can keep them (a backward pass then exchanges nothing again):
     # jax.checkpoint_policies.save_only_these_names(*deep_ep_jax.CHECKPOINT_NAMES).
@@ -97,7 +101,25 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
         v.raise_if_any(
             buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)]
         )
+    recv_xs = _from_wire(recv_xs, xs)
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
+
+
+def _to_wire(xs):
+    """Rows as the backends move them: NVFP4's float4 data as its packed bytes (uint8 [T, H // 2])."""
+    data = xs[0]
+    if data.dtype != jnp.float4_e2m1fn:
+        return xs
+    num_tokens, hidden = data.shape
+    return (lax.bitcast_convert_type(data.reshape(num_tokens, hidden // 2, 2), jnp.uint8), *xs[1:])
+
+
+def _from_wire(recv_xs, xs):
+    """The received rows in the dtypes the caller sent (`_to_wire`'s inverse)."""
+    if recv_xs[0].dtype == xs[0].dtype:
+        return recv_xs
+    data = lax.bitcast_convert_type(recv_xs[0], xs[0].dtype)  # [N, H // 2, 2]
+    return (data.reshape(data.shape[0], -1), *recv_xs[1:])
 
 
 @overload
@@ -188,11 +210,14 @@ def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
     if len(g_recv_xs) == 1:
         g_x, g_w = dispatch_backward(g_recv_xs[0], g_recv_w, recv_idx, handle, buffer)
         g_xs = (g_x,)
-    else:  # FP8 rows carry no gradient; the weights still do.
-        rows = jnp.zeros((num_worst_tokens, g_recv_xs[0].shape[1]), jnp.bfloat16)
+    else:  # quantized rows carry no gradient; the weights still do.
+        data, scales = xs_like
+        hidden = data.shape[1] * row_format(data.dtype, scales.dtype).pack
+        rows = jnp.zeros((num_worst_tokens, hidden), jnp.bfloat16)
         _, g_w = dispatch_backward(rows, g_recv_w, recv_idx, handle, buffer)
         num_tokens = handle.is_token_in_rank.shape[0]  # the inputs' rows, [T, ...]
-        g_xs = tuple(zero_rows_like(num_tokens, x) for x in xs_like)
+        # Integer rows (packed NVFP4) have no cotangent space: None stands for their zero.
+        g_xs = tuple(zero_rows_like(num_tokens, x) if jnp.issubdtype(x.dtype, jnp.floating) else None for x in xs_like)
     return g_xs, g_w, None, None
 
 

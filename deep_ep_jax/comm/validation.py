@@ -18,12 +18,10 @@ from typing import Any, TypeVar
 import jax
 import jax.numpy as jnp
 
-from deep_ep_jax.config import FP8_BLOCK, is_bool, is_int
+from deep_ep_jax.config import PAIR_HIDDEN_MULTIPLE, ROW_FORMATS, is_bool, is_int, row_format
 
-FP8_DTYPE = jnp.float8_e4m3fn
-
-# Types of the public API. Rows: bf16 [T, H], or an FP8 pair (float8_e4m3fn
-# [T, H], float32 scales [T, H // 128]).
+# Types of the public API. Rows: bf16 [T, H], or a pair (data, scales) of
+# config.ROW_FORMATS (DeepEP's FP8: float8_e4m3fn [T, H], float32 [T, H // 128]).
 Rows = jax.Array | tuple[jax.Array, jax.Array]
 # What a low-latency send half returns for its receive half (backend-specific).
 Pending = Any
@@ -115,13 +113,13 @@ def shape_dtype(a, fn, name):
     return tuple(a.shape), jnp.dtype(a.dtype)
 
 
-def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
-    """x (the argument `name`) is bf16 [T, H], or (where allow_fp8) an FP8
-    pair (data, scales). Returns (rows as a tuple, T, H). buffer may be None
-    (no hidden size to check against).
+def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x", formats=ROW_FORMATS[:1]):
+    """x (the argument `name`) is bf16 [T, H], or (where allow_fp8) a pair
+    (data, scales) of one of `formats` (config.ROW_FORMATS). Returns (rows as
+    a tuple, T, H). buffer may be None (no hidden size to check against).
 
     The same rule on every backend, so that a model prototyped on the xla
-    backend (CPU) runs unchanged on the kernels, which move bf16 rows only."""
+    backend (CPU) runs unchanged on the kernels."""
     if isinstance(x, (tuple, list)):
         if not allow_fp8:
             raise TypeError(f"{fn}: {name} must be one array here, not a pair")
@@ -131,20 +129,26 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
                 f"{type(x).__name__} of {len(x)} items"
             )
         (shape, dtype), (sshape, sdtype) = shape_dtype(x[0], fn, f"{name}[0]"), shape_dtype(x[1], fn, f"{name}[1]")
-        if dtype != FP8_DTYPE:
-            raise TypeError(f"{fn}: FP8 data {name}[0] must be float8_e4m3fn, got {dtype}")
+        fmt = row_format(dtype, sdtype)
+        if fmt not in formats:
+            same_data = [f for f in formats if f.data == dtype]
+            if not same_data:
+                raise TypeError(f"{fn}: {name} must be a pair of {_formats_text(formats)}, got ({dtype}, {sdtype})")
+            fmt = same_data[0]  # the scales' check below says what they must be
+        kind = "FP8" if fmt is ROW_FORMATS[0] else fmt.name
         if len(shape) != 2:
-            raise ValueError(f"{fn}: FP8 data {name}[0] must be [tokens, hidden], got shape {shape}")
-        if shape[1] % FP8_BLOCK:
-            raise ValueError(f"{fn}: FP8 hidden must be a multiple of {FP8_BLOCK}, got {shape[1]}")
-        want = (shape[0], shape[1] // FP8_BLOCK)
-        if sdtype != jnp.float32 or sshape != want:
-            raise TypeError(f"{fn}: FP8 scales {name}[1] must be float32 {want}, got {sdtype} {sshape}")
+            raise ValueError(f"{fn}: {kind} data {name}[0] must be [tokens, hidden], got shape {shape}")
+        hidden = shape[1] * fmt.pack
+        if hidden % PAIR_HIDDEN_MULTIPLE:
+            raise ValueError(f"{fn}: {kind} hidden must be a multiple of {PAIR_HIDDEN_MULTIPLE}, got {hidden}")
+        want = (shape[0], hidden // fmt.block)
+        if sdtype != fmt.scales or sshape != want:
+            raise TypeError(f"{fn}: {kind} scales {name}[1] must be {fmt.scales} {want}, got {sdtype} {sshape}")
         xs = tuple(x)
     else:
         shape, dtype = shape_dtype(x, fn, name)
         if dtype != jnp.bfloat16:
-            pair = " or an FP8 pair (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128])"
+            pair = f" or a pair of {_formats_text(formats)}"
             raise TypeError(
                 f"{fn}: {name} must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
                 f"(cast with {name}.astype(jnp.bfloat16); every backend takes the same dtypes)"
@@ -152,10 +156,20 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x"):
         if len(shape) != 2:
             raise ValueError(f"{fn}: {name} must be [tokens, hidden], got shape {shape}")
         xs = (x,)
-    num_tokens, hidden = shape
+        hidden = shape[1]
+    num_tokens = shape[0]
     if getattr(buffer, "hidden", None) is not None and hidden != buffer.hidden:
         raise ValueError(f"{fn}: {name} has hidden {hidden} but the buffer was made for hidden {buffer.hidden}")
     return xs, num_tokens, hidden
+
+
+def _formats_text(formats):
+    """'FP8 (float8_e4m3fn [tokens, hidden], float32 [tokens, hidden // 128]), ...'"""
+    return ", ".join(
+        f"{f.name} ({f.data} [tokens, hidden{f' // {f.pack}' if f.pack > 1 else ''}], "
+        f"{f.scales} [tokens, hidden // {f.block}])"
+        for f in formats
+    )
 
 
 def check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, *, weights="required"):

@@ -15,10 +15,8 @@ from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.mesh import same_mesh
 from deep_ep_jax.comm.varying import varying_like
-from deep_ep_jax.config import FP8_BLOCK
 
 INT32_MAX = 2**31 - 1  # the kernels index rows with 32-bit ints
-FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def limit(name: str) -> int:
@@ -117,7 +115,7 @@ def dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_expert
     i32, f32 = jnp.int32, jnp.float32
     shapes = dict(
         recv_x=((num_rows, x.shape[1]), x.dtype),
-        recv_x_scales=((num_rows, scales.shape[1]), f32),
+        recv_x_scales=((num_rows, scales.shape[1]), scales.dtype),
         recv_topk_idx=((num_rows, num_topk), i32),
         recv_topk_weights=((num_rows, num_topk), f32),
         is_token_in_rank=((num_tokens, num_ranks), jnp.bool_),
@@ -180,13 +178,14 @@ def check_num_experts(fn, num_experts, num_ranks):
 
 
 def row_bytes(fn, xs):
-    """(bytes per row of x, bytes per row of its FP8 scales (0 for bf16))."""
+    """(bytes per row of x, of its scales: 0 for bf16 rows). A quantized pair (the public
+    functions checked its format) moves as bytes."""
     x = xs[0]
+    if len(xs) == 2:
+        return tuple(int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize for a in xs)
     hidden = x.shape[1]
-    if jnp.dtype(x.dtype) == FP8_DTYPE:
-        return hidden, hidden // FP8_BLOCK * 4
     if jnp.dtype(x.dtype) != jnp.bfloat16:
-        raise ValueError(f"{fn}: the CUDA kernels move bf16 or FP8 rows, got x of dtype {x.dtype}")
+        raise ValueError(f"{fn}: the CUDA kernels move bf16 rows or quantized pairs, got x of dtype {x.dtype}")
     if hidden % 8:
         raise ValueError(f"{fn}: bf16 hidden must be a multiple of 8 (16-byte rows) for the CUDA kernels, got {hidden}")
     return 2 * hidden, 0
@@ -235,7 +234,7 @@ def cached_dispatch_call(target: FfiTarget, buffer, xs, topk_weights, handle, at
     weights = jnp.zeros((num_tokens, 0), jnp.float32) if topk_weights is None else topk_weights
     out_types = dict(
         recv_x=jax.ShapeDtypeStruct((num_rows, x.shape[1]), x.dtype),
-        recv_x_scales=jax.ShapeDtypeStruct((num_rows, scales.shape[1]), jnp.float32),
+        recv_x_scales=jax.ShapeDtypeStruct((num_rows, scales.shape[1]), scales.dtype),
         recv_topk_weights=jax.ShapeDtypeStruct((num_rows, num_topk), jnp.float32),
         **(scratch_types or {}),
     )

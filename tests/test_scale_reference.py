@@ -337,8 +337,7 @@ class Worker:
             print(f"low_latency fp8={use_fp8}: {', '.join(kinds)} ok", flush=True)
 
 
-if __name__ == "__main__":
-    sys.path[:0] = [ROOT, HERE]
+if __name__ == "__main__":  # run by _run_worker, which puts ROOT and HERE on PYTHONPATH
     import oracle
 
     num_ranks, seed, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]

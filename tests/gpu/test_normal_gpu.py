@@ -625,21 +625,20 @@ def chain_inputs(mesh, seed, kind):
 
 
 # Runs the chain in a process of its own, with the XLA_FLAGS it is given:
-# argv = tests/gpu, output folder, seeds. Saves each output's bits and the
+# argv = output folder, seeds (tests/gpu on PYTHONPATH). Saves each output's bits and the
 # number of deep_ep_jax custom calls in the compiled program.
 CHAIN_WORKER = """
 import sys
-sys.path.insert(0, sys.argv[1])
 import jax, numpy as np
 import deep_ep_jax, test_normal_gpu as t
 
 mesh = t.testing.ep_mesh(len(jax.devices("gpu")), t.AXIS, platform="gpu")
 buffer = deep_ep_jax.Buffer(mesh, t.AXIS, backend="cuda")
-seeds = [int(s) for s in sys.argv[3:]]
+seeds = [int(s) for s in sys.argv[2:]]
 runs = [t.chain_inputs(mesh, seed, kind) for seed, kind in zip(seeds, t.CHAIN_KINDS)]
 compiled = t.chain_runner(buffer, mesh).lower(*runs[0]).compile()  # one compilation, every execution its replay
 for seed, args in zip(seeds, runs):
-    np.save(f"{sys.argv[2]}/out_{seed}.npy", np.asarray(compiled(*args)).view(np.uint16))
+    np.save(f"{sys.argv[1]}/out_{seed}.npy", np.asarray(compiled(*args)).view(np.uint16))
 print("deep_ep_jax custom calls:", compiled.as_text().count('custom_call_target="deep_ep_jax_'))
 buffer.destroy()
 """
@@ -681,7 +680,9 @@ def _run_chain_worker(tmp_path, name, xla_flags, seeds):
     out = tmp_path / name
     dump = out / "dump"
     dump.mkdir(parents=True)
-    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [str(ROOT), str(ROOT / "tests" / "gpu")] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p
+    ]
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join(path),
@@ -691,7 +692,7 @@ def _run_chain_worker(tmp_path, name, xla_flags, seeds):
         f"--xla_dump_hlo_module_re=.*command_buffer_chain.* {xla_flags}",
     )
     result = subprocess.run(
-        [sys.executable, "-c", CHAIN_WORKER, str(ROOT / "tests" / "gpu"), str(out)] + [str(s) for s in seeds],
+        [sys.executable, "-c", CHAIN_WORKER, str(out)] + [str(s) for s in seeds],
         capture_output=True,
         text=True,
         env=env,

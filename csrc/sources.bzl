@@ -59,9 +59,12 @@ HEADER_GLOBS = [
 
 INCLUDE_DIRS = ["csrc"]
 
-# Default GPU architectures (compute capability without the dot); the
-# environment variable DEEP_EP_JAX_CUDA_ARCHS overrides it, e.g. "90;100".
-CUDA_ARCHS = ["90"]
+# Default GPU architectures (compute capability without the dot): Ampere,
+# Hopper, Blackwell (datacenter and consumer), and PTX of the newest for GPUs
+# after them. The kernels need sm_80 at least and nothing newer: one build
+# serves every GPU. DEEP_EP_JAX_CUDA_ARCHS overrides it, e.g. "90" for a
+# faster build on a Hopper host.
+CUDA_ARCHS = ["80", "90", "100", "120+PTX"]
 
 # Flags for .cu files (the -gencode flags are added from CUDA_ARCHS).
 NVCC_FLAGS = [

@@ -140,6 +140,7 @@ _ENV_VARS = dict(
     timeout_s="DEEP_EP_JAX_TIMEOUT_S",
     low_latency_overlap_sms="DEEP_EP_JAX_LL_OVERLAP_SMS",
     gpus_per_host="DEEP_EP_JAX_GPUS_PER_HOST",
+    gpus_per_nvlink_domain="DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN",
 )
 
 
@@ -154,7 +155,8 @@ def _from_env(var: str, value) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
-    except `checks`, `gpus_per_host`, `count_traffic` and `poison_padding`)."""
+    except `checks`, `gpus_per_host`, `gpus_per_nvlink_domain`, `count_traffic` and
+    `poison_padding`)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).
@@ -167,6 +169,13 @@ class Config:
     # many GPUs; ranks on different (real or such) hosts talk through NVSHMEM.
     gpus_per_host: int | None = dataclasses.field(
         default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST")
+    )
+    # A host's ranks of one NVLink domain, in rank order, are cut into domains of
+    # this many: the kernels' peer memory (CUDA IPC) spans one domain on one host,
+    # and ranks of other domains talk through NVSHMEM, as ranks of other hosts
+    # do. None: the host's whole domain (distributed/topology.py).
+    gpus_per_nvlink_domain: int | None = dataclasses.field(
+        default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN")
     )
     # Low-latency send halves (low_latency_*_send): 0 runs them on XLA's stream
     # (command-buffer compatible; compute placed before the receive waits for
@@ -194,8 +203,9 @@ class Config:
 
     def __post_init__(self):
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
-        for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", "gpus_per_host"):
-            value, optional = getattr(self, name), name == "gpus_per_host"
+        optionals = ("gpus_per_host", "gpus_per_nvlink_domain")
+        for name in ("num_sms", "chunk_tokens", "num_warps", "low_latency_overlap_sms", *optionals):
+            value, optional = getattr(self, name), name in optionals
             if not (is_int(value) or optional and value is None):
                 raise TypeError(
                     f"Config.{name} must be an int{' or None' if optional else ''}, "
@@ -218,6 +228,11 @@ class Config:
             ("timeout_s", 0.001 <= self.timeout_s <= 3600, "in [0.001, 3600]"),
             ("low_latency_overlap_sms", self.low_latency_overlap_sms >= 0, ">= 0"),
             ("gpus_per_host", self.gpus_per_host is None or self.gpus_per_host >= 1, ">= 1 or None"),
+            (
+                "gpus_per_nvlink_domain",
+                self.gpus_per_nvlink_domain is None or self.gpus_per_nvlink_domain >= 1,
+                ">= 1 or None",
+            ),
         ):
             if not ok:
                 value = getattr(self, name)

@@ -134,6 +134,7 @@ def main(argv=None):
     import jax
 
     from deep_ep_jax import _native
+    from deep_ep_jax.distributed import topology
 
     _section("versions")
     print(f"python {platform.python_version()} ({sys.executable})")
@@ -179,6 +180,12 @@ def main(argv=None):
                 f"GPU {dev['ordinal']}: {dev['name']}, sm_{dev['compute_capability'].replace('.', '')}, "
                 f"{dev['sm_count']} SMs, {dev['total_memory_bytes'] / 2**30:.1f} GiB, PCI {dev['pci_bus_id']}"
             )
+        if info["devices"]:
+            _section("NVLink domains (NVML fabric info) and peer memory")
+            for line in topology.describe(
+                [d["pci_bus_id"] for d in info["devices"]], [d["ordinal"] for d in info["devices"]]
+            ):
+                print(line)
         if len(info["devices"]) > 1:
             print("peer access (row can access column; P2P performance rank, lower is faster; A: native atomics):")
             n = len(info["devices"])

@@ -22,6 +22,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_CHECKS", "checks", "1", True, False),
     ("DEEP_EP_JAX_LL_OVERLAP_SMS", "low_latency_overlap_sms", "16", 16, 0),
     ("DEEP_EP_JAX_GPUS_PER_HOST", "gpus_per_host", "1", 1, None),
+    ("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN", "gpus_per_nvlink_domain", "4", 4, None),
     ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
     ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
     ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
@@ -90,6 +91,7 @@ def test_checks_spellings(monkeypatch, value, expected):
         ("DEEP_EP_JAX_CHECKS", "ture"),
         ("DEEP_EP_JAX_LL_OVERLAP_SMS", "half"),
         ("DEEP_EP_JAX_GPUS_PER_HOST", "two"),
+        ("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN", "eight"),
     ],
 )
 def test_unparsable_value_names_the_variable(monkeypatch, name, value):

@@ -116,7 +116,9 @@ def test_refuses_hosts_of_unequal_sizes(monkeypatch):
     assert internode.check_nodes([0, 1, 0, 1]) == 2
     assert internode.check_nodes([0]) == 1
     assert internode.check_nodes([b for b in range(16) for _ in range(8)]) == 16
-    with pytest.raises(NotImplementedError, match="hosts of at most 8 GPUs .* got 16 per host"):
+    with pytest.raises(
+        NotImplementedError, match="NVLink domains of at most 8 GPUs .* got 16; set Config.gpus_per_nvlink_domain"
+    ):
         internode.check_nodes([0] * 16 + [1] * 16)
 
 
@@ -152,7 +154,7 @@ def test_internode_trace_checks_region_size():
     buffer = _fake_internode_buffer(num_ranks, num_ranks, need - 1)
     with pytest.raises(ValueError, match=f"needs {need} bytes .* num_nvl_bytes={need - 1}"):
         _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts)
-    with pytest.raises(ValueError, match="bf16 or FP8"):
+    with pytest.raises(ValueError, match="bf16 rows or quantized pairs"):
         _trace_dispatch(buffer, num_tokens, hidden, topk, num_experts, dtype=jnp.float32)
     with pytest.raises(ValueError, match="at most 1024 ranks in all across hosts"):
         _trace_dispatch(_fake_internode_buffer(1032, 129, 1 << 40), num_tokens, hidden, topk, 1032)

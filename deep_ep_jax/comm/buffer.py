@@ -48,12 +48,12 @@ def _ops(backend, spans_hosts) -> Ops:
 
 def _reference_hosts(mesh, axis_name, config, low_latency_mode) -> tuple:
     """The host of each rank for the xla backend, decided as the CUDA backend
-    decides it (hostnames, cut by Config.gpus_per_host). Its one program
+    decides it (hostnames, cut by Config.gpus_per_host and gpus_per_nvlink_domain). Its one program
     serves every EP group of the mesh, so all must be cut alike; and, as on
     the CUDA backend, normal mode across hosts needs hosts of equal size."""
     from deep_ep_jax.distributed import multiprocess
 
-    nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config.gpus_per_host, config.timeout_s)
+    nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config)
     if any(n != nodes[0] for n in nodes):
         raise NotImplementedError(
             f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "

@@ -78,18 +78,27 @@ def hostnames(timeout_s: float) -> dict:
     return _hostnames
 
 
-def group_nodes(hosts, gpus_per_host=None) -> list[int]:
-    """Node (host) index of each rank of an EP group, from its ranks' hostnames
-    in rank order. With gpus_per_host, each host's ranks (in rank order) are
-    cut into nodes of that many, as if on different hosts: that is how one
-    machine emulates several (Config.gpus_per_host)."""
+def group_nodes(hosts, gpus_per_host=None, domains=None, gpus_per_domain=None) -> list[int]:
+    """Node index of each rank of an EP group (a node: ranks that map each other's memory and talk
+    over NVLink), from its ranks' hostnames in rank order: the ranks of one host and one NVLink
+    domain (domains: each rank's topology.Domain, or None, the host's own; default all None). With
+    gpus_per_host each host's ranks (in rank order) are cut into hosts of that many, and with
+    gpus_per_domain each domain's ranks on a host into domains of that many, as if apart: how one
+    machine emulates several (Config.gpus_per_host, Config.gpus_per_nvlink_domain). Node indices
+    follow the ranks' first appearance."""
+    domains = [None] * len(hosts) if domains is None else list(domains)
+    if len(domains) != len(hosts):
+        raise ValueError(f"{len(hosts)} hosts but {len(domains)} domains")
     nodes: list[int] = []
-    index: dict[tuple[str, int], int] = {}  # (host, cut) -> node
-    seen: dict[str, int] = {}  # host -> its ranks so far
-    for host in hosts:
+    index: dict[tuple, int] = {}  # (host, host cut, domain, domain cut) -> node
+    seen: dict[tuple, int] = {}  # host, or (host, its cut, domain) -> its ranks so far
+    for host, domain in zip(hosts, domains):
         i = seen.get(host, 0)
         seen[host] = i + 1
-        key = (host, i // gpus_per_host if gpus_per_host else 0)
+        host_key = (host, i // gpus_per_host if gpus_per_host else 0)
+        j = seen.get((host_key, domain), 0)
+        seen[(host_key, domain)] = j + 1
+        key = (*host_key, domain, j // gpus_per_domain if gpus_per_domain else 0)
         nodes.append(index.setdefault(key, len(index)))
     return nodes
 
@@ -116,15 +125,22 @@ def device_grid(mesh, axis_name):
     return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.shape[axis_name])
 
 
-def mesh_group_nodes(mesh, axis_name, gpus_per_host, timeout_s, spans=None) -> list[list[int]]:
-    """Node (host) index of each rank of each EP group of `mesh`: from the
-    processes' hostnames (traded when the mesh spans processes; `spans`
-    None: decided here), cut further by gpus_per_host."""
+def mesh_group_nodes(mesh, axis_name, config, spans=None) -> list[list[int]]:
+    """Node index of each rank of each EP group of `mesh` (group_nodes): from the processes'
+    hostnames (traded when the mesh spans processes; `spans` None: decided here), cut further by
+    config.gpus_per_host and config.gpus_per_nvlink_domain."""
     rows = device_grid(mesh, axis_name)
     if spans is None:
         spans = spans_processes(rows.flat)
-    hosts = hostnames(timeout_s) if spans else {jax.process_index(): "localhost"}
-    return [group_nodes([hosts[d.process_index] for d in row], gpus_per_host) for row in rows]
+    hosts = hostnames(config.timeout_s) if spans else {jax.process_index(): "localhost"}
+    return [
+        group_nodes(
+            [hosts[d.process_index] for d in row],
+            config.gpus_per_host,
+            gpus_per_domain=config.gpus_per_nvlink_domain,
+        )
+        for row in rows
+    ]
 
 
 def handle_key(name: str, group: int, rank: int) -> str:

@@ -39,9 +39,9 @@ def check_nodes(nodes) -> int:
     max_per_host = common.limit("max_nvlink_ranks")
     if sizes[0] > max_per_host:
         raise NotImplementedError(
-            f"Buffer(backend='cuda'): internode normal mode serves hosts of at most {max_per_host} GPUs of the EP "
-            f"group (one NVLink domain), got {sizes[0]} per host; set Config.gpus_per_host / "
-            f"DEEP_EP_JAX_GPUS_PER_HOST to {max_per_host} or fewer"
+            f"Buffer(backend='cuda'): internode normal mode serves NVLink domains of at most {max_per_host} GPUs "
+            f"of the EP group on a host, got {sizes[0]}; set Config.gpus_per_nvlink_domain / "
+            f"DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN to {max_per_host} or fewer (the rest talk through NVSHMEM)"
         )
     return num_nodes
 

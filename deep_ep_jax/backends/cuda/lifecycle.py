@@ -197,12 +197,10 @@ def groups(buffer):
 
 
 def group_nodes(buffer, spans_processes):
-    """Node (host) index of each rank of each EP group: from the processes'
-    hostnames (traded when the mesh spans processes), cut further by
-    Config.gpus_per_host."""
-    return multiprocess.mesh_group_nodes(
-        buffer.mesh, buffer.axis_name, buffer.config.gpus_per_host, buffer.config.timeout_s, spans_processes
-    )
+    """Node index of each rank of each EP group (multiprocess.group_nodes): from the processes'
+    hostnames (traded when the mesh spans processes), cut further by Config.gpus_per_host and
+    Config.gpus_per_nvlink_domain."""
+    return multiprocess.mesh_group_nodes(buffer.mesh, buffer.axis_name, buffer.config, spans_processes)
 
 
 def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:

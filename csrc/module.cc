@@ -68,6 +68,7 @@ std::map<std::string, int64_t> Limits() {
       {"control_bytes", int64_t(kControlBytes)},
       {"max_local_experts", intranode::kMaxLocalExperts},
       {"fp8_block", low_latency::kFp8Block},
+      {"mxfp8_block", low_latency::kMxfp8Block},
       {"low_latency_max_topk", low_latency::kMaxTopk},
       {"low_latency_max_experts", low_latency::kMaxExperts},
       {"low_latency_max_shared_bytes", int64_t(low_latency::kMaxSharedBytes)},

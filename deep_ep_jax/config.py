@@ -47,6 +47,8 @@ import numpy as np
 # (the API's contract; the CUDA extension's own value is checked equal when its
 # FFI targets are registered).
 FP8_BLOCK = 128
+# Channels per MXFP8 scale (float8_e8m0fnu), low-latency dispatch's mxfp8 rows (the extension's too).
+MXFP8_BLOCK = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +67,7 @@ class RowFormat:
 # are data: a format with a fixed number of bytes per row is one more line here.
 ROW_FORMATS = (
     RowFormat("FP8", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.float32), FP8_BLOCK),  # DeepEP's
-    RowFormat("MXFP8", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu), 32),
+    RowFormat("MXFP8", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu), MXFP8_BLOCK),
     RowFormat("NVFP4", np.dtype(ml_dtypes.float4_e2m1fn), np.dtype(ml_dtypes.float8_e4m3fn), 16),
     RowFormat("NVFP4 packed", np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn), 16, pack=2),  # 2 per byte
 )

@@ -247,6 +247,7 @@ def expert_reduce(y, w, pair_row):
 # Number formats, written from their definitions (no ml_dtypes, no jax).
 
 FP8_BLOCK = 128  # channels per scale
+MXFP8_BLOCK = 32  # channels per MXFP8 scale (float8_e8m0fnu)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -305,10 +306,12 @@ def fp8_values(x, scales, inverse_ulps=0, block=FP8_BLOCK):
     return e4m3_round(scaled).reshape(x.shape)
 
 
-def quantize_fp8(x, round_scale=False):
-    """x [..., H] (bf16 values) -> (FP8 values as float32 [..., H], float32 scales [..., H / 128])."""
-    scales = fp8_scales(x, round_scale)
-    return fp8_values(x, scales), scales
+def quantize_fp8(x, round_scale=False, mxfp8=False):
+    """x [..., H] (bf16 values) -> (FP8 values as float32 [..., H], float32 scales [..., H / 128]); with
+    mxfp8, scales per 32 channels rounded up to powers of two (float32 values of the e8m0 ones)."""
+    block = MXFP8_BLOCK if mxfp8 else FP8_BLOCK
+    scales = fp8_scales(x, round_scale or mxfp8, block)
+    return fp8_values(x, scales, block=block), scales
 
 
 def expert_expand_quantized_t(x, row_pair, topk, row_multipliers, col_inverse):

@@ -167,3 +167,25 @@ def test_overlap_places_compute_between_the_halves():
         1
     )
     assert recv.startswith(second[0] + "#")
+
+
+@extension
+@pytest.mark.parametrize("split", [False, True])
+def test_mxfp8_lowers_with_its_attribute(split):
+    """mxfp8=True reaches the send's custom call as an attribute, and the receive's float32 scale
+    words come back as float8_e8m0fnu [E/R, R*M, H // 32] (the kernels write e8m0 bytes there)."""
+    buffer = _buffer(0)
+    kwargs = dict(num_experts=NUM_EXPERTS, num_max_dispatch_tokens_per_rank=M, use_fp8=True, round_scale=False)
+
+    def dispatch(x, idx):
+        if split:
+            pending = cll.low_latency_dispatch_send(x, idx, buffer=buffer, mxfp8=True, **kwargs)
+            return cll.low_latency_dispatch_recv(pending, buffer=buffer)[0]
+        return cll.low_latency_dispatch(x, idx, buffer=buffer, mxfp8=True, **kwargs)[0]
+
+    lowered = jax.jit(dispatch).lower(*_ARGS[:2])
+    data, scales = lowered.out_info
+    assert scales.dtype == jnp.float8_e8m0fnu and scales.shape == (NUM_EXPERTS // NUM_RANKS, NUM_RANKS * M, H // 32)
+    assert data.dtype == jnp.float8_e4m3fn
+    sends = [c for c in _custom_calls(lowered.as_text()) if "dispatch_send" in c[0] or c[0].endswith("dispatch")]
+    assert sends and all("mxfp8 = true" in c[2] for c in sends), sends

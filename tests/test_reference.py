@@ -299,7 +299,7 @@ def test_two_dimensional_mesh():
 
 
 @functools.cache
-def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
+def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale, mxfp8=False):
     """The jitted per-rank low-latency dispatch and combine for the test below, built once per
     configuration: the routing kinds (arguments of the step) share its compile."""
     mesh = dt.ep_mesh(num_ranks, platform="cpu")
@@ -314,6 +314,7 @@ def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
             num_experts=num_experts,
             use_fp8=use_fp8,
             round_scale=round_scale,
+            mxfp8=mxfp8,
         )
         out = dej.low_latency_combine(y, idx, w, handle, buffer=buffer)
         return recv_x, count, handle, out
@@ -321,11 +322,14 @@ def _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale):
     return dt.per_rank(step, mesh, "ep")
 
 
-@pytest.mark.parametrize("use_fp8,round_scale", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    "use_fp8,round_scale,mxfp8", [(False, False, False), (True, False, False), (True, True, False), (True, False, True)]
+)
 @pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one", "out_of_range"])
-def test_low_latency_contract(use_fp8, round_scale, kind, rng):
+def test_low_latency_contract(use_fp8, round_scale, mxfp8, kind, rng):
     """Dispatch and combine against tests/oracle.py, bit for bit: rows (FP8
-    values and scales as the oracle quantises them), handles, combine sums."""
+    values and scales as the oracle quantises them; MXFP8: float8_e8m0fnu
+    scales per 32 channels), handles, combine sums."""
     num_ranks, max_tokens, num_tokens, num_experts, topk = 4, 8, 6, 16, 3
     seed = int(rng.integers(1 << 30))
     idx, w = dt.make_routing(seed, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
@@ -333,14 +337,16 @@ def test_low_latency_contract(use_fp8, round_scale, kind, rng):
     epr = num_experts // num_ranks
     y = dt.random_rows(seed + 2, (num_ranks * epr, num_ranks * max_tokens, H))
 
-    run = _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale)
+    run = _low_latency_step(num_ranks, max_tokens, num_experts, use_fp8, round_scale, mxfp8)
     # As numpy: the checks slice per rank and expert (a jax array would compile a gather per slice).
     recv_x, count, handle, out = jax.tree.map(np.asarray, run(x, jnp.asarray(idx), jnp.asarray(w), y))
     xs, idxs, ws = _shards(x, num_ranks), _shards(idx, num_ranks), _shards(w, num_ranks)
     expected = oracle.low_latency_dispatch(xs, idxs, num_experts, max_tokens)
     if use_fp8:
-        data, scales = (np.asarray(a, np.float32) for a in recv_x)
-        want_data, want_scales = oracle.quantize_fp8(xs, round_scale)
+        assert recv_x[1].dtype == (jnp.float8_e8m0fnu if mxfp8 else jnp.float32)
+        assert recv_x[1].shape[-1] == H // (32 if mxfp8 else 128)
+        data, scales = (np.asarray(a, np.float32) for a in recv_x)  # e8m0 scales: powers of two, exact
+        want_data, want_scales = oracle.quantize_fp8(xs, round_scale, mxfp8)
     for r in range(num_ranks):
         for e in range(epr):
             slots = expected[r][e]
@@ -393,13 +399,19 @@ def _wide_range_rows(rng, shape):
     return jnp.asarray(x, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("round_scale", [False, True])
-def test_quantize_fp8_matches_oracle(round_scale, rng):
+@pytest.mark.parametrize("round_scale,mxfp8", [(False, False), (True, False), (False, True)])
+def test_quantize_fp8_matches_oracle(round_scale, mxfp8, rng):
     """The reference backend's quantiser, jitted on CPU, equals the oracle's
-    bit for bit (values and scales), over a wide range of magnitudes."""
+    bit for bit (values and scales; MXFP8's as float8_e8m0fnu), over a wide
+    range of magnitudes."""
     x = _wide_range_rows(rng, (64, 1024))
-    data, scales = jax.jit(reference.quantize_fp8, static_argnums=1)(x, round_scale)
-    want_data, want_scales = oracle.quantize_fp8(np.asarray(x, np.float32), round_scale)
+    data, scales = jax.jit(reference.quantize_fp8, static_argnums=(1, 2))(x, round_scale, mxfp8)
+    want_data, want_scales = oracle.quantize_fp8(np.asarray(x, np.float32), round_scale, mxfp8)
+    if mxfp8:
+        assert scales.dtype == jnp.float8_e8m0fnu and scales.shape == (64, 1024 // 32)
+        _assert_bits_equal(np.asarray(scales), want_scales.astype(jnp.float8_e8m0fnu), "e8m0 scales")
+        scales = scales.astype(jnp.float32)
+    round_scale = round_scale or mxfp8
     _assert_bits_equal(np.asarray(scales), want_scales, "scales")
     _assert_bits_equal(np.asarray(data.astype(jnp.float32)), want_data, "FP8 values")
     assert (want_data == 0).mean() < 0.5 and (np.abs(want_data) == 448).any()  # the data really spans FP8

@@ -471,6 +471,16 @@ def test_low_latency_bad_arguments(mesh):
         _trace(mesh, flag("use_fp8", "false"), x[: R * M], idx[: R * M])
     with pytest.raises(TypeError, match="^low_latency_dispatch: round_scale must be a bool, got int 1"):
         _trace(mesh, flag("round_scale", 1), x[: R * M], idx[: R * M])
+    with pytest.raises(TypeError, match="^low_latency_dispatch: mxfp8 must be a bool, got str 'yes'"):
+        _trace(mesh, flag("mxfp8", "yes"), x[: R * M], idx[: R * M])
+
+    def bf16_mxfp8(x, idx):
+        return dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, use_fp8=False, mxfp8=True
+        )
+
+    with pytest.raises(ValueError, match="^low_latency_dispatch: mxfp8=True quantizes to FP8: it needs use_fp8=True"):
+        _trace(mesh, bf16_mxfp8, x[: R * M], idx[: R * M])
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be a positive int, got True"):
         _trace(mesh, call(ll, True), x[: R * M], idx[: R * M])
 

@@ -49,6 +49,8 @@ constexpr size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 // Channels per FP8 scale: FP8 rows travel with float32 scales [T, H / kFp8Block]
 // (the public contract; the Python API checks its own constant against it).
 constexpr int kFp8Block = 128;
+// Channels per MXFP8 scale (float8_e8m0fnu): low-latency dispatch's mxfp8 rows.
+constexpr int kMxfp8Block = 32;
 
 // Normal mode (intranode and internode kernels).
 // Upper bound of Config.num_sms: the done flags keep one slot per (rank, block).

@@ -104,7 +104,7 @@ ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_t
 
 ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuffer& x,
                                const ffi::Buffer<ffi::S32>& topk_idx, int64_t buffer_id, int64_t num_experts,
-                               int64_t max_tokens, bool use_fp8, bool round_scale, int64_t timeout_ns,
+                               int64_t max_tokens, bool use_fp8, bool round_scale, bool mxfp8, int64_t timeout_ns,
                                low_latency::DispatchSendArgs* args) {
   DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
   const Dims x_dims = x.dimensions(), idx_dims = topk_idx.dimensions();
@@ -127,8 +127,10 @@ ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuf
   args->hidden = int(hidden);
   args->num_experts = int(num_experts);
   args->max_tokens = int(max_tokens);
+  if (mxfp8 && !use_fp8) return Invalid(fn, "mxfp8 needs use_fp8");
   args->fp8 = use_fp8;
   args->round_scale = round_scale;
+  args->mxfp8 = mxfp8;
   return ffi::Error::Success();
 }
 
@@ -292,13 +294,13 @@ static ffi::Error LowLatencyDispatchSend(cudaStream_t stream, int32_t device, ff
                                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                                          ffi::ResultBuffer<ffi::S32> token, ffi::ResultBuffer<ffi::S32> order_out,
                                          int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
-                                         bool round_scale, int64_t timeout_ns, int64_t max_blocks) {
+                                         bool round_scale, bool mxfp8, int64_t timeout_ns, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
   CallOrder call{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                                  round_scale, timeout_ns, &args));
+                                                  round_scale, mxfp8, timeout_ns, &args));
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
@@ -316,6 +318,7 @@ static auto DispatchSendBinding() {
       .Attr<int64_t>("max_tokens")  // M: num_max_dispatch_tokens_per_rank
       .Attr<bool>("use_fp8")
       .Attr<bool>("round_scale")
+      .Attr<bool>("mxfp8")  // with use_fp8: scales per 32 channels, float8_e8m0fnu bytes
       .Attr<int64_t>("timeout_ns")
       .Attr<int64_t>("max_blocks");
 }
@@ -374,14 +377,14 @@ static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::B
                                      ffi::ResultBuffer<ffi::S32> recv_src_token,
                                      ffi::ResultBuffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> order_out,
                                      int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
-                                     bool round_scale, int64_t timeout_ns) {
+                                     bool round_scale, bool mxfp8, int64_t timeout_ns) {
   constexpr const char* fn = "low_latency_dispatch";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                                  round_scale, timeout_ns, &send));
+                                                  round_scale, mxfp8, timeout_ns, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
                                                   recv_src_token, recv_src_topk, buffer_id, send.num_topk, timeout_ns,
                                                   &recv));
@@ -409,6 +412,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatch,
                                   .Attr<int64_t>("max_tokens")
                                   .Attr<bool>("use_fp8")
                                   .Attr<bool>("round_scale")
+                                  .Attr<bool>("mxfp8")
                                   .Attr<int64_t>("timeout_ns"),
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -296,10 +296,12 @@ __device__ __forceinline__ uint32_t Fp8x2(float a, float b, float inv_scale) {
   return __nv_cvt_float2_to_fp8x2(v, __NV_SATFINITE, __NV_E4M3);
 }
 
-// Quantises bf16 row [H] into staging: FP8 [H] then float scales [H / 128].
-// Thread i takes 8 channels; 16 consecutive threads share one scale.
-__device__ void QuantizeRow(const uint4* row, int hidden, bool round_scale, char* staging) {
+// Quantises bf16 row [H] into staging: FP8 [H] then its scales, float32 [H / 128], or with mxfp8
+// float8_e8m0fnu [H / 32] (powers of two, rounded up): the same bytes per row either way.
+// Thread i takes 8 channels; 16 consecutive threads (4 with mxfp8) share one scale.
+__device__ void QuantizeRow(const uint4* row, int hidden, bool round_scale, bool mxfp8, char* staging) {
   const int units = hidden / 8;
+  const int lanes = mxfp8 ? kMxfp8Block / 8 : kFp8Block / 8;  // threads per scale, uniform
   float* scales = reinterpret_cast<float*>(staging + hidden);
   for (int base = 0; base < units; base += blockDim.x) {  // uniform: whole warps shuffle
     const int u = base + threadIdx.x;
@@ -310,17 +312,22 @@ __device__ void QuantizeRow(const uint4* row, int hidden, bool round_scale, char
     float amax = 0.0f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-    for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = lanes / 2; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     float scale = __fmul_rn(fmaxf(amax, 1e-4f), kInvFp8Max);
-    if (round_scale) scale = CeilPow2(scale);
+    if (round_scale || mxfp8) scale = CeilPow2(scale);
     const float inv_scale = DivFull(1.0f, scale);
     if (active) {
       uint2 q;
       q.x = Fp8x2(v[0], v[1], inv_scale) | (Fp8x2(v[2], v[3], inv_scale) << 16);
       q.y = Fp8x2(v[4], v[5], inv_scale) | (Fp8x2(v[6], v[7], inv_scale) << 16);
       reinterpret_cast<uint2*>(staging)[u] = q;
-      if ((u & 15) == 0) scales[u / 16] = scale;
+      if (u % lanes == 0) {
+        if (mxfp8) {
+          reinterpret_cast<uint8_t*>(scales)[u / lanes] = uint8_t(__float_as_uint(scale) >> 23);  // its exponent
+        } else {
+          scales[u / lanes] = scale;
+        }
+      }
     }
   }
 }
@@ -419,7 +426,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   // The first token's quantisation and destinations need no buffer: they hide the wait below.
   if (first_token < a.num_tokens) {
     if (kFp8)
-      QuantizeRow(token_row(first_token), hidden, a.round_scale, staging);
+      QuantizeRow(token_row(first_token), hidden, a.round_scale, a.mxfp8, staging);
     else
       PrefetchRow(token_row(first_token), hidden / 8);
     if (warp == kListWarp) list_destinations(first_token);
@@ -441,7 +448,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   for (int t = first_token; t < a.num_tokens; t += gridDim.x) {
     const uint4* row = token_row(t);
     if (t != first_token) {
-      if (kFp8) QuantizeRow(row, hidden, a.round_scale, staging);
+      if (kFp8) QuantizeRow(row, hidden, a.round_scale, a.mxfp8, staging);
       if (warp == kListWarp) list_destinations(t);
     }
     __syncthreads();

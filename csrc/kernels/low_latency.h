@@ -34,6 +34,7 @@ namespace low_latency {
 // well so that low_latency::kFp8Block and the like name them too.
 using deep_ep_jax::AlignUp;
 using deep_ep_jax::kFp8Block;
+using deep_ep_jax::kMxfp8Block;
 
 // Bytes of one dispatched row in a half: FP8 data then its float scales, or bf16.
 inline size_t DispatchRowBytes(int64_t hidden, bool fp8) {
@@ -123,6 +124,7 @@ struct DispatchSendArgs {
   int* token;           // [1] out: this operation's sequence number (null in a whole dispatch)
   int num_tokens, num_topk, hidden, num_experts, max_tokens;
   bool fp8, round_scale;
+  bool mxfp8;       // FP8 with per-32-channel float8_e8m0fnu scales (QuantizeRow)
   int max_blocks;   // split send: at most this many blocks (SMs), 0 for every SM
   CallOrder order;  // null in an overlapped send (common/call_order.h)
 };

@@ -26,10 +26,11 @@ The operations (a backend module defines each under its name):
       -> (out bf16 [T, H], out_weights f32 [T, K] | None)
   low_latency_dispatch_send(x bf16 [T, H], topk_idx, *, num_experts,
                             num_max_dispatch_tokens_per_rank, use_fp8,
-                            round_scale, buffer) -> pending (a pytree)
+                            round_scale, buffer, mxfp8=False) -> pending (a pytree)
   low_latency_dispatch_recv(pending, *, buffer)
-      -> (recv_xs ([E/R, R*M, H] bf16, or FP8 pair with scales
-          [E/R, R*M, H // 128]), recv_count i32 [E/R], handle: LowLatencyHandle)
+      -> (recv_xs ([E/R, R*M, H] bf16, or FP8 pair with scales float32
+          [E/R, R*M, H // 128], or with mxfp8 float8_e8m0fnu [E/R, R*M, H // 32]),
+          recv_count i32 [E/R], handle: LowLatencyHandle)
   low_latency_combine_send(x bf16 [E/R, R*M, H], topk_idx, topk_weights,
                            handle, *, buffer) -> pending
   low_latency_combine_recv(pending, *, buffer) -> out bf16 [T, H]

@@ -25,7 +25,7 @@ from jax import lax
 
 from deep_ep_jax.comm.handle import DispatchHandle, LowLatencyHandle
 from deep_ep_jax.comm.mesh import same_mesh
-from deep_ep_jax.config import FP8_BLOCK, TRAFFIC_FIELDS
+from deep_ep_jax.config import FP8_BLOCK, MXFP8_BLOCK, TRAFFIC_FIELDS
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -347,21 +347,26 @@ def _count_combine(buffer, handle, row_bytes):
 # Low-latency mode
 
 
-def quantize_fp8(x, round_scale=False):
-    """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128])."""
-    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // FP8_BLOCK, FP8_BLOCK))
+def quantize_fp8(x, round_scale=False, mxfp8=False):
+    """bf16 [..., H] -> (float8_e4m3fn [..., H], float32 scales [..., H // 128]); with mxfp8,
+    scales per 32 channels as float8_e8m0fnu [..., H // 32] (rounded up to powers of two)."""
+    block = MXFP8_BLOCK if mxfp8 else FP8_BLOCK
+    round_scale = round_scale or mxfp8
+    blocks = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     amax = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), 1e-4)
     scale = amax * np.float32(1.0 / FP8_MAX)  # what XLA makes of amax / 448 anyway
     if round_scale:  # the power of two at or above scale, exactly (exp2(ceil(log2)) is not)
         mantissa, exponent = jnp.frexp(scale)
         scale = jnp.ldexp(jnp.float32(1.0), jnp.where(mantissa == 0.5, exponent - 1, exponent))
     q = jnp.clip(blocks * (1.0 / scale)[..., None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-    return q.reshape(x.shape), scale
+    return q.reshape(x.shape), scale.astype(jnp.float8_e8m0fnu) if mxfp8 else scale
 
 
 def dequantize_fp8(q, scales):
-    blocks = q.astype(jnp.float32).reshape(q.shape[:-1] + (q.shape[-1] // FP8_BLOCK, FP8_BLOCK))
-    return (blocks * scales[..., None]).reshape(q.shape)
+    """quantize_fp8's inverse, up to its rounding (FP8 or MXFP8 scales, told by their count)."""
+    block = q.shape[-1] // scales.shape[-1]
+    blocks = q.astype(jnp.float32).reshape(q.shape[:-1] + (q.shape[-1] // block, block))
+    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(q.shape)
 
 
 @jax.tree_util.register_dataclass
@@ -383,7 +388,7 @@ class _CombinePending:
 
 
 def low_latency_dispatch_send(
-    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
+    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer, mxfp8=False
 ):
     num_ranks, max_tokens = buffer.num_ranks, num_max_dispatch_tokens_per_rank
     num_tokens = x.shape[0]
@@ -391,7 +396,7 @@ def low_latency_dispatch_send(
     pad = max_tokens - num_tokens
     x = jnp.pad(x, ((0, pad), (0, 0)))
     topk_idx = jnp.pad(topk_idx, ((0, pad), (0, 0)), constant_values=-1)
-    xs = quantize_fp8(x, round_scale) if use_fp8 else (x,)
+    xs = quantize_fp8(x, round_scale, mxfp8) if use_fp8 else (x,)
     # One slot per (destination rank, token): the token's row once, with its
     # local expert ids on that rank (-1 for experts elsewhere).
     local = topk_idx[None] - (jnp.arange(num_ranks, dtype=jnp.int32) * experts_per_rank)[:, None, None]

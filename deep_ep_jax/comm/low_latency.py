@@ -81,13 +81,15 @@ def _receive(pending, buffer, fn):
     return pending
 
 
-def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, round_scale, fn):
+def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, round_scale, mxfp8, fn):
     """Validates a dispatch; returns the backend's arguments (topk_idx sanitised)."""
     _check_mode(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     _, num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
     v.check_topk(topk_idx, None, num_tokens, num_experts, fn, weights="none")
     use_fp8, round_scale = v.check_bool(fn, "use_fp8", use_fp8), v.check_bool(fn, "round_scale", round_scale)
+    if v.check_bool(fn, "mxfp8", mxfp8) and not use_fp8:
+        raise ValueError(f"{fn}: mxfp8=True quantizes to FP8: it needs use_fp8=True")
     if not is_int(max_tokens) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
     if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:
@@ -118,6 +120,7 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
         num_max_dispatch_tokens_per_rank=int(max_tokens),
         use_fp8=use_fp8,
         round_scale=round_scale,
+        mxfp8=bool(mxfp8),
         buffer=buffer,
     )
 
@@ -142,12 +145,13 @@ def low_latency_dispatch_send(
     num_experts: int,
     use_fp8: bool = True,
     round_scale: bool = False,
+    mxfp8: bool = False,
 ) -> Pending:
     """Send half of `low_latency_dispatch`; returns a pending value for
     `low_latency_dispatch_recv`."""
     fn = "low_latency_dispatch_send"
     args, kwargs = _dispatch_arguments(
-        x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, fn
+        x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, mxfp8, fn
     )
     return _Pending(buffer.ops.low_latency_dispatch_send(*args, **kwargs), fn, buffer.key, topk_idx=args[1])
 
@@ -167,20 +171,31 @@ def low_latency_dispatch(
     num_experts: int,
     use_fp8: bool = True,
     round_scale: bool = False,
+    mxfp8: bool = False,
 ) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Per rank: x bf16 [T, H] (T <= M), topk_idx int32 [T, K].
 
     Returns (recv_x, recv_count, handle): recv_x bf16 [E/R, R*M, H], or with
     use_fp8 an FP8 pair (float8_e4m3fn [E/R, R*M, H], float32 scales
-    [E/R, R*M, H // 128]); the first recv_count[e] rows of local expert e are
-    valid, ordered by source rank then source token. A local expert can
+    [E/R, R*M, H // 128]; round_scale: each scale rounded up to a power of
+    two), or with mxfp8 too an MXFP8 pair (float8_e4m3fn [E/R, R*M, H],
+    float8_e8m0fnu scales [E/R, R*M, H // 32], powers of two rounded up); the
+    first recv_count[e] rows of local expert e are valid, ordered by source rank then source token. A local expert can
     receive at most R*M rows; more (only possible when a token lists the same
     expert twice) are dropped, and combining such a dispatch is undefined
     (`Config(checks=True)` raises a CheckError on that).
     The same as `low_latency_dispatch_send` then `_recv`, in one kernel.
     """
     args, kwargs = _dispatch_arguments(
-        x, topk_idx, buffer, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, "low_latency_dispatch"
+        x,
+        topk_idx,
+        buffer,
+        num_max_dispatch_tokens_per_rank,
+        num_experts,
+        use_fp8,
+        round_scale,
+        mxfp8,
+        "low_latency_dispatch",
     )
     return _dispatch_results(args[1], *buffer.ops.low_latency_dispatch(*args, **kwargs))
 

@@ -91,13 +91,14 @@ def _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, use_fp8):
     testing.poison_allocator(mesh, AXIS, shapes)
 
 
-def _dispatch(buffer, x, idx, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False):
+def _dispatch(buffer, x, idx, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, mxfp8=False):
     kwargs = dict(
         buffer=buffer,
         num_max_dispatch_tokens_per_rank=max_tokens,
         num_experts=num_experts,
         use_fp8=use_fp8,
         round_scale=round_scale,
+        mxfp8=mxfp8,
     )
     if split:
         pending = deep_ep_jax.low_latency_dispatch_send(x, idx, **kwargs)
@@ -163,7 +164,7 @@ def _expert_outputs(xs, num_local, seed):
     return (_dequantize_f32(xs) * scale + _hash_noise(xs[0].shape, seed, rank)).astype(jnp.bfloat16)
 
 
-def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, seed=0):
+def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=False, split=False, seed=0, mxfp8=False):
     xs, count, handle = _dispatch(
         buffer,
         x,
@@ -173,6 +174,7 @@ def _step(buffer, x, idx, w, *, num_experts, max_tokens, use_fp8, round_scale=Fa
         use_fp8=use_fp8,
         round_scale=round_scale,
         split=split,
+        mxfp8=mxfp8,
     )
     y = _expert_outputs(xs, num_experts // buffer.num_ranks, seed)
     out = _combine(buffer, y, idx, w, handle, split=split)
@@ -341,6 +343,27 @@ def test_matches_reference(mesh, buffers, kind, use_fp8):
             assert (gcount[-1] == 0).all()
         if kind == "one_expert":
             assert gcount[0, 0] == num_ranks * num_tokens
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("kind", ["random", "one_expert", "rank_empty", "minus_one"])
+def test_mxfp8_matches_reference(mesh, buffers, kind, split):
+    """mxfp8=True (FP8 with float8_e8m0fnu scales per 32 channels, powers of two): the kernels'
+    rows and scales equal the reference's bit for bit (the reference equals the oracle:
+    tests/test_reference.py), whole and split, the combine of their dequantised rows too."""
+    num_ranks = mesh.shape[AXIS]
+    if kind == "rank_empty" and num_ranks < 2:
+        pytest.skip("rank_empty routing needs two ranks")
+    for seed, (num_tokens, max_tokens, hidden, num_experts, topk) in enumerate(list(_cases(num_ranks))[:2]):
+        x, idx, w = _inputs(seed, mesh, num_tokens, hidden, num_experts, topk, kind)
+        _poison_outputs(mesh, num_experts, max_tokens, hidden, num_tokens, True)
+        kwargs = dict(num_experts=num_experts, max_tokens=max_tokens, use_fp8=True, mxfp8=True, split=split)
+        (gxs, gcount, gh, gout, gy), (wxs, wcount, wh, wout, wy) = _run_both(
+            mesh, buffers, _step, x, idx, w, seed=seed, **kwargs
+        )
+        assert gxs[1].dtype == jnp.float8_e8m0fnu and gxs[1].shape[-1] == hidden // 32
+        _assert_dispatch_equal((gxs, gcount, gh), (wxs, wcount, wh))
+        _assert_combine_equal(gout, wout, explain=((gy, gh), (wy, wh), (idx, w, num_experts)))
 
 
 @pytest.mark.parametrize("round_scale", [False, True])

@@ -27,6 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from deep_ep_jax import _native
 from deep_ep_jax.backends.cuda import sizes
@@ -72,6 +73,7 @@ class DispatchPending:
     hidden: int = dataclasses.field(metadata=dict(static=True))
     num_topk: int = dataclasses.field(metadata=dict(static=True))
     use_fp8: bool = dataclasses.field(metadata=dict(static=True))
+    mxfp8: bool = dataclasses.field(metadata=dict(static=True))
     num_tokens: int = dataclasses.field(metadata=dict(static=True))  # T of the dispatch (<= max_tokens)
     # An overlapped send's inputs: the receive takes them so that XLA keeps
     # them while the send, beside XLA's stream, may still read them.
@@ -187,9 +189,10 @@ _TOKEN_TYPE = dict(token=jax.ShapeDtypeStruct((1,), jnp.int32))
 # Operations ----------------------------------------------------------------
 
 
-def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, buffer, fn):
-    """Checks a dispatch's send half; returns (its pending value less the
-    token, the custom call's attributes)."""
+def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, fp8, buffer, fn):
+    """Checks a dispatch's send half (fp8: use_fp8, round_scale, mxfp8); returns (its pending
+    value less the token, the custom call's attributes)."""
+    use_fp8, round_scale, mxfp8 = fp8
     max_tokens = int(max_tokens)
     num_tokens, hidden, num_topk = _check_dispatch(x, topk_idx, num_experts, max_tokens, buffer, fn)
     ext = _native.extension()
@@ -207,13 +210,14 @@ def _dispatch_attrs(x, topk_idx, num_experts, max_tokens, use_fp8, round_scale, 
     _check_region(buffer, needed, fn, f"M={max_tokens}, top-k={num_topk}, hidden={hidden}")
     _check_send_area(buffer, max_tokens, num_topk, hidden, fn)
     pending = DispatchPending(
-        None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8), int(num_tokens)
+        None, int(num_experts), max_tokens, int(hidden), int(num_topk), bool(use_fp8), bool(mxfp8), int(num_tokens)
     )
     attrs = dict(
         num_experts=np.int64(num_experts),
         max_tokens=np.int64(max_tokens),
         use_fp8=bool(use_fp8),
         round_scale=bool(round_scale),
+        mxfp8=bool(mxfp8),
     )
     return pending, attrs
 
@@ -244,23 +248,19 @@ def _dispatch_results(pending, out):
         num_tokens=pending.num_tokens,
         num_topk=pending.num_topk,
     )
-    recv_xs = (out["recv_x"], out["recv_scales"]) if pending.use_fp8 else (out["recv_x"],)
+    scales = out["recv_scales"]
+    if pending.mxfp8:  # the kernels store float8_e8m0fnu bytes where float32 scales [.., H // 128] would be
+        scales = lax.bitcast_convert_type(scales, jnp.uint8).reshape(scales.shape[:-1] + (-1,))
+        scales = lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu)
+    recv_xs = (out["recv_x"], scales) if pending.use_fp8 else (out["recv_x"],)
     return recv_xs, out["recv_count"], handle
 
 
 def low_latency_dispatch_send(
-    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer
+    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer, mxfp8=False
 ):
-    pending, attrs = _dispatch_attrs(
-        x,
-        topk_idx,
-        num_experts,
-        num_max_dispatch_tokens_per_rank,
-        use_fp8,
-        round_scale,
-        buffer,
-        "low_latency_dispatch_send",
-    )
+    fp8, fn = (use_fp8, round_scale, mxfp8), "low_latency_dispatch_send"
+    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, fp8, buffer, fn)
     inputs = (x, topk_idx.astype(jnp.int32))
     overlap_sms = buffer.config.low_latency_overlap_sms
     out = _call(_half(DISPATCH_SEND, buffer), _TOKEN_TYPE, inputs, buffer, max_blocks=np.int64(overlap_sms), **attrs)
@@ -279,11 +279,12 @@ def low_latency_dispatch_recv(pending, *, buffer):
     return _dispatch_results(pending, out)
 
 
-def low_latency_dispatch(x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer):
+def low_latency_dispatch(
+    x, topk_idx, *, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer, mxfp8=False
+):
     """Both halves in one kernel."""
-    pending, attrs = _dispatch_attrs(
-        x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, use_fp8, round_scale, buffer, "low_latency_dispatch"
-    )
+    fp8, fn = (use_fp8, round_scale, mxfp8), "low_latency_dispatch"
+    pending, attrs = _dispatch_attrs(x, topk_idx, num_experts, num_max_dispatch_tokens_per_rank, fp8, buffer, fn)
     out = _call(DISPATCH, _dispatch_out_types(pending, buffer), (x, topk_idx.astype(jnp.int32)), buffer, **attrs)
     return _dispatch_results(pending, out)
 

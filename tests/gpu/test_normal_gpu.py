@@ -770,7 +770,7 @@ def test_trace_checks_cpu():
         _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 260), jnp.bfloat16))
     with pytest.raises(ValueError, match="at most 8 ranks"):
         _trace_dispatch(_stand_in(num_ranks=16), x, num_experts=16)
-    with pytest.raises(ValueError, match="bf16 or FP8"):
+    with pytest.raises(ValueError, match="bf16 rows or quantized pairs"):
         _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
     with pytest.raises(ValueError, match="experts per rank|at most 4096"):
         _trace_dispatch(_stand_in(), x, num_experts=2 * 5000)

@@ -184,6 +184,7 @@ def dispatch_expert_major(
     """
     fn = "dispatch_expert_major"
     fp8_rows = v.check_bool(fn, "fp8_rows", fp8_rows)
+    v.check_tokens(x, buffer, fn)  # bf16 or the FP8 pair: the rows expand and the grouped GEMM take
     sent, sent_weights = x, topk_weights
     if fp8_rows:  # x and the weights get their gradients from _rows_gradient_sink's backward
         _check_fp8_rows_input(fn, x, "x")

@@ -135,7 +135,7 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x", formats=ROW_FORMATS
             if not same_data:
                 raise TypeError(f"{fn}: {name} must be a pair of {_formats_text(formats)}, got ({dtype}, {sdtype})")
             fmt = same_data[0]  # the scales' check below says what they must be
-        kind = "FP8" if fmt is ROW_FORMATS[0] else fmt.name
+        kind = fmt.name
         if len(shape) != 2:
             raise ValueError(f"{fn}: {kind} data {name}[0] must be [tokens, hidden], got shape {shape}")
         hidden = shape[1] * fmt.pack

@@ -49,19 +49,20 @@ def limits() -> dict:
 
 
 def _arch_matches(compiled: list[str], compute_capability: str) -> bool:
-    """Whether code compiled for `compiled` (e.g. ["sm_90", "compute_90"])
-    runs on a GPU of compute capability "9.0": the same SASS (plain or "a"
-    variant), or PTX of an older or equal architecture."""
-    major, minor = compute_capability.split(".")[:2]
-    target = int(major) * 10 + int(minor)
+    """Whether code compiled for `compiled` (e.g. ["sm_80", "sm_90", "compute_120"]) runs on a GPU
+    of compute capability "8.6": SASS of its major version and an equal or lower minor one (an
+    "a" variant, e.g. sm_90a, only on that very GPU), or PTX of an older or equal architecture."""
+    major, minor = (int(n) for n in compute_capability.split(".")[:2])
     for arch in compiled:
         kind, _, number = arch.partition("_")
+        specific = number.endswith("a")
         number = number.rstrip("af")
         if not number.isdigit():
             continue
-        if kind == "sm" and int(number) == target:
+        arch_major, arch_minor = divmod(int(number), 10)
+        if kind == "compute" and (arch_major, arch_minor) <= (major, minor):
             return True
-        if kind == "compute" and int(number) <= target:
+        if kind == "sm" and arch_major == major and (arch_minor == minor or not specific and arch_minor < minor):
             return True
     return False
 

@@ -32,3 +32,17 @@ def test_info_help_and_unknown_options():
     assert "== versions" not in result.stdout
     result = subprocess.run(run + ["--no-such-option"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2 and "unrecognized arguments: --no-such-option" in result.stderr, result.stderr
+
+
+def test_which_gpus_a_build_covers():
+    """SASS runs on its major version at an equal or higher minor one (an "a" variant on its own
+    GPU only); PTX on any newer GPU: the default build (sm_80, 90, 100, 120 + PTX) covers A10 to B200."""
+    from deep_ep_jax._native import _arch_matches
+
+    default = ["sm_80", "sm_90", "sm_100", "sm_120", "compute_120"]
+    for capability in ("8.0", "8.6", "8.9", "9.0", "10.0", "10.3", "12.0", "12.1", "13.0"):
+        assert _arch_matches(default, capability), capability
+    assert not _arch_matches(default, "7.5")
+    assert _arch_matches(["sm_90a"], "9.0") and not _arch_matches(["sm_90a"], "9.1")
+    assert not _arch_matches(["sm_90"], "10.0") and not _arch_matches(["sm_86"], "8.0")
+    assert _arch_matches(["compute_80"], "9.0") and not _arch_matches(["compute_90"], "8.0")

@@ -143,6 +143,7 @@ _ENV_VARS = dict(
     low_latency_overlap_sms="DEEP_EP_JAX_LL_OVERLAP_SMS",
     gpus_per_host="DEEP_EP_JAX_GPUS_PER_HOST",
     gpus_per_nvlink_domain="DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN",
+    dispatch_budget_gib="DEEP_EP_JAX_DISPATCH_BUDGET_GIB",
 )
 
 
@@ -157,8 +158,8 @@ def _from_env(var: str, value) -> bool:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
-    except `checks`, `gpus_per_host`, `gpus_per_nvlink_domain`, `count_traffic` and
-    `poison_padding`)."""
+    except `checks`, `gpus_per_host`, `gpus_per_nvlink_domain`, `count_traffic`,
+    `poison_padding` and `dispatch_budget_gib`)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).
@@ -202,6 +203,12 @@ class Config:
     # GPUs, instead of the zeros XLA leaves there; so a test on CPU shows an expert layer that does not mask
     # them (a weight gradient recv_x^T @ dy turns NaN * 0 into NaN).
     poison_padding: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_POISON_PADDING", False))
+    # GiB per GPU that dispatch's results may take when sized for the worst case (num_worst_tokens
+    # None: every token of every rank, T x R rows). Past it dispatch raises at trace time, naming
+    # num_worst_tokens= and dropless_moe (bounded buffers): the worst case grows with the EP group.
+    dispatch_budget_gib: float = dataclasses.field(
+        default_factory=lambda: _env_float("DEEP_EP_JAX_DISPATCH_BUDGET_GIB", 1.0)
+    )
 
     def __post_init__(self):
         # Types first: a string "false" would count as true, 2.5 SMs would be cut to 2.
@@ -217,10 +224,10 @@ class Config:
             value = getattr(self, name)
             if not is_bool(value):
                 raise TypeError(f"Config.{name} must be a bool, got {type(value).__name__} {value!r}")
-        if is_bool(self.timeout_s) or not isinstance(self.timeout_s, numbers.Real):
-            raise TypeError(
-                f"Config.timeout_s must be a number of seconds, got {type(self.timeout_s).__name__} {self.timeout_s!r}"
-            )
+        for name, unit in (("timeout_s", "seconds"), ("dispatch_budget_gib", "GiB")):
+            value = getattr(self, name)
+            if is_bool(value) or not isinstance(value, numbers.Real):
+                raise TypeError(f"Config.{name} must be a number of {unit}, got {type(value).__name__} {value!r}")
         # Upper bounds of the launch shapes are the CUDA kernels' (checked when a CUDA Buffer is made).
         # Waits count whole milliseconds (the key-value store's) or nanoseconds: under 1 ms none could finish.
         for name, ok, requirement in (
@@ -229,6 +236,7 @@ class Config:
             ("num_warps", self.num_warps >= 1, ">= 1"),
             ("timeout_s", 0.001 <= self.timeout_s <= 3600, "in [0.001, 3600]"),
             ("low_latency_overlap_sms", self.low_latency_overlap_sms >= 0, ">= 0"),
+            ("dispatch_budget_gib", self.dispatch_budget_gib > 0, "> 0 (inf: no budget)"),
             ("gpus_per_host", self.gpus_per_host is None or self.gpus_per_host >= 1, ">= 1 or None"),
             (
                 "gpus_per_nvlink_domain",

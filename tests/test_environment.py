@@ -23,6 +23,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_LL_OVERLAP_SMS", "low_latency_overlap_sms", "16", 16, 0),
     ("DEEP_EP_JAX_GPUS_PER_HOST", "gpus_per_host", "1", 1, None),
     ("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN", "gpus_per_nvlink_domain", "4", 4, None),
+    ("DEEP_EP_JAX_DISPATCH_BUDGET_GIB", "dispatch_budget_gib", "inf", float("inf"), 1.0),
     ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
     ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
     ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
@@ -92,6 +93,7 @@ def test_checks_spellings(monkeypatch, value, expected):
         ("DEEP_EP_JAX_LL_OVERLAP_SMS", "half"),
         ("DEEP_EP_JAX_GPUS_PER_HOST", "two"),
         ("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN", "eight"),
+        ("DEEP_EP_JAX_DISPATCH_BUDGET_GIB", "4GiB"),
     ],
 )
 def test_unparsable_value_names_the_variable(monkeypatch, name, value):
@@ -107,6 +109,7 @@ def test_unparsable_value_names_the_variable(monkeypatch, name, value):
         ("DEEP_EP_JAX_TIMEOUT_S", "0", r"Config.timeout_s must be in \[0.001, 3600\], got 0.0"),
         ("DEEP_EP_JAX_LL_OVERLAP_SMS", "-1", r"Config.low_latency_overlap_sms must be >= 0, got -1"),
         ("DEEP_EP_JAX_GPUS_PER_HOST", "0", r"Config.gpus_per_host must be >= 1 or None, got 0"),
+        ("DEEP_EP_JAX_DISPATCH_BUDGET_GIB", "0", r"Config.dispatch_budget_gib must be > 0 \(inf: no budget\), got 0.0"),
     ],
 )
 def test_out_of_range_value_is_refused(monkeypatch, name, value, match):

@@ -205,6 +205,21 @@ def test_quantized_pair_errors(mesh, buffer):
         dej.expand((fp4, data[:, :16]), idx, num_local_experts=2)
 
 
+def test_worst_case_over_the_dispatch_budget(mesh):
+    """Results sized for T x R rows past Config.dispatch_budget_gib: a trace-time error naming the
+    ways out; num_worst_tokens= or a larger budget pass."""
+    x, idx, w = _inputs()
+    # T x R = 32 rows of 512 bytes + 2 x 8 bytes of ids and weights + 4: 17024 bytes.
+    small = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(dispatch_budget_gib=16000 / 2**30))
+    with pytest.raises(ValueError, match=r"^dispatch: sized for the worst case \(32 rows: every token of the 4 "
+                       r"ranks\), its results take 1\.59e-05 GiB per GPU, over Config.dispatch_budget_gib=1\.49e-05\. "
+                       r"Use dropless_moe .* pass num_worst_tokens= .*DEEP_EP_JAX_DISPATCH_BUDGET_GIB"):  # fmt: skip
+        _trace(mesh, _dispatch(small), x, idx, w)
+    _trace(mesh, _dispatch(small, num_worst_tokens=R * T - 2), x, idx, w)
+    large = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(dispatch_budget_gib=17100 / 2**30))
+    _trace(mesh, _dispatch(large), x, idx, w)
+
+
 def test_fp8_hidden_alignment(mesh, buffer):
     _, idx, w = _inputs()
     data = jnp.zeros((R * T, 200), jnp.float8_e4m3fn)

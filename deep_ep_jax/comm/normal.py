@@ -13,6 +13,7 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -82,6 +83,7 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, weights=weights)
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
+        _check_budget(fn, xs, topk_idx, worst, buffer)
         num_worst_tokens = worst
     elif not is_int(num_worst_tokens) or not 1 <= num_worst_tokens <= worst:
         raise ValueError(
@@ -103,6 +105,21 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
         )
     recv_xs = _from_wire(recv_xs, xs)
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
+
+
+def _check_budget(fn, xs, topk_idx, num_rows, buffer):
+    """Results sized for the worst case (num_rows = T x R rows) within Config.dispatch_budget_gib."""
+    row_bytes = sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in xs)
+    need = num_rows * (row_bytes + 8 * topk_idx.shape[1] + 4)  # rows, local ids, weights, source index
+    budget = buffer.config.dispatch_budget_gib
+    if need > budget * 2**30:
+        raise ValueError(
+            f"{fn}: sized for the worst case ({num_rows} rows: every token of the {buffer.num_ranks} ranks), its "
+            f"results take {need / 2**30:.3g} GiB per GPU, over Config.dispatch_budget_gib={budget:.3g}. Use "
+            f"dropless_moe (buffers sized to the load, no row dropped), or pass num_worst_tokens= (rows past it are "
+            f"dropped and counted; Config(checks=True) raises on them), or raise the budget "
+            f"(Config(dispatch_budget_gib=...) / DEEP_EP_JAX_DISPATCH_BUDGET_GIB; inf for none)"
+        )
 
 
 def _to_wire(xs):

@@ -176,9 +176,11 @@ def main(argv=None):
             if info["error"]:
                 print(f"CUDA runtime: {info['error']}")
         for dev in info["devices"]:
+            covered = _native._arch_matches(module.cuda_archs(), dev["compute_capability"])
             print(
                 f"GPU {dev['ordinal']}: {dev['name']}, sm_{dev['compute_capability'].replace('.', '')}, "
-                f"{dev['sm_count']} SMs, {dev['total_memory_bytes'] / 2**30:.1f} GiB, PCI {dev['pci_bus_id']}"
+                f"{dev['sm_count']} SMs, {dev['total_memory_bytes'] / 2**30:.1f} GiB, PCI {dev['pci_bus_id']}; "
+                + ("covered by this build" if covered else "NOT covered by this build (DEEP_EP_JAX_CUDA_ARCHS)")
             )
         if info["devices"]:
             _section("NVLink domains (NVML fabric info) and peer memory")

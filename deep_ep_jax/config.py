@@ -76,6 +76,11 @@ ROW_FORMATS = (
 PAIR_HIDDEN_MULTIPLE = 128
 
 
+def row_bytes(xs) -> int:
+    """Bytes of one row of arrays xs ([rows, ...] each; only their shapes and dtypes are read)."""
+    return sum(int(np.prod(a.shape[1:])) * np.dtype(a.dtype).itemsize for a in xs)
+
+
 def row_format(data_dtype, scales_dtype) -> RowFormat | None:
     """The ROW_FORMATS entry of a pair of these dtypes, or None."""
     key = (np.dtype(data_dtype), np.dtype(scales_dtype))

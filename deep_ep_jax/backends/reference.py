@@ -25,7 +25,7 @@ from jax import lax
 
 from deep_ep_jax.comm.handle import DispatchHandle, LowLatencyHandle
 from deep_ep_jax.comm.mesh import same_mesh
-from deep_ep_jax.config import FP8_BLOCK, MXFP8_BLOCK, TRAFFIC_FIELDS
+from deep_ep_jax.config import FP8_BLOCK, MXFP8_BLOCK, TRAFFIC_FIELDS, row_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -158,7 +158,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
         handle, recv_src_idx=jnp.where(valid, recv_src_idx, -1), num_recv_tokens_per_expert=per_expert
     )
     if _counting(buffer):
-        _count_moves(buffer, "dispatch", handle, is_token_in_rank, _row_bytes(xs))
+        _count_moves(buffer, "dispatch", handle, is_token_in_rank, row_bytes(xs))
     return recv_xs, recv_idx, recv_w, handle
 
 
@@ -166,7 +166,7 @@ def cached_dispatch(xs, topk_weights, handle, *, buffer):
     _, order = _send_order(handle.is_token_in_rank)
     recv_xs, _, recv_w = _move_rows(xs, None, topk_weights, handle, order, buffer)
     if _counting(buffer):
-        _count_moves(buffer, "cached_dispatch", handle, _valid_rows(handle), _row_bytes(xs))
+        _count_moves(buffer, "cached_dispatch", handle, _valid_rows(handle), row_bytes(xs))
     return recv_xs, recv_w
 
 
@@ -213,7 +213,7 @@ def combine(x, topk_weights, handle, *, buffer):
     out = reduce(back["x"], x.dtype)
     out_w = reduce(back["w"], jnp.float32) if topk_weights is not None else None
     if _counting(buffer):
-        _count_combine(buffer, handle, _row_bytes((x,)))
+        _count_combine(buffer, handle, row_bytes((x,)))
     return out, out_w
 
 
@@ -242,10 +242,6 @@ def _host_ranks(buffer):
 def _counting(buffer):
     config = getattr(buffer, "config", None)
     return config is not None and config.count_traffic
-
-
-def _row_bytes(xs):
-    return sum(int(np.prod(x.shape[1:])) * x.dtype.itemsize for x in xs)
 
 
 def _valid_rows(handle):

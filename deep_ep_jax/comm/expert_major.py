@@ -30,7 +30,7 @@ from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import vary_over, varying_like, vma, zero_rows_like
-from deep_ep_jax.config import FP8_BLOCK
+from deep_ep_jax.config import FP8_BLOCK, ROW_FORMATS
 from deep_ep_jax.experts import grouped_gemm
 from deep_ep_jax.experts.grouped_gemm import Fp8Rows, grouped_matmul
 from deep_ep_jax.fp8_quant import quantize_rows
@@ -138,9 +138,7 @@ def grouped_matmul_reduce(
     unknown = set(matmul) - set(_MATMUL_DEFAULTS)
     if unknown:
         raise TypeError(f"{fn}: unknown grouped_matmul arguments {sorted(unknown)}")
-    matmul_backend = v.check_backend(
-        fn, matmul_backend, grouped_gemm.BACKENDS, matmul.pop("impl", None), {"mgpu": "cuda"}
-    )
+    matmul_backend = grouped_gemm.resolve_backend(fn, matmul_backend, matmul.pop("impl", None))
     w8 = matmul.get("fp8_weights")
     if w8 is None or not getattr(w8, "weight_grad", False) or getattr(w, "shape", (0,) * 3)[-1] % FP8_BLOCK:
         y = grouped_matmul(x, w, group_sizes, backend=matmul_backend, **matmul)
@@ -184,13 +182,12 @@ def dispatch_expert_major(
     """
     fn = "dispatch_expert_major"
     fp8_rows = v.check_bool(fn, "fp8_rows", fp8_rows)
-    v.check_tokens(x, buffer, fn)  # bf16 or the FP8 pair: the rows expand and the grouped GEMM take
     sent, sent_weights = x, topk_weights
     if fp8_rows:  # x and the weights get their gradients from _rows_gradient_sink's backward
         _check_fp8_rows_input(fn, x, "x")
         sent, sent_weights = _quantized_pair(x), lax.stop_gradient(topk_weights)
-    recv_x, recv_idx, recv_w, handle = normal.dispatch_as(
-        fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens
+    recv_x, recv_idx, recv_w, handle = normal.dispatch_as(  # bf16 or the FP8 pair: what expand and the GEMM take
+        fn, sent, topk_idx, sent_weights, num_experts, buffer, num_worst_tokens, formats=ROW_FORMATS[:1]
     )
     if handle.num_worst_tokens < 1:
         raise ValueError(

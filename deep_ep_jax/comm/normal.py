@@ -13,7 +13,6 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -23,7 +22,7 @@ from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import zero_rows_like
-from deep_ep_jax.config import ROW_FORMATS, is_int, row_format
+from deep_ep_jax.config import ROW_FORMATS, is_int, row_bytes, row_format
 
 # The names of dispatch's and combine's results for jax.checkpoint policies.
 DISPATCH_NAME, COMBINE_NAME = "deep_ep_jax.dispatch", "deep_ep_jax.combine"
@@ -74,12 +73,15 @@ def dispatch(
     return dispatch_as("dispatch", x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, "optional")
 
 
-def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, weights="required"):
+def dispatch_as(
+    fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, weights="required", formats=ROW_FORMATS
+):
     """`dispatch`, its errors and run-time checks naming `fn` (the function the
-    user called); weights: whether fn takes topk_weights=None (v.check_topk)."""
+    user called); weights: whether fn takes topk_weights=None (v.check_topk);
+    formats: the quantized pairs fn takes (config.ROW_FORMATS)."""
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    xs, num_tokens, _ = v.check_tokens(x, buffer, fn, formats=ROW_FORMATS)
+    xs, num_tokens, _ = v.check_tokens(x, buffer, fn, formats=formats)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn, weights=weights)
     worst = num_tokens * buffer.num_ranks
     if num_worst_tokens is None:
@@ -109,8 +111,7 @@ def dispatch_as(fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_wor
 
 def _check_budget(fn, xs, topk_idx, num_rows, buffer):
     """Results sized for the worst case (num_rows = T x R rows) within Config.dispatch_budget_gib."""
-    row_bytes = sum(int(np.prod(x.shape[1:])) * jnp.dtype(x.dtype).itemsize for x in xs)
-    need = num_rows * (row_bytes + 8 * topk_idx.shape[1] + 4)  # rows, local ids, weights, source index
+    need = num_rows * (row_bytes(xs) + 8 * topk_idx.shape[1] + 4)  # rows, local ids, weights, source index
     budget = buffer.config.dispatch_budget_gib
     if need > budget * 2**30:
         raise ValueError(

@@ -244,6 +244,12 @@ def _swiglu_sink_bwd(gate_up, g_rows):
 _swiglu_sink.defvjp(_swiglu_sink_fwd, _swiglu_sink_bwd)
 
 
+def resolve_backend(fn, backend, impl=None) -> str:
+    """grouped_matmul's backend ("auto", "cuda", "xla"), from backend= or impl= (its deprecated
+    name); "mgpu" (the Mosaic GPU kernels' old name) means "cuda"."""
+    return v.check_backend(fn, backend, BACKENDS, impl, {"mgpu": "cuda"})
+
+
 def grouped_matmul(
     x,
     w,
@@ -287,7 +293,7 @@ def grouped_matmul(
     which the forward reads as they are; dx is then the cotangent of
     x.grad_sink (and without w's FP8 weight gradient, dw comes from the
     dequantized rows)."""
-    backend = v.check_backend("grouped_matmul", backend, BACKENDS, impl, {"mgpu": "cuda"})
+    backend = resolve_backend("grouped_matmul", backend, impl)
     call = prepared_call(x, w, group_sizes, backend, block_sizes, aligned_groups, valid_sizes, fp8_weights)
     x, w, group_sizes, valid_sizes, scale = call.arrays
     if fp8_weights is not None:

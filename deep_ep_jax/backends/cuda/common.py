@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deep_ep_jax import _native
+from deep_ep_jax import _native, config
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm.handle import DispatchHandle
 from deep_ep_jax.comm.mesh import same_mesh
@@ -182,7 +182,7 @@ def row_bytes(fn, xs):
     functions checked its format) moves as bytes."""
     x = xs[0]
     if len(xs) == 2:
-        return tuple(int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize for a in xs)
+        return tuple(config.row_bytes((a,)) for a in xs)
     hidden = x.shape[1]
     if jnp.dtype(x.dtype) != jnp.bfloat16:
         raise ValueError(f"{fn}: the CUDA kernels move bf16 rows or quantized pairs, got x of dtype {x.dtype}")

@@ -11,7 +11,9 @@ every `gpu` and `extension` test with the reason. They are skipped, with the
 reason, only where the hardware lacks what they need: no CUDA GPU (CI's CPU
 machines), or fewer GPUs than the test needs. With DEEP_EP_JAX_REQUIRE_GPU=1
 (scripts/device_run.sh sets it) every skip of a `gpu` test is a failure, so a
-device run cannot be green by skipping.
+device run cannot be green by skipping. DEEP_EP_JAX_ONLY_TESTS_THAT_FIT=1
+deselects the gpu tests that need more GPUs than the host has (the summary
+counts them), so one command runs all that a one-GPU host can.
 
 Random inputs come from the `rng` fixture: a fresh seed each run, printed, so
 that a failure's report says how to make its inputs again.
@@ -85,6 +87,26 @@ def pytest_runtest_setup(item):
                 pytest.fail(why, pytrace=False)
             if action == "skip":
                 pytest.skip(why)
+
+
+FIT_ENV = "DEEP_EP_JAX_ONLY_TESTS_THAT_FIT"
+
+
+def pytest_collection_modifyitems(config, items):
+    """With DEEP_EP_JAX_ONLY_TESTS_THAT_FIT=1, `gpu` tests that need more GPUs
+    than JAX sees are deselected (counted in the summary, never passed), so a
+    one-GPU host runs every test it can in one command."""
+    if os.environ.get(FIT_ENV, "").strip() in ("", "0"):
+        return
+    have = len(cuda_gpus())
+    too_big = [
+        i
+        for i in items
+        if i.get_closest_marker("gpu") and i.get_closest_marker("gpu").kwargs.get("min_gpus", MIN_GPUS) > have
+    ]
+    if too_big:
+        config.hook.pytest_deselected(items=too_big)
+        items[:] = [i for i in items if i not in too_big]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -587,11 +587,16 @@ def case_shared_gpu(sequence_starts=(None,)):
                 dt.assert_bits_equal(got[:n], want, f"{fmt.name} {kind}")
                 log(f"shared_gpu {fmt.name} {kind}: ok")
 
-        for use_fp8, split in ((False, False), (True, False), (False, True), (True, True)):
+        ll_modes = [(fp8, False, split) for fp8 in (False, True) for split in (False, True)] + [(True, True, False)]
+        for use_fp8, mxfp8, split in ll_modes:
 
-            def low_latency(x, idx, w, y, use_fp8=use_fp8, split=split):
+            def low_latency(x, idx, w, y, use_fp8=use_fp8, mxfp8=mxfp8, split=split):
                 kwargs = dict(
-                    buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=ll_tokens, use_fp8=use_fp8
+                    buffer=buffer,
+                    num_experts=num_experts,
+                    num_max_dispatch_tokens_per_rank=ll_tokens,
+                    use_fp8=use_fp8,
+                    mxfp8=mxfp8,
                 )
                 if split:  # the send and receive halves
                     pending = dej.low_latency_dispatch_send(x, idx, **kwargs)
@@ -615,21 +620,23 @@ def case_shared_gpu(sequence_starts=(None,)):
                 recv_x, count, handle, out = run(low_latency, *map(put, (x, idx, w, y)))
                 rows = recv_x[0].astype(np.float32) if use_fp8 else recv_x
                 for e, slots in enumerate(expected[rank]):
-                    n, what = len(slots), f"{kind} fp8={use_fp8} split={split} expert {e}"
+                    n, what = len(slots), f"{kind} fp8={use_fp8} mxfp8={mxfp8} split={split} expert {e}"
                     assert int(count[e]) == n, (what, int(count[e]), n)
                     if not n:
                         continue
                     s, t = _assert_low_latency_sources(handle, e, slots, what)
                     if use_fp8:  # scales exact; values as test_oracle_gpu.py bounds the kernels' 1 / scale
-                        scales = oracle.fp8_scales(xs[s, t])
-                        np.testing.assert_array_equal(recv_x[1][e, :n], scales, err_msg=what)
-                        low, high = (oracle.fp8_values(xs[s, t], scales, ulps) for ulps in (-2, 2))
+                        block = oracle.MXFP8_BLOCK if mxfp8 else oracle.FP8_BLOCK
+                        scales = oracle.fp8_scales(xs[s, t], mxfp8, block)
+                        got_scales = np.asarray(recv_x[1][e, :n].astype(np.float32))
+                        np.testing.assert_array_equal(got_scales, scales, err_msg=what)
+                        low, high = (oracle.fp8_values(xs[s, t], scales, ulps, block) for ulps in (-2, 2))
                         got = rows[e, :n]
                         assert ((np.minimum(low, high) <= got) & (got <= np.maximum(low, high))).all(), what
                     else:
                         np.testing.assert_array_equal(rows[e, :n], xs[s, t], err_msg=what)
                 _assert_low_latency_combine(out, y, expected, idxs, ws, rank, kind)
-                log(f"shared_gpu low-latency {kind} fp8={use_fp8} split={split}: ok")
+                log(f"shared_gpu low-latency {kind} fp8={use_fp8} mxfp8={mxfp8} split={split}: ok")
     buffer.destroy()
 
 

@@ -66,7 +66,7 @@ def check(what, values, got, xla, rng):
 def test_rows_kernel(shape, rng):
     """quantize_rows on the extension's kernel ("auto" picks it)."""
     a = skewed(jax.random.key(rng.integers(1 << 30)), shape)
-    run = jax.jit(fp8_quant.quantize_rows, static_argnames="impl")
+    run = jax.jit(fp8_quant.quantize_rows, static_argnames="backend")
     assert "deep_ep_jax_fp8_quantize_rows" in run.lower(a).as_text(), "backend='auto' did not pick the CUDA kernel"
     got = run(a)
     assert np.isnan(as_float(got[1])[..., 1]).all(), "a NaN must make its row's scale NaN"
@@ -96,7 +96,7 @@ def test_swiglu_rows_kernel(shape, rng):
         .set(100 * jax.random.uniform(key2, shape[:-2] + (4, 64), minval=-1))
         .astype(jnp.bfloat16)
     )
-    run = jax.jit(fp8_quant.quantize_rows, static_argnames=("swiglu", "impl"))
+    run = jax.jit(fp8_quant.quantize_rows, static_argnames=("swiglu", "backend"))
     assert "deep_ep_jax_fp8_quantize_rows" in run.lower(gate_up, swiglu=True).as_text()
     data, scales = run(gate_up, swiglu=True)
     assert data.shape == shape[:-1] + (shape[-1] // 2,)
@@ -149,7 +149,7 @@ def test_rows_and_columns_kernels(shape, multipliers, rng):
     m = jnp.exp(3 * jax.random.normal(key2, shape[:2])) if multipliers else None
     if multipliers:  # rows left out of the columns' copy, one of them holding a NaN
         m = m.at[:, 1].set(0).at[:, 40:47].set(0)
-    run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="impl")
+    run = jax.jit(fp8_quant.quantize_rows_and_columns, static_argnames="backend")
     assert "deep_ep_jax_fp8_amax_rows_and_columns" in run.lower(a, m).as_text(), (
         "backend='auto' did not pick the extension's kernels"
     )

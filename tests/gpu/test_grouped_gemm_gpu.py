@@ -102,9 +102,9 @@ def group_pair_rows(num_rows, sizes, counts):
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "aligned_groups"))
-def forward_and_grads(x, w, sizes, dy, impl, aligned_groups=False):
-    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, backend=impl, aligned_groups=aligned_groups), x, w)
+@functools.partial(jax.jit, static_argnames=("backend", "aligned_groups"))
+def forward_and_grads(x, w, sizes, dy, backend, aligned_groups=False):
+    y, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, sizes, backend=backend, aligned_groups=aligned_groups), x, w)
     return (y, *vjp(dy))
 
 

@@ -60,10 +60,12 @@ static_assert(intranode::kMaxBlocks == internode::kMaxBlocks && intranode::kMaxW
 std::map<std::string, int64_t> Limits() {
   return {
       // Ranks of an EP group: low-latency mode serves any group up to
-      // max_group_ranks; normal mode one NVLink domain on one host, and up to
-      // max_internode_normal_ranks across hosts of at most max_nvlink_ranks.
+      // max_group_ranks; normal mode one NVLink domain on one host (up to
+      // max_nvlink_ranks), and up to max_internode_normal_ranks across hosts
+      // of at most max_internode_host_ranks.
       {"max_group_ranks", kMaxGroupRanks},
       {"max_nvlink_ranks", kMaxNvlinkRanks},
+      {"max_internode_host_ranks", kMaxInternodeHostRanks},
       {"max_internode_normal_ranks", kMaxInternodeNormalRanks},
       {"control_bytes", int64_t(kControlBytes)},
       {"max_local_experts", intranode::kMaxLocalExperts},
@@ -89,13 +91,17 @@ int CountArg(const char* fn, const char* name, int64_t value) {
   return int(value);
 }
 
-size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_bytes, int64_t num_topk,
-                         int64_t num_chunks) {
+size_t StagedRegionBytes(int64_t num_rows, int64_t row_bytes, int64_t scale_bytes, int64_t num_topk, int64_t num_chunks,
+                         int64_t num_ranks) {
   const char* fn = "staged_region_bytes";
   const int64_t rows[intranode::kMaxRowArrays] = {CountArg(fn, "row_bytes", row_bytes),
                                                   CountArg(fn, "scale_bytes", scale_bytes)};
+  if (num_ranks < 1 || num_ranks > kMaxNvlinkRanks) {
+    throw std::invalid_argument(std::string(fn) + ": num_ranks must be in [1, " + std::to_string(kMaxNvlinkRanks) +
+                                "], got " + std::to_string(num_ranks));
+  }
   return intranode::StagedRegionBytes(CountArg(fn, "num_rows", num_rows), rows, CountArg(fn, "num_topk", num_topk),
-                                      CountArg(fn, "num_chunks", num_chunks));
+                                      CountArg(fn, "num_chunks", num_chunks), int(num_ranks));
 }
 
 // The internode layout is header code: its sizes are known in a build without NVSHMEM too.
@@ -422,12 +428,13 @@ PYBIND11_MODULE(_C, m) {
   // Limits and sizes, from the code that lays the memory out (plain ints; ValueError for a negative or too large
   // argument).
   m.def("limits", &Limits,
-        "dict: the kernels' limits (max_group_ranks, max_nvlink_ranks, max_internode_normal_ranks, control_bytes, "
+        "dict: the kernels' limits (max_group_ranks, max_nvlink_ranks, max_internode_host_ranks, "
+        "max_internode_normal_ranks, control_bytes, "
         "fp8_block, ...)");
   m.def("staged_region_bytes", &StagedRegionBytes, py::arg("num_rows"), py::arg("row_bytes"), py::arg("scale_bytes"),
-        py::arg("num_topk"), py::arg("num_chunks"),
-        "Bytes of the normal region (control included) a staged call needs (num_chunks: ceil(tokens / chunk_tokens) "
-        "for dispatch, 0 for combine)");
+        py::arg("num_topk"), py::arg("num_chunks"), py::arg("num_ranks"),
+        "Bytes of the normal region (control included) a staged call of a num_ranks group needs (num_chunks: "
+        "ceil(tokens / chunk_tokens) for dispatch, 0 for combine)");
   m.def("internode_dispatch_region_bytes", &InternodeDispatchRegionBytes, py::arg("num_tokens"), py::arg("num_rows"),
         py::arg("num_topk"), py::arg("row_bytes"), py::arg("scale_bytes"), py::arg("num_ranks"), py::arg("num_nodes"),
         "Bytes of the normal region a dispatch across hosts needs (RuntimeError without NVSHMEM)");

@@ -43,7 +43,8 @@ def extension():
 @functools.cache
 def limits() -> dict:
     """The CUDA kernels' limits, `_C.limits()`: "max_group_ranks" (low-latency
-    mode), "max_nvlink_ranks" and "max_internode_normal_ranks" (normal mode),
+    mode), "max_nvlink_ranks", "max_internode_host_ranks" and
+    "max_internode_normal_ranks" (normal mode),
     "control_bytes", "fp8_block", "max_blocks", ... (needs the extension)."""
     return dict(extension().limits())
 

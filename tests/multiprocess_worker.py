@@ -444,8 +444,8 @@ def case_shared_gpu(sequence_starts=(None,)):
         num_max_dispatch_tokens_per_rank=ll_tokens,
         config=dej.Config(timeout_s=150),
     )
-    if buffer.spans_hosts and buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels
-        assert buffer.num_nvl_bytes > 0, "normal mode across hosts serves the group"
+    if buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels; else one node's
+        assert buffer.num_nvl_bytes > 0, "normal mode serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
     gpus_per_host = _gpus_per_host(buffer)
     put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)

@@ -36,11 +36,8 @@ def _align(n, a):
 def test_limits_name_each_mode():
     limits = _native.limits()
     assert "max_ranks" not in limits  # one limit per mode, none ambiguous
-    assert (limits["max_group_ranks"], limits["max_nvlink_ranks"], limits["max_internode_normal_ranks"]) == (
-        1024,
-        8,
-        1024,
-    )
+    names = ("max_group_ranks", "max_nvlink_ranks", "max_internode_host_ranks", "max_internode_normal_ranks")
+    assert tuple(limits[n] for n in names) == (1024, 72, 8, 1024)
 
 
 @extension
@@ -49,7 +46,7 @@ def test_group_size_at_buffer_creation():
     lifecycle.check_group_size(1024, limits)
     with pytest.raises(
         ValueError,
-        match=r"at most 1024 ranks \(low-latency mode; normal mode: 8 on one host, 1024 "
+        match=r"at most 1024 ranks \(low-latency mode; normal mode: 72 on one host, 1024 "
         r"across hosts\).* has 1025",
     ):
         lifecycle.check_group_size(1025, limits)
@@ -60,15 +57,16 @@ def test_normal_mode_serves_up_to_its_ranks():
     """On one host a larger group gets no normal region; without low-latency
     mode its Buffer is refused when made. Across hosts normal mode serves the
     whole group."""
-    assert lifecycle.normal_mode_serves(8, False, low_latency_mode=False)
-    assert not lifecycle.normal_mode_serves(16, False, low_latency_mode=True)
+    for num_ranks in (8, 16, 72):  # one NVLink domain: a GB200 NVL72 rack
+        assert lifecycle.normal_mode_serves(num_ranks, False, low_latency_mode=False)
+    assert not lifecycle.normal_mode_serves(73, False, low_latency_mode=True)
     with pytest.raises(
         ValueError,
-        match=r"normal mode supports at most 8 ranks on one host \(one NVLink.*the EP "
-        r"group has 16 \(low-latency mode: 1024\); create the Buffer with "
+        match=r"normal mode supports at most 72 ranks on one host \(one NVLink.*the EP "
+        r"group has 73 \(low-latency mode: 1024\); create the Buffer with "
         r"low_latency_mode=True",
     ):
-        lifecycle.normal_mode_serves(16, False, low_latency_mode=False)
+        lifecycle.normal_mode_serves(73, False, low_latency_mode=False)
     for num_ranks in (16, 128, 1024):
         assert lifecycle.normal_mode_serves(num_ranks, True, low_latency_mode=False)
     assert common.normal_mode_rank_error("f", 1025, True) == (
@@ -84,7 +82,7 @@ def _fake_buffer(num_ranks, spans_hosts, **extra):
 @extension
 def test_normal_mode_calls_name_the_limit():
     spans_hosts = False
-    num_ranks, num_tokens, hidden, topk = 16, 8, 256, 2
+    num_ranks, num_tokens, hidden, topk = 73, 8, 256, 2
     buffer = _fake_buffer(num_ranks, spans_hosts)
     module = intranode
     x = jax.ShapeDtypeStruct((num_tokens, hidden), jnp.bfloat16)
@@ -92,7 +90,7 @@ def test_normal_mode_calls_name_the_limit():
     w = jax.ShapeDtypeStruct((num_tokens, topk), jnp.float32)
     with pytest.raises(
         ValueError,
-        match=r"dispatch: normal mode supports at most 8 ranks .* has 16 \(low-latency "
+        match=r"dispatch: normal mode supports at most 72 ranks .* has 73 \(low-latency "
         r"mode: 1024\)",
     ):
         jax.eval_shape(
@@ -103,7 +101,7 @@ def test_normal_mode_calls_name_the_limit():
             idx,
             w,
         )
-    assert common.normal_mode_rank_error("f", 8, spans_hosts) is None
+    assert common.normal_mode_rank_error("f", 72, spans_hosts) is None
 
 
 def _ll_buffer(num_ranks, max_tokens, num_topk, hidden, num_experts, spans_hosts=True):
@@ -243,9 +241,9 @@ def test_registry_refuses_groups_it_cannot_serve():
         ext.create_buffer([list(range(1025))], 0, 1 << 16)
     with pytest.raises(
         ValueError,
-        match=r"normal mode supports at most 8 ranks on one host .* has 9 \(low-latency "
+        match=r"normal mode supports at most 72 ranks on one host .* has 73 \(low-latency "
         r"mode: 1024\)",
     ):
-        ext.create_buffer([list(range(9))], 1 << 16, 1 << 16)
-    with pytest.raises(ValueError, match="normal mode supports at most 8 ranks"):
-        ext.create_ipc_buffer([[0] + [-1] * 15], 1 << 16, 1 << 16)
+        ext.create_buffer([list(range(73))], 1 << 16, 1 << 16)
+    with pytest.raises(ValueError, match="normal mode supports at most 72 ranks"):
+        ext.create_ipc_buffer([[0] + [-1] * 72], 1 << 16, 1 << 16)

@@ -17,12 +17,17 @@ namespace deep_ep_jax {
 // token's destinations are a bit mask across one warp, 32 x 32 bits).
 constexpr int kMaxGroupRanks = 1024;
 
-// Ranks of one NVLink domain: intranode normal mode keeps one slot per rank
-// in fixed arrays (control block, kernel arguments) and rank masks in 32-bit
-// words.
-constexpr int kMaxNvlinkRanks = 8;
+// Ranks of one NVLink domain (a GB200 NVL72 rack): intranode normal mode
+// keeps one slot per rank in its control block (which must fit kControlBytes)
+// and in the kernels' shared memory. Up to 8 ranks its kernels keep a token's
+// destinations in registers (one unrolled slot per rank); beyond, they list
+// them per token in shared memory.
+constexpr int kMaxNvlinkRanks = 72;
 
-// Internode normal mode: hosts of at most kMaxNvlinkRanks ranks each; its
+// Internode normal mode: ranks of one host (by value in its kernels' Group).
+constexpr int kMaxInternodeHostRanks = 8;
+
+// Internode normal mode: hosts of at most kMaxInternodeHostRanks ranks each; its
 // synchronisation area is laid out per group (kernels/internode.h), its
 // kernels loop over ranks and hosts and keep per-rank tables in shared memory
 // (a few ints per rank), so the group is bounded by low-latency mode's limit.

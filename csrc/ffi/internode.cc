@@ -32,8 +32,8 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
   if (!s.nvshmem || s.normal.local == nullptr || s.device_pes == nullptr || s.device_nodes == nullptr) {
     return Invalid(fn, "the buffer is not an NVSHMEM buffer with a normal region (an EP group across hosts)");
   }
-  if (s.num_nodes < 1 || s.num_ranks % s.num_nodes != 0 || s.num_ranks / s.num_nodes > kMaxNvlinkRanks) {
-    return Invalid(fn, "normal mode across hosts needs hosts of equal size, at most " + Str(kMaxNvlinkRanks) +
+  if (s.num_nodes < 1 || s.num_ranks % s.num_nodes != 0 || s.num_ranks / s.num_nodes > kMaxInternodeHostRanks) {
+    return Invalid(fn, "normal mode across hosts needs hosts of equal size, at most " + Str(kMaxInternodeHostRanks) +
                            " ranks each; the buffer has " + Str(s.num_ranks) + " ranks on " + Str(s.num_nodes) +
                            " hosts");
   }

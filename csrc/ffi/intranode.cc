@@ -53,7 +53,7 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
 ffi::Error CheckStagedRegion(const char* fn, const DeviceState& state, const LaunchConfig& config, int64_t num_rows,
                              const int64_t row_bytes[kMaxRowArrays], int64_t num_topk, int64_t num_chunks) {
   if (!config.staged) return ffi::Error::Success();
-  const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk), num_chunks);
+  const size_t need = intranode::StagedRegionBytes(num_rows, row_bytes, int(num_topk), num_chunks, state.num_ranks);
   if (state.normal.num_bytes >= need) return ffi::Error::Success();
   const char* mode = state.ipc ? "a multi-process buffer (staged mode)" : "staged mode (DEEP_EP_JAX_STAGED=1)";
   return Invalid(fn, std::string(mode) + " needs a normal region of " + Str(need) +

@@ -287,8 +287,8 @@ __device__ __forceinline__ void StridedCopyBytes(void* dst, const void* src, int
 // ---------------------------------------------------------------------------
 // Routing.
 
-// Bit r is set when the token has an expert on rank r.
-static_assert(kMaxNvlinkRanks <= 32, "TokenRankMask keeps one bit per rank in 32 bits: intranode normal mode only");
+// Bit r is set when the token has an expert on rank r (r < 32: groups of
+// up to 32 ranks only).
 __device__ __forceinline__ uint32_t TokenRankMask(const int* topk, int num_topk, int num_experts,
                                                   int experts_per_rank) {
   uint32_t mask = 0;

@@ -48,16 +48,16 @@ struct Control {
 static_assert(sizeof(Control) <= kTrafficOffset, "internode Control reaches the traffic counters (common/traffic.h)");
 
 // The EP group as seen from this rank. Per-host arrays by value (a host has
-// at most kMaxNvlinkRanks ranks); per-rank tables in device memory
+// at most kMaxInternodeHostRanks ranks); per-rank tables in device memory
 // (DeviceState::device_pes, device_nodes), which the kernels that need them
 // per row copy to shared memory.
 struct Group {
-  char* host_regions[kMaxNvlinkRanks];  // regions of this host's ranks, by index on the host, mapped here
-  int host_ranks[kMaxNvlinkRanks];      // their ranks
-  const int* pes;                       // [R] PE of each rank
-  const int* node_of;                   // [R] host of each rank
-  const int* local_of;                  // [R] index of each rank among its host's ranks
-  const int* rank_at;                   // [H * G] rank of (host b, index j) at b * G + j
+  char* host_regions[kMaxInternodeHostRanks];  // regions of this host's ranks, by index on the host, mapped here
+  int host_ranks[kMaxInternodeHostRanks];      // their ranks
+  const int* pes;                              // [R] PE of each rank
+  const int* node_of;                          // [R] host of each rank
+  const int* local_of;                         // [R] index of each rank among its host's ranks
+  const int* rank_at;                          // [H * G] rank of (host b, index j) at b * G + j
   int rank, num_ranks, num_nodes, ranks_per_node, node, local;
   uint64_t timeout_ns;
 
@@ -1325,10 +1325,10 @@ Group MakeGroup(const DeviceState& state, const LaunchConfig& c) {
   g.rank = state.rank;
   g.num_ranks = R;
   g.num_nodes = state.num_nodes;
-  g.ranks_per_node = R / state.num_nodes;  // hosts of equal size, at most kMaxNvlinkRanks (FFI)
+  g.ranks_per_node = R / state.num_nodes;  // hosts of equal size, at most kMaxInternodeHostRanks (FFI)
   g.node = state.nodes[state.rank];
   int j = 0;
-  for (int r = 0; r < R && j < kMaxNvlinkRanks; ++r) {
+  for (int r = 0; r < R && j < kMaxInternodeHostRanks; ++r) {
     if (state.nodes[r] != g.node) continue;
     if (r == state.rank) g.local = j;
     g.host_regions[j] = state.normal.peers[r];

@@ -1,7 +1,7 @@
 // Normal-mode (training / prefill) dispatch and combine for an EP group that
 // spans hosts: one process (one NVSHMEM PE) per GPU, R <=
 // kMaxInternodeNormalRanks ranks cut into hosts ("nodes") of the same number
-// of GPUs, at most kMaxNvlinkRanks each. docs/internode.md has the design; in short:
+// of GPUs, at most kMaxInternodeHostRanks each. docs/internode.md has the design; in short:
 //
 // dispatch (hierarchical, as DeepEP's): a token crosses the network at most
 // once per destination host, to the GPU of that host with the sender's local

@@ -3,6 +3,12 @@
 // 16-byte stores; combine pulls each token's rows from every rank and sums
 // them in float32 in rank order, the reference backend's order.
 //
+// Up to 8 ranks the move kernels keep a token's destinations in registers,
+// one unrolled slot per rank (kRanks = 2, 4, 8). Beyond (kRanks = kWide, up to
+// kMaxNvlinkRanks) a warp lists each token's destinations in rank order in
+// shared memory (at most top-k of them) and moves rows to kWideBatch of them
+// at a time; sums still run in rank order, so the bits are the same.
+//
 // Staged mode: the move kernels have two roles, by block index. Dispatch:
 // blocks [0, num_move_blocks) send (as in direct mode), the blocks after them
 // copy landed rows from the staging area to XLA's outputs, chunk by chunk, as
@@ -15,6 +21,8 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 
 #include "kernels/device.cuh"
 #include "kernels/intranode.h"
@@ -28,6 +36,14 @@ constexpr int kFinishThreads = 1024;  // finish: one block
 // Staged dispatch: a chunk record's rows are copied by items of at most this
 // many rows (one warp each), so a large chunk_tokens still spreads the copy.
 constexpr int kCopyItemRows = 4;
+// Move kernels' template argument for groups of more than 8 ranks, and how
+// many destinations (or sources) such a kernel serves per pass over a row.
+constexpr int kWide = 0;
+constexpr int kWideBatch = 8;
+// 32-bit words of a bit set over the ranks; also the peers a lane serves
+// when the lanes of a warp serve peers lane, lane + 32, ...
+constexpr int kRankWords = (kMaxNvlinkRanks + kWarpSize - 1) / kWarpSize;
+static_assert(kNotifyThreads >= kMaxNvlinkRanks, "the notify kernel keeps a thread per rank");
 
 // Staged combine: ready flags per source, one per kStagedCopyRows rows of x.
 __host__ __device__ __forceinline__ int64_t NumRowFlags(int64_t num_rows) {
@@ -68,8 +84,8 @@ static_assert(sizeof(ChunkRecord) == sizeof(int4), "records are cleared as int4"
 // region (the same offsets on every rank: the layout depends only on the
 // call's shapes, which all ranks share).
 struct StagedSync {
-  size_t records;    // ChunkRecord [kMaxNvlinkRanks][num_chunks] (dispatch)
-  size_t row_flags;  // int [kMaxNvlinkRanks][NumRowFlags(num_rows)] (combine): [owner][chunk], raised by the owner
+  size_t records;    // ChunkRecord [num_ranks][num_chunks] (dispatch)
+  size_t row_flags;  // int [num_ranks][NumRowFlags(num_rows)] (combine): [owner][chunk], raised by the owner
                      // in the puller's region, so pullers poll local memory
   int num_chunks;
 };
@@ -147,26 +163,28 @@ __device__ __forceinline__ void ClearSync(const SyncClear& clear, int seq) {
 // dispatch, its per-destination token counts) into every peer's control
 // bytes, then waits for every peer's and checks that the peer is at the same
 // call and launched as many move blocks: each finish kernel waits for the
-// done flags of the peers' blocks by index. Threads r < num_ranks each serve
-// peer r.
+// done flags of the peers' blocks by index. Thread i serves peers i, i +
+// blockDim.x, ... (a peer's counts are read by the thread that waited for it).
 __device__ void PublishAndWait(const Group& g, int seq, int tag, const RankBuffers& mine, const int* counts,
                                int num_move_blocks, int mode, uint64_t timeout_ns) {
-  const int peer = threadIdx.x;
-  if (peer >= g.num_ranks) return;
-  Control* remote = ControlOf(g, peer);
-  if (counts != nullptr) {
-    for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
-  }
-  remote->buffers[g.rank] = mine;
-  remote->move_blocks[g.rank] = num_move_blocks;
-  remote->calls[g.rank] = tag;
-  StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
   Control* control = ControlOf(g, g.rank);
-  WaitAtLeast(&control->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)", g.rank, peer,
-              -1);
-  CheckPeerCall(tag, LoadVolatile(&control->calls[peer]), g.rank, peer);
-  CheckPeerLaunch(num_move_blocks, LoadVolatile(&control->move_blocks[peer]), ModeName(mode), "move blocks", g.rank,
-                  peer);
+  for (int peer = threadIdx.x; peer < g.num_ranks; peer += blockDim.x) {
+    Control* remote = ControlOf(g, peer);
+    if (counts != nullptr) {
+      for (int dst = 0; dst < g.num_ranks; ++dst) remote->counts[g.rank][dst] = counts[dst];
+    }
+    remote->buffers[g.rank] = mine;
+    remote->move_blocks[g.rank] = num_move_blocks;
+    remote->calls[g.rank] = tag;
+    StoreReleaseSys(&remote->ready[g.rank], seq);  // orders the stores above before the flag
+  }
+  for (int peer = threadIdx.x; peer < g.num_ranks; peer += blockDim.x) {
+    WaitAtLeast(&control->ready[peer], seq, timeout_ns, ModeName(mode), "ready flag (buffers published)", g.rank, peer,
+                -1);
+    CheckPeerCall(tag, LoadVolatile(&control->calls[peer]), g.rank, peer);
+    CheckPeerLaunch(num_move_blocks, LoadVolatile(&control->move_blocks[peer]), ModeName(mode), "move blocks", g.rank,
+                    peer);
+  }
 }
 
 // Once every thread of the block is done with the peers' memory, tells each
@@ -174,7 +192,8 @@ __device__ void PublishAndWait(const Group& g, int seq, int tag, const RankBuffe
 __device__ void SignalDone(const Group& g, int seq, int block) {
   __threadfence_system();
   __syncthreads();
-  if (int(threadIdx.x) < g.num_ranks) StoreReleaseSys(&ControlOf(g, threadIdx.x)->done[g.rank][block], seq);
+  for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x)
+    StoreReleaseSys(&ControlOf(g, r)->done[g.rank][block], seq);
 }
 
 // ---------------------------------------------------------------------------
@@ -196,25 +215,23 @@ struct NotifyArgs {
   CallOrder order;
 };
 
-__global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, NotifyArgs a) {
-  __shared__ int warp_sums[kWarpSize * kMaxNvlinkRanks];
-  __shared__ int totals[kMaxNvlinkRanks];
-  __shared__ int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]
-  __shared__ int shared_seq, shared_tag;
-  const int num_ranks = g.num_ranks, me = g.rank;
-  const int num_tokens = a.num_tokens, num_topk = a.num_topk;
+// Narrow groups (kRanks <= 8): each thread counts a contiguous slice of
+// tokens per rank in registers, so thread order is token order; a block scan
+// gives each thread its tokens' positions among this rank's tokens per rank.
+template <int kRanks>
+__device__ __forceinline__ void CountTokensNarrow(const Group& g, const NotifyArgs& a, int (&offset)[kRanks],
+                                                  int* totals) {
+  static_assert(kRanks <= 32, "TokenRankMask keeps a bit per rank in 32 bits");
+  __shared__ int warp_sums[kWarpSize * kRanks];
+  const int num_ranks = g.num_ranks, num_topk = a.num_topk;
   const int experts_per_rank = a.num_experts / num_ranks;
-  Control* control = ControlOf(g, me);
-
-  // Each thread takes a contiguous slice of tokens, so thread order is token order.
-  const int per_thread = (num_tokens + blockDim.x - 1) / blockDim.x;
-  const int begin = min(num_tokens, int(threadIdx.x) * per_thread);
-  const int end = min(num_tokens, begin + per_thread);
-  int offset[kMaxNvlinkRanks] = {};
+  const int per_thread = (a.num_tokens + blockDim.x - 1) / blockDim.x;
+  const int begin = min(a.num_tokens, int(threadIdx.x) * per_thread);
+  const int end = min(a.num_tokens, begin + per_thread);
   for (int t = begin; t < end; ++t) {
     const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
 #pragma unroll
-    for (int r = 0; r < kMaxNvlinkRanks; ++r) {
+    for (int r = 0; r < kRanks; ++r) {
       if (r >= num_ranks) continue;
       const bool in_rank = (mask >> r) & 1u;
       a.is_token_in_rank[int64_t(t) * num_ranks + r] = in_rank;
@@ -222,17 +239,153 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
     }
   }
   BlockExclusiveScan(offset, num_ranks, warp_sums, totals);
+}
+
+// Positions for the narrow groups: offset[r] (this thread's first position at
+// r among this rank's tokens) plus the rows r receives from ranks before me.
+template <int kRanks>
+__device__ __forceinline__ void SendPositionsNarrow(const Group& g, const NotifyArgs& a, int (&offset)[kRanks],
+                                                    const int (*counts)[kMaxNvlinkRanks]) {
+  const int num_ranks = g.num_ranks, num_topk = a.num_topk;
+  const int experts_per_rank = a.num_experts / num_ranks;
+  const int per_thread = (a.num_tokens + blockDim.x - 1) / blockDim.x;
+  const int begin = min(a.num_tokens, int(threadIdx.x) * per_thread);
+  const int end = min(a.num_tokens, begin + per_thread);
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    if (r >= num_ranks) continue;
+    for (int s = 0; s < g.rank; ++s) offset[r] += counts[s][r];
+  }
+  for (int t = begin; t < end; ++t) {
+    const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
+#pragma unroll
+    for (int r = 0; r < kRanks; ++r) {
+      if (r >= num_ranks) continue;
+      int pos = -1;
+      if ((mask >> r) & 1u) {
+        pos = offset[r]++;
+        if (pos >= a.num_worst_tokens) pos = -1;
+      }
+      a.send_pos[int64_t(t) * num_ranks + r] = pos;
+    }
+  }
+}
+
+// Wide groups: token t's ranks as bits (r in word r / 32); none past the tokens.
+__device__ __forceinline__ void TokenRankBits(const NotifyArgs& a, int t, int experts_per_rank,
+                                              uint32_t (&bits)[kRankWords]) {
+#pragma unroll
+  for (int j = 0; j < kRankWords; ++j) bits[j] = 0;
+  if (t >= a.num_tokens) return;
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int e = a.topk_idx[int64_t(t) * a.num_topk + k];
+    if (e < 0 || e >= a.num_experts) continue;
+    const int r = e / experts_per_rank;
+#pragma unroll
+    for (int j = 0; j < kRankWords; ++j) bits[j] |= r / kWarpSize == j ? 1u << (r % kWarpSize) : 0u;
+  }
+}
+
+__device__ __forceinline__ bool RankBit(const uint32_t (&bits)[kRankWords], int r) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int j = 0; j < kRankWords; ++j) word = r / kWarpSize == j ? bits[j] : word;
+  return (word >> (r % kWarpSize)) & 1u;
+}
+
+// Wide groups: tiles of blockDim.x tokens, a thread per token (as the narrow
+// path, the ids are read once per pass); per rank, each warp's tokens counted
+// by a ballot into totals.
+__device__ void CountTokensWide(const Group& g, const NotifyArgs& a, int* totals) {
+  const int lane = threadIdx.x % kWarpSize, num_ranks = g.num_ranks;
+  const int experts_per_rank = a.num_experts / num_ranks;
+  if (int(threadIdx.x) < num_ranks) totals[threadIdx.x] = 0;
+  __syncthreads();
+  for (int base = 0; base < a.num_tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    uint32_t bits[kRankWords];
+    TokenRankBits(a, t, experts_per_rank, bits);
+    for (int r = 0; r < num_ranks; ++r) {
+      const bool in_rank = RankBit(bits, r);
+      if (t < a.num_tokens) a.is_token_in_rank[int64_t(t) * num_ranks + r] = in_rank;
+      const int count = __popc(__ballot_sync(0xffffffffu, in_rank));
+      if (lane == 0 && count > 0) atomicAdd(&totals[r], count);
+    }
+  }
+}
+
+// Positions for the wide groups, tile by tile in token order: each warp's
+// count per rank, scanned over the warps by a thread per rank from the rows
+// rank r already holds (from the ranks before me and the earlier tiles),
+// then each token's place among its warp's by a ballot.
+__device__ void SendPositionsWide(const Group& g, const NotifyArgs& a, const int (*counts)[kMaxNvlinkRanks]) {
+  __shared__ int warp_counts[kNotifyThreads / kWarpSize][kMaxNvlinkRanks];  // [warp][rank], then their offsets
+  __shared__ int running[kMaxNvlinkRanks];
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize, num_warps = blockDim.x / kWarpSize;
+  const int num_ranks = g.num_ranks, experts_per_rank = a.num_experts / num_ranks;
+  const uint32_t lanes_before = (1u << lane) - 1u;
+  if (int(threadIdx.x) < num_ranks) {
+    int sum = 0;
+    for (int s = 0; s < g.rank; ++s) sum += counts[s][threadIdx.x];
+    running[threadIdx.x] = sum;
+  }
+  for (int base = 0; base < a.num_tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    uint32_t bits[kRankWords];
+    TokenRankBits(a, t, experts_per_rank, bits);
+    for (int r = 0; r < num_ranks; ++r) {
+      const int count = __popc(__ballot_sync(0xffffffffu, RankBit(bits, r)));
+      if (lane == 0) warp_counts[warp][r] = count;
+    }
+    __syncthreads();  // the counts (and, first, running) before the scan
+    if (int(threadIdx.x) < num_ranks) {
+      int offset = running[threadIdx.x];
+      for (int w = 0; w < num_warps; ++w) {
+        const int count = warp_counts[w][threadIdx.x];
+        warp_counts[w][threadIdx.x] = offset;
+        offset += count;
+      }
+      running[threadIdx.x] = offset;
+    }
+    __syncthreads();  // the offsets before the positions
+    for (int r = 0; r < num_ranks; ++r) {
+      const bool in_rank = RankBit(bits, r);
+      const uint32_t ballot = __ballot_sync(0xffffffffu, in_rank);
+      int pos = -1;
+      if (in_rank) {
+        pos = warp_counts[warp][r] + __popc(ballot & lanes_before);
+        if (pos >= a.num_worst_tokens) pos = -1;
+      }
+      if (t < a.num_tokens) a.send_pos[int64_t(t) * num_ranks + r] = pos;
+    }
+    __syncthreads();  // every warp read its offsets before the next tile's counts
+  }
+}
+
+template <int kRanks>
+__global__ void __launch_bounds__(kNotifyThreads, 1) DispatchNotifyKernel(Group g, NotifyArgs a) {
+  __shared__ int totals[kMaxNvlinkRanks];
+  __shared__ int counts[kMaxNvlinkRanks][kMaxNvlinkRanks];  // [src][dst]
+  __shared__ int shared_seq, shared_tag;
+  const int num_ranks = g.num_ranks, me = g.rank;
+  Control* control = ControlOf(g, me);
+
+  int offset[kRanks == kWide ? 1 : kRanks] = {};
+  if constexpr (kRanks == kWide) {
+    CountTokensWide(g, a, totals);
+  } else {
+    CountTokensNarrow(g, a, offset, totals);
+  }
 
   if (threadIdx.x == 0) shared_seq = BeginCall(control, a.order, kDispatch, me, &shared_tag);
   __syncthreads();
   const int seq = shared_seq;
   ClearSync(a.clear, seq);
-  __syncthreads();  // every thread's clears before the ready flags
+  __syncthreads();  // every thread's clears (and the wide counts' totals) before the ready flags
   if (int(threadIdx.x) < num_ranks) a.num_tokens_per_rank[threadIdx.x] = totals[threadIdx.x];
   PublishAndWait(g, seq, shared_tag, a.landing, totals, a.num_move_blocks, kDispatch, a.timeout_ns);
-  if (int(threadIdx.x) < num_ranks) {
-    for (int dst = 0; dst < num_ranks; ++dst)
-      counts[threadIdx.x][dst] = LoadVolatile(&control->counts[threadIdx.x][dst]);
+  for (int src = threadIdx.x; src < num_ranks; src += blockDim.x) {  // the thread that waited for src
+    for (int dst = 0; dst < num_ranks; ++dst) counts[src][dst] = LoadVolatile(&control->counts[src][dst]);
   }
   __syncthreads();
 
@@ -252,23 +405,10 @@ __global__ void __launch_bounds__(kNotifyThreads) DispatchNotifyKernel(Group g, 
 
   // A token's row at rank r: rows r receives from ranks before me, plus the
   // token's position among mine sent to r. Rows past num_worst_tokens drop.
-#pragma unroll
-  for (int r = 0; r < kMaxNvlinkRanks; ++r) {
-    if (r >= num_ranks) continue;
-    for (int s = 0; s < me; ++s) offset[r] += counts[s][r];
-  }
-  for (int t = begin; t < end; ++t) {
-    const uint32_t mask = TokenRankMask(a.topk_idx + int64_t(t) * num_topk, num_topk, a.num_experts, experts_per_rank);
-#pragma unroll
-    for (int r = 0; r < kMaxNvlinkRanks; ++r) {
-      if (r >= num_ranks) continue;
-      int pos = -1;
-      if ((mask >> r) & 1u) {
-        pos = offset[r]++;
-        if (pos >= a.num_worst_tokens) pos = -1;
-      }
-      a.send_pos[int64_t(t) * num_ranks + r] = pos;
-    }
+  if constexpr (kRanks == kWide) {
+    SendPositionsWide(g, a, counts);
+  } else {
+    SendPositionsNarrow(g, a, offset, counts);
   }
 }
 
@@ -406,16 +546,22 @@ __device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
   const int num_rows = a.num_worst_tokens, num_topk = a.num_topk;
   const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = a.num_move_blocks * blockDim.x;
   if (a.recv_src_rank != nullptr) {
-    int ends[kMaxNvlinkRanks];  // rows from sources <= s end at ends[s]
-#pragma unroll
-    for (int s = 0; s < kMaxNvlinkRanks; ++s)
-      ends[s] = s < g.num_ranks ? a.rank_prefix_matrix[s * g.num_ranks + g.rank] : 0;
+    // Rows from sources <= s end at prefix[s][me]: row i's source is the
+    // first s whose end passes i (a binary search down that column).
+    const int* ends = a.rank_prefix_matrix + g.rank;
     for (int i = first; i < num_rows; i += stride) {
       int src = -1;
       if (i < num_recv) {
-        src = 0;
-#pragma unroll
-        for (int s = 0; s < kMaxNvlinkRanks; ++s) src += s < g.num_ranks && ends[s] <= i;
+        int low = 0, high = g.num_ranks - 1;
+        while (low < high) {
+          const int mid = (low + high) / 2;
+          if (ends[mid * g.num_ranks] > i) {
+            high = mid;
+          } else {
+            low = mid + 1;
+          }
+        }
+        src = low;
       }
       a.recv_src_rank[i] = src;
     }
@@ -487,6 +633,75 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
   }
 }
 
+// Wide groups: lists token t's destinations (or sources), (rank, row) in rank
+// order, into the warp's `list`; returns how many, in every lane. Lanes read
+// 32 ranks' positions at a time.
+__device__ __forceinline__ int ListRanks(const int* send_pos, int num_ranks, int num_rows, int t, int2* list,
+                                         int lane) {
+  __syncwarp();  // the warp is done with the previous token's list
+  int n = 0;
+  for (int base = 0; base < num_ranks; base += kWarpSize) {
+    const int r = base + lane;
+    const int pos = r < num_ranks ? HandleRow(send_pos[int64_t(t) * num_ranks + r], num_rows) : -1;
+    const uint32_t ballot = __ballot_sync(0xffffffffu, pos >= 0);
+    if (pos >= 0) list[n + __popc(ballot & ((1u << lane) - 1u))] = make_int2(r, pos);
+    n += __popc(ballot);
+  }
+  __syncwarp();
+  return n;
+}
+
+// SendToken for wide groups: the same stores, to the listed destinations,
+// kWideBatch of them per pass over the row.
+__device__ void SendTokenWide(const Group& g, const SendArgs& a, const RankBuffers* dest, int2* list, int t, int lane) {
+  const int n = ListRanks(a.send_pos, g.num_ranks, a.num_worst_tokens, t, list, lane);
+  if (lane == 0 && a.traffic != nullptr) {  // rows stored into the other ranks' memory
+    int peers = 0;
+    for (int j = 0; j < n; ++j) peers += list[j].x != g.rank;
+    CountTraffic(a.traffic, false, peers, a.row_bytes[0] + a.row_bytes[1]);
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxRowArrays; ++i) {
+    const int64_t bytes = a.row_bytes[i];
+    if (bytes == 0) continue;
+    const char* src = a.x[i] + t * bytes;
+    for (int first = 0; first < n; first += kWideBatch) {
+      char* dst[kWideBatch];
+#pragma unroll
+      for (int j = 0; j < kWideBatch; ++j) {
+        const int2 d = first + j < n ? list[first + j] : make_int2(0, -1);
+        dst[j] = d.y >= 0 ? dest[d.x].rows[i] + d.y * bytes : nullptr;
+      }
+      if (bytes % sizeof(int4) == 0) {
+        WarpCopyRowToRanks<kWideBatch, int4>(src, dst, bytes, lane);
+      } else {
+        WarpCopyRowToRanks<kWideBatch, int>(src, dst, bytes, lane);
+      }
+    }
+  }
+  const int num_topk = a.num_topk;
+  for (int k = lane; k < num_topk; k += kWarpSize) {
+    const int64_t in = int64_t(t) * num_topk + k;
+    const int expert = a.topk_idx != nullptr ? a.topk_idx[in] : -1;
+    const float weight = a.topk_weights != nullptr ? a.topk_weights[in] : 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const int r = list[j].x;
+      const int64_t out = int64_t(list[j].y) * num_topk + k;
+      if (a.topk_idx != nullptr) {
+        const int local = expert - r * a.experts_per_rank;
+        const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+        dest[r].topk_idx[out] = mine ? local : -1;
+        if (a.topk_weights != nullptr) dest[r].topk_weights[out] = mine ? weight : 0.0f;
+      } else if (a.topk_weights != nullptr) {
+        dest[r].topk_weights[out] = weight;
+      }
+    }
+  }
+  if (lane == 0 && a.mode == kDispatch) {
+    for (int j = 0; j < n; ++j) dest[list[j].x].src_idx[list[j].y] = t;
+  }
+}
+
 // Staged dispatch: rank `rank`'s record of src's chunk, as mapped here.
 __device__ __forceinline__ ChunkRecord* RecordOf(const Group& g, const StagedSync& sync, int rank, int src, int chunk) {
   return reinterpret_cast<ChunkRecord*>(g.regions[rank] + sync.records) + int64_t(src) * sync.num_chunks + chunk;
@@ -497,25 +712,24 @@ __device__ __forceinline__ ChunkRecord* RecordOf(const Group& g, const StagedSyn
 // once all the warp's stores are visible to the system.
 __device__ void PublishChunkRecords(const Group& g, const SendArgs& a, int chunk, int begin, int end, int seq,
                                     int lane) {
-  const int r = lane;
-  int first = 0, count = 0;
-  if (r < g.num_ranks && r != g.rank) {
-    for (int t = begin; t < end; ++t) {
-      const int pos = HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens);
-      if (pos < 0) continue;  // not for r, or dropped (then so are the later tokens)
-      if (count++ == 0) first = pos;
-    }
-  }
   // No fence per lane: __syncwarp orders every lane's row stores before lane
   // r's release, and a release is cumulative (PTX memory model), so one
   // release per peer publishes the whole warp's rows. A full system fence in
   // every lane stalled the moving warps once per chunk.
   __syncwarp();
-  if (r >= g.num_ranks || r == g.rank) return;
-  ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
-  record->first = first;
-  record->count = count;
-  StoreReleaseSys(&record->flag, seq);
+  for (int r = lane; r < g.num_ranks; r += kWarpSize) {  // lane serves peers lane, lane + 32, ...
+    if (r == g.rank) continue;
+    int first = 0, count = 0;
+    for (int t = begin; t < end; ++t) {
+      const int pos = HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_worst_tokens);
+      if (pos < 0) continue;  // not for r, or dropped (then so are the later tokens)
+      if (count++ == 0) first = pos;
+    }
+    ChunkRecord* record = RecordOf(g, a.sync, r, g.rank, chunk);
+    record->first = first;
+    record->count = count;
+    StoreReleaseSys(&record->flag, seq);
+  }
 }
 
 // Staged dispatch, copy role (a warp per item): copies the peers' landed rows
@@ -549,6 +763,22 @@ __device__ void CopyLandedRows(const Group& g, const SendArgs& a, int seq, int l
   }
 }
 
+// Every rank's buffers for this call, as seen here (this rank's own: `local`).
+__device__ __forceinline__ void LoadRankBuffers(const Group& g, const Control* control, const RankBuffers& local,
+                                                RankBuffers* buffers) {
+  for (int r = threadIdx.x; r < g.num_ranks; r += blockDim.x) {
+    buffers[r] = r == g.rank ? local : LoadPublished(g, control, r);
+  }
+  __syncthreads();
+}
+
+// The warp's slice of a wide kernel's per-token rank lists (unused below 9 ranks).
+template <int kRanks>
+__device__ __forceinline__ int2* WarpRankList() {
+  __shared__ int2 lists[kRanks == kWide ? kMaxWarps : 1][kMaxNvlinkRanks];
+  return lists[kRanks == kWide ? threadIdx.x / kWarpSize : 0];
+}
+
 template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps* kWarpSize) SendKernel(Group g, SendArgs a) {
   __shared__ RankBuffers dest[kMaxNvlinkRanks];
@@ -559,15 +789,19 @@ __global__ void __launch_bounds__(kMaxWarps* kWarpSize) SendKernel(Group g, Send
     CopyLandedRows(g, a, seq, lane);
     return;
   }
-  if (int(threadIdx.x) < g.num_ranks) {
-    dest[threadIdx.x] = int(threadIdx.x) == g.rank ? a.local : LoadPublished(g, control, threadIdx.x);
-  }
-  __syncthreads();
+  LoadRankBuffers(g, control, a.local, dest);
+  int2* list = WarpRankList<kRanks>();
 
   FillReceivedMetadata(g, a);
 
   ForEachChunk(&control->next_chunk, a.num_tokens, a.chunk_tokens, [&](int chunk, int begin, int end) {
-    for (int t = begin; t < end; ++t) SendToken<kRanks>(g, a, dest, t, lane);
+    for (int t = begin; t < end; ++t) {
+      if constexpr (kRanks == kWide) {
+        SendTokenWide(g, a, dest, list, t, lane);
+      } else {
+        SendToken<kRanks>(g, a, dest, t, lane);
+      }
+    }
     if (a.staged) PublishChunkRecords(g, a, chunk, begin, end, seq, lane);
   });
   SignalDone(g, seq, blockIdx.x);
@@ -682,19 +916,23 @@ __device__ void CopyToStaging(const Group& g, const CombineArgs& a, int seq) {
 
 // Staged combine: before token t's rows are read, waits until every peer r
 // has raised the ready flag of the chunk holding the token's row at r (lane
-// r for peer r, all peers at once). ready_chunk: lane r's last chunk of r
-// seen ready (a warp's consecutive tokens mostly share chunks). The lanes
-// that waited acquired the flags; __syncwarp orders the warp's loads after.
-__device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs& a, int t, int seq, int& ready_chunk,
-                                              int lane) {
-  const int r = lane;
-  if (r < g.num_ranks && r != g.rank) {
+// r % 32 for peer r, all peers at once). ready_chunk[j]: the last chunk of
+// peer lane + 32 j seen ready (a warp's consecutive tokens mostly share
+// chunks). The lanes that waited acquired the flags; __syncwarp orders the
+// warp's loads after.
+template <int kLanePeers>
+__device__ __forceinline__ void WaitRowsReady(const Group& g, const CombineArgs& a, int t, int seq,
+                                              int (&ready_chunk)[kLanePeers], int lane) {
+#pragma unroll
+  for (int j = 0; j < kLanePeers; ++j) {
+    const int r = lane + j * kWarpSize;
+    if (r >= g.num_ranks || r == g.rank) continue;
     const int pos = HandleRow(a.send_pos[int64_t(t) * g.num_ranks + r], a.num_rows);
-    if (pos >= 0 && pos / kStagedCopyRows != ready_chunk) {
-      ready_chunk = pos / kStagedCopyRows;
+    if (pos >= 0 && pos / kStagedCopyRows != ready_chunk[j]) {
+      ready_chunk[j] = pos / kStagedCopyRows;
       const int* flag = reinterpret_cast<const int*>(g.regions[g.rank] + a.sync.row_flags) +
-                        r * NumRowFlags(a.num_rows) + ready_chunk;
-      WaitAtLeast(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk);
+                        r * NumRowFlags(a.num_rows) + ready_chunk[j];
+      WaitAtLeast(flag, seq, a.timeout_ns, ModeName(kCombine), "ready flag of staged rows", g.rank, r, ready_chunk[j]);
     }
   }
   __syncwarp();
@@ -732,6 +970,57 @@ __device__ __forceinline__ void CombineToken(const Group& g, const CombineArgs& 
   }
 }
 
+// CombineToken for wide groups: the listed sources in rank order, kWideBatch
+// of them per pass, summed in float32 as the narrow kernels do.
+__device__ void CombineTokenWide(const Group& g, const CombineArgs& a, const RankBuffers* sources, int2* list, int t,
+                                 int lane) {
+  constexpr int kUnroll = 1;
+  const int64_t row_bytes = int64_t(a.hidden) * sizeof(uint16_t);
+  const int n = ListRanks(a.send_pos, g.num_ranks, a.num_rows, t, list, lane);
+  if (lane == 0 && a.traffic != nullptr) {  // rows loaded from the other ranks' memory
+    int peers = 0;
+    for (int j = 0; j < n; ++j) peers += list[j].x != g.rank;
+    CountTraffic(a.traffic, false, peers, row_bytes);
+  }
+  int4* out = reinterpret_cast<int4*>(a.out + int64_t(t) * a.hidden);
+  const int num_vectors = a.hidden / 8;
+  for (int base = lane; base < num_vectors; base += kWarpSize * kUnroll) {
+    float acc[kUnroll][8] = {};
+    for (int first = 0; first < n; first += kWideBatch) {
+      int4 v[kWideBatch][kUnroll];
+      const int4* src[kWideBatch];
+#pragma unroll
+      for (int j = 0; j < kWideBatch; ++j) {
+        const int2 s = first + j < n ? list[first + j] : make_int2(0, -1);
+        src[j] = s.y >= 0 ? reinterpret_cast<const int4*>(sources[s.x].rows[0] + s.y * row_bytes) : nullptr;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = base + u * kWarpSize;
+          if (src[j] != nullptr && i < num_vectors) v[j][u] = src[j][i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kWideBatch; ++j) {
+          if (src[j] != nullptr && base + u * kWarpSize < num_vectors) AddBf16x8(acc[u], v[j][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * kWarpSize;
+      if (i < num_vectors) out[i] = PackBf16x8(acc[u]);
+    }
+  }
+  if (a.out_weights == nullptr) return;
+  for (int k = lane; k < a.num_topk; k += kWarpSize) {
+    float acc = 0.0f;
+    for (int j = 0; j < n; ++j) acc += sources[list[j].x].topk_weights[int64_t(list[j].y) * a.num_topk + k];
+    a.out_weights[int64_t(t) * a.num_topk + k] = acc;
+  }
+}
+
 template <int kRanks>
 __global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineKernel(Group g, CombineArgs a) {
   __shared__ RankBuffers sources[kMaxNvlinkRanks];
@@ -741,16 +1030,20 @@ __global__ void __launch_bounds__(kMaxWarps* kWarpSize) CombineKernel(Group g, C
     CopyToStaging(g, a, seq);
     return;
   }
-  if (int(threadIdx.x) < g.num_ranks) {
-    sources[threadIdx.x] = int(threadIdx.x) == g.rank ? a.local : LoadPublished(g, control, threadIdx.x);
-  }
-  __syncthreads();
+  LoadRankBuffers(g, control, a.local, sources);
+  int2* list = WarpRankList<kRanks>();
 
   const int lane = threadIdx.x % kWarpSize;
-  int ready_chunk = -1;
+  int ready_chunk[kRanks == kWide ? kRankWords : 1];  // peers per lane: lane, lane + 32, ...
+#pragma unroll
+  for (int& chunk : ready_chunk) chunk = -1;
   ForEachToken(&control->next_chunk, a.num_tokens, a.chunk_tokens, [&](int t) {
     if (a.staged) WaitRowsReady(g, a, t, seq, ready_chunk, lane);
-    CombineToken<kRanks>(g, a, sources, t, lane);
+    if constexpr (kRanks == kWide) {
+      CombineTokenWide(g, a, sources, list, t, lane);
+    } else {
+      CombineToken<kRanks>(g, a, sources, t, lane);
+    }
   });
   SignalDone(g, seq, blockIdx.x - a.num_copy_blocks);
 }
@@ -813,8 +1106,8 @@ struct Staging {
   size_t end;
 };
 
-Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk,
-                      int64_t num_chunks) {
+Staging StagingLayout(char* region, int num_ranks, int64_t num_rows, const int64_t row_bytes[kMaxRowArrays],
+                      int num_topk, int64_t num_chunks) {
   size_t offset = kControlBytes;
   auto take = [&](size_t bytes) {
     const size_t at = offset;
@@ -827,8 +1120,8 @@ Staging StagingLayout(char* region, int64_t num_rows, const int64_t row_bytes[kM
   s.buffers.topk_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * num_topk * sizeof(int))));
   s.buffers.topk_weights = reinterpret_cast<float*>(address(take(size_t(num_rows) * num_topk * sizeof(float))));
   s.buffers.src_idx = reinterpret_cast<int*>(address(take(size_t(num_rows) * sizeof(int))));
-  s.sync.records = take(size_t(kMaxNvlinkRanks) * size_t(num_chunks) * sizeof(ChunkRecord));
-  s.sync.row_flags = take(size_t(kMaxNvlinkRanks) * size_t(NumRowFlags(num_rows)) * sizeof(int));
+  s.sync.records = take(size_t(num_ranks) * size_t(num_chunks) * sizeof(ChunkRecord));
+  s.sync.row_flags = take(size_t(num_ranks) * size_t(NumRowFlags(num_rows)) * sizeof(int));
   s.sync.num_chunks = int(num_chunks);
   s.end = offset;
   return s;
@@ -874,9 +1167,22 @@ Blocks SplitBlocks(const DeviceState& state, const LaunchConfig& c) {
   return Blocks{std::max(1, std::min(c.num_blocks, num_sms - copy)), copy};
 }
 
+// Test hook: DEEP_EP_JAX_WIDE_KERNELS=1 runs the wide kernels at any group
+// size, so one GPU checks them against the oracle at 2..8 ranks too (every
+// path lays the memory out alike: ranks may mix them).
+bool WideKernelsForced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("DEEP_EP_JAX_WIDE_KERNELS");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return forced;
+}
+
 template <template <int> class Launcher, typename... Args>
 void LaunchForRanks(int num_ranks, Args&&... args) {
-  if (num_ranks <= 2) {
+  if (num_ranks > 8 || WideKernelsForced()) {
+    Launcher<kWide>::Run(args...);
+  } else if (num_ranks <= 2) {
     Launcher<2>::Run(args...);
   } else if (num_ranks <= 4) {
     Launcher<4>::Run(args...);
@@ -884,6 +1190,13 @@ void LaunchForRanks(int num_ranks, Args&&... args) {
     Launcher<8>::Run(args...);
   }
 }
+
+template <int kRanks>
+struct NotifyLauncher {
+  static void Run(const Group& g, const NotifyArgs& a, cudaStream_t stream) {
+    DispatchNotifyKernel<kRanks><<<1, kNotifyThreads, 0, stream>>>(g, a);
+  }
+};
 
 template <int kRanks>
 struct SendLauncher {
@@ -952,8 +1265,9 @@ RankBuffers RowsAndWeights(RankBuffers b, bool with_weights) {
 
 }  // namespace
 
-size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks) {
-  return StagingLayout(nullptr, num_rows, row_bytes, num_topk, num_chunks).end;
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks,
+                         int num_ranks) {
+  return StagingLayout(nullptr, num_ranks, num_rows, row_bytes, num_topk, num_chunks).end;
 }
 
 cudaError_t MarkCallRunningForTesting(char* region) {
@@ -980,8 +1294,8 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
   const Group g = MakeGroup(state);
   const int experts_per_rank = p.num_experts / state.num_ranks;
   const Blocks blocks = SplitBlocks(state, c);
-  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, p.row_bytes, p.num_topk,
-                                        NumChunks(p.num_tokens, c.chunk_tokens));
+  const Staging staging = StagingLayout(state.normal.local, state.num_ranks, p.num_worst_tokens, p.row_bytes,
+                                        p.num_topk, NumChunks(p.num_tokens, c.chunk_tokens));
   const RankBuffers landing = ChooseLanding(p.recv, staging, c.staged);
 
   NotifyArgs notify{p.topk_idx,
@@ -1000,7 +1314,7 @@ cudaError_t LaunchDispatch(const DeviceState& state, const DispatchParams& p, co
                     blocks.move,
                     c.timeout_ns,
                     c.order};
-  DispatchNotifyKernel<<<1, kNotifyThreads, 0, stream>>>(g, notify);
+  LaunchForRanks<NotifyLauncher>(state.num_ranks, g, notify, stream);
 
   SendArgs send = CommonSendArgs(p, c, kDispatch, blocks, staging);
   send.traffic = TrafficOf(state, c, kDispatch);
@@ -1033,8 +1347,8 @@ cudaError_t LaunchCachedDispatch(const DeviceState& state, const CachedDispatchP
   const Group g = MakeGroup(state);
   const bool with_weights = p.topk_weights != nullptr;
   const Blocks blocks = SplitBlocks(state, c);
-  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, p.row_bytes, p.num_topk,
-                                        NumChunks(p.num_tokens, c.chunk_tokens));
+  const Staging staging = StagingLayout(state.normal.local, state.num_ranks, p.num_worst_tokens, p.row_bytes,
+                                        p.num_topk, NumChunks(p.num_tokens, c.chunk_tokens));
   const RankBuffers recv = RowsAndWeights(p.recv, with_weights);
   const RankBuffers landing = RowsAndWeights(ChooseLanding(recv, staging, c.staged), with_weights);
   LaunchPublish(g, Publishable(state, landing), RecordsToClear(state, staging, c.staged), kCachedDispatch, blocks, c,
@@ -1057,7 +1371,8 @@ cudaError_t LaunchCombine(const DeviceState& state, const CombineParams& p, cons
   const Group g = MakeGroup(state);
   const int64_t row_bytes[kMaxRowArrays] = {int64_t(p.hidden) * int64_t(sizeof(uint16_t)), 0};
   const Blocks blocks = SplitBlocks(state, c);
-  const Staging staging = StagingLayout(state.normal.local, p.num_worst_tokens, row_bytes, p.num_topk, 0);
+  const Staging staging =
+      StagingLayout(state.normal.local, state.num_ranks, p.num_worst_tokens, row_bytes, p.num_topk, 0);
   RankBuffers inputs{};
   inputs.rows[0] = const_cast<char*>(reinterpret_cast<const char*>(p.x));
   inputs.topk_weights = const_cast<float*>(p.topk_weights);

@@ -114,11 +114,12 @@ __host__ __device__ inline int64_t NumChunks(int64_t num_tokens, int64_t chunk_t
 // Bytes of the normal region (control included) that a staged call needs:
 // num_rows rows of each row array, then [num_rows, num_topk] ids and weights
 // and [num_rows] source indices, then the copy role's synchronisation:
-// [kMaxNvlinkRanks][num_chunks] chunk records of 16 bytes (dispatch: num_chunks =
+// [num_ranks][num_chunks] chunk records of 16 bytes (dispatch: num_chunks =
 // NumChunks(tokens, chunk_tokens); 0 for combine) and, per kStagedCopyRows
-// rows, kMaxNvlinkRanks int flags, one per source (combine).
+// rows, num_ranks int flags, one per source (combine).
 constexpr int kStagedCopyRows = 32;
-size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks);
+size_t StagedRegionBytes(int64_t num_rows, const int64_t row_bytes[kMaxRowArrays], int num_topk, int64_t num_chunks,
+                         int num_ranks);
 
 // Test hook (_C.set_sequence_for_testing): rewrites `region`'s control block
 // as if `seq` calls had run (the sequence number, and every flag that holds

@@ -139,9 +139,9 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
     const int num_nodes = *std::max_element(nodes.begin(), nodes.end()) + 1;
     for (int b = 0; b < num_nodes; ++b) {
       const int size = int(std::count(nodes.begin(), nodes.end(), b));
-      if (size * num_nodes != num_ranks || size > kMaxNvlinkRanks) {
+      if (size * num_nodes != num_ranks || size > kMaxInternodeHostRanks) {
         throw std::invalid_argument("deep_ep_jax: normal mode across hosts needs hosts of equal size, at most " +
-                                    std::to_string(kMaxNvlinkRanks) + " ranks each; host " + std::to_string(b) +
+                                    std::to_string(kMaxInternodeHostRanks) + " ranks each; host " + std::to_string(b) +
                                     " has " + std::to_string(size) + " of " + std::to_string(num_ranks));
       }
     }

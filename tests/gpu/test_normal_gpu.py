@@ -362,7 +362,7 @@ def test_staged_overlap_skewed(mesh, monkeypatch, num_sms, chunk_tokens):
     num_ranks = mesh.shape[AXIS]
     config = deep_ep_jax.Config(num_sms=num_sms, chunk_tokens=chunk_tokens)
     # Sized for the largest call (no hidden=: the calls' hidden sizes differ).
-    region = _native.extension().staged_region_bytes(num_ranks * 333, 2 * 2048, 0, 8, 333)
+    region = _native.extension().staged_region_bytes(num_ranks * 333, 2 * 2048, 0, 8, 333, num_ranks)
     with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=region, config=config) as cuda:
         xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         kinds = [k for k in testing.ROUTING_KINDS if k != "rank_empty" or num_ranks >= 2]
@@ -428,7 +428,7 @@ def test_staged_exact_region(mesh, monkeypatch):
     num_ranks = mesh.shape[AXIS]
     num_tokens, hidden, topk, rows = 300, 2048, 8, 500
     config = deep_ep_jax.Config(chunk_tokens=1)
-    need = _native.extension().staged_region_bytes(rows, 2 * hidden, 0, topk, num_tokens)
+    need = _native.extension().staged_region_bytes(rows, 2 * hidden, 0, topk, num_tokens, num_ranks)
     with deep_ep_jax.Buffer(mesh, AXIS, backend="cuda", num_nvl_bytes=need, config=config) as cuda:
         xla = deep_ep_jax.Buffer(mesh, AXIS, backend="xla")
         for seed, kind in enumerate(("random", "one_expert")):
@@ -768,8 +768,8 @@ def test_trace_checks_cpu():
     assert handle.num_recv_tokens_per_expert.shape == (4,)
     with pytest.raises(ValueError, match="multiple of 8"):
         _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 260), jnp.bfloat16))
-    with pytest.raises(ValueError, match="at most 8 ranks"):
-        _trace_dispatch(_stand_in(num_ranks=16), x, num_experts=16)
+    with pytest.raises(ValueError, match="at most 72 ranks"):
+        _trace_dispatch(_stand_in(num_ranks=73), x, num_experts=73)
     with pytest.raises(ValueError, match="bf16 rows or quantized pairs"):
         _trace_dispatch(_stand_in(), jax.ShapeDtypeStruct((16, 256), jnp.float32))
     with pytest.raises(ValueError, match="experts per rank|at most 4096"):
@@ -778,20 +778,20 @@ def test_trace_checks_cpu():
         _trace_dispatch(_stand_in(staged=True), x)
     # 32 rows of 512 bytes, top-k 4, records for 16 tokens in chunks of Config.chunk_tokens.
     chunks = -(-16 // deep_ep_jax.Config().chunk_tokens)
-    need = staged_region_bytes(32, 512, 0, 4, chunks)
+    need = staged_region_bytes(32, 512, 0, 4, chunks, 2)
     _trace_dispatch(_stand_in(num_nvl_bytes=need, staged=True), x)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         _trace_dispatch(_stand_in(num_nvl_bytes=need - 1, staged=True), x)
     _trace_dispatch(_stand_in(num_nvl_bytes=need - 1), x)  # not staged: rows go to XLA's buffers
     # chunk_tokens 1: a record per token, more than chunks of 2.
     one = deep_ep_jax.Config(chunk_tokens=1)
-    one_need = staged_region_bytes(32, 512, 0, 4, 16)
+    one_need = staged_region_bytes(32, 512, 0, 4, 16, 2)
     assert one_need > need
     with pytest.raises(ValueError, match="num_nvl_bytes"):
         _trace_dispatch(_stand_in(num_nvl_bytes=one_need - 1, config=one, staged=True), x)
     _trace_dispatch(_stand_in(num_nvl_bytes=one_need, config=one, staged=True), x)
     # Combine needs no chunk records.
-    combine_need = staged_region_bytes(32, 512, 0, 4, 0)
+    combine_need = staged_region_bytes(32, 512, 0, 4, 0, 2)
     assert combine_need < need
     _trace_combine(_stand_in(num_nvl_bytes=combine_need, staged=True), 16, 32, 256, 4)
     with pytest.raises(ValueError, match="num_nvl_bytes"):
@@ -831,8 +831,8 @@ def test_region_hint_cpu():
     assert hint < standard
     for chunks in (100, 50, 1):  # chunk_tokens 1, 2, 100
         for topk in (1, 16):
-            assert staged_region_bytes(200, 4096, 0, topk, chunks) <= hint
-            assert staged_region_bytes(200, 2048, 2048 // 128 * 4, topk, chunks) <= hint
+            assert staged_region_bytes(200, 4096, 0, topk, chunks, 2) <= hint
+            assert staged_region_bytes(200, 2048, 2048 // 128 * 4, topk, chunks, 2) <= hint
     assert sizes.normal_region_bytes(2, 4096, 100, staged=True) > hint
     assert sizes.normal_region_bytes(2, 2048, 200, staged=True) > hint
     # A Buffer with the hint passes the trace-time check of such a dispatch.

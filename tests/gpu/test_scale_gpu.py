@@ -8,7 +8,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   and skewed routing, each process checking its own rank bit for bit against
   tests/oracle.py and the xla backend's FP8 quantisation (worker case
   large_ep_low_latency);
-* normal mode across hosts at 2 x 8, 4 x 4 and 4 x 8: dispatch, combine, a
+* normal mode in one node (one NVLink domain) of 16, 36 and 72 ranks, and
+  across hosts at 2 x 8, 4 x 4 and 4 x 8: dispatch, combine, a
   cached dispatch (combine's gradient), bf16 and FP8 pairs, and low-latency
   mode, against tests/oracle.py (worker case shared_gpu);
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
@@ -151,6 +152,19 @@ def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
         "shared_gpu sizes: 4096 tokens per rank, hidden 7168",
         extra_env={"SHARED_GPU_SIZE": "standard"},
     )
+
+
+@pytest.mark.parametrize("num_ranks,timeout", [(2, 200), (8, 200), (16, 280), (36, 400), (72, 560)])
+def test_one_nvlink_domain_wide_kernels(num_ranks, timeout):
+    """One node (one host, one NVLink domain: a GB200 NVL72 rack at 72) on
+    the single-node kernels' wide path, which lists each token's ranks
+    instead of keeping a slot per rank: past 8 ranks always, at 2 and 8
+    forced (DEEP_EP_JAX_WIDE_KERNELS=1). shared_gpu's checks (normal mode
+    bf16, FP8 and the other wire formats, cached dispatch, low-latency mode)
+    against tests/oracle.py. 72 processes on one GPU need a pytest --timeout
+    above 560 s."""
+    env = {"DEEP_EP_JAX_WIDE_KERNELS": "1"} if num_ranks <= 8 else None
+    _run_hosts_case("shared_gpu", 1, num_ranks, timeout, SHARED_GPU_SUMMARY, extra_env=env)
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 2), (2, 4), (4, 2)])

@@ -27,7 +27,7 @@ def limit(name: str) -> int:
 def normal_mode_max_ranks(spans_hosts: bool) -> int:
     """The most ranks normal mode serves: one NVLink domain on one host;
     across hosts `limit("max_internode_normal_ranks")` in all, on hosts of at
-    most `limit("max_nvlink_ranks")` each (low-latency mode serves up to
+    most `limit("max_internode_host_ranks")` each (low-latency mode serves up to
     `limit("max_group_ranks")`)."""
     return limit("max_internode_normal_ranks" if spans_hosts else "max_nvlink_ranks")
 

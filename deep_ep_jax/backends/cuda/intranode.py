@@ -47,7 +47,9 @@ def _check_region(fn, buffer, num_rows, row_bytes, num_topk, num_chunks):
     """num_chunks: _num_chunks of the tokens for dispatch, 0 for combine (as the FFI check)."""
     if not buffer.staged:
         return
-    need = _native.extension().staged_region_bytes(num_rows, row_bytes[0], row_bytes[1], num_topk, num_chunks)
+    need = _native.extension().staged_region_bytes(
+        num_rows, row_bytes[0], row_bytes[1], num_topk, num_chunks, buffer.num_ranks
+    )
     if buffer.num_nvl_bytes < need:
         mode = "a multi-process buffer (staged)" if buffer.ipc else "staged mode (DEEP_EP_JAX_STAGED=1)"
         raise ValueError(

@@ -38,7 +38,7 @@ def normal_region_bytes(num_ranks, hidden=None, num_tokens=None, num_topk=DEFAUL
     num_rows = num_tokens * int(num_ranks)
     # num_chunks = num_tokens: chunks of one token, the most records any chunk_tokens needs.
     return max(
-        ext.staged_region_bytes(num_rows, row, scales, int(num_topk), num_tokens)
+        ext.staged_region_bytes(num_rows, row, scales, int(num_topk), num_tokens, int(num_ranks))
         for row, scales in _row_formats(hidden)
     )
 

@@ -20,6 +20,11 @@ ranks on one GPU). NVLink multicast stays off
 the rank. The launcher waits for all; when one fails it kills the others and
 exits with that process's status (initialize() makes a process that dies of an
 uncaught exception exit at once, not after jax.distributed's shutdown wait).
+With --keep-going the others run on, and their jax.distributed runtime
+survives the loss (RECOVERABLE_VAR: initialize() turns on jax's
+jax_enable_recoverability; without it, jax ends every process once the
+coordination service misses the dead one's heartbeats). Process 0 hosts that
+service: when it dies, every process ends either way.
 SIGTERM or SIGHUP to the launcher stops the processes too.
 
 The script calls `deep_ep_jax.launch.initialize()` first; under SLURM or
@@ -43,14 +48,33 @@ COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"  # also read by jax.distributed itse
 NUM_PROCESSES_VAR = "JAX_NUM_PROCESSES"
 PROCESS_ID_VAR = "JAX_PROCESS_ID"
 LOCAL_DEVICE_VAR = "DEEP_EP_JAX_LOCAL_DEVICE"  # --all-gpus-visible: the GPU ordinal JAX uses
+RECOVERABLE_VAR = "DEEP_EP_JAX_RECOVERABLE"  # --keep-going: survivors' jax.distributed outlives a dead process
 
 
-def initialize(**kwargs) -> None:
+def initialize(*, recoverable: bool | None = None, **kwargs) -> None:
     """jax.distributed.initialize from the launcher's variables (or, without
     them, from jax's cluster detection: SLURM, Open MPI, ...). On CPU the
     collectives need an implementation across processes: gloo, when the
-    installed jax has the option and nothing else was chosen. Idempotent."""
+    installed jax has the option and nothing else was chosen. Idempotent.
+
+    recoverable: the processes outlive one that dies (jax's
+    jax_enable_recoverability; default: $DEEP_EP_JAX_RECOVERABLE, which
+    `launch --keep-going` sets). Without it jax ends every process once the
+    dead one misses its heartbeats (heartbeat_timeout_seconds=, 100 s by
+    default). Process 0's death ends all either way (it hosts the
+    coordination service)."""
     import jax
+
+    if recoverable is None:
+        recoverable = os.environ.get(RECOVERABLE_VAR, "").strip() not in ("", "0")
+    if recoverable and not jax.distributed.is_initialized():
+        try:
+            jax.config.update("jax_enable_recoverability", True)
+        except AttributeError as e:  # a jax without the option
+            raise RuntimeError(
+                f"deep_ep_jax.launch.initialize(recoverable=True): jax {jax.__version__} has no "
+                f"jax_enable_recoverability; its processes cannot outlive a dead one"
+            ) from e
 
     try:
         # A flag's attribute is made at run time, so type checkers do not know it.
@@ -145,10 +169,12 @@ def _visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False, ranks_per_gpu=1):
+def _child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible=False, ranks_per_gpu=1, keep_going=False):
     """The environment of process `rank`: the launcher's own, plus what
     initialize() reads and its GPU (the (rank // ranks_per_gpu)-th of gpus)."""
     env = dict(os.environ)
+    if keep_going:
+        env.setdefault(RECOVERABLE_VAR, "1")
     env[COORDINATOR_VAR] = address
     env[NUM_PROCESSES_VAR] = str(num_processes)
     env[PROCESS_ID_VAR] = str(rank)
@@ -232,7 +258,7 @@ def launch(
     for rank in range(num_processes):
         p = subprocess.Popen(
             [sys.executable, *command],
-            env=_child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible, ranks_per_gpu),
+            env=_child_env(rank, num_processes, address, gpus, cpu, all_gpus_visible, ranks_per_gpu, keep_going),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
@@ -309,7 +335,12 @@ def main(argv=None) -> int:
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--cpu", action="store_true", help="CPU only: JAX_PLATFORMS=cpu, no GPU per process")
     parser.add_argument("--timeout", type=float, default=None, help="stop everything after this many seconds")
-    parser.add_argument("--keep-going", action="store_true", help="when a process fails, let the others run on")
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="when a process fails, let the others run on (their jax.distributed survives it: "
+        f"{RECOVERABLE_VAR}=1; process 0's death still ends all)",
+    )
     parser.add_argument(
         "--all-gpus-visible",
         action="store_true",

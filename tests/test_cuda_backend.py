@@ -27,7 +27,7 @@ from deep_ep_jax.config import FP8_BLOCK
 LIMITS = dict(
     max_group_ranks=1024,
     max_nvlink_ranks=72,
-    max_internode_host_ranks=8,
+    max_internode_host_ranks=32,
     max_internode_normal_ranks=8,
     control_bytes=1 << 16,
     max_local_experts=4096,

@@ -74,7 +74,7 @@ def _combine_bytes(num_tokens, topk, hidden, num_ranks, num_nodes):
 def test_limits():
     limits = _native.limits()
     assert limits["max_internode_normal_ranks"] == limits["max_group_ranks"] == 1024
-    assert limits["max_internode_host_ranks"] == 8  # ranks per host across hosts
+    assert limits["max_internode_host_ranks"] == 32  # ranks per host across hosts
 
 
 @extension

@@ -37,7 +37,7 @@ def test_limits_name_each_mode():
     limits = _native.limits()
     assert "max_ranks" not in limits  # one limit per mode, none ambiguous
     names = ("max_group_ranks", "max_nvlink_ranks", "max_internode_host_ranks", "max_internode_normal_ranks")
-    assert tuple(limits[n] for n in names) == (1024, 72, 8, 1024)
+    assert tuple(limits[n] for n in names) == (1024, 72, 32, 1024)
 
 
 @extension

@@ -1,7 +1,7 @@
 """Several processes on CPU, started by deep_ep_jax.launch: the xla backend
 across processes against the oracle (also through the GPU scale tests' worker
 case), the key-value handle exchange (and its timeout), and the launcher's own
-behaviour (rank prefixes, failure handling).
+behaviour (rank prefixes, failure handling, processes outliving a dead one).
 The worker is tests/multiprocess_worker.py."""
 
 import os
@@ -12,6 +12,8 @@ import time
 
 import jax
 import pytest
+
+from deep_ep_jax import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "multiprocess_worker.py")
@@ -28,8 +30,8 @@ def _cpu_collectives_reason():
 needs_cpu_collectives = pytest.mark.skipif(_cpu_collectives_reason() is not None, reason=str(_cpu_collectives_reason()))
 
 
-def _launch(num_processes, args, *, devices_per_process=1, timeout=120, launcher_timeout=None, extra=()):
-    env = dict(os.environ)
+def _launch(num_processes, args, *, devices_per_process=1, timeout=120, launcher_timeout=None, extra=(), env=None):
+    env = dict(os.environ, **(env or {}))
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     launcher_timeout = timeout - 10 if launcher_timeout is None else launcher_timeout
@@ -74,8 +76,9 @@ def test_shared_gpu_case_on_cpu():
     for rank in range(2):
         for case in ("shared_gpu", "mesh_order"):
             assert f"[rank {rank}] process {rank}/2: CASE {case} OK" in output, output[-4000:]
-    # 4 routings x (bf16, FP8) x (whole, halves) low-latency checks per rank.
-    assert output.count("shared_gpu low-latency ") == 2 * 16, output[-4000:]
+    # 4 routings x ((bf16, FP8) x (whole, halves) + MXFP8 whole) low-latency checks per rank.
+    assert output.count("shared_gpu low-latency ") == 2 * 20, output[-4000:]
+    assert output.count("mxfp8=True split=False: ok") == 2 * 4, output[-4000:]
     # 3 routings x (MXFP8, NVFP4, NVFP4 packed) per rank, byte for byte.
     assert output.count("shared_gpu MXFP8 ") + output.count("shared_gpu NVFP4 ") == 2 * 9, output[-4000:]
 
@@ -109,6 +112,43 @@ def test_launcher_keep_going():
     code, output, _ = _launch(2, ["-c", script], timeout=60, extra=["--keep-going"])
     assert code == 5, output
     assert "[rank 0] finished" in output, output
+
+
+# Rank argv[1] kills itself once every process's backend is up; the others outlive its missed heartbeats.
+DEAD_PROCESS_SCRIPT = (
+    "import os, sys, time\n"
+    "from deep_ep_jax import launch\n"
+    "launch.initialize(heartbeat_timeout_seconds=2)\n"
+    "import jax\n"
+    "rank = jax.process_index()\n"
+    "jax.devices()\n"
+    "if rank == int(sys.argv[1]): os.kill(os.getpid(), 9)\n"
+    "time.sleep(8)\n"
+    "print('survivor', rank, float(jax.numpy.arange(4.0).sum()), flush=True)\n"
+    "os._exit(0)  # jax.distributed's shutdown would wait for the dead one\n"
+)
+
+
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_survivors_of_a_dead_process(recoverable):
+    """With --keep-going, the processes outlive one killed after initialize() (jax's recoverability, which
+    launch sets); without recoverability jax's coordination service ends them once the dead one misses its
+    heartbeats."""
+    extra_env = {} if recoverable else {launch.RECOVERABLE_VAR: "0"}
+    code, output, _ = _launch(3, ["-c", DEAD_PROCESS_SCRIPT, "2"], timeout=90, extra=["--keep-going"], env=extra_env)
+    survivors = [f"[rank {r}] survivor {r} 6.0" in output for r in (0, 1)]
+    if recoverable:
+        assert code == 128 + 9 and all(survivors), output[-4000:]  # the status of the killed rank, the only failure
+    else:  # the lowest failed rank's status: 0's abort
+        assert code == 128 + signal.SIGABRT and not any(survivors), output[-4000:]
+        assert "JAX distributed service detected fatal errors" in output, output[-4000:]
+
+
+def test_process_0_dying_ends_all():
+    """Process 0 hosts jax's coordination service: its death ends every process, recoverable or not."""
+    code, output, _ = _launch(3, ["-c", DEAD_PROCESS_SCRIPT, "0"], timeout=90, extra=["--keep-going"])
+    assert code != 0 and "survivor" not in output, output[-4000:]
+    assert "JAX distributed service detected fatal errors" in output, output[-4000:]
 
 
 def test_launcher_timeout():

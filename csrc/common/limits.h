@@ -24,8 +24,10 @@ constexpr int kMaxGroupRanks = 1024;
 // them per token in shared memory.
 constexpr int kMaxNvlinkRanks = 72;
 
-// Internode normal mode: ranks of one host (by value in its kernels' Group).
-constexpr int kMaxInternodeHostRanks = 8;
+// Internode normal mode: ranks of one host (its kernels' Group keeps their
+// regions by value; a token's holders on a host are a 32-bit mask, and
+// combine's waits give a lane to each of the host's ranks).
+constexpr int kMaxInternodeHostRanks = 32;
 
 // Internode normal mode: hosts of at most kMaxInternodeHostRanks ranks each; its
 // synchronisation area is laid out per group (kernels/internode.h), its

@@ -9,7 +9,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   tests/oracle.py and the xla backend's FP8 quantisation (worker case
   large_ep_low_latency);
 * normal mode in one node (one NVLink domain) of 16, 36 and 72 ranks, and
-  across hosts at 2 x 8, 4 x 4 and 4 x 8: dispatch, combine, a
+  across hosts at 2 x 8, 4 x 4, 4 x 8 and 2 x 16 (two NVLink domains of 16):
+  dispatch, combine, a
   cached dispatch (combine's gradient), bf16 and FP8 pairs, and low-latency
   mode, against tests/oracle.py (worker case shared_gpu);
 * the same at 2 x 2, 2 x 4 and 4 x 2: combine reduced per host (several
@@ -132,7 +133,7 @@ def test_low_latency_beyond_eight_ranks(num_ranks):
     print(f"EP {num_ranks}: {elapsed:.0f} s")
 
 
-@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 8), (4, 4), (4, 8), (2, 16)])
 def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, SHARED_GPU_SUMMARY)
 

@@ -32,8 +32,8 @@ TARGETS = (DISPATCH, CACHED_DISPATCH, COMBINE)
 def check_nodes(nodes) -> int:
     """The host index of each rank (0..H-1): every host must hold the same
     number of ranks (a token is forwarded by the GPU of the sender's local
-    index), at most `max_internode_host_ranks` (8: the kernels keep a host's
-    ranks in fixed arrays). Returns the number of hosts."""
+    index), at most `max_internode_host_ranks` (32: the kernels keep a host's
+    ranks in fixed arrays and 32-bit masks). Returns the number of hosts."""
     sizes = multiprocess.ranks_per_host(nodes, "cuda")
     num_nodes = len(sizes)
     max_per_host = common.limit("max_internode_host_ranks")

@@ -324,11 +324,11 @@ py::tuple CreateIpcBufferPy(const std::vector<std::vector<int>>& groups, size_t 
   return py::make_tuple(buffer.buffer_id, handles);
 }
 
-// Runs a test hook on each of the buffer's regions on this process's
-// devices, after synchronising them: normal(state) on its normal region (one
-// host or across hosts), low_latency(state) on its low-latency region.
+// Runs normal(state) on each of the buffer's normal regions (one host or
+// across hosts) on this process's devices and low_latency(state) on each
+// low-latency region, after synchronising the devices (test hooks, counters).
 template <typename Normal, typename LowLatency>
-void ForEachRegionForTesting(const char* hook, int64_t buffer_id, Normal normal, LowLatency low_latency) {
+void ForEachRegion(const char* hook, int64_t buffer_id, Normal normal, LowLatency low_latency) {
   SynchronizeBuffer(buffer_id);
   int previous = 0;
   cudaGetDevice(&previous);
@@ -358,7 +358,7 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
     throw std::invalid_argument("set_sequence_for_testing: seq must be in [-2^31, 2^32), got " + std::to_string(seq));
   }
   const int value = int(uint32_t(seq));
-  ForEachRegionForTesting(
+  ForEachRegion(
       "set_sequence_for_testing", buffer_id,
       [value](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
@@ -373,7 +373,7 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
 // call were running there (normal and low-latency), so that the next call
 // stops as overlapping (kernels/device.cuh, EnterCall). Synchronises first.
 void MarkCallRunningForTesting(int64_t buffer_id) {
-  ForEachRegionForTesting(
+  ForEachRegion(
       "mark_call_running_for_testing", buffer_id,
       [](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
@@ -384,37 +384,53 @@ void MarkCallRunningForTesting(int64_t buffer_id) {
       [](const DeviceState& s) { return low_latency::MarkCallRunningForTesting(s.low_latency.local); });
 }
 
+// Per rank of this process: counters of one kind, a list per call or receive kind.
+using Counters = std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>>;
+
 // The traffic counters (common/traffic.h) of the buffer's normal regions on
 // this process's devices, after synchronising them: [(rank, [[nvlink_rows,
 // nvlink_bytes, network_rows, network_bytes] per call kind])]; with `reset`,
 // zeroes them instead (and returns nothing).
-std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> TrafficOf(int64_t buffer_id, bool reset) {
-  SynchronizeBuffer(buffer_id);
-  std::vector<std::pair<int, std::vector<std::vector<unsigned long long>>>> result;
-  int previous = 0;
-  cudaGetDevice(&previous);
-  for (const DeviceState& s : DeviceStatesOf(buffer_id)) {
-    if (s.normal.local == nullptr) continue;
+Counters TrafficOf(int64_t buffer_id, bool reset) {
+  Counters result;
+  auto traffic = [&](const DeviceState& s) {
     TrafficCounters counters[kTrafficKinds] = {};
-    cudaError_t err = cudaSetDevice(s.device_ordinal);
-    if (err == cudaSuccess) {
-      err = reset ? cudaMemcpy(s.normal.local + kTrafficOffset, counters, sizeof(counters), cudaMemcpyHostToDevice)
-                  : cudaMemcpy(counters, s.normal.local + kTrafficOffset, sizeof(counters), cudaMemcpyDeviceToHost);
-    }
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      cudaSetDevice(previous);
-      throw std::runtime_error(std::string(reset ? "reset_traffic" : "read_traffic") + " on device " +
-                               std::to_string(s.device_ordinal) + ": " + cudaGetErrorString(err));
-    }
+    const cudaError_t err =
+        reset ? cudaMemcpy(s.normal.local + kTrafficOffset, counters, sizeof(counters), cudaMemcpyHostToDevice)
+              : cudaMemcpy(counters, s.normal.local + kTrafficOffset, sizeof(counters), cudaMemcpyDeviceToHost);
     std::vector<std::vector<unsigned long long>> kinds;
     for (const TrafficCounters& c : counters) {
       kinds.push_back({c.nvlink_rows, c.nvlink_bytes, c.network_rows, c.network_bytes});
     }
-    result.emplace_back(s.rank, kinds);
-  }
-  cudaSetDevice(previous);
-  return reset ? decltype(result){} : result;
+    if (err == cudaSuccess && !reset) result.emplace_back(s.rank, kinds);
+    return err;
+  };
+  ForEachRegion(reset ? "reset_traffic" : "read_traffic", buffer_id, traffic,
+                [](const DeviceState&) { return cudaSuccess; });
+  return result;
+}
+
+// The wait-time counters (kernels/low_latency.h) of the buffer's low-latency
+// regions on this process's devices, after synchronising them: [(rank,
+// [[ns waited for each source] per receive kind: dispatch, combine])]; with
+// `reset`, zeroes them instead (and returns nothing).
+Counters WaitTimesOf(int64_t buffer_id, bool reset) {
+  Counters result;
+  auto wait_times = [&](const DeviceState& s) {
+    const size_t n = size_t(s.num_ranks);
+    std::vector<unsigned long long> host(low_latency::kWaitKinds * n);
+    const cudaError_t err = low_latency::CopyWaitTimes(s.low_latency.local, s.num_ranks, host.data(), reset);
+    std::vector<std::vector<unsigned long long>> kinds;
+    for (int kind = 0; kind < low_latency::kWaitKinds; ++kind) {
+      kinds.emplace_back(host.begin() + kind * n, host.begin() + (kind + 1) * n);
+    }
+    if (err == cudaSuccess && !reset) result.emplace_back(s.rank, kinds);
+    return err;
+  };
+  ForEachRegion(
+      reset ? "reset_wait_times" : "read_wait_times", buffer_id, [](const DeviceState&) { return cudaSuccess; },
+      wait_times);
+  return result;
 }
 
 }  // namespace
@@ -503,6 +519,16 @@ PYBIND11_MODULE(_C, m) {
       "reset_traffic", [](int64_t buffer_id) { TrafficOf(buffer_id, true); }, py::arg("buffer_id"),
       py::call_guard<py::gil_scoped_release>(),
       "Zeroes the traffic counters of the buffer's normal regions on this process's devices; synchronises first");
+  m.def(
+      "read_wait_times", [](int64_t buffer_id) { return WaitTimesOf(buffer_id, false); }, py::arg("buffer_id"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Wait-time counters of the buffer's low-latency regions on this process's devices: [(rank, [[nanoseconds "
+      "waited for each source rank] for dispatch's and combine's receives])]; synchronises the devices first");
+  m.def(
+      "reset_wait_times", [](int64_t buffer_id) { WaitTimesOf(buffer_id, true); }, py::arg("buffer_id"),
+      py::call_guard<py::gil_scoped_release>(),
+      "Zeroes the wait-time counters of the buffer's low-latency regions on this process's devices; synchronises "
+      "first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

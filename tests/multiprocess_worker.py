@@ -23,6 +23,9 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                SHARED_GPU_MESH_ORDER=reversed: the mesh's ranks in reverse process order
   shared_gpu_dropless  with launch --ranks-per-gpu K: dropless_moe against tests/oracle.py and
                the worst-case layer, forward and gradients, 1 to several rounds
+  wait_times   with launch --ranks-per-gpu K: rank 1 starts each low-latency dispatch and
+               combine late; Buffer.wait_times() on every other rank shows it (CUDA), or
+               zeros (--cpu, the xla backend)
   mesh_order   a Buffer under a shard_map over its mesh's devices in another order: every
                operation refused when lowered, every process (CPU or GPU; ranks may share one)
   shared_gpu_wrap  the same from just under the 2^31 and 2^32 wraps of the sequence
@@ -788,6 +791,67 @@ def case_shared_gpu_dropless():
     buffer.destroy()
 
 
+def case_wait_times():
+    """Launched with --ranks-per-gpu K: low-latency dispatch, then combine (two
+    programs), rank 1 calling each SLOW_S late. On the CUDA backend every
+    other rank's receives count at least half that wait for rank 1, more than
+    for any other rank, in both kinds, and rank 1 waits less than half of it;
+    reset_wait_times zeroes them. With launch --cpu, the xla backend's zeros."""
+    from jax.sharding import PartitionSpec
+
+    slow_s = 2.0
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    tokens, hidden, topk, num_experts = 8, 256, 2, 4 * num_ranks
+    buffer = dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        low_latency_mode=True,
+        num_max_dispatch_tokens_per_rank=tokens,
+        config=dej.Config(timeout_s=150),
+    )
+    put, _ = _own_rank_io(mesh, "wait_times", buffer.config.timeout_s)
+    spmd = lambda fn: jax.jit(  # noqa: E731
+        jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec(AXIS), out_specs=PartitionSpec(AXIS), check_vma=False)
+    )
+    kwargs = dict(buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=tokens, use_fp8=False)
+    dispatch = spmd(lambda x, idx: dej.low_latency_dispatch(x, idx, **kwargs))
+    combine = spmd(lambda y, idx, w, handle: dej.low_latency_combine(y, idx, w, handle, buffer=buffer))
+    idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, "random")
+    x, idx, w = put(rng.standard_normal((num_ranks * tokens, hidden)).astype(jnp.bfloat16)), put(idx), put(w)
+    steps = iter(range(1 << 30))
+
+    def round_trip(late):
+        multiprocess.barrier(f"deep_ep_jax/test/wait_times/{next(steps)}", buffer.config.timeout_s)
+        if late:
+            time.sleep(slow_s)
+        recv_x, _, handle = jax.block_until_ready(dispatch(x, idx))
+        if late:
+            time.sleep(slow_s)
+        jax.block_until_ready(combine(recv_x, idx, w, handle))
+
+    round_trip(False)  # compiled, and every rank past its first calls
+    buffer.reset_wait_times()
+    round_trip(rank == 1)
+    times = buffer.wait_times()
+    assert sorted(times) == [rank], times
+    for kind, waited in times[rank].items():
+        log(f"wait_times {kind}: {np.array2string(waited, precision=3)} s")
+        assert waited.shape == (num_ranks,) and (waited >= 0).all(), (kind, waited)
+        if buffer.backend == "xla":
+            assert not waited.any(), (kind, waited)
+        elif rank == 1:
+            assert waited.max() < slow_s / 2, (kind, waited)
+        else:
+            assert waited[1] >= slow_s / 2 and waited.argmax() == 1, (kind, waited)
+    buffer.reset_wait_times()
+    assert not any(v.any() for v in buffer.wait_times()[rank].values())
+    log(f"wait_times R={num_ranks}: ok")
+    buffer.destroy()
+
+
 def case_mesh_order():
     """A Buffer used under a shard_map over a mesh of the same axes whose
     devices are in another order: every operation refuses it when the program
@@ -1385,6 +1449,7 @@ CASES = {
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "mesh_order": case_mesh_order,
+    "wait_times": case_wait_times,
     "shared_gpu_dropless": case_shared_gpu_dropless,
     "shared_gpu_order": case_shared_gpu_order,
     "shared_gpu_teardown": case_shared_gpu_teardown,

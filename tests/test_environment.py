@@ -28,7 +28,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
     ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
 ]
-OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR]
+OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR, launch.RECOVERABLE_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]
 
 

@@ -23,6 +23,13 @@ def _envs(num_processes, gpus, ranks_per_gpu, all_gpus_visible=False):
     ]
 
 
+def test_child_env_keep_going_makes_processes_recoverable(monkeypatch):
+    """launch --keep-going: initialize() turns on jax's recoverability (tests/test_multiprocess.py runs it)."""
+    monkeypatch.delenv(launch.RECOVERABLE_VAR, raising=False)
+    assert launch.RECOVERABLE_VAR not in launch._child_env(0, 2, ADDRESS, [], True)
+    assert launch._child_env(0, 2, ADDRESS, [], True, keep_going=True)[launch.RECOVERABLE_VAR] == "1"
+
+
 def test_child_env_ranks_per_gpu(monkeypatch):
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     envs = _envs(4, ["3", "5", "6"], ranks_per_gpu=2)

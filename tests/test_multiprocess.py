@@ -70,11 +70,11 @@ def test_shared_gpu_case_on_cpu():
     here on the xla backend, so that its inputs, oracle checks and NaN poison
     stay right between the GPU runs: normal mode, its cached dispatch, FP8,
     MXFP8 and NVFP4 pairs, and low-latency mode whole and by halves; and case mesh_order's
-    refusals."""
-    code, output, _ = _launch(2, [WORKER, "shared_gpu", "mesh_order"])
+    refusals; and case wait_times' (zeros)."""
+    code, output, _ = _launch(2, [WORKER, "shared_gpu", "mesh_order", "wait_times"])
     assert code == 0, output[-4000:]
     for rank in range(2):
-        for case in ("shared_gpu", "mesh_order"):
+        for case in ("shared_gpu", "mesh_order", "wait_times"):
             assert f"[rank {rank}] process {rank}/2: CASE {case} OK" in output, output[-4000:]
     # 4 routings x ((bf16, FP8) x (whole, halves) + MXFP8 whole) low-latency checks per rank.
     assert output.count("shared_gpu low-latency ") == 2 * 20, output[-4000:]

@@ -116,10 +116,11 @@ def test_refuses_hosts_of_unequal_sizes(monkeypatch):
     assert internode.check_nodes([0, 1, 0, 1]) == 2
     assert internode.check_nodes([0]) == 1
     assert internode.check_nodes([b for b in range(16) for _ in range(8)]) == 16
+    assert internode.check_nodes([0] * 32 + [1] * 32) == 2
     with pytest.raises(
-        NotImplementedError, match="NVLink domains of at most 8 GPUs .* got 16; set Config.gpus_per_nvlink_domain"
+        NotImplementedError, match="NVLink domains of at most 32 GPUs .* got 33; set Config.gpus_per_nvlink_domain"
     ):
-        internode.check_nodes([0] * 16 + [1] * 16)
+        internode.check_nodes([0] * 33 + [1] * 33)
 
 
 def _fake_internode_buffer(num_ranks, num_nodes, num_nvl_bytes):

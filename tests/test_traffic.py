@@ -3,7 +3,8 @@ tests/oracle.py's traffic(), on 8 CPU devices as one host and as hosts of 4,
 2 and 1: the rows (and bytes) each rank's kernels would move over NVLink and
 over the network, per operation, with fresh random and skewed routing and
 num_worst_tokens drops. The CUDA kernels' counters are checked against the
-same oracle on GPUs (tests/gpu/test_scale_gpu.py, worker case traffic)."""
+same oracle on GPUs (tests/gpu/test_scale_gpu.py, worker case traffic).
+And the API of the other counters, Buffer.wait_times()."""
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,25 @@ def test_a_new_buffer_lists_every_rank_at_zero():
     zeros = {op: dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for op in OPS}
     assert buffer.traffic() == dict.fromkeys(range(R), zeros)
     buffer.destroy()
+
+
+# Wait times (Buffer.wait_times: low-latency receives) ------------------------
+
+
+def test_wait_times_api():
+    """Every rank of this process, a float per source rank for each receive kind; zeros on the xla backend
+    (it does not wait; the CUDA kernels' counters: tests/gpu/test_scale_gpu.py, worker case wait_times);
+    refused without low-latency mode and after destroy."""
+    mesh = dt.ep_mesh(R, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
+    times = buffer.wait_times()
+    assert sorted(times) == list(range(R))
+    for kinds in times.values():
+        assert sorted(kinds) == ["combine", "dispatch"]
+        assert all(v.shape == (R,) and v.dtype == np.float64 and not v.any() for v in kinds.values())
+    buffer.reset_wait_times()
+    buffer.destroy()
+    with pytest.raises(RuntimeError, match="Buffer.wait_times"):
+        buffer.wait_times()
+    with pytest.raises(RuntimeError, match="low_latency_mode=True"):
+        dej.Buffer(mesh, "ep", backend="xla").wait_times()

@@ -61,6 +61,9 @@ struct Control {
   int ready[2][kMaxGroupRanks];  // [half][source]: source's rows of that op are all here
   int freed[2][kMaxGroupRanks];  // [half][destination]: destination has read this rank's rows of that op
   int calls[2][kMaxGroupRanks];  // [half][source]: source's call tag for that op (CheckPeerCall)
+  // [receive kind][source]: nanoseconds this rank's receives have waited for
+  // source's rows (the first block's waits; kept, as counters, until reset).
+  unsigned long long waited_ns[kWaitKinds][kMaxGroupRanks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 static_assert(offsetof(Control, ready) % 128 == 0 && offsetof(Control, freed) % 128 == 0,
@@ -138,13 +141,17 @@ struct NvlinkTransport {
     StoreReleaseSys(reinterpret_cast<int*>(peers.regions[rank] + offset), value);
   }
   // Waits until a flag of this rank's control block has reached `target`
-  // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly).
-  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
+  // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly). A wait that
+  // was not over at once adds its time to *waited_ns (when not null).
+  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op,
+                       unsigned long long* waited_ns = nullptr) const {
     const int* flag = reinterpret_cast<const int*>(local() + offset);
     if (SeqReached(LoadAcquireSys(flag), target)) return;
     const uint64_t start = GlobalTimerNs();
+    uint64_t now = start;
     while (!SeqReached(LoadAcquireSys(flag), target)) {
-      if (GlobalTimerNs() - start > p.timeout_ns) {
+      now = GlobalTimerNs();
+      if (now - start > p.timeout_ns) {
         printf(
             "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
             "value %d, expected %d\n",
@@ -152,8 +159,16 @@ struct NvlinkTransport {
         __trap();
       }
     }
+    if (waited_ns != nullptr) atomicAdd(waited_ns, static_cast<unsigned long long>(now - start));
   }
 };
+
+// Where the first block of a receive adds its wait for `source` (the other
+// blocks wait for the same flags, so they count nothing).
+template <typename Transport>
+__device__ __forceinline__ unsigned long long* WaitedNs(const Transport& tr, int kind, int source) {
+  return blockIdx.x == 0 ? &tr.control()->waited_ns[kind][source] : nullptr;
+}
 
 __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
   return kControlBytes + size_t(half) * p.half_bytes;
@@ -533,7 +548,8 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   const DispatchLayout& layout = a.layout;
 
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency dispatch recv", "the ready flag", r, int(op));
+    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency dispatch recv", "the ready flag", r, int(op),
+            WaitedNs(tr, kDispatchWait, r));
   }
   __syncthreads();
   CheckCallTags(tr, half);
@@ -659,7 +675,8 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
   const char* rows = tr.local() + HalfOffset(a.peers, half);
 
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency combine recv", "the ready flag", r, int(op));
+    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency combine recv", "the ready flag", r, int(op),
+            WaitedNs(tr, kCombineWait, r));
   }
   __syncthreads();
   CheckCallTags(tr, half);
@@ -871,6 +888,18 @@ cudaError_t SetSequenceForTesting(char* region, int seq) {
 cudaError_t MarkCallRunningForTesting(char* region) {
   const int running = 1;
   return cudaMemcpy(region + offsetof(Control, sending), &running, sizeof(running), cudaMemcpyHostToDevice);
+}
+
+cudaError_t CopyWaitTimes(char* region, int num_ranks, unsigned long long* host, bool reset) {
+  const size_t bytes = size_t(num_ranks) * sizeof(unsigned long long);
+  for (int kind = 0; kind < kWaitKinds; ++kind) {
+    char* counters = region + offsetof(Control, waited_ns) + size_t(kind) * kMaxGroupRanks * sizeof(unsigned long long);
+    const cudaError_t err = reset
+                                ? cudaMemset(counters, 0, bytes)
+                                : cudaMemcpy(host + size_t(kind) * num_ranks, counters, bytes, cudaMemcpyDeviceToHost);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 

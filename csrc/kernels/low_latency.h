@@ -178,6 +178,13 @@ cudaError_t SetSequenceForTesting(char* region, int seq);
 // were running on its device, so the next call stops as overlapping. Blocking.
 cudaError_t MarkCallRunningForTesting(char* region);
 
+// Wait-time counters (Buffer.wait_times()): per receive kind and source rank,
+// the nanoseconds this rank's receives waited for that source's rows.
+enum WaitKind : int { kDispatchWait = 0, kCombineWait = 1, kWaitKinds = 2 };
+// Copies `region`'s counters of ranks [0, num_ranks) to host[kWaitKinds *
+// num_ranks] (kind-major), or, with `reset`, zeroes them. Blocking.
+cudaError_t CopyWaitTimes(char* region, int num_ranks, unsigned long long* host, bool reset);
+
 // The kernels of one transport. Each only enqueues work on `stream`; no host
 // synchronisation. dispatch and combine run both halves in one launch.
 struct Launchers {

@@ -71,8 +71,9 @@ struct NvshmemTransport {
     }
   }
   // Flags land in this rank's own control block whatever the transport.
-  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op) const {
-    NvlinkTransport{p, peers}.Wait(offset, target, mode, counter, peer, op);
+  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op,
+                       unsigned long long* waited_ns = nullptr) const {
+    NvlinkTransport{p, peers}.Wait(offset, target, mode, counter, peer, op, waited_ns);
   }
 };
 

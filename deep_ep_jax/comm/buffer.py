@@ -13,6 +13,7 @@ import itertools
 import warnings
 
 import jax
+import numpy as np
 
 from deep_ep_jax.backends import Ops
 from deep_ep_jax.comm.mesh import ep_groups
@@ -242,6 +243,55 @@ class Buffer:
             )
         if self.backend == "cuda" and self.buffer_id is not None and not self.num_nvl_bytes:
             raise RuntimeError(f"{fn_name}: this Buffer has no normal-mode region, so nothing to count")
+
+    # Wait times (low-latency receives) -----------------------------------
+
+    WAIT_KINDS = ("dispatch", "combine")
+
+    def wait_times(self) -> dict:
+        """Seconds the low-latency receives of each rank of this process have
+        waited for each source rank's rows since the Buffer was made (or
+        `reset_wait_times`): {rank: {"dispatch": float64 [R], "combine":
+        float64 [R]}}, entry s the waits for rank s. Always counted (a clock
+        read when a wait is not over at once): a rank whose entry grows on
+        the other ranks is slow, before it is late enough to time out. The xla
+        backend does not wait: zeros. A host call: run it outside jit, after
+        jax.block_until_ready on the calls' results."""
+        self._check_low_latency("Buffer.wait_times")
+        if self.backend == "xla":
+            from deep_ep_jax.distributed import multiprocess
+
+            return {
+                rank: {kind: np.zeros(self.num_ranks) for kind in self.WAIT_KINDS}
+                for row in multiprocess.device_grid(self.mesh, self.axis_name)
+                for rank, device in enumerate(row)
+                if device.process_index == jax.process_index()
+            }
+        from deep_ep_jax import _native
+
+        assert self.buffer_id is not None  # a live CUDA Buffer has one (lifecycle.allocate)
+        times: dict[int, dict] = {}
+        for rank, kinds in _native.extension().read_wait_times(int(self.buffer_id)):
+            mine = times.setdefault(rank, {kind: np.zeros(self.num_ranks) for kind in self.WAIT_KINDS})
+            for kind, ns in zip(self.WAIT_KINDS, kinds):
+                mine[kind] += np.asarray(ns, np.float64) * 1e-9
+        return times
+
+    def reset_wait_times(self) -> None:
+        """Zeroes the wait-time counters (outside jit, once the calls have finished)."""
+        self._check_low_latency("Buffer.reset_wait_times")
+        if self.backend == "cuda":
+            from deep_ep_jax import _native
+
+            assert self.buffer_id is not None
+            _native.extension().reset_wait_times(int(self.buffer_id))
+
+    def _check_low_latency(self, fn_name: str) -> None:
+        self.check_alive(fn_name)
+        if not self.low_latency_mode:
+            raise RuntimeError(
+                f"{fn_name}: only low-latency mode's receives are timed; create the Buffer with low_latency_mode=True"
+            )
 
     # Lifecycle ------------------------------------------------------------
 

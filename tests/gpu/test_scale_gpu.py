@@ -20,6 +20,8 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
 * traffic counters (Config.count_traffic) at 1 x 2, 1 x 8 (one host's
   staged kernels over CUDA IPC), 2 x 2, 2 x 4 and 2 x 8 against
   tests/oracle.py's traffic() (worker case traffic);
+* Buffer.wait_times(): a rank calling late shows on the others' low-latency
+  receive counters, 1 x 4 and 2 x 2 (worker case wait_times);
 * shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
   sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
   across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, 2 x 2),
@@ -227,6 +229,14 @@ def test_traffic_counters_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
     staged kernels across processes (CUDA IPC, 1 x 2 and 1 x 8) and the
     internode ones (2 x 2 ... 2 x 8)."""
     _run_hosts_case("traffic", num_hosts, ranks_per_host, 200, "traffic R={num_ranks} on {num_hosts} hosts")
+
+
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 4), (2, 2)])
+def test_wait_times_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
+    """Buffer.wait_times(): the rank that calls low-latency dispatch and combine
+    2 s late shows on every other rank's receive counters, in both kinds (worker
+    case wait_times): over CUDA IPC (1 x 4) and NVSHMEM (2 x 2)."""
+    _run_hosts_case("wait_times", num_hosts, ranks_per_host, 200, "wait_times R={num_ranks}: ok")
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1), (2, 2)])

@@ -354,6 +354,23 @@ def _one_rank_per_process():
     return platform, num_ranks, mesh, rank, rng
 
 
+def _shared_buffer(platform, mesh, hidden, num_experts, ll_tokens=None, **config):
+    """The Buffer of a case whose processes may share GPUs: the CUDA backend
+    (the xla one with launch --cpu), waits long enough for time-sliced peers;
+    low-latency mode too with ll_tokens (tokens per rank); `config`: more
+    Config fields."""
+    low_latency = dict(low_latency_mode=True, num_max_dispatch_tokens_per_rank=ll_tokens) if ll_tokens else {}
+    return dej.Buffer(
+        mesh,
+        AXIS,
+        backend="cuda" if platform == "gpu" else "xla",
+        hidden=hidden,
+        num_experts=num_experts,
+        config=dej.Config(**{"timeout_s": 150, **config}),
+        **low_latency,
+    )
+
+
 def _own_rank_io(mesh, name, timeout_s):
     """(put, run) for cases where processes share GPUs and nothing may cross
     processes (NCCL refuses two ranks on one GPU): put(a) makes a global array
@@ -437,16 +454,7 @@ def case_shared_gpu(sequence_starts=(None,)):
         f"low-latency {ll_tokens} tokens per rank"
     )
     # Kernels of the processes of one GPU take turns: waits for a peer last long.
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        low_latency_mode=True,
-        num_max_dispatch_tokens_per_rank=ll_tokens,
-        config=dej.Config(timeout_s=150),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, ll_tokens)
     if buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels; else one node's
         assert buffer.num_nvl_bytes > 0, "normal mode serves the group"
         log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
@@ -663,14 +671,7 @@ def case_shared_gpu_moe_layer():
     # 640 tokens in all: with every token on one expert, its group (640 rows) is promoted in the FP8 dw.
     tokens, topk, num_experts = 640 // num_ranks, 4, 4 * num_ranks
     hidden, ffn = (1024, 512) if platform == "gpu" else (256, 128)  # on CPU: the case's checks, quickly
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        config=dej.Config(timeout_s=150),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts)
     put, run = _own_rank_io(mesh, "shared_gpu_moe_layer", buffer.config.timeout_s)
     alignment = ml.default_expert_alignment()
     mine = slice(rank * tokens, (rank + 1) * tokens)
@@ -748,14 +749,7 @@ def case_shared_gpu_dropless():
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, max(4 * num_ranks, 16)
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        config=dej.Config(timeout_s=150),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts)
     put, run = _own_rank_io(mesh, "shared_gpu_dropless", buffer.config.timeout_s)
     # One round, and several (two and more: tests/test_dropless.py on CPU).
     layers = per_rank_layers(buffer, num_experts, hidden, (num_ranks * tokens, num_ranks * tokens // 8))
@@ -802,16 +796,7 @@ def case_wait_times():
     slow_s = 2.0
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     tokens, hidden, topk, num_experts = 8, 256, 2, 4 * num_ranks
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        low_latency_mode=True,
-        num_max_dispatch_tokens_per_rank=tokens,
-        config=dej.Config(timeout_s=150),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, tokens)
     put, _ = _own_rank_io(mesh, "wait_times", buffer.config.timeout_s)
     spmd = lambda fn: jax.jit(  # noqa: E731
         jax.shard_map(fn, mesh=mesh, in_specs=PartitionSpec(AXIS), out_specs=PartitionSpec(AXIS), check_vma=False)
@@ -862,15 +847,7 @@ def case_mesh_order():
     platform, num_ranks, mesh, _, _ = _one_rank_per_process()
     other = jax.sharding.Mesh(mesh.devices[::-1], (AXIS,))
     hidden, topk, num_experts, tokens = 256, 2, 2 * num_ranks, 8
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        low_latency_mode=True,
-        num_max_dispatch_tokens_per_rank=tokens,
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, tokens)
     log(f"mesh_order: {buffer}")
     x = jax.ShapeDtypeStruct((num_ranks * tokens, hidden), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((num_ranks * tokens, topk), jnp.int32)
@@ -910,16 +887,7 @@ def case_shared_gpu_order():
     share GPUs (no XLA collective across processes)."""
     platform, num_ranks, mesh, _, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 32, 256, 4, 4 * num_ranks
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        low_latency_mode=True,
-        num_max_dispatch_tokens_per_rank=num_tokens,
-        config=dej.Config(timeout_s=150),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, num_tokens)
     put, run = _own_rank_io(mesh, "shared_gpu_order", buffer.config.timeout_s)
 
     def normal(scale, x, idx, w):
@@ -1136,14 +1104,7 @@ def case_traffic():
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     num_tokens, hidden, topk, num_experts = 8, 256, 4, 4 * num_ranks
-    buffer = dej.Buffer(
-        mesh,
-        AXIS,
-        backend="cuda" if platform == "gpu" else "xla",
-        hidden=hidden,
-        num_experts=num_experts,
-        config=dej.Config(timeout_s=150, count_traffic=True),
-    )
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, count_traffic=True)
     gpus_per_host = _gpus_per_host(buffer) if buffer.num_nodes > 1 else None
     log(f"traffic R={num_ranks} on {buffer.num_nodes} hosts ({buffer})")
     put, run = _own_rank_io(mesh, "traffic", buffer.config.timeout_s)
@@ -1164,7 +1125,7 @@ def case_traffic():
                 (data, scales), idx, w, num_experts=num_experts, buffer=buffer, num_worst_tokens=num_worst_tokens
             )[0]
 
-        return bf16, fp8
+        return bf16, dispatch_pair
 
     cases = [("random", None), ("one_expert", None), ("rank_empty", None), ("minus_one", None), ("random", 0.3)]
     compiled = {

@@ -70,11 +70,13 @@ def test_shared_gpu_case_on_cpu():
     here on the xla backend, so that its inputs, oracle checks and NaN poison
     stay right between the GPU runs: normal mode, its cached dispatch, FP8,
     MXFP8 and NVFP4 pairs, and low-latency mode whole and by halves; and case mesh_order's
-    refusals; and case wait_times' (zeros)."""
-    code, output, _ = _launch(2, [WORKER, "shared_gpu", "mesh_order", "wait_times"])
+    refusals; and cases wait_times (zeros) and traffic (the xla backend's
+    counters against the oracle)."""
+    cases = ("shared_gpu", "mesh_order", "wait_times", "traffic")
+    code, output, _ = _launch(2, [WORKER, *cases])
     assert code == 0, output[-4000:]
     for rank in range(2):
-        for case in ("shared_gpu", "mesh_order", "wait_times"):
+        for case in cases:
             assert f"[rank {rank}] process {rank}/2: CASE {case} OK" in output, output[-4000:]
     # 4 routings x ((bf16, FP8) x (whole, halves) + MXFP8 whole) low-latency checks per rank.
     assert output.count("shared_gpu low-latency ") == 2 * 20, output[-4000:]
@@ -125,15 +127,14 @@ DEAD_PROCESS_SCRIPT = (
     "if rank == int(sys.argv[1]): os.kill(os.getpid(), 9)\n"
     "time.sleep(8)\n"
     "print('survivor', rank, float(jax.numpy.arange(4.0).sum()), flush=True)\n"
-    "os._exit(0)  # jax.distributed's shutdown would wait for the dead one\n"
 )
 
 
 @pytest.mark.parametrize("recoverable", [True, False])
 def test_survivors_of_a_dead_process(recoverable):
     """With --keep-going, the processes outlive one killed after initialize() (jax's recoverability, which
-    launch sets); without recoverability jax's coordination service ends them once the dead one misses its
-    heartbeats."""
+    launch sets) and exit as usual (the shutdown does not wait for the dead one); without recoverability jax's
+    coordination service ends them once the dead one misses its heartbeats."""
     extra_env = {} if recoverable else {launch.RECOVERABLE_VAR: "0"}
     code, output, _ = _launch(3, ["-c", DEAD_PROCESS_SCRIPT, "2"], timeout=90, extra=["--keep-going"], env=extra_env)
     survivors = [f"[rank {r}] survivor {r} 6.0" in output for r in (0, 1)]

@@ -584,6 +584,25 @@ def _loop_runner(buffer, mesh, num_experts, num_iters):
 
 
 @gpu
+def test_wide_kernels_direct_and_staged():
+    """The single-node kernels' path for more than 8 ranks, at this host's
+    ranks, direct and staged: this file's core comparisons again in a process
+    of its own with DEEP_EP_JAX_WIDE_KERNELS=1 (read once per process)."""
+    tests = "matches_reference or fp8_pairs or num_worst_tokens_smaller or gradients_exact or staged_overlap_skewed"
+    env = dict(os.environ, DEEP_EP_JAX_WIDE_KERNELS="1", XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", __file__, "-k", f"({tests}) and not wide_kernels"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-6000:] + result.stderr[-3000:]
+
+
+@gpu
 def test_1000_calls_in_fori_loop(mesh, buffers):
     cuda, xla = buffers
     num_ranks = mesh.shape[AXIS]

@@ -127,14 +127,15 @@ DEAD_PROCESS_SCRIPT = (
     "if rank == int(sys.argv[1]): os.kill(os.getpid(), 9)\n"
     "time.sleep(8)\n"
     "print('survivor', rank, float(jax.numpy.arange(4.0).sum()), flush=True)\n"
+    "os._exit(0)  # no shutdown: process 0's would end the service under the other's (docs/multiprocess.md)\n"
 )
 
 
 @pytest.mark.parametrize("recoverable", [True, False])
 def test_survivors_of_a_dead_process(recoverable):
     """With --keep-going, the processes outlive one killed after initialize() (jax's recoverability, which
-    launch sets) and exit as usual (the shutdown does not wait for the dead one); without recoverability jax's
-    coordination service ends them once the dead one misses its heartbeats."""
+    launch sets); without recoverability jax's coordination service ends them once the dead one misses its
+    heartbeats."""
     extra_env = {} if recoverable else {launch.RECOVERABLE_VAR: "0"}
     code, output, _ = _launch(3, ["-c", DEAD_PROCESS_SCRIPT, "2"], timeout=90, extra=["--keep-going"], env=extra_env)
     survivors = [f"[rank {r}] survivor {r} 6.0" in output for r in (0, 1)]

@@ -10,7 +10,8 @@ import json
 import pytest
 from script_run import run_script
 
-SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--chain", "1", "--repeats", "2"]
+# 16 experts: the compile time of 256 groups adds nothing here.
+SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--experts", "16", "--chain", "1", "--repeats", "2"]
 
 
 def _run(*extra):
@@ -30,7 +31,7 @@ def test_xla_impl_bf16_and_fp8(tmp_path):
     ], rows
     assert all(len(r["samples_ms"]) == 2 for r in data["results"])
     sizes = data["sizes"]
-    assert len(sizes) == 128 and all(s % 4 == 0 for s in sizes)  # 256 experts over 2 ranks, each group aligned
+    assert len(sizes) == 8 and all(s % 4 == 0 for s in sizes)  # 16 experts over 2 ranks, each group aligned
     assert 0 < data["pairs"] <= sum(sizes) <= data["rows"] and data["rows"] % 128 == 0
     assert data["swept"] == []
 

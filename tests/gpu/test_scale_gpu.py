@@ -157,7 +157,11 @@ def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
     )
 
 
-@pytest.mark.parametrize("num_ranks,timeout", [(2, 200), (8, 200), (16, 280), (36, 400), (72, 560)])
+@pytest.mark.parametrize(
+    "num_ranks,timeout",
+    [(2, 200), (8, 200), (16, 280), (36, 400), (72, 560)],
+    ids=["R2_forced", "R8_forced", "R16", "R36", "R72"],
+)
 def test_one_nvlink_domain_wide_kernels(num_ranks, timeout):
     """One node (one host, one NVLink domain: a GB200 NVL72 rack at 72) on
     the single-node kernels' wide path, which lists each token's ranks

@@ -575,6 +575,31 @@ __device__ void FillReceivedMetadata(const Group& g, const SendArgs& a) {
   }
 }
 
+// A token's row (bytes) to every non-null destination, by 16-byte vectors where the row allows.
+template <int kRanks>
+__device__ __forceinline__ void CopyRowToRanks(const char* src, char* const (&dst)[kRanks], int64_t bytes, int lane) {
+  if (bytes % sizeof(int4) == 0) {
+    WarpCopyRowToRanks<kRanks, int4>(src, dst, bytes, lane);
+  } else {
+    WarpCopyRowToRanks<kRanks, int>(src, dst, bytes, lane);
+  }
+}
+
+// Top-k slot `out` of rank r's received rows: the destination's local expert
+// id (-1 for an expert elsewhere, weight 0); cached dispatch sends weights as
+// they are.
+__device__ __forceinline__ void StoreTopkSlot(const SendArgs& a, const RankBuffers& dest, int r, int64_t out,
+                                              int expert, float weight) {
+  if (a.topk_idx != nullptr) {
+    const int local = expert - r * a.experts_per_rank;
+    const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
+    dest.topk_idx[out] = mine ? local : -1;
+    if (a.topk_weights != nullptr) dest.topk_weights[out] = mine ? weight : 0.0f;
+  } else if (a.topk_weights != nullptr) {
+    dest.topk_weights[out] = weight;
+  }
+}
+
 template <int kRanks>
 __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, const RankBuffers* dest, int t, int lane) {
   int pos[kRanks];
@@ -596,16 +621,9 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
     char* dst[kRanks];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) dst[r] = pos[r] >= 0 ? dest[r].rows[i] + pos[r] * bytes : nullptr;
-    const char* src = a.x[i] + t * bytes;
-    if (bytes % sizeof(int4) == 0) {
-      WarpCopyRowToRanks<kRanks, int4>(src, dst, bytes, lane);
-    } else {
-      WarpCopyRowToRanks<kRanks, int>(src, dst, bytes, lane);
-    }
+    CopyRowToRanks<kRanks>(a.x[i] + t * bytes, dst, bytes, lane);
   }
 
-  // Top-k slots as the destination's local expert ids (-1 for experts
-  // elsewhere, weight 0); cached dispatch sends weights as they are.
   const int num_topk = a.num_topk;
   for (int k = lane; k < num_topk; k += kWarpSize) {
     const int64_t in = int64_t(t) * num_topk + k;
@@ -613,16 +631,7 @@ __device__ __forceinline__ void SendToken(const Group& g, const SendArgs& a, con
     const float weight = a.topk_weights != nullptr ? a.topk_weights[in] : 0.0f;
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
-      if (pos[r] < 0) continue;
-      const int64_t out = int64_t(pos[r]) * num_topk + k;
-      if (a.topk_idx != nullptr) {
-        const int local = expert - r * a.experts_per_rank;
-        const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-        dest[r].topk_idx[out] = mine ? local : -1;
-        if (a.topk_weights != nullptr) dest[r].topk_weights[out] = mine ? weight : 0.0f;
-      } else if (a.topk_weights != nullptr) {
-        dest[r].topk_weights[out] = weight;
-      }
+      if (pos[r] >= 0) StoreTopkSlot(a, dest[r], r, int64_t(pos[r]) * num_topk + k, expert, weight);
     }
   }
   if (lane == 0 && a.mode == kDispatch) {
@@ -672,11 +681,7 @@ __device__ void SendTokenWide(const Group& g, const SendArgs& a, const RankBuffe
         const int2 d = first + j < n ? list[first + j] : make_int2(0, -1);
         dst[j] = d.y >= 0 ? dest[d.x].rows[i] + d.y * bytes : nullptr;
       }
-      if (bytes % sizeof(int4) == 0) {
-        WarpCopyRowToRanks<kWideBatch, int4>(src, dst, bytes, lane);
-      } else {
-        WarpCopyRowToRanks<kWideBatch, int>(src, dst, bytes, lane);
-      }
+      CopyRowToRanks<kWideBatch>(src, dst, bytes, lane);
     }
   }
   const int num_topk = a.num_topk;
@@ -686,15 +691,7 @@ __device__ void SendTokenWide(const Group& g, const SendArgs& a, const RankBuffe
     const float weight = a.topk_weights != nullptr ? a.topk_weights[in] : 0.0f;
     for (int j = 0; j < n; ++j) {
       const int r = list[j].x;
-      const int64_t out = int64_t(list[j].y) * num_topk + k;
-      if (a.topk_idx != nullptr) {
-        const int local = expert - r * a.experts_per_rank;
-        const bool mine = expert >= 0 && local >= 0 && local < a.experts_per_rank;
-        dest[r].topk_idx[out] = mine ? local : -1;
-        if (a.topk_weights != nullptr) dest[r].topk_weights[out] = mine ? weight : 0.0f;
-      } else if (a.topk_weights != nullptr) {
-        dest[r].topk_weights[out] = weight;
-      }
+      StoreTopkSlot(a, dest[r], r, int64_t(list[j].y) * num_topk + k, expert, weight);
     }
   }
   if (lane == 0 && a.mode == kDispatch) {

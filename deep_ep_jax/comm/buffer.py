@@ -194,16 +194,9 @@ class Buffer:
         With several EP groups (other mesh axes), each rank sums its groups."""
         self._check_counting("Buffer.traffic")
         if self.backend == "xla":
-            from deep_ep_jax.distributed import multiprocess
-
             jax.effects_barrier()  # the counting callbacks of finished programs
             # Every rank of this process, zeros where nothing was counted (as the CUDA counters read).
-            counts: dict[int, dict[str, dict[str, int]]] = {
-                rank: {}
-                for row in multiprocess.device_grid(self.mesh, self.axis_name)
-                for rank, device in enumerate(row)
-                if device.process_index == jax.process_index()
-            }
+            counts: dict[int, dict[str, dict[str, int]]] = {rank: {} for rank in self._local_ranks()}
             counts.update(
                 {rank: {op: dict(c) for op, c in ops.items()} for rank, ops in self._reference_traffic.items()}
             )
@@ -259,14 +252,7 @@ class Buffer:
         jax.block_until_ready on the calls' results."""
         self._check_low_latency("Buffer.wait_times")
         if self.backend == "xla":
-            from deep_ep_jax.distributed import multiprocess
-
-            return {
-                rank: {kind: np.zeros(self.num_ranks) for kind in self.WAIT_KINDS}
-                for row in multiprocess.device_grid(self.mesh, self.axis_name)
-                for rank, device in enumerate(row)
-                if device.process_index == jax.process_index()
-            }
+            return {rank: {kind: np.zeros(self.num_ranks) for kind in self.WAIT_KINDS} for rank in self._local_ranks()}
         from deep_ep_jax import _native
 
         assert self.buffer_id is not None  # a live CUDA Buffer has one (lifecycle.allocate)
@@ -285,6 +271,17 @@ class Buffer:
 
             assert self.buffer_id is not None
             _native.extension().reset_wait_times(int(self.buffer_id))
+
+    def _local_ranks(self) -> list[int]:
+        """The ranks of this process's devices (in every EP group)."""
+        from deep_ep_jax.distributed import multiprocess
+
+        return [
+            rank
+            for row in multiprocess.device_grid(self.mesh, self.axis_name)
+            for rank, device in enumerate(row)
+            if device.process_index == jax.process_index()
+        ]
 
     def _check_low_latency(self, fn_name: str) -> None:
         self.check_alive(fn_name)

@@ -18,13 +18,16 @@ from deep_ep_jax.comm.expert_major import (
 )
 from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout, LowLatencyHandle
 from deep_ep_jax.comm.low_latency import (
+    drop_masked_experts,
     low_latency_combine,
     low_latency_combine_recv,
     low_latency_combine_send,
     low_latency_dispatch,
     low_latency_dispatch_recv,
     low_latency_dispatch_send,
+    low_latency_mask,
     low_latency_overlap,
+    low_latency_set_mask,
 )
 from deep_ep_jax.comm.normal import CHECKPOINT_NAMES, combine, dispatch, get_dispatch_layout
 from deep_ep_jax.comm.validation import CheckError, checked
@@ -47,6 +50,7 @@ __all__ = [
     "default_capacity",
     "dispatch",
     "dispatch_expert_major",
+    "drop_masked_experts",
     "dropless_moe",
     "expand",
     "get_dispatch_layout",
@@ -58,6 +62,8 @@ __all__ = [
     "low_latency_dispatch",
     "low_latency_dispatch_recv",
     "low_latency_dispatch_send",
+    "low_latency_mask",
     "low_latency_overlap",
+    "low_latency_set_mask",
     "reduce",
 ]

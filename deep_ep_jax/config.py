@@ -13,6 +13,10 @@ them without touching code:
                              other than its dispatch's) instead of masking
   DEEP_EP_JAX_LL_OVERLAP_SMS SMs of the low-latency send halves run beside XLA's
                              work (default 0: on XLA's stream, see Config)
+  DEEP_EP_JAX_MASK_FAILED_RANKS
+                             1: low-latency mode masks a rank that does not
+                             answer within the timeout instead of failing
+                             (Config.mask_failed_ranks)
   DEEP_EP_JAX_GPUS_PER_HOST  GPUs of an EP group per host (default: as the
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
@@ -192,6 +196,12 @@ class Config:
     # send's receive must then come before any other low-latency operation of
     # the buffer (a second overlapped send excepted).
     low_latency_overlap_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_LL_OVERLAP_SMS", 0))
+    # Low-latency mode (CUDA backend): a rank that does not answer within timeout_s is masked
+    # (low_latency_mask) and served around from then on, instead of the wait failing the kernel
+    # (which loses the CUDA context: the process must restart). docs/usage.md, "When a rank fails".
+    mask_failed_ranks: bool = dataclasses.field(
+        default_factory=lambda: env_bool("DEEP_EP_JAX_MASK_FAILED_RANKS", False)
+    )
     # Debug: normal-mode dispatch, cached dispatch and combine count the rows and
     # bytes they move over NVLink and over the network, per rank (Buffer.traffic(),
     # docs/internode.md). Off: no counting at all (a kernel argument, null).
@@ -225,7 +235,7 @@ class Config:
                     f"Config.{name} must be an int{' or None' if optional else ''}, "
                     f"got {type(value).__name__} {value!r}"
                 )
-        for name in ("checks", "count_traffic", "internode_pipeline", "poison_padding"):
+        for name in ("checks", "count_traffic", "internode_pipeline", "poison_padding", "mask_failed_ranks"):
             value = getattr(self, name)
             if not is_bool(value):
                 raise TypeError(f"Config.{name} must be a bool, got {type(value).__name__} {value!r}")

@@ -837,6 +837,126 @@ def case_wait_times():
     buffer.destroy()
 
 
+def case_masked_rank():
+    """Launched with --keep-going --ranks-per-gpu K, Config(mask_failed_ranks=True):
+    rank VICTIM (1) stops (MASKED_RANK_MODE: "kill", SIGKILL to itself; "stall",
+    no call until the others are done) at MASKED_RANK_AT: its second dispatch ("dispatch"),
+    its second combine ("combine") or after its second round trip ("between").
+    Every other rank runs on without barriers: the low-latency call that waits
+    for it masks it within 2x the timeout, each result is bit for bit
+    tests/oracle.py's with the victim masked (oracle.mask_ranks) from that call
+    on, the next round trip takes no timeout, low_latency_mask says [victim],
+    and after low_latency_set_mask(zeros) the next round trip masks it again.
+    MASKED_RANK_MODE "none" (launch --cpu: the xla backend, which masks no
+    rank): the same round trips, all unmasked. Survivors leave with os._exit,
+    rank 0 last (docs/multiprocess.md); the victim's Buffer is never destroyed."""
+    import signal as signals
+
+    import oracle
+    from jax.sharding import PartitionSpec
+
+    mode, at = os.environ.get("MASKED_RANK_MODE", "kill"), os.environ.get("MASKED_RANK_AT", "dispatch")
+    platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
+    victim = 1 if mode != "none" else None
+    tokens, hidden, topk, num_experts = 8, 256, 3, 2 * num_ranks
+    timeout_s = float(os.environ.get("MASKED_RANK_TIMEOUT_S", "20"))
+    buffer = _shared_buffer(platform, mesh, hidden, num_experts, tokens, timeout_s=timeout_s, mask_failed_ranks=True)
+    put, _ = _own_rank_io(mesh, "masked_rank", 120)
+    rows = PartitionSpec(AXIS)
+
+    def spmd(fn, specs=rows):  # fn per rank; each output [R, ...]: this rank's in row 0 of its shard
+        body = lambda *args: jax.tree.map(lambda a: a[None], fn(*args))  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=rows, check_vma=False))
+
+    kwargs = dict(buffer=buffer, num_experts=num_experts, num_max_dispatch_tokens_per_rank=tokens, use_fp8=False)
+    dispatch = spmd(lambda x, idx: dej.low_latency_dispatch(x, idx, **kwargs))
+    unrow = lambda handle: jax.tree.map(lambda a: a[0], handle)  # noqa: E731  (dispatch's output: a row per rank)
+    combine = spmd(lambda y, idx, w, handle: dej.low_latency_combine(y, idx, w, unrow(handle), buffer=buffer))
+    read_mask = spmd(lambda: dej.low_latency_mask(buffer=buffer), ())
+    clear_mask = spmd(lambda: dej.low_latency_set_mask(jnp.zeros(num_ranks, jnp.int32), buffer=buffer), ())
+    idx, w = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, "random")
+    x = rng.standard_normal((num_ranks * tokens, hidden)).astype(jnp.bfloat16)
+    y = rng.standard_normal((num_experts, num_ranks * tokens, hidden)).astype(jnp.bfloat16)
+    xs, idxs, ws = (np.asarray(a).reshape(num_ranks, tokens, -1) for a in (x, idx, w))
+    ys = np.asarray(y, np.float32).reshape(num_ranks, num_experts // num_ranks, num_ranks * tokens, hidden)
+    full = oracle.low_latency_dispatch(xs, idxs, num_experts, tokens)
+    masked_idx = oracle.mask_ranks(idxs, [victim] if victim is not None else [], num_experts)
+    masked = oracle.low_latency_dispatch(xs, masked_idx, num_experts, tokens)
+    x, idx_g, w_g, y_g = put(x), put(idx), put(w), put(y)
+    mine = lambda a: np.asarray(a.addressable_shards[0].data)[0]  # noqa: E731
+    epr = num_experts // num_ranks
+
+    def stop_here(where, round_trip):
+        if rank != victim or where != at or round_trip != 1:
+            return
+        log(f"victim: {mode} at {where}")
+        if mode == "kill":
+            os.kill(os.getpid(), signals.SIGKILL)
+        time.sleep(4 * timeout_s + 30)  # past the survivors' last call
+        os._exit(0)  # the stalled rank never calls again
+
+    def check_dispatch(recv_x, count, handle, lists, what):
+        recv_x, count, handle = jax.tree.map(mine, (recv_x, count, handle))
+        for e in range(epr):
+            slots = lists[rank][e]
+            assert int(count[e]) == len(slots), (what, e, int(count[e]), len(slots))
+            if slots:
+                s, t = _assert_low_latency_sources(handle, e, slots, f"{what} expert {e}")
+                np.testing.assert_array_equal(np.asarray(recv_x[e, : len(slots)], np.float32), xs[s, t], err_msg=what)
+
+    def check_combine(out, lists, routing, what):
+        want = oracle.low_latency_combine(ys, lists, routing, ws, num_experts)[rank]
+        np.testing.assert_array_equal(
+            np.asarray(mine(out), np.float32), want.astype(jnp.bfloat16).astype(np.float32), err_msg=what
+        )
+
+    def timed(fn, *args):
+        start = time.time()
+        out = jax.block_until_ready(fn(*args))
+        return out, time.time() - start
+
+    # Round trip 0: compiled and run by every rank, then a barrier (the last one).
+    recv_x, count, handle = jax.block_until_ready(dispatch(x, idx_g))
+    jax.block_until_ready(combine(y_g, idx_g, w_g, handle))
+    multiprocess.barrier("deep_ep_jax/test/masked_rank/ready", 120)
+    jax.block_until_ready(read_mask() if victim is None else (read_mask(), clear_mask()))  # before anyone is gone
+    masked_from = {"dispatch": (1, "dispatch"), "combine": (1, "combine"), "between": (2, "dispatch")}[at]
+    durations = []
+    for round_trip in (1, 2, 3):
+        stop_here("dispatch", round_trip)
+        (recv_x, count, handle), took = timed(dispatch, x, idx_g)
+        durations.append(took)
+        on = victim is not None and (round_trip, "dispatch") >= masked_from
+        check_dispatch(recv_x, count, handle, masked if on else full, f"dispatch {round_trip}")
+        stop_here("combine", round_trip)
+        out, took = timed(combine, y_g, idx_g, w_g, handle)
+        durations.append(took)
+        on_combine = victim is not None and (round_trip, "combine") >= masked_from
+        check_combine(out, masked if on else full, masked_idx if on_combine else idxs, f"combine {round_trip}")
+        stop_here("between", round_trip)
+        want_mask = np.eye(num_ranks, dtype=np.int32)[victim] if on_combine else np.zeros(num_ranks, np.int32)
+        np.testing.assert_array_equal(mine(read_mask()), want_mask, err_msg=f"mask after round trip {round_trip}")
+        if round_trip == 2 and victim is not None:
+            np.testing.assert_array_equal(mine(clear_mask()), np.zeros(num_ranks, np.int32))
+            log("mask cleared: the next round trip waits for the victim again")
+            masked_from = (3, "dispatch")
+    log(f"masked_rank {mode} at {at}: call durations {np.array2string(np.array(durations), precision=2)} s")
+    if victim is not None:
+        first = {"dispatch": 0, "combine": 1, "between": 2}[at]  # the call that masks it (durations' index)
+        assert timeout_s * 0.9 <= durations[first] <= 2 * timeout_s, (first, durations)
+        later = [d for i, d in enumerate(durations) if i != first and i != 4]  # call 4: masking again after the clear
+        assert max(later) < timeout_s / 2, durations
+        assert timeout_s * 0.9 <= durations[4] <= 2 * timeout_s, durations
+    log(f"masked_rank R={num_ranks}: ok")
+    buffer.destroy()
+    if victim is None:
+        return
+    log("CASE masked_rank OK")  # main's line: a survivor leaves at once, skipping jax's shutdown
+    if rank == 0:
+        time.sleep(5)  # the coordinator's process leaves last
+    os._exit(0)
+
+
 def case_mesh_order():
     """A Buffer used under a shard_map over a mesh of the same axes whose
     devices are in another order: every operation refuses it when the program
@@ -1411,6 +1531,7 @@ CASES = {
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "mesh_order": case_mesh_order,
     "wait_times": case_wait_times,
+    "masked_rank": case_masked_rank,
     "shared_gpu_dropless": case_shared_gpu_dropless,
     "shared_gpu_order": case_shared_gpu_order,
     "shared_gpu_teardown": case_shared_gpu_teardown,

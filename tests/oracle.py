@@ -156,6 +156,19 @@ def low_latency_dispatch(x, idx, num_experts, max_tokens):
     return [[slots[: num_ranks * max_tokens] for slots in experts] for experts in out]
 
 
+def mask_ranks(idx, masked, num_experts):
+    """idx [R, T, K] as low-latency mode serves it once the ranks in `masked`
+    are masked on every other rank: a masked rank sends nothing (its tokens
+    -1) and its experts receive nothing (their ids -1). The other ranks'
+    dispatch and combine results are then low_latency_dispatch() and
+    low_latency_combine() of this idx (a masked rank's own are undefined)."""
+    idx = np.array(idx, copy=True)
+    owner = np.where(idx >= 0, idx, 0) // (num_experts // idx.shape[0])
+    idx[np.isin(owner, list(masked)) & (idx >= 0)] = -1
+    idx[list(masked)] = -1
+    return idx
+
+
 def low_latency_combine(y, received, idx, w, num_experts):
     """y [R, E/R, R*M, H]: each rank's expert outputs in its received rows
     (low_latency_dispatch()'s order); idx/w [R, T, K]. Returns float32

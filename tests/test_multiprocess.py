@@ -71,9 +71,9 @@ def test_shared_gpu_case_on_cpu():
     stay right between the GPU runs: normal mode, its cached dispatch, FP8,
     MXFP8 and NVFP4 pairs, and low-latency mode whole and by halves; and case mesh_order's
     refusals; and cases wait_times (zeros) and traffic (the xla backend's
-    counters against the oracle)."""
-    cases = ("shared_gpu", "mesh_order", "wait_times", "traffic")
-    code, output, _ = _launch(2, [WORKER, *cases])
+    counters against the oracle), and masked_rank with no rank stopping (the xla backend masks none)."""
+    cases = ("shared_gpu", "mesh_order", "wait_times", "traffic", "masked_rank")
+    code, output, _ = _launch(2, [WORKER, *cases], env={"MASKED_RANK_MODE": "none"})
     assert code == 0, output[-4000:]
     for rank in range(2):
         for case in cases:
@@ -83,6 +83,7 @@ def test_shared_gpu_case_on_cpu():
     assert output.count("mxfp8=True split=False: ok") == 2 * 4, output[-4000:]
     # 3 routings x (MXFP8, NVFP4, NVFP4 packed) per rank, byte for byte.
     assert output.count("shared_gpu MXFP8 ") + output.count("shared_gpu NVFP4 ") == 2 * 9, output[-4000:]
+    assert output.count("masked_rank R=2: ok") == 2, output[-4000:]
 
 
 def test_launcher_stops_the_others_when_one_fails(tmp_path):

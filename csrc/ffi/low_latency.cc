@@ -19,7 +19,8 @@ using low_latency::DispatchLayout;
 using low_latency::Peers;
 
 // This device's view of the buffer's low-latency region.
-ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t timeout_ns, Peers* peers) {
+ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t timeout_ns, bool mask_failed,
+                     Peers* peers) {
   const DeviceState* state = nullptr;
   DEEP_EP_JAX_RETURN_IF_ERROR(FindBuffer(fn, buffer_id, device, &state));
   if (state->low_latency.local == nullptr) {
@@ -35,6 +36,7 @@ ffi::Error FindPeers(const char* fn, int64_t buffer_id, int device, int64_t time
   peers->num_ranks = state->num_ranks;
   peers->half_bytes = low_latency::HalfBytes(state->low_latency.num_bytes);
   peers->timeout_ns = uint64_t(timeout_ns);
+  peers->mask_failed = mask_failed;
   peers->nvshmem = state->nvshmem;
   peers->send_offset = state->low_latency.num_bytes;  // the send area follows the region
   peers->send_bytes = state->send_bytes;
@@ -105,8 +107,8 @@ ffi::Error CheckDispatchShapes(const char* fn, int64_t num_tokens, int64_t num_t
 ffi::Error PrepareDispatchSend(const char* fn, int32_t device, const ffi::AnyBuffer& x,
                                const ffi::Buffer<ffi::S32>& topk_idx, int64_t buffer_id, int64_t num_experts,
                                int64_t max_tokens, bool use_fp8, bool round_scale, bool mxfp8, int64_t timeout_ns,
-                               low_latency::DispatchSendArgs* args) {
-  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+                               bool mask_failed, low_latency::DispatchSendArgs* args) {
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, mask_failed, &args->peers));
   const Dims x_dims = x.dimensions(), idx_dims = topk_idx.dimensions();
   if (x.element_type() != ffi::BF16 || x_dims.size() != 2) return Invalid(fn, "x must be bf16 [T, H]");
   if (idx_dims.size() != 2 || idx_dims[0] != x_dims[0]) return Invalid(fn, "topk_idx must be int32 [T, K]");
@@ -138,8 +140,8 @@ ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::
                                ffi::ResultBuffer<ffi::F32>& recv_scales, ffi::ResultBuffer<ffi::S32>& recv_count,
                                ffi::ResultBuffer<ffi::S32>& recv_src_rank, ffi::ResultBuffer<ffi::S32>& recv_src_token,
                                ffi::ResultBuffer<ffi::S32>& recv_src_topk, int64_t buffer_id, int64_t num_topk,
-                               int64_t timeout_ns, low_latency::DispatchRecvArgs* args) {
-  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+                               int64_t timeout_ns, bool mask_failed, low_latency::DispatchRecvArgs* args) {
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, mask_failed, &args->peers));
   const int num_ranks = args->peers.num_ranks;
   const Dims dims = recv_x->dimensions();
   const bool fp8 = recv_x->element_type() == ffi::F8E4M3FN;
@@ -177,9 +179,9 @@ ffi::Error PrepareDispatchRecv(const char* fn, int32_t device, ffi::Result<ffi::
 ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuffer& x,
                               const ffi::Buffer<ffi::S32>& recv_count, const ffi::Buffer<ffi::S32>& recv_src_rank,
                               const ffi::Buffer<ffi::S32>& recv_src_token, const ffi::Buffer<ffi::S32>& recv_src_topk,
-                              int64_t buffer_id, int64_t num_topk, int64_t timeout_ns,
+                              int64_t buffer_id, int64_t num_topk, int64_t timeout_ns, bool mask_failed,
                               low_latency::CombineSendArgs* args) {
-  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, mask_failed, &args->peers));
   const int num_ranks = args->peers.num_ranks;
   const Dims dims = x.dimensions();
   if (x.element_type() != ffi::BF16 || dims.size() != 3 || dims[1] % num_ranks != 0) {
@@ -214,9 +216,9 @@ ffi::Error PrepareCombineSend(const char* fn, int32_t device, const ffi::AnyBuff
 
 ffi::Error PrepareCombineRecv(const char* fn, int32_t device, const ffi::Buffer<ffi::S32>& topk_idx,
                               const ffi::Buffer<ffi::F32>& topk_weights, ffi::Result<ffi::AnyBuffer>& out,
-                              int64_t buffer_id, int64_t num_experts, int64_t timeout_ns,
+                              int64_t buffer_id, int64_t num_experts, int64_t timeout_ns, bool mask_failed,
                               low_latency::CombineRecvArgs* args) {
-  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, &args->peers));
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, timeout_ns, mask_failed, &args->peers));
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckNumExperts(fn, num_experts, args->peers.num_ranks, low_latency::kMaxExperts, low_latency::kMaxExperts));
   const Dims idx_dims = topk_idx.dimensions(), out_dims = out->dimensions();
@@ -294,13 +296,14 @@ static ffi::Error LowLatencyDispatchSend(cudaStream_t stream, int32_t device, ff
                                          ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
                                          ffi::ResultBuffer<ffi::S32> token, ffi::ResultBuffer<ffi::S32> order_out,
                                          int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
-                                         bool round_scale, bool mxfp8, int64_t timeout_ns, int64_t max_blocks) {
+                                         bool round_scale, bool mxfp8, int64_t timeout_ns, bool mask_failed,
+                                         int64_t max_blocks) {
   constexpr const char* fn = "low_latency_dispatch_send";
   low_latency::DispatchSendArgs args{};
   CallOrder call{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                                  round_scale, mxfp8, timeout_ns, &args));
+                                                  round_scale, mxfp8, timeout_ns, mask_failed, &args));
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).dispatch_send);
 }
@@ -320,6 +323,7 @@ static auto DispatchSendBinding() {
       .Attr<bool>("round_scale")
       .Attr<bool>("mxfp8")  // with use_fp8: scales per 32 channels, float8_e8m0fnu bytes
       .Attr<int64_t>("timeout_ns")
+      .Attr<bool>("mask_failed_ranks")  // Config.mask_failed_ranks
       .Attr<int64_t>("max_blocks");
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchSendHandler, LowLatencyDispatchSend<false>, DispatchSendBinding(),
@@ -333,12 +337,12 @@ static ffi::Error LowLatencyDispatchRecv(
     ffi::RemainingArgs keep_alive, ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::F32> recv_scales,
     ffi::ResultBuffer<ffi::S32> recv_count, ffi::ResultBuffer<ffi::S32> recv_src_rank,
     ffi::ResultBuffer<ffi::S32> recv_src_token, ffi::ResultBuffer<ffi::S32> recv_src_topk,
-    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk, int64_t timeout_ns) {
+    ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk, int64_t timeout_ns, bool mask_failed) {
   constexpr const char* fn = "low_latency_dispatch_recv";
   low_latency::DispatchRecvArgs args{};
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
                                                   recv_src_token, recv_src_topk, buffer_id, num_topk, timeout_ns,
-                                                  &args));
+                                                  mask_failed, &args));
   CallOrder call{};  // the position passes through: the send took this operation's
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
@@ -362,7 +366,8 @@ static auto DispatchRecvBinding() {
       .Ret<ffi::Buffer<ffi::S32>>()  // order_out
       .Attr<int64_t>("buffer_id")
       .Attr<int64_t>("num_topk")
-      .Attr<int64_t>("timeout_ns");
+      .Attr<int64_t>("timeout_ns")
+      .Attr<bool>("mask_failed_ranks");
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchRecvHandler, LowLatencyDispatchRecv<false>, DispatchRecvBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -377,17 +382,17 @@ static ffi::Error LowLatencyDispatch(cudaStream_t stream, int32_t device, ffi::B
                                      ffi::ResultBuffer<ffi::S32> recv_src_token,
                                      ffi::ResultBuffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> order_out,
                                      int64_t buffer_id, int64_t num_experts, int64_t max_tokens, bool use_fp8,
-                                     bool round_scale, bool mxfp8, int64_t timeout_ns) {
+                                     bool round_scale, bool mxfp8, int64_t timeout_ns, bool mask_failed) {
   constexpr const char* fn = "low_latency_dispatch";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::DispatchSendArgs send{};
   low_latency::DispatchRecvArgs recv{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchSend(fn, device, x, topk_idx, buffer_id, num_experts, max_tokens, use_fp8,
-                                                  round_scale, mxfp8, timeout_ns, &send));
+                                                  round_scale, mxfp8, timeout_ns, mask_failed, &send));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareDispatchRecv(fn, device, recv_x, recv_scales, recv_count, recv_src_rank,
                                                   recv_src_token, recv_src_topk, buffer_id, send.num_topk, timeout_ns,
-                                                  &recv));
+                                                  mask_failed, &recv));
   if (recv.layout.bytes != send.layout.bytes || recv.fp8 != send.fp8 || recv.max_tokens != send.max_tokens) {
     return Invalid(fn, "the outputs do not match the inputs' shapes");
   }
@@ -413,7 +418,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyDispatchHandler, LowLatencyDispatch,
                                   .Attr<bool>("use_fp8")
                                   .Attr<bool>("round_scale")
                                   .Attr<bool>("mxfp8")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<bool>("mask_failed_ranks"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 template <bool kOverlapped>
@@ -422,13 +428,13 @@ static ffi::Error LowLatencyCombineSend(cudaStream_t stream, int32_t device, ffi
                                         ffi::Buffer<ffi::S32> recv_src_rank, ffi::Buffer<ffi::S32> recv_src_token,
                                         ffi::Buffer<ffi::S32> recv_src_topk, ffi::ResultBuffer<ffi::S32> token,
                                         ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, int64_t num_topk,
-                                        int64_t timeout_ns, int64_t max_blocks) {
+                                        int64_t timeout_ns, bool mask_failed, int64_t max_blocks) {
   constexpr const char* fn = "low_latency_combine_send";
   low_latency::CombineSendArgs args{};
   CallOrder call{};
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
-                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, &args));
+                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, mask_failed, &args));
   return LaunchSend<kOverlapped>(fn, device, stream, buffer_id, token, call, max_blocks, args,
                                  LaunchersFor(args.peers).combine_send);
 }
@@ -447,6 +453,7 @@ static auto CombineSendBinding() {
       .Attr<int64_t>("buffer_id")
       .Attr<int64_t>("num_topk")
       .Attr<int64_t>("timeout_ns")
+      .Attr<bool>("mask_failed_ranks")
       .Attr<int64_t>("max_blocks");
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineSendHandler, LowLatencyCombineSend<false>, CombineSendBinding(),
@@ -459,11 +466,11 @@ static ffi::Error LowLatencyCombineRecv(cudaStream_t stream, int32_t device, ffi
                                         ffi::Buffer<ffi::S32> token, ffi::Buffer<ffi::S32> topk_idx,
                                         ffi::Buffer<ffi::F32> topk_weights, ffi::RemainingArgs keep_alive,
                                         ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> order_out,
-                                        int64_t buffer_id, int64_t num_experts, int64_t timeout_ns) {
+                                        int64_t buffer_id, int64_t num_experts, int64_t timeout_ns, bool mask_failed) {
   constexpr const char* fn = "low_latency_combine_recv";
   low_latency::CombineRecvArgs args{};
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts, timeout_ns, &args));
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts,
+                                                 timeout_ns, mask_failed, &args));
   CallOrder call{};  // the position passes through: the send took this operation's
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckToken(fn, token.dimensions()));
@@ -484,7 +491,8 @@ static auto CombineRecvBinding() {
       .Ret<ffi::Buffer<ffi::S32>>()  // order_out
       .Attr<int64_t>("buffer_id")
       .Attr<int64_t>("num_experts")
-      .Attr<int64_t>("timeout_ns");
+      .Attr<int64_t>("timeout_ns")
+      .Attr<bool>("mask_failed_ranks");
 }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineRecvHandler, LowLatencyCombineRecv<false>, CombineRecvBinding(),
                               {ffi::Traits::kCmdBufferCompatible});
@@ -497,7 +505,7 @@ static ffi::Error LowLatencyCombine(cudaStream_t stream, int32_t device, ffi::Bu
                                     ffi::Buffer<ffi::S32> recv_src_token, ffi::Buffer<ffi::S32> recv_src_topk,
                                     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::F32> topk_weights,
                                     ffi::Result<ffi::AnyBuffer> out, ffi::ResultBuffer<ffi::S32> order_out,
-                                    int64_t buffer_id, int64_t num_experts, int64_t timeout_ns) {
+                                    int64_t buffer_id, int64_t num_experts, int64_t timeout_ns, bool mask_failed) {
   constexpr const char* fn = "low_latency_combine";
   DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
   low_latency::CombineSendArgs send{};
@@ -506,9 +514,9 @@ static ffi::Error LowLatencyCombine(cudaStream_t stream, int32_t device, ffi::Bu
   const int64_t num_topk = idx_dims.size() == 2 ? idx_dims[1] : 0;
   DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &send.order));
   DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineSend(fn, device, x, recv_count, recv_src_rank, recv_src_token,
-                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, &send));
-  DEEP_EP_JAX_RETURN_IF_ERROR(
-      PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts, timeout_ns, &recv));
+                                                 recv_src_topk, buffer_id, num_topk, timeout_ns, mask_failed, &send));
+  DEEP_EP_JAX_RETURN_IF_ERROR(PrepareCombineRecv(fn, device, topk_idx, topk_weights, out, buffer_id, num_experts,
+                                                 timeout_ns, mask_failed, &recv));
   if (recv.hidden != send.hidden || recv.num_tokens > send.max_tokens) {
     return Invalid(fn, "the output must be bf16 [T, H] with T <= M and H of x");
   }
@@ -535,7 +543,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyCombineHandler, LowLatencyCombine,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // order_out
                                   .Attr<int64_t>("buffer_id")
                                   .Attr<int64_t>("num_experts")
-                                  .Attr<int64_t>("timeout_ns"),
+                                  .Attr<int64_t>("timeout_ns")
+                                  .Attr<bool>("mask_failed_ranks"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// The Buffer's mask of ranks (low_latency_mask): int32 [R], 1 for a rank this
+// rank neither sends to nor waits for; with `set`, first replaced by set_to.
+static ffi::Error LowLatencyMask(cudaStream_t stream, int32_t device, ffi::Buffer<ffi::S32> order,
+                                 ffi::Buffer<ffi::S32> set_to, ffi::ResultBuffer<ffi::S32> mask,
+                                 ffi::ResultBuffer<ffi::S32> order_out, int64_t buffer_id, bool set) {
+  constexpr const char* fn = "low_latency_mask";
+  DEEP_EP_JAX_RETURN_IF_ERROR(SideStreamError(fn, CheckNoPendingSend(device, buffer_id)));
+  CallOrder call{};  // the position passes through: no peer meets this call
+  DEEP_EP_JAX_RETURN_IF_ERROR(CheckCallOrder(fn, order, order_out, &call));
+  Peers peers{};
+  DEEP_EP_JAX_RETURN_IF_ERROR(FindPeers(fn, buffer_id, device, 0, false, &peers));
+  if (!IsShape(set_to.dimensions(), {peers.num_ranks}) || !IsShape(mask->dimensions(), {peers.num_ranks})) {
+    return Invalid(fn, "the mask must be int32 [" + Str(peers.num_ranks) + "] (one entry per rank)");
+  }
+  return Launched(fn, low_latency::LaunchMask(peers.local, peers.rank, peers.num_ranks,
+                                              set ? set_to.typed_data() : nullptr, mask->typed_data(), stream));
+}
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LowLatencyMaskHandler, LowLatencyMask,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // order
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // set_to [R] (read with `set`)
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // mask [R]
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // order_out
+                                  .Attr<int64_t>("buffer_id")
+                                  .Attr<bool>("set"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace deep_ep_jax

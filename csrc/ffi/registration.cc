@@ -24,6 +24,7 @@ FfiHandler LowLatencyDispatchSendOverlappedHandler;
 FfiHandler LowLatencyDispatchRecvOverlappedHandler;
 FfiHandler LowLatencyCombineSendOverlappedHandler;
 FfiHandler LowLatencyCombineRecvOverlappedHandler;
+FfiHandler LowLatencyMaskHandler;
 FfiHandler ExpertLayoutHandler;  // expert_major.cc
 FfiHandler ExpandRowsHandler;
 FfiHandler ExpandRowsTransposedHandler;
@@ -75,6 +76,7 @@ const std::map<std::string, FfiTarget>& FfiTargets() {
        {LowLatencyCombineSendOverlappedHandler, {"token", "order_out"}}},
       {"deep_ep_jax_low_latency_combine_recv_overlapped",
        {LowLatencyCombineRecvOverlappedHandler, {"out", "order_out"}}},
+      {"deep_ep_jax_low_latency_mask", {LowLatencyMaskHandler, {"mask", "order_out"}}},
       // Expert-major rows.
       {"deep_ep_jax_expert_layout",
        {ExpertLayoutHandler, {"group_sizes", "group_offsets", "pair_row", "row_pair", "num_dropped", "pair_counts"}}},

@@ -64,6 +64,13 @@ struct Control {
   // [receive kind][source]: nanoseconds this rank's receives have waited for
   // source's rows (the first block's waits; kept, as counters, until reset).
   unsigned long long waited_ns[kWaitKinds][kMaxGroupRanks];
+  // [rank]: 1 while this rank neither sends to nor waits for that rank (the
+  // Buffer's mask: set on a timeout with Peers::mask_failed, or by SetMask).
+  int masked[kMaxGroupRanks];
+  // [half][source]: a receive's verdict on source for the op of that half,
+  // ReceiveKey(op) | 1 if masked, which the first block to reach one records
+  // and every other block takes, so the blocks of a receive agree.
+  int verdict[2][kMaxGroupRanks];
 };
 static_assert(sizeof(Control) <= kControlBytes, "control block too large");
 static_assert(offsetof(Control, ready) % 128 == 0 && offsetof(Control, freed) % 128 == 0,
@@ -93,20 +100,29 @@ __device__ __forceinline__ void Copy16(void* dst, const void* src, size_t num_by
 struct PeerTable {
   char* const* regions;
   const int* pes;
+  // [rank]: 1 for a rank this block neither sends to nor waits for: masked in
+  // the control block when the kernel started (every rank, if this one is),
+  // or masked since by this block's waits (a receive: its verdict).
+  int* masked;
 };
 
-// Copies the peer tables into the start of the block's dynamic shared memory.
-// No barrier here: every phase passes a __syncthreads before its first put
-// or signal, which publishes the copy to the whole block.
+// Copies the peer tables and the mask into the start of the block's dynamic
+// shared memory. No barrier here: every phase passes a __syncthreads before
+// its first put or signal, which publishes the copy to the whole block, and
+// before it a thread reads only the masked[r] it wrote (waits take r as here).
 __device__ __forceinline__ PeerTable LoadPeerTable(const Peers& p, int* smem) {
   char** regions = reinterpret_cast<char**>(smem);
   int* pes = reinterpret_cast<int*>(reinterpret_cast<char*>(smem) +
                                     AlignUp(size_t(p.num_ranks) * sizeof(char*), kVectorBytes));
+  int* masked = pes + AlignUp(size_t(p.num_ranks) * sizeof(int), kVectorBytes) / sizeof(int);
+  const Control* control = reinterpret_cast<const Control*>(p.local);
+  const bool out = LoadVolatile(&control->masked[p.rank]) != 0;
   for (int r = threadIdx.x; r < p.num_ranks; r += blockDim.x) {
     regions[r] = p.regions[r];
     if (p.pes != nullptr) pes[r] = p.pes[r];
+    masked[r] = out || LoadVolatile(&control->masked[r]) != 0;
   }
-  return PeerTable{regions, pes};
+  return PeerTable{regions, pes, masked};
 }
 
 // What a phase may use of the dynamic shared memory: what follows the peer tables.
@@ -140,34 +156,98 @@ struct NvlinkTransport {
   __device__ void Signal(int rank, size_t offset, int value) const {
     StoreReleaseSys(reinterpret_cast<int*>(peers.regions[rank] + offset), value);
   }
-  // Waits until a flag of this rank's control block has reached `target`
-  // (SeqReached, as WaitAtLeast: wrap-safe, times out loudly). A wait that
-  // was not over at once adds its time to *waited_ns (when not null).
-  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op,
-                       unsigned long long* waited_ns = nullptr) const {
-    const int* flag = reinterpret_cast<const int*>(local() + offset);
-    if (SeqReached(LoadAcquireSys(flag), target)) return;
-    const uint64_t start = GlobalTimerNs();
-    uint64_t now = start;
-    while (!SeqReached(LoadAcquireSys(flag), target)) {
-      now = GlobalTimerNs();
-      if (now - start > p.timeout_ns) {
-        printf(
-            "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
-            "value %d, expected %d\n",
-            mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
-        __trap();
-      }
-    }
-    if (waited_ns != nullptr) atomicAdd(waited_ns, static_cast<unsigned long long>(now - start));
-  }
 };
+
+// Waits until a flag of this rank's control block (every transport's peers
+// signal there) has reached `target` (SeqReached: wrap-safe) and returns
+// true, or returns false once give_up() says so. A wait that was not over at
+// once adds its time to *waited_ns (when not null). Past the timeout it traps
+// with a message naming what it waited for, or, with p.mask_failed, returns
+// false.
+template <typename GiveUp>
+__device__ bool WaitFlag(const Peers& p, size_t offset, int target, const char* mode, const char* counter, int peer,
+                         int op, unsigned long long* waited_ns, GiveUp give_up) {
+  const int* flag = reinterpret_cast<const int*>(p.local + offset);
+  if (SeqReached(LoadAcquireSys(flag), target)) return true;
+  const uint64_t start = GlobalTimerNs();
+  uint64_t now = start;
+  while (!SeqReached(LoadAcquireSys(flag), target)) {
+    now = GlobalTimerNs();
+    if (give_up()) return false;
+    if (now - start > p.timeout_ns) {
+      if (p.mask_failed) return false;
+      printf(
+          "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
+          "value %d, expected %d\n",
+          mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
+      __trap();
+    }
+  }
+  if (waited_ns != nullptr) atomicAdd(waited_ns, static_cast<unsigned long long>(now - start));
+  return true;
+}
+
+// Masks rank r in this block and in the control block (from this kernel on);
+// the first to mask it says so once.
+template <typename Transport>
+__device__ void MaskRank(const Transport& tr, int r, const char* mode) {
+  tr.peers.masked[r] = 1;
+  if (atomicExch(&tr.control()->masked[r], 1) == 0) {
+    printf("deep_ep_jax: %s rank %d masks rank %d: no answer within %.1f s (Config.mask_failed_ranks)\n", mode,
+           tr.p.rank, r, tr.p.timeout_ns * 1e-9);
+  }
+}
+
+// Send phases: whether to send to destination r: it is not masked and has
+// read this half of operation op - 2 (its freed flag). With masking on, a
+// destination that does not free it within the timeout is masked.
+template <typename Transport>
+__device__ bool WaitFreed(const Transport& tr, int half, int r, unsigned op, const char* mode) {
+  if (tr.peers.masked[r]) return false;
+  if (WaitFlag(tr.p, FreedFlag(half, r), int(op - 1u), mode,
+               "the freed flag (more than two low-latency operations in flight?)", r, int(op), nullptr,
+               [] { return false; })) {
+    return true;
+  }
+  MaskRank(tr, r, mode);
+  return false;
+}
+
+// A receive's verdict key for operation op: never has bit 0 set (the mask bit).
+__host__ __device__ constexpr int VerdictKey(unsigned op) { return int((op + 1u) << 1); }
 
 // Where the first block of a receive adds its wait for `source` (the other
 // blocks wait for the same flags, so they count nothing).
 template <typename Transport>
 __device__ __forceinline__ unsigned long long* WaitedNs(const Transport& tr, int kind, int source) {
   return blockIdx.x == 0 ? &tr.control()->waited_ns[kind][source] : nullptr;
+}
+
+// Receive phases: waits for source r's rows of operation op (its ready flag)
+// unless r is masked; leaves the block's masked[r] saying whether they count.
+// The blocks of one receive agree: the first to reach a verdict (the flag
+// came; or r was masked, or timed out with masking on) records it in the
+// control block, and every other block takes it, so no block reads rows
+// another skips.
+template <typename Transport>
+__device__ void WaitReady(const Transport& tr, int half, int r, unsigned op, const char* mode, int wait_kind) {
+  int* verdict = &tr.control()->verdict[half][r];
+  const int key = VerdictKey(op);
+  const int before = LoadVolatile(verdict);
+  int v = before;
+  if ((v & ~1) != key) {
+    const bool arrived = !tr.peers.masked[r] &&
+                         WaitFlag(tr.p, ReadyFlag(half, r), int(op + 1u), mode, "the ready flag", r, int(op),
+                                  WaitedNs(tr, wait_kind, r), [&] { return (LoadVolatile(verdict) & ~1) == key; });
+    const int proposed = key | (arrived ? 0 : 1);
+    const int old = atomicCAS(verdict, before, proposed);
+    v = old == before ? proposed : old;  // else another block's verdict on this op
+  }
+  if (v & 1) {
+    MaskRank(tr, r, mode);
+  } else {
+    tr.peers.masked[r] = 0;
+  }
 }
 
 __device__ __forceinline__ size_t HalfOffset(const Peers& p, int half) {
@@ -278,7 +358,17 @@ __device__ __forceinline__ void BeginSend(const Transport& tr, const CallOrder& 
 template <typename Transport>
 __device__ __forceinline__ void PublishCallTag(const Transport& tr, int half, int tag) {
   if (blockIdx.x != 0) return;
-  for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) tr.PutInt(r, CallTagSlot(half, tr.p.rank), tag);
+  for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
+    if (!tr.peers.masked[r]) tr.PutInt(r, CallTagSlot(half, tr.p.rank), tag);
+  }
+}
+
+// The last block of a phase: `flag` = value in every unmasked rank's control block.
+template <typename Transport>
+__device__ __forceinline__ void SignalAll(const Transport& tr, size_t flag, int value) {
+  for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
+    if (!tr.peers.masked[r]) tr.Signal(r, flag, value);
+  }
 }
 
 // Receive phases, after every source's ready flag and a __syncthreads: each
@@ -287,6 +377,7 @@ template <typename Transport>
 __device__ __forceinline__ void CheckCallTags(const Transport& tr, int half) {
   const char* local = tr.local();
   for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
+    if (tr.peers.masked[r]) continue;
     CheckPeerCall(LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, tr.p.rank))),
                   LoadVolatile(reinterpret_cast<const int*>(local + CallTagSlot(half, r))), tr.p.rank, r);
   }
@@ -446,12 +537,9 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
       PrefetchRow(token_row(first_token), hidden / 8);
     if (warp == kListWarp) list_destinations(first_token);
   }
-  // Every destination must have read this half of operation op - 2.
+  // Every destination must have read this half of operation op - 2 (or be masked).
   if (active) {
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-      tr.Wait(FreedFlag(half, r), int(op - 1u), "low-latency dispatch send",
-              "the freed flag (more than two low-latency operations in flight?)", r, int(op));
-    }
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) WaitFreed(tr, half, r, op, "low-latency dispatch send");
   }
   __syncthreads();
   PublishCallTag(tr, half, call_tag);
@@ -475,6 +563,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
     const size_t row_offset =
         half_offset + layout.rows_offset + (size_t(rank) * layout.max_tokens + t) * layout.row_bytes;
     for (int i = group; group < num_groups && i < num_dests; i += num_groups) {  // spare warps (16 % 3) sit out
+      if (tr.peers.masked[token_dests[1 + i]]) continue;
       tr.Put(token_dests[1 + i], row_offset, src, layout.row_bytes, group_thread, warps_per_dest * 32,
              (size_t(t) * num_topk + i) * layout.row_bytes);
     }
@@ -495,6 +584,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
     if (blockIdx.x == 0) {
       for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
         const int dst = e / num_local;
+        if (tr.peers.masked[dst]) continue;
         const size_t offset =
             half_offset + layout.counts_offset + sizeof(int) * (size_t(rank) * num_local + e % num_local);
         tr.PutInt(dst, offset, expert_start[e + 1] - expert_start[e]);
@@ -514,6 +604,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
       int slot = before[e];
       for (int j = 0; j < k; ++j) slot += experts[j] == e;
       const int dst = e / num_local;
+      if (tr.peers.masked[dst]) continue;
       const int pos = expert_start[e] - expert_start[dst * num_local] + slot;
       tr.PutInt(dst, half_offset + layout.infos_offset + sizeof(int) * (size_t(rank) * layout.capacity + pos),
                 t * num_topk + k);
@@ -521,7 +612,7 @@ __device__ __forceinline__ unsigned DispatchSendPhase(const DispatchSendArgs& a,
   }
 
   if (LastBlock(tr, &control->blocks_done[kDispatchSend][0], true)) {
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, ReadyFlag(half, rank), int(op + 1u));
+    SignalAll(tr, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       LeaveCall(&control->sending);
       control->seq = int(op + 1u);
@@ -548,15 +639,14 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
   const DispatchLayout& layout = a.layout;
 
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency dispatch recv", "the ready flag", r, int(op),
-            WaitedNs(tr, kDispatchWait, r));
+    WaitReady(tr, half, r, op, "low-latency dispatch recv", kDispatchWait);
   }
   __syncthreads();
   CheckCallTags(tr, half);
 
   const int* counts = reinterpret_cast<const int*>(half_base + layout.counts_offset);  // [source][expert]
   for (int i = threadIdx.x; i < num_lists; i += blockDim.x) {
-    const int c = counts[i];
+    const int c = tr.peers.masked[i / num_local] ? 0 : counts[i];  // a masked source sent nothing
     row_start[(i % num_local) * num_ranks + i / num_local] = c;
     seg_start[i] = c;
   }
@@ -609,9 +699,8 @@ __device__ __forceinline__ void DispatchRecvPhase(const DispatchRecvArgs& a, uns
     }
   });
 
-  if (LastBlock(tr, &tr.control()->blocks_done[kDispatchRecv][0], false)) {
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, FreedFlag(half, rank), int(op + 1u));
-  }
+  if (LastBlock(tr, &tr.control()->blocks_done[kDispatchRecv][0], false))
+    SignalAll(tr, FreedFlag(half, rank), int(op + 1u));
 }
 
 template <typename Transport>
@@ -636,11 +725,8 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, c
   __syncthreads();
   BlockExclusiveScanInPlace(row_start, num_local + 1, scratch);
 
-  // Every source must have read this half of operation op - 2.
-  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    tr.Wait(FreedFlag(half, r), int(op - 1u), "low-latency combine send",
-            "the freed flag (more than two low-latency operations in flight?)", r, int(op));
-  }
+  // Every source must have read this half of operation op - 2 (or be masked).
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) WaitFreed(tr, half, r, op, "low-latency combine send");
   __syncthreads();
   PublishCallTag(tr, half, call_tag);
 
@@ -650,13 +736,14 @@ __device__ __forceinline__ unsigned CombineSendPhase(const CombineSendArgs& a, c
     const size_t row = size_t(e) * rows_per_expert + (f - row_start[e]);
     const int src = a.recv_src_rank[row], t = a.recv_src_token[row], k = a.recv_src_topk[row];
     if (src < 0 || src >= num_ranks || t < 0 || t >= a.max_tokens || k < 0 || k >= num_topk) return;
+    if (tr.peers.masked[src]) return;
     const char* from = static_cast<const char*>(a.x) + row * row_bytes;
     tr.Put(src, half_offset + (size_t(t) * num_topk + k) * row_bytes, from, row_bytes, index, count,
            ((size_t(src) * a.max_tokens + t) * num_topk + k) * row_bytes);
   });
 
   if (LastBlock(tr, &control->blocks_done[kCombineSend][0], true)) {
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, ReadyFlag(half, rank), int(op + 1u));
+    SignalAll(tr, ReadyFlag(half, rank), int(op + 1u));
     if (threadIdx.x == 0) {
       LeaveCall(&control->sending);
       control->seq = int(op + 1u);
@@ -675,11 +762,11 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
   const char* rows = tr.local() + HalfOffset(a.peers, half);
 
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
-    tr.Wait(ReadyFlag(half, r), int(op + 1u), "low-latency combine recv", "the ready flag", r, int(op),
-            WaitedNs(tr, kCombineWait, r));
+    WaitReady(tr, half, r, op, "low-latency combine recv", kCombineWait);
   }
   __syncthreads();
   CheckCallTags(tr, half);
+  const int num_local = a.num_experts / num_ranks;
 
   // One thread per (token, 8 channels): out = sum over k in order of w_k * y_k.
   const int units = hidden / 8;
@@ -698,7 +785,8 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
         y[c] = make_uint4(0, 0, 0, 0);
         w[c] = 0.0f;
         const int e = k0 + c < num_topk ? a.topk_idx[slot] : -1;
-        if (e >= 0 && e < a.num_experts) {  // as dispatch: ids outside [0, E) name no expert
+        // As dispatch: ids outside [0, E) name no expert; a masked rank's experts sent nothing.
+        if (e >= 0 && e < a.num_experts && !tr.peers.masked[e / num_local]) {
           valid |= 1u << c;
           w[c] = a.topk_weights[slot];
           y[c] = reinterpret_cast<const uint4*>(rows + size_t(slot) * hidden * 2)[u];
@@ -723,9 +811,8 @@ __device__ __forceinline__ void CombineRecvPhase(const CombineRecvArgs& a, unsig
     reinterpret_cast<uint4*>(a.out)[i] = packed;
   }
 
-  if (LastBlock(tr, &tr.control()->blocks_done[kCombineRecv][0], false)) {
-    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) tr.Signal(r, FreedFlag(half, rank), int(op + 1u));
-  }
+  if (LastBlock(tr, &tr.control()->blocks_done[kCombineRecv][0], false))
+    SignalAll(tr, FreedFlag(half, rank), int(op + 1u));
 }
 
 // The kernels: halves (split API) and whole operations. Each block first
@@ -882,12 +969,47 @@ cudaError_t SetSequenceForTesting(char* region, int seq) {
   for (auto& flags : control.freed) {
     for (int& flag : flags) flag = seq;
   }
+  // Each half's last receive, operation seq - 1 or seq - 2, found every rank's rows.
+  for (int half = 0; half < 2; ++half) {
+    const unsigned last = unsigned(seq) - 1u - ((unsigned(seq) - 1u - unsigned(half)) & 1u);
+    for (int& verdict : control.verdict[half]) verdict = VerdictKey(last);
+  }
   return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
 }
 
 cudaError_t MarkCallRunningForTesting(char* region) {
   const int running = 1;
   return cudaMemcpy(region + offsetof(Control, sending), &running, sizeof(running), cudaMemcpyHostToDevice);
+}
+
+namespace {
+// One block: LaunchMask's work (see low_latency.h).
+__global__ void MaskKernel(char* region, int rank, int num_ranks, const int* set_to, int* mask) {
+  Control* control = reinterpret_cast<Control*>(region);
+  if (set_to != nullptr) {
+    const bool was_out = control->masked[rank] != 0, now_out = set_to[rank] != 0;
+    const unsigned seq = unsigned(control->seq);
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
+      const bool was = was_out || control->masked[r] != 0, now = now_out || set_to[r] != 0;
+      if (was && !now) {
+        // r takes part again: as if it had freed each half's last operation (seq - 1, seq - 2).
+        for (int half = 0; half < 2; ++half) {
+          const unsigned last = seq - 1u - ((seq - 1u - unsigned(half)) & 1u);
+          if (last < seq) control->freed[half][r] = int(last + 1u);  // (no operation yet: nothing to free)
+        }
+      }
+    }
+    __syncthreads();  // every old entry read before any is replaced
+    for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) control->masked[r] = set_to[r] != 0;
+    __syncthreads();
+  }
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) mask[r] = control->masked[r];
+}
+}  // namespace
+
+cudaError_t LaunchMask(char* region, int rank, int num_ranks, const int* set_to, int* mask, cudaStream_t stream) {
+  MaskKernel<<<1, 1024, 0, stream>>>(region, rank, num_ranks, set_to, mask);
+  return cudaGetLastError();
 }
 
 cudaError_t CopyWaitTimes(char* region, int num_ranks, unsigned long long* host, bool reset) {

@@ -96,12 +96,17 @@ struct Peers {
   bool nvshmem;
   size_t send_offset;
   size_t send_bytes;
+  // Config.mask_failed_ranks: a peer that does not answer within timeout_ns is
+  // masked (the kernels neither send to nor wait for it from then on) instead
+  // of the wait trapping.
+  bool mask_failed;
 };
 
-// Shared memory of a block's copy of the peer tables: region pointers, then PEs.
+// Shared memory of a block's copy of the peer tables: region pointers, PEs,
+// then which ranks are masked.
 constexpr size_t PeerTableBytes(int num_ranks) {
   return AlignUp(size_t(num_ranks) * sizeof(char*), kVectorBytes) +
-         AlignUp(size_t(num_ranks) * sizeof(int), kVectorBytes);
+         2 * AlignUp(size_t(num_ranks) * sizeof(int), kVectorBytes);
 }
 
 // Send-area bytes the NVSHMEM kernels stage rows in: M * K slots for a
@@ -177,6 +182,16 @@ cudaError_t SetSequenceForTesting(char* region, int seq);
 // Test hook (_C.mark_call_running_for_testing): marks `region` as if a call
 // were running on its device, so the next call stops as overlapping. Blocking.
 cudaError_t MarkCallRunningForTesting(char* region);
+
+// The Buffer's mask (low_latency_mask / low_latency_set_mask): 1 for a rank
+// this rank neither sends to nor waits for (masked in its own entry, a rank
+// sends to and waits for no one). With `set_to` (int32 [num_ranks] on the
+// device, else null), the region's mask becomes set_to first; a rank that
+// leaves the mask (this rank's own entry counting for all) is taken as having
+// freed both halves, as it would have had it not been masked, so the next
+// operations wait for it again. Then `mask` (int32 [num_ranks]) receives the
+// mask. No operation of the region may run meanwhile (stream order).
+cudaError_t LaunchMask(char* region, int rank, int num_ranks, const int* set_to, int* mask, cudaStream_t stream);
 
 // Wait-time counters (Buffer.wait_times()): per receive kind and source rank,
 // the nanoseconds this rank's receives waited for that source's rows.

@@ -70,11 +70,7 @@ struct NvshmemTransport {
       nvshmem_int_atomic_set(reinterpret_cast<int*>(local() + offset), value, peers.pes[rank]);
     }
   }
-  // Flags land in this rank's own control block whatever the transport.
-  __device__ void Wait(size_t offset, int target, const char* mode, const char* counter, int peer, int op,
-                       unsigned long long* waited_ns = nullptr) const {
-    NvlinkTransport{p, peers}.Wait(offset, target, mode, counter, peer, op, waited_ns);
-  }
+  // Flags land in this rank's own control block whatever the transport (WaitFlag).
 };
 
 }  // namespace

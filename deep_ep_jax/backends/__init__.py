@@ -36,6 +36,8 @@ The operations (a backend module defines each under its name):
   low_latency_combine_recv(pending, *, buffer) -> out bf16 [T, H]
   low_latency_dispatch(...), low_latency_combine(...)
       -> send then recv, whole (the CUDA backend runs them as one kernel)
+  low_latency_mask(set_to i32 [R] | None, *, buffer) -> mask i32 [R]
+      # the ranks this rank neither sends to nor waits for (set_to: replaced first)
 
 The semantics (row order, padding, summation order) are those of
 `deep_ep_jax.backends.reference`, the oracle: a CUDA result must equal it bit
@@ -62,6 +64,7 @@ class Ops:
     low_latency_combine_send: Callable
     low_latency_combine_recv: Callable
     low_latency_combine: Callable
+    low_latency_mask: Callable
 
     @classmethod
     def of(cls, *modules) -> Ops:

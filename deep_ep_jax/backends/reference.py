@@ -25,6 +25,7 @@ from jax import lax
 
 from deep_ep_jax.comm.handle import DispatchHandle, LowLatencyHandle
 from deep_ep_jax.comm.mesh import same_mesh
+from deep_ep_jax.comm.varying import varying_like
 from deep_ep_jax.config import FP8_BLOCK, MXFP8_BLOCK, TRAFFIC_FIELDS, row_bytes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -477,3 +478,13 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
     return low_latency_combine_recv(
         low_latency_combine_send(x, topk_idx, topk_weights, handle, buffer=buffer), buffer=buffer
     )
+
+
+def low_latency_mask(set_to, *, buffer):
+    """No rank is ever masked here: XLA's collectives have no timeout to find one by."""
+    if set_to is not None:
+        raise NotImplementedError(
+            "low_latency_set_mask: the xla backend masks no rank (its collectives succeed or fail as a whole); "
+            "masking needs the CUDA backend"
+        )
+    return varying_like([jnp.zeros((buffer.num_ranks,), jnp.int32)], [], buffer.axis_name)[0]

@@ -14,6 +14,14 @@ by data, so let each send depend on an earlier receive's output (as a decode
 step does: the next layer's dispatch uses this layer's combine). A program
 that breaks the rule fails after the timeout with a message naming the flag
 it waited for; it never corrupts data.
+
+A rank that fails (its process dies, or it stops calling) makes the others'
+waits for it time out. With `Config(mask_failed_ranks=True)` the CUDA kernels
+then mask it instead of failing: from then on they neither send to nor wait
+for it, its experts contribute nothing (as an expert id of -1 would), and
+every other (token, expert) pair stays exact. `low_latency_mask` reads the
+mask inside a program, `low_latency_set_mask` sets or clears it, and
+`drop_masked_experts` re-routes around it (docs/usage.md, "When a rank fails").
 """
 
 from __future__ import annotations
@@ -288,3 +296,48 @@ def low_latency_overlap(pending: Pending, fn: Callable[..., Any], *args: Any) ->
     pending, args = lax.optimization_barrier((pending, args))
     out = fn(*args)
     return lax.optimization_barrier((pending, out))
+
+
+def low_latency_mask(*, buffer: Buffer) -> jax.Array:
+    """Per rank: int32 [R], 1 for each rank this rank has masked (neither sends
+    to nor waits for; `Config.mask_failed_ranks` masks a rank that does not
+    answer within the timeout), 0 for the others. A rank masked in its own
+    entry sends to and waits for no one. Ordered with the Buffer's other calls;
+    no rank waits for another. The xla backend never masks a rank (zeros)."""
+    _check_mode(buffer, "low_latency_mask")
+    return buffer.ops.low_latency_mask(None, buffer=buffer)
+
+
+def low_latency_set_mask(mask: jax.Array, *, buffer: Buffer) -> jax.Array:
+    """Per rank: replaces the Buffer's mask with `mask` (bool or int [R], nonzero
+    = masked) and returns it as int32 [R]: to take a rank out on purpose, or,
+    with zeros, to take every rank back (DeepEP's clean_mask_buffer). Every
+    live rank must make the call at the same point of its sequence of
+    low-latency operations, with the same mask. A rank taken back must have
+    made every operation meanwhile (a rank that was out for maintenance): a
+    process that died cannot rejoin this Buffer; make a new Buffer on every
+    rank instead. CUDA backend only."""
+    fn = "low_latency_set_mask"
+    _check_mode(buffer, fn)
+    shape, dtype = v.shape_dtype(mask, fn, "mask")
+    if shape != (buffer.num_ranks,):
+        raise ValueError(f"{fn}: mask must be [{buffer.num_ranks}] (one entry per rank), got {list(shape)}")
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        raise TypeError(f"{fn}: mask must be bool or an integer type, got {dtype}")
+    return buffer.ops.low_latency_mask((jnp.asarray(mask) != 0).astype(jnp.int32), buffer=buffer)
+
+
+def drop_masked_experts(topk_idx: jax.Array, mask: jax.Array, *, num_experts: int) -> jax.Array:
+    """topk_idx with -1 for every expert of a masked rank (mask: [R] as
+    `low_latency_mask` returns, R dividing num_experts): what the kernels do
+    with those pairs once the rank is masked, for a serving loop to see (or to
+    re-route them to replicas first)."""
+    fn = "drop_masked_experts"
+    shape, _ = v.shape_dtype(mask, fn, "mask")
+    if len(shape) != 1 or not is_int(num_experts) or num_experts % shape[0]:
+        raise ValueError(
+            f"{fn}: mask must be [R] with R dividing num_experts, got mask {list(shape)} and "
+            f"num_experts={num_experts!r}"
+        )
+    owner = jnp.clip(topk_idx, 0, num_experts - 1) // (num_experts // shape[0])
+    return jnp.where((topk_idx >= 0) & (jnp.asarray(mask)[owner] != 0), -1, topk_idx).astype(topk_idx.dtype)

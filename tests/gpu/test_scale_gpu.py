@@ -22,6 +22,9 @@ DEEP_EP_JAX_GPUS_PER_HOST (ranks of other hosts reached over NVSHMEM):
   tests/oracle.py's traffic() (worker case traffic);
 * Buffer.wait_times(): a rank calling late shows on the others' low-latency
   receive counters, 1 x 4 and 2 x 2 (worker case wait_times);
+* a rank killed or stalled in low-latency mode with Config.mask_failed_ranks:
+  the others mask it and serve on, exact, at 8 and 16 ranks (worker case
+  masked_rank);
 * shared_gpu's checks from just under the 2^31 and 2^32 wraps of the
   sequence numbers (worker case shared_gpu_wrap): one host's staged kernels
   across processes (CUDA IPC, 1 x 2) and the internode ones (2 x 1, 2 x 2),
@@ -67,7 +70,7 @@ CASE = "large_ep_low_latency"
 RANKS_PER_HOST = 8
 
 
-def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, extra_env=None):
+def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, extra_env=None, launcher_args=()):
     from deep_ep_jax.distributed import nvshmem
 
     # Not a skip: a GPU host runs these tests (conftest), and NVSHMEM belongs there; without it this is a failure.
@@ -96,6 +99,7 @@ def _launch(num_ranks, *, timeout, case=CASE, ranks_per_host=RANKS_PER_HOST, ext
         "--all-gpus-visible",
         "--timeout",
         str(timeout - 15),
+        *launcher_args,
         "--",
         WORKER,
         case,
@@ -241,6 +245,32 @@ def test_wait_times_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
     2 s late shows on every other rank's receive counters, in both kinds (worker
     case wait_times): over CUDA IPC (1 x 4) and NVSHMEM (2 x 2)."""
     _run_hosts_case("wait_times", num_hosts, ranks_per_host, 200, "wait_times R={num_ranks}: ok")
+
+
+@pytest.mark.parametrize("mode", ["kill", "stall"])
+@pytest.mark.parametrize("at", ["dispatch", "combine", "between"])
+@pytest.mark.parametrize("num_ranks", [8, 16])
+def test_masked_rank_with_ranks_sharing_gpus(num_ranks, at, mode):
+    """Low-latency mode with Config(mask_failed_ranks=True) on one host: rank 1
+    killed (SIGKILL) or stalled at its second dispatch, its second combine or
+    between round trips; every other rank masks it within 2x the timeout (10 s)
+    and its results, from that call on, are tests/oracle.py's with rank 1
+    masked, bit for bit; the next round trip waits for no one; after
+    low_latency_set_mask(zeros) rank 1 is masked again (worker case
+    masked_rank)."""
+    code, output, elapsed = _launch(
+        num_ranks,
+        timeout=300,
+        case="masked_rank",
+        ranks_per_host=num_ranks,
+        extra_env={"MASKED_RANK_MODE": mode, "MASKED_RANK_AT": at, "MASKED_RANK_TIMEOUT_S": "10"},
+        launcher_args=["--keep-going"],
+    )
+    assert code == (128 + 9 if mode == "kill" else 0), output[-8000:]  # the killed rank's status, the only failure
+    for rank in range(num_ranks):
+        survived = f"[rank {rank}] process {rank}/{num_ranks}: CASE masked_rank OK" in output
+        assert survived == (rank != 1), (rank, output[-8000:])
+    print(f"masked_rank R={num_ranks} {mode} at {at}: {elapsed:.0f} s")
 
 
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1), (2, 2)])

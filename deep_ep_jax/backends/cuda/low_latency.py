@@ -56,7 +56,8 @@ COMBINE_SEND = _targets("combine_send", _TOKEN)
 COMBINE_RECV = _targets("combine_recv", _OUT)
 DISPATCH = FfiTarget("deep_ep_jax_low_latency_dispatch", _DISPATCH_RECV)
 COMBINE = FfiTarget("deep_ep_jax_low_latency_combine", _OUT)
-TARGETS = DISPATCH_SEND + DISPATCH_RECV + COMBINE_SEND + COMBINE_RECV + (DISPATCH, COMBINE)
+MASK = FfiTarget("deep_ep_jax_low_latency_mask", ("mask",))
+TARGETS = DISPATCH_SEND + DISPATCH_RECV + COMBINE_SEND + COMBINE_RECV + (DISPATCH, COMBINE, MASK)
 
 
 # Pending values ------------------------------------------------------------
@@ -179,6 +180,7 @@ def _call(target, out_types, args, buffer, **attrs):
         *args,
         buffer_id=np.int64(buffer.buffer_id),
         timeout_ns=np.int64(buffer.config.timeout_ns),
+        mask_failed_ranks=bool(buffer.config.mask_failed_ranks),
         **attrs,
     )
 
@@ -364,3 +366,11 @@ def low_latency_combine(x, topk_idx, topk_weights, handle, *, buffer):
         num_experts=np.int64(_num_experts(x, buffer)),
     )
     return out["out"]
+
+
+def low_latency_mask(set_to, *, buffer):
+    """The Buffer's mask on this rank, int32 [R]; with set_to (int32 [R]) first replaced by it."""
+    mask_type = jax.ShapeDtypeStruct((buffer.num_ranks,), jnp.int32)
+    args = (jnp.zeros(mask_type.shape, jnp.int32) if set_to is None else set_to,)
+    out = MASK(buffer, dict(mask=mask_type), *args, buffer_id=np.int64(buffer.buffer_id), set=set_to is not None)
+    return out["mask"]

@@ -188,13 +188,13 @@ def test_low_latency_sizes_at_large_groups(num_ranks):
     stage = num_ranks * max_tokens * topk * hidden * 2
     assert ext.low_latency_combine_stage_bytes(num_ranks, hidden, max_tokens, topk) == stage
     assert ext.low_latency_send_bytes(num_ranks, hidden, max_tokens, topk) == _align(stage, HALF_ALIGN)
-    # Shared memory: the peer table (a pointer and a PE per rank) on top of the experts' histograms.
-    table = _align(8 * num_ranks, ALIGN) + _align(4 * num_ranks, ALIGN)
+    # Shared memory: the peer table (a pointer, a PE and a mask entry per rank) on top of the experts' histograms.
+    table = lambda ranks: _align(8 * ranks, ALIGN) + 2 * _align(4 * ranks, ALIGN)  # noqa: E731
     for fp8 in (False, True):
         assert (
             ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8)
             - ext.low_latency_shared_bytes(2, num_experts, hidden, fp8)
-        ) == table - 32
+        ) == table(num_ranks) - table(2)
         assert (
             ext.low_latency_shared_bytes(num_ranks, num_experts, hidden, fp8)
             <= _native.limits()["low_latency_max_shared_bytes"]

@@ -161,12 +161,12 @@ struct NvlinkTransport {
 // Waits until a flag of this rank's control block (every transport's peers
 // signal there) has reached `target` (SeqReached: wrap-safe) and returns
 // true, or returns false once give_up() says so. A wait that was not over at
-// once adds its time to *waited_ns (when not null). Past the timeout it traps
-// with a message naming what it waited for, or, with p.mask_failed, returns
-// false.
+// once adds its time to *waited_ns (when not null). Past timeout_ns it
+// returns false with `masking`, else traps with a message naming what it
+// waited for.
 template <typename GiveUp>
-__device__ bool WaitFlag(const Peers& p, size_t offset, int target, const char* mode, const char* counter, int peer,
-                         int op, unsigned long long* waited_ns, GiveUp give_up) {
+__device__ bool WaitFlag(const Peers& p, size_t offset, int target, uint64_t timeout_ns, bool masking, const char* mode,
+                         const char* counter, int peer, int op, unsigned long long* waited_ns, GiveUp give_up) {
   const int* flag = reinterpret_cast<const int*>(p.local + offset);
   if (SeqReached(LoadAcquireSys(flag), target)) return true;
   const uint64_t start = GlobalTimerNs();
@@ -174,12 +174,12 @@ __device__ bool WaitFlag(const Peers& p, size_t offset, int target, const char* 
   while (!SeqReached(LoadAcquireSys(flag), target)) {
     now = GlobalTimerNs();
     if (give_up()) return false;
-    if (now - start > p.timeout_ns) {
-      if (p.mask_failed) return false;
+    if (now - start > timeout_ns) {
+      if (masking) return false;
       printf(
           "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
           "value %d, expected %d\n",
-          mode, p.rank, p.timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
+          mode, p.rank, timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
       __trap();
     }
   }
@@ -187,14 +187,25 @@ __device__ bool WaitFlag(const Peers& p, size_t offset, int target, const char* 
   return true;
 }
 
-// Masks rank r in this block and in the control block (from this kernel on);
-// the first to mask it says so once.
+template <typename Transport>
+__device__ __forceinline__ bool MaskedInControl(const Transport& tr, int r) {
+  return LoadVolatile(&tr.control()->masked[r]) != 0;
+}
+
+// Masks rank r in this block and in the control block (from this kernel on).
+// The first to mask it says so once and tells every other rank, r included
+// (its waits for r give up; a stalled r finds itself masked at its next call
+// and sends nothing), so one rank's timeout does not delay the others' calls
+// into timeouts of their own.
 template <typename Transport>
 __device__ void MaskRank(const Transport& tr, int r, const char* mode) {
   tr.peers.masked[r] = 1;
-  if (atomicExch(&tr.control()->masked[r], 1) == 0) {
-    printf("deep_ep_jax: %s rank %d masks rank %d: no answer within %.1f s (Config.mask_failed_ranks)\n", mode,
-           tr.p.rank, r, tr.p.timeout_ns * 1e-9);
+  if (atomicExch(&tr.control()->masked[r], 1) != 0) return;
+  printf("deep_ep_jax: %s rank %d masks rank %d: no answer within the timeout (Config.mask_failed_ranks)\n", mode,
+         tr.p.rank, r);
+  const size_t entry = offsetof(Control, masked) + sizeof(int) * r;
+  for (int q = 0; q < tr.p.num_ranks; ++q) {
+    if (q != tr.p.rank && (q == r || !MaskedInControl(tr, q))) tr.PutInt(q, entry, 1);
   }
 }
 
@@ -204,13 +215,11 @@ __device__ void MaskRank(const Transport& tr, int r, const char* mode) {
 template <typename Transport>
 __device__ bool WaitFreed(const Transport& tr, int half, int r, unsigned op, const char* mode) {
   if (tr.peers.masked[r]) return false;
-  if (WaitFlag(tr.p, FreedFlag(half, r), int(op - 1u), mode,
-               "the freed flag (more than two low-latency operations in flight?)", r, int(op), nullptr,
-               [] { return false; })) {
-    return true;
-  }
-  MaskRank(tr, r, mode);
-  return false;
+  const bool freed = WaitFlag(tr.p, FreedFlag(half, r), int(op - 1u), tr.p.timeout_ns, tr.p.mask_failed, mode,
+                              "the freed flag (more than two low-latency operations in flight?)", r, int(op), nullptr,
+                              [&] { return MaskedInControl(tr, r); });
+  if (!freed) MaskRank(tr, r, mode);
+  return freed;
 }
 
 // A receive's verdict key for operation op: never has bit 0 set (the mask bit).
@@ -226,9 +235,12 @@ __device__ __forceinline__ unsigned long long* WaitedNs(const Transport& tr, int
 // Receive phases: waits for source r's rows of operation op (its ready flag)
 // unless r is masked; leaves the block's masked[r] saying whether they count.
 // The blocks of one receive agree: the first to reach a verdict (the flag
-// came; or r was masked, or timed out with masking on) records it in the
+// came; or r is masked, or timed out with masking on) records it in the
 // control block, and every other block takes it, so no block reads rows
-// another skips.
+// another skips. With masking on a receive waits 1.5x the timeout: a live
+// source may be late by up to one timeout of its send's own wait for a failed
+// rank. Its own rows always come (the send before it signals them), so a
+// rank never masks itself.
 template <typename Transport>
 __device__ void WaitReady(const Transport& tr, int half, int r, unsigned op, const char* mode, int wait_kind) {
   int* verdict = &tr.control()->verdict[half][r];
@@ -236,17 +248,22 @@ __device__ void WaitReady(const Transport& tr, int half, int r, unsigned op, con
   const int before = LoadVolatile(verdict);
   int v = before;
   if ((v & ~1) != key) {
+    const bool self = r == tr.p.rank, masking = tr.p.mask_failed && !self;
+    const uint64_t timeout_ns = self ? 3 * tr.p.timeout_ns : masking ? tr.p.timeout_ns * 3 / 2 : tr.p.timeout_ns;
     const bool arrived = !tr.peers.masked[r] &&
-                         WaitFlag(tr.p, ReadyFlag(half, r), int(op + 1u), mode, "the ready flag", r, int(op),
-                                  WaitedNs(tr, wait_kind, r), [&] { return (LoadVolatile(verdict) & ~1) == key; });
+                         WaitFlag(tr.p, ReadyFlag(half, r), int(op + 1u), timeout_ns, masking, mode, "the ready flag",
+                                  r, int(op), WaitedNs(tr, wait_kind, r), [&] {
+                                    return (LoadVolatile(verdict) & ~1) == key || (masking && MaskedInControl(tr, r));
+                                  });
     const int proposed = key | (arrived ? 0 : 1);
     const int old = atomicCAS(verdict, before, proposed);
     v = old == before ? proposed : old;  // else another block's verdict on this op
   }
-  if (v & 1) {
-    MaskRank(tr, r, mode);
-  } else {
+  if (!(v & 1)) {
     tr.peers.masked[r] = 0;
+    LoadAcquireSys(reinterpret_cast<const int*>(tr.local() + ReadyFlag(half, r)));  // its rows, for this block too
+  } else if (!tr.peers.masked[r]) {
+    MaskRank(tr, r, mode);
   }
 }
 
@@ -363,11 +380,13 @@ __device__ __forceinline__ void PublishCallTag(const Transport& tr, int half, in
   }
 }
 
-// The last block of a phase: `flag` = value in every unmasked rank's control block.
+// The last block of a phase: `flag` = value in every unmasked rank's control
+// block. Masked in this block or in the control block: another block may have
+// masked r and skipped its rows (each block masks before its LastBlock count).
 template <typename Transport>
 __device__ __forceinline__ void SignalAll(const Transport& tr, size_t flag, int value) {
   for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
-    if (!tr.peers.masked[r]) tr.Signal(r, flag, value);
+    if (!tr.peers.masked[r] && !MaskedInControl(tr, r)) tr.Signal(r, flag, value);
   }
 }
 
@@ -992,10 +1011,11 @@ __global__ void MaskKernel(char* region, int rank, int num_ranks, const int* set
     for (int r = threadIdx.x; r < num_ranks; r += blockDim.x) {
       const bool was = was_out || control->masked[r] != 0, now = now_out || set_to[r] != 0;
       if (was && !now) {
-        // r takes part again: as if it had freed each half's last operation (seq - 1, seq - 2).
+        // r takes part again: as if it had freed each half's last operation
+        // (seq - 1, seq - 2); a flag already there (or past it) stays.
         for (int half = 0; half < 2; ++half) {
-          const unsigned last = seq - 1u - ((seq - 1u - unsigned(half)) & 1u);
-          if (last < seq) control->freed[half][r] = int(last + 1u);  // (no operation yet: nothing to free)
+          const int freed = int(seq - 1u - ((seq - 1u - unsigned(half)) & 1u) + 1u);
+          if (!SeqReached(control->freed[half][r], freed)) control->freed[half][r] = freed;
         }
       }
     }

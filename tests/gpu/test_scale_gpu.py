@@ -253,7 +253,8 @@ def test_wait_times_with_ranks_sharing_gpus(num_hosts, ranks_per_host):
 def test_masked_rank_with_ranks_sharing_gpus(num_ranks, at, mode):
     """Low-latency mode with Config(mask_failed_ranks=True) on one host: rank 1
     killed (SIGKILL) or stalled at its second dispatch, its second combine or
-    between round trips; every other rank masks it within 2x the timeout (10 s)
+    between round trips; every other rank masks it within 2x the timeout (10 s;
+    a receive waits 1.5x)
     and its results, from that call on, are tests/oracle.py's with rank 1
     masked, bit for bit; the next round trip waits for no one; after
     low_latency_set_mask(zeros) rank 1 is masked again (worker case

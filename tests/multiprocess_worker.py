@@ -920,18 +920,19 @@ def case_masked_rank():
     jax.block_until_ready(combine(y_g, idx_g, w_g, handle))
     multiprocess.barrier("deep_ep_jax/test/masked_rank/ready", 120)
     jax.block_until_ready(read_mask() if victim is None else (read_mask(), clear_mask()))  # before anyone is gone
-    masked_from = {"dispatch": (1, "dispatch"), "combine": (1, "combine"), "between": (2, "dispatch")}[at]
+    # (round trip, call: 0 dispatch, 1 combine) of the first call with the victim masked
+    masked_from = {"dispatch": (1, 0), "combine": (1, 1), "between": (2, 0)}[at]
     durations = []
     for round_trip in (1, 2, 3):
         stop_here("dispatch", round_trip)
         (recv_x, count, handle), took = timed(dispatch, x, idx_g)
         durations.append(took)
-        on = victim is not None and (round_trip, "dispatch") >= masked_from
+        on = victim is not None and (round_trip, 0) >= masked_from
         check_dispatch(recv_x, count, handle, masked if on else full, f"dispatch {round_trip}")
         stop_here("combine", round_trip)
         out, took = timed(combine, y_g, idx_g, w_g, handle)
         durations.append(took)
-        on_combine = victim is not None and (round_trip, "combine") >= masked_from
+        on_combine = victim is not None and (round_trip, 1) >= masked_from
         check_combine(out, masked if on else full, masked_idx if on_combine else idxs, f"combine {round_trip}")
         stop_here("between", round_trip)
         want_mask = np.eye(num_ranks, dtype=np.int32)[victim] if on_combine else np.zeros(num_ranks, np.int32)
@@ -939,7 +940,7 @@ def case_masked_rank():
         if round_trip == 2 and victim is not None:
             np.testing.assert_array_equal(mine(clear_mask()), np.zeros(num_ranks, np.int32))
             log("mask cleared: the next round trip waits for the victim again")
-            masked_from = (3, "dispatch")
+            masked_from = (3, 0)
     log(f"masked_rank {mode} at {at}: call durations {np.array2string(np.array(durations), precision=2)} s")
     if victim is not None:
         first = {"dispatch": 0, "combine": 1, "between": 2}[at]  # the call that masks it (durations' index)

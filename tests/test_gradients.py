@@ -4,6 +4,8 @@ dispatch and combine as bf16, as the contract says, so they agree to bf16's
 precision). Also FP8 rows (no gradient for them, the weights still have
 one) and rows dropped past num_worst_tokens (no gradient through them)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,16 @@ def _sharded_loss(buffer, num_experts, num_worst_tokens=None, check_vma=False):
     return jax.jit(jax.shard_map(per_rank, mesh=buffer.mesh, in_specs=P("ep"), out_specs=P(), check_vma=check_vma))
 
 
+@functools.cache
+def _sharded_value_and_grads(num_ranks, num_experts, num_worst_tokens=None, check_vma=False):
+    """The sharded loss's value and gradients for (x, topk_weights, experts), jitted once per configuration:
+    the routing kinds share its compile (the routing is an argument, not a constant of the trace)."""
+    buffer = dej.Buffer(dt.ep_mesh(num_ranks, platform="cpu"), "ep", backend="xla")
+    return jax.jit(
+        jax.value_and_grad(_sharded_loss(buffer, num_experts, num_worst_tokens, check_vma), argnums=(0, 2, 3))
+    )
+
+
 def _dense_loss(x, idx, w, experts, probe):
     x = x.astype(jnp.float32)
     valid = idx >= 0
@@ -39,6 +51,11 @@ def _dense_loss(x, idx, w, experts, probe):
     w = jnp.where(valid, w, 0.0)
     out = jnp.einsum("tk,tkf->tf", w, jnp.tanh(h))
     return jnp.sum(out * probe) + jnp.sum(w * probe[:, :1] ** 2)
+
+
+# The dense maths' value and gradients, jitted: one compile per shape, not one per op run eagerly.
+_dense_value_and_grads = jax.jit(jax.value_and_grad(_dense_loss, argnums=(0, 2, 3)))
+_dense_value_and_weight_grads = jax.jit(jax.value_and_grad(_dense_loss, argnums=(2, 3)))  # x not differentiable
 
 
 def _assert_grads_close(grads, want_grads, names):
@@ -52,17 +69,14 @@ def _assert_grads_close(grads, want_grads, names):
 @pytest.mark.parametrize("kind", ["random", "minus_one", "rank_empty"])
 def test_grad_matches_dense(num_ranks, kind):
     num_tokens, num_experts, topk = 10, 4 * num_ranks, 3
-    mesh = dt.ep_mesh(num_ranks, platform="cpu")
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
     idx, w = dt.make_routing(11, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx, w = jnp.asarray(idx), jnp.asarray(w)
     x = dt.random_rows(12, (num_ranks * num_tokens, H))  # bf16, as the contract says
     experts = dt.random_rows(13, (num_experts, H, F), jnp.float32) * 0.3
     probe = dt.random_rows(14, (num_ranks * num_tokens, F), jnp.float32)
 
-    loss = _sharded_loss(buffer, num_experts)
-    value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
-    want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
+    value, grads = _sharded_value_and_grads(num_ranks, num_experts)(x, idx, w, experts, probe)
+    want_value, want_grads = _dense_value_and_grads(x, idx, w, experts, probe)
     np.testing.assert_allclose(value, want_value, rtol=2e-2)
     assert grads[0].dtype == jnp.bfloat16
     _assert_grads_close(grads, want_grads, ("x", "topk_weights", "experts"))
@@ -80,18 +94,15 @@ def test_grad_fp8_rows(kind, check_vma):
     typed as the pair under check_vma); the weights and the experts get the
     dense maths' gradients, with x the dequantised FP8 rows."""
     num_ranks, num_tokens, num_experts, topk, hidden = 4, 8, 16, 3, 256  # FP8 needs hidden % 128 == 0
-    mesh = dt.ep_mesh(num_ranks, platform="cpu")
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
     idx, w = dt.make_routing(31, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     idx, w = jnp.asarray(idx), jnp.asarray(w)
     x = reference.quantize_fp8(dt.random_rows(32, (num_ranks * num_tokens, hidden)))
     experts = dt.random_rows(33, (num_experts, hidden, F), jnp.float32) * 0.1
     probe = dt.random_rows(34, (num_ranks * num_tokens, F), jnp.float32)
 
-    loss = _sharded_loss(buffer, num_experts, check_vma=check_vma)
-    value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
+    value, grads = _sharded_value_and_grads(num_ranks, num_experts, check_vma=check_vma)(x, idx, w, experts, probe)
     dense_x = reference.dequantize_fp8(*x)
-    want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(2, 3))(dense_x, idx, w, experts, probe)
+    want_value, want_grads = _dense_value_and_weight_grads(dense_x, idx, w, experts, probe)
     np.testing.assert_allclose(value, want_value, rtol=2e-2)
     (g_data, g_scales), g_w, g_experts = grads
     assert g_data.dtype == jnp.float8_e4m3fn and g_data.shape == x[0].shape
@@ -124,8 +135,6 @@ def test_grad_with_dropped_rows(kind):
     no gradient: the gradients equal the dense maths' with those slots -1."""
     num_ranks, num_tokens, num_experts, topk = 4, 12, 16, 3
     num_worst_tokens = 9  # fewer than most ranks receive (one_expert: rank 0 gets all 48)
-    mesh = dt.ep_mesh(num_ranks, platform="cpu")
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
     idx, w = dt.make_routing(41, num_ranks * num_tokens, num_experts, topk, num_ranks, kind)
     kept = _without_dropped_slots(idx, num_experts, num_ranks, num_worst_tokens)
     assert (kept != idx).any() and (kept >= 0).any()  # some rows dropped, some kept
@@ -134,9 +143,8 @@ def test_grad_with_dropped_rows(kind):
     probe = dt.random_rows(44, (num_ranks * num_tokens, F), jnp.float32)
     idx, kept, w = jnp.asarray(idx), jnp.asarray(kept), jnp.asarray(w)
 
-    loss = _sharded_loss(buffer, num_experts, num_worst_tokens)
-    value, grads = jax.value_and_grad(loss, argnums=(0, 2, 3))(x, idx, w, experts, probe)
-    want_value, want_grads = jax.value_and_grad(_dense_loss, argnums=(0, 2, 3))(x, kept, w, experts, probe)
+    value, grads = _sharded_value_and_grads(num_ranks, num_experts, num_worst_tokens)(x, idx, w, experts, probe)
+    want_value, want_grads = _dense_value_and_grads(x, kept, w, experts, probe)
     np.testing.assert_allclose(value, want_value, rtol=2e-2)
     _assert_grads_close(grads, want_grads, ("x", "topk_weights", "experts"))
     # Slots of dropped rows: exactly zero gradient.

@@ -1,22 +1,98 @@
 """Runs one of the repository's scripts (an example, a benchmark) in a subprocess on N virtual CPU
-devices, on any host, the way a user on a CPU-only machine would."""
+devices, on any host, the way a user on a CPU-only machine would.
 
+run_scripts runs several in one such subprocess, one after another, each as `python path argv...`
+would (its argv, its directory first on sys.path, its exit status and output apart): for runs a
+script refuses before any work, whose cost is Python's start and the imports, paid there once. This
+file is that subprocess's driver when run as a script."""
+
+import contextlib
+import io
+import json
 import os
+import runpy
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(path, *argv, devices=8):
-    """`python ROOT/path argv...` with JAX on `devices` CPU devices; the finished process (output captured)."""
-    env = dict(
+def _env(devices):
+    return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
+
+
+def run_script(path, *argv, devices=8):
+    """`python ROOT/path argv...` with JAX on `devices` CPU devices; the finished process (output captured)."""
     return subprocess.run(
-        [sys.executable, str(ROOT / path), *argv], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, str(ROOT / path), *argv],
+        env=_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
+
+
+def run_scripts(runs, devices=8):
+    """[run_script(path, *argv, devices=devices) for path, argv in runs], all in one process: a
+    CompletedProcess per run, with the exit status and output `python ROOT/path argv...` gives."""
+    runs = [(str(ROOT / path), [str(a) for a in argv]) for path, argv in runs]
+    driver = subprocess.run(
+        [sys.executable, __file__],
+        input=json.dumps(runs),
+        env=_env(devices),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    results = json.loads(driver.stdout) if driver.returncode == 0 and driver.stdout else None
+    assert results is not None and len(results) == len(runs), (
+        f"the driver failed (status {driver.returncode}):\n{driver.stdout[-2000:]}\n{driver.stderr[-4000:]}"
+    )
+    return [subprocess.CompletedProcess([sys.executable, path, *argv], *r) for (path, argv), r in zip(runs, results)]
+
+
+def _exit_status(code, stderr):
+    """The status Python exits with on SystemExit(code), writing what it writes."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=stderr)
+    return 1
+
+
+def _run_as_main(path, argv):
+    """(status, stdout, stderr) of `python path argv...`, run here."""
+    out, err = io.StringIO(), io.StringIO()
+    saved_argv, saved_path, saved_env = sys.argv, sys.path[:], dict(os.environ)
+    sys.argv, sys.path[0] = [path, *argv], os.path.dirname(path)  # as python sets them for a script
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(path, run_name="__main__")
+                status = 0
+            except SystemExit as e:
+                status = _exit_status(e.code, err)
+            except BaseException:  # noqa: BLE001 (as the interpreter: the traceback, status 1)
+                traceback.print_exc(file=err)
+                status = 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return status, out.getvalue(), err.getvalue()
+
+
+if __name__ == "__main__":  # run_scripts' driver: [[path, argv], ...] on stdin, [[status, stdout, stderr], ...] out
+    runs = json.load(sys.stdin)
+    results = [_run_as_main(path, argv) for path, argv in runs]
+    sys.stdout.write(json.dumps(results))

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from script_run import run_script
+from script_run import run_script, run_scripts
 
 import deep_ep_jax as dej
 from deep_ep_jax import fp8_quant
@@ -599,29 +599,36 @@ def test_grouped_drops_pairs_past_expert_rows(alignment):
         _assert_close(g, w, f"dropped: grad {name}")
 
 
-@pytest.mark.parametrize(
-    "script,argv,message",
-    [
-        ("moe_flax.py", ["--top-k", "9"], "--top-k 9 must be in [1, --experts 8]"),
-        ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
-        ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
-        ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
-        ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
-        ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
-        ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
-        ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),
-        (
-            "moe_decode.py",
-            ["--prompt-len", "0"],
-            "--prompt-len 0 + --decode-steps 32 must be at most --seq-len 64 "
-            "(the model's positions), with a prompt of at least 1",
-        ),
-        ("moe_decode.py", ["--decode-steps", "0"], "--repeats 5 and --decode-steps 0 must be at least 1"),
-    ],
-)
-def test_examples_reject_bad_model_options(script, argv, message):
+BAD_MODEL_OPTIONS = [
+    ("moe_flax.py", ["--top-k", "9"], "--top-k 9 must be in [1, --experts 8]"),
+    ("moe_flax.py", ["--heads", "3"], "--hidden 128 must divide by --heads 3"),
+    ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
+    ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
+    ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
+    ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
+    ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
+    ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),
+    (
+        "moe_decode.py",
+        ["--prompt-len", "0"],
+        "--prompt-len 0 + --decode-steps 32 must be at most --seq-len 64 "
+        "(the model's positions), with a prompt of at least 1",
+    ),
+    ("moe_decode.py", ["--decode-steps", "0"], "--repeats 5 and --decode-steps 0 must be at least 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_model_option_runs():
+    """The runs of BAD_MODEL_OPTIONS, in one process (run_scripts): each refused before any work, so
+    Python's start and the imports are most of a run. 8 devices on any host: the messages' device counts."""
+    return run_scripts([(f"examples/{script}", argv) for script, argv, _ in BAD_MODEL_OPTIONS])
+
+
+@pytest.mark.parametrize("script,argv,message", BAD_MODEL_OPTIONS)
+def test_examples_reject_bad_model_options(script, argv, message, bad_model_option_runs):
     """The examples exit with one line naming the option, before building anything."""
-    run = run_example(script, *argv)  # 8 devices on any host: the messages' device counts
+    run = bad_model_option_runs[BAD_MODEL_OPTIONS.index((script, argv, message))]
     assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == message, run.stderr[-2000:]
 
 

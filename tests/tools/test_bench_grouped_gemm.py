@@ -8,7 +8,7 @@ import importlib.util
 import json
 
 import pytest
-from script_run import run_script
+from script_run import run_script, run_scripts
 
 # 16 experts: the compile time of 256 groups adds nothing here.
 SMALL = ["--tokens", "64", "--hidden", "128", "--ffn", "64", "--experts", "16", "--chain", "1", "--repeats", "2"]
@@ -36,23 +36,33 @@ def test_xla_impl_bf16_and_fp8(tmp_path):
     assert data["swept"] == []
 
 
-def test_unknown_names_refused():
-    for flag, value, message in (
-        ("--impls", "xla,bogus", "--impls: ['bogus'] not among ['mgpu', 'xla', 'tokamax']"),
-        ("--sweep-kernels", "forward,bogus", "--sweep-kernels: ['bogus'] not among"),
-    ):
-        run = _run(flag, value)
+UNKNOWN_NAMES = [
+    ("--impls", "xla,bogus", "--impls: ['bogus'] not among ['mgpu', 'xla', 'tokamax']"),
+    ("--sweep-kernels", "forward,bogus", "--sweep-kernels: ['bogus'] not among"),
+]
+HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
+WITHOUT_TOKAMAX = [] if HAVE_TOKAMAX else [["--impls", "xla,tokamax"], ["--compare-shapes"]]
+
+
+@pytest.fixture(scope="module")
+def refused():
+    """The runs the script refuses, in one process (run_scripts): Python's start and the imports are most of
+    each."""
+    argvs = [[flag, value] for flag, value, _ in UNKNOWN_NAMES] + WITHOUT_TOKAMAX
+    runs = run_scripts([("benchmarks/bench_grouped_gemm.py", [*SMALL, *argv]) for argv in argvs], devices=1)
+    return dict(unknown_names=runs[: len(UNKNOWN_NAMES)], without_tokamax=runs[len(UNKNOWN_NAMES) :])
+
+
+def test_unknown_names_refused(refused):
+    for (_, _, message), run in zip(UNKNOWN_NAMES, refused["unknown_names"]):
         assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
         assert message in run.stderr and "pairs in" not in run.stdout, run.stderr[-2000:]
 
 
-HAVE_TOKAMAX = importlib.util.find_spec("tokamax") is not None
-
-
 @pytest.mark.skipif(HAVE_TOKAMAX, reason="tokamax is installed: the tests below run it")
-def test_tokamax_missing_refused():
-    for argv in (["--impls", "xla,tokamax"], ["--compare-shapes"]):
-        run = _run(*argv)
+def test_tokamax_missing_refused(refused):
+    assert len(refused["without_tokamax"]) == 2
+    for run in refused["without_tokamax"]:
         assert run.returncode == 2 and "tokamax is not installed" in run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
 
 

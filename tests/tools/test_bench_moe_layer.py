@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from script_run import run_script
+from script_run import run_script, run_scripts
 
 SMALL = [
     "--tokens",
@@ -35,6 +35,28 @@ def _run(*extra):
     return run_script("benchmarks/bench_moe_layer.py", *SMALL, *extra, devices=4)
 
 
+BAD_SIZES = [
+    (["--tokens", "0"], "--tokens 0 must be at least 1"),
+    (["--steps", "0"], "--steps 0 must be at least 1"),
+    (["--top-k", "17"], "--top-k 17 must be at most --experts 16"),
+    (["--experts", "6"], "--experts 6 must divide by the 4 devices"),
+]
+# The runs the script refuses, in one process (run_scripts): Python's start and the imports are most of each.
+# A bad size comes after SMALL: the later flag wins.
+REFUSED = {
+    "help": ["--help"],
+    "bogus impl": [*SMALL, "--expert-impl", "grouped,bogus"],
+    **{f"bad size {i}": [*SMALL, "--expert-impl", "grouped", *argv] for i, (argv, _) in enumerate(BAD_SIZES)},
+    "too few rows": [*SMALL, "--expert-impl", "grouped", "--expert-rows", "128", "--no-local"],  # after the routing
+}
+
+
+@pytest.fixture(scope="module")
+def refused():
+    runs = run_scripts([("benchmarks/bench_moe_layer.py", argv) for argv in REFUSED.values()], devices=4)
+    return dict(zip(REFUSED, runs))
+
+
 def test_capacity_and_grouped_in_one_run(tmp_path):
     out = tmp_path / "moe.json"
     run = _run("--expert-impl", "capacity,grouped", "--json", str(out), "--profile")
@@ -57,8 +79,8 @@ def test_capacity_and_grouped_in_one_run(tmp_path):
     assert data["config"]["largest_rows_per_rank"] <= data["config"]["expert_rows"]
 
 
-def test_too_few_expert_rows_refused():
-    run = _run("--expert-impl", "grouped", "--expert-rows", "128", "--no-local")
+def test_too_few_expert_rows_refused(refused):
+    run = refused["too few rows"]
     assert run.returncode != 0
     assert re.search(r"--expert-rows 128 drops [1-9][0-9]* \(token, expert\) pairs", run.stdout + run.stderr), (
         run.stdout + run.stderr
@@ -78,26 +100,18 @@ def test_grouped_fp8_beside_grouped():
         assert 0 < diff < 0.5, run.stdout
 
 
-def test_expert_impl_names_in_help_and_refusal():
+def test_expert_impl_names_in_help_and_refusal(refused):
     """--help lists every --expert-impl the run takes, and an unknown one is refused naming them all."""
     names = "auto, ragged_dot, capacity, grouped, grouped_fp8, grouped_fp8_dw"
-    shown = run_script("benchmarks/bench_moe_layer.py", "--help", devices=1)
+    shown = refused["help"]
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert names in " ".join(shown.stdout.split()), shown.stdout
-    run = _run("--expert-impl", "grouped,bogus")
+    run = refused["bogus impl"]
     assert run.returncode != 0
     assert f"--expert-impl: 'bogus' is not one of {names}" in run.stderr, run.stderr[-2000:]
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--tokens", "0"], "--tokens 0 must be at least 1"),
-        (["--steps", "0"], "--steps 0 must be at least 1"),
-        (["--top-k", "17"], "--top-k 17 must be at most --experts 16"),
-        (["--experts", "6"], "--experts 6 must divide by the 4 devices"),
-    ],
-)
-def test_bad_sizes_refused(argv, message):
-    run = _run("--expert-impl", "grouped", *argv)  # the later flag wins
+@pytest.mark.parametrize("argv, message", BAD_SIZES)
+def test_bad_sizes_refused(argv, message, refused):
+    run = refused[f"bad size {BAD_SIZES.index((argv, message))}"]
     assert run.returncode != 0 and run.stderr.strip().splitlines()[-1].endswith(message), run.stderr[-2000:]

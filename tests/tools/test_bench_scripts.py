@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from script_run import run_script
+from script_run import run_script, run_scripts
 
 
 def test_bench_low_latency_xla(tmp_path):
@@ -57,25 +57,45 @@ def test_combine_precision_bf16_partials_cost_accuracy():
         assert exact < 3e-3 and by_partials["float32"] <= 1.01 * exact < by_partials["bf16"], (layout, by_partials)
 
 
-def test_cuda_only_benchmarks_refuse_on_cpu():
+CUDA_ONLY = [
+    (
+        ["benchmarks/bench_expert_major.py", "--tokens", "64"],
+        "the CUDA kernels cannot run here, and this benchmark compares them: ",
+    ),
+    (
+        ["benchmarks/bench_fp8_quant.py", "--experts", "4", "--rows", "256"],
+        "--impls cuda: the CUDA kernels cannot run here (",
+    ),
+]
+HOPPER_ONLY = ["hopper_gemm_sweep.py", "fp8_gemm_sweep.py", "ncu_grouped_gemm.py"]
+COUNTS_BELOW_ONE = [
+    ("bench_low_latency.py", ["--chain", "0"], "--chain 0 must be at least 1"),
+    ("bench_normal.py", ["--repeats", "0"], "--repeats 0 must be at least 1"),
+    ("tune_normal.py", ["--experts", "16", "--topk", "17"], "--topk 17 must be at most --experts 16"),
+    ("bench_grouped_gemm.py", ["--align", "0"], "--align 0 must be at least 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def refused():
+    """The runs the scripts refuse, in one process per device count (run_scripts): Python's start and the
+    imports are most of each."""
+    on_one = run_scripts(
+        [(argv[0], argv[1:]) for argv, _ in CUDA_ONLY] + [(f"benchmarks/{script}", []) for script in HOPPER_ONLY],
+        devices=1,
+    )
+    on_four = run_scripts([(f"benchmarks/{script}", argv) for script, argv, _ in COUNTS_BELOW_ONE], devices=4)
+    return dict(cuda_only=on_one[: len(CUDA_ONLY)], hopper_only=on_one[len(CUDA_ONLY) :], counts_below_one=on_four)
+
+
+def test_cuda_only_benchmarks_refuse_on_cpu(refused):
     """Why is the extension's own reason: not built, or (here) no CUDA device visible."""
-    for argv, message in (
-        (
-            ["benchmarks/bench_expert_major.py", "--tokens", "64"],
-            "the CUDA kernels cannot run here, and this benchmark compares them: ",
-        ),
-        (
-            ["benchmarks/bench_fp8_quant.py", "--experts", "4", "--rows", "256"],
-            "--impls cuda: the CUDA kernels cannot run here (",
-        ),
-    ):
-        run = run_script(*argv, devices=1)
+    for (_, message), run in zip(CUDA_ONLY, refused["cuda_only"]):
         assert run.returncode == 2 and message in run.stderr, run.stdout[-2000:] + run.stderr[-2000:]
 
 
-def test_hopper_only_benchmarks_refuse_on_cpu():
-    for script in ("hopper_gemm_sweep.py", "fp8_gemm_sweep.py", "ncu_grouped_gemm.py"):
-        run = run_script(f"benchmarks/{script}", devices=1)
+def test_hopper_only_benchmarks_refuse_on_cpu(refused):
+    for script, run in zip(HOPPER_ONLY, refused["hopper_only"]):
         assert run.returncode != 0, script
         assert "needs a Hopper GPU (compute capability 9.x) for the Mosaic GPU kernels; JAX sees cpu" in run.stderr, (
             run.stdout[-2000:] + run.stderr[-2000:]
@@ -99,16 +119,8 @@ def test_bench_fp8_quant_xla_alone():
     assert re.search(r"^\| swiglu h \| xla \|", run.stdout, re.M), run.stdout
 
 
-@pytest.mark.parametrize(
-    "script, argv, message",
-    [
-        ("bench_low_latency.py", ["--chain", "0"], "--chain 0 must be at least 1"),
-        ("bench_normal.py", ["--repeats", "0"], "--repeats 0 must be at least 1"),
-        ("tune_normal.py", ["--experts", "16", "--topk", "17"], "--topk 17 must be at most --experts 16"),
-        ("bench_grouped_gemm.py", ["--align", "0"], "--align 0 must be at least 1"),
-    ],
-)
-def test_counts_below_one_refused(script, argv, message):
+@pytest.mark.parametrize("script, argv, message", COUNTS_BELOW_ONE)
+def test_counts_below_one_refused(script, argv, message, refused):
     """timing.check_counts: one argparse error naming the flag, before any device work."""
-    run = run_script(f"benchmarks/{script}", *argv, devices=4)
+    run = refused["counts_below_one"][COUNTS_BELOW_ONE.index((script, argv, message))]
     assert run.returncode == 2 and run.stderr.strip().endswith(message), run.stdout[-2000:] + run.stderr[-2000:]

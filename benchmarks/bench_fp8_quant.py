@@ -1,5 +1,5 @@
 """FP8 quantization of the grouped GEMM's operands: the extension's CUDA kernels of deep_ep_jax.fp8_quant
-against the same maths in XLA, at one rank's shapes of the MoE benchmark.
+against the same maths in XLA, at one rank's shapes of the MoE benchmark (H = --hidden 7168, F = --ffn 2048).
 
     python benchmarks/bench_fp8_quant.py [--experts 128] [--rows 40704] [--repeats 5] [--cases a,b]
 
@@ -7,14 +7,14 @@ Per case and impl: device time per call (from the first kernel's start to the la
 profiled call right after a like one), median and min-max of --repeats calls, and the bandwidth that
 time gives for the bytes a call must move (its input read once, its outputs written once); then
 whether each impl's outputs agree with the first's bit for bit (NaN for NaN). Cases:
-  fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, 7168, 4096], [E, 2048, 7168]
-  rows x, rows h                            quantize_rows of [rows, 7168], [rows, 2048]
-  swiglu h                                  quantize_rows(gate_up [rows, 4096], swiglu=True): the
+  fp8_weights(w_in), fp8_weights(w_out)     quantize_rows_and_columns of [E, H, 2F], [E, F, H]
+  rows x, rows h                            quantize_rows of [rows, H], [rows, F]
+  swiglu h                                  quantize_rows(gate_up [rows, 2F], swiglu=True): the
                                             SwiGLU's hidden rows
   swiglu h unfused                          the same as XLA's SwiGLU (bf16 rows written), then
                                             quantize_rows of them
-  backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, 7168] and
-                                            [1, rows, 4096] with x's row scales (the FP8 weight gradient)
+  backward dy_out, backward dy_in           quantize_rows_and_columns of dy [1, rows, H] and
+                                            [1, rows, 2F] with x's row scales (the FP8 weight gradient)
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import device_times, environment, same_bits
 
 from deep_ep_jax import _native, fp8_quant
+
+HIDDEN, FFN = 7168, 2048  # DeepSeek-V3's
 
 
 def cases(args):
@@ -55,16 +57,17 @@ def cases(args):
         lax.optimization_barrier(fp8_quant.swiglu_values(a)), backend=impl
     )
     e, r = args.experts, args.rows
+    h, f = args.hidden, args.ffn
     x_scales = jnp.exp(jax.random.normal(next(keys), (1, r))) * 1e-2
     return [
-        ("fp8_weights(w_in)", both, lambda: normal((e, 7168, 4096)), None),
-        ("fp8_weights(w_out)", both, lambda: normal((e, 2048, 7168)), None),
-        ("rows x", rows, lambda: normal((r, 7168)), None),
-        ("rows h", rows, lambda: normal((r, 2048)), None),
-        ("swiglu h", swiglu, lambda: normal((r, 4096)), None),
-        ("swiglu h unfused", unfused, lambda: normal((r, 4096)), None),
-        ("backward dy_out", both, lambda: normal((1, r, 7168)), x_scales),
-        ("backward dy_in", both, lambda: normal((1, r, 4096)), x_scales),
+        ("fp8_weights(w_in)", both, lambda: normal((e, h, 2 * f)), None),
+        ("fp8_weights(w_out)", both, lambda: normal((e, f, h)), None),
+        ("rows x", rows, lambda: normal((r, h)), None),
+        ("rows h", rows, lambda: normal((r, f)), None),
+        ("swiglu h", swiglu, lambda: normal((r, 2 * f)), None),
+        ("swiglu h unfused", unfused, lambda: normal((r, 2 * f)), None),
+        ("backward dy_out", both, lambda: normal((1, r, h)), x_scales),
+        ("backward dy_in", both, lambda: normal((1, r, 2 * f)), x_scales),
     ]
 
 
@@ -76,6 +79,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=128, help="experts per rank (the weights' E)")
     p.add_argument("--rows", type=int, default=40704, help="expert-major rows (a multiple of 128)")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the model's hidden size H (a multiple of 128)")
+    p.add_argument("--ffn", type=int, default=FFN, help="the experts' intermediate size F (a multiple of 128)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--impls", default="xla,cuda", help="cuda: the extension's kernels")
     p.add_argument("--seed", type=int, default=0)

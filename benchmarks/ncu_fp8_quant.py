@@ -25,6 +25,8 @@ def main():
     p.add_argument("cases", nargs="+", help="bench_fp8_quant.py's case names")
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--rows", type=int, default=40704)
+    p.add_argument("--hidden", type=int, default=bench_fp8_quant.HIDDEN)
+    p.add_argument("--ffn", type=int, default=bench_fp8_quant.FFN)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     by_name = {case[0]: case for case in bench_fp8_quant.cases(args)}

@@ -65,10 +65,11 @@ struct Control {
   // source's rows (the first block's waits; kept, as counters, until reset).
   unsigned long long waited_ns[kWaitKinds][kMaxGroupRanks];
   // [rank]: 1 while this rank neither sends to nor waits for that rank (the
-  // Buffer's mask: set on a timeout with Peers::mask_failed, or by SetMask).
+  // Buffer's mask: set on a timeout with Peers::mask_failed, by a peer that
+  // masked that rank, or by LaunchMask).
   int masked[kMaxGroupRanks];
   // [half][source]: a receive's verdict on source for the op of that half,
-  // ReceiveKey(op) | 1 if masked, which the first block to reach one records
+  // VerdictKey(op) | 1 if masked, which the first block to reach one records
   // and every other block takes, so the blocks of a receive agree.
   int verdict[2][kMaxGroupRanks];
 };
@@ -207,6 +208,7 @@ __device__ void MaskRank(const Transport& tr, int r, const char* mode) {
   for (int q = 0; q < tr.p.num_ranks; ++q) {
     if (q != tr.p.rank && (q == r || !MaskedInControl(tr, q))) tr.PutInt(q, entry, 1);
   }
+  tr.Fence();  // delivered now (NVSHMEM: completed), not at some later fence
 }
 
 // Send phases: whether to send to destination r: it is not masked and has

@@ -4,7 +4,12 @@ devices, on any host, the way a user on a CPU-only machine would.
 run_scripts runs several in one such subprocess, one after another, each as `python path argv...`
 would (its argv, its directory first on sys.path, its exit status and output apart): for runs a
 script refuses before any work, whose cost is Python's start and the imports, paid there once. This
-file is that subprocess's driver when run as a script."""
+file is that subprocess's driver when run as a script.
+
+The scripts of one test session share a JAX compilation cache (a fresh directory, removed at exit):
+a program a run compiled, a later run of the same program loads (the decode example's programs with
+and without training, bench_moe_layer's grouped layer in two runs), as it would for a user with a
+cache. Only one process at a time writes it (no run_script launches several)."""
 
 import contextlib
 import io
@@ -13,18 +18,25 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_CACHE = None
 
 
 def _env(devices):
+    global _CACHE
+    if _CACHE is None:  # made on the first run, removed when this process exits
+        _CACHE = tempfile.TemporaryDirectory(prefix="deep_ep_jax_scripts_cache_")
     return dict(
         os.environ,
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_COMPILATION_CACHE_DIR=_CACHE.name,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",  # eager ops' programs too: the examples' model init
     )
 
 

@@ -349,11 +349,18 @@ def test_capacity_overflow_per_group():
     assert int(ml.capacity_overflow(jnp.asarray(idx), num_experts, capacity)) > want  # one group of all tokens
 
 
+@functools.cache
+def _layer_buffer(hidden):
+    """The Buffer of _layer_inputs' layers of this hidden size: one, so that their jitted steps are shared."""
+    mesh = _mesh()
+    return dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=2 * mesh.shape["expert"])
+
+
 def _layer_inputs(layer_seed, x_seed, hidden=H):
     """(buffer, x, (router, w_in, w_out)): a top-2 MoE of 2 experts per rank on the CPU mesh, global x."""
     mesh = _mesh()
     num_experts = 2 * mesh.shape["expert"]
-    buffer = dej.Buffer(mesh, "expert", backend="xla", hidden=hidden, num_experts=num_experts)
+    buffer = _layer_buffer(hidden)
     layer = ml.MoE(hidden, F, num_experts, 2, buffer=buffer, rngs=nnx.Rngs(layer_seed))
     x = jax.device_put(dt.random_rows(x_seed, (4 * mesh.size, hidden), jnp.float32), NamedSharding(mesh, P(None, None)))
     return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
@@ -371,9 +378,16 @@ def _layer_and_grads_fn(buffer, x, impl, use_fp8=False):
     return lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p))
 
 
+@functools.cache
+def _jitted_layer_and_grads(buffer, impl, use_fp8):
+    """(x, router, w_in, w_out) -> _layer_and_grads_fn's results, jitted once per layer: x an argument, so
+    that the tests of one buffer and expert path share its compile."""
+    return jax.jit(lambda x, *params: _layer_and_grads_fn(buffer, x, impl, use_fp8)(*params))
+
+
 def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
     """_layer_and_grads_fn's results on params, under one jit."""
-    return jax.jit(_layer_and_grads_fn(buffer, x, impl, use_fp8))(*params)
+    return _jitted_layer_and_grads(buffer, impl, use_fp8)(x, *params)
 
 
 @functools.cache

@@ -474,6 +474,10 @@ def _fp8_rows_step(local, num_ranks, num_experts, rows, fp8_rows, weight_grad):
     return _per_rank(step, num_ranks)
 
 
+# quantize_rows jitted: one compile per shape, not one per op of each call run eagerly.
+_quantize_rows_xla = jax.jit(functools.partial(fp8_quant.quantize_rows, backend="xla"))
+
+
 @pytest.mark.parametrize("local", [False, True])
 @pytest.mark.parametrize(
     "routing, rows, weight_grad",
@@ -518,7 +522,7 @@ def test_fp8_rows_match_rows_quantized_in_the_matmul(local, routing, rows, weigh
     (y8, rows8, grads8, g_x8), (y, rows_bf16, grads, g_x) = run(True), run(False)
     assert isinstance(rows8, Fp8Rows)
     for r in range(num_ranks):
-        data, scales = fp8_quant.quantize_rows(rows_bf16[r], backend="xla")
+        data, scales = _quantize_rows_xla(rows_bf16[r])
         used = np.abs(np.asarray(rows_bf16[r], np.float32)).max(axis=1) > 0
         np.testing.assert_array_equal(_bits(rows8.data[r])[used], _bits(data)[used])
         np.testing.assert_array_equal(np.asarray(rows8.scales[r])[used], np.asarray(scales)[used])

@@ -534,15 +534,15 @@ def test_padded_group_sizes_are_whole_multiples():
     x, idx, _ = _random_recv(40, num_rows, 33, num_local)
     for alignment in (1, 8, 128):
         rows = default_num_rows(num_rows, K, num_local, alignment)
-        _, layout = ml.expand(
-            jnp.asarray(x, jnp.bfloat16),
-            jnp.asarray(idx),
-            num_local_experts=num_local,
-            alignment=alignment,
-            num_rows=rows,
-            backend="xla",
-        )
-        sizes = np.asarray(layout.padded_group_sizes(alignment))
+
+        @jax.jit  # one compile, not one per op
+        def layout_and_sizes(x, idx, alignment=alignment, rows=rows):
+            kwargs = dict(num_local_experts=num_local, alignment=alignment, num_rows=rows, backend="xla")
+            layout = ml.expand(x, idx, **kwargs)[1]
+            return layout, layout.padded_group_sizes(alignment)
+
+        layout, sizes = layout_and_sizes(jnp.asarray(x, jnp.bfloat16), jnp.asarray(idx))
+        sizes = np.asarray(sizes)
         assert (sizes % alignment == 0).all() and sizes.sum() <= rows, (alignment, sizes, rows)
         np.testing.assert_array_equal(np.cumsum(sizes) - sizes, np.asarray(layout.group_offsets))
         assert (sizes >= np.asarray(layout.group_sizes)).all(), (alignment, sizes)

@@ -580,7 +580,9 @@ def test_expand_rows_transposed_quantized(routing):
     seed = _seed("quantized_t", routing)
     rng = np.random.default_rng(seed)
     idx = jnp.asarray(_local_ids(seed, 1, 40, 3, 2, routing))
-    layout = reference_expert_major.expert_layout(idx, num_local_experts=3, alignment=8, num_rows=104)
+    layout = jax.jit(  # jitted, here and below: one compile, not one per op
+        functools.partial(reference_expert_major.expert_layout, num_local_experts=3, alignment=8, num_rows=104)
+    )(idx)
     x = np.asarray(dt.random_rows(seed + 1, (40, 2 * H)), np.float32)
     m = rng.random(104).astype(np.float32) * np.where(rng.random(104) < 0.2, 0.0, 1.0).astype(np.float32)
     row_pair = np.asarray(layout.row_pair)
@@ -589,7 +591,7 @@ def test_expand_rows_transposed_quantized(routing):
     x[only_zero, 3] = np.nan  # read by no row with a multiplier
     inverse = (rng.random(2 * H) * 300 + 1).astype(np.float32)
     inverse[:4] = 1e6  # saturates
-    got = reference_expert_major.expand_rows_transposed(
+    got = jax.jit(reference_expert_major.expand_rows_transposed)(
         jnp.asarray(x, jnp.bfloat16), layout, jnp.asarray(m), jnp.asarray(inverse)
     )
     assert got.dtype == jnp.float8_e4m3fn and got.shape == (2 * H, 104)
@@ -1046,17 +1048,18 @@ def test_a_group_cut_by_num_rows_stays_aligned():
     num_tokens, alignment, num_rows = 200, 128, 384
     x = dt.random_rows(7, (num_tokens, H))
     idx = jnp.tile(jnp.array([[0, 1]], jnp.int32), (num_tokens, 1))
-    expert_x, layout = dej.expand(x, idx, num_local_experts=4, alignment=alignment, num_rows=num_rows, backend="xla")
+    expand = lambda x, idx: dej.expand(
+        x, idx, num_local_experts=4, alignment=alignment, num_rows=num_rows, backend="xla"
+    )
+    expert_x, layout = jax.jit(expand)(x, idx)  # jitted: one compile, not one per op
     sizes = np.asarray(layout.padded_group_sizes())
     np.testing.assert_array_equal(sizes, [256, 128, 0, 0])
     assert int(layout.num_dropped) == num_tokens - 128
     w = jnp.asarray(np.random.default_rng(8).standard_normal((4, H, 64)) / np.sqrt(H), jnp.bfloat16)
-    y = np.asarray(
-        dej.grouped_matmul(
-            expert_x, w, jnp.asarray(sizes), backend="xla", aligned_groups=True, valid_sizes=layout.group_sizes
-        ),
-        np.float32,
+    matmul = lambda expert_x, w, sizes, valid: dej.grouped_matmul(
+        expert_x, w, sizes, backend="xla", aligned_groups=True, valid_sizes=valid
     )
+    y = np.asarray(jax.jit(matmul)(expert_x, w, jnp.asarray(sizes), layout.group_sizes), np.float32)
     assert np.isfinite(y).all()
     x32, w32 = np.asarray(x, np.float32), np.asarray(w, np.float32)
     pair_row = np.asarray(layout.pair_row)

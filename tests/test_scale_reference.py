@@ -5,8 +5,9 @@ combine, with fresh random and skewed routing (all tokens to one expert, a
 rank that receives nothing, -1 entries, ids out of range).
 
 XLA fixes the number of CPU devices per process (tests/conftest.py asks for
-8), so each group size runs in a process of its own: this file run as a
-script, `XLA_FLAGS=--xla_force_host_platform_device_count=16 python
+8), so each group size runs in a process of its own (all started together,
+before the first test waits for its own): this file run as a script,
+`XLA_FLAGS=--xla_force_host_platform_device_count=16 python
 tests/test_scale_reference.py 16 <seed> normal ...` (prints "CASE <name> OK").
 """
 
@@ -14,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -26,20 +28,52 @@ CASES = ("normal", "fp8", "gradients", "low_latency")
 TOKENS, HIDDEN, TOPK = 4, 128, 8  # per rank; small, so that 64 ranks stay quick
 
 
-@pytest.mark.parametrize("num_ranks", [16, 64])  # 64: past 32 ranks, the rank masks' second word
-def test_reference_backend_beyond_8_ranks(num_ranks):
-    seed = int(np.random.SeedSequence().entropy % (1 << 31))  # fresh per run; printed on failure
+def _start(num_ranks, seed):
+    """This file as a script on num_ranks CPU devices, started: (process, its stdout and stderr files)."""
     env = dict(os.environ)
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_ranks}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     cmd = [sys.executable, os.path.abspath(__file__), str(num_ranks), str(seed), *CASES]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, f"seed {seed}:\n{output[-6000:]}"
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills while unread
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err
+
+
+@pytest.fixture(scope="module")
+def workers(request):
+    """{group size: (seed, process, stdout, stderr)} for the group sizes this session runs, started together:
+    one process's compiles leave a core idle part of the time, which the other's fill."""
+    sizes = {
+        item.callspec.params["num_ranks"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_reference_backend_beyond_8_ranks"
+    }
+    started = {}
+    try:
+        for num_ranks in sorted(sizes, reverse=True):  # the longest first
+            seed = int(np.random.SeedSequence().entropy % (1 << 31))  # fresh per run; printed on failure
+            started[num_ranks] = (seed, *_start(num_ranks, seed))
+        yield started
+    finally:
+        for _, process, out, err in started.values():
+            process.kill()  # if still running (a test that timed out)
+            process.wait()
+            out.close()
+            err.close()
+
+
+@pytest.mark.parametrize("num_ranks", [16, 64])  # 64: past 32 ranks, the rank masks' second word
+def test_reference_backend_beyond_8_ranks(num_ranks, workers):
+    seed, process, out, err = workers[num_ranks]
+    process.wait(timeout=300)
+    out.seek(0)
+    err.seek(0)
+    stdout = out.read()
+    output = stdout + err.read()
+    assert process.returncode == 0, f"seed {seed}:\n{output[-6000:]}"
     for case in CASES:
-        assert f"CASE {case} OK" in result.stdout, f"seed {seed}:\n{output[-6000:]}"
+        assert f"CASE {case} OK" in stdout, f"seed {seed}:\n{output[-6000:]}"
 
 
 # ---------------------------------------------------------------------------

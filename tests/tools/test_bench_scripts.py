@@ -21,8 +21,8 @@ def test_bench_low_latency_xla(tmp_path):
         "16",
         "--topk",
         "4",
-        "--chain",
-        "2",
+        "--chain",  # chains of 1 and 2 operations: each timed as at any length, in smaller programs
+        "1",
         "--repeats",
         "2",
         "--overlap",

@@ -2,8 +2,9 @@
 the one-round layer sized for the worst case and against tests/oracle.py, bit
 for bit, forward and gradients, on fresh random and skewed routing, with
 capacities that need one, two and many rounds: 8 ranks here, 16 in a process
-of its own, started with the module to run beside the 8 (this file as a script: `XLA_FLAGS=--xla_force_host_platform_device_count=16
-python tests/test_dropless.py 16 <seed>`, prints "CASE rounds OK")."""
+of its own, started with the module to run beside the 8 (this file as a
+script: `XLA_FLAGS=--xla_force_host_platform_device_count=16 python
+tests/test_dropless.py 16 <seed>`, prints "CASE rounds OK")."""
 
 import os
 import re

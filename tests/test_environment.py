@@ -27,6 +27,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_COUNT_TRAFFIC", "count_traffic", "1", True, False),
     ("DEEP_EP_JAX_INTERNODE_PIPELINE", "internode_pipeline", "0", False, True),
     ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
+    ("DEEP_EP_JAX_MASK_FAILED_RANKS", "mask_failed_ranks", "1", True, False),
 ]
 OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR, launch.RECOVERABLE_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]
@@ -94,6 +95,7 @@ def test_checks_spellings(monkeypatch, value, expected):
         ("DEEP_EP_JAX_GPUS_PER_HOST", "two"),
         ("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN", "eight"),
         ("DEEP_EP_JAX_DISPATCH_BUDGET_GIB", "4GiB"),
+        ("DEEP_EP_JAX_MASK_FAILED_RANKS", "maybe"),
     ],
 )
 def test_unparsable_value_names_the_variable(monkeypatch, name, value):

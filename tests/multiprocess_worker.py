@@ -892,8 +892,17 @@ def case_masked_rank():
         log(f"victim: {mode} at {where}")
         if mode == "kill":
             os.kill(os.getpid(), signals.SIGKILL)
-        time.sleep(4 * timeout_s + 10)  # past the survivors' last call (two masking waits of 1.5x the timeout)
-        os._exit(0)  # the stalled rank never calls again
+        # Stalled past the others' masking wait (1.5x the timeout), it comes back masked, by the
+        # others' word: out, it sends to and waits for no one, so its calls return at once, empty.
+        time.sleep(2.5 * timeout_s)
+        np.testing.assert_array_equal(mine(read_mask()), np.eye(num_ranks, dtype=np.int32)[rank])
+        (_, count, handle), took_dispatch = timed(dispatch, x, idx_g)
+        out, took_combine = timed(combine, y_g, idx_g, w_g, handle)
+        assert not mine(count).any() and not np.asarray(mine(out), np.float32).any(), "an out rank receives nothing"
+        assert max(took_dispatch, took_combine) < timeout_s / 2, (took_dispatch, took_combine)
+        log("stalled rank came back masked: its calls sent and received nothing")
+        time.sleep(2 * timeout_s + 10)  # past the others' last call (masking it again after the clear)
+        os._exit(0)
 
     def check_dispatch(recv_x, count, handle, lists, what):
         recv_x, count, handle = jax.tree.map(mine, (recv_x, count, handle))

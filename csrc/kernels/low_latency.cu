@@ -54,7 +54,10 @@ struct Control {
   // LoadVolatile (asm) would change how nvcc compiles the dispatch send loop.
   int seq;
   int sending;  // 1 while a send phase runs on this device (EnterCall)
-  int pad0[30];
+  // Changes whenever this rank masks a rank or a peer tells it of one
+  // (MaskRank): a wait with masking on starts its timeout again.
+  int mask_news;
+  int pad0[29];
   int blocks_done[kNumKernels][32];  // last-block detection, one line per kernel
   // One slot per rank of the largest group (3 * 2 * 1024 ints: 24 KiB); each
   // array starts on its own 128-byte line.
@@ -163,19 +166,27 @@ struct NvlinkTransport {
 // signal there) has reached `target` (SeqReached: wrap-safe) and returns
 // true, or returns false once give_up() says so. A wait that was not over at
 // once adds its time to *waited_ns (when not null). Past timeout_ns it
-// returns false with `masking`, else traps with a message naming what it
-// waited for.
+// returns false with `masking` (whose timeout starts again when a rank is
+// newly masked here: Control::mask_news), else traps with a message naming
+// what it waited for.
 template <typename GiveUp>
 __device__ bool WaitFlag(const Peers& p, size_t offset, int target, uint64_t timeout_ns, bool masking, const char* mode,
                          const char* counter, int peer, int op, unsigned long long* waited_ns, GiveUp give_up) {
   const int* flag = reinterpret_cast<const int*>(p.local + offset);
   if (SeqReached(LoadAcquireSys(flag), target)) return true;
+  const int* news = &reinterpret_cast<const Control*>(p.local)->mask_news;
+  int seen = LoadVolatile(news);
   const uint64_t start = GlobalTimerNs();
-  uint64_t now = start;
+  uint64_t now = start, since = start;
   while (!SeqReached(LoadAcquireSys(flag), target)) {
     now = GlobalTimerNs();
     if (give_up()) return false;
-    if (now - start > timeout_ns) {
+    // A peer just masked a rank: the one awaited may have been waiting for it.
+    if (masking && LoadVolatile(news) != seen) {
+      seen = LoadVolatile(news);
+      since = now;
+    }
+    if (now - since > timeout_ns) {
       if (masking) return false;
       printf(
           "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
@@ -193,20 +204,32 @@ __device__ __forceinline__ bool MaskedInControl(const Transport& tr, int r) {
   return LoadVolatile(&tr.control()->masked[r]) != 0;
 }
 
+// This rank is masked in its own control block (a peer told it, mid-kernel
+// perhaps): it is out, sends to and waits for no one from now on.
+template <typename Transport>
+__device__ __forceinline__ bool Out(const Transport& tr) {
+  return MaskedInControl(tr, tr.p.rank);
+}
+
 // Masks rank r in this block and in the control block (from this kernel on).
 // The first to mask it says so once and tells every other rank, r included
-// (its waits for r give up; a stalled r finds itself masked at its next call
-// and sends nothing), so one rank's timeout does not delay the others' calls
-// into timeouts of their own.
+// where mapped (its waits for r give up, and those waiting for a rank that
+// waited for r start their timeouts again; a stalled r finds itself masked
+// and sends nothing), so one rank's timeout does not grow into others'. A
+// rank that is out only marks its block.
 template <typename Transport>
 __device__ void MaskRank(const Transport& tr, int r, const char* mode) {
   tr.peers.masked[r] = 1;
-  if (atomicExch(&tr.control()->masked[r], 1) != 0) return;
+  if (Out(tr) || atomicExch(&tr.control()->masked[r], 1) != 0) return;
   printf("deep_ep_jax: %s rank %d masks rank %d: no answer within the timeout (Config.mask_failed_ranks)\n", mode,
          tr.p.rank, r);
+  const int news = tr.p.rank * kMaxGroupRanks + r + 1;  // one value per (rank, masked rank)
+  atomicExch(&tr.control()->mask_news, news);
   const size_t entry = offsetof(Control, masked) + sizeof(int) * r;
   for (int q = 0; q < tr.p.num_ranks; ++q) {
-    if (q != tr.p.rank && (q == r || !MaskedInControl(tr, q))) tr.PutInt(q, entry, 1);
+    if (q == tr.p.rank || (q == r ? tr.peers.regions[r] == nullptr : MaskedInControl(tr, q))) continue;
+    tr.PutInt(q, entry, 1);
+    tr.PutInt(q, offsetof(Control, mask_news), news);
   }
   tr.Fence();  // delivered now (NVSHMEM: completed), not at some later fence
 }
@@ -219,7 +242,7 @@ __device__ bool WaitFreed(const Transport& tr, int half, int r, unsigned op, con
   if (tr.peers.masked[r]) return false;
   const bool freed = WaitFlag(tr.p, FreedFlag(half, r), int(op - 1u), tr.p.timeout_ns, tr.p.mask_failed, mode,
                               "the freed flag (more than two low-latency operations in flight?)", r, int(op), nullptr,
-                              [&] { return MaskedInControl(tr, r); });
+                              [&] { return MaskedInControl(tr, r) || Out(tr); });
   if (!freed) MaskRank(tr, r, mode);
   return freed;
 }
@@ -252,11 +275,11 @@ __device__ void WaitReady(const Transport& tr, int half, int r, unsigned op, con
   if ((v & ~1) != key) {
     const bool self = r == tr.p.rank, masking = tr.p.mask_failed && !self;
     const uint64_t timeout_ns = self ? 3 * tr.p.timeout_ns : masking ? tr.p.timeout_ns * 3 / 2 : tr.p.timeout_ns;
-    const bool arrived = !tr.peers.masked[r] &&
-                         WaitFlag(tr.p, ReadyFlag(half, r), int(op + 1u), timeout_ns, masking, mode, "the ready flag",
-                                  r, int(op), WaitedNs(tr, wait_kind, r), [&] {
-                                    return (LoadVolatile(verdict) & ~1) == key || (masking && MaskedInControl(tr, r));
-                                  });
+    const bool arrived =
+        !tr.peers.masked[r] &&
+        WaitFlag(tr.p, ReadyFlag(half, r), int(op + 1u), timeout_ns, masking, mode, "the ready flag", r, int(op),
+                 WaitedNs(tr, wait_kind, r),
+                 [&] { return (LoadVolatile(verdict) & ~1) == key || (masking && MaskedInControl(tr, r)) || Out(tr); });
     const int proposed = key | (arrived ? 0 : 1);
     const int old = atomicCAS(verdict, before, proposed);
     v = old == before ? proposed : old;  // else another block's verdict on this op
@@ -382,13 +405,15 @@ __device__ __forceinline__ void PublishCallTag(const Transport& tr, int half, in
   }
 }
 
-// The last block of a phase: `flag` = value in every unmasked rank's control
-// block. Masked in this block or in the control block: another block may have
-// masked r and skipped its rows (each block masks before its LastBlock count).
+// The last block of a phase: `flag` = value in this rank's control block and
+// every unmasked rank's; none but its own once this rank is out. Masked in
+// this block or in the control block: another block may have masked r and
+// skipped its rows (each block masks before its LastBlock count).
 template <typename Transport>
 __device__ __forceinline__ void SignalAll(const Transport& tr, size_t flag, int value) {
+  const bool out = Out(tr);
   for (int r = threadIdx.x; r < tr.p.num_ranks; r += blockDim.x) {
-    if (!tr.peers.masked[r] && !MaskedInControl(tr, r)) tr.Signal(r, flag, value);
+    if (r == tr.p.rank || (!out && !tr.peers.masked[r] && !MaskedInControl(tr, r))) tr.Signal(r, flag, value);
   }
 }
 

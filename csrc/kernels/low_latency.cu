@@ -250,6 +250,11 @@ __device__ bool WaitFreed(const Transport& tr, int half, int r, unsigned op, con
 // A receive's verdict key for operation op: never has bit 0 set (the mask bit).
 __host__ __device__ constexpr int VerdictKey(unsigned op) { return int((op + 1u) << 1); }
 
+// The last operation before `seq` on `half` (seq - 1 or seq - 2: operations alternate halves).
+__host__ __device__ constexpr unsigned LastOpOfHalf(unsigned seq, int half) {
+  return seq - 1u - ((seq - 1u - unsigned(half)) & 1u);
+}
+
 // Where the first block of a receive adds its wait for `source` (the other
 // blocks wait for the same flags, so they count nothing).
 template <typename Transport>
@@ -1017,8 +1022,7 @@ cudaError_t SetSequenceForTesting(char* region, int seq) {
   }
   // Each half's last receive, operation seq - 1 or seq - 2, found every rank's rows.
   for (int half = 0; half < 2; ++half) {
-    const unsigned last = unsigned(seq) - 1u - ((unsigned(seq) - 1u - unsigned(half)) & 1u);
-    for (int& verdict : control.verdict[half]) verdict = VerdictKey(last);
+    for (int& verdict : control.verdict[half]) verdict = VerdictKey(LastOpOfHalf(unsigned(seq), half));
   }
   return cudaMemcpy(region, &control, sizeof(control), cudaMemcpyHostToDevice);
 }
@@ -1041,7 +1045,7 @@ __global__ void MaskKernel(char* region, int rank, int num_ranks, const int* set
         // r takes part again: as if it had freed each half's last operation
         // (seq - 1, seq - 2); a flag already there (or past it) stays.
         for (int half = 0; half < 2; ++half) {
-          const int freed = int(seq - 1u - ((seq - 1u - unsigned(half)) & 1u) + 1u);
+          const int freed = int(LastOpOfHalf(seq, half) + 1u);
           if (!SeqReached(control->freed[half][r], freed)) control->freed[half][r] = freed;
         }
       }

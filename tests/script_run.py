@@ -9,12 +9,16 @@ file is that subprocess's driver when run as a script.
 The scripts of one test session share a JAX compilation cache (a fresh directory, removed at exit):
 a program a run compiled, a later run of the same program loads (the decode example's programs with
 and without training, bench_moe_layer's grouped layer in two runs), as it would for a user with a
-cache. Only one process at a time writes it (no run_script launches several)."""
+cache. Only one process at a time writes it (no run_script launches several).
+
+start_script starts one in the background instead (a test module run as a script on more devices
+than pytest's, beside the tests), without that cache: several may run at once."""
 
 import contextlib
 import io
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -50,6 +54,39 @@ def run_script(path, *argv, devices=8):
         timeout=300,
         check=False,
     )
+
+
+class Background:
+    """A script start_script started; its output goes to files, so no pipe fills while nothing reads it."""
+
+    def __init__(self, args, env):
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._out, stderr=self._err, text=True)
+
+    def result(self, timeout):
+        """Waits for it to end: (exit status, stdout, stderr)."""
+        self.process.wait(timeout=timeout)
+        self._out.seek(0)
+        self._err.seek(0)
+        return self.process.returncode, self._out.read(), self._err.read()
+
+    def stop(self):
+        """Kills it if it still runs (a test that timed out) and frees its files."""
+        self.process.kill()
+        self.process.wait()
+        self._out.close()
+        self._err.close()
+
+
+def start_script(path, *argv, devices):
+    """`python path argv...` started in the background with JAX on `devices` CPU devices (whatever
+    XLA_FLAGS asked for here), the repository and tests/ on its path: a Background."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    path_entries = [str(ROOT), str(ROOT / "tests")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(path_entries)
+    return Background([sys.executable, str(path), *map(str, argv)], env)
 
 
 def run_scripts(runs, devices=8):

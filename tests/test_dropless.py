@@ -6,11 +6,7 @@ of its own, started with the module to run beside the 8 (this file as a
 script: `XLA_FLAGS=--xla_force_host_platform_device_count=16 python
 tests/test_dropless.py 16 <seed>`, prints "CASE rounds OK")."""
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +15,7 @@ import oracle
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from script_run import start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
@@ -107,7 +104,7 @@ def check_rounds(num_ranks, seed):
 
 @pytest.fixture(scope="module", autouse=True)
 def sixteen_ranks(request):
-    """The 16-rank check's process (seed, process, stdout, stderr), started before this module's first test where
+    """The 16-rank check's process (seed, Background), started before this module's first test where
     the session runs the 16-rank test, so that it runs beside the 8-rank one (whose compiles leave a core idle
     part of the time); else None."""
     if not any(
@@ -117,22 +114,11 @@ def sixteen_ranks(request):
         yield None
         return
     seed = int(np.random.SeedSequence().entropy % (1 << 31))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=16".strip()
-    here = os.path.dirname(os.path.abspath(__file__))
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(here), here, env.get("PYTHONPATH", "")])
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills while unread
-    process = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "16", str(seed)], env=env, stdout=out, stderr=err, text=True
-    )
+    worker = start_script(__file__, 16, seed, devices=16)
     try:
-        yield seed, process, out, err
+        yield seed, worker
     finally:
-        process.kill()  # if still running (a test that timed out)
-        process.wait()
-        out.close()
-        err.close()
+        worker.stop()
 
 
 def test_dropless_matches_the_worst_case_layer_8_ranks():
@@ -141,12 +127,9 @@ def test_dropless_matches_the_worst_case_layer_8_ranks():
 
 
 def test_dropless_matches_the_worst_case_layer_16_ranks(sixteen_ranks):
-    seed, process, out, err = sixteen_ranks
-    process.wait(timeout=600)
-    out.seek(0)
-    err.seek(0)
-    stdout, stderr = out.read(), err.read()
-    assert process.returncode == 0 and "CASE rounds OK" in stdout, f"seed {seed}:\n{stdout[-3000:]}{stderr[-6000:]}"
+    seed, worker = sixteen_ranks
+    code, stdout, stderr = worker.result(timeout=600)
+    assert code == 0 and "CASE rounds OK" in stdout, f"seed {seed}:\n{stdout[-3000:]}{stderr[-6000:]}"
 
 
 if __name__ == "__main__":

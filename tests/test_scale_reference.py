@@ -11,39 +11,22 @@ before the first test waits for its own): this file run as a script,
 tests/test_scale_reference.py 16 <seed> normal ...` (prints "CASE <name> OK").
 """
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
 import pytest
+from script_run import start_script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 CASES = ("normal", "fp8", "gradients", "low_latency")
 
 TOKENS, HIDDEN, TOPK = 4, 128, 8  # per rank; small, so that 64 ranks stay quick
 
 
-def _start(num_ranks, seed):
-    """This file as a script on num_ranks CPU devices, started: (process, its stdout and stderr files)."""
-    env = dict(os.environ)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={num_ranks}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, HERE] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    cmd = [sys.executable, os.path.abspath(__file__), str(num_ranks), str(seed), *CASES]
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: no pipe fills while unread
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), out, err
-
-
 @pytest.fixture(scope="module")
 def workers(request):
-    """{group size: (seed, process, stdout, stderr)} for the group sizes this session runs, started together:
-    one process's compiles leave a core idle part of the time, which the other's fill."""
+    """{group size: (seed, Background)} for the group sizes this session runs, started together: one
+    process's compiles leave a core idle part of the time, which the other's fill."""
     sizes = {
         item.callspec.params["num_ranks"]
         for item in request.session.items
@@ -53,25 +36,19 @@ def workers(request):
     try:
         for num_ranks in sorted(sizes, reverse=True):  # the longest first
             seed = int(np.random.SeedSequence().entropy % (1 << 31))  # fresh per run; printed on failure
-            started[num_ranks] = (seed, *_start(num_ranks, seed))
+            started[num_ranks] = seed, start_script(__file__, num_ranks, seed, *CASES, devices=num_ranks)
         yield started
     finally:
-        for _, process, out, err in started.values():
-            process.kill()  # if still running (a test that timed out)
-            process.wait()
-            out.close()
-            err.close()
+        for _, worker in started.values():
+            worker.stop()
 
 
 @pytest.mark.parametrize("num_ranks", [16, 64])  # 64: past 32 ranks, the rank masks' second word
 def test_reference_backend_beyond_8_ranks(num_ranks, workers):
-    seed, process, out, err = workers[num_ranks]
-    process.wait(timeout=300)
-    out.seek(0)
-    err.seek(0)
-    stdout = out.read()
-    output = stdout + err.read()
-    assert process.returncode == 0, f"seed {seed}:\n{output[-6000:]}"
+    seed, worker = workers[num_ranks]
+    code, stdout, stderr = worker.result(timeout=300)
+    output = stdout + stderr
+    assert code == 0, f"seed {seed}:\n{output[-6000:]}"
     for case in CASES:
         assert f"CASE {case} OK" in stdout, f"seed {seed}:\n{output[-6000:]}"
 
@@ -371,7 +348,9 @@ class Worker:
             print(f"low_latency fp8={use_fp8}: {', '.join(kinds)} ok", flush=True)
 
 
-if __name__ == "__main__":  # run by _run_worker, which puts ROOT and HERE on PYTHONPATH
+if (
+    __name__ == "__main__"
+):  # started by the workers fixture (script_run.start_script: the repository and tests/ on the path)
     import oracle
 
     num_ranks, seed, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]

@@ -433,6 +433,25 @@ Counters WaitTimesOf(int64_t buffer_id, bool reset) {
   return result;
 }
 
+// The masks (Config.mask_failed_ranks) of the buffer's low-latency regions on
+// this process's devices, after synchronising them: [(device ordinal, [ranks
+// that device's rank has masked])].
+std::vector<std::pair<int, std::vector<int>>> MasksOf(int64_t buffer_id) {
+  std::vector<std::pair<int, std::vector<int>>> result;
+  auto mask = [&](const DeviceState& s) {
+    std::vector<int> host(size_t(s.num_ranks));
+    const cudaError_t err = low_latency::CopyMask(s.low_latency.local, s.num_ranks, host.data());
+    std::vector<int> masked;
+    for (int r = 0; r < s.num_ranks; ++r) {
+      if (host[r] != 0) masked.push_back(r);
+    }
+    if (err == cudaSuccess) result.emplace_back(s.device_ordinal, masked);
+    return err;
+  };
+  ForEachRegion("read_masks", buffer_id, [](const DeviceState&) { return cudaSuccess; }, mask);
+  return result;
+}
+
 }  // namespace
 }  // namespace deep_ep_jax
 
@@ -529,6 +548,9 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>(),
       "Zeroes the wait-time counters of the buffer's low-latency regions on this process's devices; synchronises "
       "first");
+  m.def("read_masks", &MasksOf, py::arg("buffer_id"), py::call_guard<py::gil_scoped_release>(),
+        "Masks of the buffer's low-latency regions on this process's devices (Config.mask_failed_ranks): "
+        "[(device ordinal, [masked ranks])]; synchronises the devices first");
   m.def("cuda_archs", &CudaArchs, "GPU architectures compiled in, e.g. ['sm_90']");
   m.def("mem_get_info", &MemGetInfo, py::arg("device"), "(free, total) bytes of a CUDA device (cudaMemGetInfo)");
   m.def("device_info", &DeviceInfo, "CUDA devices, peer access and P2P attributes (for deep_ep_jax.info)");

@@ -846,10 +846,11 @@ def case_masked_rank():
     for it masks it within 2x the timeout, each result is bit for bit
     tests/oracle.py's with the victim masked (oracle.mask_ranks) from that call
     on, the next round trip takes no timeout, low_latency_mask says [victim],
-    and after low_latency_set_mask(zeros) the next round trip masks it again.
+    and after low_latency_set_mask(zeros) the next round trip masks it again;
+    Buffer.destroy meets only the survivors (and, stalled, the victim's frees at once).
     MASKED_RANK_MODE "none" (launch --cpu: the xla backend, which masks no
     rank): the same round trips, all unmasked. Survivors leave with os._exit,
-    rank 0 last (docs/multiprocess.md); the victim's Buffer is never destroyed."""
+    rank 0 last (docs/multiprocess.md)."""
     import signal as signals
 
     import oracle
@@ -902,6 +903,9 @@ def case_masked_rank():
         assert max(took_dispatch, took_combine) < timeout_s / 2, (took_dispatch, took_combine)
         log("stalled rank came back masked: its calls sent and received nothing")
         time.sleep(2 * timeout_s + 10)  # past the others' last call (masking it again after the clear)
+        buffer.destroy()  # masked: it frees without waiting for anyone
+        multiprocess._client().key_value_set("deep_ep_jax/test/masked_rank/victim_done", "1")
+        log("stalled rank destroyed its Buffer")
         os._exit(0)
 
     def check_dispatch(recv_x, count, handle, lists, what):
@@ -962,12 +966,14 @@ def case_masked_rank():
             else:
                 assert took < timeout_s / 2, (i, durations)
     log(f"masked_rank R={num_ranks}: ok")
-    buffer.destroy()
+    buffer.destroy()  # with a victim: a barrier of the survivors only
     if victim is None:
         return
     log("CASE masked_rank OK")  # main's line: a survivor leaves at once, skipping jax's shutdown
-    if rank == 0:
-        time.sleep(5)  # the coordinator's process leaves last
+    if rank == 0:  # the coordinator's process leaves last
+        if mode == "stall":
+            multiprocess._client().blocking_key_value_get("deep_ep_jax/test/masked_rank/victim_done", 120_000)
+        time.sleep(5)
     os._exit(0)
 
 

@@ -1074,6 +1074,10 @@ cudaError_t CopyWaitTimes(char* region, int num_ranks, unsigned long long* host,
   }
   return cudaSuccess;
 }
+
+cudaError_t CopyMask(const char* region, int num_ranks, int* host) {
+  return cudaMemcpy(host, region + offsetof(Control, masked), size_t(num_ranks) * sizeof(int), cudaMemcpyDeviceToHost);
+}
 #endif  // DEEP_EP_JAX_LOW_LATENCY_NVSHMEM_BUILD
 
 }  // namespace low_latency

@@ -200,6 +200,9 @@ enum WaitKind : int { kDispatchWait = 0, kCombineWait = 1, kWaitKinds = 2 };
 // num_ranks] (kind-major), or, with `reset`, zeroes them. Blocking.
 cudaError_t CopyWaitTimes(char* region, int num_ranks, unsigned long long* host, bool reset);
 
+// Copies `region`'s mask of ranks [0, num_ranks) (1: masked) to host[num_ranks]. Blocking.
+cudaError_t CopyMask(const char* region, int num_ranks, int* host);
+
 // The kernels of one transport. Each only enqueues work on `stream`; no host
 // synchronisation. dispatch and combine run both halves in one launch.
 struct Launchers {

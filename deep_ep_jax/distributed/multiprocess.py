@@ -173,11 +173,14 @@ def exchange(name, local, remote, timeout_s):
     return received
 
 
-def barrier(name, timeout_s):
-    """Waits until every process reaches the barrier `name` (TimeoutError after timeout_s)."""
+def barrier(name, timeout_s, processes=None):
+    """Waits until every process (or each of `processes`, process indices)
+    reaches the barrier `name` (TimeoutError after timeout_s)."""
     try:
-        _client().wait_at_barrier(name, int(timeout_s * 1000))
+        _client().wait_at_barrier(name, int(timeout_s * 1000), process_ids=processes)
     except Exception as e:
+        among = "" if processes is None else f" of processes {list(processes)}"
         raise TimeoutError(
-            f"deep_ep_jax: not every process reached barrier {name!r} within {timeout_s:g} s ({type(e).__name__}: {e})"
+            f"deep_ep_jax: not every process{among} reached barrier {name!r} within {timeout_s:g} s "
+            f"({type(e).__name__}: {e})"
         ) from e

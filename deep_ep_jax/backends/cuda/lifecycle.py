@@ -324,7 +324,9 @@ def _open_ipc_peers(buffer, all_groups, handles):
 
 def destroy(buffer) -> None:
     """Frees the Buffer's memory. With peers in other processes, waits until
-    every process's work on it is done first (collective)."""
+    every process's work on it is done first (collective): every process but
+    those of ranks masked in low-latency mode (Config.mask_failed_ranks),
+    which no peer writes to or waits for; a masked process frees at once."""
     if not buffer.ipc and not buffer.spans_hosts:
         destroy_buffer(buffer.buffer_id)
         return
@@ -334,10 +336,31 @@ def destroy(buffer) -> None:
     # process's work is done before any memory goes.
     try:
         synchronize_buffer(buffer.buffer_id)
-        multiprocess.barrier(f"{buffer.store_key}/destroy", buffer.config.timeout_s)
+        gone = masked_processes(buffer)
+        if not gone:
+            multiprocess.barrier(f"{buffer.store_key}/destroy", buffer.config.timeout_s)
+        elif jax.process_index() not in gone:
+            live = sorted(set(range(jax.process_count())) - gone)
+            multiprocess.barrier(f"{buffer.store_key}/destroy/{live}", buffer.config.timeout_s, live)
     except BaseException:
         # NVSHMEM's free is collective: with a process missing it would wait forever; leave the memory.
         if not buffer.spans_hosts:
             destroy_buffer(buffer.buffer_id)
         raise
-    destroy_buffer(buffer.buffer_id)
+    if not (gone and buffer.spans_hosts):  # NVSHMEM's free again: a masked process never joins it
+        destroy_buffer(buffer.buffer_id)
+
+
+def masked_processes(buffer) -> set:
+    """The processes of the ranks that a rank of this process has masked in
+    low-latency mode (Config.mask_failed_ranks), read from the devices."""
+    if not buffer.config.mask_failed_ranks or not buffer.num_rdma_bytes:
+        return set()
+    grid = device_grid(buffer)
+    me = jax.process_index()
+    group_of = {d.local_hardware_id: row for row in grid for d in row if d.process_index == me}
+    return {
+        group_of[ordinal][r].process_index
+        for ordinal, ranks in _native.extension().read_masks(int(buffer.buffer_id))
+        for r in ranks
+    }

@@ -85,3 +85,43 @@ def test_drop_masked_experts_is_the_oracles_mask(masked, rng):
         assert (got != idx).any()  # the routing reaches a masked rank's experts
     with pytest.raises(ValueError, match="R dividing num_experts"):
         dej.drop_masked_experts(jnp.asarray(idx), jnp.zeros(3, jnp.int32), num_experts=num_experts)
+
+
+@pytest.mark.parametrize(
+    "masks,me,barrier",
+    [
+        ([], 0, ("deep_ep_jax/buffer/7/destroy", None)),  # no rank masked: every process
+        ([(4, [2])], 0, ("deep_ep_jax/buffer/7/destroy/[0, 1, 3]", [0, 1, 3])),  # the survivors only
+        ([(5, [2, 3])], 1, ("deep_ep_jax/buffer/7/destroy/[0, 1]", [0, 1])),
+        ([(5, [1])], 1, None),  # masked itself: frees at once
+    ],
+)
+def test_destroy_waits_for_the_processes_of_unmasked_ranks(monkeypatch, masks, me, barrier):
+    """Buffer.destroy's barrier (backends/cuda/lifecycle.py): 4 processes, one
+    rank each (GPU ordinals 4 + process); the masks read from this process's
+    devices decide whom it waits for, and the memory is freed either way."""
+    from types import SimpleNamespace
+
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    grid = [[SimpleNamespace(process_index=p, local_hardware_id=4 + p) for p in range(4)]]
+    calls = []
+    monkeypatch.setattr(lifecycle, "device_grid", lambda buffer: grid)
+    monkeypatch.setattr(lifecycle.jax, "process_index", lambda: me)
+    monkeypatch.setattr(lifecycle.jax, "process_count", lambda: 4)
+    monkeypatch.setattr(lifecycle._native, "extension", lambda: SimpleNamespace(read_masks=lambda buffer_id: masks))
+    monkeypatch.setattr(lifecycle, "synchronize_buffer", lambda buffer_id: None)
+    monkeypatch.setattr(lifecycle, "destroy_buffer", lambda buffer_id: calls.append("freed"))
+    monkeypatch.setattr(
+        lifecycle.multiprocess, "barrier", lambda name, t, processes=None: calls.append((name, processes))
+    )
+    buffer = SimpleNamespace(
+        buffer_id=7,
+        ipc=True,
+        spans_hosts=False,
+        num_rdma_bytes=1 << 20,
+        store_key="deep_ep_jax/buffer/7",
+        config=dej.Config(mask_failed_ranks=True, timeout_s=3),
+    )
+    lifecycle.destroy(buffer)
+    assert calls == ([barrier] if barrier else []) + ["freed"]

@@ -102,6 +102,29 @@ def check_rounds(num_ranks, seed):
     return rounds_seen
 
 
+def test_dropless_memory_scales_with_the_capacity():
+    """On the reference backend (XLA's all_to_all, pair-capped rounds) the temporaries of the layer's forward and
+    backward (the compiled program's memory analysis, per device) grow with the capacity, at most 8 rows of it
+    (send and receive blocks, received rows, the experts' rows, forward and backward) besides 6 token-sized
+    ones, where one dispatch sized for the worst case (T x R rows) needs several times that."""
+    num_ranks, tokens, hidden, topk, num_experts = 8, 128, 512, 8, 64
+    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    row = 2 * hidden
+    idx, w = dt.make_routing(0, num_ranks * tokens, num_experts, topk, num_ranks, "random")
+    args = (jnp.zeros((num_ranks * tokens, hidden), jnp.bfloat16), idx, w, jnp.ones((num_experts,), jnp.float32))
+
+    def temporaries(capacity):
+        layer = per_rank_layers(buffer, num_experts, hidden, [capacity] if capacity else [])[capacity or "worst"]
+        program = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+        return program.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    bounded = {capacity: temporaries(capacity) for capacity in (tokens, 4 * tokens)}
+    for capacity, used in bounded.items():
+        assert used <= (8 * capacity + 6 * tokens) * row, (capacity, used / row)
+    assert temporaries(None) > 3 * bounded[tokens]  # one dispatch for the worst case: T x R rows
+
+
 @pytest.fixture(scope="module", autouse=True)
 def sixteen_ranks(request):
     """The 16-rank check's process (seed, Background), started before this module's first test where

@@ -554,3 +554,47 @@ def test_low_latency_backend_treats_ids_outside_range_as_none():
     want = run(x, jnp.asarray(clean), jnp.asarray(w))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("limit", [3, None])
+def test_rows_per_pair(limit):
+    """The reference dispatch's rows_per_pair (dropless_moe's rounds on this backend): exchange blocks of that
+    many rows per (source, destination); the rows past it in a pair are dropped and counted, and the rest,
+    with their combine, are the oracle's for the routing without those rows. None: a cap at the largest
+    pair's rows, which changes nothing."""
+    num_ranks, num_tokens, num_experts, topk = 4, 12, 8, 2
+    idx, w = dt.make_routing(7, num_ranks * num_tokens, num_experts, topk, num_ranks, "random")
+    x = dt.random_rows(8, (num_ranks * num_tokens, H))
+    y = dt.random_rows(9, (num_ranks * num_ranks * num_tokens, H))
+    idxs, ws = _shards(idx, num_ranks), _shards(w, num_ranks)
+    dest = np.where(idxs >= 0, idxs // (num_experts // num_ranks), -1)  # [source, token, k]
+    sent = (dest[..., None] == np.arange(num_ranks)).any(axis=2)  # [source, token, destination]
+    order = np.cumsum(sent, axis=1) - 1  # each token's place among its source's rows for a destination
+    cap = limit or int(sent.sum(axis=1).max())
+    kept_idx = np.where(np.take_along_axis(order, np.maximum(dest, 0), axis=2) < cap, idxs, -1)
+    mesh = dt.ep_mesh(num_ranks, platform="cpu")
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+
+    def step(x, idx, w, y):
+        (recv_x,), recv_idx, recv_w, handle = reference.dispatch(
+            (x,), idx, w, num_experts=num_experts, num_worst_tokens=num_ranks * num_tokens, buffer=buffer,
+            rows_per_pair=cap,
+        )  # fmt: skip
+        out, _ = reference.combine(y, recv_w, handle, buffer=buffer)
+        return recv_x, recv_idx, handle.num_recv_tokens, handle.num_dropped_tokens, out
+
+    recv_x, recv_idx, num_recv, dropped, out = jax.tree.map(
+        np.asarray, dt.per_rank(step, mesh, "ep")(x, jnp.asarray(idx), jnp.asarray(w), y)
+    )
+    expected = oracle.dispatch(_shards(x, num_ranks), kept_idx, ws, num_experts, num_ranks * num_tokens)
+    assert int(dropped.sum()) == int(np.maximum(sent.sum(axis=1) - cap, 0).sum())
+    assert (int(dropped.sum()) > 0) == (limit is not None)
+    for r in range(num_ranks):
+        n = len(expected[r]["x"])
+        assert int(num_recv[r]) == n
+        np.testing.assert_array_equal(np.asarray(recv_x[r, :n], np.float32), np.reshape(expected[r]["x"], (n, H)))
+        np.testing.assert_array_equal(recv_idx[r, :n], np.reshape(expected[r]["idx"], (n, topk)))
+    want = oracle.combine(_shards(y, num_ranks), expected, num_tokens)
+    np.testing.assert_array_equal(
+        np.asarray(out, np.float32), np.asarray(jnp.asarray(want).astype(jnp.bfloat16), np.float32)
+    )

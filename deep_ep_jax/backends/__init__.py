@@ -20,6 +20,8 @@ The operations (a backend module defines each under its name):
   dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer)
       -> (recv_xs, recv_topk_idx i32 [N, K], recv_topk_weights f32 [N, K],
           handle: DispatchHandle)
+      # the reference also takes rows_per_pair=P (dropless_moe's rounds on it):
+      # at most P rows per (source, destination), its exchanges [R, P] blocks
   cached_dispatch(xs, topk_weights | None, handle, *, buffer)
       -> (recv_xs, recv_topk_weights | None)   # handle's layout, no count exchange
   combine(x bf16 [N, H], topk_weights f32 [N, K] | None, handle, *, buffer)

@@ -58,10 +58,15 @@ def _send_order(is_token_in_rank):
     return pos_in_dest, order
 
 
+def _pair_rows(handle):
+    """Rows per (source, destination) block of the exchanges: T, or the dispatch's rows_per_pair."""
+    return handle.rows_per_pair or handle.is_token_in_rank.shape[0]
+
+
 def _recv_slots(rank_prefix_matrix, rank, num_rows, num_tokens):
-    """For each output row: its slot in the all_to_all result [R * T] (rows
-    from source s are the first counts[s] slots of block s), its source rank,
-    and whether it is valid."""
+    """For each output row: its slot in the all_to_all result [R * P] (P =
+    num_tokens slots per source; rows from source s are the first counts[s]
+    slots of block s), its source rank, and whether it is valid."""
     ends = rank_prefix_matrix[:, rank]  # inclusive prefix over source ranks
     starts = ends - jnp.diff(ends, prepend=0)
     rows = jnp.arange(num_rows, dtype=jnp.int32)
@@ -89,9 +94,10 @@ def _from_bits(a, dtype):
 
 
 def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
-    """Send rows along a layout: slot [r, j] carries token order[r, j]."""
+    """Send rows along a layout: slot [r, j] carries token order[r, j] (j < the pair's rows)."""
     num_ranks = buffer.num_ranks
-    num_tokens = handle.is_token_in_rank.shape[0]
+    num_tokens = _pair_rows(handle)
+    order = order[:, :num_tokens]
     num_rows = handle.recv_src_idx.shape[0]
     rank = lax.axis_index(buffer.axis_name)
     payload = {"xs": tuple(_as_bits(x)[order] for x in xs)}
@@ -121,22 +127,26 @@ def _move_rows(xs, topk_idx, topk_weights, handle, order, buffer):
     return recv_xs, recv_idx, recv_w
 
 
-def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer):
+def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffer, rows_per_pair=None):
     axis, num_ranks = buffer.axis_name, buffer.num_ranks
     num_tokens = topk_idx.shape[0]
+    pair_rows = min(rows_per_pair or num_tokens, num_tokens)
     rank = lax.axis_index(axis)
     num_tokens_per_rank, _, is_token_in_rank = get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
 
-    counts = lax.all_gather(num_tokens_per_rank, axis)  # [source, destination]
+    # [source, destination]: rows sent (at most pair_rows each), and asked to be.
+    counts, wanted = lax.all_gather(
+        jnp.stack([jnp.minimum(num_tokens_per_rank, pair_rows), num_tokens_per_rank]), axis, axis=1
+    )
     rank_prefix_matrix = jnp.cumsum(counts, axis=0, dtype=jnp.int32)
     pos_in_dest, order = _send_order(is_token_in_rank)
     first_row = rank_prefix_matrix[rank] - counts[rank]  # my first row at each destination
     send_pos = first_row[None, :] + pos_in_dest
-    send_pos = jnp.where(is_token_in_rank & (send_pos < num_worst_tokens), send_pos, -1)
+    send_pos = jnp.where(is_token_in_rank & (pos_in_dest < pair_rows) & (send_pos < num_worst_tokens), send_pos, -1)
 
     total = rank_prefix_matrix[-1, rank]
     num_recv = jnp.minimum(total, num_worst_tokens)
-    _, src_rank, valid = _recv_slots(rank_prefix_matrix, rank, num_worst_tokens, num_tokens)
+    _, src_rank, valid = _recv_slots(rank_prefix_matrix, rank, num_worst_tokens, pair_rows)
     experts_per_rank = num_experts // num_ranks
     # recv_src_idx and num_recv_tokens_per_expert are filled after the exchange.
     handle = DispatchHandle(
@@ -148,7 +158,8 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
         recv_src_rank=src_rank,
         num_recv_tokens=num_recv.astype(jnp.int32),
         num_recv_tokens_per_expert=jnp.zeros((experts_per_rank,), jnp.int32),
-        num_dropped_tokens=(total - num_recv).astype(jnp.int32),
+        num_dropped_tokens=(wanted[:, rank].sum() - num_recv).astype(jnp.int32),
+        rows_per_pair=rows_per_pair and pair_rows,
     )
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)  # travels with the rows
     recv_xs, recv_idx, recv_w = _move_rows(xs + (token_ids,), topk_idx, topk_weights, handle, order, buffer)
@@ -179,7 +190,7 @@ def combine(x, topk_weights, handle, *, buffer):
     # Receiver side: slot [s, j] returns my row for the j-th token of rank s.
     ends = handle.rank_prefix_matrix[:, rank]
     starts = ends - jnp.diff(ends, prepend=0)
-    rows = starts[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)[None, :]
+    rows = starts[:, None] + jnp.arange(_pair_rows(handle), dtype=jnp.int32)[None, :]
     rows = jnp.clip(rows, 0, num_rows - 1)  # slots past a source's count are never read
     payload = {"x": x[rows]}
     if topk_weights is not None:

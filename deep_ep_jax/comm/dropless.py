@@ -9,8 +9,10 @@ would: the result equals one dispatch sized for the worst case (T * R rows)
 bit for bit, and nothing is ever dropped. Before the rounds, every rank learns
 how many rows each block sends to each rank (two dispatches of a few rows) and
 all cut the blocks into rounds alike, greedily: a round ends before the block
-that would overfill some rank. A block holds capacity // R tokens, so one
-block always fits. When the load fits (the common case) there is one round.
+that would overfill some rank (on the xla backend, whose exchanges move fixed
+blocks per pair of ranks: some pair, at capacity // R rows). A block holds
+capacity // R tokens, so one block always fits. When the load fits (the common
+case) there is one round.
 
 The backward pass runs the rounds again (the experts' forward is recomputed
 per round, as under remat): memory stays bounded there too.
@@ -30,7 +32,7 @@ from jax import lax
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
-from deep_ep_jax.comm.normal import combine, dispatch
+from deep_ep_jax.comm.normal import combine, dispatch_as
 from deep_ep_jax.comm.varying import vary_over, vma
 from deep_ep_jax.config import is_int
 
@@ -109,8 +111,10 @@ def dropless_moe(
     capacity = int(capacity)
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)
     block = min(num_tokens, capacity // num_ranks)  # a block's rows always fit: block * R <= capacity
-    token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden)
-    static = _Static(experts, buffer, num_experts, capacity)
+    # The reference backend exchanges fixed blocks per (source, destination): its rounds cap each pair.
+    pair_rows = capacity // num_ranks if buffer.backend == "xla" else None
+    token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows)
+    static = _Static(experts, buffer, num_experts, capacity, pair_rows)
     out = _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
     return (out, num_rounds) if return_rounds else out
 
@@ -118,26 +122,34 @@ def dropless_moe(
 # Rounds ---------------------------------------------------------------------
 
 
-def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden):
-    """(round of each token int32 [T], number of rounds int32 []), the same on every rank."""
+def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows):
+    """(round of each token int32 [T], number of rounds int32 []), the same on every rank: a
+    round receives at most `capacity` rows per rank, and with pair_rows at most that many per
+    (source, destination)."""
     num_tokens, num_ranks = topk_idx.shape[0], buffer.num_ranks
     num_blocks = -(-num_tokens // block)
     _, _, in_rank = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)  # ids sanitised
     padded = jnp.pad(in_rank.astype(jnp.int32), ((0, num_blocks * block - num_tokens), (0, 0)))
     sent = padded.reshape(num_blocks, block, num_ranks).sum(axis=1)  # [blocks, R]: my rows per block and rank
-    # Rank j learns what every rank sends it, then every rank learns every rank's load.
-    received = _exchange(sent.T, num_experts, buffer, hidden)  # [R(source), blocks]
-    loads = _exchange(
-        jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer, hidden
-    )  # [R(destination), blocks]
+    if pair_rows is None:
+        # Rank j learns what every rank sends it, then every rank learns every rank's load.
+        received = _exchange(sent.T, num_experts, buffer, hidden)  # [R(source), blocks]
+        loads = _exchange(
+            jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer, hidden
+        ).T  # [blocks, R(destination)]
+        limit = capacity
+    else:  # every rank learns every pair's rows: [blocks, R(source), R(destination)]
+        pairs = _exchange(jnp.broadcast_to(sent.reshape(-1), (num_ranks, sent.size)), num_experts, buffer, hidden)
+        loads = pairs.reshape(num_ranks, num_blocks, num_ranks).transpose(1, 0, 2)
+        limit = pair_rows
 
-    def cut(state, load):  # greedy: a new round when this block would overfill some rank
+    def cut(state, load):  # greedy: a new round when this block would overfill some rank (or pair)
         current, filled = state
-        full = jnp.any(filled + load > capacity)
+        full = jnp.any(filled + load > limit)
         return (current + full, jnp.where(full, load, filled + load)), current + full
 
     first = vary_over(jnp.zeros((), jnp.int32), vma(loads))
-    (last, _), block_round = lax.scan(cut, (first, jnp.zeros_like(loads[:, 0])), loads.T)
+    (last, _), block_round = lax.scan(cut, (first, jnp.zeros_like(loads[0])), loads)
     return jnp.repeat(block_round, block)[:num_tokens], last + 1
 
 
@@ -151,13 +163,16 @@ def _exchange(rows, num_experts, buffer, hidden):
     flat = jnp.pad(digits.reshape(num_ranks, -1), ((0, 0), (0, per_rank * hidden - 4 * n)))
     tokens = flat.reshape(num_ranks * per_rank, hidden).astype(jnp.bfloat16)
     first_expert = num_experts // num_ranks * (jnp.arange(num_ranks * per_rank, dtype=jnp.int32) // per_rank)
-    recv, _, _, _ = dispatch(
+    recv, _, _, _ = dispatch_as(
+        "dropless_moe",
         tokens,
         first_expert[:, None],
         None,
-        num_experts=num_experts,
-        buffer=buffer,
-        num_worst_tokens=num_ranks * per_rank,
+        num_experts,
+        buffer,
+        num_ranks * per_rank,
+        "optional",
+        rows_per_pair=per_rank if buffer.backend == "xla" else None,
     )  # exactly that many arrive, by source
     got = recv.astype(jnp.int32).reshape(num_ranks, -1)[:, : 4 * n].reshape(num_ranks, n, 4)
     return (got << jnp.array([24, 16, 8, 0], jnp.int32)).sum(axis=-1)
@@ -169,8 +184,9 @@ def _exchange(rows, num_experts, buffer, hidden):
 class _Static:
     """What the rounds need besides arrays (hashed by identity, as custom_vjp's static argument)."""
 
-    def __init__(self, experts, buffer, num_experts, capacity):
+    def __init__(self, experts, buffer, num_experts, capacity, pair_rows):
         self.experts, self.buffer, self.num_experts, self.capacity = experts, buffer, num_experts, capacity
+        self.pair_rows = pair_rows
 
     def round_fn(self, topk_idx, token_round, k):
         """The layer's round k as a function of (x, topk_weights, params): its tokens' outputs, zeros elsewhere."""
@@ -178,9 +194,10 @@ class _Static:
         idx = jnp.where(mine[:, None], topk_idx, -1)
 
         def run(x, topk_weights, params):
-            recv_x, recv_idx, recv_w, handle = dispatch(
-                x, idx, topk_weights, num_experts=self.num_experts, buffer=self.buffer, num_worst_tokens=self.capacity
-            )
+            recv_x, recv_idx, recv_w, handle = dispatch_as(
+                "dropless_moe", x, idx, topk_weights, self.num_experts, self.buffer, self.capacity,
+                rows_per_pair=self.pair_rows,
+            )  # fmt: skip
             out = combine(self.experts(params, recv_x, recv_idx, recv_w), handle, buffer=self.buffer)
             return jnp.where(mine[:, None], out, jnp.zeros_like(out))
 

@@ -31,6 +31,9 @@ class DispatchHandle:
     num_recv_tokens: jax.Array  # int32 []: valid rows, [0, num_recv_tokens)
     num_recv_tokens_per_expert: jax.Array  # int32 [E/R]: (row, k) entries of valid rows naming each local expert
     num_dropped_tokens: jax.Array  # int32 []: rows beyond num_worst_tokens, dropped (0 unless overflow)
+    # The reference backend's exchange blocks: rows per (source, destination), T unless its dispatch was
+    # given rows_per_pair (rows past it dropped and counted as well).
+    rows_per_pair: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def num_worst_tokens(self) -> int:

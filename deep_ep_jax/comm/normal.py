@@ -74,11 +74,21 @@ def dispatch(
 
 
 def dispatch_as(
-    fn: str, x, topk_idx, topk_weights, num_experts, buffer, num_worst_tokens, weights="required", formats=ROW_FORMATS
+    fn: str,
+    x,
+    topk_idx,
+    topk_weights,
+    num_experts,
+    buffer,
+    num_worst_tokens,
+    weights="required",
+    formats=ROW_FORMATS,
+    rows_per_pair=None,
 ):
     """`dispatch`, its errors and run-time checks naming `fn` (the function the
     user called); weights: whether fn takes topk_weights=None (v.check_topk);
-    formats: the quantized pairs fn takes (config.ROW_FORMATS)."""
+    formats: the quantized pairs fn takes (config.ROW_FORMATS); rows_per_pair:
+    the reference backend's (backends/__init__.py), from dropless_moe."""
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
     xs, num_tokens, _ = v.check_tokens(x, buffer, fn, formats=formats)
@@ -94,7 +104,14 @@ def dispatch_as(
         )
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     outputs, order = _dispatch(
-        _to_wire(xs), topk_weights, topk_idx, ordering.take(buffer), num_experts, int(num_worst_tokens), buffer
+        _to_wire(xs),
+        topk_weights,
+        topk_idx,
+        ordering.take(buffer),
+        num_experts,
+        int(num_worst_tokens),
+        rows_per_pair,
+        buffer,
     )
     # Named, so that a remat policy can keep them (a backward pass then exchanges nothing again):
     # jax.checkpoint_policies.save_only_these_names(*deep_ep_jax.CHECKPOINT_NAMES).
@@ -195,19 +212,26 @@ def _ordered(buffer, order, op):
     return op(), ordering.take(buffer)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, rows_per_pair, buffer):
+    pairs = {} if rows_per_pair is None else {"rows_per_pair": rows_per_pair}  # the reference backend's only
     return _ordered(
         buffer,
         order,
         lambda: buffer.ops.dispatch(
-            xs, topk_idx, topk_weights, num_experts=num_experts, num_worst_tokens=num_worst_tokens, buffer=buffer
+            xs,
+            topk_idx,
+            topk_weights,
+            num_experts=num_experts,
+            num_worst_tokens=num_worst_tokens,
+            buffer=buffer,
+            **pairs,
         ),
     )
 
 
-def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer):
-    out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, buffer)
+def _dispatch_fwd(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, rows_per_pair, buffer):
+    out = _dispatch(xs, topk_weights, topk_idx, order, num_experts, num_worst_tokens, rows_per_pair, buffer)
     (_, recv_idx, _, handle), _ = out
     # xs' types (x[:0]), for FP8 rows' zero gradients. Named as the results: a policy that keeps those keeps these.
     return out, checkpoint_name((handle, recv_idx, tuple(x[:0] for x in xs)), DISPATCH_NAME)
@@ -222,7 +246,7 @@ def dispatch_backward(g_recv_x, g_recv_w, recv_idx, handle, buffer):
     return buffer.ops.combine(g_recv_x, g_recv_w, handle, buffer=buffer)
 
 
-def _dispatch_bwd(num_experts, num_worst_tokens, buffer, residuals, cotangents):
+def _dispatch_bwd(num_experts, num_worst_tokens, rows_per_pair, buffer, residuals, cotangents):
     handle, recv_idx, xs_like = residuals
     (g_recv_xs, _, g_recv_w, _), _ = cotangents
     if len(g_recv_xs) == 1:

@@ -133,7 +133,8 @@ def dispatch_out_types(num_tokens, num_rows, xs, num_topk, num_ranks, num_expert
 
 def dispatch_results(outputs: dict, xs, topk_weights):
     """(recv_xs, recv_topk_idx, recv_topk_weights, handle) from a dispatch's results."""
-    handle = DispatchHandle(**{f.name: outputs[f.name] for f in dataclasses.fields(DispatchHandle)})
+    arrays = [f.name for f in dataclasses.fields(DispatchHandle) if not f.metadata.get("static")]
+    handle = DispatchHandle(**{name: outputs[name] for name in arrays})
     recv_xs = (outputs["recv_x"],) if len(xs) == 1 else (outputs["recv_x"], outputs["recv_x_scales"])
     return recv_xs, outputs["recv_topk_idx"], (None if topk_weights is None else outputs["recv_topk_weights"]), handle
 

@@ -104,9 +104,10 @@ def check_rounds(num_ranks, seed):
 
 def test_dropless_memory_scales_with_the_capacity():
     """On the reference backend (XLA's all_to_all, pair-capped rounds) the temporaries of the layer's forward and
-    backward (the compiled program's memory analysis, per device) grow with the capacity, at most 8 rows of it
-    (send and receive blocks, received rows, the experts' rows, forward and backward) besides 6 token-sized
-    ones, where one dispatch sized for the worst case (T x R rows) needs several times that."""
+    backward (the compiled program's memory analysis, per device) grow with the capacity, at most 10 rows of it
+    (send and receive blocks of 1.5 capacities each, received rows, the experts' rows, forward and backward)
+    besides 6 token-sized ones, where one dispatch sized for the worst case (T x R rows) needs several times
+    that."""
     num_ranks, tokens, hidden, topk, num_experts = 8, 128, 512, 8, 64
     mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
     buffer = dej.Buffer(mesh, "ep", backend="xla")
@@ -121,7 +122,7 @@ def test_dropless_memory_scales_with_the_capacity():
 
     bounded = {capacity: temporaries(capacity) for capacity in (tokens, 4 * tokens)}
     for capacity, used in bounded.items():
-        assert used <= (8 * capacity + 6 * tokens) * row, (capacity, used / row)
+        assert used <= (10 * capacity + 6 * tokens) * row, (capacity, used / row)
     assert temporaries(None) > 3 * bounded[tokens]  # one dispatch for the worst case: T x R rows
 
 

@@ -10,8 +10,8 @@ bit for bit, and nothing is ever dropped. Before the rounds, every rank learns
 how many rows each block sends to each rank (two dispatches of a few rows) and
 all cut the blocks into rounds alike, greedily: a round ends before the block
 that would overfill some rank (on the xla backend, whose exchanges move fixed
-blocks per pair of ranks: some pair, at capacity // R rows). A block holds
-capacity // R tokens, so one block always fits. When the load fits (the common
+blocks per pair of ranks, or some pair: 1.5 * capacity // R rows). A block
+holds capacity // R tokens, so one block always fits. When the load fits (the common
 case) there is one round.
 
 The backward pass runs the rounds again (the experts' forward is recomputed
@@ -111,8 +111,9 @@ def dropless_moe(
     capacity = int(capacity)
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)
     block = min(num_tokens, capacity // num_ranks)  # a block's rows always fit: block * R <= capacity
-    # The reference backend exchanges fixed blocks per (source, destination): its rounds cap each pair.
-    pair_rows = capacity // num_ranks if buffer.backend == "xla" else None
+    # The reference backend exchanges fixed blocks per (source, destination): its rounds cap each pair
+    # too, at half as much again as an even share, so that an uneven pair seldom takes another round.
+    pair_rows = min(num_tokens, 3 * capacity // (2 * num_ranks)) if buffer.backend == "xla" else None
     token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows)
     static = _Static(experts, buffer, num_experts, capacity, pair_rows)
     out = _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
@@ -136,17 +137,16 @@ def _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows):
         received = _exchange(sent.T, num_experts, buffer, hidden)  # [R(source), blocks]
         loads = _exchange(
             jnp.broadcast_to(received.sum(axis=0), (num_ranks, num_blocks)), num_experts, buffer, hidden
-        ).T  # [blocks, R(destination)]
-        limit = capacity
+        ).T[:, None]  # [blocks, 1 (every source), R(destination)]
     else:  # every rank learns every pair's rows: [blocks, R(source), R(destination)]
         pairs = _exchange(jnp.broadcast_to(sent.reshape(-1), (num_ranks, sent.size)), num_experts, buffer, hidden)
         loads = pairs.reshape(num_ranks, num_blocks, num_ranks).transpose(1, 0, 2)
-        limit = pair_rows
 
-    def cut(state, load):  # greedy: a new round when this block would overfill some rank (or pair)
+    def cut(state, load):  # greedy: a new round when this block would overfill some rank or pair
         current, filled = state
-        full = jnp.any(filled + load > limit)
-        return (current + full, jnp.where(full, load, filled + load)), current + full
+        after = filled + load
+        full = jnp.any(after.sum(axis=0) > capacity) | jnp.any(after > (pair_rows or capacity))
+        return (current + full, jnp.where(full, load, after)), current + full
 
     first = vary_over(jnp.zeros((), jnp.int32), vma(loads))
     (last, _), block_round = lax.scan(cut, (first, jnp.zeros_like(loads[0])), loads)

@@ -134,10 +134,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
     rank = lax.axis_index(axis)
     num_tokens_per_rank, _, is_token_in_rank = get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
 
-    # [source, destination]: rows sent (at most pair_rows each), and asked to be.
-    counts, wanted = lax.all_gather(
-        jnp.stack([jnp.minimum(num_tokens_per_rank, pair_rows), num_tokens_per_rank]), axis, axis=1
-    )
+    counts = lax.all_gather(jnp.minimum(num_tokens_per_rank, pair_rows), axis)  # [source, destination]
     rank_prefix_matrix = jnp.cumsum(counts, axis=0, dtype=jnp.int32)
     pos_in_dest, order = _send_order(is_token_in_rank)
     first_row = rank_prefix_matrix[rank] - counts[rank]  # my first row at each destination
@@ -146,6 +143,8 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
 
     total = rank_prefix_matrix[-1, rank]
     num_recv = jnp.minimum(total, num_worst_tokens)
+    if rows_per_pair:  # rows past a pair's cap are dropped as well
+        total = lax.psum(num_tokens_per_rank, axis)[rank]
     _, src_rank, valid = _recv_slots(rank_prefix_matrix, rank, num_worst_tokens, pair_rows)
     experts_per_rank = num_experts // num_ranks
     # recv_src_idx and num_recv_tokens_per_expert are filled after the exchange.
@@ -158,7 +157,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
         recv_src_rank=src_rank,
         num_recv_tokens=num_recv.astype(jnp.int32),
         num_recv_tokens_per_expert=jnp.zeros((experts_per_rank,), jnp.int32),
-        num_dropped_tokens=(wanted[:, rank].sum() - num_recv).astype(jnp.int32),
+        num_dropped_tokens=(total - num_recv).astype(jnp.int32),
         rows_per_pair=rows_per_pair and pair_rows,
     )
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)  # travels with the rows

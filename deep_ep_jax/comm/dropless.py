@@ -7,12 +7,12 @@ Rounds take whole blocks of tokens (the same token indices on every rank), so
 each token's rows all travel in one round and combine sums them as one call
 would: the result equals one dispatch sized for the worst case (T * R rows)
 bit for bit, and nothing is ever dropped. Before the rounds, every rank learns
-how many rows each block sends to each rank (two dispatches of a few rows) and
-all cut the blocks into rounds alike, greedily: a round ends before the block
-that would overfill some rank (on the xla backend, whose exchanges move fixed
+how many rows each block sends to each rank (dispatches of a few rows) and all
+cut the blocks into rounds alike, greedily: a round ends before the block that
+would overfill some rank (on the xla backend, whose exchanges move fixed
 blocks per pair of ranks, or some pair: 1.5 * capacity // R rows). A block
-holds capacity // R tokens, so one block always fits. When the load fits (the common
-case) there is one round.
+holds capacity // R tokens, so one block always fits. When the load fits (the
+common case) there is one round.
 
 The backward pass runs the rounds again (the experts' forward is recomputed
 per round, as under remat): memory stays bounded there too.

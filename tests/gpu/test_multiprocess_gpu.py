@@ -145,7 +145,7 @@ def test_outputs_identical_across_deployments():
 
 
 # With processes sharing a GPU the traps surface one after another, slowly:
-# four processes on one H100 took over 150 s (pytest's --timeout 600 for them).
+# more than two there get a longer limit (run them with pytest's --timeout 600).
 @pytest.mark.parametrize("min_processes", [2, 4])
 @pytest.mark.gpu(min_gpus=1)
 def test_dead_peer_process_times_out_with_a_message(min_processes):

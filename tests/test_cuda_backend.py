@@ -122,3 +122,19 @@ def test_the_extension_matches():
     assert set(LIMITS) <= set(limits)
     assert limits["fp8_block"] == FP8_BLOCK
     assert limits["max_group_ranks"] >= limits["max_nvlink_ranks"] >= 2 and limits["control_bytes"] > 0
+
+
+def test_every_trap_message_says_to_restart():
+    """A trap loses the process's CUDA context: each message the kernels print before one ends with
+    DEEP_EP_JAX_TRAP_NOTE (kernels/device.cuh), which says so and to restart."""
+    import re
+
+    csrc = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+    traps = messages = 0
+    for path in sorted(csrc.rglob("*.cu*")):
+        text = path.read_text()
+        traps += len(re.findall(r"__trap\(\);", text))
+        for message in re.findall(r"printf\((.*?)\);\s*__trap\(\);", text, re.S):
+            assert "DEEP_EP_JAX_TRAP_NOTE" in message, (path.name, message[:200])
+            messages += 1
+    assert traps == messages >= 7, (traps, messages)

@@ -14,6 +14,11 @@
 #include "common/call_order.h"
 #include "common/limits.h"
 
+// Ends every message printed before a __trap(): the trap loses this process's
+// CUDA context, so the message says what to do (a string literal, for printf).
+#define DEEP_EP_JAX_TRAP_NOTE \
+  " [deep_ep_jax: this process's CUDA context is lost; restart it (docs/multiprocess.md, \"When a process dies\")]\n"
+
 namespace deep_ep_jax {
 
 constexpr int kWarpSize = 32;
@@ -129,7 +134,7 @@ __device__ __forceinline__ void WaitAtLeast(const int* flag, int target, uint64_
     if (GlobalTimerNs() - start > timeout_ns) {
       printf(
           "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (channel %d): "
-          "value %d, expected >= %d\n",
+          "value %d, expected >= %d" DEEP_EP_JAX_TRAP_NOTE,
           mode, rank, timeout_ns * 1e-9, counter, peer, channel, LoadAcquireSys(flag), target);
       __trap();
     }
@@ -147,7 +152,7 @@ __device__ __forceinline__ void CheckPeerLaunch(int mine, int theirs, const char
   if (theirs == mine) return;
   printf(
       "deep_ep_jax launch mismatch: %s rank %d launched %d %s, peer %d launched %d; every rank must launch the "
-      "same (equal Config.num_sms on every process, GPUs with equal SM counts)\n",
+      "same (equal Config.num_sms on every process, GPUs with equal SM counts)" DEEP_EP_JAX_TRAP_NOTE,
       mode, rank, mine, what, peer, theirs);
   __trap();
 }
@@ -192,7 +197,7 @@ __device__ __forceinline__ void CheckPeerCall(int mine, int theirs, int rank, in
   printf(
       "deep_ep_jax call order mismatch: rank %d is at call %d (%s) of its program on this Buffer, peer %d at "
       "call %d (%s): the ranks ran the Buffer's calls in different orders (see docs/design.md, \"Calls of one "
-      "Buffer\")\n",
+      "Buffer\")" DEEP_EP_JAX_TRAP_NOTE,
       rank, mine / kNumCallKinds, CallKindName(mine % kNumCallKinds), peer, theirs / kNumCallKinds,
       CallKindName(theirs % kNumCallKinds));
   __trap();
@@ -205,7 +210,7 @@ __device__ __forceinline__ void EnterCall(int* active, int kind, int rank) {
   printf(
       "deep_ep_jax overlapping calls: a %s entered on rank %d while another call of the same Buffer was still "
       "running there; calls of one Buffer must run one at a time (see docs/design.md, \"Calls of one "
-      "Buffer\")\n",
+      "Buffer\")" DEEP_EP_JAX_TRAP_NOTE,
       CallKindName(kind), rank);
   __trap();
 }

@@ -768,7 +768,7 @@ __device__ void ForwardChannels(const Group& g, const MoveArgs& a, int f, int nu
         PairOf(g, num_channels, f, num_forwarders, k, &node, &channel);
         printf(
             "deep_ep_jax timeout: %s rank %d waited %.1f s for the RDMA tail of a channel (packets delivered) "
-            "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx\n",
+            "from peer %d (channel %d): %d of %d packets of call %d, tail 0x%llx" DEEP_EP_JAX_TRAP_NOTE,
             ModeName(a.mode), g.rank, g.timeout_ns * 1e-9, g.rank_at[node * g.ranks_per_node + g.local], channel,
             s.done[k], s.count[k], seq, static_cast<unsigned long long>(LoadAcquireSys64(Tail(g, L, node, channel))));
         __trap();
@@ -1181,7 +1181,7 @@ __device__ void WaitCombineRows(const Group& g, const Layout& L, const int* entr
     if (!landed && now - start > g.timeout_ns) {
       printf(
           "deep_ep_jax timeout: %s rank %d waited %.1f s for a row to reduce (row tail) from peer %d "
-          "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx\n",
+          "(channel %d): row %d of token %d needs %u chunks of call %d, tail 0x%llx" DEEP_EP_JAX_TRAP_NOTE,
           ModeName(kCombine), g.rank, g.timeout_ns * 1e-9, g.host_ranks[lane], channel, row,
           LoadNoAllocate(entry + kCombineMetaToken), need, seq,
           static_cast<unsigned long long>(LoadAcquireSys64(tail)));

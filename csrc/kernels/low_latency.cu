@@ -190,7 +190,7 @@ __device__ bool WaitFlag(const Peers& p, size_t offset, int target, uint64_t tim
       if (masking) return false;
       printf(
           "deep_ep_jax timeout: %s rank %d waited %.1f s for %s from peer %d (operation %d): "
-          "value %d, expected %d\n",
+          "value %d, expected %d" DEEP_EP_JAX_TRAP_NOTE,
           mode, p.rank, timeout_ns * 1e-9, counter, peer, op, LoadAcquireSys(flag), target);
       __trap();
     }

@@ -78,6 +78,12 @@ class Background:
         self._err.close()
 
 
+def session_items(request, test_name):
+    """The items of this pytest session that run test function `test_name` (any parameters): what a
+    fixture starting a script for them (start_script) needs to know."""
+    return [item for item in request.session.items if getattr(item, "originalname", None) == test_name]
+
+
 def start_script(path, *argv, devices):
     """`python path argv...` started in the background with JAX on `devices` CPU devices (whatever
     XLA_FLAGS asked for here), the repository and tests/ on its path: a Background."""

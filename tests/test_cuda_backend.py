@@ -5,6 +5,7 @@ named results, and the Buffer's operations picked once. The tests marked
 
 import dataclasses
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -127,8 +128,6 @@ def test_the_extension_matches():
 def test_every_trap_message_says_to_restart():
     """A trap loses the process's CUDA context: each message the kernels print before one ends with
     DEEP_EP_JAX_TRAP_NOTE (kernels/device.cuh), which says so and to restart."""
-    import re
-
     csrc = pathlib.Path(__file__).resolve().parent.parent / "csrc"
     traps = messages = 0
     for path in sorted(csrc.rglob("*.cu*")):

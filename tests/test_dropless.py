@@ -15,7 +15,7 @@ import oracle
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from script_run import start_script
+from script_run import session_items, start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
@@ -131,10 +131,7 @@ def sixteen_ranks(request):
     """The 16-rank check's process (seed, Background), started before this module's first test where
     the session runs the 16-rank test, so that it runs beside the 8-rank one (whose compiles leave a core idle
     part of the time); else None."""
-    if not any(
-        getattr(item, "originalname", None) == "test_dropless_matches_the_worst_case_layer_16_ranks"
-        for item in request.session.items
-    ):
+    if not session_items(request, "test_dropless_matches_the_worst_case_layer_16_ranks"):
         yield None
         return
     seed = int(np.random.SeedSequence().entropy % (1 << 31))

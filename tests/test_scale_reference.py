@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from script_run import start_script
+from script_run import session_items, start_script
 
 CASES = ("normal", "fp8", "gradients", "low_latency")
 
@@ -28,9 +28,7 @@ def workers(request):
     """{group size: (seed, Background)} for the group sizes this session runs, started together: one
     process's compiles leave a core idle part of the time, which the other's fill."""
     sizes = {
-        item.callspec.params["num_ranks"]
-        for item in request.session.items
-        if getattr(item, "originalname", None) == "test_reference_backend_beyond_8_ranks"
+        item.callspec.params["num_ranks"] for item in session_items(request, "test_reference_backend_beyond_8_ranks")
     }
     started = {}
     try:
@@ -348,9 +346,8 @@ class Worker:
             print(f"low_latency fp8={use_fp8}: {', '.join(kinds)} ok", flush=True)
 
 
-if (
-    __name__ == "__main__"
-):  # started by the workers fixture (script_run.start_script: the repository and tests/ on the path)
+# Started by the workers fixture (script_run.start_script: the repository and tests/ on the path).
+if __name__ == "__main__":
     import oracle
 
     num_ranks, seed, names = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]

@@ -158,7 +158,7 @@ def dispatch(xs, topk_idx, topk_weights, *, num_experts, num_worst_tokens, buffe
         num_recv_tokens=num_recv.astype(jnp.int32),
         num_recv_tokens_per_expert=jnp.zeros((experts_per_rank,), jnp.int32),
         num_dropped_tokens=(total - num_recv).astype(jnp.int32),
-        rows_per_pair=rows_per_pair and pair_rows,
+        rows_per_pair=pair_rows if rows_per_pair else None,
     )
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)  # travels with the rows
     recv_xs, recv_idx, recv_w = _move_rows(xs + (token_ids,), topk_idx, topk_weights, handle, order, buffer)

@@ -167,6 +167,7 @@ def test_dead_peer_process_times_out_with_a_message(min_processes):
     for rank in range(victim):
         text = "\n".join(line for line in output.splitlines() if line.startswith(f"[rank {rank}]"))
         assert "deep_ep_jax timeout" in text and f"rank {rank} waited" in text, (rank, output[-4000:])
+        assert "CUDA context is lost; restart it" in text, (rank, output[-4000:])  # DEEP_EP_JAX_TRAP_NOTE
         assert "failed as expected" in text, (rank, output[-4000:])
         assert rank != 0 or f"peer {victim}" in text, output[-4000:]
     print(f"dead peer, {num_processes} processes: every survivor out in {elapsed:.0f} s")

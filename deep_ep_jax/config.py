@@ -21,6 +21,10 @@ them without touching code:
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
                              of one GPU each on one machine
+  DEEP_EP_JAX_NVLINK_DOMAIN  the NVLink domain across hosts of this process's
+                             GPUs (default: NVML's fabric info; "none": none):
+                             processes naming the same one are one node, their
+                             memory mapped by NVSHMEM (distributed/topology.py)
   DEEP_EP_JAX_COUNT_TRAFFIC  1: normal mode counts the rows and bytes it moves
                              over NVLink and the network (Buffer.traffic())
   DEEP_EP_JAX_INTERNODE_PIPELINE
@@ -182,10 +186,10 @@ class Config:
     gpus_per_host: int | None = dataclasses.field(
         default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_HOST")
     )
-    # A host's ranks of one NVLink domain, in rank order, are cut into domains of
-    # this many: the kernels' peer memory (CUDA IPC) spans one domain on one host,
-    # and ranks of other domains talk through NVSHMEM, as ranks of other hosts
-    # do. None: the host's whole domain (distributed/topology.py).
+    # A node's ranks (one host's, or one NVLink domain's across hosts), in rank
+    # order, are cut into nodes of this many: the kernels' peer memory spans one
+    # node, and ranks of other nodes talk through NVSHMEM. None: the whole node
+    # (distributed/topology.py).
     gpus_per_nvlink_domain: int | None = dataclasses.field(
         default_factory=lambda: _env_optional_int("DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN")
     )

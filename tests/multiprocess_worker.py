@@ -79,7 +79,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 import deep_ep_jax as dej  # noqa: E402
 from deep_ep_jax import testing as dt  # noqa: E402
 from deep_ep_jax.config import ROW_FORMATS  # noqa: E402
-from deep_ep_jax.distributed import multiprocess  # noqa: E402
+from deep_ep_jax.distributed import multiprocess, topology  # noqa: E402
 
 AXIS = "ep"
 _per_rank = dt.per_rank
@@ -457,7 +457,10 @@ def case_shared_gpu(sequence_starts=(None,)):
     buffer = _shared_buffer(platform, mesh, hidden, num_experts, ll_tokens)
     if buffer.backend == "cuda":  # DEEP_EP_JAX_GPUS_PER_HOST below R: internode kernels; else one node's
         assert buffer.num_nvl_bytes > 0, "normal mode serves the group"
-        log(f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes")
+        log(
+            f"shared_gpu R={num_ranks} on {buffer.num_nodes} hosts: normal region {buffer.num_nvl_bytes} bytes, "
+            f"peer memory {buffer.peer_memory}"
+        )
     gpus_per_host = _gpus_per_host(buffer)
     put, run = _own_rank_io(mesh, "shared_gpu", buffer.config.timeout_s)
 
@@ -1304,25 +1307,28 @@ def case_traffic():
 
 
 def case_hosts():
-    """The hostname exchange, each process naming itself as if processes 2i and 2i + 1 shared a machine
-    (so an exchange that kept only a process's own name fails), under keys of this case's own; then the
-    nodes the names give: pairs of processes, or one each with gpus_per_host=1."""
+    """The hostname and NVLink domain exchange, each process naming itself as if processes 2i and
+    2i + 1 shared a machine and processes 4i to 4i + 3 an NVLink domain (so an exchange that kept
+    only a process's own names fails), under keys of this case's own; then the nodes the names
+    give: pairs of processes, one each with gpus_per_host=1, fours with the domains."""
     import socket
     from unittest import mock
 
     count, me = jax.process_count(), jax.process_index()
-    saved = multiprocess._hostnames
-    multiprocess._hostnames = None  # traded once per process: this case trades its own names
+    saved = multiprocess._places
+    multiprocess._places = None  # traded once per process: this case trades its own names
     with (
         mock.patch.object(socket, "gethostname", return_value=f"machine{me // 2}"),
+        mock.patch.dict(os.environ, {"DEEP_EP_JAX_NVLINK_DOMAIN": f"rack{me // 4}"}),
         mock.patch.object(multiprocess, "HOST_KEY_PREFIX", multiprocess.HOST_KEY_PREFIX + "/case_hosts"),
     ):
-        names = multiprocess.hostnames(timeout_s=30)
-    multiprocess._hostnames = saved
-    assert names == {p: f"machine{p // 2}" for p in range(count)}, names
-    hosts = [names[p] for p in range(count)]
+        found = multiprocess.places(timeout_s=30)
+    multiprocess._places = saved
+    assert found == {p: (f"machine{p // 2}", topology.Domain(f"rack{p // 4}", 0)) for p in range(count)}, found
+    hosts, domains = [found[p][0] for p in range(count)], [found[p][1] for p in range(count)]
     assert multiprocess.group_nodes(hosts) == [p // 2 for p in range(count)]
     assert multiprocess.group_nodes(hosts, 1) == list(range(count))
+    assert multiprocess.group_nodes(hosts, 1, domains) == [p // 4 for p in range(count)]
 
 
 def _internode_mesh():

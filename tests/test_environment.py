@@ -14,6 +14,7 @@ import deep_ep_jax as dej
 from deep_ep_jax import launch
 from deep_ep_jax import testing as dt
 from deep_ep_jax.backends.cuda import internode, intranode, sizes
+from deep_ep_jax.distributed import topology
 
 # Config's variables: (variable, Config field, a value, the field's value then, the field's default).
 CONFIG_VARIABLES = [
@@ -29,7 +30,7 @@ CONFIG_VARIABLES = [
     ("DEEP_EP_JAX_POISON_PADDING", "poison_padding", "1", True, False),
     ("DEEP_EP_JAX_MASK_FAILED_RANKS", "mask_failed_ranks", "1", True, False),
 ]
-OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR, launch.RECOVERABLE_VAR]
+OTHER_VARIABLES = [intranode.STAGED_ENV, launch.LOCAL_DEVICE_VAR, launch.RECOVERABLE_VAR, topology.DOMAIN_VAR]
 LAUNCH_VARIABLES = [launch.COORDINATOR_VAR, launch.NUM_PROCESSES_VAR, launch.PROCESS_ID_VAR]
 
 

@@ -55,9 +55,9 @@ def _xla_buffer(num_ranks, **kwargs):
 
 def test_buffer_decides_hosts_from_config():
     buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=4))
-    assert lifecycle.group_nodes(buffer, False) == [[0, 0, 0, 0, 1, 1, 1, 1]]
+    assert lifecycle.group_places(buffer, False)[0] == [[0, 0, 0, 0, 1, 1, 1, 1]]
     buffer = _xla_buffer(8, config=dej.Config(gpus_per_host=None))
-    assert lifecycle.group_nodes(buffer, False) == [[0] * 8]
+    assert lifecycle.group_places(buffer, False)[0] == [[0] * 8]
 
 
 # Refusals --------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_refuses_several_gpus_per_process():
     buffer = _xla_buffer(
         8, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8, hidden=256, config=dej.Config(gpus_per_host=4)
     )
-    nodes = lifecycle.group_nodes(buffer, False)
+    nodes = lifecycle.group_places(buffer, False)[0]
     with pytest.raises(NotImplementedError, match="one PE, so one GPU, per process"):
         lifecycle.allocate_nvshmem(buffer, lifecycle.groups(buffer), nodes, None, None)
     nvshmem.check_one_gpu_per_process(list(buffer.mesh.devices.flat)[:1])  # one device: fine
@@ -262,7 +262,7 @@ def test_heap_bytes():
 
 def test_one_process_never_spans_hosts_by_hostname():
     buffer = _xla_buffer(4)
-    assert lifecycle.group_nodes(buffer, False) == [[0, 0, 0, 0]]
+    assert lifecycle.group_places(buffer, False)[0] == [[0, 0, 0, 0]]
     assert not buffer.spans_hosts
     assert np.asarray(lifecycle.groups(buffer)).shape == (1, 4)
     assert jax.process_count() == 1

@@ -126,17 +126,21 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
     throw std::invalid_argument("deep_ep_jax: an NVSHMEM buffer's EP group must have 1.." +
                                 std::to_string(kMaxGroupRanks) + " ranks, one PE and one host index each");
   }
-  if (normal_bytes > 0 && num_ranks > kMaxInternodeNormalRanks) {
-    throw std::invalid_argument("deep_ep_jax: normal mode across hosts supports at most " +
-                                std::to_string(kMaxInternodeNormalRanks) + " ranks in all, the EP group has " +
-                                std::to_string(num_ranks) + " (low-latency mode: " + std::to_string(kMaxGroupRanks) +
-                                "); create the buffer without a normal region");
-  }
   for (int n : nodes) {
     if (n < 0 || n >= num_ranks) throw std::invalid_argument("deep_ep_jax: host indices must be in [0, ranks)");
   }
-  if (normal_bytes > 0) {  // internode normal mode: hosts of equal size, each one NVLink domain
-    const int num_nodes = *std::max_element(nodes.begin(), nodes.end()) + 1;
+  const int num_nodes = *std::max_element(nodes.begin(), nodes.end()) + 1;
+  // One node (an NVLink domain across hosts) runs the one-node kernels.
+  const int max_normal_ranks = num_nodes == 1 ? kMaxNvlinkRanks : kMaxInternodeNormalRanks;
+  if (normal_bytes > 0 && num_ranks > max_normal_ranks) {
+    throw std::invalid_argument("deep_ep_jax: normal mode " +
+                                std::string(num_nodes == 1 ? "in one NVLink domain" : "across hosts") +
+                                " supports at most " + std::to_string(max_normal_ranks) +
+                                " ranks in all, the EP group has " + std::to_string(num_ranks) +
+                                " (low-latency mode: " + std::to_string(kMaxGroupRanks) +
+                                "); create the buffer without a normal region");
+  }
+  if (normal_bytes > 0 && num_nodes > 1) {  // internode normal mode: nodes of equal size
     for (int b = 0; b < num_nodes; ++b) {
       const int size = int(std::count(nodes.begin(), nodes.end(), b));
       if (size * num_nodes != num_ranks || size > kMaxInternodeHostRanks) {
@@ -172,6 +176,7 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   s.rank = rank;
   s.num_ranks = num_ranks;
   s.nvshmem = true;
+  s.ipc = true;  // peers in other processes: the one-node kernels exchange offsets and stage rows
   s.low_latency.local = local;
   s.low_latency.num_bytes = region;
   s.normal.local = normal;
@@ -181,9 +186,7 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   s.nodes = nodes;
   s.low_latency.peers.assign(num_ranks, nullptr);
   s.normal.peers.assign(num_ranks, nullptr);
-  int num_nodes = 0;
   for (int r = 0; r < num_ranks; ++r) {
-    num_nodes = std::max(num_nodes, nodes[r] + 1);
     // Null (NVSHMEM's transports) for other hosts, and where NVSHMEM cannot map the peer.
     if (r == rank) {
       s.low_latency.peers[r] = local;
@@ -192,14 +195,17 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
       s.low_latency.peers[r] = static_cast<char*>(nvshmem_ptr(local, pes[r]));
       if (normal != nullptr) {
         s.normal.peers[r] = static_cast<char*>(nvshmem_ptr(normal, pes[r]));
-        // Internode normal mode forwards over NVLink within a host: it needs the mapping.
+        // Normal mode moves rows over NVLink within a node: it needs the mapping.
         if (s.normal.peers[r] == nullptr) {
           // Not freed: nvshmem_free is collective, and PEs of other hosts do not
           // fail here; the memory goes with the process (the job cannot run).
-          throw std::runtime_error("deep_ep_jax: NVSHMEM cannot map rank " + std::to_string(r) + " (PE " +
-                                   std::to_string(pes[r]) + ") of this host into device " + std::to_string(device) +
-                                   " (nvshmem_ptr is null): internode normal mode needs NVLink/P2P between the "
-                                   "GPUs of a host; set DEEP_EP_JAX_GPUS_PER_HOST=1 to treat each GPU as a host");
+          throw std::runtime_error(
+              "deep_ep_jax: NVSHMEM cannot map rank " + std::to_string(r) + " (PE " + std::to_string(pes[r]) +
+              ") of this node into device " + std::to_string(device) +
+              " (nvshmem_ptr is null): normal mode needs NVLink/P2P between the GPUs of a node (a host, or an NVLink "
+              "domain across hosts, which NVSHMEM maps where the fabric and IMEX allow); set "
+              "DEEP_EP_JAX_NVLINK_DOMAIN=none to keep nodes within hosts, or DEEP_EP_JAX_GPUS_PER_HOST=1 to treat "
+              "each GPU as a host");
         }
       }
     }

@@ -30,17 +30,18 @@ struct DeviceState {
   int device_ordinal = -1;
   int rank = 0;       // position of this device in its EP group
   int num_ranks = 1;  // size of the EP group
-  // Peers live in other processes (CUDA IPC): they cannot use this process's
-  // pointers, so kernels exchange offsets into the regions, and normal mode
-  // lands rows in the regions (staged) instead of in XLA's buffers.
+  // Peers live in other processes (CUDA IPC, or NVSHMEM): they cannot use this
+  // process's pointers, so kernels exchange offsets into the regions, and
+  // normal mode lands rows in the regions (staged) instead of in XLA's buffers.
   bool ipc = false;
   Region normal;
   Region low_latency;
   // An EP group across hosts: the low-latency region is in NVSHMEM's
   // symmetric heap (runtime/nvshmem.h), followed by send_bytes of send area;
   // low_latency.peers[r] is null for a rank on another host, reached as PE
-  // pes[r]. The normal region (internode normal mode, kernels/internode.h) is
-  // there too, mapped (nvshmem_ptr) for the ranks of this host.
+  // pes[r]. The normal region (internode normal mode, kernels/internode.h; or
+  // the one-node kernels where one node, an NVLink domain, spans the hosts) is
+  // there too, mapped (nvshmem_ptr) for the ranks of this rank's node.
   bool nvshmem = false;
   std::vector<int> pes;  // [num_ranks] (NVSHMEM buffers only)
   size_t send_bytes = 0;

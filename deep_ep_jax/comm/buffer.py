@@ -49,12 +49,12 @@ def _ops(backend, spans_hosts) -> Ops:
 
 def _reference_hosts(mesh, axis_name, config, low_latency_mode) -> tuple:
     """The host of each rank for the xla backend, decided as the CUDA backend
-    decides it (hostnames, cut by Config.gpus_per_host and gpus_per_nvlink_domain). Its one program
+    decides it (hostnames and NVLink domains, cut by Config.gpus_per_host and gpus_per_nvlink_domain). Its one program
     serves every EP group of the mesh, so all must be cut alike; and, as on
     the CUDA backend, normal mode across hosts needs hosts of equal size."""
     from deep_ep_jax.distributed import multiprocess
 
-    nodes = multiprocess.mesh_group_nodes(mesh, axis_name, config)
+    nodes, _ = multiprocess.mesh_group_places(mesh, axis_name, config)
     if any(n != nodes[0] for n in nodes):
         raise NotImplementedError(
             f"Buffer(backend='xla'): the EP groups of the mesh are cut into hosts differently ({nodes}); the "
@@ -142,10 +142,14 @@ class Buffer:
         # Decided by the CUDA backend (backends/cuda/lifecycle.py) when it allocates:
         self.ipc = False  # peers in other processes, reached through CUDA IPC
         self.staged = False  # normal mode lands rows in the normal region (ipc, or DEEP_EP_JAX_STAGED=1)
-        # The EP group spans hosts (real ones, or Config.gpus_per_host): both regions are
-        # in NVSHMEM's symmetric heap; normal mode is backends/cuda/internode.py.
+        # The EP group spans nodes (docs/internode.md: a node is one host, real or cut by
+        # Config.gpus_per_host, or one NVLink domain across hosts): normal mode is
+        # backends/cuda/internode.py.
         self.spans_hosts = False
-        self.num_nodes = 1  # hosts of the EP group
+        # Its processes are on several hosts: both regions are in NVSHMEM's symmetric heap
+        # (peers of the node mapped by NVSHMEM, the others reached through its transports).
+        self.nvshmem = False
+        self.num_nodes = 1  # nodes of the EP group
         # The host (0..num_nodes-1) of each rank, every backend: combine sums per host first
         # (docs/internode.md), so the xla backend reproduces the kernels' order.
         self.rank_hosts = (0,) * self.num_ranks
@@ -320,8 +324,18 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError(f"{fn_name}: the Buffer was destroyed; create a new one")
 
+    @property
+    def peer_memory(self) -> str:
+        """How the kernels reach their peers' memory: "NVSHMEM" (processes on several hosts),
+        "CUDA IPC" (several processes of one host), "peer access" (one process), or "none"
+        (the xla backend)."""
+        if self.backend != "cuda":
+            return "none"
+        return "NVSHMEM" if self.nvshmem else "CUDA IPC" if self.ipc else "peer access"
+
     def __repr__(self) -> str:
         return (
             f"Buffer(axis={self.axis_name!r}, num_ranks={self.num_ranks}, backend={self.backend!r}, "
-            f"low_latency_mode={self.low_latency_mode}, spans_hosts={self.spans_hosts}, id={self.buffer_id})"
+            f"low_latency_mode={self.low_latency_mode}, spans_hosts={self.spans_hosts}, "
+            f"peer_memory={self.peer_memory!r}, id={self.buffer_id})"
         )

@@ -1,5 +1,6 @@
 """One process per GPU: the Buffer's CUDA IPC handles traded through the
-jax.distributed key-value store, and which host each process is on.
+jax.distributed key-value store, and which host and NVLink domain each
+process is on.
 
 Every process creates the same Buffers in the same order (SPMD), so a
 per-process counter names each multi-process buffer identically everywhere;
@@ -15,10 +16,12 @@ import socket
 import jax
 import numpy as np
 
+from deep_ep_jax.distributed import topology
+
 KEY_PREFIX = "deep_ep_jax/buffer"
 HOST_KEY_PREFIX = "deep_ep_jax/host"
 
-_hostnames = None  # {process index: hostname}, traded once
+_places = None  # {process index: (hostname, NVLink domain)}, traded once
 
 _buffer_counter = itertools.count()
 
@@ -64,42 +67,57 @@ def fetch(key: str, timeout_s: float, what: str) -> bytes:
         ) from e
 
 
-def hostnames(timeout_s: float) -> dict:
-    """{process index: hostname} of every process, traded once per process."""
-    global _hostnames
-    if _hostnames is None:
+def places(timeout_s: float) -> dict:
+    """{process index: (hostname, topology.Domain or None)} of every process, traded once per
+    process: its host, and the NVLink domain across hosts of its first GPU (topology.local_domain)."""
+    global _places
+    if _places is None:
         me = jax.process_index()
-        publish(f"{HOST_KEY_PREFIX}/{me}", socket.gethostname().encode())
-        names = {me: socket.gethostname()}
+        gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+        domain = topology.local_domain(gpus[0].local_hardware_id) if gpus else topology.local_domain(-1)
+        mine = (socket.gethostname(), domain)
+        publish(f"{HOST_KEY_PREFIX}/{me}", f"{mine[0]}\n{domain.key() if domain else ''}".encode())
+        found = {me: mine}
         for p in range(jax.process_count()):
             if p != me:
-                names[p] = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the hostname of process {p}").decode()
-        _hostnames = names
-    return _hostnames
+                host, key = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the host of process {p}").decode().split("\n")
+                found[p] = (host, topology.Domain.from_key(key))
+        _places = found
+    return _places
+
+
+def group_hosts(hosts, gpus_per_host=None) -> list[int]:
+    """Host index of each rank of an EP group, from its ranks' hostnames in rank order, each host's
+    ranks cut into hosts of gpus_per_host (Config.gpus_per_host: how one machine emulates several);
+    indices follow the ranks' first appearance."""
+    index: dict[tuple, int] = {}
+    seen: dict[str, int] = {}
+    cut = []
+    for host in hosts:
+        i = seen.get(host, 0)
+        seen[host] = i + 1
+        cut.append(index.setdefault((host, i // gpus_per_host if gpus_per_host else 0), len(index)))
+    return cut
 
 
 def group_nodes(hosts, gpus_per_host=None, domains=None, gpus_per_domain=None) -> list[int]:
     """Node index of each rank of an EP group (a node: ranks that map each other's memory and talk
-    over NVLink), from its ranks' hostnames in rank order: the ranks of one host and one NVLink
-    domain (domains: each rank's topology.Domain, or None, the host's own; default all None). With
-    gpus_per_host each host's ranks (in rank order) are cut into hosts of that many, and with
-    gpus_per_domain each domain's ranks on a host into domains of that many, as if apart: how one
-    machine emulates several (Config.gpus_per_host, Config.gpus_per_nvlink_domain). Node indices
-    follow the ranks' first appearance."""
+    over NVLink), from its ranks' hostnames in rank order: the ranks of one NVLink domain across
+    hosts (domains: each rank's topology.Domain, None where its NVLink stays on its host; default
+    all None), else of one host (cut by gpus_per_host, group_hosts). With gpus_per_domain each
+    node's ranks are cut further into nodes of that many, in rank order (Config.gpus_per_nvlink_domain).
+    Node indices follow the ranks' first appearance."""
     domains = [None] * len(hosts) if domains is None else list(domains)
     if len(domains) != len(hosts):
         raise ValueError(f"{len(hosts)} hosts but {len(domains)} domains")
     nodes: list[int] = []
-    index: dict[tuple, int] = {}  # (host, host cut, domain, domain cut) -> node
-    seen: dict[tuple, int] = {}  # host, or (host, its cut, domain) -> its ranks so far
-    for host, domain in zip(hosts, domains):
-        i = seen.get(host, 0)
-        seen[host] = i + 1
-        host_key = (host, i // gpus_per_host if gpus_per_host else 0)
-        j = seen.get((host_key, domain), 0)
-        seen[(host_key, domain)] = j + 1
-        key = (*host_key, domain, j // gpus_per_domain if gpus_per_domain else 0)
-        nodes.append(index.setdefault(key, len(index)))
+    index: dict[tuple, int] = {}  # (place, its cut) -> node
+    seen: dict[tuple, int] = {}  # place -> its ranks so far
+    for host, domain in zip(group_hosts(hosts, gpus_per_host), domains):
+        place = ("host", host) if domain is None else ("domain", domain)
+        j = seen.get(place, 0)
+        seen[place] = j + 1
+        nodes.append(index.setdefault((place, j // gpus_per_domain if gpus_per_domain else 0), len(index)))
     return nodes
 
 
@@ -125,22 +143,19 @@ def device_grid(mesh, axis_name):
     return np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.shape[axis_name])
 
 
-def mesh_group_nodes(mesh, axis_name, config, spans=None) -> list[list[int]]:
-    """Node index of each rank of each EP group of `mesh` (group_nodes): from the processes'
-    hostnames (traded when the mesh spans processes; `spans` None: decided here), cut further by
-    config.gpus_per_host and config.gpus_per_nvlink_domain."""
+def mesh_group_places(mesh, axis_name, config, spans=None) -> tuple[list, list]:
+    """(nodes, hosts): the node (group_nodes) and host (group_hosts) index of each rank of each EP
+    group of `mesh`, from the processes' hostnames and NVLink domains (traded when the mesh spans
+    processes; `spans` None: decided here), cut by config.gpus_per_host and
+    config.gpus_per_nvlink_domain."""
     rows = device_grid(mesh, axis_name)
     if spans is None:
         spans = spans_processes(rows.flat)
-    hosts = hostnames(config.timeout_s) if spans else {jax.process_index(): "localhost"}
-    return [
-        group_nodes(
-            [hosts[d.process_index] for d in row],
-            config.gpus_per_host,
-            gpus_per_domain=config.gpus_per_nvlink_domain,
-        )
-        for row in rows
-    ]
+    found = places(config.timeout_s) if spans else {jax.process_index(): ("localhost", None)}
+    hosts = [[found[d.process_index][0] for d in row] for row in rows]
+    domains = [[found[d.process_index][1] for d in row] for row in rows]
+    nodes = [group_nodes(h, config.gpus_per_host, d, config.gpus_per_nvlink_domain) for h, d in zip(hosts, domains)]
+    return nodes, [group_hosts(h, config.gpus_per_host) for h in hosts]
 
 
 def handle_key(name: str, group: int, rank: int) -> str:

@@ -2,14 +2,16 @@
 
 An NVLink domain that spans trays (GB200 NVL72: 72 GPUs over 18 hosts) is
 told by NVML's fabric info: GPUs of one domain report the same cluster UUID
-and clique id once the fabric manager has registered them. Within a host
-every GPU pair with peer access is one domain as far as the kernels go.
+and clique id once the fabric manager has registered them
+(DEEP_EP_JAX_NVLINK_DOMAIN names it by hand). Within a host every GPU pair
+with peer access is one domain as far as the kernels go.
 
-The kernels map peer memory with CUDA IPC, which works within a host only;
-memory exported as fabric handles (CU_MEM_HANDLE_TYPE_FABRIC, with IMEX)
-would cross trays and is not used yet. So an EP group's ranks share peer
-memory with the ranks of their host and domain, and reach every other rank
-through NVSHMEM (which itself uses the NVLink fabric where it spans trays).
+The ranks of one node (one host, or one domain across hosts) map each
+other's memory and run the one-node kernels. Within a host the memory is
+mapped with CUDA IPC; across the hosts of a domain it is NVSHMEM's symmetric
+heap, which NVSHMEM maps over the NVLink fabric (its multi-node NVLink
+support, fabric handles with IMEX underneath). Ranks of other nodes are
+reached through NVSHMEM's transports.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 
 FABRIC_STATE_COMPLETED = 3  # nvmlGpuFabricState_t: the fabric manager registered the GPU
 NVML_SUCCESS = 0
+DOMAIN_VAR = "DEEP_EP_JAX_NVLINK_DOMAIN"
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 128
 
 
@@ -33,6 +37,17 @@ class Domain:
 
     def __str__(self):
         return f"cluster {self.cluster_uuid} clique {self.clique_id}"
+
+    def key(self) -> str:
+        """Its text for the key-value store (Domain.from_key reads it back)."""
+        return f"{self.cluster_uuid}/{self.clique_id}"
+
+    @staticmethod
+    def from_key(text: str) -> Domain | None:
+        if not text:
+            return None
+        uuid, clique = text.rsplit("/", 1)
+        return Domain(uuid, int(clique))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,28 +101,48 @@ def nvml_fabric_info(pci_bus_id: str) -> FabricInfo | str:
     return FabricInfo(info.status, info.state, bytes(info.cluster_uuid), info.clique_id)
 
 
+def _cuda_driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    if lib.cuInit(0):
+        raise OSError("cuInit failed")
+    return lib
+
+
+def pci_bus_id(ordinal: int) -> str | None:
+    """The PCI bus id of this process's CUDA device `ordinal`, None without one."""
+    try:
+        lib, device = _cuda_driver(), ctypes.c_int()
+        name = ctypes.create_string_buffer(32)
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal) or lib.cuDeviceGetPCIBusId(name, len(name), device):
+            return None
+    except OSError:
+        return None
+    return name.value.decode()
+
+
+def local_domain(ordinal: int, fabric_info: Callable = nvml_fabric_info) -> Domain | None:
+    """The NVLink domain across hosts of this process's GPU `ordinal`, None where its NVLink
+    stays within its host: DEEP_EP_JAX_NVLINK_DOMAIN when set (a name: the processes naming the
+    same one share a domain; "none": no domain), else NVML's fabric info."""
+    name = os.environ.get(DOMAIN_VAR, "").strip()
+    if name:
+        return None if name.lower() == "none" else Domain(name, 0)
+    pci = pci_bus_id(ordinal)
+    info = fabric_info(pci) if pci else "no GPU"
+    return info.domain() if isinstance(info, FabricInfo) else None
+
+
 def fabric_handles_supported(ordinal: int) -> bool | str:
     """Whether CUDA can export this device's memory as fabric handles, or why unknown."""
     try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        device, value = ctypes.c_int(), ctypes.c_int()
-        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(device), ordinal):
+        lib, device, value = _cuda_driver(), ctypes.c_int(), ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal):
             return "the CUDA driver did not start"
         if lib.cuDeviceGetAttribute(ctypes.byref(value), CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, device):
             return "the CUDA driver does not know the attribute"
     except OSError as e:
         return f"no CUDA driver here ({e})"
     return bool(value.value)
-
-
-def domains_across_hosts(hosts, domains) -> dict[Domain, list[str]]:
-    """The NVLink domains whose ranks sit on more than one host: {domain: its hosts}. Their
-    ranks on other hosts go through NVSHMEM until fabric handles map their memory directly."""
-    spans: dict[Domain, list[str]] = {}
-    for host, domain in zip(hosts, domains):
-        if domain is not None and host not in spans.setdefault(domain, []):
-            spans[domain].append(host)
-    return {d: h for d, h in spans.items() if len(h) > 1}
 
 
 def describe(pci_bus_ids, ordinals, fabric_info: Callable = nvml_fabric_info, handles: Callable = None) -> list[str]:
@@ -123,5 +158,8 @@ def describe(pci_bus_ids, ordinals, fabric_info: Callable = nvml_fabric_info, ha
             where = f"NVLink domain {domain}" if domain else f"this host's NVLink only (fabric state {info.state})"
         supported = handles(ordinal)
         fabric = {True: "supported", False: "not supported"}.get(supported, f"unknown ({supported})")
-        lines.append(f"GPU {ordinal} ({pci}): {where}; fabric handles {fabric}, not used (CUDA IPC within a host)")
+        lines.append(
+            f"GPU {ordinal} ({pci}): {where}; fabric handles {fabric} (peer memory: CUDA IPC within a host, "
+            f"NVSHMEM's mapping across the hosts of a domain)"
+        )
     return lines

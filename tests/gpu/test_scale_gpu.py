@@ -144,6 +144,24 @@ def test_normal_mode_across_hosts_beyond_eight_ranks(num_hosts, ranks_per_host):
     _run_hosts_case("shared_gpu", num_hosts, ranks_per_host, 280, SHARED_GPU_SUMMARY)
 
 
+@pytest.mark.parametrize("num_hosts,ranks_per_host", [(2, 4), (4, 4)])
+def test_one_nvlink_domain_across_hosts(num_hosts, ranks_per_host):
+    """One NVLink domain over emulated hosts (DEEP_EP_JAX_NVLINK_DOMAIN, as
+    NVML's fabric info tells a GB200 NVL72 rack's trays apart and together):
+    one node, whose peer memory is NVSHMEM's (nvshmem_ptr, which NVSHMEM maps
+    over the NVLink fabric across trays), running the one-node kernels (the
+    wide path at 16 ranks); shared_gpu's checks against the oracle."""
+    output = _run_hosts_case(
+        "shared_gpu",
+        num_hosts,
+        ranks_per_host,
+        280,
+        "shared_gpu R={num_ranks} on 1 hosts: normal region",
+        extra_env={"DEEP_EP_JAX_NVLINK_DOMAIN": "rack"},
+    )
+    assert "peer memory NVSHMEM" in output, output[-8000:]
+
+
 @pytest.mark.parametrize("num_hosts,ranks_per_host", [(1, 2), (2, 1), (2, 2)])
 def test_standard_size_against_the_oracle(num_hosts, ranks_per_host):
     """shared_gpu's checks at DeepEP's standard sizes (4096 tokens per rank,

@@ -196,18 +196,19 @@ def groups(buffer):
     return [[d.local_hardware_id if d.process_index == me else -1 for d in row] for row in device_grid(buffer)]
 
 
-def group_nodes(buffer, spans_processes):
-    """Node index of each rank of each EP group (multiprocess.group_nodes): from the processes'
-    hostnames (traded when the mesh spans processes), cut further by Config.gpus_per_host and
-    Config.gpus_per_nvlink_domain."""
-    return multiprocess.mesh_group_nodes(buffer.mesh, buffer.axis_name, buffer.config, spans_processes)
+def group_places(buffer, spans_processes):
+    """(nodes, hosts): the node and host index of each rank of each EP group
+    (multiprocess.mesh_group_places): from the processes' hostnames and NVLink
+    domains (traded when the mesh spans processes), cut further by
+    Config.gpus_per_host and Config.gpus_per_nvlink_domain."""
+    return multiprocess.mesh_group_places(buffer.mesh, buffer.axis_name, buffer.config, spans_processes)
 
 
 def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     """Gives a CUDA Buffer its memory (collective when the mesh spans
     processes: every process makes the same Buffers in the same order). Sets
     its buffer_id, num_nvl_bytes, num_rdma_bytes, ipc, staged, spans_hosts,
-    rank_hosts, num_nodes, num_send_bytes and store_key."""
+    nvshmem, rank_hosts, num_nodes, num_send_bytes and store_key."""
     register_ffi_targets()
     check_config(buffer.config, _native.limits())
     check_group_size(buffer.num_ranks, _native.limits())
@@ -218,12 +219,14 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
         # Advanced on every process alike, so keys agree.
         buffer.store_key = multiprocess.next_buffer_name()
     # Decided from what every process knows alike, so all take the same path.
-    nodes = group_nodes(buffer, spans_processes)
+    nodes, hosts = group_places(buffer, spans_processes)
     buffer.spans_hosts = any(len(set(n)) > 1 for n in nodes)
+    # Peer memory across hosts (several nodes, or one NVLink domain over several hosts): NVSHMEM's.
+    buffer.nvshmem = any(len(set(h)) > 1 for h in hosts)
     if buffer.spans_hosts:  # this process's group (its first): what its kernels and the reference model
         buffer.rank_hosts = tuple(next(n for n, g in zip(nodes, all_groups) if any(d >= 0 for d in g)))
     normal = normal_mode_serves(buffer.num_ranks, buffer.spans_hosts, buffer.low_latency_mode)
-    if buffer.spans_hosts:
+    if buffer.nvshmem:
         allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, normal)
         return
     buffer.ipc = any(-1 in g for g in mine)
@@ -269,15 +272,20 @@ def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, n
     g, r = next((g, r) for g, row in enumerate(all_groups) for r, d in enumerate(row) if d >= 0)
     device = all_groups[g][r]
     # Internode normal mode needs hosts of equal size; low-latency mode does not.
-    buffer.num_nodes = internode.check_nodes(nodes[g]) if normal else max(nodes[g]) + 1
+    spans_nodes = len(set(nodes[g])) > 1
+    buffer.num_nodes = internode.check_nodes(nodes[g]) if normal and spans_nodes else max(nodes[g]) + 1
     reason = nvshmem.unavailable_reason()
     if reason:
         raise RuntimeError(f"Buffer(backend='cuda'): the EP group spans hosts, which needs NVSHMEM: {reason}")
-    # The normal region: internode normal mode (the RDMA and NVLink stages).
-    if normal:
+    # The normal region: internode normal mode (the RDMA and NVLink stages), or one node's
+    # staged kernels (peers in other processes) where one NVLink domain spans the hosts.
+    buffer.staged = not spans_nodes
+    if normal and spans_nodes:
         buffer.num_nvl_bytes = num_nvl_bytes or sizes.internode_region_bytes(
             buffer.num_ranks, buffer.num_nodes, buffer.hidden
         )
+    elif normal:
+        buffer.num_nvl_bytes = num_nvl_bytes or sizes.normal_region_bytes(buffer.num_ranks, buffer.hidden, staged=True)
     if buffer.low_latency_mode:
         buffer.num_rdma_bytes = num_rdma_bytes or sizes.low_latency_region_bytes(
             buffer.num_ranks, buffer.num_experts, buffer.hidden, buffer.num_max_dispatch_tokens_per_rank
@@ -327,10 +335,10 @@ def destroy(buffer) -> None:
     every process's work on it is done first (collective): every process but
     those of ranks masked in low-latency mode (Config.mask_failed_ranks),
     which no peer writes to or waits for; a masked process frees at once."""
-    if not buffer.ipc and not buffer.spans_hosts:
+    if not buffer.ipc and not buffer.nvshmem:
         destroy_buffer(buffer.buffer_id)
         return
-    if buffer.spans_hosts:
+    if buffer.nvshmem:
         nvshmem.untrack(buffer)
     # Peers may still read or write our regions: wait until every
     # process's work is done before any memory goes.
@@ -344,10 +352,10 @@ def destroy(buffer) -> None:
             multiprocess.barrier(f"{buffer.store_key}/destroy/{live}", buffer.config.timeout_s, live)
     except BaseException:
         # NVSHMEM's free is collective: with a process missing it would wait forever; leave the memory.
-        if not buffer.spans_hosts:
+        if not buffer.nvshmem:
             destroy_buffer(buffer.buffer_id)
         raise
-    if not (gone and buffer.spans_hosts):  # NVSHMEM's free again: a masked process never joins it
+    if not (gone and buffer.nvshmem):  # NVSHMEM's free again: a masked process never joins it
         destroy_buffer(buffer.buffer_id)
 
 

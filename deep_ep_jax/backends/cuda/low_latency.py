@@ -109,8 +109,8 @@ def _check_region(buffer, needed, fn, what):
 
 
 def _check_send_area(buffer, max_tokens, num_topk, hidden, fn):
-    """A Buffer across hosts stages rows for other hosts in its send area."""
-    if not buffer.spans_hosts:
+    """A Buffer across hosts (NVSHMEM) stages rows for other hosts in its send area."""
+    if not buffer.nvshmem:
         return
     needed = _native.extension().low_latency_send_bytes(buffer.num_ranks, hidden, max_tokens, num_topk)
     if needed > buffer.num_send_bytes:

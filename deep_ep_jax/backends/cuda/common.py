@@ -25,8 +25,8 @@ def limit(name: str) -> int:
 
 
 def normal_mode_max_ranks(spans_hosts: bool) -> int:
-    """The most ranks normal mode serves: one NVLink domain on one host;
-    across hosts `limit("max_internode_normal_ranks")` in all, on hosts of at
+    """The most ranks normal mode serves: one node (an NVLink domain);
+    across nodes `limit("max_internode_normal_ranks")` in all, on hosts of at
     most `limit("max_internode_host_ranks")` each (low-latency mode serves up to
     `limit("max_group_ranks")`)."""
     return limit("max_internode_normal_ranks" if spans_hosts else "max_nvlink_ranks")
@@ -37,10 +37,11 @@ def normal_mode_rank_error(fn, num_ranks, spans_hosts) -> str | None:
     max_ranks = normal_mode_max_ranks(spans_hosts)
     if num_ranks <= max_ranks:
         return None
-    where = "in all across hosts" if spans_hosts else "on one host (one NVLink domain)"
+    where = "in all across hosts" if spans_hosts else "in one node (one NVLink domain)"
+    cut = "" if spans_hosts else "; Config.gpus_per_nvlink_domain cuts it into nodes joined by NVSHMEM"
     return (
         f"{fn}: normal mode supports at most {max_ranks} ranks {where}, the EP group has {num_ranks} "
-        f"(low-latency mode: {limit('max_group_ranks')})"
+        f"(low-latency mode: {limit('max_group_ranks')}){cut}"
     )
 
 

@@ -42,6 +42,7 @@ def stand_in_cuda_buffer(num_ranks, **fields):
         num_rdma_bytes=0,
         num_send_bytes=0,
         ep_groups=(tuple(range(num_ranks)),),
+        nvshmem=fields.get("spans_hosts", False),  # several nodes: on several hosts
     )
     return types.SimpleNamespace(**{**defaults, **fields})
 

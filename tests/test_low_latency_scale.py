@@ -62,9 +62,9 @@ def test_normal_mode_serves_up_to_its_ranks():
     assert not lifecycle.normal_mode_serves(73, False, low_latency_mode=True)
     with pytest.raises(
         ValueError,
-        match=r"normal mode supports at most 72 ranks on one host \(one NVLink.*the EP "
-        r"group has 73 \(low-latency mode: 1024\); create the Buffer with "
-        r"low_latency_mode=True",
+        match=r"normal mode supports at most 72 ranks in one node \(one NVLink.*the EP "
+        r"group has 73 \(low-latency mode: 1024\); Config.gpus_per_nvlink_domain cuts it into nodes joined by "
+        r"NVSHMEM; create the Buffer with low_latency_mode=True",
     ):
         lifecycle.normal_mode_serves(73, False, low_latency_mode=False)
     for num_ranks in (16, 128, 1024):

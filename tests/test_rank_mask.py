@@ -118,7 +118,7 @@ def test_destroy_waits_for_the_processes_of_unmasked_ranks(monkeypatch, masks, m
     buffer = SimpleNamespace(
         buffer_id=7,
         ipc=True,
-        spans_hosts=False,
+        nvshmem=False,
         num_rdma_bytes=1 << 20,
         store_key="deep_ep_jax/buffer/7",
         config=dej.Config(mask_failed_ranks=True, timeout_s=3),

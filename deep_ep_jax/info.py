@@ -33,6 +33,20 @@ def _version(dist):
         return "not installed"
 
 
+def _coverage(module, capability: str) -> str:
+    """What this build runs on a GPU of compute capability `capability`."""
+    from deep_ep_jax import _native
+
+    compiled = module.cuda_archs()
+    if not _native._arch_matches(compiled, capability):
+        return "NOT covered by this build (DEEP_EP_JAX_CUDA_ARCHS)"
+    machine_code = [arch for arch in compiled if arch.startswith("sm_")]
+    if getattr(module, "with_nvshmem", False) and not _native._arch_matches(machine_code, capability):
+        # Device-linked (-rdc): PTX does not reach the NVSHMEM kernels.
+        return "covered by this build's PTX, but not its NVSHMEM kernels (machine code only)"
+    return "covered by this build"
+
+
 def _section(title):
     print(f"\n== {title}")
 
@@ -176,11 +190,10 @@ def main(argv=None):
             if info["error"]:
                 print(f"CUDA runtime: {info['error']}")
         for dev in info["devices"]:
-            covered = _native._arch_matches(module.cuda_archs(), dev["compute_capability"])
             print(
                 f"GPU {dev['ordinal']}: {dev['name']}, sm_{dev['compute_capability'].replace('.', '')}, "
                 f"{dev['sm_count']} SMs, {dev['total_memory_bytes'] / 2**30:.1f} GiB, PCI {dev['pci_bus_id']}; "
-                + ("covered by this build" if covered else "NOT covered by this build (DEEP_EP_JAX_CUDA_ARCHS)")
+                + _coverage(module, dev["compute_capability"])
             )
         if info["devices"]:
             _section("NVLink domains (NVML fabric info) and peer memory")

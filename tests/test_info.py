@@ -46,3 +46,21 @@ def test_which_gpus_a_build_covers():
     assert _arch_matches(["sm_90a"], "9.0") and not _arch_matches(["sm_90a"], "9.1")
     assert not _arch_matches(["sm_90"], "10.0") and not _arch_matches(["sm_86"], "8.0")
     assert _arch_matches(["compute_80"], "9.0") and not _arch_matches(["compute_90"], "8.0")
+
+
+def test_info_says_ptx_does_not_reach_the_nvshmem_kernels():
+    """An sm_80+PTX build on an H100: the kernels JIT from PTX, the device-linked NVSHMEM ones cannot."""
+    import types
+
+    from deep_ep_jax import info
+
+    def build(archs, with_nvshmem=True):
+        return types.SimpleNamespace(cuda_archs=lambda: archs, with_nvshmem=with_nvshmem)
+
+    ampere = build(["sm_80", "compute_80"])
+    assert info._coverage(ampere, "9.0") == (
+        "covered by this build's PTX, but not its NVSHMEM kernels (machine code only)"
+    )
+    assert info._coverage(build(["sm_80", "compute_80"], with_nvshmem=False), "9.0") == "covered by this build"
+    assert info._coverage(ampere, "8.0") == "covered by this build"
+    assert info._coverage(build(["sm_90"]), "8.0").startswith("NOT covered")

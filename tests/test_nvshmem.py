@@ -85,6 +85,17 @@ def test_refuses_xla_nvshmem(monkeypatch):
     assert "--xla_gpu_experimental_enable_nvshmem" in reason and "XLA's own NVSHMEM" in reason
 
 
+def test_refuses_a_gpu_that_only_ptx_covers():
+    """The NVSHMEM kernels are device-linked: PTX does not reach them, machine code must."""
+    h100 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H100")
+    reason = nvshmem.uncovered_gpu_reason(["sm_80", "compute_80"], [h100])
+    assert "machine code only" in reason and "['sm_80']" in reason and "DEEP_EP_JAX_CUDA_ARCHS including 90" in reason
+    assert nvshmem.uncovered_gpu_reason(["sm_80", "sm_90", "compute_120"], [h100]) is None
+    assert nvshmem.uncovered_gpu_reason(["sm_90a"], [h100]) is None
+    cpu = types.SimpleNamespace(platform="cpu", compute_capability=None, device_kind="cpu")
+    assert nvshmem.uncovered_gpu_reason(["compute_80"], [cpu]) is None
+
+
 def test_refuses_a_build_without_nvshmem(monkeypatch):
     monkeypatch.setattr(_native, "load_error", lambda: None)
     monkeypatch.setattr(_native, "extension", lambda: types.SimpleNamespace(with_nvshmem=False))

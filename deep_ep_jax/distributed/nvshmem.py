@@ -61,6 +61,22 @@ def unavailable_reason() -> str | None:
             "deep_ep_jax._C was built without NVSHMEM: install nvidia-nvshmem-cu13 (or set NVSHMEM_HOME) and "
             "rebuild (`python setup.py build_ext --inplace`; DEEP_EP_JAX_NO_NVSHMEM must not be 1)"
         )
+    return uncovered_gpu_reason(_native.extension().cuda_archs(), jax.local_devices())
+
+
+def uncovered_gpu_reason(compiled, devices) -> str | None:
+    """Why the NVSHMEM kernels cannot run on one of `devices`, or None: they are device-linked
+    (-rdc), which keeps machine code only, so a GPU that the build covers with PTX alone (e.g.
+    an H100 under an sm_80+PTX build) cannot load them, though the other kernels run there."""
+    machine_code = [arch for arch in compiled if arch.startswith("sm_")]
+    for device in devices:
+        capability = getattr(device, "compute_capability", None)
+        if device.platform == "gpu" and capability and not _native._arch_matches(machine_code, capability):
+            return (
+                f"the NVSHMEM kernels are device-linked, which keeps machine code only, and deep_ep_jax._C has "
+                f"it for {machine_code}, not for {device.device_kind} (compute capability {capability}); rebuild "
+                f"with DEEP_EP_JAX_CUDA_ARCHS including {capability.replace('.', '')}"
+            )
     return None
 
 

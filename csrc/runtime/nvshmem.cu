@@ -133,12 +133,11 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
   // One node (an NVLink domain across hosts) runs the one-node kernels.
   const int max_normal_ranks = num_nodes == 1 ? kMaxNvlinkRanks : kMaxInternodeNormalRanks;
   if (normal_bytes > 0 && num_ranks > max_normal_ranks) {
-    throw std::invalid_argument("deep_ep_jax: normal mode " +
-                                std::string(num_nodes == 1 ? "in one NVLink domain" : "across hosts") +
-                                " supports at most " + std::to_string(max_normal_ranks) +
-                                " ranks in all, the EP group has " + std::to_string(num_ranks) +
-                                " (low-latency mode: " + std::to_string(kMaxGroupRanks) +
-                                "); create the buffer without a normal region");
+    throw std::invalid_argument(
+        "deep_ep_jax: normal mode " + std::string(num_nodes == 1 ? "in one NVLink domain" : "across hosts") +
+        " supports at most " + std::to_string(max_normal_ranks) + " ranks in all, the EP group has " +
+        std::to_string(num_ranks) + " (low-latency mode: " + std::to_string(kMaxGroupRanks) +
+        "); create the buffer without a normal region");
   }
   if (normal_bytes > 0 && num_nodes > 1) {  // internode normal mode: nodes of equal size
     for (int b = 0; b < num_nodes; ++b) {

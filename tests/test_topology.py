@@ -95,7 +95,8 @@ def test_buffer_nodes_follow_the_domain_cut():
     assert buffer.spans_hosts
 
 
-def test_describe_says_what_each_gpu_has():
+def test_describe_says_what_each_gpu_has(monkeypatch):
+    monkeypatch.setenv(topology.DOMAIN_VAR, "rack3")
     answers = {"0000:01:00.0": fabric(), "0000:02:00.0": fabric(state=1), "0000:03:00.0": "no NVML here"}
     handles = {0: True, 1: False, 2: "no CUDA driver here"}
     lines = topology.describe(list(answers), [0, 1, 2], fabric_info=answers.get, handles=handles.get)
@@ -105,6 +106,7 @@ def test_describe_says_what_each_gpu_has():
     )
     assert "this host's NVLink only (fabric state 1); fabric handles not supported" in lines[1]
     assert "this host's NVLink only: no NVML here; fabric handles unknown (no CUDA driver here)" in lines[2]
+    assert lines[3] == "DEEP_EP_JAX_NVLINK_DOMAIN=rack3: this process's NVLink domain, in place of NVML's"
 
 
 def test_probes_answer_without_a_gpu():

@@ -162,4 +162,7 @@ def describe(pci_bus_ids, ordinals, fabric_info: Callable = nvml_fabric_info, ha
             f"GPU {ordinal} ({pci}): {where}; fabric handles {fabric} (peer memory: CUDA IPC within a host, "
             f"NVSHMEM's mapping across the hosts of a domain)"
         )
+    name = os.environ.get(DOMAIN_VAR, "").strip()
+    if name:
+        lines.append(f"{DOMAIN_VAR}={name}: this process's NVLink domain, in place of NVML's")
     return lines

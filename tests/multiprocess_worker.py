@@ -1323,12 +1323,16 @@ def case_hosts():
         mock.patch.object(multiprocess, "HOST_KEY_PREFIX", multiprocess.HOST_KEY_PREFIX + "/case_hosts"),
     ):
         found = multiprocess.places(timeout_s=30)
+        assert found == {p: (f"machine{p // 2}", topology.Domain(f"rack{p // 4}", 0)) for p in range(count)}, found
+        hosts, domains = [found[p][0] for p in range(count)], [found[p][1] for p in range(count)]
+        assert multiprocess.group_nodes(hosts) == [p // 2 for p in range(count)]
+        assert multiprocess.group_nodes(hosts, 1) == list(range(count))
+        assert multiprocess.group_nodes(hosts, 1, domains) == [p // 4 for p in range(count)]
+        # A Buffer cuts its group the same way: one node per domain, whatever the hosts.
+        _, _, mesh, _, _ = _one_rank_per_process()
+        buffer = dej.Buffer(mesh, AXIS, backend="xla", config=dej.Config(gpus_per_host=1))
+        assert buffer.num_nodes == -(-count // 4) and buffer.rank_hosts == tuple(p // 4 for p in range(count))
     multiprocess._places = saved
-    assert found == {p: (f"machine{p // 2}", topology.Domain(f"rack{p // 4}", 0)) for p in range(count)}, found
-    hosts, domains = [found[p][0] for p in range(count)], [found[p][1] for p in range(count)]
-    assert multiprocess.group_nodes(hosts) == [p // 2 for p in range(count)]
-    assert multiprocess.group_nodes(hosts, 1) == list(range(count))
-    assert multiprocess.group_nodes(hosts, 1, domains) == [p // 4 for p in range(count)]
 
 
 def _internode_mesh():

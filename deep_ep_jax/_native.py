@@ -68,6 +68,12 @@ def _arch_matches(compiled: list[str], compute_capability: str) -> bool:
     return False
 
 
+def _machine_code(compiled: list[str]) -> list[str]:
+    """The architectures of `compiled` with machine code (sm_*): all that the device-linked (-rdc)
+    NVSHMEM kernels carry, since device linking keeps no PTX."""
+    return [arch for arch in compiled if arch.startswith("sm_")]
+
+
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the CUDA backend cannot run here, or None if it can."""

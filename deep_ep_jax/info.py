@@ -40,9 +40,9 @@ def _coverage(module, capability: str) -> str:
     compiled = module.cuda_archs()
     if not _native._arch_matches(compiled, capability):
         return "NOT covered by this build (DEEP_EP_JAX_CUDA_ARCHS)"
-    machine_code = [arch for arch in compiled if arch.startswith("sm_")]
-    if getattr(module, "with_nvshmem", False) and not _native._arch_matches(machine_code, capability):
-        # Device-linked (-rdc): PTX does not reach the NVSHMEM kernels.
+    if getattr(module, "with_nvshmem", False) and not _native._arch_matches(
+        _native._machine_code(compiled), capability
+    ):
         return "covered by this build's PTX, but not its NVSHMEM kernels (machine code only)"
     return "covered by this build"
 

@@ -74,14 +74,14 @@ def places(timeout_s: float) -> dict:
     if _places is None:
         me = jax.process_index()
         gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
-        domain = topology.local_domain(gpus[0].local_hardware_id) if gpus else topology.local_domain(-1)
-        mine = (socket.gethostname(), domain)
-        publish(f"{HOST_KEY_PREFIX}/{me}", f"{mine[0]}\n{domain.key() if domain else ''}".encode())
-        found = {me: mine}
+        domain = topology.local_domain(gpus[0].local_hardware_id if gpus else None)
+        host = socket.gethostname()
+        publish(f"{HOST_KEY_PREFIX}/{me}", f"{host}\n{domain.key() if domain else ''}".encode())
+        found = {me: (host, domain)}
         for p in range(jax.process_count()):
             if p != me:
-                host, key = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the host of process {p}").decode().split("\n")
-                found[p] = (host, topology.Domain.from_key(key))
+                name, key = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the host of process {p}").decode().split("\n")
+                found[p] = (name, topology.Domain.from_key(key))
         _places = found
     return _places
 

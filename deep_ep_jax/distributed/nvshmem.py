@@ -68,7 +68,7 @@ def uncovered_gpu_reason(compiled, devices) -> str | None:
     """Why the NVSHMEM kernels cannot run on one of `devices`, or None: they are device-linked
     (-rdc), which keeps machine code only, so a GPU that the build covers with PTX alone (e.g.
     an H100 under an sm_80+PTX build) cannot load them, though the other kernels run there."""
-    machine_code = [arch for arch in compiled if arch.startswith("sm_")]
+    machine_code = _native._machine_code(compiled)
     for device in devices:
         capability = getattr(device, "compute_capability", None)
         if device.platform == "gpu" and capability and not _native._arch_matches(machine_code, capability):

@@ -120,14 +120,18 @@ def pci_bus_id(ordinal: int) -> str | None:
     return name.value.decode()
 
 
-def local_domain(ordinal: int, fabric_info: Callable = nvml_fabric_info) -> Domain | None:
-    """The NVLink domain across hosts of this process's GPU `ordinal`, None where its NVLink
-    stays within its host: DEEP_EP_JAX_NVLINK_DOMAIN when set (a name: the processes naming the
-    same one share a domain; "none": no domain), else NVML's fabric info."""
-    name = os.environ.get(DOMAIN_VAR, "").strip()
+def _domain_variable() -> str:
+    return os.environ.get(DOMAIN_VAR, "").strip()
+
+
+def local_domain(ordinal: int | None, fabric_info: Callable = nvml_fabric_info) -> Domain | None:
+    """The NVLink domain across hosts of this process's GPU `ordinal` (None: no GPU), None where
+    its NVLink stays within its host: DEEP_EP_JAX_NVLINK_DOMAIN when set (a name: the processes
+    naming the same one share a domain; "none": no domain), else NVML's fabric info."""
+    name = _domain_variable()
     if name:
         return None if name.lower() == "none" else Domain(name, 0)
-    pci = pci_bus_id(ordinal)
+    pci = None if ordinal is None else pci_bus_id(ordinal)
     info = fabric_info(pci) if pci else "no GPU"
     return info.domain() if isinstance(info, FabricInfo) else None
 
@@ -162,7 +166,7 @@ def describe(pci_bus_ids, ordinals, fabric_info: Callable = nvml_fabric_info, ha
             f"GPU {ordinal} ({pci}): {where}; fabric handles {fabric} (peer memory: CUDA IPC within a host, "
             f"NVSHMEM's mapping across the hosts of a domain)"
         )
-    name = os.environ.get(DOMAIN_VAR, "").strip()
+    name = _domain_variable()
     if name:
         lines.append(f"{DOMAIN_VAR}={name}: this process's NVLink domain, in place of NVML's")
     return lines

@@ -745,10 +745,13 @@ def case_shared_gpu_dropless():
     experts' scales), against the one-round layer sized for the worst case, bit
     for bit, each process checking its own rank, at capacities of one round
     and several (testing.scaled_experts: exact sums, so any order gives the
-    same bits). Prints each compiled program's temporary memory. With launch
-    --cpu, the xla backend (smaller hidden)."""
+    same bits); then x as an FP8 and a packed NVFP4 pair, against the
+    worst-case layer. Prints each compiled program's temporary memory. With
+    launch --cpu, the xla backend (smaller hidden)."""
     import oracle
-    from test_dropless import per_rank_layers
+    from test_dropless import check_pair_layers, exact_pair, pair_layers, per_rank_layers
+
+    from deep_ep_jax.config import ROW_FORMATS
 
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, max(4 * num_ranks, 16)
@@ -781,6 +784,18 @@ def case_shared_gpu_dropless():
                 np.testing.assert_array_equal(a, b, err_msg=f"{kind} capacity {capacity}: {name}")
             log(f"shared_gpu_dropless {kind} capacity {capacity}: {int(got[1][0])} rounds, ok")
     assert 1 in rounds_seen and max(rounds_seen) > 2, rounds_seen
+    several = num_ranks * tokens // 8
+    for fmt, packed in ((ROW_FORMATS[0], False), (ROW_FORMATS[2], True)):
+        quantized = pair_layers(buffer, num_experts, hidden, (several,))  # compiled once per format
+        for kind in ("random", "one_expert"):
+            idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
+            w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
+            scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
+            pair = map(np.asarray, exact_pair(rng, fmt, num_ranks * tokens, hidden, packed))
+            pair_args = tuple(map(put, (*pair, idx, w, scales)))
+            want = run(quantized["worst"], *pair_args)
+            check_pair_layers(run(quantized[several], *pair_args), want, f"{fmt.name} {kind}")
+            log(f"shared_gpu_dropless {fmt.name}{' packed' if packed else ''} {kind}: ok")
     for name, fn in layers.items():  # what each program needs besides its arguments and results
         temp = jax.jit(_per_rank(fn, mesh, AXIS, jit=False)).lower(*args).compile().memory_analysis().temp_size_in_bytes
         log(f"shared_gpu_dropless R={num_ranks} {name}: forward and backward temporaries {temp / 2**20:.1f} MiB")

@@ -19,6 +19,7 @@ from script_run import session_items, start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.config import ROW_FORMATS
 
 TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
 
@@ -100,6 +101,84 @@ def check_rounds(num_ranks, seed):
     assert 1 in rounds_seen and 2 in rounds_seen and max(rounds_seen) > 2, rounds_seen
     buffer.destroy()
     return rounds_seen
+
+
+def exact_pair(rng, fmt, num_tokens, hidden, packed):
+    """A pair of `fmt` holding small integers with power-of-two scales (every product and sum exact);
+    NVFP4's data packed two per byte (uint8 [T, H // 2]) where `packed`."""
+    values = rng.integers(-4, 5, (num_tokens, hidden)).astype(np.float32)  # in e4m3 and e2m1 alike
+    scales = 2.0 ** rng.integers(-2, 3, (num_tokens, hidden // fmt.block))
+    data, scales = jnp.asarray(values, fmt.data), jnp.asarray(scales, fmt.scales)
+    if packed:
+        data = jax.lax.bitcast_convert_type(data.reshape(num_tokens, hidden // 2, 2), jnp.uint8)
+    return data, scales
+
+
+def pair_experts(scales, recv_x, recv_topk_idx, recv_topk_weights):
+    """dt.scaled_experts on a quantized pair's rows, dequantized (packed NVFP4 unpacked first)."""
+    data, row_scales = recv_x
+    if data.dtype == jnp.uint8:
+        data = jax.lax.bitcast_convert_type(data, jnp.float4_e2m1fn).reshape(data.shape[0], -1)
+    block = data.shape[1] // row_scales.shape[1]
+    rows = data.astype(jnp.float32) * jnp.repeat(row_scales.astype(jnp.float32), block, axis=1)
+    return dt.scaled_experts(scales, rows, recv_topk_idx, recv_topk_weights)
+
+
+def pair_layers(buffer, num_experts, hidden, capacities):
+    """per_rank_layers for x a quantized pair: per-rank functions of (data, row_scales, idx, w, scales) ->
+    (out, dw, dscales, and dx where the data is floating: zeros, a pair carries no gradient), the
+    gradients those of sum(out * ramp), with pair_experts."""
+    ramp = jnp.arange(hidden, dtype=jnp.float32) % 7 - 3
+
+    def layer(capacity):
+        def run(data, row_scales, idx, w, scales):
+            def loss(w, scales, data):
+                if capacity == "worst":
+                    recv_x, recv_idx, recv_w, handle = dej.dispatch(
+                        (data, row_scales), idx, w, num_experts=num_experts, buffer=buffer
+                    )
+                    out = dej.combine(pair_experts(scales, recv_x, recv_idx, recv_w), handle, buffer=buffer)
+                else:
+                    out = dej.dropless_moe((data, row_scales), idx, w, pair_experts, scales, num_experts=num_experts,
+                                           buffer=buffer, capacity=capacity)  # fmt: skip
+                return jnp.sum(out.astype(jnp.float32) * ramp), out
+
+            argnums = (0, 1, 2) if jnp.issubdtype(data.dtype, jnp.floating) else (0, 1)
+            (_, out), grads = jax.value_and_grad(loss, argnums=argnums, has_aux=True)(w, scales, data)
+            return (out, *grads)
+
+        return run
+
+    return {c: layer(c) for c in ("worst", *capacities)}
+
+
+def check_pair_layers(got, want, what):
+    """A dropless pair layer's results equal the worst-case layer's bit for bit; x's pair got zeros."""
+    for name, a, b in zip(("out", "dw", "dscales", "dx"), got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), f"{what}: {name}")
+    if len(want) > 3:
+        assert not np.any(np.asarray(want[3], np.float32)), f"{what}: a pair's rows carry no gradient"
+
+
+@pytest.mark.parametrize("name,packed", [("FP8", False), ("MXFP8", False), ("NVFP4", False), ("NVFP4", True)])
+def test_dropless_moves_quantized_pairs(name, packed):
+    """dropless_moe with x a quantized pair (config.ROW_FORMATS; NVFP4 as float4 or packed bytes) equals
+    the worst-case layer bit for bit, forward and the gradients of the weights and the experts'
+    parameters, in one round and in several (one token per block)."""
+    num_ranks, num_experts, hidden = 4, 8, 128  # a pair's hidden: a multiple of 128
+    fmt = next(f for f in ROW_FORMATS if f.name == name)
+    mesh = Mesh(np.array(jax.devices("cpu")[:num_ranks]), ("ep",))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    layers = pair_layers(buffer, num_experts, hidden, (num_ranks * TOKENS, num_ranks))
+    layers = {k: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))) for k, f in layers.items()}
+    rng = np.random.default_rng(0)
+    for kind in ("random", "one_expert"):
+        _, idx, w, scales = exact_inputs(rng, num_ranks, num_experts, kind)
+        args = (*exact_pair(rng, fmt, num_ranks * TOKENS, hidden, packed), idx, w, scales)
+        want = layers["worst"](*args)
+        for capacity in (num_ranks * TOKENS, num_ranks):
+            check_pair_layers(layers[capacity](*args), want, f"{kind} capacity {capacity}")
+    buffer.destroy()
 
 
 def test_dropless_memory_scales_with_the_capacity():

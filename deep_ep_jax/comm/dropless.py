@@ -33,10 +33,12 @@ from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.normal import combine, dispatch_as
+from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import vary_over, vma
-from deep_ep_jax.config import is_int
+from deep_ep_jax.config import ROW_FORMATS, is_int
 
-# experts(params, recv_x bf16 [N, H], recv_topk_idx i32 [N, K], recv_topk_weights f32 [N, K]) -> bf16 [N, H]
+# experts(params, recv_x bf16 [N, H] (or x's pair), recv_topk_idx i32 [N, K], recv_topk_weights f32 [N, K])
+#   -> bf16 [N, H]
 Experts = Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -52,7 +54,7 @@ def default_capacity(num_tokens: int, num_topk: int, num_experts: int, num_ranks
 
 
 def dropless_moe(
-    x: jax.Array,
+    x: Rows,
     topk_idx: jax.Array,
     topk_weights: jax.Array,
     experts: Experts,
@@ -68,11 +70,14 @@ def dropless_moe(
     topk_idx[t, k] of x[t], as `experts` computes it.
 
     Per rank, inside `shard_map` over `buffer.axis_name`:
-      x: bf16 [T, H]; topk_idx: int32 [T, K] global expert ids, -1 for none;
+      x: bf16 [T, H], or a quantized pair as `dispatch` takes (FP8, MXFP8,
+        NVFP4: config.ROW_FORMATS), which carries no gradient;
+      topk_idx: int32 [T, K] global expert ids, -1 for none;
       topk_weights: float32 [T, K].
       experts(params, recv_x, recv_topk_idx, recv_topk_weights): this rank's
-        experts on received rows (bf16 [N, H], local ids int32 [N, K] with -1
-        for experts elsewhere and on padding rows, float32 [N, K]); returns
+        experts on received rows (bf16 [N, H] or x's pair, local ids int32
+        [N, K] with -1 for experts elsewhere and on padding rows, float32
+        [N, K]); returns
         bf16 [N, H], each row the weighted sum of its local experts' outputs.
         Rows must not depend on each other (padding rows may hold anything;
         their outputs are ignored). It runs once per round.
@@ -91,7 +96,7 @@ def dropless_moe(
     fn = "dropless_moe"
     v.check_buffer(buffer, fn)
     v.check_num_experts(num_experts, buffer, fn)
-    (x,), num_tokens, hidden = v.check_tokens(x, buffer, fn, allow_fp8=False)
+    xs, num_tokens, hidden = v.check_tokens(x, buffer, fn, formats=ROW_FORMATS)
     v.check_topk(topk_idx, topk_weights, num_tokens, num_experts, fn)
     return_rounds = v.check_bool(fn, "return_rounds", return_rounds)
     if not callable(experts):
@@ -115,8 +120,8 @@ def dropless_moe(
     # too, at half as much again as an even share, so that an uneven pair seldom takes another round.
     pair_rows = min(num_tokens, 3 * capacity // (2 * num_ranks)) if buffer.backend == "xla" else None
     token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows)
-    static = _Static(experts, buffer, num_experts, capacity, pair_rows)
-    out = _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
+    static = _Static(experts, buffer, num_experts, capacity, pair_rows, hidden)
+    out = _layer(static, xs[0] if len(xs) == 1 else xs, topk_weights, params, topk_idx, token_round, num_rounds)
     return (out, num_rounds) if return_rounds else out
 
 
@@ -184,9 +189,9 @@ def _exchange(rows, num_experts, buffer, hidden):
 class _Static:
     """What the rounds need besides arrays (hashed by identity, as custom_vjp's static argument)."""
 
-    def __init__(self, experts, buffer, num_experts, capacity, pair_rows):
+    def __init__(self, experts, buffer, num_experts, capacity, pair_rows, hidden):
         self.experts, self.buffer, self.num_experts, self.capacity = experts, buffer, num_experts, capacity
-        self.pair_rows = pair_rows
+        self.pair_rows, self.hidden = pair_rows, hidden
 
     def round_fn(self, topk_idx, token_round, k):
         """The layer's round k as a function of (x, topk_weights, params): its tokens' outputs, zeros elsewhere."""
@@ -232,9 +237,10 @@ def _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
     def body(k, out):
         return out + vary_over(static.round_fn(topk_idx, token_round, k)(x, topk_weights, params), vma(out))
 
-    # The rounds' outputs vary over the EP axis and every axis an input varies over.
+    # The rounds' outputs, bf16 [T, H], vary over the EP axis and every axis an input varies over.
     axes = set().union(*(vma(a) for a in jax.tree.leaves((x, topk_weights, params, topk_idx))))
-    return static.loop(num_rounds, body, _zeros_like(x, axes=axes | {static.buffer.axis_name}))
+    out = jnp.zeros((topk_idx.shape[0], static.hidden), jnp.bfloat16)
+    return static.loop(num_rounds, body, vary_over(out, axes | {static.buffer.axis_name}))
 
 
 def _layer_fwd(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
@@ -244,16 +250,26 @@ def _layer_fwd(static, x, topk_weights, params, topk_idx, token_round, num_round
 
 def _layer_bwd(static, residuals, g):
     x, topk_weights, params, topk_idx, token_round, num_rounds = residuals
+    quantized = isinstance(x, tuple)  # a pair's rows carry no gradient (as dispatch's)
 
     def body(k, grads):
-        _, vjp = jax.vjp(static.round_fn(topk_idx, token_round, k), x, topk_weights, params)
+        run = static.round_fn(topk_idx, token_round, k)
+        if quantized:
+            _, vjp = jax.vjp(lambda w, p: run(x, w, p), topk_weights, params)
+            dx, (dw, dparams) = grads[0], vjp(g)
+        else:
+            _, vjp = jax.vjp(run, x, topk_weights, params)
+            dx, dw, dparams = vjp(g)
+            dx = grads[0] + dx
         # Each token's gradients come from its one round (zeros elsewhere): their sums are exact.
-        dx, dw, dparams = vjp(g)
-        return (grads[0] + dx, grads[1] + dw, jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
+        return (dx, grads[1] + dw, jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
 
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
-    init = (_zeros_like(x), _zeros_like(topk_weights), jax.tree.map(lambda p: _zeros_like(p, wide(p)), params))
+    dx = () if quantized else _zeros_like(x)
+    init = (dx, _zeros_like(topk_weights), jax.tree.map(lambda p: _zeros_like(p, wide(p)), params))
     dx, dw, dparams = static.loop(num_rounds, body, init)
+    if quantized:  # integer rows (packed NVFP4) have no cotangent space: None stands for their zero
+        dx = tuple(_zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating) else None for a in x)
     return dx, dw, jax.tree.map(lambda d, p: d.astype(p.dtype), dparams, params), None, None, None
 
 

@@ -93,7 +93,14 @@ class Block(nnx.Module):
         self.attn = Attention(args.hidden, args.heads, rngs=rngs)
         self.moe_norm = nnx.RMSNorm(args.hidden, rngs=rngs)
         self.moe = MoE(
-            args.hidden, args.ffn, args.experts, args.top_k, buffer=buffer, rngs=rngs, expert_impl=args.expert_impl
+            args.hidden,
+            args.ffn,
+            args.experts,
+            args.top_k,
+            buffer=buffer,
+            rngs=rngs,
+            expert_impl=args.expert_impl,
+            dropless=args.dropless,
         )
 
     def __call__(self, x):
@@ -173,6 +180,8 @@ def check_model_args(args, mesh, batch_flag="--batch"):
         raise SystemExit(f"--experts {args.experts} must divide by the expert axis ({mesh.shape['expert']})")
     if not 1 <= args.top_k <= args.experts:
         raise SystemExit(f"--top-k {args.top_k} must be in [1, --experts {args.experts}]")
+    if args.dropless is not True and args.dropless is not False and args.dropless < 1:
+        raise SystemExit(f"--dropless {args.dropless} must be at least 1 (rows per rank per round)")
     if args.heads < 1 or args.hidden % args.heads:
         raise SystemExit(f"--hidden {args.hidden} must divide by --heads {args.heads}")
 
@@ -186,6 +195,7 @@ def train(args, progress: bool = True):
     print(
         f"devices: {mesh.size} x {jax.devices()[0].platform}, mesh {dict(mesh.shape)}, "
         f"backend {buffer.backend}, experts {args.expert_impl}"
+        + {False: "", True: ", dropless"}.get(args.dropless, f", dropless at {args.dropless} rows")
         + (", ragged_dot: pallas-triton" if fast_ragged_dot else "")
     )
     chain = MarkovChain(args.vocab, args.branching, args.seed)
@@ -255,6 +265,16 @@ def parse_args(argv=None):
         choices=EXPERT_IMPLS,
         default="ragged_dot",
         help="how the experts run (moe_layer.py): grouped = expert-major rows + grouped_matmul",
+    )
+    p.add_argument(
+        "--dropless",
+        nargs="?",
+        type=int,
+        const=True,
+        default=False,
+        metavar="ROWS",
+        help="the MoE through dropless_moe: receive buffers of ROWS rows per rank (default: dropless_moe's), "
+        "overflow in further rounds",
     )
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--aux-coef", type=float, default=0.01, help="weight of the load-balancing loss")

@@ -15,6 +15,10 @@ Three ways to run the experts (`expert_impl`):
   `combine` brings the rows back: no argsort, gather or scatter. `expert_rows` rows per rank
   (default: the worst case); pairs past
   them are dropped; `expert_rows_overflow` counts them.
+With `dropless=True` (or a capacity: rows per rank per round) the layer runs
+through `dropless_moe`: receive buffers sized to the load instead of the worst
+case, the overflow delivered in further rounds, no row dropped; the experts
+run on the received rows (any `expert_impl`; "grouped" through `expand`).
 With "grouped", `fp8=fp8_expert_weights(w_in, w_out, mesh=, axis_name=)` runs the experts'
 matmuls on FP8 operands (make the copies once per optimizer step and pass
 them to each of its micro-batches), and the rows travel to the experts as
@@ -49,6 +53,7 @@ from deep_ep_jax import (
     combine,
     dispatch,
     dispatch_expert_major,
+    dropless_moe,
     expand,
     grouped_matmul,
     grouped_matmul_reduce,
@@ -346,7 +351,7 @@ def expert_rows_overflow(
     return jnp.sum(counts - kept)
 
 
-def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None):
+def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None, dropless=False):
     """Raises on bad arguments; returns the alignment (None: default_expert_alignment())."""
     if alignment is None:
         alignment = default_expert_alignment()
@@ -354,6 +359,10 @@ def _check_expert_args(fn, impl, expert_rows, alignment, fp8=None):
         raise ValueError(f"{fn}: expert_impl must be one of {EXPERT_IMPLS}, got {impl!r}")
     if fp8 is not None and impl != "grouped":
         raise ValueError(f"{fn}: fp8 expert weights need expert_impl='grouped', got {impl!r}")
+    if not isinstance(dropless, bool) and (not isinstance(dropless, int) or dropless < 1):
+        raise ValueError(f"{fn}: dropless must be a bool or a positive int (rows per rank per round), got {dropless!r}")
+    if dropless is not False and fp8 is not None:
+        raise ValueError(f"{fn}: dropless with fp8 expert weights is not supported by this example")
     if expert_rows is not None and (
         not isinstance(expert_rows, int) or isinstance(expert_rows, bool) or expert_rows < 1
     ):
@@ -422,11 +431,23 @@ def moe_ffn(
     expert_rows=None,
     expert_alignment=None,
     fp8=None,
+    dropless=False,
 ):
     """One rank's MoE: dispatch, local experts, combine. x [T, H] -> bf16 [T, H].
-    expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn."""
-    expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8)
+    expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn.
+    dropless: True (dropless_moe's default capacity) or rows per rank per round:
+    dropless_moe runs dispatch, expert_ffn and combine in as many rounds as the
+    load needs."""
+    expert_alignment = _check_expert_args("moe_ffn", expert_impl, expert_rows, expert_alignment, fp8, dropless)
     x = x.astype(jnp.bfloat16)
+    if dropless is not False:
+        experts = functools.partial(
+            _dropless_experts, impl=expert_impl, capacity=capacity, expert_rows=expert_rows, alignment=expert_alignment
+        )
+        rows = None if dropless is True else dropless
+        return dropless_moe(
+            x, topk_idx, topk_weights, experts, (w_in, w_out), num_experts=num_experts, buffer=buffer, capacity=rows
+        )
     if expert_impl == "grouped":
         # Received pairs land grouped by local expert: no sort, gather or scatter here.
         expert_x, layout, recv_weights, handle = dispatch_expert_major(
@@ -453,6 +474,14 @@ def moe_ffn(
     recv_x, recv_idx, recv_weights, handle = dispatch(x, topk_idx, topk_weights, num_experts=num_experts, buffer=buffer)
     expert_out = expert_ffn(recv_x, recv_idx, recv_weights, w_in, w_out, impl=expert_impl, capacity=capacity)
     return combine(expert_out, handle, buffer=buffer)
+
+
+def _dropless_experts(params, recv_x, recv_topk_idx, recv_topk_weights, *, impl, capacity, expert_rows, alignment):
+    """dropless_moe's experts: expert_ffn on a round's received rows, params = (w_in, w_out)."""
+    return expert_ffn(
+        recv_x, recv_topk_idx, recv_topk_weights, *params, impl=impl, capacity=capacity, expert_rows=expert_rows,
+        expert_alignment=alignment,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -489,11 +518,12 @@ def moe_apply(
     expert_rows=None,
     expert_alignment=None,
     fp8=None,
+    dropless=False,
 ):
     """The whole layer on global arrays. x [..., H] -> (y like x, aux_loss).
     expert_impl, capacity, expert_rows, expert_alignment, fp8: see expert_ffn
     (expert_rows: per rank; fp8: fp8_expert_weights(w_in, w_out, mesh=buffer.mesh,
-    axis_name=buffer.axis_name))."""
+    axis_name=buffer.axis_name)); dropless: see moe_ffn."""
     mesh, num_experts = buffer.mesh, router_kernel.shape[-1]
     shape = x.shape
     x = x.reshape(-1, shape[-1])
@@ -516,6 +546,7 @@ def moe_apply(
                 expert_rows=expert_rows,
                 expert_alignment=expert_alignment,
                 fp8=fp8,
+                dropless=dropless,
             ),
             mesh=mesh,
             in_specs=(tokens, tokens, tokens, experts, experts) + ((experts,) if fp8 is not None else ()),
@@ -546,13 +577,15 @@ class MoE(nnx.Module):
         capacity: int | None = None,
         expert_rows: int | None = None,
         expert_alignment: int | None = None,
+        dropless: bool | int = False,
     ):
         if num_experts % buffer.num_ranks:
             raise ValueError(f"MoE: num_experts {num_experts} must divide by the {buffer.num_ranks} expert ranks")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k {top_k} must be in [1, num_experts={num_experts}]")
-        _check_expert_args("MoE", expert_impl, expert_rows, expert_alignment)
+        _check_expert_args("MoE", expert_impl, expert_rows, expert_alignment, dropless=dropless)
         self.top_k = top_k
+        self.dropless = dropless
         self.buffer = buffer
         self.expert_impl, self.capacity = expert_impl, capacity
         self.expert_rows, self.expert_alignment = expert_rows, expert_alignment
@@ -573,4 +606,5 @@ class MoE(nnx.Module):
             capacity=self.capacity,
             expert_rows=self.expert_rows,
             expert_alignment=self.expert_alignment,
+            dropless=self.dropless,
         )

@@ -103,6 +103,48 @@ def check_rounds(num_ranks, seed):
     return rounds_seen
 
 
+def psums_in_loops(jaxpr, axis, inside=False):
+    """How many psums over `axis` stand inside a loop of `jaxpr` (a ClosedJaxpr's .jaxpr), at any depth."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        looped = inside or eqn.primitive.name == "while"
+        if inside and eqn.primitive.name.startswith("psum") and axis in str(eqn.params.get("axes", ())):
+            count += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    count += psums_in_loops(sub, axis, looped)
+    return count
+
+
+def test_dropless_on_a_data_by_expert_mesh():
+    """EP groups along a data axis that need different rounds (one routes every token to one expert, the
+    other nothing): every device runs the same rounds; the experts' parameters (replicated over both axes)
+    get their gradient summed over the data axis once, after the rounds, not in each (a psum per round would
+    also pair one group's round with another's); results equal the worst-case layer's bit for bit."""
+    num_experts, capacity = 8, 4
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "ep"))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    tokens = P(("data", "ep"))
+    programs = {}
+    for name, layer in per_rank_layers(buffer, num_experts, HIDDEN, [capacity]).items():
+        per_rank = lambda *a, layer=layer: (lambda r: (*r[:4], r[4][None]))(layer(*a))  # noqa: E731
+        programs[name] = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(tokens,) * 3 + (P(),), out_specs=tokens))
+    rng = np.random.default_rng(1)
+    _, idx, w, scales = exact_inputs(rng, 4, num_experts, "one_expert")
+    x = rng.integers(-4, 5, (8 * TOKENS, HIDDEN)).astype(jnp.bfloat16)
+    idx = np.concatenate([idx, np.full_like(idx, -1)])
+    w = np.concatenate([w, w])
+    assert psums_in_loops(jax.make_jaxpr(programs[capacity])(x, idx, w, scales).jaxpr, "data") == 0
+    got, want = programs[capacity](x, idx, w, scales), programs["worst"](x, idx, w, scales)
+    rounds = set(np.asarray(got[1]).tolist())
+    assert len(rounds) == 1 and rounds.pop() > 1, np.asarray(got[1])  # the idle group's too
+    for name, a, b in zip(("out", "dx", "dw", "dscales"), got[:1] + got[2:], want[:1] + want[2:]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    buffer.destroy()
+
+
 def exact_pair(rng, fmt, num_tokens, hidden, packed):
     """A pair of `fmt` holding small integers with power-of-two scales (every product and sum exact);
     NVFP4's data packed two per byte (uint8 [T, H // 2]) where `packed`."""

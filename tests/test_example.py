@@ -368,28 +368,30 @@ def _layer_inputs(layer_seed, x_seed, hidden=H):
     return buffer, x, (layer.router[...], layer.w_in[...], layer.w_out[...])
 
 
-def _layer_and_grads_fn(buffer, x, impl, use_fp8=False):
+def _layer_and_grads_fn(buffer, x, impl, use_fp8=False, dropless=False):
     """(router, w_in, w_out) -> moe_apply's output and the gradients of sum(sin(output)) for them;
-    use_fp8: with the weights' FP8 copies made inside."""
+    use_fp8: with the weights' FP8 copies made inside; dropless: moe_apply's."""
 
     def apply(router, w_in, w_out):
         fp8 = ml.fp8_expert_weights(w_in, w_out, mesh=buffer.mesh, axis_name=buffer.axis_name) if use_fp8 else None
-        return ml.moe_apply(x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8)[0]
+        return ml.moe_apply(
+            x, router, w_in, w_out, top_k=2, buffer=buffer, expert_impl=impl, fp8=fp8, dropless=dropless
+        )[0]
 
     loss = lambda *p: jnp.sum(jnp.sin(apply(*p)))
     return lambda *p: (apply(*p), jax.grad(loss, argnums=(0, 1, 2))(*p))
 
 
 @functools.cache
-def _jitted_layer_and_grads(buffer, impl, use_fp8):
+def _jitted_layer_and_grads(buffer, impl, use_fp8, dropless):
     """(x, router, w_in, w_out) -> _layer_and_grads_fn's results, jitted once per layer: x an argument, so
     that the tests of one buffer and expert path share its compile."""
-    return jax.jit(lambda x, *params: _layer_and_grads_fn(buffer, x, impl, use_fp8)(*params))
+    return jax.jit(lambda x, *params: _layer_and_grads_fn(buffer, x, impl, use_fp8, dropless)(*params))
 
 
-def _layer_and_grads(buffer, x, params, impl, use_fp8=False):
+def _layer_and_grads(buffer, x, params, impl, use_fp8=False, dropless=False):
     """_layer_and_grads_fn's results on params, under one jit."""
-    return _jitted_layer_and_grads(buffer, impl, use_fp8)(x, *params)
+    return _jitted_layer_and_grads(buffer, impl, use_fp8, dropless)(x, *params)
 
 
 @functools.cache
@@ -406,6 +408,19 @@ def test_moe_module_matches_ragged_dot(impl):
     _assert_close(y_impl, y_rag, f"{impl}: layer output", rel=1e-2)
     for name, a, b in zip(("router", "w_in", "w_out"), g_impl, g_rag):
         _assert_close(a, b, f"{impl}: layer grad {name}", rel=1e-2)
+
+
+@pytest.mark.parametrize("dropless", [True, 4])
+def test_moe_module_dropless_matches_ragged_dot(dropless):
+    """The layer through dropless_moe (its default capacity: one round; 4 rows per rank: a token per
+    block, many rounds) against the one-round layer: the same forward and router gradient; the experts'
+    weights' gradients within bf16's rounding (made in bf16 per round, summed over rounds)."""
+    buffer, x, params = _layer_inputs(1, 9)
+    y, grads = _layer_and_grads(buffer, x, params, "ragged_dot", dropless=dropless)
+    y_rag, g_rag = _ragged_dot_layer()
+    _assert_close(y, y_rag, f"dropless={dropless}: layer output", rel=1e-5)
+    for name, a, b, rel in zip(("router", "w_in", "w_out"), grads, g_rag, (1e-5, 1e-2, 1e-2)):
+        _assert_close(a, b, f"dropless={dropless}: layer grad {name}", rel=rel)
 
 
 @pytest.mark.parametrize("hidden", [H, 128])
@@ -621,6 +636,7 @@ BAD_MODEL_OPTIONS = [
     ("moe_flax.py", ["--batch", "12"], "--batch 12 must divide by the 8 devices"),
     ("moe_decode.py", ["--train-batch", "12"], "--train-batch 12 must divide by the 8 devices"),
     ("moe_flax.py", ["--seq-len", "0"], "--seq-len 0 must be at least 1"),
+    ("moe_flax.py", ["--dropless", "0"], "--dropless 0 must be at least 1 (rows per rank per round)"),
     ("moe_flax.py", ["--branching", "129"], "--branching 129 must be at most --vocab 128 (distinct successors)"),
     ("moe_decode.py", ["--experts", "6"], "--experts 6 must divide by the expert axis (4)"),
     ("moe_decode.py", ["--batch", "3"], "--batch 3 must be a positive even number (two micro-batches)"),

@@ -120,6 +120,11 @@ def dropless_moe(
     # too, at half as much again as an even share, so that an uneven pair seldom takes another round.
     pair_rows = min(num_tokens, 3 * capacity // (2 * num_ranks)) if buffer.backend == "xla" else None
     token_round, num_rounds = _rounds(topk_idx, num_experts, buffer, capacity, block, hidden, pair_rows)
+    # Every device of the shard_map runs as many rounds (EP groups along other axes load differently):
+    # a collective of the experts' or of the backward over other axes then meets its peers each round.
+    others = tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - {buffer.axis_name}))
+    if others:
+        num_rounds = lax.pmax(num_rounds, others)
     static = _Static(experts, buffer, num_experts, capacity, pair_rows, hidden)
     out = _layer(static, xs[0] if len(xs) == 1 else xs, topk_weights, params, topk_idx, token_round, num_rounds)
     return (out, num_rounds) if return_rounds else out
@@ -251,6 +256,12 @@ def _layer_fwd(static, x, topk_weights, params, topk_idx, token_round, num_round
 def _layer_bwd(static, residuals, g):
     x, topk_weights, params, topk_idx, token_round, num_rounds = residuals
     quantized = isinstance(x, tuple)  # a pair's rows carry no gradient (as dispatch's)
+    # The rounds differentiate float32 copies of the parameters that vary over every mesh axis: the sum
+    # over the axes they do not vary over (a psum, the transpose of that cast) runs once, after the rounds.
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
+    wide_params, to_params = jax.vjp(lambda p: jax.tree.map(lambda a: vary_over(a.astype(wide(a)), manual), p), params)
+    params = jax.tree.map(lambda a, p: a.astype(p.dtype), wide_params, params)
 
     def body(k, grads):
         run = static.round_fn(topk_idx, token_round, k)
@@ -264,13 +275,13 @@ def _layer_bwd(static, residuals, g):
         # Each token's gradients come from its one round (zeros elsewhere): their sums are exact.
         return (dx, grads[1] + dw, jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
 
-    wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
     dx = () if quantized else _zeros_like(x)
-    init = (dx, _zeros_like(topk_weights), jax.tree.map(lambda p: _zeros_like(p, wide(p)), params))
+    init = (dx, _zeros_like(topk_weights), jax.tree.map(_zeros_like, wide_params))
     dx, dw, dparams = static.loop(num_rounds, body, init)
     if quantized:  # integer rows (packed NVFP4) have no cotangent space: None stands for their zero
         dx = tuple(_zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating) else None for a in x)
-    return dx, dw, jax.tree.map(lambda d, p: d.astype(p.dtype), dparams, params), None, None, None
+    (dparams,) = to_params(dparams)
+    return dx, dw, dparams, None, None, None
 
 
 _layer.defvjp(_layer_fwd, _layer_bwd)

@@ -362,7 +362,7 @@ void SetSequenceForTesting(int64_t buffer_id, int64_t seq) {
       "set_sequence_for_testing", buffer_id,
       [value](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-        if (s.nvshmem) return internode::SetSequenceForTesting(s.normal.local, s.num_ranks, value);
+        if (s.nvshmem && s.num_nodes > 1) return internode::SetSequenceForTesting(s.normal.local, s.num_ranks, value);
 #endif
         return intranode::SetSequenceForTesting(s.normal.local, value);
       },
@@ -377,7 +377,7 @@ void MarkCallRunningForTesting(int64_t buffer_id) {
       "mark_call_running_for_testing", buffer_id,
       [](const DeviceState& s) {
 #ifdef DEEP_EP_JAX_WITH_NVSHMEM
-        if (s.nvshmem) return internode::MarkCallRunningForTesting(s.normal.local);
+        if (s.nvshmem && s.num_nodes > 1) return internode::MarkCallRunningForTesting(s.normal.local);
 #endif
         return intranode::MarkCallRunningForTesting(s.normal.local);
       },

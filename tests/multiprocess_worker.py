@@ -15,6 +15,8 @@ Cases (run in the order given; each process prints "CASE <name> OK"):
                every rank must fail at once with the kernels' launch-mismatch message
                (one host: intranode kernels; with DEEP_EP_JAX_GPUS_PER_HOST=1: internode)
   hosts        the hostname exchange and the host decision (CPU or GPU)
+  nvshmem_outcome  an NVSHMEM Buffer whose making fails on process 1 alone (stood in for): every
+               process raises naming it; made on all, every process has it (CPU)
   shared_gpu   with launch --ranks-per-gpu K: CUDA normal and low-latency mode against
                tests/oracle.py, each process checking its own rank (no XLA collective:
                NCCL refuses two ranks on one GPU); with --cpu, the xla backend;
@@ -79,7 +81,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 import deep_ep_jax as dej  # noqa: E402
 from deep_ep_jax import testing as dt  # noqa: E402
 from deep_ep_jax.config import ROW_FORMATS  # noqa: E402
-from deep_ep_jax.distributed import multiprocess, topology  # noqa: E402
+from deep_ep_jax.distributed import multiprocess, nvshmem, topology  # noqa: E402
 
 AXIS = "ep"
 _per_rank = dt.per_rank
@@ -751,8 +753,6 @@ def case_shared_gpu_dropless():
     import oracle
     from test_dropless import check_pair_layers, exact_pair, pair_layers, per_rank_layers
 
-    from deep_ep_jax.config import ROW_FORMATS
-
     platform, num_ranks, mesh, rank, rng = _one_rank_per_process()
     tokens, hidden, topk, num_experts = 64, 7168 if platform == "gpu" else 256, 8, max(4 * num_ranks, 16)
     buffer = _shared_buffer(platform, mesh, hidden, num_experts)
@@ -1350,6 +1350,42 @@ def case_hosts():
     multiprocess._places = saved
 
 
+def case_nvshmem_outcome():
+    """lifecycle.allocate_nvshmem with NVSHMEM stood in for: the C++ making fails on process 1 only (as
+    when NVSHMEM cannot map a peer, after the collective allocation); every process must raise naming
+    process 1 and its message, not only process 1. Then made on every process: each gets its id."""
+    from unittest import mock
+
+    from deep_ep_jax.backends.cuda import lifecycle
+
+    _, _, mesh, _, _ = _one_rank_per_process()
+    me = jax.process_index()
+
+    def create(device, rank, pes, nodes, *sizes, fail):
+        if fail and me == 1:
+            raise RuntimeError("deep_ep_jax: NVSHMEM cannot map rank 0 (stood in)")
+        return 7
+
+    for fail in (True, False):
+        buffer = dej.Buffer(mesh, AXIS, backend="xla")
+        buffer.store_key = f"{multiprocess.next_buffer_name()}/case_nvshmem_outcome"
+        groups = [[d.local_hardware_id if d.process_index == me else -1 for d in mesh.devices.flat]]
+        with (
+            mock.patch.object(nvshmem, "unavailable_reason", return_value=None),
+            mock.patch.object(nvshmem, "check_one_gpu_per_process"),
+            mock.patch.object(nvshmem, "initialize"),
+            mock.patch.object(nvshmem, "track"),
+            mock.patch.object(lifecycle, "_check_fits_device"),
+            mock.patch.object(lifecycle, "create_nvshmem_buffer", functools.partial(create, fail=fail)),
+        ):
+            try:
+                lifecycle.allocate_nvshmem(buffer, groups, [[0] * len(groups[0])], None, None, normal=False)
+                assert not fail and buffer.buffer_id == 7, (fail, buffer.buffer_id)
+            except RuntimeError as e:
+                assert fail and "failed on process(es) [1]; process 1: RuntimeError: " in str(e), e
+                assert "stood in" in str(e) and buffer.buffer_id is None, e
+
+
 def _internode_mesh():
     assert dej.Config().gpus_per_host == 1, "run with DEEP_EP_JAX_GPUS_PER_HOST=1"
     return _gpu_mesh()
@@ -1572,6 +1608,7 @@ CASES = {
     "launch_mismatch": case_launch_mismatch,
     "digest": case_digest,
     "hosts": case_hosts,
+    "nvshmem_outcome": case_nvshmem_outcome,
     "shared_gpu": case_shared_gpu,
     "shared_gpu_wrap": case_shared_gpu_wrap,
     "mesh_order": case_mesh_order,

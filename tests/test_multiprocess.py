@@ -56,7 +56,7 @@ def _launch(num_processes, args, *, devices_per_process=1, timeout=120, launcher
 @needs_cpu_collectives
 @pytest.mark.parametrize("num_processes,devices_per_process", [(2, 1), (2, 2), (4, 1)])
 def test_reference_backend_across_processes(num_processes, devices_per_process):
-    cases = ["reference", "exchange", "hosts"] if devices_per_process == 1 else ["reference"]
+    cases = ["reference", "exchange", "hosts", "nvshmem_outcome"] if devices_per_process == 1 else ["reference"]
     code, output, _ = _launch(num_processes, [WORKER, *cases], devices_per_process=devices_per_process)
     assert code == 0, output[-4000:]
     for rank in range(num_processes):

@@ -60,6 +60,43 @@ def test_buffer_decides_hosts_from_config():
     assert lifecycle.group_places(buffer, False)[0] == [[0] * 8]
 
 
+def _allocate_choosing(monkeypatch, buffer, places=None):
+    """lifecycle.allocate up to its choice of memory, on CPU: {"nvshmem": nodes} where it picks NVSHMEM,
+    else {"local": groups}; places (optional) stands in for lifecycle.group_places' (nodes, hosts)."""
+    chosen = {}
+    monkeypatch.setattr(lifecycle, "register_ffi_targets", lambda: None)
+    monkeypatch.setattr(lifecycle, "check_config", lambda config, limits: None)
+    monkeypatch.setattr(lifecycle, "check_group_size", lambda num_ranks, limits: None)
+    monkeypatch.setattr(_native, "limits", lambda: {})
+    monkeypatch.setattr(lifecycle, "normal_mode_serves", lambda num_ranks, spans_hosts, low_latency: True)
+    monkeypatch.setattr(lifecycle, "allocate_nvshmem", lambda b, groups, nodes, *a: chosen.update(nvshmem=nodes))
+    monkeypatch.setattr(lifecycle, "create_buffer", lambda groups, *a: chosen.update(local=groups) or 1)
+    monkeypatch.setattr(lifecycle, "_check_fits_device", lambda regions, device: None)
+    if places is not None:
+        monkeypatch.setattr(lifecycle, "group_places", lambda b, spans: places)
+    lifecycle.allocate(buffer, 1 << 20, 0)
+    return chosen
+
+
+def test_nodes_within_one_host_use_nvshmem(monkeypatch):
+    """A host cut into nodes (Config.gpus_per_nvlink_domain, or NVML's cliques) runs the internode kernels,
+    whose memory is NVSHMEM's, though every rank is on one host; one node on one host does not."""
+    buffer = _xla_buffer(8, config=dej.Config(gpus_per_nvlink_domain=4))
+    assert _allocate_choosing(monkeypatch, buffer) == {"nvshmem": [[0, 0, 0, 0, 1, 1, 1, 1]]}
+    assert buffer.spans_hosts and buffer.nvshmem
+    buffer = _xla_buffer(8)
+    assert "local" in _allocate_choosing(monkeypatch, buffer) and not (buffer.spans_hosts or buffer.nvshmem)
+
+
+def test_refuses_groups_cut_unlike(monkeypatch):
+    """One EP group over two nodes beside one within a node: one program's kernels cannot serve both."""
+    devices = np.array(jax.devices("cpu")[:8]).reshape(2, 4)
+    buffer = dej.Buffer(jax.sharding.Mesh(devices, ("data", AXIS)), AXIS, backend="xla")
+    places = ([[0, 0, 1, 1], [0, 0, 0, 0]], [[0, 0, 1, 1], [0, 0, 0, 0]])
+    with pytest.raises(NotImplementedError, match=r"some EP groups of the mesh span several nodes and others one"):
+        _allocate_choosing(monkeypatch, buffer, places)
+
+
 # Refusals --------------------------------------------------------------------
 
 

@@ -36,6 +36,9 @@ ffi::Error Prepare(const char* fn, ffi::Buffer<ffi::S32> order, ffi::Result<ffi:
                            " (low-latency mode: " + Str(kMaxGroupRanks) + ")");
   }
   if ((*state)->normal.local == nullptr) return Invalid(fn, "buffer " + Str(buffer_id) + " has no normal-mode region");
+  if ((*state)->nvshmem && (*state)->num_nodes != 1) {  // several nodes: the internode kernels' buffer
+    return Invalid(fn, "buffer " + Str(buffer_id) + " spans " + Str((*state)->num_nodes) + " nodes");
+  }
   DEEP_EP_JAX_RETURN_IF_ERROR(
       CheckLaunchKnobs(fn, num_sms, intranode::kMaxBlocks, num_warps, intranode::kMaxWarps, timeout_ns));
   if (chunk_tokens < 1 || chunk_tokens > INT_MAX) {

@@ -67,22 +67,28 @@ def fetch(key: str, timeout_s: float, what: str) -> bytes:
         ) from e
 
 
+def from_every_process(key: str, value: bytes, timeout_s: float, what: str) -> list[bytes]:
+    """Publishes this process's value under key/<process index> and returns every process's, in process
+    order (TimeoutError naming `what` of a process that does not publish within timeout_s)."""
+    me = jax.process_index()
+    publish(f"{key}/{me}", value)
+    fetched = (
+        fetch(f"{key}/{p}", timeout_s, f"{what} of process {p}") if p != me else value
+        for p in range(jax.process_count())
+    )
+    return list(fetched)
+
+
 def places(timeout_s: float) -> dict:
     """{process index: (hostname, topology.Domain or None)} of every process, traded once per
     process: its host, and the NVLink domain across hosts of its first GPU (topology.local_domain)."""
     global _places
     if _places is None:
-        me = jax.process_index()
         gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
         domain = topology.local_domain(gpus[0].local_hardware_id if gpus else None)
-        host = socket.gethostname()
-        publish(f"{HOST_KEY_PREFIX}/{me}", f"{host}\n{domain.key() if domain else ''}".encode())
-        found = {me: (host, domain)}
-        for p in range(jax.process_count()):
-            if p != me:
-                name, key = fetch(f"{HOST_KEY_PREFIX}/{p}", timeout_s, f"the host of process {p}").decode().split("\n")
-                found[p] = (name, topology.Domain.from_key(key))
-        _places = found
+        mine = f"{socket.gethostname()}\n{domain.key() if domain else ''}".encode()
+        found = [v.decode().split("\n") for v in from_every_process(HOST_KEY_PREFIX, mine, timeout_s, "the host")]
+        _places = {p: (host, topology.Domain.from_key(key)) for p, (host, key) in enumerate(found)}
     return _places
 
 

@@ -147,7 +147,7 @@ def _finalize_at_exit() -> None:
     finalize would wait for it forever: skipped."""
     global _initialized_device
     clean = True
-    for buffer in list(_live_buffers):
+    for buffer in sorted(_live_buffers, key=lambda b: b.store_key):  # the same order on every process
         try:
             buffer.destroy()
         except Exception as e:  # noqa: BLE001 (at exit: report, carry on)

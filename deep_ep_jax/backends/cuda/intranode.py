@@ -51,7 +51,8 @@ def _check_region(fn, buffer, num_rows, row_bytes, num_topk, num_chunks):
         num_rows, row_bytes[0], row_bytes[1], num_topk, num_chunks, buffer.num_ranks
     )
     if buffer.num_nvl_bytes < need:
-        mode = "a multi-process buffer (staged)" if buffer.ipc else "staged mode (DEEP_EP_JAX_STAGED=1)"
+        multi = buffer.ipc or buffer.nvshmem
+        mode = "a multi-process buffer (staged)" if multi else "staged mode (DEEP_EP_JAX_STAGED=1)"
         raise ValueError(
             f"{fn}: {mode} needs a normal region of at least {need} bytes for "
             f"{num_rows} rows of {sum(row_bytes)} bytes and top-k {num_topk}; the buffer has num_nvl_bytes="

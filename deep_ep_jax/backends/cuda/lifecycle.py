@@ -221,8 +221,14 @@ def allocate(buffer, num_nvl_bytes, num_rdma_bytes) -> None:
     # Decided from what every process knows alike, so all take the same path.
     nodes, hosts = group_places(buffer, spans_processes)
     buffer.spans_hosts = any(len(set(n)) > 1 for n in nodes)
-    # Peer memory across hosts (several nodes, or one NVLink domain over several hosts): NVSHMEM's.
-    buffer.nvshmem = any(len(set(h)) > 1 for h in hosts)
+    if buffer.spans_hosts and not all(len(set(n)) > 1 for n in nodes):
+        raise NotImplementedError(
+            f"Buffer(backend='cuda'): some EP groups of the mesh span several nodes and others one ({nodes}); "
+            f"one program's kernels serve every group: cut them alike (Config.gpus_per_host, "
+            f"Config.gpus_per_nvlink_domain, or a mesh whose EP groups sit alike on the hosts)"
+        )
+    # Peer memory across nodes, or across the hosts of one NVLink domain: NVSHMEM's.
+    buffer.nvshmem = buffer.spans_hosts or any(len(set(h)) > 1 for h in hosts)
     if buffer.spans_hosts:  # this process's group (its first): what its kernels and the reference model
         buffer.rank_hosts = tuple(next(n for n, g in zip(nodes, all_groups) if any(d >= 0 for d in g)))
     normal = normal_mode_serves(buffer.num_ranks, buffer.spans_hosts, buffer.low_latency_mode)
@@ -305,9 +311,27 @@ def allocate_nvshmem(buffer, all_groups, nodes, num_nvl_bytes, num_rdma_bytes, n
         device, buffer.num_nvl_bytes + buffer.num_rdma_bytes + buffer.num_send_bytes, buffer.config.timeout_s
     )
     pes = [d.process_index for d in device_grid(buffer)[g]]
-    buffer.buffer_id = create_nvshmem_buffer(
-        device, r, pes, nodes[g], buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.num_send_bytes
+    error = "ok"
+    try:
+        buffer_id = create_nvshmem_buffer(
+            device, r, pes, nodes[g], buffer.num_nvl_bytes, buffer.num_rdma_bytes, buffer.num_send_bytes
+        )
+    except Exception as e:  # noqa: BLE001 (told to every process below, then raised)
+        error = f"{type(e).__name__}: {e}"
+    # A process can fail after the collective allocation (a peer NVSHMEM cannot map): all learn it and
+    # raise now, instead of the others waiting for it in their first call.
+    outcomes = multiprocess.from_every_process(
+        f"{buffer.store_key}/created", error.encode(), buffer.config.timeout_s, "the NVSHMEM buffer's outcome"
     )
+    failed = {p: e.decode() for p, e in enumerate(outcomes) if e != b"ok"}
+    if failed:
+        first = min(failed)
+        raise RuntimeError(
+            f"Buffer(backend='cuda'): making the NVSHMEM buffer failed on process(es) {sorted(failed)}; process "
+            f"{first}: {failed[first]}. Its symmetric memory stays until the processes exit (NVSHMEM frees "
+            f"collectively)"
+        )
+    buffer.buffer_id = buffer_id
     nvshmem.track(buffer)
 
 

@@ -88,6 +88,10 @@ def dropless_moe(
       return_rounds: also return the number of rounds (int32 [], the same on
         every rank; more than 1 means the load exceeded `capacity` somewhere).
 
+    A collective over every manual axis of the shard_map, not only the EP
+    axis: each device runs the busiest EP group's rounds (a scalar pmax), so
+    every device must call it, as any collective.
+
     Returns bf16 [T, H]: equal bit for bit to dispatch (worst case), experts,
     combine; so are the gradients of x and topk_weights. The parameters'
     gradient is summed over rounds in float32: with several rounds it may

@@ -145,6 +145,64 @@ def test_dropless_on_a_data_by_expert_mesh():
     buffer.destroy()
 
 
+def test_experts_may_close_over_what_is_differentiated():
+    """experts that close over the arrays being differentiated (the scales captured by a lambda, not passed
+    as params) get the same output and the same gradient for them as through params: dropless_moe hoists
+    them (jax.closure_convert). On a data x expert mesh whose groups take different rounds, under jit."""
+    num_experts = 8
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "ep"))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    tokens = P(("data", "ep"))
+
+    def layer(closed):
+        def loss(x, idx, w, scales):
+            if closed:
+                experts = lambda params, *rows: dt.scaled_experts(scales, *rows)  # noqa: E731
+                out = dej.dropless_moe(x, idx, w, experts, None, num_experts=num_experts, buffer=buffer, capacity=4)
+            else:
+                out = dej.dropless_moe(x, idx, w, dt.scaled_experts, scales, num_experts=num_experts, buffer=buffer,
+                                       capacity=4)  # fmt: skip
+            return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * jnp.arange(HIDDEN)), ("data", "ep"))
+
+        per_rank = jax.shard_map(loss, mesh=mesh, in_specs=(tokens,) * 3 + (P(),), out_specs=P())
+        return jax.jit(jax.value_and_grad(per_rank, argnums=(0, 2, 3)))
+
+    rng = np.random.default_rng(2)
+    _, idx, w, scales = exact_inputs(rng, 4, num_experts, "one_expert")
+    x = rng.integers(-4, 5, (8 * TOKENS, HIDDEN)).astype(jnp.bfloat16)
+    idx, w = np.concatenate([idx, np.full_like(idx, -1)]), np.concatenate([w, w])
+    (got, got_grads), (want, want_grads) = layer(True)(x, idx, w, scales), layer(False)(x, idx, w, scales)
+    np.testing.assert_array_equal(got, want)
+    for name, a, b in zip(("x", "topk_weights", "scales"), got_grads, want_grads):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    assert np.any(np.asarray(got_grads[2]) != 0)
+    buffer.destroy()
+
+
+@pytest.mark.parametrize(
+    "bad,got",
+    [
+        (lambda rows: rows[:-1], r"bfloat16 \(63, 64\)"),
+        (lambda rows: rows.astype(jnp.float32), r"float32 \(64, 64\)"),
+        (lambda rows: rows[:, :32], r"bfloat16 \(64, 32\)"),
+        (lambda rows: (rows, rows), "tuple"),
+    ],
+)
+def test_experts_returning_other_rows_raise_naming_experts(bad, got):
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("ep",))
+    buffer = dej.Buffer(mesh, "ep", backend="xla")  # no hidden=: the rows' width is x's
+    experts = lambda params, rows, idx, w: bad(rows)  # noqa: E731
+
+    def layer(x, idx, w):
+        return dej.dropless_moe(x, idx, w, experts, None, num_experts=8, buffer=buffer, capacity=64)
+
+    rows = 4 * TOKENS
+    args = (jnp.zeros((rows, HIDDEN), jnp.bfloat16), jnp.zeros((rows, 2), jnp.int32), jnp.ones((rows, 2)))
+    program = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with pytest.raises(TypeError, match=rf"dropless_moe: experts must return bfloat16 \[64, 64\] .*got {got}"):
+        program.lower(*args)
+
+
 def exact_pair(rng, fmt, num_tokens, hidden, packed):
     """A pair of `fmt` holding small integers with power-of-two scales (every product and sum exact);
     NVFP4's data packed two per byte (uint8 [T, H // 2]) where `packed`."""

@@ -93,9 +93,14 @@ def dropless_moe(
     every device must call it, as any collective.
 
     Returns bf16 [T, H]: equal bit for bit to dispatch (worst case), experts,
-    combine; so are the gradients of x and topk_weights. The parameters'
-    gradient is summed over rounds in float32: with several rounds it may
-    differ from the one-round sum in the last bits.
+    combine; so are the gradients of x and topk_weights, where `experts` (and
+    its gradient) computes each row alike whatever the number of rows (XLA
+    may sum a matmul of other shapes in another order: then to rounding).
+    The parameters' gradient is summed over rounds in float32: with several
+    rounds it may differ from the one-round sum in the last bits. `experts`
+    may close over arrays being differentiated (they are hoisted, with
+    jax.closure_convert, and get their gradient); passing them as params
+    sums their gradient over replicated mesh axes once instead of per round.
     """
     fn = "dropless_moe"
     v.check_buffer(buffer, fn)
@@ -129,9 +134,29 @@ def dropless_moe(
     others = tuple(sorted(set(jax.sharding.get_abstract_mesh().manual_axes) - {buffer.axis_name}))
     if others:
         num_rounds = lax.pmax(num_rounds, others)
-    static = _Static(experts, buffer, num_experts, capacity, pair_rows, hidden)
-    out = _layer(static, xs[0] if len(xs) == 1 else xs, topk_weights, params, topk_idx, token_round, num_rounds)
+    # What the rows vary over (the EP axis and any axis an input does): experts gets its arrays so typed.
+    axes = set().union(*(vma(a) for a in (*xs, topk_idx, topk_weights))) | {buffer.axis_name}
+    call, consts = _hoisted(experts, params, xs, capacity, topk_idx.shape[1], axes)
+    static = _Static(call, buffer, num_experts, capacity, pair_rows, hidden, axes)
+    x = xs[0] if len(xs) == 1 else xs
+    out = _layer(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds)
     return (out, num_rounds) if return_rounds else out
+
+
+def _hoisted(experts, params, xs, capacity, num_topk, axes):
+    """(call, consts): call(params, consts, recv_x, recv_topk_idx, recv_topk_weights) runs experts, with
+    the arrays it closes over that AD may differentiate (weights captured by a lambda) hoisted out as
+    consts (jax.closure_convert), so that they cross the layer's custom_vjp as arguments and get their
+    gradient. The converted function is specialised to its arguments' types: call gives it params and
+    rows varying over `axes` (and whatever they vary over), as the example here."""
+    vary = lambda tree: jax.tree.map(lambda a: vary_over(a, axes), tree)  # noqa: E731
+    rows = tuple(jnp.zeros((capacity,) + a.shape[1:], a.dtype) for a in xs)
+    pairs = [jnp.zeros((capacity, num_topk), dtype) for dtype in (jnp.int32, jnp.float32)]
+    example = vary((params, rows[0] if len(rows) == 1 else rows, *pairs))
+    converted, consts = jax.closure_convert(experts, *example)
+    if not consts:
+        return (lambda params, consts, *rows: experts(params, *rows)), ()
+    return (lambda params, consts, *rows: converted(*vary((params, *rows)), *consts)), tuple(consts)
 
 
 # Rounds ---------------------------------------------------------------------
@@ -198,21 +223,30 @@ def _exchange(rows, num_experts, buffer, hidden):
 class _Static:
     """What the rounds need besides arrays (hashed by identity, as custom_vjp's static argument)."""
 
-    def __init__(self, experts, buffer, num_experts, capacity, pair_rows, hidden):
-        self.experts, self.buffer, self.num_experts, self.capacity = experts, buffer, num_experts, capacity
-        self.pair_rows, self.hidden = pair_rows, hidden
+    def __init__(self, call, buffer, num_experts, capacity, pair_rows, hidden, axes):
+        self.call, self.buffer, self.num_experts, self.capacity = call, buffer, num_experts, capacity
+        self.pair_rows, self.hidden, self.axes = pair_rows, hidden, axes
 
     def round_fn(self, topk_idx, token_round, k):
-        """The layer's round k as a function of (x, topk_weights, params): its tokens' outputs, zeros elsewhere."""
+        """The layer's round k as a function of (x, topk_weights, params, consts): its tokens' outputs,
+        zeros elsewhere."""
         mine = token_round == k
         idx = jnp.where(mine[:, None], topk_idx, -1)
 
-        def run(x, topk_weights, params):
+        def run(x, topk_weights, params, consts):
             recv_x, recv_idx, recv_w, handle = dispatch_as(
                 "dropless_moe", x, idx, topk_weights, self.num_experts, self.buffer, self.capacity,
                 rows_per_pair=self.pair_rows,
             )  # fmt: skip
-            out = combine(self.experts(params, recv_x, recv_idx, recv_w), handle, buffer=self.buffer)
+            rows = self.call(params, consts, recv_x, recv_idx, recv_w)
+            want = (self.capacity, self.hidden)
+            if not (isinstance(rows, jax.Array) and rows.dtype == jnp.bfloat16 and rows.shape == want):
+                got = f"{rows.dtype} {rows.shape}" if isinstance(rows, jax.Array) else type(rows).__name__
+                raise TypeError(
+                    f"dropless_moe: experts must return bfloat16 {list(want)} (a row per received row: the "
+                    f"capacity's, hidden), got {got}"
+                )
+            out = combine(rows, handle, buffer=self.buffer)
             return jnp.where(mine[:, None], out, jnp.zeros_like(out))
 
         return run
@@ -233,8 +267,8 @@ class _Static:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layer(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
-    return _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
+def _layer(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds):
+    return _forward(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds)
 
 
 def _zeros_like(a, dtype=None, axes=()):
@@ -242,50 +276,55 @@ def _zeros_like(a, dtype=None, axes=()):
     return vary_over(jnp.zeros(a.shape, dtype or a.dtype), vma(a) | set(axes))
 
 
-def _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
+def _forward(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds):
     def body(k, out):
-        return out + vary_over(static.round_fn(topk_idx, token_round, k)(x, topk_weights, params), vma(out))
+        round_out = static.round_fn(topk_idx, token_round, k)(x, topk_weights, params, consts)
+        return out + vary_over(round_out, vma(out))
 
     # The rounds' outputs, bf16 [T, H], vary over the EP axis and every axis an input varies over.
-    axes = set().union(*(vma(a) for a in jax.tree.leaves((x, topk_weights, params, topk_idx))))
+    axes = set().union(*(vma(a) for a in jax.tree.leaves((x, topk_weights, params, consts, topk_idx))))
     out = jnp.zeros((topk_idx.shape[0], static.hidden), jnp.bfloat16)
     return static.loop(num_rounds, body, vary_over(out, axes | {static.buffer.axis_name}))
 
 
-def _layer_fwd(static, x, topk_weights, params, topk_idx, token_round, num_rounds):
-    out = _forward(static, x, topk_weights, params, topk_idx, token_round, num_rounds)
-    return out, (x, topk_weights, params, topk_idx, token_round, num_rounds)
+def _layer_fwd(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds):
+    out = _forward(static, x, topk_weights, params, consts, topk_idx, token_round, num_rounds)
+    return out, (x, topk_weights, params, consts, topk_idx, token_round, num_rounds)
 
 
 def _layer_bwd(static, residuals, g):
-    x, topk_weights, params, topk_idx, token_round, num_rounds = residuals
+    x, topk_weights, params, consts, topk_idx, token_round, num_rounds = residuals
     quantized = isinstance(x, tuple)  # a pair's rows carry no gradient (as dispatch's)
-    # The rounds differentiate float32 copies of the parameters that vary over every mesh axis: the sum
-    # over the axes they do not vary over (a psum, the transpose of that cast) runs once, after the rounds.
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)  # noqa: E731  (parameter gradients summed in float32)
-    wide_params, to_params = jax.vjp(lambda p: jax.tree.map(lambda a: vary_over(a.astype(wide(a)), manual), p), params)
+    # The rounds differentiate float32 copies of the parameters that vary as the rows do: the sum over
+    # the axes the parameters do not vary over (a psum, the transpose of that cast) runs once, after
+    # the rounds. (Arrays hoisted from experts' closure keep their types: theirs runs per round.)
+    wide_params, to_params = jax.vjp(
+        lambda p: jax.tree.map(lambda a: vary_over(a.astype(wide(a)), static.axes), p), params
+    )
     params = jax.tree.map(lambda a, p: a.astype(p.dtype), wide_params, params)
 
     def body(k, grads):
         run = static.round_fn(topk_idx, token_round, k)
         if quantized:
-            _, vjp = jax.vjp(lambda w, p: run(x, w, p), topk_weights, params)
-            dx, (dw, dparams) = grads[0], vjp(g)
+            _, vjp = jax.vjp(lambda w, p, c: run(x, w, p, c), topk_weights, params, consts)
+            dx, (dw, dparams, dconsts) = grads[0], vjp(g)
         else:
-            _, vjp = jax.vjp(run, x, topk_weights, params)
-            dx, dw, dparams = vjp(g)
+            _, vjp = jax.vjp(run, x, topk_weights, params, consts)
+            dx, dw, dparams, dconsts = vjp(g)
             dx = grads[0] + dx
         # Each token's gradients come from its one round (zeros elsewhere): their sums are exact.
-        return (dx, grads[1] + dw, jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads[2], dparams))
+        add = lambda a, b: a + b.astype(a.dtype)  # noqa: E731
+        return (dx, grads[1] + dw, jax.tree.map(add, grads[2], dparams), jax.tree.map(add, grads[3], dconsts))
 
     dx = () if quantized else _zeros_like(x)
-    init = (dx, _zeros_like(topk_weights), jax.tree.map(_zeros_like, wide_params))
-    dx, dw, dparams = static.loop(num_rounds, body, init)
+    sums = [jax.tree.map(_zeros_like, wide_params), tuple(_zeros_like(c, wide(c)) for c in consts)]
+    dx, dw, dparams, dconsts = static.loop(num_rounds, body, (dx, _zeros_like(topk_weights), *sums))
     if quantized:  # integer rows (packed NVFP4) have no cotangent space: None stands for their zero
         dx = tuple(_zeros_like(a) if jnp.issubdtype(a.dtype, jnp.floating) else None for a in x)
     (dparams,) = to_params(dparams)
-    return dx, dw, dparams, None, None, None
+    dconsts = tuple(d.astype(c.dtype) for d, c in zip(dconsts, consts))
+    return dx, dw, dparams, dconsts, None, None, None
 
 
 _layer.defvjp(_layer_fwd, _layer_bwd)

@@ -77,8 +77,8 @@ def dropless_moe(
       experts(params, recv_x, recv_topk_idx, recv_topk_weights): this rank's
         experts on received rows (bf16 [N, H] or x's pair, local ids int32
         [N, K] with -1 for experts elsewhere and on padding rows, float32
-        [N, K]); returns
-        bf16 [N, H], each row the weighted sum of its local experts' outputs.
+        [N, K]); returns bf16 [N, H], each row the weighted sum of its local
+        experts' outputs.
         Rows must not depend on each other (padding rows may hold anything;
         their outputs are ignored). It runs once per round.
       params: the experts' parameters (a pytree), differentiated like x and

@@ -21,6 +21,12 @@ them without touching code:
                              hostnames say); fewer than the group has makes it
                              span hosts (NVSHMEM), e.g. 1 to emulate two hosts
                              of one GPU each on one machine
+  DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN
+                             GPUs per NVLink domain: the ranks that map each
+                             other's memory are cut into nodes of this many
+  DEEP_EP_JAX_DISPATCH_BUDGET_GIB
+                             GiB per GPU that dispatch's worst-case results
+                             may take (default 1; inf: none)
   DEEP_EP_JAX_NVLINK_DOMAIN  the NVLink domain across hosts of this process's
                              GPUs (default: NVML's fabric info; "none": none):
                              processes naming the same one are one node, their
@@ -31,8 +37,9 @@ them without touching code:
                              0: normal-mode dispatch and combine across hosts
                              run their send and forward stages one after the
                              other (default 1: pipelined by chunk; for A/B)
-  DEEP_EP_JAX_POISON_PADDING 1: the xla backend's dispatch leaves NaN in its
-                             padding rows, as the kernels may (debug, on CPU)
+  DEEP_EP_JAX_POISON_PADDING 1: the xla backend's dispatches (normal and
+                             low-latency) leave NaN in their padding rows, as
+                             the kernels may (debug, on CPU)
   DEEP_EP_JAX_STAGED         1: one host's normal mode lands rows in the Buffer
                              first, as across processes (read when a CUDA
                              Buffer is made; for A/B and tests)
@@ -218,9 +225,9 @@ class Config:
     internode_pipeline: bool = dataclasses.field(
         default_factory=lambda: env_bool("DEEP_EP_JAX_INTERNODE_PIPELINE", True)
     )
-    # Debug, xla backend: dispatch's padding rows of recv_x (past num_recv_tokens) hold NaN, as they may on
-    # GPUs, instead of the zeros XLA leaves there; so a test on CPU shows an expert layer that does not mask
-    # them (a weight gradient recv_x^T @ dy turns NaN * 0 into NaN).
+    # Debug, xla backend: dispatch's padding rows of recv_x (past num_recv_tokens; in low-latency mode past
+    # each expert's recv_count) hold NaN, as they may on GPUs, instead of what XLA leaves there; so a test on
+    # CPU shows an expert layer that does not mask them (a weight gradient recv_x^T @ dy turns NaN * 0 into NaN).
     poison_padding: bool = dataclasses.field(default_factory=lambda: env_bool("DEEP_EP_JAX_POISON_PADDING", False))
     # GiB per GPU that dispatch's results may take when sized for the worst case (num_worst_tokens
     # None: every token of every rank, T x R rows). Past it dispatch raises at trace time, naming

@@ -85,6 +85,14 @@ def test_drop_masked_experts_is_the_oracles_mask(masked, rng):
         assert (got != idx).any()  # the routing reaches a masked rank's experts
     with pytest.raises(ValueError, match="R dividing num_experts"):
         dej.drop_masked_experts(jnp.asarray(idx), jnp.zeros(3, jnp.int32), num_experts=num_experts)
+    with pytest.raises(TypeError, match="mask must be bool or an integer type"):
+        dej.drop_masked_experts(jnp.asarray(idx), jnp.full(R, 0.5), num_experts=num_experts)
+    with pytest.raises(TypeError, match="topk_idx must be int32, got float32"):
+        dej.drop_masked_experts(jnp.asarray(idx, jnp.float32), jnp.asarray(mask), num_experts=num_experts)
+    # Ids outside [0, E) mean no expert, whoever is masked: left as they are.
+    odd = jnp.asarray([[num_experts, -7, 0]], jnp.int32)
+    got = dej.drop_masked_experts(odd, jnp.ones(R, jnp.int32), num_experts=num_experts)
+    np.testing.assert_array_equal(got, [[num_experts, -7, -1]])
 
 
 @pytest.mark.parametrize(

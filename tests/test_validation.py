@@ -572,6 +572,17 @@ def test_low_latency_receive_checks_what_it_takes(mesh):
     ):
         _trace(mesh, receive("array", ll), x, idx, w)
 
+    def combine_on(combine_buffer):
+        def run(x, idx, w):
+            recv_x, _, handle = dej.low_latency_dispatch(x, idx, buffer=ll, **kw)
+            return dej.low_latency_combine(recv_x, idx, w, handle, buffer=combine_buffer)
+
+        return run
+
+    _trace(mesh, combine_on(ll), x, idx, w)  # fine
+    with pytest.raises(ValueError, match="^low_latency_combine: handle comes from a dispatch on another Buffer"):
+        _trace(mesh, combine_on(other), x, idx, w)
+
 
 def test_num_experts_differs_from_the_buffers(mesh):
     """A Buffer made with num_experts checks every call against it."""
@@ -844,6 +855,34 @@ def test_poison_padding_shows_an_unmasked_weight_gradient(mesh):
     assert (np.asarray(num_recv) < R * T).any()  # some rank has padding rows
     plain, masked, _ = weight_grads(dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(poison_padding=True)))
     assert np.isnan(np.asarray(plain)).any() and np.isfinite(np.asarray(masked)).all()
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_poison_padding_in_low_latency_mode(mesh, use_fp8):
+    """Config(poison_padding=True) on the xla backend: low-latency dispatch's rows past each expert's recv_count
+    are NaN (data and scales), its valid rows finite; without it every row is finite."""
+    x, idx, _ = _inputs()
+
+    def rows(config):
+        buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T,
+                            config=config)  # fmt: skip
+
+        def per_rank(x, idx):
+            recv_x, count, _ = dej.low_latency_dispatch(
+                x, idx, buffer=buffer, num_max_dispatch_tokens_per_rank=T, num_experts=E, use_fp8=use_fp8
+            )
+            return tuple(a.astype(jnp.float32)[None] for a in jax.tree.leaves(recv_x)), count[None]
+
+        return jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx)
+
+    plain, _ = rows(dej.Config())
+    assert all(np.isfinite(np.asarray(a)).all() for a in plain)
+    poisoned, count = rows(dej.Config(poison_padding=True))
+    valid = np.arange(R * T)[None, None, :] < np.asarray(count)[:, :, None]  # [R, E/R, R*T]
+    assert not valid.all()  # some expert has padding rows
+    for a in poisoned:
+        a = np.asarray(a).reshape(valid.shape + (-1,))
+        assert np.isfinite(a[valid]).all() and np.isnan(a[~valid]).all()
 
 
 def test_auto_backend_on_gpus_the_extension_cannot_run_warns(mesh, monkeypatch):

@@ -434,6 +434,8 @@ def low_latency_dispatch_recv(pending, *, buffer):
     valid = table >= 0
     row = jnp.where(valid, table // topk, 0)  # row of [R * M]
     recv_xs = tuple(r.reshape((capacity,) + r.shape[2:])[row] for r in pending.recv_xs)
+    if buffer.config.poison_padding:  # as the kernels may leave them (Config.poison_padding)
+        recv_xs = tuple(jnp.where(valid[..., None], r, jnp.nan).astype(r.dtype) for r in recv_xs)
     handle = LowLatencyHandle(
         recv_count=recv_count,
         recv_src_rank=jnp.where(valid, table // (max_tokens * topk), -1),

@@ -56,6 +56,8 @@ class LowLatencyHandle:
     # The dispatch's topk_idx (ids outside [-1, E) as -1), which the combine's must equal: the
     # low_latency_dispatch functions set it; `Config(checks=True)` compares them at run time.
     topk_idx: jax.Array | None = None
+    # The Buffer that dispatched (Buffer.key): a combine on another Buffer is refused at trace time.
+    buffer_key: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass

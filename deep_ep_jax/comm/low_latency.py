@@ -139,9 +139,11 @@ def _rows_per_expert(topk_idx, num_experts, buffer):
     return lax.psum(jnp.zeros(num_experts, jnp.int32).at[ids].add(1, mode="drop"), buffer.axis_name)
 
 
-def _dispatch_results(topk_idx, recv_xs, recv_count, handle):
-    """The public results of a dispatch of `topk_idx` (sanitised), its handle holding them for combine's check."""
-    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, dataclasses.replace(handle, topk_idx=topk_idx)
+def _dispatch_results(topk_idx, buffer, recv_xs, recv_count, handle):
+    """The public results of a dispatch of `topk_idx` (sanitised) on `buffer`, its handle holding both for
+    combine's checks."""
+    handle = dataclasses.replace(handle, topk_idx=topk_idx, buffer_key=buffer.key)
+    return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_count, handle
 
 
 def low_latency_dispatch_send(
@@ -167,7 +169,8 @@ def low_latency_dispatch_send(
 def low_latency_dispatch_recv(pending: Pending, *, buffer: Buffer) -> tuple[Rows, jax.Array, LowLatencyHandle]:
     """Receive half: returns (recv_x, recv_count, handle)."""
     pending = _receive(pending, buffer, "low_latency_dispatch_recv")
-    return _dispatch_results(pending.topk_idx, *buffer.ops.low_latency_dispatch_recv(pending.value, buffer=buffer))
+    recv = buffer.ops.low_latency_dispatch_recv(pending.value, buffer=buffer)
+    return _dispatch_results(pending.topk_idx, buffer, *recv)
 
 
 def low_latency_dispatch(
@@ -205,7 +208,7 @@ def low_latency_dispatch(
         mxfp8,
         "low_latency_dispatch",
     )
-    return _dispatch_results(args[1], *buffer.ops.low_latency_dispatch(*args, **kwargs))
+    return _dispatch_results(args[1], buffer, *buffer.ops.low_latency_dispatch(*args, **kwargs))
 
 
 def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
@@ -215,6 +218,8 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
         raise TypeError(
             f"{fn}: handle must be the LowLatencyHandle from low_latency_dispatch, got {type(handle).__name__}"
         )
+    if handle.buffer_key is not None and handle.buffer_key != buffer.key:
+        raise ValueError(f"{fn}: handle comes from a dispatch on another Buffer; combine on the Buffer that dispatched")
     rows = tuple(handle.recv_src_rank.shape)
     if isinstance(x, (tuple, list)):
         raise TypeError(
@@ -333,11 +338,17 @@ def drop_masked_experts(topk_idx: jax.Array, mask: jax.Array, *, num_experts: in
     with those pairs once the rank is masked, for a serving loop to see (or to
     re-route them to replicas first)."""
     fn = "drop_masked_experts"
-    shape, _ = v.shape_dtype(mask, fn, "mask")
+    shape, dtype = v.shape_dtype(mask, fn, "mask")
     if len(shape) != 1 or not is_int(num_experts) or num_experts % shape[0]:
         raise ValueError(
             f"{fn}: mask must be [R] with R dividing num_experts, got mask {list(shape)} and "
             f"num_experts={num_experts!r}"
         )
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        raise TypeError(f"{fn}: mask must be bool or an integer type (low_latency_mask's int32), got {dtype}")
+    _, idx_dtype = v.shape_dtype(topk_idx, fn, "topk_idx")
+    if idx_dtype != jnp.int32:
+        raise TypeError(f"{fn}: topk_idx must be int32, got {idx_dtype}")
     owner = jnp.clip(topk_idx, 0, num_experts - 1) // (num_experts // shape[0])
-    return jnp.where((topk_idx >= 0) & (jnp.asarray(mask)[owner] != 0), -1, topk_idx).astype(topk_idx.dtype)
+    expert = (topk_idx >= 0) & (topk_idx < num_experts)  # other ids mean no expert: left as they are
+    return jnp.where(expert & (jnp.asarray(mask)[owner] != 0), -1, topk_idx).astype(topk_idx.dtype)

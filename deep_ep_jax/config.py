@@ -51,6 +51,7 @@ naming the variable.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from typing import TypeVar
@@ -170,9 +171,10 @@ _ENV_VARS = dict(
 def _from_env(var: str, value) -> bool:
     """Whether `value` is what environment variable `var` holds (so it most likely came from there)."""
     try:
-        return float(os.environ.get(var, "").strip()) == value
+        held = float(os.environ.get(var, "").strip())
     except ValueError:
         return False
+    return held == value or (math.isnan(held) and isinstance(value, float) and math.isnan(value))
 
 
 @dataclasses.dataclass(frozen=True)

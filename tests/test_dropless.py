@@ -118,24 +118,29 @@ def psums_in_loops(jaxpr, axis, inside=False):
     return count
 
 
+def data_by_expert(seed):
+    """(mesh, buffer, x, idx, w, scales) on a (data 2, ep 4) mesh whose first EP group routes every token to
+    one expert and whose second routes none: the groups need different rounds."""
+    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "ep"))
+    rng = np.random.default_rng(seed)
+    _, idx, w, scales = exact_inputs(rng, 4, 8, "one_expert")
+    x = rng.integers(-4, 5, (8 * TOKENS, HIDDEN)).astype(jnp.bfloat16)
+    idx, w = np.concatenate([idx, np.full_like(idx, -1)]), np.concatenate([w, w])
+    return mesh, dej.Buffer(mesh, "ep", backend="xla"), x, idx, w, scales
+
+
 def test_dropless_on_a_data_by_expert_mesh():
     """EP groups along a data axis that need different rounds (one routes every token to one expert, the
     other nothing): every device runs the same rounds; the experts' parameters (replicated over both axes)
     get their gradient summed over the data axis once, after the rounds, not in each (a psum per round would
     also pair one group's round with another's); results equal the worst-case layer's bit for bit."""
     num_experts, capacity = 8, 4
-    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "ep"))
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    mesh, buffer, x, idx, w, scales = data_by_expert(1)
     tokens = P(("data", "ep"))
     programs = {}
     for name, layer in per_rank_layers(buffer, num_experts, HIDDEN, [capacity]).items():
         per_rank = lambda *a, layer=layer: (lambda r: (*r[:4], r[4][None]))(layer(*a))  # noqa: E731
         programs[name] = jax.jit(jax.shard_map(per_rank, mesh=mesh, in_specs=(tokens,) * 3 + (P(),), out_specs=tokens))
-    rng = np.random.default_rng(1)
-    _, idx, w, scales = exact_inputs(rng, 4, num_experts, "one_expert")
-    x = rng.integers(-4, 5, (8 * TOKENS, HIDDEN)).astype(jnp.bfloat16)
-    idx = np.concatenate([idx, np.full_like(idx, -1)])
-    w = np.concatenate([w, w])
     assert psums_in_loops(jax.make_jaxpr(programs[capacity])(x, idx, w, scales).jaxpr, "data") == 0
     got, want = programs[capacity](x, idx, w, scales), programs["worst"](x, idx, w, scales)
     rounds = set(np.asarray(got[1]).tolist())
@@ -150,8 +155,7 @@ def test_experts_may_close_over_what_is_differentiated():
     as params) get the same output and the same gradient for them as through params: dropless_moe hoists
     them (jax.closure_convert). On a data x expert mesh whose groups take different rounds, under jit."""
     num_experts = 8
-    mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "ep"))
-    buffer = dej.Buffer(mesh, "ep", backend="xla")
+    mesh, buffer, x, idx, w, scales = data_by_expert(2)
     tokens = P(("data", "ep"))
 
     def layer(closed):
@@ -167,10 +171,6 @@ def test_experts_may_close_over_what_is_differentiated():
         per_rank = jax.shard_map(loss, mesh=mesh, in_specs=(tokens,) * 3 + (P(),), out_specs=P())
         return jax.jit(jax.value_and_grad(per_rank, argnums=(0, 2, 3)))
 
-    rng = np.random.default_rng(2)
-    _, idx, w, scales = exact_inputs(rng, 4, num_experts, "one_expert")
-    x = rng.integers(-4, 5, (8 * TOKENS, HIDDEN)).astype(jnp.bfloat16)
-    idx, w = np.concatenate([idx, np.full_like(idx, -1)]), np.concatenate([w, w])
     (got, got_grads), (want, want_grads) = layer(True)(x, idx, w, scales), layer(False)(x, idx, w, scales)
     np.testing.assert_array_equal(got, want)
     for name, a, b in zip(("x", "topk_weights", "scales"), got_grads, want_grads):

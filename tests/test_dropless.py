@@ -19,6 +19,7 @@ from script_run import session_items, start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.backends import reference
 from deep_ep_jax.config import ROW_FORMATS
 
 TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
@@ -219,9 +220,7 @@ def pair_experts(scales, recv_x, recv_topk_idx, recv_topk_weights):
     data, row_scales = recv_x
     if data.dtype == jnp.uint8:
         data = jax.lax.bitcast_convert_type(data, jnp.float4_e2m1fn).reshape(data.shape[0], -1)
-    block = data.shape[1] // row_scales.shape[1]
-    rows = data.astype(jnp.float32) * jnp.repeat(row_scales.astype(jnp.float32), block, axis=1)
-    return dt.scaled_experts(scales, rows, recv_topk_idx, recv_topk_weights)
+    return dt.scaled_experts(scales, reference.dequantize_fp8(data, row_scales), recv_topk_idx, recv_topk_weights)
 
 
 def pair_layers(buffer, num_experts, hidden, capacities):

@@ -327,9 +327,13 @@ def low_latency_set_mask(mask: jax.Array, *, buffer: Buffer) -> jax.Array:
     shape, dtype = v.shape_dtype(mask, fn, "mask")
     if shape != (buffer.num_ranks,):
         raise ValueError(f"{fn}: mask must be [{buffer.num_ranks}] (one entry per rank), got {list(shape)}")
+    _check_mask_dtype(fn, dtype)
+    return buffer.ops.low_latency_mask((jnp.asarray(mask) != 0).astype(jnp.int32), buffer=buffer)
+
+
+def _check_mask_dtype(fn, dtype):
     if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
         raise TypeError(f"{fn}: mask must be bool or an integer type, got {dtype}")
-    return buffer.ops.low_latency_mask((jnp.asarray(mask) != 0).astype(jnp.int32), buffer=buffer)
 
 
 def drop_masked_experts(topk_idx: jax.Array, mask: jax.Array, *, num_experts: int) -> jax.Array:
@@ -344,8 +348,7 @@ def drop_masked_experts(topk_idx: jax.Array, mask: jax.Array, *, num_experts: in
             f"{fn}: mask must be [R] with R dividing num_experts, got mask {list(shape)} and "
             f"num_experts={num_experts!r}"
         )
-    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
-        raise TypeError(f"{fn}: mask must be bool or an integer type (low_latency_mask's int32), got {dtype}")
+    _check_mask_dtype(fn, dtype)
     _, idx_dtype = v.shape_dtype(topk_idx, fn, "topk_idx")
     if idx_dtype != jnp.int32:
         raise TypeError(f"{fn}: topk_idx must be int32, got {idx_dtype}")

@@ -759,12 +759,17 @@ def case_shared_gpu_dropless():
     put, run = _own_rank_io(mesh, "shared_gpu_dropless", buffer.config.timeout_s)
     # One round, and several (two and more: tests/test_dropless.py on CPU).
     layers = per_rank_layers(buffer, num_experts, hidden, (num_ranks * tokens, num_ranks * tokens // 8))
-    rounds_seen = set()
-    for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+
+    def routing(kind):
+        """(topk_idx, weights in quarters, experts' scales powers of two): every sum exact."""
         idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
         w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
+        return idx, w, (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
+
+    rounds_seen = set()
+    for kind in ("random", "one_expert", "rank_empty", "minus_one"):
+        idx, w, scales = routing(kind)
         x = rng.integers(-4, 5, (num_ranks * tokens, hidden)).astype(jnp.bfloat16)
-        scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
         received = oracle.dispatch(
             x.astype(np.float32).reshape(num_ranks, tokens, hidden),
             idx.reshape(num_ranks, tokens, topk),
@@ -788,9 +793,7 @@ def case_shared_gpu_dropless():
     for fmt, packed in ((ROW_FORMATS[0], False), (ROW_FORMATS[2], True)):
         quantized = pair_layers(buffer, num_experts, hidden, (several,))  # compiled once per format
         for kind in ("random", "one_expert"):
-            idx, _ = dt.make_routing(int(rng.integers(1 << 30)), num_ranks * tokens, num_experts, topk, num_ranks, kind)
-            w = rng.integers(1, 9, idx.shape).astype(np.float32) / 4
-            scales = (2.0 ** rng.integers(-1, 3, num_experts)).astype(np.float32)
+            idx, w, scales = routing(kind)
             pair = map(np.asarray, exact_pair(rng, fmt, num_ranks * tokens, hidden, packed))
             pair_args = tuple(map(put, (*pair, idx, w, scales)))
             want = run(quantized["worst"], *pair_args)

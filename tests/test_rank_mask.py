@@ -87,6 +87,11 @@ def test_drop_masked_experts_is_the_oracles_mask(masked, rng):
         dej.drop_masked_experts(jnp.asarray(idx), jnp.zeros(3, jnp.int32), num_experts=num_experts)
     with pytest.raises(TypeError, match="mask must be bool or an integer type"):
         dej.drop_masked_experts(jnp.asarray(idx), jnp.full(R, 0.5), num_experts=num_experts)
+    with pytest.raises(ValueError, match="R dividing num_experts"):  # an empty mask
+        dej.drop_masked_experts(jnp.asarray(idx), jnp.zeros(0, jnp.int32), num_experts=num_experts)
+    for bad in (0, -num_experts, float(num_experts)):
+        with pytest.raises(ValueError, match="num_experts must be a positive int"):
+            dej.drop_masked_experts(jnp.asarray(idx), jnp.asarray(mask), num_experts=bad)
     with pytest.raises(TypeError, match="topk_idx must be int32, got float32"):
         dej.drop_masked_experts(jnp.asarray(idx, jnp.float32), jnp.asarray(mask), num_experts=num_experts)
     # Ids outside [0, E) mean no expert, whoever is masked: left as they are.

@@ -116,10 +116,13 @@ def test_off_by_default():
 
 
 def test_a_new_buffer_lists_every_rank_at_zero():
-    """Before any call, traffic() holds every rank of this process with zero counters (as the CUDA backend's)."""
+    """Before any call, traffic() holds every rank of this process with zero counters (as the CUDA backend's);
+    under jit it is refused (a host call)."""
     _, buffer = _buffer(2)
     zeros = {op: dict.fromkeys(dej.config.TRAFFIC_FIELDS, 0) for op in OPS}
     assert buffer.traffic() == dict.fromkeys(range(R), zeros)
+    with pytest.raises(RuntimeError, match="Buffer.traffic is a host call"):
+        jax.jit(lambda: buffer.traffic() and 0)()
     buffer.destroy()
 
 
@@ -129,7 +132,7 @@ def test_a_new_buffer_lists_every_rank_at_zero():
 def test_wait_times_api():
     """Every rank of this process, a float per source rank for each receive kind; zeros on the xla backend
     (it does not wait; the CUDA kernels' counters: tests/gpu/test_scale_gpu.py, worker case wait_times);
-    refused without low-latency mode and after destroy."""
+    refused under jit, without low-latency mode and after destroy."""
     mesh = dt.ep_mesh(R, platform="cpu")
     buffer = dej.Buffer(mesh, "ep", backend="xla", low_latency_mode=True, num_max_dispatch_tokens_per_rank=T)
     times = buffer.wait_times()
@@ -138,6 +141,9 @@ def test_wait_times_api():
         assert sorted(kinds) == ["combine", "dispatch"]
         assert all(v.shape == (R,) and v.dtype == np.float64 and not v.any() for v in kinds.values())
     buffer.reset_wait_times()
+    for host_call in (buffer.wait_times, buffer.reset_wait_times):  # under a trace: one reading frozen in
+        with pytest.raises(RuntimeError, match="is a host call: run it outside jit"):
+            jax.jit(lambda call=host_call: call() and 0)()
     buffer.destroy()
     with pytest.raises(RuntimeError, match="Buffer.wait_times"):
         buffer.wait_times()

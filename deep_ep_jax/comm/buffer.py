@@ -232,8 +232,15 @@ class Buffer:
             assert self.buffer_id is not None
             _native.extension().reset_traffic(int(self.buffer_id))
 
-    def _check_counting(self, fn_name: str) -> None:
+    def _check_host_call(self, fn_name: str) -> None:
+        """The counters live on the host side of the device's memory: read
+        under a trace, they would be one reading frozen into the program."""
         self.check_alive(fn_name)
+        if isinstance(jax.numpy.zeros(()), jax.core.Tracer):
+            raise RuntimeError(f"{fn_name} is a host call: run it outside jit (after jax.block_until_ready)")
+
+    def _check_counting(self, fn_name: str) -> None:
+        self._check_host_call(fn_name)
         if not self.config.count_traffic:
             raise RuntimeError(
                 f"{fn_name}: traffic is counted only with Config(count_traffic=True) (or DEEP_EP_JAX_COUNT_TRAFFIC=1)"
@@ -253,7 +260,8 @@ class Buffer:
         read when a wait is not over at once): a rank whose entry grows on
         the other ranks is slow, before it is late enough to time out. The xla
         backend does not wait: zeros. A host call: run it outside jit, after
-        jax.block_until_ready on the calls' results."""
+        jax.block_until_ready on the calls' results. With several EP groups
+        (other mesh axes), each rank sums its groups."""
         self._check_low_latency("Buffer.wait_times")
         if self.backend == "xla":
             return {rank: {kind: np.zeros(self.num_ranks) for kind in self.WAIT_KINDS} for rank in self._local_ranks()}
@@ -288,7 +296,7 @@ class Buffer:
         ]
 
     def _check_low_latency(self, fn_name: str) -> None:
-        self.check_alive(fn_name)
+        self._check_host_call(fn_name)
         if not self.low_latency_mode:
             raise RuntimeError(
                 f"{fn_name}: only low-latency mode's receives are timed; create the Buffer with low_latency_mode=True"

@@ -337,16 +337,19 @@ def _check_mask_dtype(fn, dtype):
 
 
 def drop_masked_experts(topk_idx: jax.Array, mask: jax.Array, *, num_experts: int) -> jax.Array:
-    """topk_idx with -1 for every expert of a masked rank (mask: [R] as
-    `low_latency_mask` returns, R dividing num_experts): what the kernels do
-    with those pairs once the rank is masked, for a serving loop to see (or to
-    re-route them to replicas first)."""
+    """topk_idx with -1 for every expert of a masked rank (mask: [R] flags,
+    nonzero for a masked rank, as `low_latency_mask` returns; not a list of
+    rank ids; R dividing num_experts): what the kernels of a rank that is not
+    masked itself do with those pairs once the rank is masked, for a serving
+    loop to see (or to re-route them to replicas first)."""
     fn = "drop_masked_experts"
     shape, dtype = v.shape_dtype(mask, fn, "mask")
-    if len(shape) != 1 or not is_int(num_experts) or num_experts % shape[0]:
+    if not is_int(num_experts) or num_experts <= 0:
+        raise ValueError(f"{fn}: num_experts must be a positive int, got {num_experts!r}")
+    if len(shape) != 1 or not shape[0] or num_experts % shape[0]:
         raise ValueError(
-            f"{fn}: mask must be [R] with R dividing num_experts, got mask {list(shape)} and "
-            f"num_experts={num_experts!r}"
+            f"{fn}: mask must be [R] (one flag per rank) with R dividing num_experts, got mask {list(shape)} and "
+            f"num_experts={num_experts}"
         )
     _check_mask_dtype(fn, dtype)
     _, idx_dtype = v.shape_dtype(topk_idx, fn, "topk_idx")

@@ -30,6 +30,7 @@ from deep_ep_jax.comm.low_latency import (
     low_latency_set_mask,
 )
 from deep_ep_jax.comm.normal import CHECKPOINT_NAMES, combine, dispatch, get_dispatch_layout
+from deep_ep_jax.comm.quantize import dequantize, quantize
 from deep_ep_jax.comm.validation import CheckError, checked
 from deep_ep_jax.config import Config
 from deep_ep_jax.experts.grouped_gemm import grouped_matmul
@@ -48,6 +49,7 @@ __all__ = [
     "combine",
     "combine_expert_major",
     "default_capacity",
+    "dequantize",
     "dispatch",
     "dispatch_expert_major",
     "drop_masked_experts",
@@ -65,5 +67,6 @@ __all__ = [
     "low_latency_mask",
     "low_latency_overlap",
     "low_latency_set_mask",
+    "quantize",
     "reduce",
 ]

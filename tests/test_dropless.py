@@ -19,7 +19,6 @@ from script_run import session_items, start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
-from deep_ep_jax.backends import reference
 from deep_ep_jax.config import ROW_FORMATS
 
 TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
@@ -216,11 +215,8 @@ def exact_pair(rng, fmt, num_tokens, hidden, packed):
 
 
 def pair_experts(scales, recv_x, recv_topk_idx, recv_topk_weights):
-    """dt.scaled_experts on a quantized pair's rows, dequantized (packed NVFP4 unpacked first)."""
-    data, row_scales = recv_x
-    if data.dtype == jnp.uint8:
-        data = jax.lax.bitcast_convert_type(data, jnp.float4_e2m1fn).reshape(data.shape[0], -1)
-    return dt.scaled_experts(scales, reference.dequantize_fp8(data, row_scales), recv_topk_idx, recv_topk_weights)
+    """dt.scaled_experts on a quantized pair's rows, dequantized."""
+    return dt.scaled_experts(scales, dej.dequantize(recv_x, jnp.float32), recv_topk_idx, recv_topk_weights)
 
 
 def pair_layers(buffer, num_experts, hidden, capacities):

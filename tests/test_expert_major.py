@@ -401,7 +401,7 @@ def test_fp8_pair_gradients_under_check_vma():
         (expert_data, expert_scales), layout, recv_w, handle = dej.dispatch_expert_major(
             (data, scales), idx, w, num_experts=num_experts, buffer=buffer
         )
-        y = reference.dequantize_fp8(expert_data, expert_scales).astype(jnp.bfloat16)
+        y = dej.dequantize((expert_data, expert_scales), jnp.float32).astype(jnp.bfloat16)
         out = dej.combine_expert_major(y, recv_w, layout, handle, buffer=buffer)
         (local_data, _), local = dej.expand((data, scales), jnp.where(idx < 2, idx, -1), num_local_experts=2)
         return out, dej.reduce(local_data.astype(jnp.bfloat16), w, local)

@@ -2,7 +2,7 @@
 and give the MoE layer's experts: against float32 maths token by token, on
 fresh random routing. docs/usage.md's expert-major path, examples/README.md's
 per-rank layer (dispatch, ragged_dot experts, combine) and its global-array
-snippet around it (moe_layer's route and MoE)."""
+snippet around it (moe_layer's route and MoE); docs/usage.md's dropless_moe."""
 
 import re
 from pathlib import Path
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from deep_ep_jax import Buffer
+from deep_ep_jax import Buffer, dequantize, quantize
 from deep_ep_jax import testing as dt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def snippet(name, readme="README.md", text=None):
 def reference(x, idx, weights, w_in, w_out):
     """float32: sum over k of weight * SwiGLU of expert idx[t, k] (inputs rounded as the layer rounds them)."""
     x, w_in, w_out = (np.asarray(a, np.float32) for a in (x, w_in, w_out))
-    out = np.zeros((x.shape[0], H), np.float32)
+    out = np.zeros(x.shape, np.float32)
     for t in range(x.shape[0]):
         for k in range(K):
             e = idx[t, k]
@@ -39,21 +39,21 @@ def reference(x, idx, weights, w_in, w_out):
     return out
 
 
-def inputs():
+def inputs(hidden=H):
     """Fresh random routing (K distinct experts per token), tokens and weights."""
     rng = np.random.default_rng()
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(R * T)]).astype(np.int32)
     weights = rng.random((R * T, K)).astype(np.float32)
-    x = jnp.asarray(rng.standard_normal((R * T, H)), jnp.bfloat16)
-    w_in = jnp.asarray(rng.standard_normal((E, H, 2 * F)) / np.sqrt(H), jnp.bfloat16)
-    w_out = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((R * T, hidden)), jnp.bfloat16)
+    w_in = jnp.asarray(rng.standard_normal((E, hidden, 2 * F)) / np.sqrt(hidden), jnp.bfloat16)
+    w_out = jnp.asarray(rng.standard_normal((E, F, hidden)) / np.sqrt(F), jnp.bfloat16)
     return x, idx, weights, w_in, w_out
 
 
 def check(out, x, idx, weights, w_in, w_out):
     out = np.asarray(out, np.float32)
     want = reference(x, idx, weights, w_in, w_out)
-    assert out.shape == (R * T, H)
+    assert out.shape == x.shape
     np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
@@ -65,6 +65,28 @@ def test_expert_major_snippet_runs_and_matches_float32():
         exec(snippet("moe_experts", "docs/usage.md"), scope)  # noqa: S102 (the docs' own code)
         out = scope["moe_experts"](x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out)
         check(out, x, idx, weights, w_in, w_out)
+
+
+def test_dropless_snippet_runs_and_matches_float32():
+    """docs/usage.md's dropless_moe snippet per rank: bf16 rows, and rows sent as MXFP8 (against float32
+    maths on the rows MXFP8 holds)."""
+    mesh = dt.ep_mesh(R, platform="cpu")
+    x, idx, weights, w_in, w_out = inputs(hidden=128)  # a pair's hidden is a multiple of 128
+    bf16_part, mxfp8_part = snippet(None, "docs/usage.md", text="dropless_moe(").split("# x sent as MXFP8")
+    with Buffer(mesh, "ep", backend="xla") as buffer:
+
+        def layer(x, topk_idx, topk_weights, w_in, w_out):
+            scope = dict(x=x, topk_idx=topk_idx, topk_weights=topk_weights, w_in=w_in, w_out=w_out, buffer=buffer)
+            exec(bf16_part, scope)  # noqa: S102 (the docs' own code)
+            y = scope["y"]
+            exec("#" + mxfp8_part, scope)  # noqa: S102
+            return y, scope["y"]
+
+        program = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep")))
+        out, out_mxfp8 = program(x, jnp.asarray(idx), jnp.asarray(weights), w_in, w_out)
+    check(out, x, idx, weights, w_in, w_out)
+    held = dequantize(quantize(x, "MXFP8"))
+    check(out_mxfp8, held, idx, weights, w_in, w_out)
 
 
 def test_examples_layer_snippet_runs_and_matches_float32():

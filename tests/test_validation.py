@@ -159,7 +159,7 @@ def test_not_rows(mesh, buffer):
     x, idx, w = _inputs()
     with pytest.raises(
         ValueError,
-        match=r"^dispatch: x must be a bfloat16 array or an FP8 pair \(data, scales\), "
+        match=r"^dispatch: x must be a bfloat16 array or a quantized pair \(data, scales\), "
         r"got a list of 3 items",
     ):
         _trace(mesh, lambda x, idx, w: dej.dispatch([x, x, x], idx, w, num_experts=E, buffer=buffer), x, idx, w)
@@ -201,8 +201,16 @@ def test_quantized_pair_errors(mesh, buffer):
     packed = (jnp.zeros((R * T, 48), jnp.uint8), jnp.zeros((R * T, 6), jnp.float8_e4m3fn))
     with pytest.raises(ValueError, match=r"dispatch: NVFP4 packed hidden must be a multiple of 128, got 96"):
         _trace(mesh, _dispatch(buffer), packed, idx, w)
-    with pytest.raises(TypeError, match=r"expand: recv_x must be a pair of FP8 \(float8_e4m3fn"):
+    with pytest.raises(TypeError, match=r"expand: recv_x is an NVFP4 pair; here it must be bfloat16 or a pair of FP8"):
         dej.expand((fp4, data[:, :16]), idx, num_local_experts=2)
+    with pytest.raises(
+        TypeError,
+        match=r"expand: recv_x is an MXFP8 pair; here it must be bfloat16 or a pair of FP8 .*"
+        r"dequantize it first",
+    ):
+        dej.expand((data, scales), idx, num_local_experts=2)
+    with pytest.raises(TypeError, match=r"dispatch: x must be bfloat16 .*got float8_e4m3fn \(pass it with its scales"):
+        _trace(mesh, _dispatch(buffer), data, idx, w)
 
 
 def test_worst_case_over_the_dispatch_budget(mesh):

@@ -369,13 +369,6 @@ def quantize_fp8(x, round_scale=False, mxfp8=False):
     return q.reshape(x.shape), scale.astype(jnp.float8_e8m0fnu) if mxfp8 else scale
 
 
-def dequantize_fp8(q, scales):
-    """quantize_fp8's inverse, up to its rounding (FP8 or MXFP8 scales, told by their count)."""
-    block = q.shape[-1] // scales.shape[-1]
-    blocks = q.astype(jnp.float32).reshape(q.shape[:-1] + (q.shape[-1] // block, block))
-    return (blocks * scales.astype(jnp.float32)[..., None]).reshape(q.shape)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _DispatchPending:

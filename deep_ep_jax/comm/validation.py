@@ -125,12 +125,17 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x", formats=ROW_FORMATS
             raise TypeError(f"{fn}: {name} must be one array here, not a pair")
         if len(x) != 2:
             raise ValueError(
-                f"{fn}: {name} must be a bfloat16 array or an FP8 pair (data, scales), got a "
+                f"{fn}: {name} must be a bfloat16 array or a quantized pair (data, scales), got a "
                 f"{type(x).__name__} of {len(x)} items"
             )
         (shape, dtype), (sshape, sdtype) = shape_dtype(x[0], fn, f"{name}[0]"), shape_dtype(x[1], fn, f"{name}[1]")
         fmt = row_format(dtype, sdtype)
-        if fmt not in formats:
+        if fmt is not None and fmt not in formats:
+            raise TypeError(
+                f"{fn}: {name} is an {fmt.name} pair; here it must be bfloat16 or a pair of {_formats_text(formats)} "
+                f"(dequantize it first: deep_ep_jax.dequantize)"
+            )
+        if fmt is None:
             same_data = [f for f in formats if f.data == dtype]
             if not same_data:
                 raise TypeError(f"{fn}: {name} must be a pair of {_formats_text(formats)}, got ({dtype}, {sdtype})")
@@ -149,9 +154,11 @@ def check_tokens(x, buffer, fn, *, allow_fp8=True, name="x", formats=ROW_FORMATS
         shape, dtype = shape_dtype(x, fn, name)
         if dtype != jnp.bfloat16:
             pair = f" or a pair of {_formats_text(formats)}"
+            quantized = allow_fp8 and any(f.data == dtype for f in formats)
+            hint = "pass it with its scales, as a pair" if quantized else f"cast with {name}.astype(jnp.bfloat16)"
             raise TypeError(
                 f"{fn}: {name} must be bfloat16{pair if allow_fp8 else ''}, got {dtype} "
-                f"(cast with {name}.astype(jnp.bfloat16); every backend takes the same dtypes)"
+                f"({hint}; every backend takes the same dtypes)"
             )
         if len(shape) != 2:
             raise ValueError(f"{fn}: {name} must be [tokens, hidden], got shape {shape}")

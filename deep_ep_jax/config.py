@@ -181,7 +181,8 @@ def _from_env(var: str, value) -> bool:
 class Config:
     """Launch configuration of the CUDA kernels (ignored by the xla backend,
     except `checks`, `gpus_per_host`, `gpus_per_nvlink_domain`, `count_traffic`,
-    `poison_padding` and `dispatch_budget_gib`)."""
+    `poison_padding`, `dispatch_budget_gib`, and `timeout_s` for the processes
+    to meet when a Buffer spans several)."""
 
     num_sms: int = dataclasses.field(default_factory=lambda: _env_int("DEEP_EP_JAX_NUM_SMS", 24))
     # Tokens a warp takes at a time (normal mode).

@@ -24,6 +24,8 @@ LOW_LATENCY_CASE = dict(num_max_dispatch_tokens_per_rank=128, hidden=7168, num_e
 # Low-latency mode in large EP groups (across hosts): E = 256 experts, or one per rank beyond 256 ranks.
 LARGE_EP_CASE = {"num_max_dispatch_tokens_per_rank": 128, "hidden": 7168, "num_topk": 8}
 LARGE_EP_RANKS = (16, 32, 64, 128, 256)
+# A GPU of each generation deep_ep_jax builds for, by compute capability (DEEP_EP_JAX_CUDA_ARCHS).
+GENERATIONS = {"A100": "8.0", "H100/H200": "9.0", "B200/GB200": "10.0", "RTX PRO 6000": "12.0"}
 
 
 def _version(dist):
@@ -45,6 +47,25 @@ def _coverage(module, capability: str) -> str:
     ):
         return "covered by this build's PTX, but not its NVSHMEM kernels (machine code only)"
     return "covered by this build"
+
+
+def print_configuration():
+    """The Config a Buffer made here would get, the variables that set it, or why Config() fails."""
+    import dataclasses
+
+    from deep_ep_jax.config import Config
+    from deep_ep_jax.distributed import topology
+
+    set_here = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("DEEP_EP_JAX_"))
+    print("variables set: " + (", ".join(set_here) if set_here else "none"))
+    if os.environ.get(topology.DOMAIN_VAR, "").strip():
+        print(f"{topology.DOMAIN_VAR} names this process's NVLink domain in place of NVML's fabric info")
+    try:
+        config = Config()
+    except (TypeError, ValueError) as e:
+        print(f"Config() FAILS here, and so does every Buffer: {e}")
+        return
+    print(", ".join(f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(config)))
 
 
 def _section(title):
@@ -158,9 +179,9 @@ def main(argv=None):
     _section("JAX devices")
     try:
         devices = jax.devices()
-    except RuntimeError as e:
+    except Exception as e:  # a platform that fails to start raises more than RuntimeError; the report goes on
         devices = []
-        print(f"none: {e}")
+        print(f"none: {type(e).__name__}: {e}")
     for d in devices:
         extra = f", compute capability {d.compute_capability}" if hasattr(d, "compute_capability") else ""
         print(f"{d.id}: {d.platform} {d.device_kind} (process {d.process_index}{extra})")
@@ -179,6 +200,10 @@ def main(argv=None):
         module = None
 
     if module is not None:
+        print(
+            "GPU generations: "
+            + "; ".join(f"{name} ({cap}): {_coverage(module, cap)}" for name, cap in GENERATIONS.items())
+        )
         info = module.device_info()
         if info["driver_cuda_version"] == "none" and not info["devices"]:
             print(
@@ -237,11 +262,17 @@ def main(argv=None):
         print("EP groups across hosts: " + ("available" if why_not is None else f"unavailable: {why_not}"))
 
     _section("backend")
-    reason = _native.unavailable_reason()
+    try:
+        reason = _native.unavailable_reason()
+    except Exception as e:  # JAX's platform failed to start (as under "JAX devices")
+        reason = f"JAX failed to start its platform: {type(e).__name__}: {e}"
     if reason is None:
         print('Buffer(backend="auto") -> "cuda"')
     else:
         print(f'Buffer(backend="auto") -> "xla" ({reason})')
+
+    _section("configuration (Config() here, from DEEP_EP_JAX_* variables; docs/usage.md)")
+    print_configuration()
 
     _section("buffer sizes for the standard cases")
     print_buffer_sizes()

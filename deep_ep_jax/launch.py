@@ -65,8 +65,10 @@ def initialize(*, recoverable: bool | None = None, **kwargs) -> None:
     coordination service)."""
     import jax
 
+    from deep_ep_jax.config import env_bool
+
     if recoverable is None:
-        recoverable = os.environ.get(RECOVERABLE_VAR, "").strip() not in ("", "0")
+        recoverable = env_bool(RECOVERABLE_VAR, False)
     if recoverable and not jax.distributed.is_initialized():
         try:
             jax.config.update("jax_enable_recoverability", True)

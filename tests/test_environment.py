@@ -191,6 +191,25 @@ def test_local_device_variable(monkeypatch):
     assert calls == [dict(common, local_device_ids=[1]), common]
 
 
+@pytest.mark.parametrize("value, expected", [("1", True), ("yes", True), ("0", False), ("false", False), ("x", None)])
+def test_recoverable_variable(monkeypatch, value, expected):
+    """DEEP_EP_JAX_RECOVERABLE (launch --keep-going) is spelled as the other flags; anything else is an error
+    naming it (not on)."""
+    updates = []
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kwargs: None)
+    monkeypatch.setattr(jax.config, "update", lambda *args: updates.append(args))
+    for name, v in zip(LAUNCH_VARIABLES, ("127.0.0.1:5555", "2", "1")):
+        monkeypatch.setenv(name, v)
+    monkeypatch.setenv(launch.RECOVERABLE_VAR, value)
+    if expected is None:
+        with pytest.raises(ValueError, match=f"^environment variable {launch.RECOVERABLE_VAR}='x' is not one of"):
+            launch.initialize()
+    else:
+        launch.initialize()
+        assert (("jax_enable_recoverability", True) in updates) is expected
+
+
 @pytest.mark.extension
 def test_launch_variables_reach_the_kernels(monkeypatch):
     """DEEP_EP_JAX_NUM_SMS and DEEP_EP_JAX_TIMEOUT_S end up in the attributes

@@ -21,6 +21,39 @@ def test_info_on_cpu_says_there_is_no_gpu():
     assert "EP groups across hosts: need GPUs (none here)" in out, out
     assert 'Buffer(backend="auto") -> "xla"' in out, out
     assert "== buffer sizes for the standard cases" in out, out
+    assert "== configuration" in out and "timeout_s=20.0" in out, out
+
+
+def test_info_reports_the_configuration(monkeypatch, capsys):
+    """The variables set, the Config they give, or why Config() (and so every Buffer) fails."""
+    from deep_ep_jax import info
+
+    monkeypatch.setenv("DEEP_EP_JAX_TIMEOUT_S", "0")
+    monkeypatch.setenv("DEEP_EP_JAX_NVLINK_DOMAIN", "rack0")
+    info.print_configuration()
+    out = capsys.readouterr().out
+    assert "DEEP_EP_JAX_NVLINK_DOMAIN=rack0" in out and "in place of NVML's fabric info" in out, out
+    assert "Config() FAILS here" in out and "from DEEP_EP_JAX_TIMEOUT_S='0'" in out, out
+    monkeypatch.setenv("DEEP_EP_JAX_TIMEOUT_S", "3")
+    info.print_configuration()
+    assert "timeout_s=3.0" in capsys.readouterr().out
+
+
+def test_info_survives_a_platform_that_fails_to_start(monkeypatch, capsys):
+    """JAX_PLATFORMS=cuda without a GPU makes jax.devices() raise (an AssertionError in some jax
+    versions): the report says so and goes on."""
+    import jax
+
+    from deep_ep_jax import info
+
+    def fail(*args):
+        raise AssertionError("no cuda platform")
+
+    monkeypatch.setattr(jax, "devices", fail)
+    info.main([])
+    out = capsys.readouterr().out
+    assert "none: AssertionError: no cuda platform" in out, out
+    assert 'Buffer(backend="auto") -> "xla" (JAX failed to start its platform: AssertionError' in out, out
 
 
 def test_info_help_and_unknown_options():

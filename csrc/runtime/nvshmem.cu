@@ -203,8 +203,8 @@ int64_t CreateBuffer(int device, int rank, const std::vector<int>& pes, const st
               ") of this node into device " + std::to_string(device) +
               " (nvshmem_ptr is null): normal mode needs NVLink/P2P between the GPUs of a node (a host, or an NVLink "
               "domain across hosts, which NVSHMEM maps where the fabric and IMEX allow); set "
-              "DEEP_EP_JAX_NVLINK_DOMAIN=none to keep nodes within hosts, or DEEP_EP_JAX_GPUS_PER_HOST=1 to treat "
-              "each GPU as a host");
+              "DEEP_EP_JAX_NVLINK_DOMAIN=none to keep nodes within hosts, or DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN=1 to "
+              "make each GPU a node");
         }
       }
     }

@@ -135,9 +135,10 @@ def ranks_per_host(nodes, backend) -> list[int]:
     sizes = [nodes.count(n) for n in range(max(nodes) + 1)]
     if len(set(sizes)) != 1:
         raise NotImplementedError(
-            f"Buffer(backend='{backend}'): internode normal mode needs the same number of GPUs of the EP group on "
-            f"every host, got {sizes} (ranks per host); set Config.gpus_per_host / DEEP_EP_JAX_GPUS_PER_HOST to cut "
-            f"hosts evenly"
+            f"Buffer(backend='{backend}'): internode normal mode needs the same number of GPUs of the EP group in "
+            f"every node (host, or NVLink domain), got {sizes} (ranks per node); set Config.gpus_per_host / "
+            f"DEEP_EP_JAX_GPUS_PER_HOST to cut hosts, or Config.gpus_per_nvlink_domain / "
+            f"DEEP_EP_JAX_GPUS_PER_NVLINK_DOMAIN to cut nodes (domains too), evenly"
         )
     return sizes
 

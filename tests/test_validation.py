@@ -214,8 +214,8 @@ def test_quantized_pair_errors(mesh, buffer):
 
 
 def test_worst_case_over_the_dispatch_budget(mesh):
-    """Results sized for T x R rows past Config.dispatch_budget_gib: a trace-time error naming the
-    ways out; num_worst_tokens= or a larger budget pass."""
+    """Results sized for T x R rows (or expert-major rows for all of them) past Config.dispatch_budget_gib: a
+    trace-time error naming the ways out; num_worst_tokens= (num_rows=) or a larger budget pass."""
     x, idx, w = _inputs()
     # T x R = 32 rows of 512 bytes + 2 x 8 bytes of ids and weights + 4: 17024 bytes.
     small = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(dispatch_budget_gib=16000 / 2**30))
@@ -226,6 +226,18 @@ def test_worst_case_over_the_dispatch_budget(mesh):
     _trace(mesh, _dispatch(small, num_worst_tokens=R * T - 2), x, idx, w)
     large = dej.Buffer(mesh, "ep", backend="xla", config=dej.Config(dispatch_budget_gib=17100 / 2**30))
     _trace(mesh, _dispatch(large), x, idx, w)
+
+    # Expert-major rows too: N x min(K, L) = 30 x 2 rows of 512 bytes past the budget; num_rows= passes.
+    def expert_major(**kwargs):
+        return lambda x, i, w: dej.dispatch_expert_major(
+            x, i, w, num_experts=E, buffer=large, num_worst_tokens=R * T - 2, **kwargs
+        )[0]
+
+    with pytest.raises(ValueError, match=r"^dispatch_expert_major: sized for the worst case \(60 expert rows: every "
+                       r"received row on min\(K, local experts\) of them\), its results take 2\.86e-05 GiB .*"
+                       r"Pass num_rows= "):  # fmt: skip
+        _trace(mesh, expert_major(), x, idx, w)
+    _trace(mesh, expert_major(num_rows=16), x, idx, w)
 
 
 def test_fp8_hidden_alignment(mesh, buffer):
@@ -803,7 +815,9 @@ def test_checks_mode_low_latency_combine_of_other_topk_idx(mesh, halves):
 
 def test_checks_mode_without_checked_raises_quietly(tmp_path):
     """Unwrapped, the program fails with JAX's error, whose last line is the
-    CheckError: no traceback per rank, none at exit."""
+    CheckError: no traceback per rank, none at exit; also where collectives
+    follow the failed check (no rank enters one while another has stopped:
+    XLA:CPU used to abort, its rendezvous waiting for the stopped ranks)."""
     script = tmp_path / "unwrapped.py"
     script.write_text(
         "import jax, jax.numpy as jnp\n"
@@ -817,6 +831,17 @@ def test_checks_mode_without_checked_raises_quietly(tmp_path):
         "    jax.block_until_ready(f(idx))\n"
         "except Exception as e:\n"
         "    print('RAISED', type(e).__name__, str(e).splitlines()[-1])\n"
+        "def layer(x, i, w):\n"  # rows dropped past num_worst_tokens, then local work and combine's exchange
+        "    rx, ri, rw, h = dej.dispatch(x, i, w, num_experts=16, buffer=buffer, num_worst_tokens=12)\n"
+        "    ex, layout = dej.expand(rx, ri, num_local_experts=2)\n"
+        "    return dej.combine(dej.reduce(ex, rw, layout), h, buffer=buffer)\n"
+        "x = jnp.ones((64, 128), jnp.bfloat16)\n"
+        "i = (jnp.arange(64, dtype=jnp.int32)[:, None] * 3 + jnp.arange(4, dtype=jnp.int32) * 4) % 16\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        jax.block_until_ready(dt.per_rank(layer, mesh, 'ep')(x, i, jnp.ones((64, 4), jnp.float32)))\n"
+        "    except Exception as e:\n"
+        "        print('RAISED', type(e).__name__, str(e).splitlines()[-1])\n"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(dej.__file__)))  # deep_ep_jax, installed or not
     env = dict(
@@ -829,6 +854,8 @@ def test_checks_mode_without_checked_raises_quietly(tmp_path):
     assert result.returncode == 0, result.stderr
     want = "CheckError: get_dispatch_layout: topk_idx holds expert ids outside [-1, 16) (on 8 of 8 ranks)"
     assert f"RAISED JaxRuntimeError {want}" in result.stdout, result.stdout
+    want = "CheckError: dispatch: more rows arrived than num_worst_tokens=12; the excess was dropped (on 8 of 8 ranks)"
+    assert result.stdout.count(f"RAISED JaxRuntimeError {want}") == 3, result.stdout
     assert "Traceback" not in result.stderr, result.stderr
 
 

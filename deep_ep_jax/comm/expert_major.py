@@ -30,7 +30,7 @@ from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.handle import DispatchHandle, ExpertLayout
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import vary_over, varying_like, vma, zero_rows_like
-from deep_ep_jax.config import FP8_BLOCK, ROW_FORMATS
+from deep_ep_jax.config import FP8_BLOCK, ROW_FORMATS, row_bytes
 from deep_ep_jax.experts import grouped_gemm
 from deep_ep_jax.experts.grouped_gemm import Fp8Rows, grouped_matmul
 from deep_ep_jax.fp8_quant import quantize_rows
@@ -194,16 +194,25 @@ def dispatch_expert_major(
             f"{fn}: no row can arrive (x has 0 tokens per rank and num_worst_tokens is "
             f"{num_worst_tokens}), and the expert-major layout needs at least one row"
         )
-    expert_x, layout = _expand(
-        fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows, buffer.backend
-    )
+    num_local_experts = num_experts // buffer.num_ranks
+    if num_rows is None:  # the expert rows' worst case, beside dispatch's (checked there)
+        alignment = v.check_int(fn, "alignment", alignment, 1)
+        rows = default_num_rows(handle.num_worst_tokens, recv_idx.shape[1], num_local_experts, alignment)
+        normal.check_budget(
+            fn,
+            rows * row_bytes(recv_x if isinstance(recv_x, tuple) else (recv_x,)),
+            f"{rows} expert rows: every received row on min(K, local experts) of them",
+            "Pass num_rows= (pairs past it are dropped and counted; Config(checks=True) raises on them)",
+            buffer,
+        )
+    expert_x, layout = _expand(fn, recv_x, recv_idx, num_local_experts, alignment, num_rows, buffer.backend)
     if fp8_rows:
         ops = _backend(fn, buffer.backend)
         sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer)
         expert_x = _fp8_rows(expert_x, sink, recv_x[0], layout, ops)
     if buffer.config.checks:
         message = f"{fn}: more (row, expert) pairs arrived than num_rows={layout.num_rows}; the excess was dropped"
-        v.raise_if_any(buffer, [(layout.num_dropped > 0, message)])
+        expert_x, layout = v.raise_if_any(buffer, [(layout.num_dropped > 0, message)], (expert_x, layout))
     return expert_x, layout, recv_w, handle
 
 

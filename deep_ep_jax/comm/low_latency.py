@@ -112,7 +112,7 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     if buffer.config.checks:
         capacity = buffer.num_ranks * max_tokens
-        v.raise_if_any(
+        topk_idx = v.raise_if_any(
             buffer,
             [
                 (bad_ids, f"{fn}: topk_idx holds expert ids outside [-1, {num_experts})"),
@@ -122,6 +122,7 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
                     f"the rest dropped: a token lists an expert twice",
                 ),
             ],
+            topk_idx,
         )
     return (_not_differentiable(fn, x), topk_idx), dict(
         num_experts=num_experts,
@@ -243,7 +244,7 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
         )
     topk_idx, _ = v.sanitize_topk_idx(topk_idx, num_experts)  # checked at dispatch
     if buffer.config.checks and handle.topk_idx is not None:
-        v.raise_if_any(
+        topk_idx = v.raise_if_any(
             buffer,
             [
                 (
@@ -252,6 +253,7 @@ def _combine_arguments(x, topk_idx, topk_weights, handle, buffer, fn):
                     f"was dispatched to, or -1 where it was -1)",
                 )
             ],
+            topk_idx,
         )
     return _not_differentiable(fn, x), topk_idx, _not_differentiable(fn, topk_weights), handle
 

@@ -41,7 +41,7 @@ def get_dispatch_layout(
     topk_idx, bad_ids = v.sanitize_topk_idx(topk_idx, num_experts)
     layout = buffer.ops.get_dispatch_layout(topk_idx, num_experts=num_experts, buffer=buffer)
     if buffer.config.checks:
-        v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts))])
+        layout = v.raise_if_any(buffer, [(bad_ids, _bad_ids_message(fn, num_experts))], layout)
     return layout
 
 
@@ -119,9 +119,8 @@ def dispatch_as(
     ordering.put(buffer, order)
     if buffer.config.checks:
         overflow = f"{fn}: more rows arrived than num_worst_tokens={num_worst_tokens}; the excess was dropped"
-        v.raise_if_any(
-            buffer, [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)]
-        )
+        failures = [(bad_ids, _bad_ids_message(fn, num_experts)), (handle.num_dropped_tokens > 0, overflow)]
+        recv_xs, recv_idx, recv_w, handle = v.raise_if_any(buffer, failures, (recv_xs, recv_idx, recv_w, handle))
     recv_xs = _from_wire(recv_xs, xs)
     return (recv_xs[0] if len(recv_xs) == 1 else recv_xs), recv_idx, recv_w, handle
 
@@ -129,13 +128,24 @@ def dispatch_as(
 def _check_budget(fn, xs, topk_idx, num_rows, buffer):
     """Results sized for the worst case (num_rows = T x R rows) within Config.dispatch_budget_gib."""
     need = num_rows * (row_bytes(xs) + 8 * topk_idx.shape[1] + 4)  # rows, local ids, weights, source index
+    check_budget(
+        fn,
+        need,
+        f"{num_rows} rows: every token of the {buffer.num_ranks} ranks",
+        "Use dropless_moe (buffers sized to the load, no row dropped), or pass num_worst_tokens= (rows past it are "
+        "dropped and counted; Config(checks=True) raises on them)",
+        buffer,
+    )
+
+
+def check_budget(fn, need, sized, ways_out, buffer):
+    """need bytes of results sized for the worst case (`sized` says how) within Config.dispatch_budget_gib,
+    else an error naming the ways out."""
     budget = buffer.config.dispatch_budget_gib
     if need > budget * 2**30:
         raise ValueError(
-            f"{fn}: sized for the worst case ({num_rows} rows: every token of the {buffer.num_ranks} ranks), its "
-            f"results take {need / 2**30:.3g} GiB per GPU, over Config.dispatch_budget_gib={budget:.3g}. Use "
-            f"dropless_moe (buffers sized to the load, no row dropped), or pass num_worst_tokens= (rows past it are "
-            f"dropped and counted; Config(checks=True) raises on them), or raise the budget "
+            f"{fn}: sized for the worst case ({sized}), its results take {need / 2**30:.3g} GiB per GPU, over "
+            f"Config.dispatch_budget_gib={budget:.3g}. {ways_out}, or raise the budget "
             f"(Config(dispatch_budget_gib=...) / DEEP_EP_JAX_DISPATCH_BUDGET_GIB; inf for none)"
         )
 

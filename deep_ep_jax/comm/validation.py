@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from deep_ep_jax.config import PAIR_HIDDEN_MULTIPLE, ROW_FORMATS, is_bool, is_int, row_format
 
@@ -233,7 +235,7 @@ class _DropCheckErrorLogs(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], CheckError))
 
 
-logging.getLogger("jax._src.debugging").addFilter(_DropCheckErrorLogs())
+logging.getLogger("jax._src.callback").addFilter(_DropCheckErrorLogs())  # io_callback's
 
 
 @atexit.register  # after JAX's own handlers at import, so it runs before them
@@ -250,15 +252,17 @@ def _forget_failed_checks():
             pass
 
 
-def raise_if_any(buffer, failures):
-    """Check mode: report on the host when any rank saw a failure.
+def raise_if_any(buffer, failures, outputs):
+    """Check mode: report on the host when any rank saw a failure; returns
+    `outputs` (any pytree), made to wait for the report.
 
     failures: [(traced bool, message)]. The flags are summed over the axis so
-    that every rank (every process) sees the same failures at the same point,
-    after its last collective, and no rank is left waiting for a peer that
-    stopped. Under `checked` the failures are recorded and raised by it;
-    otherwise the callback raises, and the program fails with a JaxRuntimeError
-    whose last line is the CheckError.
+    that every rank (every process) sees the same failures, and the outputs
+    wait for the report, so that each rank stops there, before any collective
+    that uses them: no rank is left waiting for a peer that stopped. Under
+    `checked` the failures are recorded and raised by it; otherwise the
+    callback raises, and the program fails with a JaxRuntimeError whose last
+    line is the CheckError.
     """
     flags = jax.lax.psum(jnp.stack([f.astype(jnp.int32) for f, _ in failures]), buffer.axis_name)
     messages = [m for _, m in failures]
@@ -266,17 +270,17 @@ def raise_if_any(buffer, failures):
 
     def _report(flags):
         bad = [f"{m} (on {int(n)} of {num_ranks} ranks)" for m, n in zip(messages, flags) if n]
-        if not bad:
-            return
-        global _raised_outside_checked
-        with _lock:
-            if _num_checked_calls:
+        if bad:
+            global _raised_outside_checked
+            with _lock:
+                if not _num_checked_calls:
+                    _raised_outside_checked = True
+                    raise CheckError("; ".join(bad))
                 _failures.extend(b for b in bad if b not in _failures)  # every rank reports the same
-                return
-            _raised_outside_checked = True
-        raise CheckError("; ".join(bad))
+        return np.int32(0)
 
-    jax.debug.callback(_report, flags)
+    reported = io_callback(_report, jax.ShapeDtypeStruct((), jnp.int32), flags, ordered=False)
+    return jax.lax.optimization_barrier((outputs, reported))[0]
 
 
 F = TypeVar("F", bound=Callable[..., Any])

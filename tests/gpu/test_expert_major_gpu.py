@@ -70,8 +70,12 @@ def standard_runner(buffer, mesh, num_experts, alignment):
     and the gradients of sum(out * c) with respect to x and the weights."""
 
     def forward(x, idx, w):
+        # The worst case, chosen: past Config.dispatch_budget_gib at 2 ranks with alignment 128.
+        worst = deep_ep_jax.comm.expert_major.default_num_rows(
+            x.shape[0] * buffer.num_ranks, idx.shape[1], num_experts // buffer.num_ranks, alignment
+        )
         expert_x, layout, recv_w, handle = deep_ep_jax.dispatch_expert_major(
-            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment
+            x, idx, w, num_experts=num_experts, buffer=buffer, alignment=alignment, num_rows=worst
         )
         expert_y = expert_rows(layout, expert_x)
         out = deep_ep_jax.combine_expert_major(expert_y, recv_w, layout, handle, buffer=buffer)

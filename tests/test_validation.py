@@ -247,6 +247,12 @@ def test_fp8_hidden_alignment(mesh, buffer):
         _trace(mesh, _dispatch(buffer), (data, jnp.ones((R * T, 1), jnp.float32)), idx, w)
 
 
+def test_buffer_inside_jit(mesh):
+    """A Buffer is made eagerly: inside a trace (a CUDA one would allocate per trace) it is refused."""
+    with pytest.raises(RuntimeError, match="^Buffer: create it eagerly, outside jit"):
+        jax.jit(lambda: dej.Buffer(mesh, "ep", backend="xla") and 0)()
+
+
 def test_axis_not_in_mesh(mesh):
     with pytest.raises(ValueError, match=r"axis_name 'expert' is not an axis of the mesh \('ep',\)"):
         dej.Buffer(mesh, "expert")
@@ -516,6 +522,11 @@ def test_low_latency_bad_arguments(mesh):
 
     with pytest.raises(ValueError, match="^low_latency_dispatch: mxfp8=True quantizes to FP8: it needs use_fp8=True"):
         _trace(mesh, bf16_mxfp8, x[: R * M], idx[: R * M])
+    bf16_round_scale = lambda x, idx: dej.low_latency_dispatch(  # noqa: E731
+        x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, use_fp8=False, round_scale=True
+    )
+    with pytest.raises(ValueError, match="^low_latency_dispatch: round_scale=True rounds FP8 scales: it needs use_f"):
+        _trace(mesh, bf16_round_scale, x[: R * M], idx[: R * M])
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be a positive int, got True"):
         _trace(mesh, call(ll, True), x[: R * M], idx[: R * M])
 

@@ -27,6 +27,11 @@ def _is_gpu(device) -> bool:
     return device.platform in ("gpu", "cuda")
 
 
+def _under_trace() -> bool:
+    """Whether this runs while JAX traces a function (jit, shard_map, grad, ...): every operation is staged."""
+    return isinstance(jax.numpy.zeros(()), jax.core.Tracer)
+
+
 def _cuda_unavailable_reason(devices) -> str | None:
     if not all(_is_gpu(d) for d in devices):
         platforms = sorted({d.platform for d in devices})
@@ -100,6 +105,8 @@ class Buffer:
         num_experts: int | None = None,
         config: Config | None = None,
     ) -> None:
+        if _under_trace():  # a CUDA Buffer would allocate (and register with its peers) once per trace
+            raise RuntimeError("Buffer: create it eagerly, outside jit (and outside shard_map), and use it inside")
         if not isinstance(mesh, jax.sharding.Mesh):
             raise TypeError(f"Buffer: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
         if axis_name not in mesh.axis_names:
@@ -236,7 +243,7 @@ class Buffer:
         """The counters live on the host side of the device's memory: read
         under a trace, they would be one reading frozen into the program."""
         self.check_alive(fn_name)
-        if isinstance(jax.numpy.zeros(()), jax.core.Tracer):
+        if _under_trace():
             raise RuntimeError(f"{fn_name} is a host call: run it outside jit (after jax.block_until_ready)")
 
     def _check_counting(self, fn_name: str) -> None:

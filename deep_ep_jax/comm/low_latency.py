@@ -98,6 +98,8 @@ def _dispatch_arguments(x, topk_idx, buffer, max_tokens, num_experts, use_fp8, r
     use_fp8, round_scale = v.check_bool(fn, "use_fp8", use_fp8), v.check_bool(fn, "round_scale", round_scale)
     if v.check_bool(fn, "mxfp8", mxfp8) and not use_fp8:
         raise ValueError(f"{fn}: mxfp8=True quantizes to FP8: it needs use_fp8=True")
+    if round_scale and not use_fp8:
+        raise ValueError(f"{fn}: round_scale=True rounds FP8 scales: it needs use_fp8=True")
     if not is_int(max_tokens) or max_tokens <= 0:
         raise ValueError(f"{fn}: num_max_dispatch_tokens_per_rank must be a positive int, got {max_tokens!r}")
     if buffer.num_max_dispatch_tokens_per_rank is not None and max_tokens > buffer.num_max_dispatch_tokens_per_rank:

@@ -19,6 +19,7 @@ from script_run import session_items, start_script
 
 import deep_ep_jax as dej
 from deep_ep_jax import testing as dt
+from deep_ep_jax.comm.quantize import pack_float4
 from deep_ep_jax.config import ROW_FORMATS
 
 TOKENS, HIDDEN, TOPK = 16, 64, 4  # per rank
@@ -209,9 +210,7 @@ def exact_pair(rng, fmt, num_tokens, hidden, packed):
     values = rng.integers(-4, 5, (num_tokens, hidden)).astype(np.float32)  # in e4m3 and e2m1 alike
     scales = 2.0 ** rng.integers(-2, 3, (num_tokens, hidden // fmt.block))
     data, scales = jnp.asarray(values, fmt.data), jnp.asarray(scales, fmt.scales)
-    if packed:
-        data = jax.lax.bitcast_convert_type(data.reshape(num_tokens, hidden // 2, 2), jnp.uint8)
-    return data, scales
+    return (pack_float4(data) if packed else data), scales
 
 
 def pair_experts(scales, recv_x, recv_topk_idx, recv_topk_weights):

@@ -522,9 +522,12 @@ def test_low_latency_bad_arguments(mesh):
 
     with pytest.raises(ValueError, match="^low_latency_dispatch: mxfp8=True quantizes to FP8: it needs use_fp8=True"):
         _trace(mesh, bf16_mxfp8, x[: R * M], idx[: R * M])
-    bf16_round_scale = lambda x, idx: dej.low_latency_dispatch(  # noqa: E731
-        x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, use_fp8=False, round_scale=True
-    )
+
+    def bf16_round_scale(x, idx):
+        return dej.low_latency_dispatch(
+            x, idx, buffer=ll, num_max_dispatch_tokens_per_rank=M, num_experts=E, use_fp8=False, round_scale=True
+        )
+
     with pytest.raises(ValueError, match="^low_latency_dispatch: round_scale=True rounds FP8 scales: it needs use_f"):
         _trace(mesh, bf16_round_scale, x[: R * M], idx[: R * M])
     with pytest.raises(ValueError, match="num_max_dispatch_tokens_per_rank must be a positive int, got True"):

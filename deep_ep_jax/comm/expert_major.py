@@ -194,18 +194,17 @@ def dispatch_expert_major(
             f"{fn}: no row can arrive (x has 0 tokens per rank and num_worst_tokens is "
             f"{num_worst_tokens}), and the expert-major layout needs at least one row"
         )
-    num_local_experts = num_experts // buffer.num_ranks
-    if num_rows is None:  # the expert rows' worst case, beside dispatch's (checked there)
-        alignment = v.check_int(fn, "alignment", alignment, 1)
-        rows = default_num_rows(handle.num_worst_tokens, recv_idx.shape[1], num_local_experts, alignment)
+    expert_x, layout = _expand(
+        fn, recv_x, recv_idx, num_experts // buffer.num_ranks, alignment, num_rows, buffer.backend
+    )
+    if num_rows is None:  # sized for the expert rows' worst case, beside dispatch's (checked there)
         normal.check_budget(
             fn,
-            rows * row_bytes(recv_x if isinstance(recv_x, tuple) else (recv_x,)),
-            f"{rows} expert rows: every received row on min(K, local experts) of them",
+            layout.num_rows * row_bytes(recv_x if isinstance(recv_x, tuple) else (recv_x,)),
+            f"{layout.num_rows} expert rows: every received row on min(K, local experts) of them",
             "Pass num_rows= (pairs past it are dropped and counted; Config(checks=True) raises on them)",
             buffer,
         )
-    expert_x, layout = _expand(fn, recv_x, recv_idx, num_local_experts, alignment, num_rows, buffer.backend)
     if fp8_rows:
         ops = _backend(fn, buffer.backend)
         sink, recv_w = _rows_gradient_sink(x, topk_weights, recv_w, recv_idx, layout, handle, ops, buffer)

@@ -13,13 +13,13 @@ from typing import overload
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from deep_ep_jax.comm import ordering
 from deep_ep_jax.comm import validation as v
 from deep_ep_jax.comm.buffer import Buffer
 from deep_ep_jax.comm.handle import DispatchHandle
+from deep_ep_jax.comm.quantize import pack_float4, unpack_float4
 from deep_ep_jax.comm.validation import Rows
 from deep_ep_jax.comm.varying import zero_rows_like
 from deep_ep_jax.config import ROW_FORMATS, is_int, row_bytes, row_format
@@ -152,19 +152,12 @@ def check_budget(fn, need, sized, ways_out, buffer):
 
 def _to_wire(xs):
     """Rows as the backends move them: NVFP4's float4 data as its packed bytes (uint8 [T, H // 2])."""
-    data = xs[0]
-    if data.dtype != jnp.float4_e2m1fn:
-        return xs
-    num_tokens, hidden = data.shape
-    return (lax.bitcast_convert_type(data.reshape(num_tokens, hidden // 2, 2), jnp.uint8), *xs[1:])
+    return (pack_float4(xs[0]), *xs[1:]) if xs[0].dtype == jnp.float4_e2m1fn else xs
 
 
 def _from_wire(recv_xs, xs):
     """The received rows in the dtypes the caller sent (`_to_wire`'s inverse)."""
-    if recv_xs[0].dtype == xs[0].dtype:
-        return recv_xs
-    data = lax.bitcast_convert_type(recv_xs[0], xs[0].dtype)  # [N, H // 2, 2]
-    return (data.reshape(data.shape[0], -1), *recv_xs[1:])
+    return recv_xs if recv_xs[0].dtype == xs[0].dtype else (unpack_float4(recv_xs[0]), *recv_xs[1:])
 
 
 @overload

@@ -43,9 +43,7 @@ def quantize(x: jax.Array, format: str = "FP8") -> tuple[jax.Array, jax.Array]:
     scales = jnp.maximum(amax / _FP4_MAX, _E4M3_TINY).astype(fmt.scales)
     values = jnp.clip(blocks / scales.astype(jnp.float32)[..., None], -_FP4_MAX, _FP4_MAX)
     data = values.astype(jnp.float4_e2m1fn).reshape(shape)
-    if fmt.pack > 1:  # two values a byte, the first in the low half
-        data = lax.bitcast_convert_type(data.reshape(shape[:-1] + (shape[-1] // 2, 2)), fmt.data)
-    return data, scales
+    return (pack_float4(data) if fmt.pack > 1 else data), scales
 
 
 def dequantize(pair, dtype=jnp.bfloat16) -> jax.Array:
@@ -64,6 +62,17 @@ def dequantize(pair, dtype=jnp.bfloat16) -> jax.Array:
         )
     data, scales = pair
     if fmt.pack > 1:
-        data = lax.bitcast_convert_type(data, jnp.float4_e2m1fn).reshape(shape[:-1] + (hidden,))
+        data = unpack_float4(data)
     blocks = data.astype(jnp.float32).reshape(shape[:-1] + (hidden // fmt.block, fmt.block))
     return (blocks * scales.astype(jnp.float32)[..., None]).reshape(shape[:-1] + (hidden,)).astype(dtype)
+
+
+def pack_float4(data: jax.Array) -> jax.Array:
+    """float4_e2m1fn [..., H] -> uint8 [..., H // 2]: two values a byte, the first in the low half."""
+    return lax.bitcast_convert_type(data.reshape(data.shape[:-1] + (data.shape[-1] // 2, 2)), jnp.uint8)
+
+
+def unpack_float4(packed: jax.Array) -> jax.Array:
+    """pack_float4's inverse."""
+    data = lax.bitcast_convert_type(packed, jnp.float4_e2m1fn)  # [..., H // 2, 2]
+    return data.reshape(data.shape[:-2] + (-1,))
